@@ -1,0 +1,87 @@
+"""Backend choice for branch attention: one name -> one implementation, all with the same signature.
+
+SHAPE LEGEND (Megatron sequence-first):
+    s  sequence (sq queries, sk keys)   b batch   n query heads   g query groups (kv heads)   h head dim
+    q [sq, b, n, h]    k, v [sk, b, g, h]    out [sq, b, n * h]
+
+Backends:
+    reference  plain masked softmax (the float64 oracle)
+    merge      fused two-part attention + lse merge with the per-part backward (default on CPU and CUDA)
+    packed     one SDPA with the dense tree mask
+    flex       FlexAttention with a BlockMask (forward-only on CPU)
+The default is chosen once per device type; tests override it with `use_backend`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from megatron_branch.attention.flex import flex_attention_forward
+from megatron_branch.attention.layout import AttentionLayout
+from megatron_branch.attention.merge_backend import merge_attention
+from megatron_branch.attention.packed_backend import packed_attention
+from megatron_branch.attention.reference import reference_attention
+
+AttentionFn = Callable[..., torch.Tensor]
+
+BACKENDS: dict[str, AttentionFn] = {
+    "reference": reference_attention,
+    "merge": merge_attention,
+    "packed": packed_attention,
+    "flex": flex_attention_forward,
+}
+
+_DEVICE_DEFAULTS: dict[str, str] = {}  # device type -> backend name, filled on first use
+_override: str | None = None  # set by set_default_backend / use_backend
+
+
+def _check_name(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; valid: {', '.join(sorted(BACKENDS))}")
+    return name
+
+
+def default_backend(device: torch.device | str) -> str:
+    """The backend used when none is named: an override if set, else the device type's default (chosen once)."""
+    if _override is not None:
+        return _override
+    kind = torch.device(device).type
+    if kind not in _DEVICE_DEFAULTS:
+        # "merge" everywhere: exact, and the fused kernels (CPU flash op, flash_attn on CUDA) do the heavy lifting
+        _DEVICE_DEFAULTS[kind] = "merge"
+    return _DEVICE_DEFAULTS[kind]
+
+
+def set_default_backend(name: str | None) -> None:
+    """Override the default backend for every device (None removes the override)."""
+    global _override
+    _override = None if name is None else _check_name(name)
+
+
+@contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Temporarily override the default backend (tests)."""
+    global _override
+    previous = _override
+    _override = _check_name(name)
+    try:
+        yield
+    finally:
+        _override = previous
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: AttentionLayout,
+    *,
+    backend: str | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Branch attention: q [sq, b, n, h], k/v [sk, b, g, h] -> [sq, b, n*h] with the named or default backend."""
+    name = _check_name(backend) if backend is not None else default_backend(q.device)
+    return BACKENDS[name](q, k, v, layout, scale=scale)

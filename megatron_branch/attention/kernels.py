@@ -1,0 +1,167 @@
+"""Per-part attention kernels that return (out, lse), with an explicit backward that takes out and lse as inputs.
+
+SHAPE LEGEND (INTERNAL SDPA layout, NOT Megatron's sequence-first one):
+    q      [b, n, sq, h]   b batch, n heads, sq query rows, h head dim
+    k, v   [b, n, sk, h]   already expanded for GQA (each kv head repeated n // g times)
+    mask   [sq, sk] bool   True = visible; None = all visible
+    out    [b, n, sq, h]
+    lse    [b, n, sq]      log-sum-exp of the scaled scores over the visible keys (FlashAttention-2's L),
+                           float32 (float64 for float64 inputs)
+
+Why an explicit backward: a part's backward must be able to run with the MERGED out and lse of several parts
+(ring-flash-attention by zhuzilin). With P = exp(S - lse_merged) and D = rowsum(dout * out_merged), the per-part
+dS = P * (dP - D) is exactly the slice of the full attention's dS over that part's keys, so summing dq over parts
+and scattering dk/dv gives the exact gradient of the merged attention.
+
+TRAP: the lse returned by `aten._scaled_dot_product_flash_attention_for_cpu` carries no gradient; autograd through it
+is silently wrong (dq off by ~25%). These functions are called under no_grad by the autograd.Function that owns them.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+try:  # CUDA only; never required on CPU
+    from flash_attn import flash_attn_func  # type: ignore[import-not-found]
+    from flash_attn.flash_attn_interface import _flash_attn_backward  # type: ignore[import-not-found]
+
+    # the private backward's arguments changed across flash_attn releases (window_size tuple -> left/right, softcap)
+    _FA_BWD_PARAMS = set(inspect.signature(_flash_attn_backward).parameters)
+    _HAVE_FLASH_ATTN = True
+except Exception:  # any import failure (missing wheel, ABI mismatch) means "not available"
+    _HAVE_FLASH_ATTN = False
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 statistics for half/bf16/fp32 inputs, fp64 for fp64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _causal_mask(sq: int, sk: int, device: torch.device) -> torch.Tensor:
+    assert sq == sk, f"causal parts are a segment's own keys: need sq == sk, got {sq} != {sk}"
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).tril()  # [sq, sk]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# math kernels: any mask, any dtype, any device
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def math_attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked softmax attention; rows with no visible key get out = 0 and lse = -inf (no NaN)."""
+    acc = lse_dtype(q.dtype)
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale  # [b, n, sq, sk]
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [b, n, sq]; -inf on empty rows
+    # empty rows: exp(-inf - (-inf)) would be NaN, so subtract 0 there instead; exp(-inf) = 0 gives out = 0
+    safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # [b, n, sq]
+    p = torch.exp(s - safe_lse.unsqueeze(-1))  # [b, n, sq, sk]
+    out = torch.matmul(p, v.to(acc))  # [b, n, sq, h]
+    return out.to(q.dtype), lse
+
+
+def math_attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashAttention-2 backward using the GIVEN out and lse (possibly merged over several parts)."""
+    acc = lse_dtype(q.dtype)
+    qa, ka, va, doa, oa = (t.to(acc) for t in (q, k, v, dout, out))
+    s = torch.matmul(qa, ka.transpose(-1, -2)) * scale  # [b, n, sq, sk]
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).to(acc)  # [b, n, sq]
+    p = torch.exp(
+        s - safe_lse.unsqueeze(-1)
+    )  # [b, n, sq, sk]; rows of the merged softmax, this part's columns
+    dv = torch.matmul(p.transpose(-1, -2), doa)  # [b, n, sk, h]
+    dp = torch.matmul(doa, va.transpose(-1, -2))  # [b, n, sq, sk]
+    d = (doa * oa).sum(dim=-1, keepdim=True)  # [b, n, sq, 1]; D = rowsum(dO * O) over the MERGED out
+    ds = p * (dp - d)  # [b, n, sq, sk]
+    dq = torch.matmul(ds, ka) * scale  # [b, n, sq, h]
+    dk = torch.matmul(ds.transpose(-1, -2), qa) * scale  # [b, n, sk, h]
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fused kernels: no mask, only "all visible" or causal with sq == sk
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _use_flash_attn(q: torch.Tensor) -> bool:
+    return q.is_cuda and _HAVE_FLASH_ATTN and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def flash_attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused attention returning (out, lse). Never differentiate through the returned lse (see TRAP above)."""
+    if causal:
+        assert q.shape[-2] == k.shape[-2], "causal fused parts need sq == sk"
+    if q.device.type == "cpu":
+        # the CPU flash op supports fp64/fp32/bf16/fp16 in torch 2.13; lse comes back fp32 (fp64 for fp64)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=None, scale=scale
+        )
+        return out, lse
+    if _use_flash_attn(q):
+        # flash_attn wants [b, s, n, h]; the public API returns softmax_lse [b, n, sq] fp32 with return_attn_probs
+        t = [x.transpose(1, 2) for x in (q, k, v)]  # [b, s, n, h]
+        out, lse, _ = flash_attn_func(*t, 0.0, softmax_scale=scale, causal=causal, return_attn_probs=True)
+        return out.transpose(1, 2), lse
+    mask = _causal_mask(q.shape[-2], k.shape[-2], q.device) if causal else None
+    return math_attention_forward(q, k, v, mask, scale)
+
+
+def flash_attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused backward with the GIVEN out and lse (merged ones make the per-part backward exact)."""
+    if q.device.type == "cpu":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.contiguous(),
+            q,
+            k,
+            v,
+            out.contiguous(),
+            lse.contiguous(),
+            0.0,
+            causal,
+            attn_mask=None,
+            scale=scale,
+        )
+        return dq, dk, dv
+    if _use_flash_attn(q):
+        t = [x.transpose(1, 2).contiguous() for x in (dout, q, k, v, out)]  # [b, s, n, h]
+        dq, dk, dv = (torch.empty_like(x) for x in t[1:4])
+        kw: dict = dict(
+            dropout_p=0.0, softmax_scale=scale, causal=causal, alibi_slopes=None, deterministic=False
+        )
+        if "window_size_left" in _FA_BWD_PARAMS:
+            kw.update(window_size_left=-1, window_size_right=-1)
+        else:
+            kw.update(window_size=(-1, -1))
+        if "softcap" in _FA_BWD_PARAMS:
+            kw.update(softcap=0.0)
+        _flash_attn_backward(*t, lse.contiguous(), dq, dk, dv, **kw)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    mask = _causal_mask(q.shape[-2], k.shape[-2], q.device) if causal else None
+    return math_attention_backward(dout, q, k, v, out, lse, mask, scale)

@@ -1,0 +1,186 @@
+"""The `Rollout` record and its JSONL file format.
+
+A rollout is one sampled sequence: the prompt it was sampled from, the response the policy produced, its
+advantage, and optional per-response-token values (old log-probabilities for PPO, reference log-probabilities
+for KL, ...). Every other part of the package sees rollouts only through `PrefixTree`, which is built from them;
+this file owns the validation, so a malformed rollout fails here, once, with a one-line message saying where.
+
+JSONL format, one rollout a line (blank lines skipped):
+
+    {"prompt": [ids], "response": [ids], "advantage": 0.5, "old_logprobs": [floats, one per response token]}
+
+Any other key whose value is a non-empty list of numbers is a per-response-token field and must have one value
+per response token (a misaligned list is an error rather than silently dropped: it would train on wrong data).
+Other keys (scalars, strings, lists of non-numbers, empty lists) are ignored, so rollout files may carry metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megatron_branch.errors import UserError
+
+_REQUIRED = ("prompt", "response", "advantage")
+
+
+def _is_number(value: Any) -> bool:
+    # bool is an int subclass in Python; True as a token id or an advantage is always a bug in the producer.
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def validate_token_ids(
+    values: Any, *, name: str, where: str, vocab_size: int | None = None
+) -> tuple[int, ...]:
+    """Token ids as a tuple of Python ints >= 0 (and < vocab_size when given), else a one-line UserError."""
+    if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
+        values = values.tolist()  # torch tensors and numpy arrays
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise UserError(f"{name} must be a list of token ids, got {type(values).__name__}", where=where)
+    # Fast path (C-speed scans): the common case of plain non-negative Python ints.
+    if all(type(v) is int for v in values) and (not values or min(values) >= 0):
+        ids = tuple(values)
+    else:
+        converted = []
+        for j, v in enumerate(values):
+            if isinstance(v, bool) or not hasattr(v, "__index__"):
+                raise UserError(f"{name} token {j} is {v!r}: token ids must be ints >= 0", where=where)
+            iv = operator.index(v)
+            if iv < 0:
+                raise UserError(
+                    f"{name} token {j} is negative ({iv}): token ids must be ints >= 0", where=where
+                )
+            converted.append(iv)
+        ids = tuple(converted)
+    if vocab_size is not None and ids and max(ids) >= vocab_size:
+        j = next(j for j, v in enumerate(ids) if v >= vocab_size)
+        raise UserError(
+            f"{name} token {j} is id {ids[j]}, out of range for vocab_size {vocab_size}", where=where
+        )
+    return ids
+
+
+def _validate_token_fields(fields: Any, *, num_response: int, where: str) -> dict[str, tuple[float, ...]]:
+    if not isinstance(fields, Mapping):
+        raise UserError(f"token_fields must be a mapping, got {type(fields).__name__}", where=where)
+    out: dict[str, tuple[float, ...]] = {}
+    for key, values in fields.items():
+        if not isinstance(key, str):
+            raise UserError(f"token_fields key {key!r} must be a string", where=where)
+        if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
+            values = values.tolist()
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+            raise UserError(
+                f"field {key!r} must be a list of numbers, got {type(values).__name__}", where=where
+            )
+        if len(values) != num_response:
+            raise UserError(
+                f"field {key!r} has {len(values)} values but the response has {num_response} tokens "
+                "(length mismatch)",
+                where=where,
+            )
+        for j, v in enumerate(values):
+            if not _is_number(v):
+                raise UserError(f"field {key!r} value {j} is {v!r}, not a number", where=where)
+        out[key] = tuple(float(v) for v in values)
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rollout:
+    """One sampled sequence. Lists (and tensors) are accepted and stored as tuples."""
+
+    prompt: tuple[int, ...]
+    response: tuple[int, ...]
+    advantage: float = 0.0
+    # Per-response-token values (e.g. old logprobs for PPO), each with one value per response token.
+    token_fields: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        where = "rollout"
+        prompt = validate_token_ids(self.prompt, name="prompt", where=where)
+        response = validate_token_ids(self.response, name="response", where=where)
+        # An empty prompt is fine (the sequence is still non-empty); an empty response has nothing to train on.
+        if not response:
+            raise UserError("response is empty", where=where)
+        if not _is_number(self.advantage) or not math.isfinite(self.advantage):
+            raise UserError(f"advantage must be a finite number, got {self.advantage!r}", where=where)
+        fields = _validate_token_fields(self.token_fields, num_response=len(response), where=where)
+        object.__setattr__(self, "prompt", prompt)
+        object.__setattr__(self, "response", response)
+        object.__setattr__(self, "advantage", float(self.advantage))
+        object.__setattr__(self, "token_fields", fields)
+
+    @property
+    def sequence(self) -> tuple[int, ...]:
+        """The full token sequence prompt + response."""
+        return self.prompt + self.response
+
+
+def _parse_line(obj: Any, *, where: str, vocab_size: int | None) -> Rollout:
+    if not isinstance(obj, dict):
+        raise UserError(f"expected a JSON object, got {type(obj).__name__}", where=where)
+    for key in _REQUIRED:
+        if key not in obj:
+            raise UserError(f"missing field {key!r}", where=where)
+    prompt = validate_token_ids(obj["prompt"], name="prompt", where=where, vocab_size=vocab_size)
+    response = validate_token_ids(obj["response"], name="response", where=where, vocab_size=vocab_size)
+    if not response:
+        raise UserError("response is empty", where=where)
+    advantage = obj["advantage"]
+    if not _is_number(advantage) or not math.isfinite(advantage):
+        raise UserError(f"advantage must be a finite number, got {advantage!r}", where=where)
+    token_fields: dict[str, Any] = {}
+    for key, value in obj.items():
+        if key in _REQUIRED or not isinstance(value, list) or not value:
+            continue  # scalars and empty lists are metadata
+        if all(_is_number(v) for v in value):
+            token_fields[key] = value
+    fields = _validate_token_fields(token_fields, num_response=len(response), where=where)
+    return Rollout(prompt=prompt, response=response, advantage=advantage, token_fields=fields)
+
+
+def read_rollouts_jsonl(path: str | Path, *, vocab_size: int | None = None) -> list[Rollout]:
+    """Read rollouts from a JSONL file; any problem is a one-line UserError naming `path:line`."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise UserError(f"cannot read rollout file: {reason}".replace("\n", " "), where=str(path)) from None
+    rollouts = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"invalid JSON ({exc.msg} at column {exc.colno})", where=where) from None
+        rollouts.append(_parse_line(obj, where=where, vocab_size=vocab_size))
+    if not rollouts:
+        raise UserError("no rollouts", where=str(path))
+    return rollouts
+
+
+def write_rollouts_jsonl(path: str | Path, rollouts: Sequence[Rollout]) -> None:
+    """Write rollouts in the format `read_rollouts_jsonl` reads (token fields as top-level keys)."""
+    lines = []
+    for rollout in rollouts:
+        obj: dict[str, Any] = {
+            "prompt": list(rollout.prompt),
+            "response": list(rollout.response),
+            "advantage": rollout.advantage,
+        }
+        for key, values in rollout.token_fields.items():
+            if key in _REQUIRED:
+                raise UserError(
+                    f"token field {key!r} would shadow the required field of that name", where=str(path)
+                )
+            obj[key] = list(values)
+        lines.append(json.dumps(obj))
+    Path(path).write_text("".join(line + "\n" for line in lines), encoding="utf-8")

@@ -1,0 +1,94 @@
+"""Build a megatron-core GPTModel for Llama/Qwen2 architectures with the branch-aware core attention.
+
+Model code only: no process groups are created here. Tensor/sequence parallel sizes come from megatron's
+`parallel_state`, initialised by the caller (megatron_branch.parallel.groups), as in any Megatron run.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+from megatron_branch.attention.core_attention import BranchCoreAttention
+from megatron_branch.compat.cpu import apply_cpu_shims
+from megatron_branch.compat.norm import TorchNorm
+from megatron_branch.models.arch import ModelArch
+from megatron_branch.models.rotary import PositionRotaryEmbedding
+
+
+def branch_layer_spec(*, use_apex_or_te_norm: bool = False) -> ModuleSpec:
+    """megatron-core's local GPT layer spec with our core attention plugged into the attention slot.
+
+    This is also how a user patches an existing Megatron run: take their spec and set
+    `spec.submodules.self_attention.submodules.core_attention = BranchCoreAttention` (see patches/).
+    """
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    spec.submodules.self_attention.submodules.core_attention = BranchCoreAttention
+    if not use_apex_or_te_norm:
+        spec.submodules.input_layernorm = TorchNorm
+        spec.submodules.pre_mlp_layernorm = TorchNorm
+    return spec
+
+
+class BranchGPTModel(GPTModel):
+    """GPTModel whose RoPE follows explicit position ids ([s], shared by the batch)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.position_embedding_type == "rope":
+            self.rotary_pos_emb = PositionRotaryEmbedding(self.rotary_pos_emb)
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: Any, **kwargs: Any
+    ) -> Any:
+        """input_ids [b, s], position_ids [b, s] (rows identical) -> logits [b, s, v/tp] (vocab-parallel)."""
+        if isinstance(self.rotary_pos_emb, PositionRotaryEmbedding):
+            self.rotary_pos_emb.position_ids = position_ids[0]
+        try:
+            return super().forward(input_ids, position_ids, attention_mask, **kwargs)
+        finally:
+            if isinstance(self.rotary_pos_emb, PositionRotaryEmbedding):
+                self.rotary_pos_emb.position_ids = None
+
+
+def build_model(
+    arch: ModelArch,
+    *,
+    dtype: torch.dtype = torch.float32,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    vocab_divisible_by: int = 1,
+    **config_overrides: Any,
+) -> BranchGPTModel:
+    """A megatron-core GPT model for `arch` on this rank (tensor-parallel shards if tp > 1).
+
+    `tp` must equal the tensor-parallel size megatron's parallel_state was initialised with.
+    """
+    apply_cpu_shims()
+    config = arch.to_transformer_config(
+        dtype=dtype, tp=tp, sequence_parallel=sequence_parallel, **config_overrides
+    )
+    model = BranchGPTModel(
+        config=config,
+        # A block spec so that the final norm is ours too (megatron's default refuses sequence parallel).
+        transformer_layer_spec=TransformerBlockSubmodules(
+            layer_specs=[branch_layer_spec()] * arch.num_layers, layer_norm=TorchNorm
+        ),
+        vocab_size=arch.padded_vocab_size(tp, vocab_divisible_by),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
+    )
+    model.arch = arch  # type: ignore[attr-defined]
+    return model

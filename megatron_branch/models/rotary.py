@@ -1,0 +1,48 @@
+"""RoPE with explicit position ids.
+
+megatron-core's GPTModel builds its rotary table for positions 0..s-1 of the input. Branch replay needs every
+token's ORIGINAL position: a branch continues from its parent's end, a packed tree restarts positions per branch,
+and context parallelism reorders tokens. `PositionRotaryEmbedding` replaces the model's `rotary_pos_emb` module and
+returns the table rows for the position ids of the current forward, set by `BranchGPTModel.forward`.
+
+Frequencies are computed in float32 exactly as megatron (and Hugging Face) compute them, so results match both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class PositionRotaryEmbedding(torch.nn.Module):
+    """Returns emb [s, 1, 1, rot_dim] for the current position ids (megatron's non-interleaved layout)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        # inner: megatron's RotaryEmbedding; we reuse its inv_freq (and its rope settings) and only change which
+        # positions the table is built for.
+        self.inner = inner
+        self.position_ids: torch.Tensor | None = None
+
+    def forward(
+        self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group: Any = None
+    ) -> torch.Tensor:
+        inv_freq = self.inner.inv_freq.to(
+            "cpu" if not torch.cuda.is_available() else self.inner.inv_freq.device
+        )
+        if self.position_ids is None:
+            pos = torch.arange(max_seq_len, device=inv_freq.device) + offset
+        else:
+            pos = self.position_ids.to(inv_freq.device)
+            assert pos.dim() == 1, "position ids must be shared across the batch ([s])"
+        seq = pos.to(inv_freq.dtype)
+        if getattr(self.inner, "seq_len_interpolation_factor", None) is not None:
+            seq = seq / self.inner.seq_len_interpolation_factor
+        freqs = torch.outer(seq, inv_freq)  # [s, rot_dim/2]
+        assert not getattr(self.inner, "rotary_interleaved", False)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [s, rot_dim]
+        return emb[:, None, None, :]  # [s, 1, 1, rot_dim]
+
+    def get_rotary_seq_len(self, *args: Any, **kwargs: Any) -> int:
+        return self.inner.get_rotary_seq_len(*args, **kwargs)

@@ -1,0 +1,119 @@
+"""Process groups: set up once by the entry point, then passed into the math as arguments.
+
+megatron-core's `parallel_state` owns the groups (tensor, context, data parallel) so that its layers, DDP and
+checkpointing see the same layout. Everything in megatron_branch's math takes the groups it needs as arguments
+(`ParallelGroups`); nothing below the entry points reads parallel_state or the environment.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_branch.compat.cpu import apply_cpu_shims
+from megatron_branch.errors import UserError
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How the ranks are laid out."""
+
+    tp: int = 1
+    """Tensor-parallel size (heads and MLP columns are split over it)."""
+    cp: int = 1
+    """Context-parallel size (tokens are split over it; ring attention)."""
+    sequence_parallel: bool = False
+    """Shard activations outside attention/MLP along the sequence over the TP group (needs tp > 1 to matter)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "cp"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise UserError(f"--{name} must be a positive integer, got {v!r}")
+
+    def data_parallel_size(self, world_size: int) -> int:
+        mp = self.tp * self.cp
+        if world_size % mp:
+            raise UserError(
+                f"world size {world_size} is not a multiple of tp*cp = {self.tp}*{self.cp} = {mp}"
+            )
+        return world_size // mp
+
+
+@dataclass(kw_only=True)
+class ParallelGroups:
+    """The groups the math needs; `None` for a size-1 dimension is never used: size-1 groups are real groups."""
+
+    tp: Any
+    cp: Any
+    dp: Any
+    dp_cp: Any
+    tp_size: int
+    cp_size: int
+    dp_size: int
+    sequence_parallel: bool
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(*, timeout_s: int = 300) -> tuple[int, int]:
+    """Initialise torch.distributed from torchrun's environment, or as a world of one. Returns (rank, world)."""
+    apply_cpu_shims()
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        else:
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://127.0.0.1:{_free_port()}",
+                rank=0,
+                world_size=1,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
+    return dist.get_rank(), dist.get_world_size()
+
+
+def initialize_parallel(cfg: ParallelConfig, *, seed: int = 1234) -> ParallelGroups:
+    """Initialise megatron's parallel_state for `cfg` on the current world and return the groups.
+
+    Refuses an impossible layout before any work starts.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    _, world = init_distributed()
+    dp = cfg.data_parallel_size(world)
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tp, context_parallel_size=cfg.cp)
+    # torch 2.13 starts each process from a different CPU seed: seed explicitly so replicas agree.
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return ParallelGroups(
+        tp=ps.get_tensor_model_parallel_group(),
+        cp=ps.get_context_parallel_group(),
+        dp=ps.get_data_parallel_group(),
+        dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
+        tp_size=cfg.tp,
+        cp_size=cfg.cp,
+        dp_size=dp,
+        sequence_parallel=cfg.sequence_parallel and cfg.tp > 1,
+    )
+
+
+def destroy_parallel() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()

@@ -1,0 +1,119 @@
+"""A chunk: the tokens of one model forward, and the attention layout the prefix tree gives them.
+
+Shape legend (sequence first, as megatron): s chunk tokens (padded), c cached ancestor tokens (external keys).
+
+Every schedule is a sequence of chunks. A chunk holds whole segments of the prefix tree: the whole tree (`packed`),
+one segment or a micro-batch of sibling leaf segments (`replay`). Keys are laid out as
+[external ancestors in path order (c) | chunk tokens (s)]; each segment sees its ancestors fully and itself
+causally, wherever those ancestors live. Padding (for sequence parallel, s % tp == 0) is one extra causal segment
+that no real query sees, so it never changes a result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_branch.attention.layout import AttentionLayout, QuerySegment
+from megatron_branch.data import PrefixTree
+
+
+@dataclass(frozen=True, kw_only=True)
+class Chunk:
+    segments: tuple[int, ...]
+    """Segment ids computed in this forward, in packed (DFS) order."""
+    external: tuple[int, ...]
+    """Ancestor segment ids whose K/V come from the cache, root first; their keys precede the chunk's."""
+    token_index: torch.Tensor
+    """[s_real] packed tree index of each real chunk token."""
+    input_ids: torch.Tensor
+    """[s] token ids (padding: 0)."""
+    position_ids: torch.Tensor
+    """[s] original position ids (padding: 0)."""
+    layout: AttentionLayout
+    """Which keys each query row sees."""
+    targets: torch.Tensor
+    """[m] packed indices of the tokens PREDICTED in this chunk (their predecessor is a chunk token)."""
+    target_rows: torch.Tensor
+    """[m] chunk row whose logits predict each target (a fork row appears once per child)."""
+
+    @property
+    def num_real(self) -> int:
+        return int(self.token_index.numel())
+
+
+def make_chunk(
+    tree: PrefixTree, segments: Sequence[int], *, external: Sequence[int] = (), pad_to_multiple: int = 1
+) -> Chunk:
+    """Build the chunk for `segments` whose ancestors outside the chunk are `external` (cached)."""
+    segs = [tree.segments[i] for i in segments]
+    ext_off: dict[int, int] = {}
+    c = 0
+    for a in external:
+        ext_off[a] = c
+        c += tree.segments[a].length
+    chunk_off: dict[int, int] = {}
+    s_real = 0
+    for seg in segs:
+        chunk_off[seg.id] = s_real
+        s_real += seg.length
+    s = -(-s_real // pad_to_multiple) * pad_to_multiple
+
+    qsegs = []
+    for seg in segs:
+        ranges = []
+        for a in seg.ancestors:
+            if a in chunk_off:
+                start = c + chunk_off[a]
+            elif a in ext_off:
+                start = ext_off[a]
+            else:
+                raise AssertionError(f"segment {seg.id}: ancestor {a} is neither cached nor in the chunk")
+            ranges.append((start, start + tree.segments[a].length))
+        q0 = chunk_off[seg.id]
+        qsegs.append(
+            QuerySegment(
+                q_start=q0, q_end=q0 + seg.length, ancestor_ranges=_coalesce(ranges), self_k_start=c + q0
+            )
+        )
+    if s > s_real:  # padding: its own causal segment, invisible to every real query
+        qsegs.append(QuerySegment(q_start=s_real, q_end=s, ancestor_ranges=(), self_k_start=c + s_real))
+    layout = AttentionLayout(num_queries=s, num_keys=c + s, segments=tuple(qsegs))
+
+    token_index = torch.cat([torch.arange(seg.offset, seg.offset + seg.length) for seg in segs])  # [s_real]
+    pad = s - s_real
+    input_ids = torch.cat([tree.tokens[token_index], torch.zeros(pad, dtype=torch.long)])
+    position_ids = torch.cat([tree.position_ids[token_index], torch.zeros(pad, dtype=torch.long)])
+
+    # Targets: every packed token whose predecessor is a chunk token. Within a segment that is the next token; at a
+    # segment's last token it is the FIRST token of each child (the fork tokens), one row per child.
+    row_of = torch.full((tree.num_tokens,), -1, dtype=torch.long)
+    row_of[token_index] = torch.arange(s_real)
+    pred = tree.predecessor
+    has_pred = pred >= 0
+    target_mask = torch.zeros(tree.num_tokens, dtype=torch.bool)
+    target_mask[has_pred] = row_of[pred[has_pred]] >= 0
+    targets = target_mask.nonzero().squeeze(1)
+    return Chunk(
+        segments=tuple(segments),
+        external=tuple(external),
+        token_index=token_index,
+        input_ids=input_ids,
+        position_ids=position_ids,
+        layout=layout,
+        targets=targets,
+        target_rows=row_of[pred[targets]],
+    )
+
+
+def _coalesce(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Merge adjacent key ranges (a path's ancestors are contiguous in both layouts): fewer, larger kernel calls."""
+    out: list[list[int]] = []
+    for a, b in ranges:
+        if out and out[-1][1] == a:
+            out[-1][1] = b
+        else:
+            out.append([a, b])
+    return tuple((a, b) for a, b in out)

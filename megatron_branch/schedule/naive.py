@@ -1,0 +1,48 @@
+"""The naive schedule: every rollout run separately through megatron's own attention (the baseline).
+
+Nothing here uses the prefix tree's sharing or our attention backends: each rollout is a plain causal sequence
+through megatron-core's DotProductAttention, which is what the exactness tests compare everything else against.
+The tree is used only to read per-rollout data (tokens, loss weights) and to index results.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_branch.data import PrefixTree
+from megatron_branch.losses.logprobs import vocab_parallel_logprobs
+from megatron_branch.losses.objective import PolicyGradientObjective
+from megatron_branch.schedule.common import ScheduleOptions, StepResult
+
+
+def run_naive(
+    model: torch.nn.Module, tree: PrefixTree, objective: PolicyGradientObjective, opts: ScheduleOptions
+) -> StepResult:
+    total = 0.0
+    store = torch.full((tree.num_tokens,), float("nan"), dtype=torch.float64) if opts.keep_logprobs else None
+    for i, r in enumerate(tree.rollouts):
+        seq = torch.tensor(r.prompt + r.response, dtype=torch.long)  # [L]
+        L = seq.numel()
+        s = -(-L // opts.pad_to) * opts.pad_to  # sequence parallel needs s % tp == 0; pad at the end
+        ids = torch.cat([seq, torch.zeros(s - L, dtype=torch.long)])
+        pos = torch.arange(s)
+        mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]  # True = masked
+        logits = model(ids[None], pos[None], mask)  # [1, s, v]
+        logp = vocab_parallel_logprobs(
+            logits[0, : L - 1], seq[1:], vocab_size=opts.vocab_size, tp_group=opts.tp_group
+        )  # [L-1]: row j predicts token j+1
+        w = objective.rollout_weights(tree, i)[1:]
+        loss = -(logp * w.to(logp.dtype)).sum()
+        loss.backward()
+        total += float(loss.detach())
+        if store is not None:
+            idx = tree.rollout_indices(i)[1:]
+            store[idx] = logp.detach().to(torch.float64)
+    return StepResult(
+        schedule="naive",
+        loss=total,
+        positions_logical=tree.positions_logical,
+        positions_computed=tree.positions_logical,
+        forwards=len(tree.rollouts),
+        target_logprobs=store,
+    )

@@ -1,0 +1,34 @@
+"""The packed schedule: the whole prefix tree in ONE forward/backward with the tree attention layout.
+
+Every shared position is computed once; autograd sums the gradients that all branches send into a shared prefix
+(the packed tree-mask identity, shared/notes/attention-on-cpu.md). Memory grows with the whole tree; `replay` is
+the memory-bounded schedule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_branch.data import PrefixTree
+from megatron_branch.losses.objective import PolicyGradientObjective
+from megatron_branch.schedule.chunks import make_chunk
+from megatron_branch.schedule.common import ScheduleOptions, StepResult, forward_chunk, record_logprobs
+
+
+def run_packed(
+    model: torch.nn.Module, tree: PrefixTree, objective: PolicyGradientObjective, opts: ScheduleOptions
+) -> StepResult:
+    weights = objective.tree_weights(tree)  # [N]
+    store = torch.full((tree.num_tokens,), float("nan"), dtype=torch.float64) if opts.keep_logprobs else None
+    chunk = make_chunk(tree, range(len(tree.segments)), pad_to_multiple=opts.pad_to)
+    loss, logp, _ = forward_chunk(model, tree, chunk, weights, opts)
+    loss.backward()
+    record_logprobs(store, chunk, logp)
+    return StepResult(
+        schedule="packed",
+        loss=float(loss.detach()),
+        positions_logical=tree.positions_logical,
+        positions_computed=tree.positions_computed,
+        forwards=1,
+        target_logprobs=store,
+    )

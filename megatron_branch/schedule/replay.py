@@ -1,0 +1,149 @@
+"""The replay schedule: depth-first over the prefix tree with per-layer dK/dV accumulators.
+
+For a segment X with ancestors A (cached) and children C:
+  1. forward X against A's cached K/V, capturing X's own per-layer K/V (in X's graph);
+  2. cache X's K/V as DETACHED leaves that require grad;
+  3. replay every child (recursively; sibling leaves in micro-batches): each child's backward adds its dK/dV into
+     the leaves of X and of every ancestor, because the children read them through torch.cat;
+  4. backward X once with the accumulated dK/dV injected into its captured K/V
+     (torch.autograd.backward([loss_X, k_1, v_1, ...], [1, dk_1, dv_1, ...])), which sends X's own share on into
+     A's leaves, then drop X's cache.
+So the prefix is back-propagated once with the SUM of all its branches' gradients (the technique of AReaL-DTA,
+arXiv 2602.00482), and only one root-to-leaf path (plus one micro-batch of leaves) is alive at a time.
+
+With `recompute`, step 1 runs without a graph for segments that have children, and step 4 recomputes the forward
+before its backward: memory then holds only the path's K/V, at the price of one more forward per inner segment.
+Dropout is 0 in every model we build, so the recomputed forward is bit-identical (no RNG state to replay).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from megatron_branch.attention.core_attention import KV
+from megatron_branch.data import PrefixTree
+from megatron_branch.losses.objective import PolicyGradientObjective
+from megatron_branch.schedule.chunks import make_chunk
+from megatron_branch.schedule.common import ScheduleOptions, StepResult, forward_chunk, record_logprobs
+
+
+class _Replay:
+    def __init__(
+        self, model: torch.nn.Module, tree: PrefixTree, weights: torch.Tensor, opts: ScheduleOptions
+    ) -> None:
+        self.model, self.tree, self.weights, self.opts = model, tree, weights, opts
+        self.cache: dict[int, dict[int, KV]] = {}  # segment -> layer -> (k [l,b,g,h], v) leaves
+        self.path: list[int] = []  # cached ancestors of what runs next, root first
+        self.loss = 0.0
+        self.forwards = 0
+        self.positions = 0
+        self.recomputed = 0
+        self.store = (
+            torch.full((tree.num_tokens,), float("nan"), dtype=torch.float64) if opts.keep_logprobs else None
+        )
+
+    def external_kv(self) -> dict[int, KV]:
+        """layer -> K/V of the current path, concatenated root first ([c,b,g,h]); autograd routes grads per leaf."""
+        if not self.path:
+            return {}
+        layers = self.cache[self.path[0]].keys()
+        return {
+            layer: (
+                torch.cat([self.cache[a][layer][0] for a in self.path]),
+                torch.cat([self.cache[a][layer][1] for a in self.path]),
+            )
+            for layer in layers
+        }
+
+    def _forward(self, segments: list[int], *, capture: bool, grad: bool = True):  # noqa: ANN202
+        chunk = make_chunk(self.tree, segments, external=self.path, pad_to_multiple=self.opts.pad_to)
+        with torch.set_grad_enabled(grad):
+            loss, logp, captured = forward_chunk(
+                self.model,
+                self.tree,
+                chunk,
+                self.weights,
+                self.opts,
+                external_kv=self.external_kv(),
+                capture=capture,
+            )
+        self.forwards += 1
+        return chunk, loss, logp, captured
+
+    def run_leaves(self, leaves: list[int]) -> None:
+        chunk, loss, logp, _ = self._forward(leaves, capture=False)
+        loss.backward()
+        self.loss += float(loss.detach())
+        self.positions += chunk.num_real
+        record_logprobs(self.store, chunk, logp)
+
+    def run_segment(self, seg_id: int) -> None:
+        seg = self.tree.segments[seg_id]
+        if not seg.children:
+            self.run_leaves([seg_id])
+            return
+        keep_graph = not self.opts.recompute
+        chunk, loss, logp, captured = self._forward([seg_id], capture=True, grad=keep_graph)
+        self.positions += chunk.num_real
+        real = (
+            chunk.num_real
+        )  # padded rows (sequence parallel) are never seen by descendants: cache real rows only
+        self.cache[seg_id] = {
+            layer: (k[:real].detach().requires_grad_(), v[:real].detach().requires_grad_())
+            for layer, (k, v) in captured.items()
+        }
+        self.path.append(seg_id)
+        for group in self._child_groups(seg.children):
+            if len(group) == 1:
+                self.run_segment(group[0])
+            else:
+                self.run_leaves(group)
+        self.path.pop()
+        leaves = self.cache.pop(seg_id)
+        if not keep_graph:
+            chunk, loss, logp, captured = self._forward([seg_id], capture=True, grad=True)
+            self.recomputed += chunk.num_real
+        outputs, grads = [loss], [torch.ones_like(loss)]
+        for layer, (k, v) in captured.items():
+            k_leaf, v_leaf = leaves[layer]
+            for t, leaf in ((k, k_leaf), (v, v_leaf)):
+                if leaf.grad is not None:
+                    outputs.append(t[:real])
+                    grads.append(leaf.grad)
+        torch.autograd.backward(outputs, grads)
+        self.loss += float(loss.detach())
+        record_logprobs(self.store, chunk, logp)
+
+    def _child_groups(self, children: tuple[int, ...]) -> Iterator[list[int]]:
+        """Inner children one at a time; leaf children in micro-batches of `branch_micro_batch`."""
+        batch: list[int] = []
+        for c in children:
+            if self.tree.segments[c].children:
+                yield [c]
+            else:
+                batch.append(c)
+                if len(batch) == self.opts.branch_micro_batch:
+                    yield batch
+                    batch = []
+        if batch:
+            yield batch
+
+
+def run_replay(
+    model: torch.nn.Module, tree: PrefixTree, objective: PolicyGradientObjective, opts: ScheduleOptions
+) -> StepResult:
+    r = _Replay(model, tree, objective.tree_weights(tree), opts)
+    for root in tree.roots:
+        r.run_segment(root)
+    assert r.positions == tree.positions_computed, (r.positions, tree.positions_computed)
+    return StepResult(
+        schedule="replay",
+        loss=r.loss,
+        positions_logical=tree.positions_logical,
+        positions_computed=r.positions,
+        positions_recomputed=r.recomputed,
+        forwards=r.forwards,
+        target_logprobs=r.store,
+    )

@@ -1,0 +1,131 @@
+"""Rollout JSONL reading and writing: good files load, bad ones fail on one line naming file:line and the fault."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_branch.data import PrefixTree, Rollout, read_rollouts_jsonl, write_rollouts_jsonl
+from megatron_branch.errors import UserError
+
+
+def _write(tmp_path: Path, lines: list[str], name: str = "rollouts.jsonl") -> Path:
+    path = tmp_path / name
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _line(**obj: object) -> str:
+    return json.dumps(obj)
+
+
+GOOD = _line(prompt=[1, 2], response=[3, 4], advantage=0.5)
+
+
+def test_reads_good_file_with_token_fields_and_metadata(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        [
+            GOOD,
+            "",  # blank lines are skipped
+            "   ",
+            _line(
+                prompt=[], response=[5], advantage=-1, old_logprobs=[-0.25], uid="abc", tags=[], reward=1.0
+            ),
+            _line(prompt=[1, 2], response=[6], advantage=0.0, messages=["a", "b"]),
+        ],
+    )
+    rollouts = read_rollouts_jsonl(path, vocab_size=10)
+    assert rollouts == [
+        Rollout(prompt=(1, 2), response=(3, 4), advantage=0.5),
+        Rollout(prompt=(), response=(5,), advantage=-1.0, token_fields={"old_logprobs": (-0.25,)}),
+        Rollout(prompt=(1, 2), response=(6,), advantage=0.0),
+    ]
+    assert isinstance(rollouts[1].advantage, float)
+    assert PrefixTree.build(rollouts).unpack() == [(1, 2, 3, 4), (5,), (1, 2, 6)]
+
+
+def test_write_then_read_round_trips(tmp_path: Path) -> None:
+    rollouts = [
+        Rollout(
+            prompt=[1, 2, 3], response=[4, 5], advantage=1.25, token_fields={"old_logprobs": [-0.5, -1.5]}
+        ),
+        Rollout(prompt=[], response=[9], advantage=-0.75),
+    ]
+    path = tmp_path / "out.jsonl"
+    write_rollouts_jsonl(path, rollouts)
+    assert read_rollouts_jsonl(path) == rollouts
+
+
+BAD_CASES = [
+    pytest.param("{not json", "invalid JSON", id="invalid-json"),
+    pytest.param("[1, 2]", "JSON object", id="not-object"),
+    pytest.param(_line(response=[3], advantage=0.0), "missing field 'prompt'", id="missing-prompt"),
+    pytest.param(_line(prompt=[1], advantage=0.0), "missing field 'response'", id="missing-response"),
+    pytest.param(_line(prompt=[1], response=[2]), "missing field 'advantage'", id="missing-advantage"),
+    pytest.param(_line(prompt="1 2", response=[3], advantage=0.0), "prompt must be a list", id="prompt-str"),
+    pytest.param(_line(prompt=[1], response=7, advantage=0.0), "response must be a list", id="response-int"),
+    pytest.param(_line(prompt=[1], response=[], advantage=0.0), "response is empty", id="empty-response"),
+    pytest.param(
+        _line(prompt=[1, -3], response=[2], advantage=0.0), "prompt token 1 is negative", id="negative"
+    ),
+    pytest.param(
+        _line(prompt=[1], response=[2, 2.5], advantage=0.0), "response token 1 is 2.5", id="float-id"
+    ),
+    pytest.param(_line(prompt=[True], response=[2], advantage=0.0), "prompt token 0 is True", id="bool-id"),
+    pytest.param(_line(prompt=[1], response=["a"], advantage=0.0), "response token 0 is 'a'", id="str-id"),
+    pytest.param(
+        _line(prompt=[1], response=[2, 3, 100], advantage=0.0),
+        "response token 2 is id 100, out of range for vocab_size 50",
+        id="vocab",
+    ),
+    pytest.param(
+        _line(prompt=[1], response=[2], advantage="high"), "advantage must be a finite number", id="adv-str"
+    ),
+    pytest.param(
+        _line(prompt=[1], response=[2], advantage=True), "advantage must be a finite number", id="adv-bool"
+    ),
+    pytest.param('{"prompt": [1], "response": [2], "advantage": NaN}', "finite", id="adv-nan"),
+    pytest.param('{"prompt": [1], "response": [2], "advantage": Infinity}', "finite", id="adv-inf"),
+    pytest.param(
+        _line(prompt=[1], response=[2, 3], advantage=0.0, old_logprobs=[-1.0]),
+        "field 'old_logprobs' has 1 values but the response has 2 tokens",
+        id="field-length",
+    ),
+]
+
+
+@pytest.mark.parametrize(("bad_line", "what"), BAD_CASES)
+def test_bad_line_names_file_line_and_fault(tmp_path: Path, bad_line: str, what: str) -> None:
+    path = _write(tmp_path, [GOOD, "", bad_line, GOOD], name="batch_7.jsonl")
+    with pytest.raises(UserError) as info:
+        read_rollouts_jsonl(path, vocab_size=50)
+    message = str(info.value)
+    assert "\n" not in message, message
+    assert "batch_7.jsonl:3" in message, message  # the blank line 2 still counts
+    assert what in message, message
+    assert info.value.where == f"{path}:3"
+
+
+def test_empty_file_has_no_rollouts(tmp_path: Path) -> None:
+    path = _write(tmp_path, ["", "  "], name="empty.jsonl")
+    with pytest.raises(UserError, match=r"empty\.jsonl: no rollouts") as info:
+        read_rollouts_jsonl(path)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_file_is_a_user_error(tmp_path: Path) -> None:
+    path = tmp_path / "nowhere.jsonl"
+    with pytest.raises(UserError, match=r"nowhere\.jsonl: cannot read") as info:
+        read_rollouts_jsonl(path)
+    assert "\n" not in str(info.value)
+
+
+def test_non_utf8_file_is_a_user_error(tmp_path: Path) -> None:
+    path = tmp_path / "binary.jsonl"
+    path.write_bytes(b"\xff\xfe\x00garbage\n")
+    with pytest.raises(UserError, match=r"binary\.jsonl: cannot read") as info:
+        read_rollouts_jsonl(path)
+    assert "\n" not in str(info.value)
