@@ -1,0 +1,134 @@
+"""Helpers for tests, examples and the demo: tiny random models, rollout sets with sharing, and the HF oracle.
+
+Nothing here downloads anything: models are built from configs with random weights, data is generated.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from megatron_branch.data import Rollout
+
+
+def tiny_hf_config(
+    family: str = "llama",
+    *,
+    vocab_size: int = 37,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    ffn: int = 64,
+    tie: bool = False,
+    rope_theta: float = 10000.0,
+) -> Any:
+    """A transformers config for a tiny Llama or Qwen2 (Qwen2 has QKV bias)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    kw = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=ffn,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        tie_word_embeddings=tie,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+    )
+    if family == "llama":
+        return LlamaConfig(architectures=["LlamaForCausalLM"], **kw)
+    if family == "qwen2":
+        return Qwen2Config(architectures=["Qwen2ForCausalLM"], **kw)
+    raise ValueError(family)
+
+
+def tiny_hf_model(config: Any, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
+    """Random-weight HF causal LM (weights scaled up a little so that attention is far from uniform)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            elif "bias" in name:
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.mul_(4.0)  # init std 0.02 -> 0.08: non-trivial attention patterns on a tiny model
+    return model.to(dtype)
+
+
+def exact_hf_norms(model: Any) -> Any:
+    """HF's RMSNorm computes in float32 even for float64 inputs; make it compute in the input dtype so that the
+    float64 oracle is float64 throughout (the only change to HF's math)."""
+
+    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+        var = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(var + self.variance_epsilon))
+
+    for m in model.modules():
+        if type(m).__name__.endswith("RMSNorm"):
+            m.forward = forward.__get__(m)
+    return model
+
+
+def hf_policy_gradient(model: Any, rollouts: Sequence[Rollout]) -> tuple[float, dict[str, torch.Tensor]]:
+    """The oracle: L = -(1/T) sum_i sum_{t in response_i} A_i logp(i,t) computed rollout by rollout in HF.
+
+    Returns (loss, grads by HF parameter name). Gradients accumulate from zero.
+    """
+    model.zero_grad(set_to_none=True)
+    T = sum(len(r.response) for r in rollouts)
+    total = 0.0
+    for r in rollouts:
+        seq = torch.tensor([list(r.prompt) + list(r.response)])
+        logits = model(input_ids=seq).logits[0]  # [L, V]
+        logp = torch.log_softmax(logits[:-1], dim=-1).gather(1, seq[0, 1:, None]).squeeze(1)  # [L-1]
+        loss = -(r.advantage / T) * logp[len(r.prompt) - 1 :].sum() if r.prompt else None
+        if loss is None:  # empty prompt: the first response token has no predictor
+            loss = -(r.advantage / T) * logp.sum()
+        loss.backward()
+        total += float(loss.detach())
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return total, grads
+
+
+def random_tree_rollouts(
+    *,
+    vocab_size: int = 37,
+    groups: int = 1,
+    prompt_len: int = 9,
+    branches: int = 4,
+    levels: int = 1,
+    seg_len: tuple[int, int] = (1, 5),
+    seed: int = 0,
+) -> list[Rollout]:
+    """Rollouts sharing a prompt per group and, with levels > 1, shared response beginnings (a tree of depth
+    `levels` below the prompt, `branches` children at the last level and 2 at inner levels)."""
+    rng = random.Random(seed)
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(vocab_size) for _ in range(n)]
+
+    out: list[Rollout] = []
+    for _ in range(groups):
+        prompt = toks(prompt_len)
+        frontier: list[list[int]] = [[]]
+        for level in range(levels):
+            fan = branches if level == levels - 1 else 2
+            nxt = []
+            for pre in frontier:
+                firsts = rng.sample(range(vocab_size), fan)  # distinct first tokens: real branching
+                for f in firsts:
+                    nxt.append(pre + [f] + toks(rng.randint(*seg_len) - 1))
+            frontier = nxt
+        for resp in frontier:
+            out.append(Rollout(prompt=prompt, response=resp, advantage=rng.uniform(-1.5, 1.5)))
+    return out
