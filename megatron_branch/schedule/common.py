@@ -5,15 +5,18 @@ Shape legend: s chunk tokens, m predicted targets, v vocabulary slice on this TP
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megatron_branch.attention.core_attention import KV, BranchContext, attach_context
 from megatron_branch.data import PrefixTree
 from megatron_branch.losses.logprobs import vocab_parallel_logprobs
-from megatron_branch.schedule.chunks import Chunk
+from megatron_branch.parallel.cp_layout import CPChunk, split_chunk, tree_related
+from megatron_branch.schedule.chunks import Chunk, make_chunk
 
 
 @dataclass(kw_only=True)
@@ -36,8 +39,15 @@ class ScheduleOptions:
     """replay: keep no graph for a segment with children; recompute its forward at its backward."""
     keep_logprobs: bool = False
     """Return every target's logprob (detached) in the result."""
+    cp_group: Any = None
+    """Context-parallel group (None = no CP). With cp_size > 1 every chunk is split zigzag over it and attention
+    runs as a ring (megatron_branch.parallel); parameter grads then need parallel.grads.finalize_grads."""
+    cp_size: int = 1
+    """Its size."""
 
     def __post_init__(self) -> None:
+        if self.cp_size > 1 and self.cp_group is None:
+            raise ValueError(f"cp_size={self.cp_size} needs a cp_group")
         if self.vocab_size <= 0:
             raise ValueError(f"vocab_size must be positive, got {self.vocab_size}")
         if self.branch_micro_batch <= 0:
@@ -72,20 +82,50 @@ class StepResult:
         return self.target_logprobs[tree.response_indices(i)]
 
 
+def prepare_chunk(
+    tree: PrefixTree, segments: Sequence[int], opts: ScheduleOptions, *, external: Sequence[int] = ()
+) -> Chunk | CPChunk:
+    """The chunk of `segments` (cached ancestors `external`); under CP, this rank's zigzag share of it."""
+    if opts.cp_size == 1:
+        return make_chunk(tree, segments, external=external, pad_to_multiple=opts.pad_to)
+    full = make_chunk(tree, segments, external=external)
+    return split_chunk(
+        tree, full, opts.cp_size, dist.get_rank(opts.cp_group), pad_to_multiple=opts.pad_to
+    )
+
+
 def forward_chunk(
     model: torch.nn.Module,
     tree: PrefixTree,
-    chunk: Chunk,
+    chunk: Chunk | CPChunk,
     weights: torch.Tensor,
     opts: ScheduleOptions,
     *,
     external_kv: dict[int, KV] | None = None,
     capture: bool = False,
+    external_meta: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[int, KV]]:
-    """Forward one chunk; returns (loss over its targets, their logprobs [m], captured chunk K/V per layer)."""
-    ctx = BranchContext(
-        layout=chunk.layout, external_kv=external_kv or {}, capture=capture, backend=opts.backend
-    )
+    """Forward one chunk; returns (loss over its targets, their logprobs [m], captured chunk K/V per layer).
+
+    Under CP (`chunk` a CPChunk) only this rank's rows and targets; `external_meta` [2, c] describes the rows of
+    `external_kv`.
+    """
+    ctx: BranchContext
+    if isinstance(chunk, CPChunk):
+        from megatron_branch.parallel.context import RingBranchContext
+
+        ctx = RingBranchContext(
+            q_meta=chunk.meta,
+            external_kv=external_kv or {},
+            external_meta=external_meta,
+            related=tree_related(tree),
+            cp_group=opts.cp_group,
+            capture=capture,
+        )
+    else:
+        ctx = BranchContext(
+            layout=chunk.layout, external_kv=external_kv or {}, capture=capture, backend=opts.backend
+        )
     with attach_context(model, ctx):
         logits = model(chunk.input_ids[None], chunk.position_ids[None], None)  # [1, s, v]
     rows = logits[0].index_select(0, chunk.target_rows)  # [m, v]
@@ -96,6 +136,28 @@ def forward_chunk(
     return loss, logp, ctx.captured
 
 
-def record_logprobs(store: torch.Tensor | None, chunk: Chunk, logp: torch.Tensor) -> None:
+def record_logprobs(store: torch.Tensor | None, chunk: Chunk | CPChunk, logp: torch.Tensor) -> None:
     if store is not None:
         store[chunk.targets] = logp.detach().to(store.dtype)
+
+
+def cache_rows(chunk: Chunk | CPChunk) -> int:
+    """Rows of a chunk's K/V that descendants attend to: the real rows, or under CP every local row (padding is
+    hidden by its metadata, and keeping it keeps every rank's cached shard the same length)."""
+    return chunk.num_local if isinstance(chunk, CPChunk) else chunk.num_real
+
+
+def reduce_over_cp(
+    loss: float, store: torch.Tensor | None, opts: ScheduleOptions
+) -> tuple[float, torch.Tensor | None]:
+    """Under CP: the loss is the SUM of the ranks' terms; each target's logprob was computed on exactly one rank."""
+    if opts.cp_size == 1:
+        return loss, store
+    t = torch.tensor([loss], dtype=torch.float64)
+    dist.all_reduce(t, group=opts.cp_group)
+    if store is not None:
+        held = ~torch.isnan(store)
+        both = torch.stack([torch.where(held, store, torch.zeros_like(store)), held.to(store.dtype)])  # [2, N]
+        dist.all_reduce(both, group=opts.cp_group)
+        store = torch.where(both[1] > 0, both[0], torch.full_like(store, float("nan")))
+    return float(t[0]), store

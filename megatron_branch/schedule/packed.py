@@ -11,8 +11,14 @@ import torch
 
 from megatron_branch.data import PrefixTree
 from megatron_branch.losses.objective import PolicyGradientObjective
-from megatron_branch.schedule.chunks import make_chunk
-from megatron_branch.schedule.common import ScheduleOptions, StepResult, forward_chunk, record_logprobs
+from megatron_branch.schedule.common import (
+    ScheduleOptions,
+    StepResult,
+    forward_chunk,
+    prepare_chunk,
+    record_logprobs,
+    reduce_over_cp,
+)
 
 
 def run_packed(
@@ -20,13 +26,14 @@ def run_packed(
 ) -> StepResult:
     weights = objective.tree_weights(tree)  # [N]
     store = torch.full((tree.num_tokens,), float("nan"), dtype=torch.float64) if opts.keep_logprobs else None
-    chunk = make_chunk(tree, range(len(tree.segments)), pad_to_multiple=opts.pad_to)
+    chunk = prepare_chunk(tree, range(len(tree.segments)), opts)  # under CP: this rank's zigzag share
     loss, logp, _ = forward_chunk(model, tree, chunk, weights, opts)
     loss.backward()
     record_logprobs(store, chunk, logp)
+    total, store = reduce_over_cp(float(loss.detach()), store, opts)
     return StepResult(
         schedule="packed",
-        loss=float(loss.detach()),
+        loss=total,
         positions_logical=tree.positions_logical,
         positions_computed=tree.positions_computed,
         forwards=1,

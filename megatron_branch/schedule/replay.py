@@ -25,8 +25,15 @@ import torch
 from megatron_branch.attention.core_attention import KV
 from megatron_branch.data import PrefixTree
 from megatron_branch.losses.objective import PolicyGradientObjective
-from megatron_branch.schedule.chunks import make_chunk
-from megatron_branch.schedule.common import ScheduleOptions, StepResult, forward_chunk, record_logprobs
+from megatron_branch.schedule.common import (
+    ScheduleOptions,
+    StepResult,
+    cache_rows,
+    forward_chunk,
+    prepare_chunk,
+    record_logprobs,
+    reduce_over_cp,
+)
 
 
 class _Replay:
@@ -35,6 +42,7 @@ class _Replay:
     ) -> None:
         self.model, self.tree, self.weights, self.opts = model, tree, weights, opts
         self.cache: dict[int, dict[int, KV]] = {}  # segment -> layer -> (k [l,b,g,h], v) leaves
+        self.meta: dict[int, torch.Tensor] = {}  # CP only: segment -> [2, l] metadata of this rank's cached rows
         self.path: list[int] = []  # cached ancestors of what runs next, root first
         self.loss = 0.0
         self.forwards = 0
@@ -57,8 +65,14 @@ class _Replay:
             for layer in layers
         }
 
+    def external_meta(self) -> torch.Tensor | None:
+        """CP only: [2, c] metadata of this rank's rows of the current path, in external_kv's order."""
+        if not self.path or self.opts.cp_size == 1:
+            return None
+        return torch.cat([self.meta[a] for a in self.path], dim=1)
+
     def _forward(self, segments: list[int], *, capture: bool, grad: bool = True):  # noqa: ANN202
-        chunk = make_chunk(self.tree, segments, external=self.path, pad_to_multiple=self.opts.pad_to)
+        chunk = prepare_chunk(self.tree, segments, self.opts, external=self.path)
         with torch.set_grad_enabled(grad):
             loss, logp, captured = forward_chunk(
                 self.model,
@@ -68,6 +82,7 @@ class _Replay:
                 self.opts,
                 external_kv=self.external_kv(),
                 capture=capture,
+                external_meta=self.external_meta(),
             )
         self.forwards += 1
         return chunk, loss, logp, captured
@@ -87,9 +102,11 @@ class _Replay:
         keep_graph = not self.opts.recompute
         chunk, loss, logp, captured = self._forward([seg_id], capture=True, grad=keep_graph)
         self.positions += chunk.num_real
-        real = (
-            chunk.num_real
-        )  # padded rows (sequence parallel) are never seen by descendants: cache real rows only
+        # padded rows (sequence parallel) are never seen by descendants: cache real rows only (under CP every local
+        # row: each rank keeps ITS shard of this prefix's K/V for the whole replay of its subtree)
+        real = cache_rows(chunk)
+        if self.opts.cp_size > 1:
+            self.meta[seg_id] = chunk.meta  # type: ignore[union-attr]
         self.cache[seg_id] = {
             layer: (k[:real].detach().requires_grad_(), v[:real].detach().requires_grad_())
             for layer, (k, v) in captured.items()
@@ -102,6 +119,7 @@ class _Replay:
                 self.run_leaves(group)
         self.path.pop()
         leaves = self.cache.pop(seg_id)
+        self.meta.pop(seg_id, None)
         if not keep_graph:
             chunk, loss, logp, captured = self._forward([seg_id], capture=True, grad=True)
             self.recomputed += chunk.num_real
@@ -138,12 +156,13 @@ def run_replay(
     for root in tree.roots:
         r.run_segment(root)
     assert r.positions == tree.positions_computed, (r.positions, tree.positions_computed)
+    loss, store = reduce_over_cp(r.loss, r.store, opts)
     return StepResult(
         schedule="replay",
-        loss=r.loss,
+        loss=loss,
         positions_logical=tree.positions_logical,
         positions_computed=r.positions,
         positions_recomputed=r.recomputed,
         forwards=r.forwards,
-        target_logprobs=r.store,
+        target_logprobs=store,
     )

@@ -1,0 +1,215 @@
+"""Read and write Hugging Face model folders (config.json + safetensors), one tensor at a time.
+
+Reading never downloads: the config is parsed from the local folder only. Every failure of the user's files (no
+folder, no config, an index naming a missing shard, a truncated or corrupt shard) is a one-line `UserError` that
+names the file. Writing goes to a temporary folder next to the target that is renamed at the end, so a failure
+never leaves a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_branch.errors import UserError
+
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def load_hf_config(hf_dir: str | os.PathLike) -> Any:
+    """The transformers config of a local folder (never downloads)."""
+    d = Path(hf_dir)
+    if not d.is_dir():
+        raise UserError(f"Hugging Face model folder {str(d)!r} does not exist")
+    if not (d / "config.json").is_file():
+        raise UserError("no config.json in the Hugging Face model folder", where=str(d))
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(d), local_files_only=True)
+    except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"cannot read config: {msg}", where=str(d / "config.json")) from None
+
+
+class HFTensorReader:
+    """Lazy access to the tensors of a (possibly sharded) safetensors checkpoint."""
+
+    def __init__(self, hf_dir: str | os.PathLike) -> None:
+        self.dir = Path(hf_dir)
+        self._handles: dict[str, Any] = {}
+        index = self.dir / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise UserError(f"malformed index ({type(e).__name__}: {e})", where=str(index)) from None
+            for shard in sorted(set(weight_map.values())):
+                if not (self.dir / shard).is_file():
+                    raise UserError(f"index names shard {shard!r}, which does not exist", where=str(index))
+            self.file_of: dict[str, str] = dict(weight_map)
+        elif (self.dir / SINGLE_FILE).is_file():
+            self.file_of = {n: SINGLE_FILE for n in self._open(SINGLE_FILE).keys()}
+        else:
+            raise UserError(f"no {SINGLE_FILE} or {INDEX_FILE} in the model folder", where=str(self.dir))
+        # Open every shard once up front: a truncated or corrupt header fails here, naming its file.
+        for shard in sorted(set(self.file_of.values())):
+            handle = self._open(shard)
+            listed = {n for n, f in self.file_of.items() if f == shard}
+            absent = sorted(listed - set(handle.keys()))
+            if absent:
+                raise UserError(
+                    f"index places {absent[0]!r} in this shard, which lacks it", where=str(self.dir / shard)
+                )
+
+    def _open(self, shard: str) -> Any:
+        if shard not in self._handles:
+            from safetensors import safe_open
+
+            path = self.dir / shard
+            try:
+                self._handles[shard] = safe_open(str(path), framework="pt")
+            except Exception as e:  # safetensors raises SafetensorError (not exported stably) for bad files
+                raise UserError(f"cannot read safetensors file ({_first_line(e)})", where=str(path)) from None
+        return self._handles[shard]
+
+    def keys(self) -> list[str]:
+        return list(self.file_of)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.file_of
+
+    def get(self, name: str) -> torch.Tensor:
+        shard = self.file_of[name]
+        try:
+            return self._open(shard).get_tensor(name)
+        except Exception as e:  # a truncated data section fails only when the tensor is read
+            raise UserError(
+                f"cannot read tensor {name!r} ({_first_line(e)})", where=str(self.dir / shard)
+            ) from None
+
+    def dtype(self) -> torch.dtype:
+        """The dtype of the first floating-point tensor (the checkpoint's storage dtype)."""
+        first = next(iter(self.file_of))
+        return self.get(first).dtype
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.get(name)
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip()
+    return s.splitlines()[0] if s else type(e).__name__
+
+
+# --- writing --------------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temp folder next to `target`; rename it to `target` on success, delete it on failure."""
+    target = Path(target)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise UserError(
+            f"output folder {str(target)!r} already exists and is not empty; refusing to overwrite"
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield tmp
+        if target.exists():
+            target.rmdir()  # empty (checked above)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def copy_tokenizer_files(tokenizer_dir: str | os.PathLike, out: Path) -> list[str]:
+    src = Path(tokenizer_dir)
+    if not src.is_dir():
+        raise UserError(f"tokenizer folder {str(src)!r} does not exist")
+    copied = [n for n in TOKENIZER_FILES if (src / n).is_file()]
+    if not copied:
+        raise UserError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {str(src)!r}")
+    for n in copied:
+        shutil.copyfile(src / n, out / n)
+    return copied
+
+
+def parse_size(s: str | int) -> int:
+    """'5GB', '200MB', '10KB' or a byte count."""
+    if isinstance(s, int):
+        return s
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    t = s.strip().upper()
+    for u, mult in units.items():
+        if t.endswith(u) and t[: -len(u)].strip().replace(".", "", 1).isdigit():
+            return int(float(t[: -len(u)]) * mult)
+    if t.isdigit():
+        return int(t)
+    raise UserError(f"cannot parse size {s!r} (use e.g. 5GB, 200MB or a byte count)")
+
+
+def write_hf_folder(
+    out_dir: str | os.PathLike,
+    config: Any,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    max_shard_size: int | str = "5GB",
+    tokenizer_dir: str | os.PathLike | None = None,
+) -> Path:
+    """Write config.json + safetensors shards (with an index when more than one) + tokenizer files, atomically.
+
+    `tensors` is consumed lazily: a shard is written as soon as it is full, so at most one shard is resident.
+    """
+    from safetensors.torch import save_file
+
+    limit = parse_size(max_shard_size)
+    out = Path(out_dir)
+    with atomic_dir(out) as tmp:
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        sizes = [0]
+        files: list[str] = []
+        total = 0
+
+        def flush() -> None:
+            name = f"shard-{len(files):05d}.tmp"  # renamed once the shard count is known
+            save_file(shards[-1], str(tmp / name), metadata={"format": "pt"})
+            files.append(name)
+            shards[-1] = {}
+            sizes[-1] = 0
+
+        weight_map_idx: dict[str, int] = {}
+        for name, t in tensors:
+            nbytes = t.numel() * t.element_size()
+            if shards[-1] and sizes[-1] + nbytes > limit:
+                flush()
+            shards[-1][name] = t.detach().contiguous()
+            sizes[-1] += nbytes
+            total += nbytes
+            weight_map_idx[name] = len(files)
+        if shards[-1] or not files:
+            flush()
+        n = len(files)
+        final = [SINGLE_FILE] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+        for f, g in zip(files, final, strict=True):
+            os.replace(tmp / f, tmp / g)
+        if n > 1:
+            index = {
+                "metadata": {"total_size": total},
+                "weight_map": {k: final[v] for k, v in weight_map_idx.items()},
+            }
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        config.save_pretrained(str(tmp))
+        if tokenizer_dir is not None:
+            copy_tokenizer_files(tokenizer_dir, tmp)
+    return out

@@ -1,0 +1,201 @@
+"""Hugging Face folder -> megatron-core distributed checkpoint (loads under any TP layout).
+
+Runs single process or on every rank of a torchrun launch. Each rank builds the model for its TP shard, streams
+the HF tensors one rule at a time from safetensors (memory-mapped) and copies only its shard into the parameters,
+so no second full copy of the model is ever materialised. The checkpoint is `megatron.core.dist_checkpointing`
+(`torch_dist`) of `model.sharded_state_dict()` plus `megatron_branch.json` describing the architecture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_branch.checkpoint.hf_io import TOKENIZER_FILES, HFTensorReader, load_hf_config
+from megatron_branch.checkpoint.param_map import iter_hf_to_mcore, mcore_names
+from megatron_branch.checkpoint.tp import load_full_tensor
+from megatron_branch.errors import UserError
+from megatron_branch.models.arch import ModelArch
+
+META_FILE = "megatron_branch.json"
+FORMAT = "megatron-branch/mcore-checkpoint"
+FORMAT_VERSION = 1
+TOKENIZER_SUBDIR = "tokenizer"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    key = dtype.removeprefix("torch.")
+    key = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(key, key)
+    if key not in DTYPES:
+        raise UserError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    return DTYPES[key]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next(k for k, v in DTYPES.items() if v == dtype)
+
+
+@contextlib.contextmanager
+def cpu_checkpoint_io() -> Iterator[None]:
+    """megatron's dist-checkpoint writer calls `torch.cuda.synchronize()` after staging tensors to host memory;
+    on a CPU-only build that raises. The staging is a no-op there, so the sync is too (scoped to the save).
+    TODO(lead): move into megatron_branch/compat/cpu.py with the other shims."""
+    if torch.cuda.is_available():
+        yield
+        return
+    real = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = real  # type: ignore[assignment]
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _broadcast_from_rank0(value: Any) -> Any:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _make_tmp_dir(out_dir: Path) -> Path:
+    """Rank 0 checks the target and makes a temp folder next to it; every rank gets the path or the same error."""
+    result: tuple[str | None, str | None] = (None, None)
+    if _rank_world()[0] == 0:
+        if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+            result = (
+                None,
+                f"output folder {str(out_dir)!r} already exists and is not empty; refusing to overwrite",
+            )
+        else:
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            result = (tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent), None)
+    path, err = _broadcast_from_rank0(result)
+    if err:
+        raise UserError(err)
+    return Path(path)
+
+
+def save_mcore_checkpoint(
+    model: torch.nn.Module,
+    out_dir: str | os.PathLike,
+    *,
+    arch: ModelArch,
+    dtype: torch.dtype,
+    tp: int,
+    source: str | None = None,
+    tokenizer_dir: str | os.PathLike | None = None,
+) -> Path:
+    """Save `model` (this rank's shards) as a dist checkpoint + megatron_branch.json. All ranks call it."""
+    from megatron.core import dist_checkpointing
+
+    out = Path(out_dir)
+    tmp = _make_tmp_dir(out)
+    rank, _ = _rank_world()
+    ok = False
+    try:
+        with cpu_checkpoint_io():
+            dist_checkpointing.save(model.sharded_state_dict(), str(tmp))
+        if dist.is_initialized():
+            dist.barrier()
+        if rank == 0:
+            meta = {
+                "format": FORMAT,
+                "version": FORMAT_VERSION,
+                "arch": arch.to_dict(),
+                "dtype": dtype_name(dtype),
+                "padded_vocab_size": model.embedding.word_embeddings.weight.shape[0] * tp,
+                "saved_tensor_parallel": tp,
+                "source": source,
+            }
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+            if tokenizer_dir is not None and any(
+                (Path(tokenizer_dir) / n).is_file() for n in TOKENIZER_FILES
+            ):
+                (tmp / TOKENIZER_SUBDIR).mkdir()
+                for n in TOKENIZER_FILES:
+                    if (Path(tokenizer_dir) / n).is_file():
+                        shutil.copyfile(Path(tokenizer_dir) / n, tmp / TOKENIZER_SUBDIR / n)
+            if out.exists():
+                out.rmdir()
+            os.replace(tmp, out)
+        ok = True
+    finally:
+        if not ok and rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
+    return out
+
+
+def convert_hf_to_mcore(
+    hf_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: str | torch.dtype | None = None,
+    progress: bool = True,
+) -> Path:
+    """Convert a local HF Llama/Qwen2 folder into a megatron-core dist checkpoint at `out_dir`.
+
+    `tp` must divide the number of launched ranks (1 when single process). `dtype` None keeps the storage dtype.
+    """
+    from megatron_branch.models import build_model
+    from megatron_branch.parallel.groups import ParallelConfig, init_distributed, initialize_parallel
+
+    if pp != 1:
+        raise UserError(
+            f"--pp {pp}: pipeline-parallel conversion is not supported; convert with --pp 1 "
+            "(a dist checkpoint is layout-independent)"
+        )
+    cfg = load_hf_config(hf_dir)
+    arch = ModelArch.from_hf_config(cfg, where=str(Path(hf_dir) / "config.json"))
+    arch.check_tensor_parallel(tp)
+    reader = HFTensorReader(hf_dir)
+    dtype = parse_dtype(dtype) or reader.dtype()
+    if dtype not in DTYPES.values():
+        raise UserError(f"checkpoint dtype {dtype} is not supported; pass --dtype")
+    _, world = init_distributed()
+    if world % tp:
+        raise UserError(
+            f"--tp {tp} needs a launch whose process count is a multiple of {tp} (this one has {world})"
+        )
+    groups = initialize_parallel(ParallelConfig(tp=tp))
+    # No random init: every parameter is overwritten from the HF tensors below.
+    model = build_model(arch, dtype=dtype, tp=tp, perform_initialization=False)
+    padded = arch.padded_vocab_size(tp)
+    params = dict(model.named_parameters())
+    names = iter_hf_to_mcore(reader.keys(), reader.get, arch, padded_vocab=padded, where=str(hf_dir))
+    if progress and _rank_world()[0] == 0:
+        from tqdm import tqdm
+
+        names = tqdm(names, total=len(mcore_names(arch)), desc="hf -> mcore", unit="tensor")
+    loaded = set()
+    with torch.no_grad():
+        for name, full in names:
+            load_full_tensor(model, name, full, groups.tp, params=params)
+            loaded.add(name)
+    assert loaded == set(params), sorted(set(params) ^ loaded)
+    return save_mcore_checkpoint(
+        model, out_dir, arch=arch, dtype=dtype, tp=tp, source=str(hf_dir), tokenizer_dir=hf_dir
+    )

@@ -1,0 +1,179 @@
+"""megatron-core distributed checkpoint -> model at the current TP, and -> Hugging Face folder.
+
+A dist checkpoint saved at any TP loads at the current one: megatron-core re-shards every tensor by its global
+offsets, including the SwiGLU fc1 (saved as global [gate; up]). The one thing it cannot re-shard is the vocabulary
+PADDING, which depends on TP (37 rows pad to 38 at TP2, 40 at TP4): the two vocabulary tensors are therefore read
+whole at their saved shape and re-padded here. Before anything is read, the saved tensor shapes are checked
+against `megatron_branch.json`, so a checkpoint whose description disagrees with its tensors is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_branch.checkpoint.hf_io import write_hf_folder
+from megatron_branch.checkpoint.hf_to_mcore import (
+    FORMAT,
+    META_FILE,
+    TOKENIZER_SUBDIR,
+    dtype_name,
+    parse_dtype,
+)
+from megatron_branch.checkpoint.param_map import iter_mcore_to_hf
+from megatron_branch.checkpoint.tp import (
+    VOCAB_PARAMS,
+    full_shape,
+    gather_full_state,
+    repad_vocab,
+    shard_full_tensor,
+)
+from megatron_branch.errors import UserError
+from megatron_branch.models.arch import ModelArch
+
+
+def read_meta(mcore_dir: str | os.PathLike) -> dict[str, Any]:
+    d = Path(mcore_dir)
+    if not d.is_dir():
+        raise UserError(f"megatron checkpoint folder {str(d)!r} does not exist")
+    f = d / META_FILE
+    if not f.is_file():
+        raise UserError(f"no {META_FILE}: not a checkpoint written by megatron-branch", where=str(d))
+    try:
+        meta = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"malformed JSON ({e})", where=str(f)) from None
+    if meta.get("format") != FORMAT:
+        raise UserError(f"format is {meta.get('format')!r}, expected {FORMAT!r}", where=str(f))
+    try:
+        meta["arch_obj"] = ModelArch.from_dict(meta["arch"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"bad arch description ({e})", where=str(f)) from None
+    return meta
+
+
+def _expected_sharded_tensors(sharded_sd: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """param name -> (checkpoint key, global shape) for every tensor the model will load."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    out = {}
+    for name, sh in sharded_sd.items():
+        if isinstance(sh, ShardedTensorFactory):
+            built = sh.build()
+            sh = built[0] if isinstance(built, list) else next(iter(built.values()))
+        if isinstance(sh, ShardedTensor):
+            out[name] = (sh.key, tuple(sh.global_shape))
+    return out
+
+
+def load_mcore_checkpoint(
+    mcore_dir: str | os.PathLike, *, tp_group: Any = None, tp: int = 1, dtype: str | torch.dtype | None = None
+) -> tuple[torch.nn.Module, ModelArch, dict[str, Any]]:
+    """Build the model at TP `tp` (megatron's parallel_state must match) and load the checkpoint into it.
+
+    All ranks call it. Returns (model, arch, meta).
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from megatron_branch.models import build_model
+
+    d = Path(mcore_dir)
+    meta = read_meta(d)
+    arch: ModelArch = meta["arch_obj"]
+    arch.check_tensor_parallel(tp)
+    dt = parse_dtype(dtype) or parse_dtype(meta.get("dtype", "float32"))
+    model = build_model(arch, dtype=dt, tp=tp, perform_initialization=False)
+    sharded = model.sharded_state_dict()
+    try:
+        saved = dist_checkpointing.load_tensors_metadata(str(d))
+    except (
+        Exception
+    ) as e:  # a missing/corrupt metadata file raises from deep inside torch.distributed.checkpoint
+        raise UserError(
+            f"cannot read dist checkpoint metadata ({str(e).strip().splitlines()[0]})", where=str(d)
+        ) from None
+    for name, (key, shape) in _expected_sharded_tensors(sharded).items():
+        if key not in saved:
+            raise UserError(f"checkpoint lacks tensor {key!r} that {META_FILE} implies", where=str(d))
+        got = tuple(saved[key].global_shape)
+        ok = (
+            got == shape if name not in VOCAB_PARAMS else (got[1:] == shape[1:] and got[0] >= arch.vocab_size)
+        )
+        if not ok:
+            raise UserError(
+                f"tensor {key!r} has shape {list(got)} but {META_FILE} implies {list(shape)}", where=str(d)
+            )
+    # Vocabulary tensors: read whole at the saved (padded) shape, re-pad and slice for this rank below.
+    rank = dist.get_rank(group=tp_group) if tp_group is not None and dist.is_initialized() else 0
+    vocab_keys = {}
+    for name in VOCAB_PARAMS:
+        if name in sharded:
+            key = sharded[name].key
+            vocab_keys[name] = key
+            buf = torch.empty(tuple(saved[key].global_shape), dtype=dt)
+            sharded[name] = ShardedTensor.from_rank_offsets(key, buf, replica_id=rank)
+    state = dist_checkpointing.load(sharded, str(d))
+    params = dict(model.named_parameters())
+    for name in vocab_keys:
+        p = params[name]
+        full = repad_vocab(state[name], full_shape(p, tp)[0])
+        state[name] = shard_full_tensor(full, name=name, dim=0, rank=rank, size=tp, fused=False)
+    model.load_state_dict(state, strict=True)
+    return model, arch, meta
+
+
+def convert_mcore_to_hf(
+    mcore_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    tokenizer_dir: str | os.PathLike | None = None,
+    max_shard_size: int | str = "5GB",
+    dtype: str | torch.dtype | None = None,
+) -> Path:
+    """Write an HF folder (config.json, safetensors shards + index, tokenizer files) from a dist checkpoint.
+
+    Loads at the current world's TP (the whole world when launched, 1 when single process); rank 0 writes.
+    """
+    from megatron_branch.parallel.groups import ParallelConfig, init_distributed, initialize_parallel
+
+    meta = read_meta(mcore_dir)  # before any distributed set-up: a wrong folder fails fast
+    _, world = init_distributed()
+    try:
+        meta["arch_obj"].check_tensor_parallel(world)
+        tp = world
+    except UserError:  # a world the heads do not split over: every rank loads the whole model
+        tp = 1
+    groups = initialize_parallel(ParallelConfig(tp=tp))
+    model, arch, meta = load_mcore_checkpoint(mcore_dir, tp_group=groups.tp, tp=groups.tp_size, dtype=dtype)
+    full = gather_full_state(model, groups.tp)
+    del model
+    if tokenizer_dir is None and (Path(mcore_dir) / TOKENIZER_SUBDIR).is_dir():
+        tokenizer_dir = Path(mcore_dir) / TOKENIZER_SUBDIR
+    out = Path(out_dir)
+    err = None
+    if dist.get_rank() == 0:
+        cfg = arch.to_hf_config()
+        cfg.dtype = dtype_name(next(iter(full.values())).dtype)
+        try:
+            write_hf_folder(
+                out,
+                cfg,
+                iter_mcore_to_hf(full.__getitem__, arch, where=str(mcore_dir)),
+                max_shard_size=max_shard_size,
+                tokenizer_dir=tokenizer_dir,
+            )
+        except UserError as e:
+            err = str(e)
+    if dist.get_world_size() > 1:
+        box = [err]
+        dist.broadcast_object_list(box, src=0)
+        err = box[0]
+    if err:
+        raise UserError(err)
+    return out

@@ -1,0 +1,153 @@
+"""Full megatron tensors <-> this rank's tensor-parallel shards.
+
+megatron-core marks each sharded parameter with `tensor_model_parallel = True` and `partition_dim` (0 for
+column-parallel: linear_qkv, linear_fc1, word_embeddings, output_layer; 1 for row-parallel: linear_proj,
+linear_fc2). A shard is a contiguous chunk of the full tensor along that dim, with ONE exception: the SwiGLU
+linear_fc1 holds [gate_r; up_r] on rank r (megatron's MLP chunks its local output in two halves), so its full
+tensor [gate; up] is re-assembled half by half. Norm weights are replicated (also under sequence parallel).
+
+The vocabulary-parallel tensors keep their padding as-is; `repad_vocab` re-pads a full tensor saved at another TP.
+Process groups are arguments: nothing here reads megatron's parallel_state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_branch.errors import UserError
+
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def _rank_size(tp_group: Any) -> tuple[int, int]:
+    if tp_group is None or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group=tp_group), dist.get_world_size(group=tp_group)
+
+
+def _is_fused_gate_up(name: str, model: torch.nn.Module | None) -> bool:
+    cfg = getattr(model, "config", None)
+    gated = getattr(cfg, "gated_linear_unit", True)
+    return gated and ".linear_fc1." in name
+
+
+def _partition_dim(param: torch.Tensor) -> int | None:
+    if getattr(param, "tensor_model_parallel", False):
+        return int(param.partition_dim)
+    return None
+
+
+def shard_full_tensor(full: torch.Tensor, *, name: str, dim: int | None, rank: int, size: int, fused: bool):
+    """This rank's shard of a full megatron tensor."""
+    if dim is None or size == 1:
+        return full
+    if fused:
+        gate, up = full.chunk(2, dim=dim)
+        return torch.cat([gate.chunk(size, dim=dim)[rank], up.chunk(size, dim=dim)[rank]], dim=dim)
+    assert full.shape[dim] % size == 0, (
+        f"{name}: dim {dim} of {list(full.shape)} does not split over TP {size}"
+    )
+    return full.chunk(size, dim=dim)[rank]
+
+
+def _gather(local: torch.Tensor, *, dim: int | None, tp_group: Any, fused: bool) -> torch.Tensor:
+    rank, size = _rank_size(tp_group)
+    if dim is None or size == 1:
+        return local.detach().clone()
+    parts = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(parts, local.detach().contiguous(), group=tp_group)
+    if fused:
+        halves = [p.chunk(2, dim=dim) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
+    return torch.cat(parts, dim=dim)
+
+
+def gather_full_state(model: torch.nn.Module, tp_group: Any) -> dict[str, torch.Tensor]:
+    """Every parameter of `model` as its full (TP-unsharded) megatron tensor, on every rank of `tp_group`.
+
+    All ranks of the group must call this (collectives in parameter order). Vocabulary padding is kept.
+    """
+    return {
+        name: _gather(p, dim=_partition_dim(p), tp_group=tp_group, fused=_is_fused_gate_up(name, model))
+        for name, p in model.named_parameters()
+    }
+
+
+def gather_full_grads(model: torch.nn.Module, tp_group: Any) -> dict[str, torch.Tensor]:
+    """Like `gather_full_state` for gradients: `param.main_grad` when present (megatron DDP), else `param.grad`.
+
+    A parameter without a gradient gives zeros, so every rank runs the same collectives.
+    """
+    out = {}
+    for name, p in model.named_parameters():
+        g = getattr(p, "main_grad", None)
+        if g is None:
+            g = p.grad
+        if g is None:
+            g = torch.zeros_like(p)
+        out[name] = _gather(g, dim=_partition_dim(p), tp_group=tp_group, fused=_is_fused_gate_up(name, model))
+    return out
+
+
+def repad_vocab(full: torch.Tensor, rows: int) -> torch.Tensor:
+    """A vocabulary-parallel tensor with `rows` rows: zero rows appended, or trailing padding rows cut."""
+    if full.shape[0] == rows:
+        return full
+    if full.shape[0] > rows:
+        return full[:rows]
+    out = full.new_zeros(rows, *full.shape[1:])
+    out[: full.shape[0]] = full
+    return out
+
+
+def full_shape(param: torch.Tensor, tp_size: int) -> tuple[int, ...]:
+    """The full (unsharded) shape of a parameter held by one rank of a TP group of `tp_size`."""
+    shape = list(param.shape)
+    dim = _partition_dim(param)
+    if dim is not None:
+        shape[dim] *= tp_size
+    return tuple(shape)
+
+
+@torch.no_grad()
+def load_full_tensor(
+    model: torch.nn.Module,
+    name: str,
+    full: torch.Tensor,
+    tp_group: Any,
+    *,
+    params: Mapping[str, Any] | None = None,
+) -> None:
+    """Copy this rank's shard of one full megatron tensor into the parameter `name` (streamed conversion)."""
+    params = dict(model.named_parameters()) if params is None else params
+    if name not in params:
+        raise UserError(f"the model has no parameter {name!r}")
+    p = params[name]
+    rank, size = _rank_size(tp_group)
+    if name in VOCAB_PARAMS:
+        full = repad_vocab(full, full_shape(p, size)[0])
+    if tuple(full.shape) != full_shape(p, size):
+        raise UserError(
+            f"tensor {name!r} has shape {list(full.shape)}; the model expects {list(full_shape(p, size))}"
+        )
+    shard = shard_full_tensor(
+        full, name=name, dim=_partition_dim(p), rank=rank, size=size, fused=_is_fused_gate_up(name, model)
+    )
+    p.copy_(shard.to(p.dtype))
+
+
+def load_full_state(model: torch.nn.Module, full_state: Mapping[str, torch.Tensor], tp_group: Any) -> None:
+    """Copy every parameter's shard for this rank from full megatron tensors (no collectives)."""
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(full_state))
+    if missing:
+        raise UserError(f"state lacks tensor {missing[0]!r} needed by the model")
+    unexpected = sorted(set(full_state) - set(params))
+    if unexpected:
+        raise UserError(f"state has tensor {unexpected[0]!r} that the model does not have")
+    for name, full in full_state.items():
+        load_full_tensor(model, name, full, tp_group, params=params)

@@ -1,0 +1,57 @@
+"""The `megatron-branch` command (also `python -m megatron_branch`, and under torchrun).
+
+User errors (UserError: bad rollouts, impossible parallel sizes, broken checkpoints) print ONE line
+`megatron-branch: error: <what and where>` on stderr and exit with status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+from megatron_branch import __version__
+from megatron_branch.errors import UserError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from megatron_branch.commands.grad import add_grad_command
+
+    parser = argparse.ArgumentParser(
+        prog="megatron-branch",
+        description="Exact shared-prefix (branch replay) RL training for Megatron-Core.",
+    )
+    parser.add_argument("--version", action="version", version=f"megatron-branch {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_grad_command(sub)
+    try:
+        from megatron_branch.checkpoint.cli import add_convert_commands
+    except ImportError:  # pragma: no cover - only while the checkpoint tools are absent
+        pass
+    else:
+        add_convert_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    # megatron-core warns at import about apex/TE being absent on CPU; that is expected here, not news.
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core.*")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UserError as e:
+        rank = os.environ.get("RANK")
+        prefix = (
+            "megatron-branch: error: " if rank in (None, "0") else f"megatron-branch[rank {rank}]: error: "
+        )
+        print(prefix + str(e).replace("\n", " "), file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Command implementations behind the `megatron-branch` CLI."""

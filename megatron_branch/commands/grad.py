@@ -1,0 +1,179 @@
+"""`megatron-branch grad`: one logical batch forward/backward, gradients written under HF names.
+
+Contract (stable; other tools rely on it):
+    megatron-branch grad --hf DIR --rollouts FILE.jsonl --out GRADS.safetensors
+        [--schedule replay|packed|naive] [--dtype float32|float64] [--tp N] [--cp N] [--sequence-parallel]
+        [--logprobs-out LP.jsonl]
+Loss (on-policy GRPO form): L = -(1/T) sum_i sum_{t in response_i} A_i logp(i,t), T = all response tokens.
+GRADS: dL/dparam for every trainable parameter, full unsharded, HF names, in --dtype. The last stdout line is JSON.
+Runs single-process or under `torchrun --nproc_per_node N -m megatron_branch grad ...` (world = tp*cp*dp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_branch.errors import UserError
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def add_grad_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "grad",
+        help="gradient of the GRPO loss over a rollout file (parity checks from outside)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--hf", required=True, help="Hugging Face folder (config.json + safetensors): Llama or Qwen2"
+    )
+    p.add_argument(
+        "--rollouts", required=True, help='JSONL: {"prompt": [ids], "response": [ids], "advantage": x}'
+    )
+    p.add_argument("--out", required=True, help="where to write the gradients (.safetensors, HF names)")
+    p.add_argument("--schedule", default="replay", choices=["replay", "packed", "naive"])
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size (ring attention)")
+    p.add_argument("--sequence-parallel", action="store_true", help="sequence parallel over the TP group")
+    p.add_argument("--backend", default=None, help="attention backend override (merge, packed, reference)")
+    p.add_argument("--recompute", action="store_true", help="replay: recompute inner segments at backward")
+    p.add_argument("--branch-micro-batch", type=int, default=8, help="replay: sibling leaves per forward")
+    p.add_argument("--logprobs-out", default=None, help="write each rollout's response logprobs (JSONL)")
+    p.set_defaults(func=run_grad)
+
+
+def _atomic_write(path: str, write: Any) -> None:
+    """Write via a temporary file in the same folder, then rename: never a half-written output."""
+    target = Path(path)
+    if not target.parent.is_dir():
+        raise UserError(f"output folder {str(target.parent)!r} does not exist")
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        write(str(tmp))
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def run_grad(args: argparse.Namespace) -> int:
+    from safetensors.torch import save_file
+
+    from megatron_branch.checkpoint.hf_io import HFTensorReader, load_hf_config
+    from megatron_branch.checkpoint.param_map import iter_hf_to_mcore, mcore_to_hf_state
+    from megatron_branch.checkpoint.tp import gather_full_grads, load_full_tensor
+    from megatron_branch.data import PrefixTree, read_rollouts_jsonl
+    from megatron_branch.losses import PolicyGradientObjective
+    from megatron_branch.models import ModelArch, build_model
+    from megatron_branch.parallel.data import assign_groups
+    from megatron_branch.parallel.grads import finalize_grads
+    from megatron_branch.parallel.groups import ParallelConfig, init_distributed, initialize_parallel
+    from megatron_branch.schedule import ScheduleOptions, run_schedule
+
+    dtype = DTYPES[args.dtype]
+    # Validate everything the user gave before any collective or model work.
+    pcfg = ParallelConfig(tp=args.tp, cp=args.cp, sequence_parallel=args.sequence_parallel)
+    arch = ModelArch.from_hf_config(load_hf_config(args.hf), where=os.path.join(args.hf, "config.json"))
+    arch.check_tensor_parallel(pcfg.tp)
+    reader = HFTensorReader(args.hf)
+    rollouts = read_rollouts_jsonl(args.rollouts, vocab_size=arch.vocab_size)
+    full_tree = PrefixTree.build(rollouts, vocab_size=arch.vocab_size)
+    rank, world = init_distributed()
+    pcfg.data_parallel_size(world)
+    if pcfg.cp > 1:
+        try:
+            from megatron_branch.parallel.cp_layout import check_cp_fits
+        except ImportError:
+            raise UserError(
+                "--cp > 1 is not available in this build (context parallelism is in progress)"
+            ) from None
+        check_cp_fits(full_tree, pcfg.cp)
+
+    groups = initialize_parallel(pcfg)
+    model = build_model(arch, dtype=dtype, tp=groups.tp_size, sequence_parallel=groups.sequence_parallel)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, full in iter_hf_to_mcore(
+            reader.keys(),
+            reader.get,
+            arch,
+            padded_vocab=arch.padded_vocab_size(groups.tp_size),
+            where=args.hf,
+        ):
+            load_full_tensor(model, name, full.to(dtype), groups.tp, params=params)
+
+    dp_rank = dist.get_rank(groups.dp)
+    mine = assign_groups(full_tree, groups.dp_size)[dp_rank]
+    T = full_tree.num_response_tokens_logical()  # GLOBAL logical count: any DP size gives the same gradient
+    model.zero_grad(set_to_none=True)
+    loss, result, tree = 0.0, None, None
+    if mine:
+        tree = PrefixTree.build([rollouts[i] for i in mine], vocab_size=arch.vocab_size)
+        objective = PolicyGradientObjective.grpo([rollouts[i].advantage for i in mine], T)
+        opts = ScheduleOptions(
+            tp_group=groups.tp,
+            tp_size=groups.tp_size,
+            sequence_parallel=groups.sequence_parallel,
+            vocab_size=arch.vocab_size,
+            backend=args.backend,
+            branch_micro_batch=args.branch_micro_batch,
+            recompute=args.recompute,
+            keep_logprobs=args.logprobs_out is not None,
+            **({"cp_group": groups.cp, "cp_size": groups.cp_size} if groups.cp_size > 1 else {}),
+        )
+        result = run_schedule(args.schedule, model, tree, objective, opts)
+        loss = result.loss
+    finalize_grads(
+        model, tp_group=groups.tp, dp_cp_group=groups.dp_cp, sequence_parallel=groups.sequence_parallel
+    )
+    loss_t = torch.tensor([loss, result.positions_computed if result else 0], dtype=torch.float64)
+    if groups.dp_size > 1:
+        dist.all_reduce(loss_t, group=groups.dp)
+    grads = mcore_to_hf_state(gather_full_grads(model, groups.tp), arch)
+
+    lp_rows: list[tuple[int, list[float]]] = []
+    if args.logprobs_out is not None and result is not None:
+        lp_rows = [(mine[j], result.rollout_logprobs(tree, j).tolist()) for j in range(len(mine))]
+    if args.logprobs_out is not None and groups.dp_size > 1:
+        gathered: list[Any] = [None] * groups.dp_size
+        dist.all_gather_object(gathered, lp_rows, group=groups.dp)
+        lp_rows = [row for part in gathered for row in part]
+
+    if rank == 0:
+        grads = {n: g.to(dtype).contiguous() for n, g in grads.items()}
+        _atomic_write(args.out, lambda p: save_file(grads, p))
+        if args.logprobs_out is not None:
+
+            def write_lp(p: str) -> None:
+                with open(p, "w") as f:
+                    for i, lp in sorted(lp_rows):
+                        f.write(json.dumps({"index": i, "logprobs": lp}) + "\n")
+
+            _atomic_write(args.logprobs_out, write_lp)
+        summary = {
+            "schedule": args.schedule,
+            "loss": float(loss_t[0]),
+            "positions_logical": full_tree.positions_logical,
+            "positions_computed": int(loss_t[1]) if args.schedule != "naive" else full_tree.positions_logical,
+            "positions_tree": full_tree.positions_computed,
+            "rollouts": len(rollouts),
+            "response_tokens": T,
+            "dtype": args.dtype,
+            "tp": groups.tp_size,
+            "cp": groups.cp_size,
+            "dp": groups.dp_size,
+            "sequence_parallel": groups.sequence_parallel,
+            "out": args.out,
+        }
+        print(json.dumps(summary), flush=True)
+    dist.barrier()
+    return 0
