@@ -1,0 +1,119 @@
+"""Every CPU shim: applied without CUDA, idempotent, and loud when megatron-core renames what it patches."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from megatron_branch.compat import cpu
+
+
+def test_shims_apply_and_are_idempotent() -> None:
+    cpu.apply_cpu_shims()
+    assert set(cpu.applied_shims()) == set(cpu._SHIMS)
+    assert cpu.apply_cpu_shims() == []  # second call: nothing to do
+
+
+@pytest.mark.parametrize(
+    "module,attr",
+    [
+        ("megatron.core.tensor_parallel.random", "_CUDA_RNG_STATE_TRACKER"),
+        ("megatron.core.tensor_parallel.random", "initialize_rng_tracker"),
+        ("megatron.core.transformer.utils", "get_default_causal_mask"),
+        ("megatron.core.fusions.fused_softmax", "get_default_causal_mask"),
+        ("megatron.core.models.common.embeddings.rope_utils", "get_pos_emb_on_this_cp_rank"),
+        ("megatron.core.models.common.embeddings.rotary_pos_embedding", "get_pos_emb_on_this_cp_rank"),
+        ("megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining"),
+        ("megatron.core.utils", "GlobalMemoryBuffer"),
+    ],
+)
+def test_patched_names_exist_in_pinned_megatron(module: str, attr: str) -> None:
+    assert hasattr(importlib.import_module(module), attr), f"{module}.{attr} moved: update compat/cpu.py"
+
+
+def test_renamed_target_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    mod = importlib.import_module("megatron.core.transformer.utils")
+    monkeypatch.delattr(mod, "get_default_causal_mask")
+    with pytest.raises(cpu.CompatError, match="get_default_causal_mask"):
+        cpu._shim_default_mask()
+
+
+def test_current_device_is_cpu_and_buffers_allocate() -> None:
+    cpu.apply_cpu_shims()
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    buf = GlobalMemoryBuffer().get_tensor((3, 4), torch.float32, "x")
+    assert buf.device.type == "cpu" and buf.shape == (3, 4)
+
+
+def test_rng_tracker_forks_cpu_state_and_restores() -> None:
+    tracker = cpu.CpuRNGStatesTracker()
+    tracker.add("model-parallel-rng", 123)
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    with tracker.fork("model-parallel-rng"):
+        a = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), before)  # default stream untouched
+    gen = torch.Generator().manual_seed(123)
+    assert torch.equal(a, torch.rand(3, generator=gen))  # the forked stream is the seeded one
+    with tracker.fork("model-parallel-rng"):
+        b = torch.rand(3)
+    assert torch.equal(b, torch.rand(3, generator=gen))  # and it advances across forks
+    with pytest.raises(Exception, match="already exists"):
+        tracker.add("other", 123)
+
+
+def test_megatron_default_causal_mask_on_cpu() -> None:
+    cpu.apply_cpu_shims()
+    from megatron.core.transformer import utils
+
+    m = utils.get_default_causal_mask(4)
+    assert m.device.type == "cpu" and m.dtype == torch.bool and m[0, 1] and not m[1, 0]
+
+
+def test_rope_cp_slice_matches_zigzag() -> None:
+    cpu.apply_cpu_shims()
+    from megatron.core.models.common.embeddings import rope_utils
+
+    class G:
+        def __init__(self, r: int) -> None:
+            self.r = r
+
+        def size(self) -> int:
+            return 2
+
+        def rank(self) -> int:
+            return self.r
+
+    emb = torch.arange(8.0)[:, None, None, None]
+    assert rope_utils.get_pos_emb_on_this_cp_rank(emb, 0, G(0)).flatten().tolist() == [0, 1, 6, 7]
+    assert rope_utils.get_pos_emb_on_this_cp_rank(emb, 0, G(1)).flatten().tolist() == [2, 3, 4, 5]
+
+
+def test_schedule_factories_map_cuda_to_cpu() -> None:
+    cpu.apply_cpu_shims()
+    from megatron.core.pipeline_parallel import schedules
+
+    t = schedules.torch.zeros([], dtype=torch.int, device="cuda")
+    assert t.device.type == "cpu"
+    assert schedules.torch.float32 is torch.float32
+
+
+def test_norm_builder_marks_sequence_parallel() -> None:
+    from megatron_branch.compat.norm import TorchNorm
+    from megatron_branch.models import ModelArch
+
+    arch = ModelArch(
+        family="llama",
+        vocab_size=16,
+        hidden_size=8,
+        num_layers=1,
+        num_attention_heads=2,
+        num_query_groups=2,
+        ffn_hidden_size=16,
+    )
+    cfg = arch.to_transformer_config(tp=2, sequence_parallel=True)
+    norm = TorchNorm(config=cfg, hidden_size=8, eps=1e-6)
+    assert isinstance(norm, torch.nn.RMSNorm) and norm.weight.sequence_parallel is True

@@ -1,0 +1,177 @@
+"""`megatron-branch grad`: the stable contract, parity between schedules, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron_branch.cli import main
+from megatron_branch.data import write_rollouts_jsonl
+from megatron_branch.testing import (
+    exact_hf_norms,
+    hf_policy_gradient,
+    random_tree_rollouts,
+    tiny_hf_config,
+    tiny_hf_model,
+)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("grad")
+    hf = tiny_hf_model(tiny_hf_config("llama", tie=True), seed=2)
+    hf.save_pretrained(d / "hf")
+    write_rollouts_jsonl(d / "r.jsonl", random_tree_rollouts(groups=2, levels=2, branches=3, seed=3))
+    return d
+
+
+def grad(
+    workdir: Path, capsys: pytest.CaptureFixture[str], *extra: str, out: str = "g.safetensors"
+) -> tuple[int, dict, str]:
+    rc = main(
+        [
+            "grad",
+            "--hf",
+            str(workdir / "hf"),
+            "--rollouts",
+            str(workdir / "r.jsonl"),
+            "--out",
+            str(workdir / out),
+            *extra,
+        ]
+    )
+    cap = capsys.readouterr()
+    lines = [ln for ln in cap.out.strip().splitlines() if ln.strip()]
+    return rc, (json.loads(lines[-1]) if rc == 0 else {}), cap.err
+
+
+def test_schedules_agree_and_match_hf_float64(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    results = {}
+    for schedule in ("naive", "packed", "replay"):
+        rc, summary, _ = grad(
+            workdir,
+            capsys,
+            "--schedule",
+            schedule,
+            "--dtype",
+            "float64",
+            "--logprobs-out",
+            str(workdir / f"lp_{schedule}.jsonl"),
+            out=f"g_{schedule}.safetensors",
+        )
+        assert rc == 0
+        assert {"loss", "positions_logical", "positions_computed", "schedule"} <= summary.keys()
+        assert summary["schedule"] == schedule
+        results[schedule] = (summary, load_file(workdir / f"g_{schedule}.safetensors"))
+    naive_summary, naive = results["naive"]
+    assert naive_summary["positions_computed"] == naive_summary["positions_logical"]
+    assert (
+        results["replay"][0]["positions_computed"]
+        == results["replay"][0]["positions_tree"]
+        < naive_summary["positions_logical"]
+    )
+
+    from transformers import AutoModelForCausalLM
+
+    from megatron_branch.data import read_rollouts_jsonl
+
+    hf = exact_hf_norms(
+        AutoModelForCausalLM.from_pretrained(workdir / "hf", dtype=torch.float64, attn_implementation="sdpa")
+    )
+    hf_loss, hf_grads = hf_policy_gradient(hf, read_rollouts_jsonl(workdir / "r.jsonl"))
+    assert set(naive) == {n for n, p in hf.named_parameters()}  # every trainable parameter, HF names
+    for schedule, (summary, grads) in results.items():
+        assert summary["loss"] == pytest.approx(hf_loss, rel=1e-10)
+        for name, g in grads.items():
+            assert g.dtype == torch.float64 and g.shape == hf_grads[name].shape
+            err = ((g - hf_grads[name]).norm() / hf_grads[name].norm()).item()
+            assert err <= 1e-9, f"{schedule} {name}: {err:.2e}"
+    lp = {s: [json.loads(x) for x in open(workdir / f"lp_{s}.jsonl")] for s in results}
+    assert [r["index"] for r in lp["replay"]] == list(range(len(lp["naive"])))
+    for a, b in zip(lp["replay"], lp["naive"]):
+        assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-12)
+
+
+BAD_LINES = {
+    "not json": ("{prompt: 1}", "invalid JSON"),
+    "missing field": ('{"prompt": [1], "response": [2]}', "advantage"),
+    "id beyond vocab": ('{"prompt": [1], "response": [999], "advantage": 1}', "999"),
+    "empty response": ('{"prompt": [1], "response": [], "advantage": 1}', "response"),
+    "negative id": ('{"prompt": [-1], "response": [2], "advantage": 1}', "-1"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_LINES))
+def test_bad_rollouts_one_line_error(workdir: Path, capsys: pytest.CaptureFixture[str], case: str) -> None:
+    line, word = BAD_LINES[case]
+    bad = workdir / f"bad_{case.replace(' ', '_')}.jsonl"
+    bad.write_text(line + "\n")
+    out = workdir / "never.safetensors"
+    rc = main(["grad", "--hf", str(workdir / "hf"), "--rollouts", str(bad), "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert err.startswith("megatron-branch: error:") and "\n" not in err
+    assert f"{bad}:1" in err and word in err
+    assert not out.exists()
+
+
+def test_bad_configuration_refused_before_work(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = grad(workdir, capsys, "--tp", "3")
+    assert rc == 2 and "tensor parallel size 3" in err
+    rc, _, err = grad(workdir, capsys, "--tp", "2")  # world of 1 cannot hold tp=2
+    assert rc == 2 and "world size 1" in err
+    rc = main(
+        [
+            "grad",
+            "--hf",
+            str(workdir / "nope"),
+            "--rollouts",
+            str(workdir / "r.jsonl"),
+            "--out",
+            str(workdir / "x"),
+        ]
+    )
+    assert rc == 2 and "nope" in capsys.readouterr().err
+    rc = main(
+        [
+            "grad",
+            "--hf",
+            str(workdir / "hf"),
+            "--rollouts",
+            str(workdir / "r.jsonl"),
+            "--out",
+            str(workdir / "no/dir/g.st"),
+        ]
+    )
+    assert rc == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_module_entry_point_has_no_traceback(workdir: Path) -> None:
+    bad = workdir / "bad.jsonl"
+    bad.write_text('{"prompt": [1], "response": [2], "advantage": "high"}\n')
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_branch",
+            "grad",
+            "--hf",
+            str(workdir / "hf"),
+            "--rollouts",
+            str(bad),
+            "--out",
+            str(workdir / "x.st"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 2
+    assert "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith("megatron-branch: error:")
