@@ -88,10 +88,9 @@ def prepare_chunk(
     """The chunk of `segments` (cached ancestors `external`); under CP, this rank's zigzag share of it."""
     if opts.cp_size == 1:
         return make_chunk(tree, segments, external=external, pad_to_multiple=opts.pad_to)
+    assert dist.get_world_size(opts.cp_group) == opts.cp_size, "cp_size must be the size of cp_group"
     full = make_chunk(tree, segments, external=external)
-    return split_chunk(
-        tree, full, opts.cp_size, dist.get_rank(opts.cp_group), pad_to_multiple=opts.pad_to
-    )
+    return split_chunk(tree, full, opts.cp_size, dist.get_rank(opts.cp_group), pad_to_multiple=opts.pad_to)
 
 
 def forward_chunk(
@@ -157,7 +156,9 @@ def reduce_over_cp(
     dist.all_reduce(t, group=opts.cp_group)
     if store is not None:
         held = ~torch.isnan(store)
-        both = torch.stack([torch.where(held, store, torch.zeros_like(store)), held.to(store.dtype)])  # [2, N]
+        both = torch.stack(
+            [torch.where(held, store, torch.zeros_like(store)), held.to(store.dtype)]
+        )  # [2, N]
         dist.all_reduce(both, group=opts.cp_group)
         store = torch.where(both[1] > 0, both[0], torch.full_like(store, float("nan")))
     return float(t[0]), store
