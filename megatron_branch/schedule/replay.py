@@ -25,6 +25,7 @@ import torch
 from megatron_branch.attention.core_attention import KV
 from megatron_branch.data import PrefixTree
 from megatron_branch.losses.objective import PolicyGradientObjective
+from megatron_branch.memory import track_extra
 from megatron_branch.schedule.common import (
     ScheduleOptions,
     StepResult,
@@ -111,6 +112,8 @@ class _Replay:
             layer: (k[:real].detach().requires_grad_(), v[:real].detach().requires_grad_())
             for layer, (k, v) in captured.items()
         }
+        # the cache is activation memory too: an active ActivationMeter counts it (a no-op otherwise)
+        track_extra(t for kv in self.cache[seg_id].values() for t in kv)
         self.path.append(seg_id)
         for group in self._child_groups(seg.children):
             if len(group) == 1:
