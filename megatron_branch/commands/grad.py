@@ -3,10 +3,12 @@
 Contract (stable; other tools rely on it):
     megatron-branch grad --hf DIR --rollouts FILE.jsonl --out GRADS.safetensors
         [--schedule replay|packed|naive] [--dtype float32|float64] [--tp N] [--cp N] [--sequence-parallel]
-        [--logprobs-out LP.jsonl]
+        [--logprobs-out LP.jsonl] [--grad-sync ddp|manual]
 Loss (on-policy GRPO form): L = -(1/T) sum_i sum_{t in response_i} A_i logp(i,t), T = all response tokens.
 GRADS: dL/dparam for every trainable parameter, full unsharded, HF names, in --dtype. The last stdout line is JSON.
 Runs single-process or under `torchrun --nproc_per_node N -m megatron_branch grad ...` (world = tp*cp*dp).
+With more than one process the gradients are reduced by megatron-core's DistributedDataParallel and
+finalize_model_grads (--grad-sync ddp, the default) or by megatron_branch.parallel.grads (--grad-sync manual).
 """
 
 from __future__ import annotations
@@ -48,6 +50,12 @@ def add_grad_command(sub: Any) -> None:
     p.add_argument("--recompute", action="store_true", help="replay: recompute inner segments at backward")
     p.add_argument("--branch-micro-batch", type=int, default=8, help="replay: sibling leaves per forward")
     p.add_argument("--logprobs-out", default=None, help="write each rollout's response logprobs (JSONL)")
+    p.add_argument(
+        "--grad-sync",
+        default="ddp",
+        choices=["ddp", "manual"],
+        help="multi-process gradient reduction: megatron-core DDP + finalize_model_grads, or the plain reference",
+    )
     p.set_defaults(func=run_grad)
 
 
@@ -82,21 +90,28 @@ def run_grad(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype]
     # Validate everything the user gave before any collective or model work.
     pcfg = ParallelConfig(tp=args.tp, cp=args.cp, sequence_parallel=args.sequence_parallel)
+    if pcfg.cp > 1 and args.schedule == "naive":
+        # naive runs every rollout whole through megatron's own attention: it has no ring, so under CP every CP
+        # rank would compute the whole batch and the CP sum would count it cp times.
+        raise UserError(
+            f"--schedule naive has no context parallelism (it is the unsplit baseline); "
+            f"use --schedule packed or replay with --cp {pcfg.cp}"
+        )
     arch = ModelArch.from_hf_config(load_hf_config(args.hf), where=os.path.join(args.hf, "config.json"))
     arch.check_tensor_parallel(pcfg.tp)
     reader = HFTensorReader(args.hf)
     rollouts = read_rollouts_jsonl(args.rollouts, vocab_size=arch.vocab_size)
     full_tree = PrefixTree.build(rollouts, vocab_size=arch.vocab_size)
     rank, world = init_distributed()
-    pcfg.data_parallel_size(world)
+    dp_size = pcfg.data_parallel_size(world)
     if pcfg.cp > 1:
-        try:
-            from megatron_branch.parallel.cp_layout import check_cp_fits
-        except ImportError:
-            raise UserError(
-                "--cp > 1 is not available in this build (context parallelism is in progress)"
-            ) from None
-        check_cp_fits(full_tree, pcfg.cp)
+        from megatron_branch.parallel.cp_layout import check_cp_fits
+
+        # each DP rank runs its own share of the groups: every share must fill its CP ranks
+        for share in assign_groups(full_tree, dp_size):
+            if share:
+                sub = PrefixTree.build([rollouts[i] for i in share], vocab_size=arch.vocab_size)
+                check_cp_fits(sub, pcfg.cp)
 
     groups = initialize_parallel(pcfg)
     model = build_model(arch, dtype=dtype, tp=groups.tp_size, sequence_parallel=groups.sequence_parallel)
@@ -110,6 +125,16 @@ def run_grad(args: argparse.Namespace) -> int:
             where=args.hf,
         ):
             load_full_tensor(model, name, full.to(dtype), groups.tp, params=params)
+
+    # megatron's DDP (when there is more than one process): main_grad buffers, SUM over dp x cp, SP norm sum over TP
+    ddp = None
+    if args.grad_sync == "ddp" and world > 1:
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        from megatron_branch.parallel.ddp import finalize_megatron_grads, wrap_megatron_ddp
+
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()  # the entry point owns the groups
+        ddp = wrap_megatron_ddp(model, dtype=dtype, pg_collection=pg_collection)
 
     dp_rank = dist.get_rank(groups.dp)
     mine = assign_groups(full_tree, groups.dp_size)[dp_rank]
@@ -130,11 +155,14 @@ def run_grad(args: argparse.Namespace) -> int:
             keep_logprobs=args.logprobs_out is not None,
             **({"cp_group": groups.cp, "cp_size": groups.cp_size} if groups.cp_size > 1 else {}),
         )
-        result = run_schedule(args.schedule, model, tree, objective, opts)
+        result = run_schedule(args.schedule, ddp if ddp is not None else model, tree, objective, opts)
         loss = result.loss
-    finalize_grads(
-        model, tp_group=groups.tp, dp_cp_group=groups.dp_cp, sequence_parallel=groups.sequence_parallel
-    )
+    if ddp is not None:
+        finalize_megatron_grads(ddp, pg_collection=pg_collection)
+    else:
+        finalize_grads(
+            model, tp_group=groups.tp, dp_cp_group=groups.dp_cp, sequence_parallel=groups.sequence_parallel
+        )
     loss_t = torch.tensor([loss, result.positions_computed if result else 0], dtype=torch.float64)
     if groups.dp_size > 1:
         dist.all_reduce(loss_t, group=groups.dp)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_branch.data import PrefixTree
+from megatron_branch.errors import UserError
 
 if TYPE_CHECKING:  # runtime import would be circular (schedule.common imports this module)
     from megatron_branch.schedule.chunks import Chunk
@@ -140,3 +141,23 @@ def split_chunk(
         targets=chunk.targets[mine],
         target_rows=pred_row[mine],
     )
+
+
+def check_cp_fits(tree: PrefixTree, cp_size: int) -> None:
+    """Refuse (UserError) a CP size under which some CP rank would hold no real token in the whole step.
+
+    Why this rule: nothing BREAKS when a rank holds only padding (the ring gives padding rows no key and hides them
+    from every query, and a rank with no target back-propagates a zero loss; tests/distributed cover a 2-token tree
+    on 4 ranks), but such a rank only pays for the ring and computes nothing: a layout that cannot be meant.
+    Zigzag gives rank r a real token of a segment of length L iff L > r * ceil(L / 2cp), which for the LAST rank
+    (cp-1, the hardest to fill) holds iff L >= cp. Every chunk of every schedule is a set of whole segments, so
+    every rank computes something in the step iff the tree's longest segment has at least cp tokens.
+    """
+    if cp_size <= 1:
+        return
+    longest = max((s.length for s in tree.segments), default=0)
+    if longest < cp_size:
+        raise UserError(
+            f"--cp {cp_size} is larger than the tokens allow: the longest prefix-tree segment has {longest} "
+            f"tokens, so context-parallel rank {cp_size - 1} would hold no real token (use --cp <= {longest})"
+        )

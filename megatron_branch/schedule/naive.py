@@ -18,6 +18,11 @@ from megatron_branch.schedule.common import ScheduleOptions, StepResult
 def run_naive(
     model: torch.nn.Module, tree: PrefixTree, objective: PolicyGradientObjective, opts: ScheduleOptions
 ) -> StepResult:
+    # Under CP every CP rank would run every rollout whole, and the CP grad sum would count it cp times.
+    if opts.cp_size > 1:
+        raise ValueError(
+            "the naive schedule has no context parallelism (cp_size must be 1); use packed or replay"
+        )
     total = 0.0
     store = torch.full((tree.num_tokens,), float("nan"), dtype=torch.float64) if opts.keep_logprobs else None
     for i, r in enumerate(tree.rollouts):
