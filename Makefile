@@ -23,6 +23,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest tests/unit tests/gpu -q -p no:cacheprovider
 	$(BIN)/python tests/distributed/launch.py 2
 	$(BIN)/python tests/distributed/launch.py 4
+	$(BIN)/python tests/distributed/launch.py 8 -k cp8
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit -q -p no:cacheprovider
