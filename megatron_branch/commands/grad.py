@@ -59,11 +59,15 @@ def add_grad_command(sub: Any) -> None:
     p.set_defaults(func=run_grad)
 
 
+def _check_output(path: str | None) -> None:
+    if path is not None and not Path(path).parent.is_dir():
+        raise UserError(f"output folder {str(Path(path).parent)!r} does not exist")
+
+
 def _atomic_write(path: str, write: Any) -> None:
     """Write via a temporary file in the same folder, then rename: never a half-written output."""
     target = Path(path)
-    if not target.parent.is_dir():
-        raise UserError(f"output folder {str(target.parent)!r} does not exist")
+    _check_output(path)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
         write(str(tmp))
@@ -90,6 +94,8 @@ def run_grad(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype]
     # Validate everything the user gave before any collective or model work.
     pcfg = ParallelConfig(tp=args.tp, cp=args.cp, sequence_parallel=args.sequence_parallel)
+    _check_output(args.out)
+    _check_output(args.logprobs_out)
     if pcfg.cp > 1 and args.schedule == "naive":
         # naive runs every rollout whole through megatron's own attention: it has no ring, so under CP every CP
         # rank would compute the whole batch and the CP sum would count it cp times.
