@@ -63,6 +63,40 @@ def cpu_checkpoint_io() -> Iterator[None]:
         torch.cuda.synchronize = real  # type: ignore[assignment]
 
 
+def _sync_save_strategy() -> Any:
+    """megatron's `torch_dist` format, written synchronously by torch's FileSystemWriter.
+
+    megatron's own writer (FileSystemWriterAsync) forks writer processes and talks to a spawned
+    multiprocessing Manager; on the CPU machine this hung indefinitely (measured: 10+ minutes on a 15-tensor
+    model). The files are the same torch.distributed.checkpoint layout, so megatron's loader reads them.
+    """
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+
+    class SyncTorchDistSave(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
+            # The same translation as megatron's async_save, then torch's synchronous writer.
+            sharded_state_dict, _, _ = _replace_state_dict_keys_with_sharded_keys(
+                sharded_state_dict, self.keep_only_main_replica
+            )
+            pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, False)
+            dcp_save(
+                pyt_state_dict,
+                storage_writer=FileSystemWriter(str(checkpoint_dir), thread_count=1),
+                planner=MCoreSavePlanner(
+                    dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False
+                ),
+            )
+
+    return SyncTorchDistSave("torch_dist", 1)
+
+
 def _rank_world() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -114,7 +148,9 @@ def save_mcore_checkpoint(
     ok = False
     try:
         with cpu_checkpoint_io():
-            dist_checkpointing.save(model.sharded_state_dict(), str(tmp))
+            dist_checkpointing.save(
+                model.sharded_state_dict(), str(tmp), sharded_strategy=_sync_save_strategy()
+            )
         if dist.is_initialized():
             dist.barrier()
         if rank == 0:
@@ -181,8 +217,8 @@ def convert_hf_to_mcore(
             f"--tp {tp} needs a launch whose process count is a multiple of {tp} (this one has {world})"
         )
     groups = initialize_parallel(ParallelConfig(tp=tp))
-    # No random init: every parameter is overwritten from the HF tensors below.
-    model = build_model(arch, dtype=dtype, tp=tp, perform_initialization=False)
+    # Random init is kept: megatron sets the TP attributes (partition_dim) only on that path with CPU init.
+    model = build_model(arch, dtype=dtype, tp=tp)
     padded = arch.padded_vocab_size(tp)
     params = dict(model.named_parameters())
     names = iter_hf_to_mcore(reader.keys(), reader.get, arch, padded_vocab=padded, where=str(hf_dir))

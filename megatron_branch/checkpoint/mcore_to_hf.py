@@ -88,7 +88,7 @@ def load_mcore_checkpoint(
     arch: ModelArch = meta["arch_obj"]
     arch.check_tensor_parallel(tp)
     dt = parse_dtype(dtype) or parse_dtype(meta.get("dtype", "float32"))
-    model = build_model(arch, dtype=dt, tp=tp, perform_initialization=False)
+    model = build_model(arch, dtype=dt, tp=tp)
     sharded = model.sharded_state_dict()
     try:
         saved = dist_checkpointing.load_tensors_metadata(str(d))

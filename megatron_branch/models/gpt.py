@@ -19,7 +19,7 @@ from megatron_branch.attention.core_attention import BranchCoreAttention
 from megatron_branch.compat.cpu import apply_cpu_shims
 from megatron_branch.compat.norm import TorchNorm
 from megatron_branch.models.arch import ModelArch
-from megatron_branch.models.rotary import PositionRotaryEmbedding
+from megatron_branch.models.rotary import enable_position_rope
 
 
 def branch_layer_spec(*, use_apex_or_te_norm: bool = False) -> ModuleSpec:
@@ -37,24 +37,14 @@ def branch_layer_spec(*, use_apex_or_te_norm: bool = False) -> ModuleSpec:
 
 
 class BranchGPTModel(GPTModel):
-    """GPTModel whose RoPE follows explicit position ids ([s], shared by the batch)."""
+    """GPTModel whose RoPE follows explicit position ids ([b, s] with identical rows).
+
+    forward(input_ids [b, s], position_ids [b, s], attention_mask) -> logits [b, s, v/tp] (vocab-parallel).
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.position_embedding_type == "rope":
-            self.rotary_pos_emb = PositionRotaryEmbedding(self.rotary_pos_emb)
-
-    def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: Any, **kwargs: Any
-    ) -> Any:
-        """input_ids [b, s], position_ids [b, s] (rows identical) -> logits [b, s, v/tp] (vocab-parallel)."""
-        if isinstance(self.rotary_pos_emb, PositionRotaryEmbedding):
-            self.rotary_pos_emb.position_ids = position_ids[0]
-        try:
-            return super().forward(input_ids, position_ids, attention_mask, **kwargs)
-        finally:
-            if isinstance(self.rotary_pos_emb, PositionRotaryEmbedding):
-                self.rotary_pos_emb.position_ids = None
+        enable_position_rope(self)
 
 
 def build_model(

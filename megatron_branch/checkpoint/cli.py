@@ -1,0 +1,80 @@
+"""`convert hf-to-mcore`, `convert mcore-to-hf` and `verify-conversion` subcommands of `megatron-branch`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+SUPPORTED = (
+    "Supported: LlamaForCausalLM and Qwen2ForCausalLM (RMSNorm, SwiGLU, RoPE without scaling), GQA/MQA, "
+    "Qwen2 QKV bias, tied or untied embeddings, any vocabulary size (padded to a multiple of TP). Refused: "
+    "other architectures, rope scaling (llama3, yarn, ...), sliding window, MLP or o_proj bias, a TP that does "
+    "not divide the heads, and pipeline parallel conversion."
+)
+
+
+def add_convert_commands(subparsers: Any) -> None:
+    conv = subparsers.add_parser("convert", help="convert checkpoints between Hugging Face and megatron-core")
+    csub = conv.add_subparsers(dest="convert_direction", required=True)
+
+    h2m = csub.add_parser(
+        "hf-to-mcore",
+        help="Hugging Face folder -> megatron-core distributed checkpoint",
+        description="Write a megatron-core dist checkpoint (loads under any TP) from a local HF folder. "
+        "Run under torchrun with N processes for --tp N. " + SUPPORTED,
+    )
+    h2m.add_argument("--hf", required=True, help="local HF model folder (config.json + safetensors)")
+    h2m.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
+    h2m.add_argument("--tp", type=int, default=1, help="tensor-parallel size to build with (default 1)")
+    h2m.add_argument("--pp", type=int, default=1, help="pipeline-parallel size; only 1 is supported")
+    h2m.add_argument(
+        "--dtype", default=None, help="float32, bfloat16 or float16 (default: the HF storage dtype)"
+    )
+    h2m.set_defaults(func=run)
+
+    m2h = csub.add_parser(
+        "mcore-to-hf",
+        help="megatron-core distributed checkpoint -> Hugging Face folder",
+        description="Write config.json + sharded safetensors (+ index) from a checkpoint made by hf-to-mcore or "
+        "by training, saved at any TP. " + SUPPORTED,
+    )
+    m2h.add_argument("--mcore", required=True, help="megatron checkpoint folder (with megatron_branch.json)")
+    m2h.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
+    m2h.add_argument("--tokenizer", default=None, help="folder whose tokenizer files are copied")
+    m2h.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
+    m2h.set_defaults(func=run)
+
+    ver = subparsers.add_parser(
+        "verify-conversion",
+        help="compare logits of a HF model and its megatron conversion",
+        description="Runs transformers (fp32, eager) and the megatron model on a few deterministic random "
+        "sequences; prints max |logit diff|, KL and argmax agreement as JSON; exits 1 past --tol. "
+        + SUPPORTED,
+    )
+    ver.add_argument("--hf", required=True, help="local HF model folder")
+    ver.add_argument("--mcore", required=True, help="megatron checkpoint folder")
+    ver.add_argument("--tol", type=float, default=1e-4, help="max allowed |logit difference| (default 1e-4)")
+    ver.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if getattr(args, "convert_direction", None) == "hf-to-mcore":
+        from megatron_branch.checkpoint.hf_to_mcore import convert_hf_to_mcore
+
+        out = convert_hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype)
+        print(f"wrote {out}")
+        return 0
+    if getattr(args, "convert_direction", None) == "mcore-to-hf":
+        from megatron_branch.checkpoint.mcore_to_hf import convert_mcore_to_hf
+
+        out = convert_mcore_to_hf(
+            args.mcore, args.out, tokenizer_dir=args.tokenizer, max_shard_size=args.max_shard_size
+        )
+        print(f"wrote {out}")
+        return 0
+    from megatron_branch.checkpoint.verify import verify_conversion
+
+    report = verify_conversion(args.hf, args.mcore, tol=args.tol)
+    print(json.dumps(report, indent=2))
+    return 0 if report["ok"] else 1
