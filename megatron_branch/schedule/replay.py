@@ -43,7 +43,8 @@ class _Replay:
     ) -> None:
         self.model, self.tree, self.weights, self.opts = model, tree, weights, opts
         self.cache: dict[int, dict[int, KV]] = {}  # segment -> layer -> (k [l,b,g,h], v) leaves
-        self.meta: dict[int, torch.Tensor] = {}  # CP only: segment -> [2, l] metadata of this rank's cached rows
+        # CP only: segment -> [2, l] metadata of this rank's cached rows
+        self.meta: dict[int, torch.Tensor] = {}
         self.path: list[int] = []  # cached ancestors of what runs next, root first
         self.loss = 0.0
         self.forwards = 0
