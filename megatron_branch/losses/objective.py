@@ -1,22 +1,40 @@
-"""Token-additive RL objectives on the LOGICAL batch.
+"""RL objectives on the LOGICAL batch, behind the one interface every schedule uses.
 
-A schedule evaluates the objective on the targets it has in hand (a chunk of the packed tree, or one rollout in the
-naive schedule). The objective must therefore be a sum over (rollout, response token) terms; its normalisation is
-fixed once for the logical batch (what naive training would count), never per chunk or micro-batch.
+A schedule never sees a whole rollout's loss at once: `packed` and `replay` hold chunks of the prefix tree, `naive`
+holds one rollout. So an objective is *bound* to a tree once (`bind`), fixing its normalisation on the logical batch
+(what naive training would count, across micro-batches and DP ranks), and then answers two questions:
+
+    chunk_loss(logp [m], targets [m])  -> loss of these packed target tokens (tree schedules)
+    rollout_loss(i, logp [L-1])        -> loss of rollout i given the logprobs of its tokens 1..L-1 (naive)
+
+Both must add up to the same total. A token shared by k rollouts appears once in the tree and has the same
+logprob in all of them, so any objective that is a sum over (rollout, token) of f_i,t(logp) fits: the policy
+gradient below (linear), and PPO's clipped ratio (a per-token function) alike. Sequence-level objectives (DPO)
+fit after a no-grad pass that turns them into per-rollout coefficients.
 
 `PolicyGradientObjective` is the on-policy GRPO form used by `megatron-branch grad`:
     L = -(1/T) * sum_i sum_{t in response_i} A_i * logp(i, t),   T = total response tokens (logical)
-A token shared by k rollouts appears once in the tree and carries the sum of their weights (PrefixTree.token_weights).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from megatron_branch.data import PrefixTree
+
+
+class BoundObjective(Protocol):
+    def chunk_loss(self, logp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
+
+    def rollout_loss(self, i: int, logp: torch.Tensor) -> torch.Tensor: ...
+
+
+class Objective(Protocol):
+    def bind(self, tree: PrefixTree) -> BoundObjective: ...
 
 
 @dataclass(kw_only=True)
@@ -33,18 +51,24 @@ class PolicyGradientObjective:
             raise ValueError("the batch has no response tokens")
         return cls(coef=torch.tensor(list(advantages), dtype=torch.float64) / num_response_tokens)
 
-    def tree_weights(self, tree: PrefixTree) -> torch.Tensor:
-        """[N] weight of each packed token's logprob (sum over the rollouts whose response holds it)."""
-        return tree.token_weights(self.coef)
+    def bind(self, tree: PrefixTree) -> _BoundPolicyGradient:
+        if len(self.coef) != len(tree.rollouts):
+            raise ValueError(f"{len(self.coef)} coefficients for {len(tree.rollouts)} rollouts")
+        return _BoundPolicyGradient(self, tree)
 
-    def rollout_weights(self, tree: PrefixTree, i: int) -> torch.Tensor:
-        """[len_i] weight of each token of rollout i alone (prompt tokens 0): the naive schedule's view."""
-        r = tree.rollouts[i]
-        w = torch.zeros(len(r.prompt) + len(r.response), dtype=torch.float64)
-        w[len(r.prompt) :] = self.coef[i]
-        return w
 
-    @staticmethod
-    def loss(logp: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """-sum w * logp over the given targets (weights cast to logp's dtype)."""
-        return -(logp * weights.to(logp.dtype)).sum()
+class _BoundPolicyGradient:
+    def __init__(self, objective: PolicyGradientObjective, tree: PrefixTree) -> None:
+        self.objective, self.tree = objective, tree
+        # [N] weight of each packed token's logprob: the sum over the rollouts whose response holds it
+        self.weights = tree.token_weights(objective.coef)
+
+    def chunk_loss(self, logp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return -(logp * self.weights[targets].to(logp.dtype)).sum()
+
+    def rollout_loss(self, i: int, logp: torch.Tensor) -> torch.Tensor:
+        r = self.tree.rollouts[i]
+        # logp[j] is the logprob of token j+1; response tokens start at index len(prompt)
+        w = torch.zeros(len(r.prompt) + len(r.response) - 1, dtype=torch.float64)
+        w[max(len(r.prompt) - 1, 0) :] = self.objective.coef[i]
+        return -(logp * w.to(logp.dtype)).sum()

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from megatron_branch.data import PrefixTree
-from megatron_branch.losses.objective import PolicyGradientObjective
+from megatron_branch.losses.objective import Objective
 from megatron_branch.schedule.common import ScheduleOptions, StepResult
 from megatron_branch.schedule.naive import run_naive
 from megatron_branch.schedule.packed import run_packed
@@ -28,7 +28,7 @@ def run_schedule(
     name: str,
     model: torch.nn.Module,
     tree: PrefixTree,
-    objective: PolicyGradientObjective,
+    objective: Objective,
     opts: ScheduleOptions,
 ) -> StepResult:
     """Forward and backward the logical batch `tree` with schedule `name`; gradients accumulate in the model."""

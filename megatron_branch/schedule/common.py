@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron_branch.attention.core_attention import KV, BranchContext, attach_context
 from megatron_branch.data import PrefixTree
 from megatron_branch.losses.logprobs import vocab_parallel_logprobs
+from megatron_branch.losses.objective import BoundObjective
 from megatron_branch.parallel.cp_layout import CPChunk, split_chunk, tree_related
 from megatron_branch.schedule.chunks import Chunk, make_chunk
 
@@ -97,7 +98,7 @@ def forward_chunk(
     model: torch.nn.Module,
     tree: PrefixTree,
     chunk: Chunk | CPChunk,
-    weights: torch.Tensor,
+    objective: BoundObjective,
     opts: ScheduleOptions,
     *,
     external_kv: dict[int, KV] | None = None,
@@ -131,8 +132,7 @@ def forward_chunk(
     logp = vocab_parallel_logprobs(
         rows, tree.tokens[chunk.targets], vocab_size=opts.vocab_size, tp_group=opts.tp_group
     )  # [m]
-    loss = -(logp * weights[chunk.targets].to(logp.dtype)).sum()
-    return loss, logp, ctx.captured
+    return objective.chunk_loss(logp, chunk.targets), logp, ctx.captured
 
 
 def record_logprobs(store: torch.Tensor | None, chunk: Chunk | CPChunk, logp: torch.Tensor) -> None:

@@ -11,18 +11,19 @@ import torch
 
 from megatron_branch.data import PrefixTree
 from megatron_branch.losses.logprobs import vocab_parallel_logprobs
-from megatron_branch.losses.objective import PolicyGradientObjective
+from megatron_branch.losses.objective import Objective
 from megatron_branch.schedule.common import ScheduleOptions, StepResult
 
 
 def run_naive(
-    model: torch.nn.Module, tree: PrefixTree, objective: PolicyGradientObjective, opts: ScheduleOptions
+    model: torch.nn.Module, tree: PrefixTree, objective: Objective, opts: ScheduleOptions
 ) -> StepResult:
     # Under CP every CP rank would run every rollout whole, and the CP grad sum would count it cp times.
     if opts.cp_size > 1:
         raise ValueError(
             "the naive schedule has no context parallelism (cp_size must be 1); use packed or replay"
         )
+    bound = objective.bind(tree)
     total = 0.0
     store = torch.full((tree.num_tokens,), float("nan"), dtype=torch.float64) if opts.keep_logprobs else None
     for i, r in enumerate(tree.rollouts):
@@ -36,8 +37,7 @@ def run_naive(
         logp = vocab_parallel_logprobs(
             logits[0, : L - 1], seq[1:], vocab_size=opts.vocab_size, tp_group=opts.tp_group
         )  # [L-1]: row j predicts token j+1
-        w = objective.rollout_weights(tree, i)[1:]
-        loss = -(logp * w.to(logp.dtype)).sum()
+        loss = bound.rollout_loss(i, logp)
         loss.backward()
         total += float(loss.detach())
         if store is not None:

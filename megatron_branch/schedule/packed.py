@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from megatron_branch.data import PrefixTree
-from megatron_branch.losses.objective import PolicyGradientObjective
+from megatron_branch.losses.objective import Objective
 from megatron_branch.schedule.common import (
     ScheduleOptions,
     StepResult,
@@ -22,12 +22,12 @@ from megatron_branch.schedule.common import (
 
 
 def run_packed(
-    model: torch.nn.Module, tree: PrefixTree, objective: PolicyGradientObjective, opts: ScheduleOptions
+    model: torch.nn.Module, tree: PrefixTree, objective: Objective, opts: ScheduleOptions
 ) -> StepResult:
-    weights = objective.tree_weights(tree)  # [N]
+    bound = objective.bind(tree)
     store = torch.full((tree.num_tokens,), float("nan"), dtype=torch.float64) if opts.keep_logprobs else None
     chunk = prepare_chunk(tree, range(len(tree.segments)), opts)  # under CP: this rank's zigzag share
-    loss, logp, _ = forward_chunk(model, tree, chunk, weights, opts)
+    loss, logp, _ = forward_chunk(model, tree, chunk, bound, opts)
     loss.backward()
     record_logprobs(store, chunk, logp)
     total, store = reduce_over_cp(float(loss.detach()), store, opts)

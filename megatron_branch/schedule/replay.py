@@ -24,7 +24,7 @@ import torch
 
 from megatron_branch.attention.core_attention import KV
 from megatron_branch.data import PrefixTree
-from megatron_branch.losses.objective import PolicyGradientObjective
+from megatron_branch.losses.objective import BoundObjective, Objective
 from megatron_branch.memory import track_extra
 from megatron_branch.schedule.common import (
     ScheduleOptions,
@@ -39,9 +39,9 @@ from megatron_branch.schedule.common import (
 
 class _Replay:
     def __init__(
-        self, model: torch.nn.Module, tree: PrefixTree, weights: torch.Tensor, opts: ScheduleOptions
+        self, model: torch.nn.Module, tree: PrefixTree, objective: BoundObjective, opts: ScheduleOptions
     ) -> None:
-        self.model, self.tree, self.weights, self.opts = model, tree, weights, opts
+        self.model, self.tree, self.objective, self.opts = model, tree, objective, opts
         self.cache: dict[int, dict[int, KV]] = {}  # segment -> layer -> (k [l,b,g,h], v) leaves
         # CP only: segment -> [2, l] metadata of this rank's cached rows
         self.meta: dict[int, torch.Tensor] = {}
@@ -80,7 +80,7 @@ class _Replay:
                 self.model,
                 self.tree,
                 chunk,
-                self.weights,
+                self.objective,
                 self.opts,
                 external_kv=self.external_kv(),
                 capture=capture,
@@ -154,9 +154,9 @@ class _Replay:
 
 
 def run_replay(
-    model: torch.nn.Module, tree: PrefixTree, objective: PolicyGradientObjective, opts: ScheduleOptions
+    model: torch.nn.Module, tree: PrefixTree, objective: Objective, opts: ScheduleOptions
 ) -> StepResult:
-    r = _Replay(model, tree, objective.tree_weights(tree), opts)
+    r = _Replay(model, tree, objective.bind(tree), opts)
     for root in tree.roots:
         r.run_segment(root)
     assert r.positions == tree.positions_computed, (r.positions, tree.positions_computed)
