@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml setup.py
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(BIN)/python -m pytest tests/unit tests/gpu -q -p no:cacheprovider
 	$(BIN)/python tests/distributed/launch.py 2
 	$(BIN)/python tests/distributed/launch.py 4
@@ -29,8 +29,8 @@ test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit -q -p no:cacheprovider
 
 lint: $(STAMP)
-	$(BIN)/ruff check megatron_branch tools examples tests benchmarks
-	$(BIN)/ruff format --check megatron_branch tools examples tests benchmarks
+	$(BIN)/ruff check megatron_branch tools examples tests benchmarks docs
+	$(BIN)/ruff format --check megatron_branch tools examples tests benchmarks docs
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
