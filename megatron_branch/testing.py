@@ -132,3 +132,43 @@ def random_tree_rollouts(
         for resp in frontier:
             out.append(Rollout(prompt=prompt, response=resp, advantage=rng.uniform(-1.5, 1.5)))
     return out
+
+
+def rollout_set_strategy(vocab: int = 6) -> Any:
+    """A hypothesis strategy for rollout sets that share on purpose (needs hypothesis, a test dependency)."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def strategy(draw: Any) -> list[Rollout]:
+        return _rollout_sets(draw, vocab)
+
+    return strategy()
+
+
+def _rollout_sets(draw: Any, vocab: int = 6) -> list[Rollout]:
+    """Rollouts that share on purpose: root-to-node paths of a random forest of token chunks.
+
+    Picking an inner node gives a strict prefix of another rollout, picking a node twice gives duplicates,
+    a parent of -1 starts another root, and the small vocabulary adds accidental sharing between siblings.
+    """
+    from hypothesis import strategies as st
+
+    num_nodes = draw(st.integers(1, 12))
+    paths: list[tuple[int, ...]] = []
+    for k in range(num_nodes):
+        parent = draw(st.integers(-1, k - 1))
+        chunk = tuple(draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=4)))
+        paths.append((paths[parent] if parent >= 0 else ()) + chunk)
+    picks = draw(st.lists(st.integers(0, num_nodes - 1), min_size=1, max_size=10))
+    rollouts = []
+    for k in picks:
+        seq = paths[k]
+        cut = draw(st.integers(0, len(seq) - 1))  # the response is never empty
+        advantage = draw(st.floats(-2.0, 2.0, allow_nan=False))
+        fields = (
+            {"old_logprobs": tuple(float(-j) for j in range(len(seq) - cut))} if draw(st.booleans()) else {}
+        )
+        rollouts.append(
+            Rollout(prompt=seq[:cut], response=seq[cut:], advantage=advantage, token_fields=fields)
+        )
+    return rollouts

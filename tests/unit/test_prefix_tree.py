@@ -10,36 +10,9 @@ from hypothesis import strategies as st
 from megatron_branch.data import PrefixTree, Rollout, attention_mask_from_rollouts
 from megatron_branch.data.reference import prefix_index_map, token_weights_from_rollouts
 from megatron_branch.errors import UserError
+from megatron_branch.testing import rollout_set_strategy
 
-
-@st.composite
-def rollout_sets(draw: st.DrawFn) -> list[Rollout]:
-    """Rollouts that share on purpose: root-to-node paths of a random forest of token chunks.
-
-    Picking an inner node gives a strict prefix of another rollout, picking a node twice gives duplicates,
-    a parent of -1 starts another root, and the small vocabulary adds accidental sharing between siblings.
-    """
-    num_nodes = draw(st.integers(1, 12))
-    paths: list[tuple[int, ...]] = []
-    for k in range(num_nodes):
-        parent = draw(st.integers(-1, k - 1))
-        chunk = tuple(draw(st.lists(st.integers(0, 5), min_size=1, max_size=4)))
-        paths.append((paths[parent] if parent >= 0 else ()) + chunk)
-    picks = draw(st.lists(st.integers(0, num_nodes - 1), min_size=1, max_size=10))
-    rollouts = []
-    for k in picks:
-        seq = paths[k]
-        cut = draw(st.integers(0, len(seq) - 1))  # the response is never empty
-        advantage = draw(st.floats(-2.0, 2.0, allow_nan=False))
-        fields = (
-            {"old_logprobs": tuple(float(-j) for j in range(len(seq) - cut))} if draw(st.booleans()) else {}
-        )
-        rollouts.append(
-            Rollout(prompt=seq[:cut], response=seq[cut:], advantage=advantage, token_fields=fields)
-        )
-    return rollouts
-
-
+rollout_sets = rollout_set_strategy
 PROPERTY = settings(max_examples=60, deadline=None)
 
 
