@@ -2,24 +2,24 @@
 
 Runs single process or on every rank of a torchrun launch. Each rank builds the model for its TP shard, streams
 the HF tensors one rule at a time from safetensors (memory-mapped) and copies only its shard into the parameters,
-so no second full copy of the model is ever materialised. The checkpoint is `megatron.core.dist_checkpointing`
-(`torch_dist`) of `model.sharded_state_dict()` plus `megatron_branch.json` describing the architecture.
+so no second full copy of the model is ever materialised; megatron's random init is skipped. The checkpoint is
+`megatron.core.dist_checkpointing` (`torch_dist`) of `model.sharded_state_dict()` plus `megatron_branch.json`
+describing the architecture.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from megatron_branch.checkpoint.dist_ckpt import agree_on_error, save_sharded
 from megatron_branch.checkpoint.hf_io import TOKENIZER_FILES, HFTensorReader, load_hf_config
 from megatron_branch.checkpoint.param_map import iter_hf_to_mcore, mcore_names
 from megatron_branch.checkpoint.tp import load_full_tensor
@@ -45,56 +45,6 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return next(k for k, v in DTYPES.items() if v == dtype)
-
-
-@contextlib.contextmanager
-def cpu_checkpoint_io() -> Iterator[None]:
-    """megatron's dist-checkpoint writer calls `torch.cuda.synchronize()` after staging tensors to host memory;
-    on a CPU-only build that raises. The staging is a no-op there, so the sync is too (scoped to the save).
-    TODO(lead): move into megatron_branch/compat/cpu.py with the other shims."""
-    if torch.cuda.is_available():
-        yield
-        return
-    real = torch.cuda.synchronize
-    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        torch.cuda.synchronize = real  # type: ignore[assignment]
-
-
-def _sync_save_strategy() -> Any:
-    """megatron's `torch_dist` format, written synchronously by torch's FileSystemWriter.
-
-    megatron's own writer (FileSystemWriterAsync) forks writer processes and talks to a spawned
-    multiprocessing Manager; on the CPU machine this hung indefinitely (measured: 10+ minutes on a 15-tensor
-    model). The files are the same torch.distributed.checkpoint layout, so megatron's loader reads them.
-    """
-    from megatron.core.dist_checkpointing.strategies.torch import (
-        MCoreSavePlanner,
-        TorchDistSaveShardedStrategy,
-        _replace_state_dict_keys_with_sharded_keys,
-        mcore_to_pyt_state_dict,
-    )
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint import save as dcp_save
-
-    class SyncTorchDistSave(TorchDistSaveShardedStrategy):
-        def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
-            # The same translation as megatron's async_save, then torch's synchronous writer.
-            sharded_state_dict, _, _ = _replace_state_dict_keys_with_sharded_keys(
-                sharded_state_dict, self.keep_only_main_replica
-            )
-            pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, False)
-            dcp_save(
-                pyt_state_dict,
-                storage_writer=FileSystemWriter(str(checkpoint_dir), thread_count=1),
-                planner=MCoreSavePlanner(
-                    dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False
-                ),
-            )
-
-    return SyncTorchDistSave("torch_dist", 1)
 
 
 def _rank_world() -> tuple[int, int]:
@@ -139,48 +89,63 @@ def save_mcore_checkpoint(
     source: str | None = None,
     tokenizer_dir: str | os.PathLike | None = None,
 ) -> Path:
-    """Save `model` (this rank's shards) as a dist checkpoint + megatron_branch.json. All ranks call it."""
-    from megatron.core import dist_checkpointing
+    """Save `model` (this rank's shards) as a dist checkpoint + megatron_branch.json. All ranks call it.
 
+    Every rank writes its shards into a temp folder next to `out_dir`; rank 0 then adds the description and the
+    tokenizer files and renames the folder into place, so `out_dir` is never half-written. An error on any rank
+    is raised on every rank (no rank is left waiting in a collective).
+    """
     out = Path(out_dir)
     tmp = _make_tmp_dir(out)
     rank, _ = _rank_world()
     ok = False
     try:
-        with cpu_checkpoint_io():
-            dist_checkpointing.save(
-                model.sharded_state_dict(), str(tmp), sharded_strategy=_sync_save_strategy()
-            )
-        if dist.is_initialized():
-            dist.barrier()
+        save_sharded(model.sharded_state_dict(), tmp)
+        err = None
         if rank == 0:
-            meta = {
-                "format": FORMAT,
-                "version": FORMAT_VERSION,
-                "arch": arch.to_dict(),
-                "dtype": dtype_name(dtype),
-                "padded_vocab_size": model.embedding.word_embeddings.weight.shape[0] * tp,
-                "saved_tensor_parallel": tp,
-                "source": source,
-            }
-            (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-            if tokenizer_dir is not None and any(
-                (Path(tokenizer_dir) / n).is_file() for n in TOKENIZER_FILES
-            ):
-                (tmp / TOKENIZER_SUBDIR).mkdir()
-                for n in TOKENIZER_FILES:
-                    if (Path(tokenizer_dir) / n).is_file():
-                        shutil.copyfile(Path(tokenizer_dir) / n, tmp / TOKENIZER_SUBDIR / n)
-            if out.exists():
-                out.rmdir()
-            os.replace(tmp, out)
+            try:
+                _finish_on_rank0(
+                    model, tmp, out, arch=arch, dtype=dtype, tp=tp, source=source, tokenizer_dir=tokenizer_dir
+                )
+            except Exception as e:  # must reach the other ranks, which wait in agree_on_error
+                err = f"cannot write {str(out)!r}: {e}"
+        agree_on_error(err, error=UserError)
         ok = True
     finally:
         if not ok and rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-    if dist.is_initialized():
-        dist.barrier()
     return out
+
+
+def _finish_on_rank0(
+    model: torch.nn.Module,
+    tmp: Path,
+    out: Path,
+    *,
+    arch: ModelArch,
+    dtype: torch.dtype,
+    tp: int,
+    source: str | None,
+    tokenizer_dir: str | os.PathLike | None,
+) -> None:
+    meta = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "arch": arch.to_dict(),
+        "dtype": dtype_name(dtype),
+        "padded_vocab_size": model.embedding.word_embeddings.weight.shape[0] * tp,
+        "saved_tensor_parallel": tp,
+        "source": source,
+    }
+    (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    if tokenizer_dir is not None and any((Path(tokenizer_dir) / n).is_file() for n in TOKENIZER_FILES):
+        (tmp / TOKENIZER_SUBDIR).mkdir()
+        for n in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / n).is_file():
+                shutil.copyfile(Path(tokenizer_dir) / n, tmp / TOKENIZER_SUBDIR / n)
+    if out.exists():
+        out.rmdir()  # checked empty by _make_tmp_dir
+    os.replace(tmp, out)
 
 
 def convert_hf_to_mcore(
@@ -217,8 +182,9 @@ def convert_hf_to_mcore(
             f"--tp {tp} needs a launch whose process count is a multiple of {tp} (this one has {world})"
         )
     groups = initialize_parallel(ParallelConfig(tp=tp))
-    # Random init is kept: megatron sets the TP attributes (partition_dim) only on that path with CPU init.
-    model = build_model(arch, dtype=dtype, tp=tp)
+    # Every parameter is overwritten below: skip megatron's random init (a full fp32 master copy of each
+    # weight on every rank, filled with normal_()).
+    model = build_model(arch, dtype=dtype, tp=tp, init_weights=False)
     padded = arch.padded_vocab_size(tp)
     params = dict(model.named_parameters())
     names = iter_hf_to_mcore(reader.keys(), reader.get, arch, padded_vocab=padded, where=str(hf_dir))

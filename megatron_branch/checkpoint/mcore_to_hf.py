@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_branch.checkpoint.dist_ckpt import load_sharded
 from megatron_branch.checkpoint.hf_io import write_hf_folder
 from megatron_branch.checkpoint.hf_to_mcore import (
     FORMAT,
@@ -110,15 +111,19 @@ def load_mcore_checkpoint(
                 f"tensor {key!r} has shape {list(got)} but {META_FILE} implies {list(shape)}", where=str(d)
             )
     # Vocabulary tensors: read whole at the saved (padded) shape, re-pad and slice for this rank below.
+    # Every rank reads the whole tensor, so exactly one rank may be its main replica (replica_id 0): the global
+    # rank is unique across TP and DP (the TP rank alone repeats over data-parallel replicas, which megatron
+    # rejects as an invalid access pattern).
     rank = dist.get_rank(group=tp_group) if tp_group is not None and dist.is_initialized() else 0
+    replica = dist.get_rank() if dist.is_initialized() else 0
     vocab_keys = {}
     for name in VOCAB_PARAMS:
         if name in sharded:
             key = sharded[name].key
             vocab_keys[name] = key
             buf = torch.empty(tuple(saved[key].global_shape), dtype=dt)
-            sharded[name] = ShardedTensor.from_rank_offsets(key, buf, replica_id=rank)
-    state = dist_checkpointing.load(sharded, str(d))
+            sharded[name] = ShardedTensor.from_rank_offsets(key, buf, replica_id=replica)
+    state = load_sharded(sharded, d)
     params = dict(model.named_parameters())
     for name in vocab_keys:
         p = params[name]

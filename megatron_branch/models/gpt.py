@@ -54,13 +54,18 @@ def build_model(
     tp: int = 1,
     sequence_parallel: bool = False,
     vocab_divisible_by: int = 1,
+    init_weights: bool = True,
     **config_overrides: Any,
 ) -> BranchGPTModel:
     """A megatron-core GPT model for `arch` on this rank (tensor-parallel shards if tp > 1).
 
     `tp` must equal the tensor-parallel size megatron's parallel_state was initialised with.
+    `init_weights=False` leaves the weights uninitialised (`torch.empty`) for a caller that overwrites every
+    parameter (checkpoint loading); the parameters carry the same tensor-parallel attributes either way.
     """
     apply_cpu_shims()
+    if not init_weights:
+        config_overrides = {**config_overrides, "perform_initialization": False}
     config = arch.to_transformer_config(
         dtype=dtype, tp=tp, sequence_parallel=sequence_parallel, **config_overrides
     )
@@ -80,5 +85,39 @@ def build_model(
         rotary_percent=1.0,
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
     )
+    if not init_weights:
+        _set_tp_attributes_without_init(model)
     model.arch = arch  # type: ignore[attr-defined]
     return model
+
+
+def _set_tp_attributes_without_init(model: torch.nn.Module) -> None:
+    """Mark the sharded weights as megatron's init would have.
+
+    With `use_cpu_initialization` megatron sets `tensor_model_parallel` / `partition_dim` / `partition_stride`
+    on the weights of VocabParallelEmbedding, ColumnParallelLinear and RowParallelLinear only inside its random
+    init (`_initialize_affine_weight_cpu`), so `perform_initialization=False` leaves them unmarked, and sharding
+    code (our tp.py, megatron's resharding) would take them as replicated. Biases are marked either way. The
+    values are those of 0.16.1's init path (SwiGLU's linear_fc1 uses stride 2, see megatron's mlp.py);
+    tests/unit/test_models.py checks them against a model built with init.
+    """
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    gated = getattr(model.config, "gated_linear_unit", False)
+    for name, module in model.named_modules():
+        if isinstance(module, VocabParallelEmbedding):
+            dim, stride = 0, 1
+        elif isinstance(module, ColumnParallelLinear):
+            dim, stride = 0, 2 if gated and name.endswith("linear_fc1") else 1
+        elif isinstance(module, RowParallelLinear):
+            dim, stride = 1, 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is not None:  # a tied output layer has none: it uses the embedding's
+            set_tensor_model_parallel_attributes(weight, True, dim, stride)

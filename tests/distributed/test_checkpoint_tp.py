@@ -91,9 +91,20 @@ def test_hf_weights_at_world_tp_match_transformers(family: str, tied: bool, sp: 
 
 
 @pytest.mark.world(2, 4)
-@pytest.mark.skip(
-    reason="multi-rank dist_checkpointing save deadlocks in torch.distributed.checkpoint on gloo (WIP)"
-)
+def test_model_without_init_has_tp_attributes_at_world_tp() -> None:
+    tp = dist.get_world_size()
+    arch = ModelArch.from_hf_config(tiny_hf("qwen2", True).config)
+    initialize_parallel(ParallelConfig(tp=tp))
+
+    def attrs(m: torch.nn.Module) -> dict:
+        return {
+            n: {k: v for k, v in vars(p).items() if not k.startswith("_")} for n, p in m.named_parameters()
+        }
+
+    assert attrs(build_model(arch, tp=tp, init_weights=False)) == attrs(build_model(arch, tp=tp))
+
+
+@pytest.mark.world(2, 4)
 def test_checkpoint_saved_at_one_tp_loads_at_another() -> None:
     world = dist.get_world_size()
     tmp = shared_tmp()
@@ -119,3 +130,17 @@ def test_checkpoint_saved_at_one_tp_loads_at_another() -> None:
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.world(2, 4)
+def test_invalid_sharding_raises_on_every_rank() -> None:
+    # The cause of the former "hang": every rank claimed to be the main replica (replica_id 0) of a whole tensor;
+    # megatron raised on rank 0 only and the other ranks waited in the load's collectives until the timeout.
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from megatron_branch.checkpoint.dist_ckpt import CheckpointError, check_sharding
+
+    dup = ShardedTensor.from_rank_offsets("w", torch.zeros(4, 2), replica_id=0)
+    with pytest.raises(CheckpointError, match="invalid sharding"):
+        check_sharding({"w": dup})
+    check_sharding({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 2), replica_id=dist.get_rank())})

@@ -117,3 +117,31 @@ def test_norm_builder_marks_sequence_parallel() -> None:
     cfg = arch.to_transformer_config(tp=2, sequence_parallel=True)
     norm = TorchNorm(config=cfg, hidden_size=8, eps=1e-6)
     assert isinstance(norm, torch.nn.RMSNorm) and norm.weight.sequence_parallel is True
+
+
+@pytest.mark.parametrize(
+    "module,attr",
+    [
+        # megatron names that checkpoint/dist_ckpt.py builds on (its synchronous writer and the every-rank check)
+        ("megatron.core.dist_checkpointing.strategies.torch", "TorchDistSaveShardedStrategy"),
+        ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlanner"),
+        ("megatron.core.dist_checkpointing.strategies.torch", "_replace_state_dict_keys_with_sharded_keys"),
+        ("megatron.core.dist_checkpointing.strategies.torch", "mcore_to_pyt_state_dict"),
+        ("megatron.core.dist_checkpointing.state_dict_utils", "load_preprocess"),
+        ("megatron.core.dist_checkpointing.utils", "extract_sharded_base"),
+        ("megatron.core.dist_checkpointing.validation", "determine_global_metadata"),
+        ("megatron.core.dist_checkpointing.validation", "validate_sharding_integrity"),
+        ("megatron.core.tensor_parallel.layers", "set_tensor_model_parallel_attributes"),
+    ],
+)
+def test_checkpoint_names_exist_in_pinned_megatron(module: str, attr: str) -> None:
+    from megatron_branch.checkpoint import dist_ckpt
+
+    assert dist_ckpt._megatron(module, attr)[0] is getattr(importlib.import_module(module), attr)
+
+
+def test_checkpoint_renamed_target_fails_loudly() -> None:
+    from megatron_branch.checkpoint import dist_ckpt
+
+    with pytest.raises(cpu.CompatError, match="no_such_name"):
+        dist_ckpt._megatron("megatron.core.dist_checkpointing.validation", "no_such_name")

@@ -1,0 +1,148 @@
+"""Saving and loading megatron-core dist checkpoints so that an error on one rank is an error on every rank.
+
+megatron-core checks a sharded state dict (every tensor element owned by exactly one main replica) on global
+rank 0 ONLY and raises there, while the other ranks walk on into the collectives of torch.distributed.checkpoint
+and wait for rank 0 until the process-group timeout. That is how a wrong `replica_id` turned into a "hang" of
+the multi-rank checkpoint test. Here the same check runs before megatron's, its verdict is shared with every
+rank, and every rank raises the same `CheckpointError`; megatron's own (rank-0-only) check is then skipped.
+
+megatron's dist_checkpointing always uses the default (whole-world) process group, so every rank of the world
+calls these functions, in the same order.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch.distributed as dist
+
+from megatron_branch.compat.cpu import CompatError
+
+__all__ = [
+    "CheckpointError",
+    "agree_on_error",
+    "check_sharding",
+    "load_sharded",
+    "save_sharded",
+    "sync_save_strategy",
+]
+
+
+class CheckpointError(RuntimeError):
+    """A dist checkpoint cannot be saved or loaded as asked (raised on every rank alike)."""
+
+
+def agree_on_error(err: str | None, *, error: type[Exception] = CheckpointError) -> None:
+    """Every rank passes its own error (or None); if any rank has one, every rank raises the first of them
+    (as `error`). A collective: all ranks of the world must call it.
+    """
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errs: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(errs, err)
+        bad = [(r, e) for r, e in enumerate(errs) if e]
+        if bad:
+            rank, msg = bad[0]
+            raise error(f"rank {rank}: {msg}" if len(bad) < len(errs) else msg)
+    elif err:
+        raise error(err)
+
+
+def _megatron(module: str, *names: str) -> list[Any]:
+    import importlib
+
+    mod = importlib.import_module(module)
+    missing = [n for n in names if not hasattr(mod, n)]
+    if missing:
+        raise CompatError(
+            f"megatron-core changed: {module}.{missing[0]} is gone; megatron-branch's checkpoint code targets "
+            "megatron-core 0.16.1"
+        )
+    return [getattr(mod, n) for n in names]
+
+
+def check_sharding(sharded_state_dict: dict[str, Any]) -> None:
+    """megatron's sharding-integrity check, with its verdict on every rank. A collective (whole world).
+
+    `sharded_state_dict` is not modified (megatron's load_preprocess works on a copy).
+    """
+    (load_preprocess,) = _megatron("megatron.core.dist_checkpointing.state_dict_utils", "load_preprocess")
+    (extract_sharded_base,) = _megatron("megatron.core.dist_checkpointing.utils", "extract_sharded_base")
+    determine_global_metadata, validate_sharding_integrity = _megatron(
+        "megatron.core.dist_checkpointing.validation",
+        "determine_global_metadata",
+        "validate_sharding_integrity",
+    )
+    if not dist.is_initialized():
+        raise CheckpointError("megatron dist checkpoints need torch.distributed (a world of one is fine)")
+    preprocessed, _, _ = load_preprocess(sharded_state_dict)
+    sharded_part, _ = extract_sharded_base(preprocessed)
+    _, global_metadata = determine_global_metadata(sharded_part)
+    err = None
+    if dist.get_rank() == 0:
+        try:
+            validate_sharding_integrity(global_metadata)
+        except Exception as e:  # CheckpointingException or an AssertionError from megatron's checks
+            err = f"invalid sharding: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    agree_on_error(err)
+
+
+def sync_save_strategy() -> Any:
+    """megatron's `torch_dist` format, written synchronously by torch's FileSystemWriter in this process.
+
+    megatron's own writer (FileSystemWriterAsync, also used for "synchronous" saves) is unusable here:
+    - it forks one writer process per bucket, and each child calls `psutil` to log its memory; psutil is not a
+      dependency of megatron-core (not installed here), the child dies, and the parent then waits forever in
+      `count_queue.join()` for a task the child never marked done: a crash in a child is a hang in the parent;
+    - it first stages tensors to host memory and calls `torch.cuda.synchronize()`, which raises without CUDA;
+    - it spawns a multiprocessing Manager (a fresh interpreter) for the results queue.
+    The files are the same torch.distributed.checkpoint layout (`__<rank>_<i>.distcp` + `.metadata`), so
+    megatron's loader, and any megatron training run, reads them. None of the three issues applies to this
+    writer, so no CUDA shim is needed for saving.
+    """
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+
+    base, planner_cls, replace_keys, to_pyt = _megatron(
+        "megatron.core.dist_checkpointing.strategies.torch",
+        "TorchDistSaveShardedStrategy",
+        "MCoreSavePlanner",
+        "_replace_state_dict_keys_with_sharded_keys",
+        "mcore_to_pyt_state_dict",
+    )
+
+    class SyncTorchDistSave(base):  # type: ignore[misc,valid-type]
+        def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
+            # The same translation as megatron's TorchDistSaveShardedStrategy.async_save, then torch's writer.
+            sharded_state_dict, _, _ = replace_keys(sharded_state_dict, self.keep_only_main_replica)
+            pyt_state_dict = to_pyt(sharded_state_dict, False)
+            dcp_save(
+                pyt_state_dict,
+                storage_writer=FileSystemWriter(str(checkpoint_dir), thread_count=1),
+                planner=planner_cls(
+                    dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False
+                ),
+            )
+
+    return SyncTorchDistSave("torch_dist", 1)
+
+
+def save_sharded(sharded_state_dict: dict[str, Any], checkpoint_dir: str | os.PathLike) -> None:
+    """`dist_checkpointing.save` with the synchronous writer and an every-rank sharding check. All ranks call it."""
+    from megatron.core import dist_checkpointing
+
+    check_sharding(sharded_state_dict)
+    dist_checkpointing.save(
+        sharded_state_dict,
+        str(checkpoint_dir),
+        sharded_strategy=sync_save_strategy(),
+        validate_access_integrity=False,  # done above, on every rank
+    )
+
+
+def load_sharded(sharded_state_dict: dict[str, Any], checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
+    """`dist_checkpointing.load` after an every-rank sharding check. All ranks call it."""
+    from megatron.core import dist_checkpointing
+
+    check_sharding(sharded_state_dict)
+    return dist_checkpointing.load(sharded_state_dict, str(checkpoint_dir), validate_access_integrity=False)

@@ -1,0 +1,71 @@
+"""Dist-checkpoint I/O: the sharding check raises (on every rank) instead of hanging, the synchronous writer makes
+a checkpoint megatron loads, and a model built without random init carries megatron's tensor-parallel attributes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_branch.checkpoint.dist_ckpt import CheckpointError, check_sharding, load_sharded, save_sharded
+from megatron_branch.models import ModelArch, build_model
+from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
+
+
+def _arch(tie: bool) -> ModelArch:
+    return ModelArch(
+        family="qwen2",
+        vocab_size=37,
+        hidden_size=16,
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=24,
+        qkv_bias=True,
+        tie_word_embeddings=tie,
+    )
+
+
+def _tp_attrs(model: torch.nn.Module) -> dict[str, dict]:
+    return {
+        n: {k: v for k, v in vars(p).items() if not k.startswith("_")} for n, p in model.named_parameters()
+    }
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_model_without_init_has_megatrons_tp_attributes(tie: bool) -> None:
+    initialize_parallel(ParallelConfig(tp=1))
+    with_init = build_model(_arch(tie))
+    without = build_model(_arch(tie), init_weights=False)
+    ref = _tp_attrs(with_init)
+    assert ref["decoder.layers.0.mlp.linear_fc1.weight"]["partition_stride"] == 2  # what we mirror
+    assert _tp_attrs(without) == ref
+
+
+def test_sharding_check_raises_instead_of_hanging() -> None:
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    initialize_parallel(ParallelConfig(tp=1))
+    # Half of a [4, 2] tensor with no rank holding the other half: megatron raises on rank 0 only.
+    half = ShardedTensor.from_rank_offsets("w", torch.zeros(2, 2), (0, 0, 2), replica_id=0)
+    with pytest.raises(CheckpointError, match="invalid sharding"):
+        check_sharding({"w": half})
+    check_sharding({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 2), replica_id=0)})
+
+
+def test_sync_writer_roundtrip(tmp_path: Path) -> None:
+    initialize_parallel(ParallelConfig(tp=1))
+    src = build_model(_arch(False))
+    save_sharded(src.sharded_state_dict(), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "common.pt",
+        "metadata.json",
+    ]
+    dst = build_model(_arch(False), init_weights=False)
+    dst.load_state_dict(load_sharded(dst.sharded_state_dict(), tmp_path), strict=True)
+    for (n, a), (_, b) in zip(src.state_dict().items(), dst.state_dict().items(), strict=True):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), n
