@@ -96,6 +96,8 @@ def split_chunk(
     tree: PrefixTree, chunk: Chunk, cp_size: int, cp_rank: int, *, pad_to_multiple: int = 1
 ) -> CPChunk:
     """Rank `cp_rank`'s share of `chunk` (built WITHOUT padding); local rows padded to `pad_to_multiple` (SP: tp)."""
+    from megatron_branch.schedule.chunks import lookup  # here: schedule imports this module
+
     assert chunk.layout.num_queries == chunk.num_real, (
         "split the unpadded chunk (make_chunk pad_to_multiple=1)"
     )
@@ -114,9 +116,7 @@ def split_chunk(
     token_index = torch.where(real, seg_offset[seg.clamp(min=0)] + off, torch.full_like(seg, -1))  # [s_loc]
 
     # unsplit chunk row of every packed index (chunk rows follow chunk.token_index)
-    row_of = torch.full((tree.num_tokens,), -1, dtype=torch.long)
-    row_of[chunk.token_index] = torch.arange(chunk.num_real)
-    rows = torch.where(real, row_of[token_index.clamp(min=0)], torch.full_like(seg, -1))  # [s_loc]
+    rows = torch.where(real, lookup(chunk.token_index, token_index), torch.full_like(seg, -1))  # [s_loc]
     assert bool((rows[real] >= 0).all()), "a local token is not in the chunk"
 
     safe = token_index.clamp(min=0)
@@ -124,10 +124,10 @@ def split_chunk(
     position_ids = torch.where(real, tree.position_ids[safe], torch.zeros_like(seg))
 
     # targets whose predecessor row is local: local row of each packed index, then filter the chunk's targets
-    local_row_of = torch.full((tree.num_tokens,), -1, dtype=torch.long)
-    local_row_of[token_index[real]] = real.nonzero().squeeze(1)
     pred = chunk.token_index[chunk.target_rows]  # [m] packed index of each target's predecessor
-    pred_row = local_row_of[pred]  # [m]
+    pred_row = lookup(
+        token_index, pred
+    )  # [m] its local row, -1 when another rank holds it (padding: -1, never hit)
     mine = pred_row >= 0
     return CPChunk(
         chunk=chunk,

@@ -88,14 +88,18 @@ def make_chunk(
     position_ids = torch.cat([tree.position_ids[token_index], torch.zeros(pad, dtype=torch.long)])
 
     # Targets: every packed token whose predecessor is a chunk token. Within a segment that is the next token; at a
-    # segment's last token it is the FIRST token of each child (the fork tokens), one row per child.
-    row_of = torch.full((tree.num_tokens,), -1, dtype=torch.long)
-    row_of[token_index] = torch.arange(s_real)
-    pred = tree.predecessor
-    has_pred = pred >= 0
-    target_mask = torch.zeros(tree.num_tokens, dtype=torch.bool)
-    target_mask[has_pred] = row_of[pred[has_pred]] >= 0
-    targets = target_mask.nonzero().squeeze(1)
+    # segment's last token it is the FIRST token of each child (the fork tokens), one row per child. Built from the
+    # chunk's segments alone: O(chunk + children), never a table over the whole tree (replay makes many chunks).
+    tgt, rows = [], []
+    for seg in segs:
+        r0 = chunk_off[seg.id]
+        tgt.append(torch.arange(seg.offset + 1, seg.offset + seg.length))  # [l-1] next tokens
+        rows.append(torch.arange(r0, r0 + seg.length - 1))
+        if seg.children:
+            tgt.append(torch.tensor([tree.segments[c].offset for c in seg.children], dtype=torch.long))
+            rows.append(torch.full((len(seg.children),), r0 + seg.length - 1, dtype=torch.long))
+    targets, order = torch.sort(torch.cat(tgt))  # packed order: a deterministic summation order
+    target_rows = torch.cat(rows)[order]
     return Chunk(
         segments=tuple(segments),
         external=tuple(external),
@@ -104,8 +108,21 @@ def make_chunk(
         position_ids=position_ids,
         layout=layout,
         targets=targets,
-        target_rows=row_of[pred[targets]],
+        target_rows=target_rows,
     )
+
+
+def lookup(index: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """Position of each `query` value in `index` (distinct values), -1 where absent.
+
+    O((n + m) log n) by sort + searchsorted: no table the size of the whole tree, which a long-context tree
+    (millions of positions) and a replay of many chunks cannot afford per chunk.
+    """
+    if index.numel() == 0:
+        return torch.full_like(query, -1)
+    sorted_index, order = torch.sort(index)
+    pos = torch.searchsorted(sorted_index, query).clamp(max=index.numel() - 1)
+    return torch.where(sorted_index[pos] == query, order[pos], torch.full_like(query, -1))
 
 
 def _coalesce(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
