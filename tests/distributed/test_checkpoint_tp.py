@@ -24,31 +24,12 @@ from megatron_branch.checkpoint.hf_io import HFTensorReader
 from megatron_branch.checkpoint.verify import megatron_logits
 from megatron_branch.models import ModelArch, build_model
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
+from megatron_branch.testing import tiny_hf_config, tiny_hf_model
 
 
 def tiny_hf(family: str = "qwen2", tied: bool = False) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    cls, ccls = (LlamaForCausalLM, LlamaConfig) if family == "llama" else (Qwen2ForCausalLM, Qwen2Config)
-    cfg = ccls(
-        vocab_size=37,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tied,
-        max_position_embeddings=64,
-        architectures=[cls.__name__],
-        attn_implementation="eager",
-    )
-    torch.manual_seed(0)  # same weights on every rank
-    model = cls(cfg).eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "norm" in n or n.endswith("bias"):
-                p.normal_()
-    return model
+    # the same seed on every rank: the same weights everywhere
+    return tiny_hf_model(tiny_hf_config(family, tie=tied, ffn=48), seed=0).eval()
 
 
 def shared_tmp() -> Path:

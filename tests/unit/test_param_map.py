@@ -21,6 +21,7 @@ from megatron_branch.checkpoint.hf_io import HFTensorReader, load_hf_config
 from megatron_branch.errors import UserError
 from megatron_branch.models import ModelArch, build_model
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
+from megatron_branch.testing import tiny_hf_config, tiny_hf_model
 
 CASES = {
     "llama_gqa_untied": ("llama", False),
@@ -31,28 +32,7 @@ CASES = {
 
 
 def tiny_hf(family: str, tied: bool, *, vocab: int = 37, seed: int = 0) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    cls, ccls = (LlamaForCausalLM, LlamaConfig) if family == "llama" else (Qwen2ForCausalLM, Qwen2Config)
-    cfg = ccls(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tied,
-        max_position_embeddings=64,
-        architectures=[cls.__name__],
-        attn_implementation="eager",
-    )
-    torch.manual_seed(seed)
-    model = cls(cfg).eval()
-    with torch.no_grad():  # RMSNorm weights start at 1: randomise so a swapped norm would show
-        for n, p in model.named_parameters():
-            if "norm" in n or n.endswith("bias"):
-                p.normal_()
-    return model
+    return tiny_hf_model(tiny_hf_config(family, vocab_size=vocab, tie=tied, ffn=48), seed=seed).eval()
 
 
 @pytest.fixture(scope="module")
