@@ -131,6 +131,8 @@ def run_grad(args: argparse.Namespace) -> int:
             where=args.hf,
         ):
             load_full_tensor(model, name, full.to(dtype), groups.tp, params=params)
+    if torch.cuda.is_available():  # weights are loaded on the host, then the model moves to this rank's GPU
+        model.cuda()
 
     # megatron's DDP (when there is more than one process): main_grad buffers, SUM over dp x cp, SP norm sum over TP
     ddp = None
@@ -183,7 +185,7 @@ def run_grad(args: argparse.Namespace) -> int:
         lp_rows = [row for part in gathered for row in part]
 
     if rank == 0:
-        grads = {n: g.to(dtype).contiguous() for n, g in grads.items()}
+        grads = {n: g.to(device="cpu", dtype=dtype).contiguous() for n, g in grads.items()}
         _atomic_write(args.out, lambda p: save_file(grads, p))
         if args.logprobs_out is not None:
 

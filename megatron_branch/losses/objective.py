@@ -64,11 +64,11 @@ class _BoundPolicyGradient:
         self.weights = tree.token_weights(objective.coef)
 
     def chunk_loss(self, logp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return -(logp * self.weights[targets].to(logp.dtype)).sum()
+        return -(logp * self.weights[targets.cpu()].to(device=logp.device, dtype=logp.dtype)).sum()
 
     def rollout_loss(self, i: int, logp: torch.Tensor) -> torch.Tensor:
         r = self.tree.rollouts[i]
         # logp[j] is the logprob of token j+1; response tokens start at index len(prompt)
         w = torch.zeros(len(r.prompt) + len(r.response) - 1, dtype=torch.float64)
         w[max(len(r.prompt) - 1, 0) :] = self.objective.coef[i]
-        return -(logp * w.to(logp.dtype)).sum()
+        return -(logp * w.to(device=logp.device, dtype=logp.dtype)).sum()

@@ -70,6 +70,8 @@ def init_distributed(*, timeout_s: int = 300) -> tuple[int, int]:
     """Initialise torch.distributed from torchrun's environment, or as a world of one. Returns (rank, world)."""
     apply_cpu_shims()
     if not dist.is_initialized():
+        if torch.cuda.is_available():  # one GPU per local rank, as torchrun lays them out
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))

@@ -126,18 +126,23 @@ def forward_chunk(
         ctx = BranchContext(
             layout=chunk.layout, external_kv=external_kv or {}, capture=capture, backend=opts.backend
         )
+    dev = model_device(model)  # chunks are built on the host; the model may live on an accelerator
     with attach_context(model, ctx):
-        logits = model(chunk.input_ids[None], chunk.position_ids[None], None)  # [1, s, v]
-    rows = logits[0].index_select(0, chunk.target_rows)  # [m, v]
+        logits = model(chunk.input_ids.to(dev)[None], chunk.position_ids.to(dev)[None], None)  # [1, s, v]
+    rows = logits[0].index_select(0, chunk.target_rows.to(dev))  # [m, v]
     logp = vocab_parallel_logprobs(
-        rows, tree.tokens[chunk.targets], vocab_size=opts.vocab_size, tp_group=opts.tp_group
+        rows, tree.tokens[chunk.targets].to(dev), vocab_size=opts.vocab_size, tp_group=opts.tp_group
     )  # [m]
     return objective.chunk_loss(logp, chunk.targets), logp, ctx.captured
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
 def record_logprobs(store: torch.Tensor | None, chunk: Chunk | CPChunk, logp: torch.Tensor) -> None:
-    if store is not None:
-        store[chunk.targets] = logp.detach().to(store.dtype)
+    if store is not None:  # the store lives on the host, indexed by packed position
+        store[chunk.targets] = logp.detach().to(device=store.device, dtype=store.dtype)
 
 
 def cache_rows(chunk: Chunk | CPChunk) -> int:

@@ -12,7 +12,7 @@ import torch
 from megatron_branch.data import PrefixTree
 from megatron_branch.losses.logprobs import vocab_parallel_logprobs
 from megatron_branch.losses.objective import Objective
-from megatron_branch.schedule.common import ScheduleOptions, StepResult
+from megatron_branch.schedule.common import ScheduleOptions, StepResult, model_device
 
 
 def run_naive(
@@ -26,13 +26,16 @@ def run_naive(
     bound = objective.bind(tree)
     total = 0.0
     store = torch.full((tree.num_tokens,), float("nan"), dtype=torch.float64) if opts.keep_logprobs else None
+    dev = model_device(model)
     for i, r in enumerate(tree.rollouts):
-        seq = torch.tensor(r.prompt + r.response, dtype=torch.long)  # [L]
+        seq = torch.tensor(r.prompt + r.response, dtype=torch.long, device=dev)  # [L]
         L = seq.numel()
         s = -(-L // opts.pad_to) * opts.pad_to  # sequence parallel needs s % tp == 0; pad at the end
-        ids = torch.cat([seq, torch.zeros(s - L, dtype=torch.long)])
-        pos = torch.arange(s)
-        mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]  # True = masked
+        ids = torch.cat([seq, torch.zeros(s - L, dtype=torch.long, device=dev)])
+        pos = torch.arange(s, device=dev)
+        mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=dev), diagonal=1)[
+            None, None
+        ]  # True = masked
         logits = model(ids[None], pos[None], mask)  # [1, s, v]
         logp = vocab_parallel_logprobs(
             logits[0, : L - 1], seq[1:], vocab_size=opts.vocab_size, tp_group=opts.tp_group
@@ -42,7 +45,7 @@ def run_naive(
         total += float(loss.detach())
         if store is not None:
             idx = tree.rollout_indices(i)[1:]
-            store[idx] = logp.detach().to(torch.float64)
+            store[idx] = logp.detach().to(device=store.device, dtype=torch.float64)
     return StepResult(
         schedule="naive",
         loss=total,
