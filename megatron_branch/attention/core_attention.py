@@ -34,8 +34,9 @@ class BranchContext:
 
     layout: AttentionLayout
     """Which keys each query of the chunk may see. Keys are [external (c) | chunk (s)]."""
-    external_kv: dict[int, KV] = field(default_factory=dict)
-    """layer_number -> cached ancestor (k [c,b,g,h], v [c,b,g,h]); empty for a packed tree or a root segment."""
+    external_kv: dict[int, list[KV]] = field(default_factory=dict)
+    """layer_number -> cached ancestor K/V blocks, root first (each k, v [c_j,b,g,h]); empty for a packed tree or a
+    root segment. They are handed to the backend as blocks, never concatenated (no copy of the path's K/V)."""
     capture: bool = False
     """Record each layer's chunk K/V (in the autograd graph) in `captured`; the replay schedule needs them."""
     captured: dict[int, KV] = field(default_factory=dict)
@@ -51,14 +52,13 @@ class BranchContext:
 
         if self.capture:
             self.captured[layer_number] = (k, v)
-        if layer_number in self.external_kv:
-            k_ext, v_ext = self.external_kv[layer_number]  # [c,b,g,h]
-            k = torch.cat([k_ext, k], dim=0)  # [c+s,b,g,h]
-            v = torch.cat([v_ext, v], dim=0)
-        assert k.shape[0] == self.layout.num_keys and q.shape[0] == self.layout.num_queries, (
-            f"layout {self.layout.num_queries}x{self.layout.num_keys} vs q {q.shape[0]} k {k.shape[0]}"
+        blocks = [*self.external_kv.get(layer_number, []), (k, v)]  # keys: [ancestors (c) | chunk (s)]
+        num_keys = sum(kb.shape[0] for kb, _ in blocks)
+        assert num_keys == self.layout.num_keys and q.shape[0] == self.layout.num_queries, (
+            f"layout {self.layout.num_queries}x{self.layout.num_keys} vs q {q.shape[0]} k {num_keys}"
         )
-        return attention(q, k, v, self.layout, backend=self.backend, scale=scale)
+        ks, vs = [kb for kb, _ in blocks], [vb for _, vb in blocks]
+        return attention(q, ks, vs, self.layout, backend=self.backend, scale=scale)
 
 
 class BranchCoreAttention(MegatronModule):

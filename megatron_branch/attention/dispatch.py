@@ -14,7 +14,7 @@ The default is chosen once per device type; tests override it with `use_backend`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -73,15 +73,22 @@ def use_backend(name: str) -> Iterator[None]:
         _override = previous
 
 
+# backends that take key BLOCKS as they are (no concatenated copy); the others get one tensor
+_TAKES_BLOCKS = {"merge"}
+
+
 def attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | Sequence[torch.Tensor],
+    v: torch.Tensor | Sequence[torch.Tensor],
     layout: AttentionLayout,
     *,
     backend: str | None = None,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Branch attention: q [sq, b, n, h], k/v [sk, b, g, h] -> [sq, b, n*h] with the named or default backend."""
+    """Branch attention: q [sq, b, n, h], k/v [sk, b, g, h] (or key blocks [sk_j, b, g, h] laid end to end)
+    -> [sq, b, n*h] with the named or default backend."""
     name = _check_name(backend) if backend is not None else default_backend(q.device)
+    if not isinstance(k, torch.Tensor) and name not in _TAKES_BLOCKS:
+        k, v = torch.cat(list(k)), torch.cat(list(v))
     return BACKENDS[name](q, k, v, layout, scale=scale)

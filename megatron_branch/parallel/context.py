@@ -49,9 +49,9 @@ class RingBranchContext(BranchContext):
         k_meta = self.q_meta  # [2, s]: a chunk's keys are its queries
         if layer_number in self.external_kv:
             assert self.external_meta is not None, "external K/V need their metadata"
-            k_ext, v_ext = self.external_kv[layer_number]  # [c,b,g,h]
-            k = torch.cat([k_ext, k], dim=0)  # [c+s,b,g,h]: autograd routes dK back to each cached leaf
-            v = torch.cat([v_ext, v], dim=0)
+            blocks = self.external_kv[layer_number]  # cached ancestor blocks, root first, each [c_j,b,g,h]
+            k = torch.cat([*(kb for kb, _ in blocks), k], dim=0)  # [c+s,b,g,h]: dK flows back to each leaf
+            v = torch.cat([*(vb for _, vb in blocks), v], dim=0)
             k_meta = torch.cat([self.external_meta, self.q_meta], dim=1)  # [2, c+s]
         return ring_tree_attention(
             q, k, v, self.q_meta, k_meta, self.related, scale, self.cp_group, stats=self.stats

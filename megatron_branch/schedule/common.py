@@ -101,7 +101,7 @@ def forward_chunk(
     objective: BoundObjective,
     opts: ScheduleOptions,
     *,
-    external_kv: dict[int, KV] | None = None,
+    external_kv: dict[int, list[KV]] | None = None,
     capture: bool = False,
     external_meta: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[int, KV]]:

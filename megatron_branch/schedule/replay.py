@@ -54,18 +54,12 @@ class _Replay:
             torch.full((tree.num_tokens,), float("nan"), dtype=torch.float64) if opts.keep_logprobs else None
         )
 
-    def external_kv(self) -> dict[int, KV]:
-        """layer -> K/V of the current path, concatenated root first ([c,b,g,h]); autograd routes grads per leaf."""
+    def external_kv(self) -> dict[int, list[KV]]:
+        """layer -> the current path's cached K/V leaves, root first (blocks, not concatenated: no copy)."""
         if not self.path:
             return {}
         layers = self.cache[self.path[0]].keys()
-        return {
-            layer: (
-                torch.cat([self.cache[a][layer][0] for a in self.path]),
-                torch.cat([self.cache[a][layer][1] for a in self.path]),
-            )
-            for layer in layers
-        }
+        return {layer: [self.cache[a][layer] for a in self.path] for layer in layers}
 
     def external_meta(self) -> torch.Tensor | None:
         """CP only: [2, c] metadata of this rank's rows of the current path, in external_kv's order."""
