@@ -4,7 +4,7 @@ For a segment X with ancestors A (cached) and children C:
   1. forward X against A's cached K/V, capturing X's own per-layer K/V (in X's graph);
   2. cache X's K/V as DETACHED leaves that require grad;
   3. replay every child (recursively; sibling leaves in micro-batches): each child's backward adds its dK/dV into
-     the leaves of X and of every ancestor, because the children read them through torch.cat;
+     the leaves of X and of every ancestor, because the children read them (as key blocks, in place);
   4. backward X once with the accumulated dK/dV injected into its captured K/V
      (torch.autograd.backward([loss_X, k_1, v_1, ...], [1, dk_1, dv_1, ...])), which sends X's own share on into
      A's leaves, then drop X's cache.
