@@ -4,11 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test test-unit test-dist lint bench clean
+.PHONY: setup demo test test-unit lint clean
 
 setup: $(STAMP)
 
-# torch first: otherwise megatron-core resolves a multi-GB CUDA torch (see docs/install.md).
+# torch first: otherwise megatron-core resolves a multi-GB CUDA torch plus nvidia-* packages.
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0

@@ -33,7 +33,7 @@ def build_model(arch: ModelArch) -> GPTModel:
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         position_embedding_type="rope",
-        rotary_base=int(arch.rope_theta),
+        rotary_base=arch.rope_theta,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
     )
     return model
@@ -49,7 +49,10 @@ def train_step(model: GPTModel, rollouts: list[Rollout], arch: ModelArch) -> flo
         mask = torch.triu(torch.ones(n, n, dtype=torch.bool), diagonal=1)[None, None]
         logits = model(seq[None], torch.arange(n)[None], mask)[0]  # [n, V]
         logp = torch.log_softmax(logits[:-1], dim=-1).gather(1, seq[1:, None]).squeeze(1)
-        loss = -(r.advantage / T) * logp[len(r.prompt) - 1 :].sum()
+        loss = (
+            -(r.advantage / T) * logp[max(len(r.prompt) - 1, 0) :].sum()
+        )  # response tokens (an empty prompt:
+        # the first token has no predictor)
         loss.backward()
         total += float(loss)
     return total

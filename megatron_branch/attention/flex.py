@@ -38,7 +38,7 @@ def flex_attention_forward(
     """FlexAttention over [sq, b, n, h] x [sk, b, g, h] -> [sq, b, n*h]; forward-only on CPU."""
     check_shapes(q, k, v, layout)
     if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        # torch's FlexAttention refuses backward on CPU (shared/notes/attention-on-cpu.md): say so up front.
+        # torch's FlexAttention refuses backward on CPU (docs/design.md, measured facts): say so up front.
         raise RuntimeError(
             "the 'flex' attention backend has no backward on CPU (torch refuses it); "
             "run it under torch.no_grad() or use the 'merge' backend"

@@ -6,7 +6,7 @@ SHAPE LEGEND (Megatron sequence-first at the boundary, SDPA layout inside):
     inside: [b, n, s, h]; mask [sq, sk] bool, True = visible
 
 Exact and simple (autograd through SDPA is fine here: no lse is used), but a dense bool mask makes SDPA take its
-math path, about as slow as G naive passes (notes/attention-on-cpu.md). It is the readable cross-check of `merge`.
+math path, about as slow as G naive passes (docs/design.md, measured facts). It is the readable cross-check of `merge`.
 """
 
 from __future__ import annotations

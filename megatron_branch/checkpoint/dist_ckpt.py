@@ -18,10 +18,10 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_branch.compat.cpu import CompatError
+from megatron_branch.parallel.groups import agree_on_error
 
 __all__ = [
     "CheckpointError",
-    "agree_on_error",
     "check_sharding",
     "load_sharded",
     "save_sharded",
@@ -31,21 +31,6 @@ __all__ = [
 
 class CheckpointError(RuntimeError):
     """A dist checkpoint cannot be saved or loaded as asked (raised on every rank alike)."""
-
-
-def agree_on_error(err: str | None, *, error: type[Exception] = CheckpointError) -> None:
-    """Every rank passes its own error (or None); if any rank has one, every rank raises the first of them
-    (as `error`). A collective: all ranks of the world must call it.
-    """
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        errs: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(errs, err)
-        bad = [(r, e) for r, e in enumerate(errs) if e]
-        if bad:
-            rank, msg = bad[0]
-            raise error(f"rank {rank}: {msg}" if len(bad) < len(errs) else msg)
-    elif err:
-        raise error(err)
 
 
 def _megatron(module: str, *names: str) -> list[Any]:
@@ -84,7 +69,7 @@ def check_sharding(sharded_state_dict: dict[str, Any]) -> None:
             validate_sharding_integrity(global_metadata)
         except Exception as e:  # CheckpointingException or an AssertionError from megatron's checks
             err = f"invalid sharding: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-    agree_on_error(err)
+    agree_on_error(err, error=CheckpointError)
 
 
 def sync_save_strategy() -> Any:

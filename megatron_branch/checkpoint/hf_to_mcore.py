@@ -19,12 +19,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_branch.checkpoint.dist_ckpt import agree_on_error, save_sharded
+from megatron_branch.checkpoint.dist_ckpt import save_sharded
 from megatron_branch.checkpoint.hf_io import TOKENIZER_FILES, HFTensorReader, load_hf_config
 from megatron_branch.checkpoint.param_map import iter_hf_to_mcore, mcore_names
 from megatron_branch.checkpoint.tp import load_full_tensor
 from megatron_branch.errors import UserError
 from megatron_branch.models.arch import ModelArch
+from megatron_branch.parallel.groups import agree_on_error
 
 META_FILE = "megatron_branch.json"
 FORMAT = "megatron-branch/mcore-checkpoint"

@@ -173,7 +173,7 @@ def convert_mcore_to_hf(
                 max_shard_size=max_shard_size,
                 tokenizer_dir=tokenizer_dir,
             )
-        except UserError as e:
+        except (UserError, OSError) as e:  # must reach the other ranks, which wait on rank 0's word
             err = str(e)
     if dist.get_world_size() > 1:
         box = [err]

@@ -46,9 +46,13 @@ def add_grad_command(sub: Any) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (ring attention)")
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallel over the TP group")
-    p.add_argument("--backend", default=None, help="attention backend override (merge, packed, reference)")
+    p.add_argument(
+        "--backend", default=None, choices=["merge", "packed", "reference"], help="attention backend override"
+    )
     p.add_argument("--recompute", action="store_true", help="replay: recompute inner segments at backward")
-    p.add_argument("--branch-micro-batch", type=int, default=8, help="replay: sibling leaves per forward")
+    p.add_argument(
+        "--branch-micro-batch", type=_positive_int, default=8, help="replay: sibling leaves per forward"
+    )
     p.add_argument("--logprobs-out", default=None, help="write each rollout's response logprobs (JSONL)")
     p.add_argument(
         "--grad-sync",
@@ -59,9 +63,20 @@ def add_grad_command(sub: Any) -> None:
     p.set_defaults(func=run_grad)
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
 def _check_output(path: str | None) -> None:
-    if path is not None and not Path(path).parent.is_dir():
+    if path is None:
+        return
+    if not Path(path).parent.is_dir():
         raise UserError(f"output folder {str(Path(path).parent)!r} does not exist")
+    if Path(path).is_dir():
+        raise UserError(f"output {path!r} is a directory; give a file name")
 
 
 def _atomic_write(path: str, write: Any) -> None:
@@ -78,8 +93,6 @@ def _atomic_write(path: str, write: Any) -> None:
 
 
 def run_grad(args: argparse.Namespace) -> int:
-    from safetensors.torch import save_file
-
     from megatron_branch.checkpoint.hf_io import HFTensorReader, load_hf_config
     from megatron_branch.checkpoint.param_map import iter_hf_to_mcore, mcore_to_hf_state
     from megatron_branch.checkpoint.tp import gather_full_grads, load_full_tensor
@@ -88,7 +101,13 @@ def run_grad(args: argparse.Namespace) -> int:
     from megatron_branch.models import ModelArch, build_model
     from megatron_branch.parallel.data import assign_groups
     from megatron_branch.parallel.grads import finalize_grads
-    from megatron_branch.parallel.groups import ParallelConfig, init_distributed, initialize_parallel
+    from megatron_branch.parallel.groups import (
+        ParallelConfig,
+        agree_on_error,
+        comm_device,
+        init_distributed,
+        initialize_parallel,
+    )
     from megatron_branch.schedule import ScheduleOptions, run_schedule
 
     dtype = DTYPES[args.dtype]
@@ -171,7 +190,9 @@ def run_grad(args: argparse.Namespace) -> int:
         finalize_grads(
             model, tp_group=groups.tp, dp_cp_group=groups.dp_cp, sequence_parallel=groups.sequence_parallel
         )
-    loss_t = torch.tensor([loss, result.positions_computed if result else 0], dtype=torch.float64)
+    loss_t = torch.tensor(
+        [loss, result.positions_computed if result else 0], dtype=torch.float64, device=comm_device(groups.dp)
+    )
     if groups.dp_size > 1:
         dist.all_reduce(loss_t, group=groups.dp)
     grads = mcore_to_hf_state(gather_full_grads(model, groups.tp), arch)
@@ -184,32 +205,48 @@ def run_grad(args: argparse.Namespace) -> int:
         dist.all_gather_object(gathered, lp_rows, group=groups.dp)
         lp_rows = [row for part in gathered for row in part]
 
+    summary = {
+        "schedule": args.schedule,
+        "loss": float(loss_t[0]),
+        "positions_logical": full_tree.positions_logical,
+        "positions_computed": int(loss_t[1]) if args.schedule != "naive" else full_tree.positions_logical,
+        "positions_tree": full_tree.positions_computed,
+        "rollouts": len(rollouts),
+        "response_tokens": T,
+        "dtype": args.dtype,
+        "tp": groups.tp_size,
+        "cp": groups.cp_size,
+        "dp": groups.dp_size,
+        "sequence_parallel": groups.sequence_parallel,
+        "out": args.out,
+    }
+    err = None
+    if rank == 0:  # rank 0 writes; a failure there must reach every rank, which would otherwise wait forever
+        try:
+            _write_outputs(args, grads, lp_rows, dtype)
+        except (UserError, OSError) as e:
+            err = str(e)
+    agree_on_error(err, error=UserError)
     if rank == 0:
-        grads = {n: g.to(device="cpu", dtype=dtype).contiguous() for n, g in grads.items()}
-        _atomic_write(args.out, lambda p: save_file(grads, p))
-        if args.logprobs_out is not None:
-
-            def write_lp(p: str) -> None:
-                with open(p, "w") as f:
-                    for i, lp in sorted(lp_rows):
-                        f.write(json.dumps({"index": i, "logprobs": lp}) + "\n")
-
-            _atomic_write(args.logprobs_out, write_lp)
-        summary = {
-            "schedule": args.schedule,
-            "loss": float(loss_t[0]),
-            "positions_logical": full_tree.positions_logical,
-            "positions_computed": int(loss_t[1]) if args.schedule != "naive" else full_tree.positions_logical,
-            "positions_tree": full_tree.positions_computed,
-            "rollouts": len(rollouts),
-            "response_tokens": T,
-            "dtype": args.dtype,
-            "tp": groups.tp_size,
-            "cp": groups.cp_size,
-            "dp": groups.dp_size,
-            "sequence_parallel": groups.sequence_parallel,
-            "out": args.out,
-        }
         print(json.dumps(summary), flush=True)
-    dist.barrier()
     return 0
+
+
+def _write_outputs(
+    args: argparse.Namespace,
+    grads: dict[str, torch.Tensor],
+    lp_rows: list[tuple[int, list[float]]],
+    dtype: torch.dtype,
+) -> None:
+    from safetensors.torch import save_file
+
+    host = {n: g.to(device="cpu", dtype=dtype).contiguous() for n, g in grads.items()}
+    _atomic_write(args.out, lambda p: save_file(host, p))
+    if args.logprobs_out is not None:
+
+        def write_lp(p: str) -> None:
+            with open(p, "w") as f:
+                for i, lp in sorted(lp_rows):
+                    f.write(json.dumps({"index": i, "logprobs": lp}) + "\n")
+
+        _atomic_write(args.logprobs_out, write_lp)

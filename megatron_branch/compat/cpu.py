@@ -1,6 +1,6 @@
 """Shims that let megatron-core 0.16.1 run on a machine without CUDA.
 
-megatron-core assumes CUDA in a handful of places (measured in shared/notes/megatron-core-on-cpu.md). Each shim
+megatron-core assumes CUDA in a handful of places (measured on CPU; docs/design.md). Each shim
 below replaces exactly one of those assumptions, is applied only when CUDA is absent, is idempotent, and first
 checks that the name it patches still exists, so that a megatron-core upgrade that renames it fails loudly
 (`CompatError`) instead of silently running unpatched code. tests/unit/test_compat.py guards every one.

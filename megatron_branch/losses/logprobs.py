@@ -37,7 +37,8 @@ class _VocabParallelLogprob(torch.autograd.Function):
         x = logits.to(dtype)
         v_local = x.shape[-1]
         start = _group_rank(group) * v_local
-        n_pad = max(0, start + v_local - vocab_size)
+        # columns of this slice beyond the real vocabulary (a whole slice can be padding: small vocab, large TP)
+        n_pad = min(v_local, max(0, start + v_local - vocab_size))
         if n_pad:
             x = x.clone()
             x[:, v_local - n_pad :] = float("-inf")  # padded vocabulary: never a candidate

@@ -114,6 +114,28 @@ def initialize_parallel(cfg: ParallelConfig, *, seed: int = 1234) -> ParallelGro
     )
 
 
+def comm_device(group: Any = None) -> torch.device:
+    """Where a tensor must live to go through `group`'s collectives: NCCL wants CUDA tensors, gloo CPU ones."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree_on_error(err: str | None, *, error: type[Exception] = UserError) -> None:
+    """Every rank passes its own error (or None); if any rank has one, every rank raises the first of them
+    (as `error`). A collective: all ranks of the world must call it.
+    """
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errs: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(errs, err)
+        bad = [(r, e) for r, e in enumerate(errs) if e]
+        if bad:
+            rank, msg = bad[0]
+            raise error(f"rank {rank}: {msg}" if len(bad) < len(errs) else msg)
+    elif err:
+        raise error(err)
+
+
 def destroy_parallel() -> None:
     from megatron.core import parallel_state as ps
 

@@ -6,7 +6,7 @@ Shape legend: s chunk tokens, m predicted targets, v vocabulary slice on this TP
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ from megatron_branch.data import PrefixTree
 from megatron_branch.losses.logprobs import vocab_parallel_logprobs
 from megatron_branch.losses.objective import BoundObjective
 from megatron_branch.parallel.cp_layout import CPChunk, split_chunk, tree_related
+from megatron_branch.parallel.groups import comm_device
 from megatron_branch.schedule.chunks import Chunk, make_chunk
 
 
@@ -72,10 +73,8 @@ class StepResult:
     """Extra forward positions spent on recomputation (replay with recompute)."""
     forwards: int = 0
     """Model forward calls."""
-    logprobs: dict[int, float] | None = None
     target_logprobs: torch.Tensor | None = None
     """[N] logprob of every packed token as a target (NaN for roots' first tokens), when keep_logprobs."""
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def rollout_logprobs(self, tree: PrefixTree, i: int) -> torch.Tensor:
         """Logprobs of rollout i's response tokens, in order (from the packed targets)."""
@@ -115,10 +114,10 @@ def forward_chunk(
         from megatron_branch.parallel.context import RingBranchContext
 
         ctx = RingBranchContext(
-            q_meta=chunk.meta,
+            q_meta=chunk.meta.to(model_device(model)),
             external_kv=external_kv or {},
-            external_meta=external_meta,
-            related=tree_related(tree),
+            external_meta=None if external_meta is None else external_meta.to(model_device(model)),
+            related=tree_related(tree).to(model_device(model)),
             cp_group=opts.cp_group,
             capture=capture,
         )
@@ -157,13 +156,15 @@ def reduce_over_cp(
     """Under CP: the loss is the SUM of the ranks' terms; each target's logprob was computed on exactly one rank."""
     if opts.cp_size == 1:
         return loss, store
-    t = torch.tensor([loss], dtype=torch.float64)
+    dev = comm_device(opts.cp_group)
+    t = torch.tensor([loss], dtype=torch.float64, device=dev)
     dist.all_reduce(t, group=opts.cp_group)
     if store is not None:
         held = ~torch.isnan(store)
-        both = torch.stack(
-            [torch.where(held, store, torch.zeros_like(store)), held.to(store.dtype)]
+        both = torch.stack([torch.where(held, store, torch.zeros_like(store)), held.to(store.dtype)]).to(
+            dev
         )  # [2, N]
         dist.all_reduce(both, group=opts.cp_group)
+        both = both.cpu()  # the store lives on the host
         store = torch.where(both[1] > 0, both[0], torch.full_like(store, float("nan")))
     return float(t[0]), store

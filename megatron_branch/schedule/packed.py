@@ -1,7 +1,7 @@
 """The packed schedule: the whole prefix tree in ONE forward/backward with the tree attention layout.
 
 Every shared position is computed once; autograd sums the gradients that all branches send into a shared prefix
-(the packed tree-mask identity, shared/notes/attention-on-cpu.md). Memory grows with the whole tree; `replay` is
+(the packed tree-mask identity, docs/design.md). Memory grows with the whole tree; `replay` is
 the memory-bounded schedule.
 """
 

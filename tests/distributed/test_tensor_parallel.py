@@ -99,3 +99,23 @@ def test_tp4_sp_and_tp2_dp2_match_naive_float32() -> None:
         1e-5,
         vocab=38,  # not divisible by 4: vocabulary padding under TP4
     )
+
+
+@pytest.mark.world(2, 4)
+def test_vocab_parallel_logprobs_when_whole_slices_are_padding() -> None:
+    """Vocabulary 5 padded to 16 * tp: every rank but the first holds padding only (megatron pads to 128 * tp)."""
+    from megatron_branch.losses.logprobs import reference_logprobs, vocab_parallel_logprobs
+
+    groups = initialize_parallel(ParallelConfig(tp=dist.get_world_size()))
+    tp, rank = groups.tp_size, dist.get_rank(groups.tp)
+    torch.manual_seed(0)  # the same full logits on every rank
+    full = (3 * torch.randn(6, 16 * tp, dtype=torch.float64)).requires_grad_()
+    target = torch.randint(0, 5, (6,))
+    w = torch.randn(6, dtype=torch.float64)
+    local = full.detach()[:, 16 * rank : 16 * (rank + 1)].clone().requires_grad_()
+    lp = vocab_parallel_logprobs(local, target, vocab_size=5, tp_group=groups.tp)
+    (lp * w).sum().backward()
+    want = reference_logprobs(full, target, vocab_size=5)
+    (want * w).sum().backward()
+    torch.testing.assert_close(lp, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(local.grad, full.grad[:, 16 * rank : 16 * (rank + 1)], rtol=1e-12, atol=1e-12)

@@ -175,3 +175,24 @@ def test_module_entry_point_has_no_traceback(workdir: Path) -> None:
     assert p.returncode == 2
     assert "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines()[-1].startswith("megatron-branch: error:")
+
+
+def test_bad_options_refused_before_work(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = [
+        "grad",
+        "--hf",
+        str(workdir / "hf"),
+        "--rollouts",
+        str(workdir / "r.jsonl"),
+        "--out",
+        str(workdir / "o.st"),
+    ]
+    for extra in (["--backend", "foo"], ["--branch-micro-batch", "0"]):
+        with pytest.raises(SystemExit) as e:  # argparse: usage + one error line, status 2
+            main([*base, *extra])
+        assert e.value.code == 2
+        assert "Traceback" not in capsys.readouterr().err
+    (workdir / "a_dir").mkdir(exist_ok=True)
+    rc = main([*base[:-1], str(workdir / "a_dir")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "is a directory" in err and "\n" not in err

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from megatron_branch.data import write_rollouts_jsonl
+from megatron_branch.data import Rollout, write_rollouts_jsonl
 from megatron_branch.testing import random_tree_rollouts, tiny_hf_config, tiny_hf_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,9 +32,11 @@ def test_patch_applies_and_matches_plain_step(tmp_path: Path, monkeypatch: pytes
     assert "run_schedule" in patched.read_text() and "run_schedule" not in plain.read_text()
 
     tiny_hf_model(tiny_hf_config("qwen2"), seed=4).save_pretrained(tmp_path / "hf")
-    write_rollouts_jsonl(
-        tmp_path / "r.jsonl", random_tree_rollouts(prompt_len=12, branches=3, levels=2, seed=6)
-    )
+    rollouts = random_tree_rollouts(prompt_len=12, branches=3, levels=2, seed=6)
+    rollouts.append(
+        Rollout(prompt=[], response=[3, 1, 4, 1, 5], advantage=0.7)
+    )  # no prompt: first token unscored
+    write_rollouts_jsonl(tmp_path / "r.jsonl", rollouts)
     common = ["--hf", str(tmp_path / "hf"), "--rollouts", str(tmp_path / "r.jsonl"), "--out"]
     run_script(plain, [*common, str(tmp_path / "plain.safetensors")], monkeypatch)
     run_script(patched, [*common, str(tmp_path / "patched.safetensors")], monkeypatch)
