@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_branch.errors import UserError
+from megatron_branch.parallel.grads import param_grad
 
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -84,9 +85,7 @@ def gather_full_grads(model: torch.nn.Module, tp_group: Any) -> dict[str, torch.
     """
     out = {}
     for name, p in model.named_parameters():
-        g = getattr(p, "main_grad", None)
-        if g is None:
-            g = p.grad
+        g = param_grad(p)
         if g is None:
             g = torch.zeros_like(p)
         out[name] = _gather(g, dim=_partition_dim(p), tp_group=tp_group, fused=_is_fused_gate_up(name, model))

@@ -95,6 +95,7 @@ class PrefixTree:
         self, *, rollouts: tuple[Rollout, ...], segments: tuple[Segment, ...], leaves: tuple[int, ...]
     ):
         self.rollouts = rollouts
+        self._relation: torch.Tensor | None = None
         self.segments = segments
         self.roots = tuple(s.id for s in segments if s.parent == -1)
         self._leaves = leaves  # segment where each rollout's sequence ends
@@ -257,13 +258,24 @@ class PrefixTree:
         Ancestor segments precede their descendants in the packed layout, so "ancestor-or-same segment"
         combined with the causal k <= q is exactly the rule (within a segment it is plain causality).
         """
-        num = len(self.segments)
-        related = torch.eye(num, dtype=torch.bool)
-        for s in self.segments:
-            if s.ancestors:
-                related[s.id, list(s.ancestors)] = True
+        related = self.segment_relation()
         mask = related[self.segment_ids][:, self.segment_ids]
         return mask.tril_()
+
+    def segment_relation(self) -> torch.Tensor:
+        """bool [S, S]: related[q, k] iff segment k is an ancestor of segment q or q itself (computed once).
+
+        The token-level tree mask, the ring's block masks under context parallelism and the CP split all derive
+        from this one relation.
+        """
+        if self._relation is None:
+            num = len(self.segments)
+            related = torch.eye(num, dtype=torch.bool)
+            for s in self.segments:
+                if s.ancestors:
+                    related[s.id, list(s.ancestors)] = True
+            self._relation = related
+        return self._relation
 
     def unpack(self) -> list[tuple[int, ...]]:
         """Every rollout's full sequence rebuilt from the segments (round-trips exactly)."""

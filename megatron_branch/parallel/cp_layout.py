@@ -19,7 +19,6 @@ A fork token (first token of a child segment) is therefore handled where the par
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,8 +29,6 @@ from megatron_branch.errors import UserError
 
 if TYPE_CHECKING:  # runtime import would be circular (schedule.common imports this module)
     from megatron_branch.schedule.chunks import Chunk
-
-_RELATED: weakref.WeakKeyDictionary[PrefixTree, torch.Tensor] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,17 +64,8 @@ class CPChunk:
 
 
 def tree_related(tree: PrefixTree) -> torch.Tensor:
-    """[S, S] bool: related[q, k] iff segment k is an ancestor of segment q or q itself (cached per tree)."""
-    cached = _RELATED.get(tree)
-    if cached is not None:
-        return cached
-    num = len(tree.segments)
-    related = torch.eye(num, dtype=torch.bool)
-    for s in tree.segments:
-        if s.ancestors:
-            related[s.id, list(s.ancestors)] = True
-    _RELATED[tree] = related
-    return related
+    """[S, S] bool: related[q, k] iff segment k is an ancestor of segment q or q itself (the tree's own relation)."""
+    return tree.segment_relation()
 
 
 def zigzag_offsets(length: int, cp_size: int, cp_rank: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 
-def _grad(p: torch.nn.Parameter) -> torch.Tensor | None:
+def param_grad(p: torch.nn.Parameter) -> torch.Tensor | None:
     """megatron DDP accumulates into `main_grad`; plain modules into `grad`."""
     g = getattr(p, "main_grad", None)
     return g if g is not None else p.grad
@@ -46,11 +46,11 @@ def finalize_grads(
     """
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
-        if _grad(p) is None:
+        if param_grad(p) is None:
             p.grad = torch.zeros_like(p)
     if sequence_parallel and tp_group is not None and dist.get_world_size(tp_group) > 1:
-        sp = [_grad(p) for p in params if getattr(p, "sequence_parallel", False)]
+        sp = [param_grad(p) for p in params if getattr(p, "sequence_parallel", False)]
         if sp:
             _all_reduce_sum(sp, tp_group)  # type: ignore[arg-type]
     if dp_cp_group is not None and dist.get_world_size(dp_cp_group) > 1:
-        _all_reduce_sum([_grad(p) for p in params], dp_cp_group)  # type: ignore[misc]
+        _all_reduce_sum([param_grad(p) for p in params], dp_cp_group)  # type: ignore[misc]
