@@ -196,3 +196,21 @@ def test_bad_options_refused_before_work(workdir: Path, capsys: pytest.CaptureFi
     rc = main([*base[:-1], str(workdir / "a_dir")])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "is a directory" in err and "\n" not in err
+
+
+def test_replay_options_keep_parity(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--recompute and --branch-micro-batch change what is kept alive, never the gradient."""
+    rc, _, _ = grad(workdir, capsys, "--schedule", "naive", "--dtype", "float64", out="opt_naive.safetensors")
+    assert rc == 0
+    want = load_file(workdir / "opt_naive.safetensors")
+    for extra in (
+        ["--recompute", "--branch-micro-batch", "1"],
+        ["--backend", "packed", "--branch-micro-batch", "3"],
+    ):
+        rc, summary, _ = grad(
+            workdir, capsys, "--schedule", "replay", "--dtype", "float64", *extra, out="opt.safetensors"
+        )
+        assert rc == 0 and summary["positions_computed"] == summary["positions_tree"]
+        got = load_file(workdir / "opt.safetensors")
+        for name, g in want.items():
+            assert ((got[name] - g).norm() / g.norm()).item() <= 1e-9, (extra, name)
