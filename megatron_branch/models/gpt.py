@@ -7,6 +7,8 @@ Model code only: no process groups are created here. Tensor/sequence parallel si
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -45,6 +47,22 @@ class BranchGPTModel(GPTModel):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         enable_position_rope(self)
+        self._hidden_only = False
+
+    @contextmanager
+    def hidden_states_only(self) -> Iterator[None]:
+        """Within this context forward returns the final hidden states [s(/tp under SP), b, h] instead of logits,
+        so that the output projection can be fused with the logprob (losses/fused_logprobs.py)."""
+        self._hidden_only = True
+        try:
+            yield
+        finally:
+            self._hidden_only = False
+
+    def _postprocess(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self._hidden_only:
+            return hidden_states
+        return super()._postprocess(hidden_states, *args, **kwargs)
 
 
 def build_model(

@@ -14,8 +14,10 @@ import torch.distributed as dist
 
 from megatron_branch.attention.core_attention import KV, BranchContext, attach_context
 from megatron_branch.data import PrefixTree
+from megatron_branch.losses.fused_logprobs import fused_linear_logprobs
 from megatron_branch.losses.logprobs import vocab_parallel_logprobs
 from megatron_branch.losses.objective import BoundObjective
+from megatron_branch.models.gpt import BranchGPTModel
 from megatron_branch.parallel.cp_layout import CPChunk, split_chunk, tree_related
 from megatron_branch.parallel.groups import comm_device
 from megatron_branch.schedule.chunks import Chunk, make_chunk
@@ -46,6 +48,11 @@ class ScheduleOptions:
     runs as a ring (megatron_branch.parallel); parameter grads then need parallel.grads.finalize_grads."""
     cp_size: int = 1
     """Its size."""
+    fused_logprobs: bool = True
+    """Fuse the output projection with the logprob by row chunks (losses/fused_logprobs.py): a chunk's full logits
+    are never materialised. Needs a BranchGPTModel; False (or another model) = megatron's output layer + logprobs."""
+    logprob_chunk_rows: int = 1024
+    """Rows of logits alive at once in the fused path."""
 
     def __post_init__(self) -> None:
         if self.cp_size > 1 and self.cp_group is None:
@@ -54,6 +61,8 @@ class ScheduleOptions:
             raise ValueError(f"vocab_size must be positive, got {self.vocab_size}")
         if self.branch_micro_batch <= 0:
             raise ValueError(f"branch_micro_batch must be positive, got {self.branch_micro_batch}")
+        if self.logprob_chunk_rows <= 0:
+            raise ValueError(f"logprob_chunk_rows must be positive, got {self.logprob_chunk_rows}")
 
     @property
     def pad_to(self) -> int:
@@ -126,13 +135,52 @@ def forward_chunk(
             layout=chunk.layout, external_kv=external_kv or {}, capture=capture, backend=opts.backend
         )
     dev = model_device(model)  # chunks are built on the host; the model may live on an accelerator
-    with attach_context(model, ctx):
-        logits = model(chunk.input_ids.to(dev)[None], chunk.position_ids.to(dev)[None], None)  # [1, s, v]
-    rows = logits[0].index_select(0, chunk.target_rows.to(dev))  # [m, v]
-    logp = vocab_parallel_logprobs(
-        rows, tree.tokens[chunk.targets].to(dev), vocab_size=opts.vocab_size, tp_group=opts.tp_group
-    )  # [m]
+    ids, pos = chunk.input_ids.to(dev)[None], chunk.position_ids.to(dev)[None]  # [1, s]
+    target_rows, target_ids = chunk.target_rows.to(dev), tree.tokens[chunk.targets].to(dev)  # [m]
+    base = getattr(model, "module", model)  # megatron DDP wraps the GPTModel
+    if opts.fused_logprobs and isinstance(base, BranchGPTModel):
+        with attach_context(model, ctx), base.hidden_states_only():
+            hidden = model(ids, pos, None)  # [s (/tp under SP), 1, h] final hidden states
+        hidden = _to_output_region(hidden, opts)[:, 0]  # [s, h], TP-summed gradient in backward
+        logp = fused_linear_logprobs(
+            hidden.index_select(0, target_rows),
+            _output_weight(base),  # [v/tp, h]
+            target_ids,
+            vocab_size=opts.vocab_size,
+            tp_group=opts.tp_group,
+            chunk_rows=opts.logprob_chunk_rows,
+        )  # [m]
+    else:
+        with attach_context(model, ctx):
+            logits = model(ids, pos, None)  # [1, s, v]
+        rows = logits[0].index_select(0, target_rows)  # [m, v]
+        logp = vocab_parallel_logprobs(rows, target_ids, vocab_size=opts.vocab_size, tp_group=opts.tp_group)
     return objective.chunk_loss(logp, chunk.targets), logp, ctx.captured
+
+
+def _output_weight(model: BranchGPTModel) -> torch.Tensor:
+    """The output projection megatron's _postprocess uses: the shared embedding only when tied (megatron's
+    `shared_embedding_or_output_weight` returns the embedding on any first stage, tied or not)."""
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
+
+
+def _to_output_region(hidden: torch.Tensor, opts: ScheduleOptions) -> torch.Tensor:
+    """What megatron's ColumnParallelLinear does to the output layer's input: under SP all-gather the sequence
+    (backward: reduce-scatter), else identity (backward: all-reduce the partial input gradients over TP)."""
+    if opts.tp_size == 1 or opts.tp_group is None:
+        return hidden
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
+
+    if opts.sequence_parallel:
+        return gather_from_sequence_parallel_region(
+            hidden, tensor_parallel_output_grad=True, group=opts.tp_group
+        )
+    return copy_to_tensor_model_parallel_region(hidden, group=opts.tp_group)
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

@@ -119,3 +119,29 @@ def test_vocab_parallel_logprobs_when_whole_slices_are_padding() -> None:
     (want * w).sum().backward()
     torch.testing.assert_close(lp, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(local.grad, full.grad[:, 16 * rank : 16 * (rank + 1)], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.world(2, 4)
+def test_fused_linear_logprobs_when_whole_slices_are_padding() -> None:
+    from megatron_branch.losses.fused_logprobs import fused_linear_logprobs
+    from megatron_branch.losses.logprobs import reference_logprobs
+
+    groups = initialize_parallel(ParallelConfig(tp=dist.get_world_size()))
+    tp, rank = groups.tp_size, dist.get_rank(groups.tp)
+    torch.manual_seed(0)  # the same full tensors on every rank
+    hidden = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(16 * tp, 8, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 5, (6,))
+    w = torch.randn(6, dtype=torch.float64)
+    local_w = weight.detach()[16 * rank : 16 * (rank + 1)].clone().requires_grad_()
+    local_h = hidden.detach().clone().requires_grad_()
+    lp = fused_linear_logprobs(local_h, local_w, target, vocab_size=5, tp_group=groups.tp, chunk_rows=4)
+    (lp * w).sum().backward()
+    dist.all_reduce(
+        local_h.grad, group=groups.tp
+    )  # what copy_to_tensor_model_parallel_region does in backward
+    want = reference_logprobs(hidden @ weight.t(), target, vocab_size=5)
+    (want * w).sum().backward()
+    torch.testing.assert_close(lp, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(local_h.grad, hidden.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(local_w.grad, weight.grad[16 * rank : 16 * (rank + 1)], rtol=1e-12, atol=1e-12)

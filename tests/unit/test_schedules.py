@@ -176,3 +176,19 @@ def test_planted_bug_dropping_one_branch_is_caught(monkeypatch: pytest.MonkeyPat
         assert_grads_close(bad, naive_grads, 1e-9)
     with pytest.raises(AssertionError, match="relative error"):
         assert_grads_close(bad, naive_grads, 1e-3)  # not a rounding-level difference
+
+
+@pytest.mark.parametrize("schedule", ["packed", "replay"])
+def test_materialised_logits_path_matches_fused(schedule: str) -> None:
+    """fused_logprobs=False (megatron's output layer, then logprobs) gives the same step as the fused default."""
+    _, model, arch = make_pair(
+        "llama", True, torch.float64, seed=7
+    )  # tied: the output weight is the embedding
+    rollouts = random_tree_rollouts(seed=12, prompt_len=8, branches=3, levels=2)
+    _, fused, fused_grads = run(model, arch, rollouts, schedule, logprob_chunk_rows=3)
+    _, plain, plain_grads = run(model, arch, rollouts, schedule, fused_logprobs=False)
+    assert fused.loss == pytest.approx(plain.loss, rel=1e-12)
+    torch.testing.assert_close(
+        fused.target_logprobs, plain.target_logprobs, rtol=0, atol=1e-12, equal_nan=True
+    )
+    assert_grads_close(fused_grads, plain_grads, 1e-10)

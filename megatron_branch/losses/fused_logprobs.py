@@ -1,0 +1,119 @@
+"""Token log-probabilities straight from hidden states: the output projection fused with the logprob, by row chunks.
+
+Shape legend:
+    m  rows (one per predicted token)   h  hidden size   v  this rank's vocabulary slice (padded vocab / tp)
+
+At long context the logits are the largest activation of all: 16K rows x 152K vocabulary in fp32 is ~10 GB per
+rank, and a logprob's backward needs its softmax. This computes `logp = log_softmax(hidden @ W^T)[target]` one row
+chunk at a time and keeps only hidden, W and one log-sum-exp per row; the backward recomputes each chunk's logits
+(the fused linear + cross-entropy idea of Liger-Kernel and Apple's Cut Cross-Entropy). The math per chunk is the
+vocab-parallel logprob of losses/logprobs.py (max, sum-exp and target all-reduced over the TP group, padded
+vocabulary columns excluded), and `vocab_parallel_logprobs` on materialised logits is the reference it is tested
+against.
+
+The gradient w.r.t. `hidden` is this rank's partial sum over its vocabulary slice; the caller routes `hidden`
+through megatron's `copy_to_tensor_model_parallel_region` (or the sequence-parallel gather), whose backward sums
+the partials over TP, exactly as megatron's ColumnParallelLinear does for its input.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _tp(group: Any) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _chunk_logits(h: torch.Tensor, w: torch.Tensor, n_real: int, dtype: torch.dtype) -> torch.Tensor:
+    """[c, h] x [v, h] -> [c, v] logits in `dtype`, padded vocabulary columns at -inf."""
+    x = h.to(dtype) @ w.to(dtype).t()  # [c, v]
+    if n_real < x.shape[1]:
+        x[:, n_real:] = float("-inf")
+    return x
+
+
+class _FusedLinearLogprob(torch.autograd.Function):
+    @staticmethod
+    def forward(  # noqa: ANN205
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        target: torch.Tensor,
+        vocab_size: int,
+        group: Any,
+        rows: int,
+    ):
+        rank, size = _tp(group)
+        m, v_local = hidden.shape[0], weight.shape[0]
+        start = rank * v_local
+        n_real = max(0, min(v_local, vocab_size - start))  # real vocabulary columns in this slice
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        local = (target >= start) & (target < start + v_local)  # [m]
+        idx = (target - start).clamp(0, v_local - 1)  # [m]
+        row_max = torch.empty(m, dtype=dtype, device=hidden.device)
+        for i in range(0, m, rows):  # pass 1: the row max over the whole vocabulary
+            row_max[i : i + rows] = (
+                _chunk_logits(hidden[i : i + rows], weight, n_real, dtype).max(dim=-1).values
+            )
+        if size > 1:
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        sum_exp = torch.empty(m, dtype=dtype, device=hidden.device)
+        tgt = torch.empty(m, dtype=dtype, device=hidden.device)
+        for i in range(0, m, rows):  # pass 2: sum-exp and the target logit, both shifted by the max
+            x = (
+                _chunk_logits(hidden[i : i + rows], weight, n_real, dtype) - row_max[i : i + rows, None]
+            )  # [c, v]
+            sum_exp[i : i + rows] = x.exp().sum(dim=-1)
+            t = x.gather(1, idx[i : i + rows, None]).squeeze(1)
+            tgt[i : i + rows] = torch.where(local[i : i + rows], t, torch.zeros_like(t))
+        if size > 1:
+            both = torch.stack([tgt, sum_exp])
+            dist.all_reduce(both, group=group)
+            tgt, sum_exp = both[0], both[1]
+        lse = row_max + sum_exp.log()  # [m] log-sum-exp over the whole vocabulary
+        ctx.save_for_backward(hidden, weight, idx, local, lse)
+        ctx.rows, ctx.n_real = rows, n_real
+        return (tgt - sum_exp.log()).to(hidden.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN205
+        hidden, weight, idx, local, lse = ctx.saved_tensors
+        dtype = lse.dtype
+        d_hidden = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
+        d_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+        g_all = grad.to(dtype)
+        for i in range(0, hidden.shape[0], ctx.rows):
+            h = hidden[i : i + ctx.rows]
+            p = (
+                _chunk_logits(h, weight, ctx.n_real, dtype) - lse[i : i + ctx.rows, None]
+            ).exp()  # [c, v] softmax
+            g = -p * g_all[i : i + ctx.rows, None]  # d logp / d logits = onehot - softmax
+            g.scatter_add_(
+                1, idx[i : i + ctx.rows, None], (g_all[i : i + ctx.rows] * local[i : i + ctx.rows])[:, None]
+            )
+            d_hidden[i : i + ctx.rows] = g @ weight.to(dtype)  # [c, h]
+            d_weight += g.t() @ h.to(dtype)  # [v, h]
+        return d_hidden.to(hidden.dtype), d_weight.to(weight.dtype), None, None, None, None
+
+
+def fused_linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    vocab_size: int,
+    tp_group: Any = None,
+    chunk_rows: int = 1024,
+) -> torch.Tensor:
+    """log p(target | hidden) with logits = hidden [m, h] @ weight[v_local, h]^T sharded over `tp_group` -> [m].
+
+    Never holds more than `chunk_rows` rows of logits. `vocab_size` is the real (unpadded) vocabulary.
+    """
+    assert hidden.dim() == 2 and weight.dim() == 2 and target.shape == hidden.shape[:1]
+    return _FusedLinearLogprob.apply(hidden, weight, target, vocab_size, tp_group, chunk_rows)
