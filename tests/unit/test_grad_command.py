@@ -214,3 +214,24 @@ def test_replay_options_keep_parity(workdir: Path, capsys: pytest.CaptureFixture
         got = load_file(workdir / "opt.safetensors")
         for name, g in want.items():
             assert ((got[name] - g).norm() / g.norm()).item() <= 1e-9, (extra, name)
+
+
+def test_tiny_assets_example_feeds_the_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import runpy
+
+    runpy.run_path(str(Path(__file__).resolve().parents[2] / "examples" / "make_tiny_assets.py"))["main"](
+        ["--out", str(tmp_path), "--groups", "1", "--prompt-len", "6"]
+    )
+    rc = main(
+        [
+            "grad",
+            "--hf",
+            str(tmp_path / "hf"),
+            "--rollouts",
+            str(tmp_path / "rollouts.jsonl"),
+            "--out",
+            str(tmp_path / "g.st"),
+        ]
+    )
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and summary["positions_computed"] < summary["positions_logical"]
