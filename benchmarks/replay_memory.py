@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from variants import VARIANTS  # benchmarks/ is on sys.path when a script here runs
 
 from megatron_branch.data import PrefixTree, Rollout
 from megatron_branch.losses import PolicyGradientObjective
@@ -25,14 +26,9 @@ from megatron_branch.memory import ActivationMeter
 from megatron_branch.models import ModelArch, build_model
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
 from megatron_branch.schedule import ScheduleOptions, run_schedule
+from megatron_branch.testing import random_tree_rollouts
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS: dict[str, tuple[str, dict[str, bool]]] = {
-    "naive": ("naive", {}),
-    "packed": ("packed", {}),
-    "replay": ("replay", {}),
-    "replay+recompute": ("replay", {"recompute": True}),
-}
 
 
 @dataclass(frozen=True)
@@ -64,17 +60,14 @@ CONFIGS = {
 
 
 def rollouts(cfg: Config, g: int, seed: int = 0) -> list[Rollout]:
-    rng = random.Random(seed)
-    prompt = [rng.randrange(cfg.vocab) for _ in range(cfg.prompt)]
-    # distinct first tokens: G separate leaves (g <= vocab)
-    return [
-        Rollout(
-            prompt=prompt,
-            response=[i] + [rng.randrange(cfg.vocab) for _ in range(cfg.response - 1)],
-            advantage=rng.uniform(-1, 1),
-        )
-        for i in range(g)
-    ]
+    """One prompt, G leaves of length S right below it (distinct first tokens)."""
+    return random_tree_rollouts(
+        vocab_size=cfg.vocab,
+        prompt_len=cfg.prompt,
+        branches=g,
+        seg_len=(cfg.response, cfg.response),
+        seed=seed,
+    )
 
 
 def three_levels(cfg: Config, seed: int = 1) -> list[Rollout]:

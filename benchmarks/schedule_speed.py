@@ -17,25 +17,19 @@ compute masked work (megatron's unfused attention in naive computes the full s x
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
+from variants import VARIANTS  # benchmarks/ is on sys.path when a script here runs
 
-from megatron_branch.data import PrefixTree, Rollout
+from megatron_branch.data import PrefixTree
 from megatron_branch.losses import PolicyGradientObjective
 from megatron_branch.models import ModelArch, build_model
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
 from megatron_branch.schedule import ScheduleOptions, StepResult, run_schedule
-
-VARIANTS: dict[str, tuple[str, dict[str, bool]]] = {
-    "naive": ("naive", {}),
-    "packed": ("packed", {}),
-    "replay": ("replay", {}),
-    "replay+recompute": ("replay", {"recompute": True}),
-}
+from megatron_branch.testing import random_tree_rollouts
 
 
 @dataclass(frozen=True)
@@ -86,20 +80,6 @@ def useful_flops(arch: ModelArch, tree: PrefixTree) -> dict[str, tuple[Flops, fl
     return out
 
 
-def rollouts(prompt: int, g: int, s: int, vocab: int, seed: int = 0) -> list[Rollout]:
-    rng = random.Random(seed)
-    shared = [rng.randrange(vocab) for _ in range(prompt)]
-    firsts = rng.sample(range(vocab), g)  # distinct: G leaves right below the prompt
-    return [
-        Rollout(
-            prompt=shared,
-            response=[f] + [rng.randrange(vocab) for _ in range(s - 1)],
-            advantage=rng.uniform(-1, 1),
-        )
-        for f in firsts
-    ]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", type=int, default=1024)
@@ -126,7 +106,12 @@ def main() -> None:
         max_position_embeddings=max(4096, args.prompt + args.response),
     )
     model = build_model(arch, dtype=torch.float32)
-    rs = rollouts(args.prompt, args.branches, args.response, args.vocab)
+    rs = random_tree_rollouts(  # one prompt, G leaves of length S right below it
+        vocab_size=args.vocab,
+        prompt_len=args.prompt,
+        branches=args.branches,
+        seg_len=(args.response, args.response),
+    )
     tree = PrefixTree.build(rs, vocab_size=args.vocab)
     obj = PolicyGradientObjective.grpo([r.advantage for r in rs], tree.num_response_tokens_logical())
 

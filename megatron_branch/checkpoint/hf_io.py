@@ -113,16 +113,22 @@ def _first_line(e: BaseException) -> str:
 
 
 # --- writing --------------------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temp folder next to `target`; rename it to `target` on success, delete it on failure."""
-    target = Path(target)
+def temp_dir_beside(target: Path) -> Path:
+    """A fresh temp folder next to `target` (same filesystem, so the final rename is atomic), after refusing a
+    `target` that exists and is not an empty folder."""
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise UserError(
             f"output folder {str(target)!r} already exists and is not empty; refusing to overwrite"
         )
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+
+
+@contextlib.contextmanager
+def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temp folder next to `target`; rename it to `target` on success, delete it on failure."""
+    target = Path(target)
+    tmp = temp_dir_beside(target)
     try:
         yield tmp
         if target.exists():

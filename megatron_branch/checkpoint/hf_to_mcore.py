@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_branch.checkpoint.dist_ckpt import save_sharded
-from megatron_branch.checkpoint.hf_io import TOKENIZER_FILES, HFTensorReader, load_hf_config
+from megatron_branch.checkpoint.hf_io import TOKENIZER_FILES, HFTensorReader, load_hf_config, temp_dir_beside
 from megatron_branch.checkpoint.param_map import iter_hf_to_mcore, mcore_names
 from megatron_branch.checkpoint.tp import load_full_tensor
 from megatron_branch.errors import UserError
@@ -66,14 +65,10 @@ def _make_tmp_dir(out_dir: Path) -> Path:
     """Rank 0 checks the target and makes a temp folder next to it; every rank gets the path or the same error."""
     result: tuple[str | None, str | None] = (None, None)
     if _rank_world()[0] == 0:
-        if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-            result = (
-                None,
-                f"output folder {str(out_dir)!r} already exists and is not empty; refusing to overwrite",
-            )
-        else:
-            out_dir.parent.mkdir(parents=True, exist_ok=True)
-            result = (tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent), None)
+        try:
+            result = (str(temp_dir_beside(out_dir)), None)
+        except UserError as e:
+            result = (None, str(e))
     path, err = _broadcast_from_rank0(result)
     if err:
         raise UserError(err)

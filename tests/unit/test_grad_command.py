@@ -31,21 +31,14 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
+def argv(hf: Path, rollouts: Path, out: Path, *extra: str) -> list[str]:
+    return ["grad", "--hf", str(hf), "--rollouts", str(rollouts), "--out", str(out), *extra]
+
+
 def grad(
     workdir: Path, capsys: pytest.CaptureFixture[str], *extra: str, out: str = "g.safetensors"
 ) -> tuple[int, dict, str]:
-    rc = main(
-        [
-            "grad",
-            "--hf",
-            str(workdir / "hf"),
-            "--rollouts",
-            str(workdir / "r.jsonl"),
-            "--out",
-            str(workdir / out),
-            *extra,
-        ]
-    )
+    rc = main(argv(workdir / "hf", workdir / "r.jsonl", workdir / out, *extra))
     cap = capsys.readouterr()
     lines = [ln for ln in cap.out.strip().splitlines() if ln.strip()]
     return rc, (json.loads(lines[-1]) if rc == 0 else {}), cap.err
@@ -113,7 +106,7 @@ def test_bad_rollouts_one_line_error(workdir: Path, capsys: pytest.CaptureFixtur
     bad = workdir / f"bad_{case.replace(' ', '_')}.jsonl"
     bad.write_text(line + "\n")
     out = workdir / "never.safetensors"
-    rc = main(["grad", "--hf", str(workdir / "hf"), "--rollouts", str(bad), "--out", str(out)])
+    rc = main(argv(workdir / "hf", bad, out))
     err = capsys.readouterr().err.strip()
     assert rc == 2
     assert err.startswith("megatron-branch: error:") and "\n" not in err
@@ -126,29 +119,9 @@ def test_bad_configuration_refused_before_work(workdir: Path, capsys: pytest.Cap
     assert rc == 2 and "tensor parallel size 3" in err
     rc, _, err = grad(workdir, capsys, "--tp", "2")  # world of 1 cannot hold tp=2
     assert rc == 2 and "world size 1" in err
-    rc = main(
-        [
-            "grad",
-            "--hf",
-            str(workdir / "nope"),
-            "--rollouts",
-            str(workdir / "r.jsonl"),
-            "--out",
-            str(workdir / "x"),
-        ]
-    )
+    rc = main(argv(workdir / "nope", workdir / "r.jsonl", workdir / "x"))
     assert rc == 2 and "nope" in capsys.readouterr().err
-    rc = main(
-        [
-            "grad",
-            "--hf",
-            str(workdir / "hf"),
-            "--rollouts",
-            str(workdir / "r.jsonl"),
-            "--out",
-            str(workdir / "no/dir/g.st"),
-        ]
-    )
+    rc = main(argv(workdir / "hf", workdir / "r.jsonl", workdir / "no/dir/g.st"))
     assert rc == 2 and "does not exist" in capsys.readouterr().err
 
 
@@ -178,15 +151,7 @@ def test_module_entry_point_has_no_traceback(workdir: Path) -> None:
 
 
 def test_bad_options_refused_before_work(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    base = [
-        "grad",
-        "--hf",
-        str(workdir / "hf"),
-        "--rollouts",
-        str(workdir / "r.jsonl"),
-        "--out",
-        str(workdir / "o.st"),
-    ]
+    base = argv(workdir / "hf", workdir / "r.jsonl", workdir / "o.st")
     for extra in (["--backend", "foo"], ["--branch-micro-batch", "0"]):
         with pytest.raises(SystemExit) as e:  # argparse: usage + one error line, status 2
             main([*base, *extra])
@@ -222,16 +187,6 @@ def test_tiny_assets_example_feeds_the_commands(tmp_path: Path, capsys: pytest.C
     runpy.run_path(str(Path(__file__).resolve().parents[2] / "examples" / "make_tiny_assets.py"))["main"](
         ["--out", str(tmp_path), "--groups", "1", "--prompt-len", "6"]
     )
-    rc = main(
-        [
-            "grad",
-            "--hf",
-            str(tmp_path / "hf"),
-            "--rollouts",
-            str(tmp_path / "rollouts.jsonl"),
-            "--out",
-            str(tmp_path / "g.st"),
-        ]
-    )
+    rc = main(argv(tmp_path / "hf", tmp_path / "rollouts.jsonl", tmp_path / "g.st"))
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and summary["positions_computed"] < summary["positions_logical"]
