@@ -75,11 +75,19 @@ class ModelArch:
         archs = d.get("architectures") or []
         model_type = d.get("model_type")
         family = {"llama": "llama", "qwen2": "qwen2"}.get(model_type)
-        if family is None or any(a not in SUPPORTED_ARCHITECTURES for a in archs):
-            got = ", ".join(archs) or model_type
+        supported = ", ".join(f"{cls} (model_type {fam!r})" for cls, fam in SUPPORTED_ARCHITECTURES.items())
+        bad_archs = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
+        if bad_archs:
+            raise UserError(f"unsupported architecture {bad_archs[0]!r}; supported: {supported}", where=where)
+        if family is None:
+            also = f" (architectures says {', '.join(archs)})" if archs else ""
             raise UserError(
-                f"unsupported architecture {got!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}",
-                where=where,
+                f"unsupported model_type {model_type!r}{also}; supported: {supported}", where=where
+            )
+        mismatched = [a for a in archs if SUPPORTED_ARCHITECTURES[a] != family]
+        if mismatched:
+            raise UserError(
+                f"model_type {model_type!r} does not match architectures {mismatched[0]!r}", where=where
             )
         if d.get("hidden_act", "silu") != "silu":
             raise UserError(
