@@ -48,6 +48,9 @@ class ScheduleOptions:
     runs as a ring (megatron_branch.parallel); parameter grads then need parallel.grads.finalize_grads."""
     cp_size: int = 1
     """Its size."""
+    ring_stats: Any = None
+    """Under CP: a parallel.ring.RingStats the ring attention adds its message and kernel counts to (None = not
+    counted)."""
     fused_logprobs: bool = True
     """Fuse the output projection with the logprob by row chunks (losses/fused_logprobs.py): a chunk's full logits
     are never materialised. Needs a BranchGPTModel; False (or another model) = megatron's output layer + logprobs."""
@@ -129,6 +132,7 @@ def forward_chunk(
             related=tree_related(tree).to(model_device(model)),
             cp_group=opts.cp_group,
             capture=capture,
+            stats=opts.ring_stats,
         )
     else:
         ctx = BranchContext(
