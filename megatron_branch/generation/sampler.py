@@ -228,9 +228,10 @@ class BranchSampler:
         x = hidden.to(acc) @ w.to(acc).t()  # [m, V/tp]
         if self.tp_size > 1:
             dev = comm_device(self.tp_group)
-            parts = torch.empty(self.tp_size, *x.shape, dtype=x.dtype, device=dev)
+            m, v_local = x.shape
+            parts = torch.empty(self.tp_size * m, v_local, dtype=x.dtype, device=dev)  # [tp*m, V/tp]
             dist.all_gather_into_tensor(parts, x.to(dev).contiguous(), group=self.tp_group)
-            x = parts.permute(1, 0, 2).reshape(x.shape[0], -1).to(self.device)  # [m, V]
+            x = parts.view(self.tp_size, m, v_local).permute(1, 0, 2).reshape(m, -1).to(self.device)  # [m, V]
         return x[:, : self.vocab_size]
 
     # ---- bookkeeping -----------------------------------------------------------------------------------------
