@@ -29,9 +29,11 @@ from megatron_branch.checkpoint.integrity import (
     HashingStream,
     file_digest,
     safe_common_strategy,
+    short_reason,
     verify_checkpoint,
 )
 from megatron_branch.compat.cpu import CompatError
+from megatron_branch.errors import UserError
 from megatron_branch.parallel.groups import agree_on_error
 
 __all__ = [
@@ -203,10 +205,19 @@ def load_sharded(
 
     if verify:
         verify_checkpoint(checkpoint_dir, files, recorded_in=recorded_in)
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
+
     check_sharding(sharded_state_dict)
-    return dist_checkpointing.load(
-        sharded_state_dict,
-        str(checkpoint_dir),
-        common_strategy=safe_common_strategy(),
-        validate_access_integrity=False,
-    )
+    try:
+        return dist_checkpointing.load(
+            sharded_state_dict,
+            str(checkpoint_dir),
+            common_strategy=safe_common_strategy(),
+            validate_access_integrity=False,
+        )
+    except (CheckpointingException, CheckpointException) as e:
+        # torch's reader gathers every rank's failure into one CheckpointException, raised on every rank
+        raise UserError(
+            f"cannot load the dist checkpoint ({short_reason(e)})", where=str(checkpoint_dir)
+        ) from None

@@ -13,6 +13,7 @@ What megatron-core 0.16.1 / torch 2.13 would otherwise unpickle from a checkpoin
   they are loaded with `weights_only=True` explicitly first, and `SafeCommonLoadStrategy` (handed to
   `dist_checkpointing.load`) loads them that way too.
 - tensor items: torch loads them with `weights_only=True` explicitly already.
+- `metadata.json` (megatron's backend description) is JSON; it is checked to parse, as megatron does not guard it.
 Completeness: the file list that `dist_ckpt.save_sharded` records (size and SHA-256 of every file, hashed while
 writing) is checked first, then every storage item `.metadata` names must lie inside its file. Every problem is
 one `UserError` naming the file. A collective when torch.distributed is initialised (the checksums are split over
@@ -35,6 +36,7 @@ from megatron_branch.errors import UserError, one_line
 
 METADATA_FILE = ".metadata"
 COMMON_FILE = "common.pt"
+BACKEND_FILE = "metadata.json"
 HASH = "sha256"
 _CHUNK = 1 << 20
 
@@ -162,18 +164,28 @@ def _safe_globals() -> list[Any]:
     ]
 
 
+def short_reason(e: BaseException) -> str:
+    """One short line for a loading failure: the gist of torch's weights_only refusal (its message is a page),
+    the first failure of a torch.distributed.checkpoint CheckpointException (its message carries tracebacks)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        e = first[0] if isinstance(first, tuple) else first
+    text = one_line(e)
+    if "WeightsUnpickler error:" in text:
+        text = "not plain data: " + text.split("WeightsUnpickler error:", 1)[1].split(". ")[0].strip()
+    return f"{type(e).__name__}: {text[:200]}"
+
+
 def torch_load_weights_only(src: Any, *, where: str) -> Any:
     """`torch.load(src, weights_only=True)` (explicitly), a refusal or damage being one UserError naming `where`."""
     try:
         with torch.serialization.safe_globals(_safe_globals()):
             return torch.load(src, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        first = one_line(e).split(" Please file an issue")[0]
-        raise UserError(f"refusing to unpickle: not plain data ({first[-160:]})", where=where) from None
+        raise UserError(f"refusing to unpickle ({short_reason(e)})", where=where) from None
     except Exception as e:
-        raise UserError(
-            f"damaged or not a torch file ({type(e).__name__}: {one_line(e)[:160]})", where=where
-        ) from None
+        raise UserError(f"damaged or not a torch file ({short_reason(e)})", where=where) from None
 
 
 def _check_listed_files(
@@ -226,6 +238,21 @@ def _check_items(ckpt: Path, md: Any) -> None:
             torch_load_weights_only(data, where=f"{ckpt / rel} (item {index.fqn})")
 
 
+def _check_backend_config(ckpt: Path) -> None:
+    """megatron's `metadata.json` (JSON: which backend wrote the checkpoint), which megatron parses unguarded."""
+    import json
+
+    f = ckpt / BACKEND_FILE
+    try:
+        ok = isinstance(json.loads(f.read_text(encoding="utf-8")), dict)
+    except FileNotFoundError:
+        raise UserError(f"checkpoint file {BACKEND_FILE} is missing", where=str(ckpt)) from None
+    except (OSError, ValueError):
+        ok = False
+    if not ok:
+        raise UserError("damaged checkpoint file: not a JSON object", where=str(f))
+
+
 def verify_checkpoint(ckpt: str | os.PathLike, files: Mapping[str, Any] | None, *, recorded_in: str) -> None:
     """Refuse a dist checkpoint that is incomplete, damaged or carries pickled code, before anything is loaded.
 
@@ -242,6 +269,7 @@ def verify_checkpoint(ckpt: str | os.PathLike, files: Mapping[str, Any] | None, 
     try:
         if files is not None:
             _check_listed_files(d, files, rank=rank, world=world, recorded_in=recorded_in)
+        _check_backend_config(d)
         md = read_metadata_safely(d)
         _check_items(d, md)
         for pt in sorted(d.rglob("*.pt")):

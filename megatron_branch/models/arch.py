@@ -82,7 +82,8 @@ class ModelArch:
         if family is None:
             also = f" (architectures says {', '.join(archs)})" if archs else ""
             raise UserError(
-                f"unsupported model_type {model_type!r}{also}; supported: {supported}", where=where
+                f"unsupported architecture: model_type {model_type!r}{also}; supported: {supported}",
+                where=where,
             )
         mismatched = [a for a in archs if SUPPORTED_ARCHITECTURES[a] != family]
         if mismatched:
