@@ -10,6 +10,7 @@ import builtins
 import hashlib
 import io
 import json
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -304,8 +305,14 @@ def test_hf_to_mcore_outputs(assets: Path, tmp_path: Path, capsys) -> None:
     # an existing checkpoint is replaced with --overwrite only
     shutil.copytree(assets / "mc", out / "mc")
     refused([*base, str(out / "mc")], out, capsys, "pass --overwrite")
-    assert main([*base, str(out / "mc"), "--overwrite"]) == 0
+    old = os.umask(0o027)
+    try:
+        assert main([*base, str(out / "mc"), "--overwrite"]) == 0
+    finally:
+        os.umask(old)
     assert sorted(p.name for p in out.iterdir()) == ["mc", "nonempty", "plainfile"]  # no temp folders left
+    assert (out / "mc").stat().st_mode & 0o777 == 0o750  # the umask's, not mkdtemp's 0700
+    assert {p.stat().st_mode & 0o777 for p in (out / "mc").iterdir()} == {0o640}
 
 
 def test_grad_outputs(assets: Path, tmp_path: Path, capsys) -> None:
@@ -316,8 +323,13 @@ def test_grad_outputs(assets: Path, tmp_path: Path, capsys) -> None:
     refused([*base, str(out / "g.safetensors")], out, capsys, "already exists; pass --overwrite")
     refused([*base, str(out / "new.safetensors"), "--logprobs-out", str(out / "g.safetensors")], out, capsys)
     refused([*base, str(out / "missing" / "g.safetensors")], out, capsys, "does not exist")
-    assert main([*base, str(out / "g.safetensors"), "--overwrite"]) == 0
+    old = os.umask(0o022)
+    try:
+        assert main([*base, str(out / "g.safetensors"), "--overwrite"]) == 0
+    finally:
+        os.umask(old)
     assert (out / "g.safetensors").stat().st_size > 100
+    assert (out / "g.safetensors").stat().st_mode & 0o777 == 0o644  # safetensors alone writes 0600
 
 
 # --- flags and folders -------------------------------------------------------------------------------------------
