@@ -13,12 +13,13 @@ from megatron_branch.losses.advantages import gae, group_advantages, with_gae, w
 from megatron_branch.losses.aggregation import AGG_MODES, Aggregation
 from megatron_branch.losses.dpo import DPOObjective, preference_pairs
 from megatron_branch.losses.logprobs import reference_logprobs, vocab_parallel_logprobs
-from megatron_branch.losses.objective import PolicyGradientObjective
+from megatron_branch.losses.objective import AdvantagePolicyGradient, PolicyGradientObjective
 from megatron_branch.losses.policy import KL_ALIASES, PolicyObjective, kl_penalty
 from megatron_branch.losses.value import ValueObjective
 
 __all__ = [
     "AGG_MODES",
+    "AdvantagePolicyGradient",
     "KL_ALIASES",
     "Aggregation",
     "DPOObjective",
