@@ -112,6 +112,67 @@ def _my_share(rollouts: Sequence[Rollout], plan: UpdatePlan) -> list[int]:
     return assign_groups(full, groups.dp_size)[rank]
 
 
+@dataclass(kw_only=True)
+class Accumulated:
+    """What the schedules left after one pass over this rank's share (gradients are in the model)."""
+
+    loss: float = 0.0
+    """This rank's share of the global loss."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """This rank's share of each metric (global means: they add over ranks)."""
+    positions_logical: int = 0
+    positions_computed: int = 0
+    logprobs: dict[int, list[float]] = field(default_factory=dict)
+    """Global rollout index -> response logprobs (NaN where unscored), when asked for."""
+
+
+def accumulate_gradients(
+    model: torch.nn.Module,
+    batch: Sequence[Rollout],
+    objective: Objective | DPOObjective,
+    plan: UpdatePlan,
+    *,
+    keep_logprobs: bool = False,
+) -> Accumulated:
+    """Forward/backward this rank's share of the global `batch`, micro-batch by micro-batch; gradients accumulate
+    in the model (not finalised). The gradient part of `update_step`, and all of `megatron-branch grad`."""
+    opts = dataclasses.replace(plan.opts, keep_logprobs=keep_logprobs or plan.opts.keep_logprobs)
+    acc = Accumulated()
+    for chunk in split_micro_batches(batch, _my_share(batch, plan), plan.micro_batches):
+        tree = PrefixTree.build([batch[i] for i in chunk], vocab_size=opts.vocab_size)
+        run_obj: Objective = objective  # type: ignore[assignment]
+        if isinstance(
+            objective, DPOObjective
+        ):  # sequence-level: a forward-only pass fixes dL/dpi (losses/dpo.py)
+            pi = score_rollouts(plan.schedule, model, tree, opts).sums()
+            run_obj, dpo_loss, dpo_stats = objective.linearise(tree, pi)
+        res = run_schedule(plan.schedule, model, tree, run_obj, opts)
+        if isinstance(objective, DPOObjective):
+            res.loss, res.stats = dpo_loss, dpo_stats
+        acc.loss += res.loss
+        for k, v in res.stats.items():
+            acc.stats[k] = acc.stats.get(k, 0.0) + v
+        acc.positions_logical += res.positions_logical
+        acc.positions_computed += res.positions_computed
+        if keep_logprobs:
+            for j, i in enumerate(chunk):
+                acc.logprobs[i] = res.rollout_logprobs(tree, j).tolist()
+    return acc
+
+
+def reduce_metrics(acc: Accumulated, objective: Any, groups: Any, role: str) -> dict[str, float]:
+    """The global metrics of an accumulation (a SUM over DP ranks; a collective over `groups.dp`)."""
+    names = sorted(acc.stats) if acc.stats else _stat_names(objective)
+    local = [acc.loss, acc.positions_logical, acc.positions_computed, *[acc.stats.get(k, 0.0) for k in names]]
+    total = _sum_over_dp(torch.tensor(local, dtype=torch.float64), groups)
+    metrics = {f"{role}/loss": float(total[0])}
+    metrics.update({k: float(v) for k, v in zip(names, total[3:])})
+    metrics["tree/positions_logical"] = float(total[1])
+    metrics["tree/positions_computed"] = float(total[2])
+    metrics["tree/token_ratio"] = float(total[1] / total[2]) if total[2] > 0 else float("nan")
+    return metrics
+
+
 def update_step(
     model: torch.nn.Module,
     batch: Sequence[Rollout],
@@ -126,46 +187,20 @@ def update_step(
 
     `ref_model`: scores `ref_logprobs` forward-only where the objective needs them and the rollouts lack them.
     """
-    groups, opts = plan.opts.groups, plan.opts
     role = "critic" if isinstance(objective, ValueObjective) else "actor"
     needs_ref = isinstance(objective, DPOObjective) or getattr(objective, "kl_coef", 0) != 0
     if ref_model is not None and needs_ref:
         batch = attach_scores(ref_model, batch, "ref_logprobs", plan)
     _zero_grads(model, optimizer)
-    mine = _my_share(batch, plan)
-    loss, stats = 0.0, {}
-    positions = torch.zeros(2, dtype=torch.float64)
-    for chunk in split_micro_batches(batch, mine, plan.micro_batches):
-        tree = PrefixTree.build([batch[i] for i in chunk], vocab_size=opts.vocab_size)
-        run_obj: Objective = objective  # type: ignore[assignment]
-        if isinstance(
-            objective, DPOObjective
-        ):  # sequence-level: a forward-only pass fixes dL/dpi (losses/dpo.py)
-            pi = score_rollouts(plan.schedule, model, tree, opts).sums()
-            run_obj, dpo_loss, dpo_stats = objective.linearise(tree, pi)
-        res = run_schedule(plan.schedule, model, tree, run_obj, opts)
-        if isinstance(objective, DPOObjective):
-            res.loss, res.stats = dpo_loss, dpo_stats
-        loss += res.loss
-        for k, v in res.stats.items():
-            stats[k] = stats.get(k, 0.0) + v
-        positions += torch.tensor([res.positions_logical, res.positions_computed], dtype=torch.float64)
+    acc = accumulate_gradients(model, batch, objective, plan)
     finalize(model, plan)
     stepped, grad_norm, _ = optimizer.step()
     lr = current_lr(optimizer)
     if scheduler is not None:
         scheduler.step(1)
-    names = sorted(stats) if stats else _stat_names(objective)
-    total = _sum_over_dp(
-        torch.tensor([loss, *positions.tolist(), *[stats.get(k, 0.0) for k in names]]), groups
-    )
-    metrics = {f"{role}/loss": float(total[0])}
-    metrics.update({k: float(v) for k, v in zip(names, total[3:])})
+    metrics = reduce_metrics(acc, objective, plan.opts.groups, role)
     metrics[f"{role}/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     metrics[f"{role}/lr"] = lr
-    metrics["tree/positions_logical"] = float(total[1])
-    metrics["tree/positions_computed"] = float(total[2])
-    metrics["tree/token_ratio"] = float(total[1] / total[2]) if total[2] > 0 else float("nan")
     return UpdateResult(metrics=metrics, stepped=bool(stepped))
 
 
