@@ -28,6 +28,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", default="kv_retrieval")
     ap.add_argument("--num-pairs", type=int, default=6, help="kv_retrieval haystack size")
+    ap.add_argument("--key-len", type=int, default=2)
     ap.add_argument("--value-len", type=int, default=2)
     ap.add_argument("--value-chars", default="abcd")
     ap.add_argument("--length", type=int, default=24, help="copy_span filler length")
@@ -56,9 +57,16 @@ def main() -> None:
 
     initialize_parallel(ParallelConfig(), seed=args.seed)
     if args.task == "kv_retrieval":
-        opts = dict(num_pairs=args.num_pairs, value_len=args.value_len, value_chars=args.value_chars)
-    else:
+        opts = dict(
+            num_pairs=args.num_pairs,
+            key_len=args.key_len,
+            value_len=args.value_len,
+            value_chars=args.value_chars,
+        )
+    elif args.task == "copy_span":
         opts = dict(length=args.length, span_len=args.span_len, chars=args.value_chars)
+    else:
+        opts = dict(length=args.length, num_needles=args.span_len)
     task = get_task(args.task, **opts)
     t0 = time.perf_counter()
     tok = SentencePieceTokenizer.train_or_load(tempfile.mkdtemp(), task.corpus(300, seed=99))
