@@ -43,6 +43,10 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8, help="sampled rollouts per held-out prompt")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--rl-steps", type=int, default=0, help="on-policy GRPO steps after the warm-up")
+    ap.add_argument("--rl-prompts", type=int, default=8)
+    ap.add_argument("--rl-lr", type=float, default=1e-3)
+    ap.add_argument("--max-new", type=int, default=8)
     args = ap.parse_args()
     torch.manual_seed(args.seed)
 

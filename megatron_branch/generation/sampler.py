@@ -114,6 +114,10 @@ class BranchSampler:
         prompts = self._check_prompts(prompts, params)
         if not params.greedy and generator is None:
             raise ValueError("sampling (temperature > 0) needs a torch.Generator: pass generator=")
+        if generator is not None and generator.device.type != self.device.type:
+            raise ValueError(
+                f"the generator is on {generator.device}, the model on {self.device}: they must match"
+            )
         stats = GenerationStats(num_prompts=len(prompts), prompt_prefills=[0] * len(prompts))
         cache = PrefixKV()
         first_logits = self._prefill(prompts, cache, stats)  # [num_prompts, v]
