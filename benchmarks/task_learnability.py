@@ -121,6 +121,38 @@ def main() -> None:
                 json.dumps(dict(step=step, nll=round(res.loss, 4), train_s=round(elapsed, 1), **evaluate()))
             )
 
+    # on-policy GRPO (one update per batch): group-normalised advantages, the policy-gradient objective
+    for group in optim.param_groups:
+        group["lr"] = args.rl_lr
+    sp = SamplingParams(n=args.n, max_new_tokens=args.max_new, temperature=1.0, stop_token_ids=(tok.eos_id,))
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    rewards_log: list[float] = []
+    t_rl = time.perf_counter()
+    for step in range(1, args.rl_steps + 1):
+        rows = task.rows(args.rl_prompts, seed=20_000 + step)
+        out = sampler.generate([tok.encode(r.prompt) for r in rows], sp, generator=gen)
+        flat_rows = [r for r in rows for _ in range(args.n)]
+        rewards = score_responses(task.reward, flat_rows, [tok.decode(s.response) for s in out.flat()])
+        adv: list[float] = []
+        for i in range(0, len(rewards), args.n):
+            g = torch.tensor(rewards[i : i + args.n], dtype=torch.float64)
+            adv += ((g - g.mean()) / (g.std() + 1e-6)).tolist() if g.max() > g.min() else [0.0] * args.n
+        rollouts = [s.to_rollout(advantage=a) for s, a in zip(out.flat(), adv)]
+        tree = PrefixTree.build(rollouts, vocab_size=arch.vocab_size)
+        obj = PolicyGradientObjective.grpo(adv, tree.num_response_tokens_logical())
+        optim.zero_grad(set_to_none=True)
+        run_schedule("replay", model, tree, obj, sopts)
+        optim.step()
+        rewards_log.append(sum(rewards) / len(rewards))
+        if step % 10 == 0 or step == args.rl_steps:
+            first, last = rewards_log[:10], rewards_log[-10:]
+            print(json.dumps(dict(rl_step=step, reward_mean=round(rewards_log[-1], 4),
+                                  first10=round(sum(first) / len(first), 4), last10=round(sum(last) / len(last), 4),
+                                  positions=f"{tree.positions_computed}/{tree.positions_logical}",
+                                  rl_s=round(time.perf_counter() - t_rl, 1))))  # fmt: skip
+    if args.rl_steps:
+        print(json.dumps(dict(final=True, **evaluate())))
+
 
 if __name__ == "__main__":
     main()
