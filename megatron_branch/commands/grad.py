@@ -172,15 +172,12 @@ def run_grad(args: argparse.Namespace) -> int:
         tree = PrefixTree.build([rollouts[i] for i in mine], vocab_size=arch.vocab_size)
         objective = PolicyGradientObjective.grpo([rollouts[i].advantage for i in mine], T)
         opts = ScheduleOptions(
-            tp_group=groups.tp,
-            tp_size=groups.tp_size,
-            sequence_parallel=groups.sequence_parallel,
+            groups=groups,
             vocab_size=arch.vocab_size,
             backend=args.backend,
             branch_micro_batch=args.branch_micro_batch,
             recompute=args.recompute,
             keep_logprobs=args.logprobs_out is not None,
-            **({"cp_group": groups.cp, "cp_size": groups.cp_size} if groups.cp_size > 1 else {}),
         )
         result = run_schedule(args.schedule, ddp if ddp is not None else model, tree, objective, opts)
         loss = result.loss

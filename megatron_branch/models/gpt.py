@@ -44,6 +44,9 @@ class BranchGPTModel(GPTModel):
     forward(input_ids [b, s], position_ids [b, s], attention_mask) -> logits [b, s, v/tp] (vocab-parallel).
     """
 
+    is_critic = False
+    """A value model (models/critic.py): the schedules read `values(hidden)` instead of logprobs."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         enable_position_rope(self)

@@ -45,8 +45,7 @@ def generate(hf, pcfg: ParallelConfig):  # noqa: ANN001, ANN201
     rollouts = [s.to_rollout(advantage=1.0) for s in samples]
     tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
     obj = PolicyGradientObjective.grpo([1.0] * len(rollouts), tree.num_response_tokens_logical())
-    opts = ScheduleOptions(tp_group=groups.tp, tp_size=groups.tp_size, sequence_parallel=groups.sequence_parallel,
-                           vocab_size=VOCAB, keep_logprobs=True)  # fmt: skip
+    opts = ScheduleOptions(groups=groups, vocab_size=VOCAB, keep_logprobs=True)
     res = run_schedule("replay", model, tree, obj, opts)
     trained = [res.rollout_logprobs(tree, i) for i in range(len(rollouts))]
     return outs, trained
