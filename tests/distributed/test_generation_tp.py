@@ -33,10 +33,7 @@ def generate(hf, pcfg: ParallelConfig):  # noqa: ANN001, ANN201
     )
     state = hf_to_mcore_state(hf.state_dict(), arch, padded_vocab=arch.padded_vocab_size(pcfg.tp))
     load_full_state(model, state, groups.tp)
-    tp_group = groups.tp if groups.tp_size > 1 else None
-    sampler = BranchSampler(
-        model, vocab_size=VOCAB, tp_group=tp_group, sequence_parallel=groups.sequence_parallel
-    )
+    sampler = BranchSampler(model, vocab_size=VOCAB, groups=groups)
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (7, 4, 10)]  # odd total: SP pads
     outs = [sampler.generate(prompts, p, generator=torch.Generator().manual_seed(5)) for p in PARAMS]
