@@ -91,9 +91,8 @@ class BranchSampler:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         if max_prefill_tokens is not None and max_prefill_tokens <= 0:
             raise ValueError(f"max_prefill_tokens must be positive, got {max_prefill_tokens}")
-        if (
-            groups is not None
-        ):  # the layout comes in whole (preferred); tp_group/sequence_parallel are its TP part
+        # the layout comes in whole (preferred); tp_group/sequence_parallel are its TP part
+        if groups is not None:
             assert tp_group is None, "pass groups= or tp_group=, not both"
             tp_group, sequence_parallel = groups.tp, groups.sequence_parallel
         self.model, self.base = model, base
