@@ -157,6 +157,7 @@ class BranchSampler:
         samples = [self._collect(p, prompts[p], roots[p], params) for p in range(len(prompts))]
         stats.num_samples = sum(len(g) for g in samples)
         stats.response_tokens = sum(len(s.response) for g in samples for s in g)
+        stats.prefill_positions_unshared = params.n * sum(len(p) for p in prompts)
         stats.seconds = time.perf_counter() - t0
         return GenerationOutput(samples=samples, stats=stats)
 

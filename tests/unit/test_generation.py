@@ -137,6 +137,7 @@ def test_prompt_prefilled_once_per_group_and_counts() -> None:
     st = out.stats
     assert st.prompt_prefills == [1, 1, 1, 1]
     assert st.prefill_forwards == 1 and st.prefill_positions == sum(lengths)
+    assert st.prefill_positions_unshared == 8 * sum(lengths)
     # no stop tokens: 4 roots x 2 tokens, then 8 leaves x 3 tokens per prompt are sampled; the last never fed
     assert st.tokens_sampled == 4 * (4 * 2 + 8 * 3)
     assert st.decode_positions == 4 * (4 * 2 + 8 * 2) and st.decode_steps == 4
