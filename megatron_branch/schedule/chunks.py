@@ -211,6 +211,7 @@ class CPChunk:
             related=tree_related(tree).to(device),
             cp_group=opts.cp_group,
             capture=capture,
+            stats=opts.ring_stats,
         )
 
 

@@ -40,6 +40,9 @@ class ScheduleOptions:
     """Return every target's logprob (detached) in the result."""
     keep_entropy: bool = False
     """Also compute and return every target row's full-vocabulary entropy (detached)."""
+    ring_stats: Any = None
+    """Under CP: a parallel.ring.RingStats the ring attention adds its message and kernel counts to (None = not
+    counted)."""
     fused_logprobs: bool = True
     """Fuse the output projection with the logprob by row chunks (losses/fused_logprobs.py): a chunk's full logits
     are never materialised. Needs a BranchGPTModel; False (or another model) = megatron's output layer + logprobs."""

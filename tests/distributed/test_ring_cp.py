@@ -164,7 +164,6 @@ def _model_case(schedule: str, dtype: torch.dtype, *, tp: int, cp: int, tol: flo
     from megatron_branch.models import ModelArch, build_model
     from megatron_branch.parallel.grads import finalize_grads
     from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
-    from megatron_branch.parallel.ring import RING_STATS
     from megatron_branch.schedule import ScheduleOptions, run_schedule
 
     sp = tp > 1
@@ -189,8 +188,10 @@ def _model_case(schedule: str, dtype: torch.dtype, *, tp: int, cp: int, tol: flo
     model.zero_grad(set_to_none=True)
 
     name, recompute = schedule.split("-")[0], schedule.endswith("recompute")
-    RING_STATS.reset()
-    opts = ScheduleOptions(groups=groups, **common, recompute=recompute, branch_micro_batch=2)
+    stats = RingStats()
+    opts = ScheduleOptions(
+        groups=groups, **common, recompute=recompute, branch_micro_batch=2, ring_stats=stats
+    )
     res = run_schedule(name, model, tree, obj, opts)
     finalize_grads(model, tp_group=groups.tp, dp_cp_group=groups.dp_cp, sequence_parallel=sp)
 
@@ -207,8 +208,8 @@ def _model_case(schedule: str, dtype: torch.dtype, *, tp: int, cp: int, tol: flo
     backwards = res.forwards - (
         inner if recompute else 0
     )  # recompute: the no-grad first forwards have no backward
-    assert RING_STATS.kv_messages == (cp - 1) * layers * (res.forwards + backwards)
-    assert RING_STATS.grad_messages == cp * layers * backwards
+    assert stats.kv_messages == (cp - 1) * layers * (res.forwards + backwards)
+    assert stats.grad_messages == cp * layers * backwards
     model.zero_grad(set_to_none=True)
 
 
