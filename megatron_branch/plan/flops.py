@@ -78,6 +78,17 @@ def step_flops(
     N, G, R, L = shape.prompts, shape.responses, shape.root_length, shape.leaf_length
     # every position but a sequence's first predicts the next token (prompt positions too: their logprobs are
     # computed, weighted 0 in a policy-gradient loss)
+    if schedule == "stop_gradient":
+        # the announced system's form: the shared root runs forward only (its state is not trained), the responses
+        # forward + backward against its cached K/V; the gradient is NOT that of naive training
+        own = N * G * causal_pairs(L, R)
+        return StepFlops(
+            dense=tok * (N * R + 3 * N * G * L),
+            attention=pair * (N * causal_pairs(R) + 3 * own),
+            logits=row * LOGITS_MATMULS * N * G * max(L - 1, 0),
+            positions=shape.positions_computed,
+            recomputed_positions=0,
+        )
     if schedule == "naive":
         positions = shape.positions_logical
         pairs = N * G * causal_pairs(shape.rollout_length)
