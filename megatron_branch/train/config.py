@@ -75,7 +75,9 @@ class TokenizerConfig:
     """hf: the folder holding the tokenizer (None = model.hf_path). sentencepiece: an existing .model file
     (None = train one at start-up)."""
     vocab_size: int = 128
-    """sentencepiece training: vocabulary size."""
+    """sentencepiece training: vocabulary size (bpe/unigram; char uses the training alphabet)."""
+    model_type: Literal["char", "bpe", "unigram"] = "char"
+    """sentencepiece training: model type (char = one token per character, the embedded task's choice)."""
 
 
 @dataclass(kw_only=True)
@@ -120,6 +122,8 @@ class RolloutConfig:
     """Stop strings (besides the tokenizer's end of sequence)."""
     branch_at: list[int] = field(default_factory=list)
     """Tree sampling: after these numbers of sampled tokens each branch forks again (shared response starts)."""
+    branch_factor: int = 2
+    """Tree sampling: children per fork (rollout.n must divide by branch_factor ** len(branch_at))."""
     seed: int = 2
     """Seed of the sampler's generator (checkpointed)."""
 
@@ -532,6 +536,11 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(
             f"rollout.branch_at must be increasing token counts in (0, response_length={r.response_length}), "
             f"got {r.branch_at}"
+        )
+    if r.branch_at and (r.branch_factor < 1 or r.n % (r.branch_factor ** len(r.branch_at))):
+        raise UserError(
+            f"rollout.n={r.n} must be divisible by rollout.branch_factor ** len(rollout.branch_at) = "
+            f"{r.branch_factor ** len(r.branch_at)}"
         )
     if a.name == "grpo" and r.n == 1:
         raise UserError(
