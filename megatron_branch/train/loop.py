@@ -144,7 +144,10 @@ class Trainer:
         t_prep = time.perf_counter()
         metrics = self.actor.update(batch, step=self.step)
         t_upd = time.perf_counter()
+        self.last_batch = batch  # inspected by tests (same tokens and rewards under every schedule)
+        self.last_rewards = rewards
         tree = PrefixTree.build(rollouts)
+        computed = tree.positions_logical if cfg.schedule.name == "naive" else tree.positions_computed
         step_s = t_upd - t0
         resp = [len(r.response) for r in rollouts]
         self.step += 1
@@ -153,7 +156,7 @@ class Trainer:
             "reward_mean": sum(rewards) / len(rewards),
             "loss": metrics.pop("loss"),
             "positions_logical": tree.positions_logical,
-            "positions_computed": tree.positions_computed,
+            "positions_computed": computed,
             "critic/score/mean": sum(rewards) / len(rewards),
             "critic/score/max": max(rewards),
             "critic/score/min": min(rewards),

@@ -141,6 +141,8 @@ def plot_curves(rows: list[dict[str, Any]], path: Path, *, title: str | None = N
             xs, ys = _series(rows, key)
             if xs:
                 ax.plot(xs, ys, marker="." if len(xs) < 60 else None, label=label)
+        if not ax.get_lines():
+            ax.text(0.5, 0.5, "not measured in this run", ha="center", va="center", transform=ax.transAxes)
         ax.set_title(name)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
