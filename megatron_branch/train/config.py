@@ -87,7 +87,9 @@ class DataConfig:
     task: str | None = None
     """A built-in verifiable task (prompts and reward generated in-process), e.g. "kv_retrieval"."""
     task_args: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the built-in task (its size, its seed, ...)."""
+    """Keyword arguments of the built-in task (its sizes, e.g. num_pairs for kv_retrieval)."""
+    num_prompts: int = 256
+    """Built-in task: prompts generated (from data.seed)."""
     train_files: str | None = None
     """JSONL of prompts: {"prompt": text, ...whatever the reward needs}; used when no task is given."""
     reward: str | None = None
@@ -514,6 +516,7 @@ def validate(cfg: TrainConfig) -> None:
         ("rollout.n", r.n),
         ("rollout.response_length", r.response_length),
         ("data.train_batch_size", d.train_batch_size),
+        ("data.num_prompts", d.num_prompts),
         ("actor.ppo_epochs", act.ppo_epochs),
         ("actor.ppo_mini_batch_size", act.ppo_mini_batch_size),
         ("actor.ppo_micro_batch_size", act.ppo_micro_batch_size),

@@ -6,7 +6,6 @@ the sentencepiece tokenizer is trained into the (temporary) run folder's `tokeni
 
 from __future__ import annotations
 
-import importlib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,14 +26,14 @@ class Dataset:
     """megatron_branch.tokenizer.Tokenizer."""
     tokenizer_dir: Path | None
     """Folder of the tokenizer files (copied into the HF export)."""
-    rows: list[dict[str, Any]]
-    """One dict per prompt: "prompt" (text) and whatever the reward needs."""
+    rows: list[Any]
+    """megatron_branch.tasks.PromptRow per prompt (its text and whatever the reward needs)."""
     prompts: list[tuple[int, ...]]
     """Token ids of each prompt."""
     reward_fn: RewardFn
     """(prompt text, response text, row) -> float."""
-    answers: list[tuple[int, ...]] | None = None
-    """Reference answer ids (eos appended) per prompt, when the task has them."""
+    warmup: Callable[[int, int], list[Any]] | None = None
+    """(num, seed) -> supervised warm-up rollouts (answer + eos, advantage 1), when the task has answers."""
     pairs: list[dict[str, tuple[int, ...]]] | None = None
     """DPO: {"prompt", "chosen", "rejected"} ids per pair."""
 
@@ -51,9 +50,9 @@ class Dataset:
         return self.prompts[i]
 
     def reward(self, i: int, response: Sequence[int]) -> float:
-        text = self.tokenizer.decode(list(response))
-        value = self.reward_fn(self.rows[i]["prompt"], text, self.rows[i])
-        return float(value)
+        from megatron_branch.tasks import score_responses
+
+        return score_responses(self.reward_fn, [self.rows[i]], [self.tokenizer.decode(list(response))])[0]
 
     def stop_token_ids(self, stop: Sequence[str]) -> tuple[int, ...]:
         """eos plus each stop string (each must be a single token of this tokenizer)."""
@@ -66,24 +65,6 @@ class Dataset:
                 )
             ids.append(enc[0])
         return tuple(dict.fromkeys(ids))
-
-    def reference_answers(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]] | None:
-        if self.answers is None:
-            return None
-        return list(zip(self.prompts, self.answers))
-
-
-def load_reward(spec: str) -> RewardFn:
-    """ "module:function" -> the function (a one-line error when it cannot be imported)."""
-    mod_name, _, fn_name = spec.partition(":")
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise UserError(f"data.reward: cannot import {mod_name!r} ({e})") from None
-    fn = getattr(mod, fn_name, None)
-    if not callable(fn):
-        raise UserError(f"data.reward: {mod_name!r} has no function {fn_name!r}")
-    return fn
 
 
 def _read_jsonl(path: str, required: Sequence[str]) -> list[dict[str, Any]]:
@@ -150,11 +131,13 @@ def load_dataset(cfg: TrainConfig, run_dir: Path) -> Dataset:
         )  # fmt: skip
     if d.task is not None:
         return _task_dataset(cfg, run_dir)
-    rows = _read_jsonl(d.train_files, ("prompt",))  # type: ignore[arg-type]
+    from megatron_branch.tasks import load_reward, read_prompts_jsonl
+
+    rows = read_prompts_jsonl(d.train_files)  # type: ignore[arg-type]
     reward = load_reward(d.reward)  # type: ignore[arg-type]
-    tok, tok_dir = _tokenizer(cfg, run_dir, lambda: [r["prompt"].replace("\n", " ") for r in rows])
-    prompts = [tuple(tok.encode(r["prompt"])) for r in rows]
-    _check_prompt_lengths(prompts, cfg, where=str(d.train_files))
+    tok, tok_dir = _tokenizer(cfg, run_dir, lambda: [r.prompt.replace("\n", " ") for r in rows])
+    prompts = [tuple(tok.encode(r.prompt)) for r in rows]
+    _check_prompt_lengths(prompts, rows, cfg)
     return Dataset(tokenizer=tok, tokenizer_dir=tok_dir, rows=rows, prompts=prompts, reward_fn=reward)
 
 
@@ -162,17 +145,29 @@ def _no_reward(prompt: str, response: str, row: dict) -> float:
     raise AssertionError("DPO has no reward")
 
 
-def _check_prompt_lengths(prompts: list[tuple[int, ...]], cfg: TrainConfig, *, where: str) -> None:
+def _check_prompt_lengths(prompts: list[tuple[int, ...]], rows: list[Any], cfg: TrainConfig) -> None:
     limit = cfg.data.max_prompt_length
-    for j, p in enumerate(prompts):
+    for p, r in zip(prompts, rows):
         if not p:
-            raise UserError("empty prompt", where=f"{where}:{j + 1}")
+            raise UserError("the prompt encodes to no tokens", where=r.where)
         if limit is not None and len(p) > limit:
             raise UserError(
-                f"prompt has {len(p)} tokens, more than data.max_prompt_length={limit}",
-                where=f"{where}:{j + 1}",
+                f"prompt has {len(p)} tokens, more than data.max_prompt_length={limit}", where=r.where
             )
 
 
 def _task_dataset(cfg: TrainConfig, run_dir: Path) -> Dataset:
-    raise UserError(f"data.task={cfg.data.task!r}: no built-in tasks yet")
+    """A built-in synthetic task: `data.num_prompts` rows from `data.seed`, warm-up answers from other seeds."""
+    from megatron_branch.tasks import get_task, load_reward, warmup_rollouts
+
+    d = cfg.data
+    task = get_task(d.task, **d.task_args)  # type: ignore[arg-type]
+    rows = task.rows(d.num_prompts, seed=d.seed)
+    tok, tok_dir = _tokenizer(cfg, run_dir, lambda: task.corpus())
+    prompts = [tuple(tok.encode(r.prompt)) for r in rows]
+    _check_prompt_lengths(prompts, rows, cfg)
+    reward = load_reward(d.reward or task.reward_spec)
+    return Dataset(
+        tokenizer=tok, tokenizer_dir=tok_dir, rows=rows, prompts=prompts, reward_fn=reward,
+        warmup=lambda num, seed: warmup_rollouts(task, tok, num, seed),
+    )  # fmt: skip

@@ -215,18 +215,20 @@ class Trainer:
         w = self.cfg.warmup
         if w.steps == 0:
             return
-        pairs = self.dataset.reference_answers()
-        if pairs is None:
-            raise UserError("warmup.steps > 0 needs a task with reference answers (data.task)")
+        if self.dataset.warmup is None:
+            raise UserError(
+                "warmup.steps > 0 needs a built-in task (data.task): it supplies the reference answers"
+            )
         if self.is_main:
-            print(f"supervised warm-up: {w.steps} steps on the task's reference answers", flush=True)
-        g = torch.Generator().manual_seed(self.cfg.trainer.seed + 17)
+            print(
+                f"supervised warm-up: {w.steps} steps on the task's reference answers (before RL)", flush=True
+            )
+        # warm-up prompts come from their own seed: not the RL prompts
+        pool = self.dataset.warmup(w.steps * w.batch_size, self.cfg.data.seed + 7919)
         for k in range(w.steps):
-            pick = torch.randint(len(pairs), (w.batch_size,), generator=g).tolist()
-            rollouts = [Rollout(prompt=pairs[i][0], response=pairs[i][1], advantage=1.0) for i in pick]
-            loss = self.actor.supervised_step(rollouts)
-            if self.is_main and (k + 1) % max(1, w.steps // 4) == 0:
-                print(f"  warm-up step {k + 1}/{w.steps}: nll {loss:.4f}", flush=True)
+            loss = self.actor.supervised_step(pool[k * w.batch_size : (k + 1) * w.batch_size])
+            if self.is_main and ((k + 1) % max(1, w.steps // 4) == 0 or k == 0):
+                print(f"  warm-up step {k + 1}/{w.steps}: answer NLL {loss:.4f}", flush=True)
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
     def _sharded_state(self, *, loading: bool) -> dict[str, Any]:

@@ -160,7 +160,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(task: Path, tmp_path: Path, mo
     [
         (
             lambda t: t.write_text('{"prompt": "ok"}\n{"prompt": 3}\n'),
-            r"prompts\.jsonl:2: field 'prompt' must be",
+            r"prompts\.jsonl:2: 'prompt' must be a non-empty string",
         ),
         (lambda t: t.write_text('{"prompt": "ok"}\nnot json\n'), r"prompts\.jsonl:2: invalid JSON"),
         (lambda t: t.write_text('{"prompt": "' + "x" * 80 + '"}\n'), r"exceeds the model's context of 64"),
