@@ -25,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"megatron-branch {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_grad_command(sub)
+    from megatron_branch.commands.plan import add_plan_command
+
+    add_plan_command(sub)
     from megatron_branch.commands.train import add_train_command
 
     add_train_command(sub)
