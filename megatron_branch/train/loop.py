@@ -32,7 +32,7 @@ from megatron_branch.train import policy as policy_ops
 from megatron_branch.train.config import TrainConfig, check_fits_context, model_arch, write_resolved
 from megatron_branch.train.data import load_dataset
 from megatron_branch.train.metrics import RunLogger
-from megatron_branch.train.models import DTYPES, build_policy, frozen_copy, unwrap
+from megatron_branch.train.models import DTYPES, build_policy, frozen_copy
 from megatron_branch.train.run_dir import run_folder
 from megatron_branch.train.state import PromptOrder, capture_rng, restore_rng
 
@@ -94,6 +94,7 @@ class Trainer:
             # One stream per DP replica (TP ranks of a replica must draw the same tokens).
             self.sample_rng = torch.Generator().manual_seed(cfg.rollout.seed * 1_000_003 + self.dp_rank)
             self.reference: torch.nn.Module | None = None
+            self.needs_reference = cfg.algorithm.name == "dpo" or cfg.actor.kl_loss_coef > 0
             self.store = CheckpointStore(self.out / "checkpoints", keep_last=cfg.checkpoint.keep_last)
             self.step = 0
             latest = self.store.latest() if resume and setup_dir == self.out else None
@@ -101,7 +102,7 @@ class Trainer:
                 self._load(latest)
             else:
                 self._warmup()
-                if cfg.actor.kl_loss_coef > 0:
+                if self.needs_reference:
                     self.reference = frozen_copy(self.policy, self.arch, dtype=self.dtype, groups=self.groups)
         self.logger = RunLogger(
             self.out,
@@ -134,40 +135,70 @@ class Trainer:
         return rollouts, rewards, stats
 
     def train_step(self) -> dict[str, Any]:
+        """One RL step (DPO: one pass over a batch of pairs); returns its metrics line."""
+        if self.cfg.algorithm.name == "dpo":
+            return self._dpo_step()
         cfg = self.cfg
         t0 = time.perf_counter()
         indices = self.order.next_batch()
         rollouts, rewards, gen_stats = self._sample(indices)
         t_gen = time.perf_counter()
-        groups = [list(range(k, k + cfg.rollout.n)) for k in range(0, len(rollouts), cfg.rollout.n)]
-        batch = self.actor.prepare(rollouts, rewards, groups, reference=self.reference)
-        t_prep = time.perf_counter()
-        metrics = self.actor.update(batch, step=self.step)
+        metrics = self.actor.update(rollouts, rewards, reference=self.reference)
         t_upd = time.perf_counter()
-        self.last_batch = batch  # inspected by tests (same tokens and rewards under every schedule)
-        self.last_rewards = rewards
-        tree = PrefixTree.build(rollouts)
-        computed = tree.positions_logical if cfg.schedule.name == "naive" else tree.positions_computed
-        step_s = t_upd - t0
+        self.last_batch, self.last_rewards = rollouts, rewards  # inspected by tests
         resp = [len(r.response) for r in rollouts]
         self.step += 1
+        step_s = t_upd - t0
+        mean = sum(rewards) / len(rewards)
+        positions = self._positions(rollouts)
         return {
             "step": self.step,
-            "reward_mean": sum(rewards) / len(rewards),
+            "reward_mean": mean,
             "loss": metrics.pop("loss"),
-            "positions_logical": tree.positions_logical,
-            "positions_computed": computed,
-            "critic/score/mean": sum(rewards) / len(rewards),
+            **positions,
+            "critic/score/mean": mean,
             "critic/score/max": max(rewards),
             "critic/score/min": min(rewards),
             "response_length/mean": sum(resp) / len(resp),
             **metrics,
             **gen_stats,
             "timing_s/gen": t_gen - t0,
-            "timing_s/ref": t_prep - t_gen,
-            "timing_s/update_actor": t_upd - t_prep,
+            "timing_s/update_actor": t_upd - t_gen,
             "timing_s/step": step_s,
-            "perf/throughput": tree.positions_logical * max(1, cfg.actor.ppo_epochs) / step_s,
+            # logical tokens (what naive training would process) per second of the whole RL step
+            "perf/throughput": positions["positions_logical"] * cfg.actor.ppo_epochs / step_s,
+        }
+
+    def _positions(self, rollouts: list[Rollout]) -> dict[str, int]:
+        """Token positions of one pass over the step's batch: naive training's count and what the schedule ran."""
+        tree = PrefixTree.build(rollouts)
+        naive = self.cfg.schedule.name == "naive"
+        return {
+            "positions_logical": tree.positions_logical,
+            "positions_computed": tree.positions_logical if naive else tree.positions_computed,
+        }
+
+    def _dpo_step(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        pairs = []
+        for j in self.order.next_batch():
+            p = self.dataset.pairs[j]  # type: ignore[index]
+            pairs.append(Rollout(prompt=p["prompt"], response=p["chosen"], pair=j, chosen=True))
+            pairs.append(Rollout(prompt=p["prompt"], response=p["rejected"], pair=j, chosen=False))
+        metrics = self.actor.update_dpo(pairs, reference=self.reference)
+        self.last_batch, self.last_rewards = pairs, []
+        self.step += 1
+        step_s = time.perf_counter() - t0
+        return {
+            "step": self.step,
+            "reward_mean": metrics["rewards/accuracies"],  # DPO has no reward: the pairs ranked right
+            "loss": metrics.pop("loss"),
+            **self._positions(pairs),
+            "response_length/mean": sum(len(r.response) for r in pairs) / len(pairs),
+            **metrics,
+            "timing_s/update_actor": step_s,
+            "timing_s/step": step_s,
+            "perf/throughput": PrefixTree.build(pairs).positions_logical / step_s,
         }
 
     # ---- the run ---------------------------------------------------------------------------------------------
@@ -225,17 +256,19 @@ class Trainer:
             )
         # warm-up prompts come from their own seed: not the RL prompts
         pool = self.dataset.warmup(w.steps * w.batch_size, self.cfg.data.seed + 7919)
-        for k in range(w.steps):
-            loss = self.actor.supervised_step(pool[k * w.batch_size : (k + 1) * w.batch_size])
+        batches = [pool[k * w.batch_size : (k + 1) * w.batch_size] for k in range(w.steps)]
+
+        def log(k: int, loss: float) -> None:
             if self.is_main and ((k + 1) % max(1, w.steps // 4) == 0 or k == 0):
                 print(f"  warm-up step {k + 1}/{w.steps}: answer NLL {loss:.4f}", flush=True)
 
+        self.actor.warmup(batches, w.lr or self.cfg.optim.lr, log)
+
     # ---- checkpoints -----------------------------------------------------------------------------------------
     def _sharded_state(self, *, loading: bool) -> dict[str, Any]:
-        model_sd = unwrap(self.policy).sharded_state_dict()
-        sd: dict[str, Any] = {"model": model_sd, **self.actor.sharded_state(model_sd, loading=loading)}
+        sd: dict[str, Any] = self.actor.sharded_state(loading=loading)
         sd["rng"] = rng_sharded_object("rng_state", None if loading else capture_rng(self.sample_rng))
-        if self.cfg.actor.kl_loss_coef > 0:
+        if self.needs_reference:
             ref = self.reference if self.reference is not None else self._empty_reference()
             self.reference = ref
             sd["reference"] = ref.sharded_state_dict(prefix="reference.")
@@ -260,7 +293,6 @@ class Trainer:
 
     def _load(self, path: Path) -> None:
         state, common = self.store.load(path, self._sharded_state(loading=True))
-        unwrap(self.policy).load_state_dict(state["model"], strict=True)
         self.actor.load_state(state, common)
         if "reference" in state:
             ref_state = {k.removeprefix("reference."): v for k, v in state["reference"].items()}

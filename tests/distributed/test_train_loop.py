@@ -48,7 +48,7 @@ def _run(cfg) -> tuple[Trainer, list[dict]]:
     rows = []
     while tr.step < cfg.trainer.total_training_steps:
         m = tr.train_step()
-        m["_tokens"] = [r.response for r in tr.last_batch.rollouts]
+        m["_tokens"] = [r.response for r in tr.last_batch]
         rows.append(m)
     return tr, rows
 
@@ -106,7 +106,7 @@ def test_grpo_runs_tp2_and_dp2(layout: str) -> None:
         rows = read_metrics(summary["metrics"])
         assert [m["step"] for m in rows] == [1, 2, 3]
         assert all(torch.isfinite(torch.tensor(m["loss"])) for m in rows)
-        _agree([r.response for r in tr.last_batch.rollouts])  # every rank trained on the same global batch
+        _agree([r.response for r in tr.last_batch])  # every rank trained on the same global batch
     finally:
         dist.barrier()
         if dist.get_rank() == 0:

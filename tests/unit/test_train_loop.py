@@ -69,7 +69,7 @@ def _run(cfg) -> tuple[Trainer, list[dict]]:
     rows = []
     while tr.step < cfg.trainer.total_training_steps:
         m = tr.train_step()
-        m["_tokens"] = [(r.response) for r in tr.last_batch.rollouts]
+        m["_tokens"] = [(r.response) for r in tr.last_batch]
         m["_rewards"] = list(tr.last_rewards)
         rows.append(m)
     return tr, rows
