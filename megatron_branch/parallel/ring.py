@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_branch.attention.kernels import (
-    flash_attention_backward,
-    flash_attention_forward,
+    fused_attention_backward,
+    fused_attention_forward,
     lse_dtype,
     math_attention_backward,
     math_attention_forward,
@@ -125,7 +125,7 @@ def _block_forward(qb, kvb, q_meta, k_meta, related, scale):  # noqa: ANN001, AN
     n = qb.shape[1]
     kb, vb = _expand(kvb[0], n), _expand(kvb[1], n)  # [b, n, sk, h]
     if bool(mask.all()):  # fully visible (e.g. a whole ancestor block): the fused kernel, no mask
-        return flash_attention_forward(qb, kb, vb, False, scale)
+        return fused_attention_forward(qb, kb, vb, False, scale)
     return math_attention_forward(qb, kb, vb, mask, scale)
 
 
@@ -185,7 +185,7 @@ def ring_tree_attention_backward(dout, q, k, v, out, lse, q_meta, k_meta, relate
         if bool(mask.any()):
             kb, vb = _expand(kvb[0], n), _expand(kvb[1], n)  # [b, n, sk, h]
             if bool(mask.all()):
-                dqb, dkb, dvb = flash_attention_backward(dob, qb, kb, vb, out.to(q.dtype), lse, False, scale)
+                dqb, dkb, dvb = fused_attention_backward(dob, qb, kb, vb, out.to(q.dtype), lse, False, scale)
             else:
                 dqb, dkb, dvb = math_attention_backward(dob, qb, kb, vb, out, lse, mask, scale)
             dq += dqb.to(acc)
