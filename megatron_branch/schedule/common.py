@@ -83,7 +83,7 @@ class StepResult:
     forwards: int = 0
     """Model forward calls."""
     target_logprobs: torch.Tensor | None = None
-    """[N] logprob of every packed token as a target (NaN for roots' first tokens), when keep_logprobs."""
+    """[N] logprob of every packed token that is in some rollout's response (NaN elsewhere), when keep_logprobs."""
 
     def rollout_logprobs(self, tree: PrefixTree, i: int) -> torch.Tensor:
         """Logprobs of rollout i's response tokens, in order (from the packed targets)."""

@@ -43,9 +43,12 @@ def run_naive(
         loss = bound.rollout_loss(i, logp)
         loss.backward()
         total += float(loss.detach())
-        if store is not None:
-            idx = tree.rollout_indices(i)[1:]
-            store[idx] = logp.detach().to(device=store.device, dtype=torch.float64)
+        if (
+            store is not None
+        ):  # like the tree schedules, keep the logprobs of response tokens (the ones a loss uses)
+            first = max(len(r.prompt) - 1, 0)
+            idx = tree.rollout_indices(i)[1 + first :]
+            store[idx] = logp[first:].detach().to(device=store.device, dtype=torch.float64)
     return StepResult(
         schedule="naive",
         loss=total,
