@@ -174,3 +174,22 @@ def test_masks_and_plans_built_once_per_layout() -> None:
     assert plans == [key for key in layout._derived if key[0] == "merge_plan"] and len(plans) == 1
     # equality and hashing ignore what was derived
     assert layout == layout_with_runs() and hash(layout) == hash(layout_with_runs())
+
+
+def test_flex_metadata_mask_equals_dense_mask() -> None:
+    """The flex backend's per-token metadata (no [sq, sk] tensor) gives exactly the layout's visibility."""
+    from megatron_branch.attention.flex import _mask_mod, visibility_metadata
+    from megatron_branch.schedule.chunks import make_chunk
+
+    tree = PrefixTree.build(rollouts())
+    leaf = next(s for s in tree.segments if not s.children and s.depth == 2)
+    layouts = [
+        layout_with_runs(),
+        make_chunk(tree, range(len(tree.segments))).layout,  # the packed tree
+        make_chunk(tree, [leaf.id], external=leaf.ancestors, pad_to_multiple=4).layout,  # replay: cached keys
+    ]
+    for layout in layouts:
+        mod = _mask_mod(visibility_metadata(layout, "cpu"))
+        qi = torch.arange(layout.num_queries)[:, None]
+        ki = torch.arange(layout.num_keys)[None, :]
+        assert torch.equal(mod(0, 0, qi, ki), layout.dense_mask())
