@@ -4,7 +4,7 @@ SHAPE LEGEND (Megatron sequence-first at the boundary, SDPA layout inside):
     s  sequence (sq queries, sk keys)   b batch   n query heads   g query groups (kv heads)   h head dim
     q      [sq, b, n, h]        k, v   [sk, b, g, h]        out  [sq, b, n * h]
     inside, per run of B equal-length sibling segments of L rows with c ancestor keys:
-        q [B*b, n, L, h]   k, v [B*b, n, c + L, h] (the ancestors' keys copied B times)   mask [L, c + L]
+        q [B*b, n, L, h]   k, v [B*b, g, c + L, h] (the ancestors' keys copied B times)   mask [L, c + L]
 
 This is a BASELINE for the benchmark, not a path to use: it is how PrefixGrouper (arXiv 2506.05433) shares a prompt
 in one forward: the shared tokens run once, and each response's attention concatenates the shared K/V in front of
@@ -20,19 +20,19 @@ import math
 import torch
 import torch.nn.functional as F
 
-from megatron_branch.attention.heads import expand_kv, from_kernel, to_kernel
+from megatron_branch.attention.heads import from_kernel, to_kernel
 from megatron_branch.attention.layout import AttentionLayout
 from megatron_branch.attention.merge_backend import build_plan
 from megatron_branch.attention.reference import check_shapes
 
 
-def _with_prefix(own: torch.Tensor, anc: torch.Tensor, n: int, runs: int) -> torch.Tensor:
-    """Own keys [runs*L, b, g, h] and ancestor keys [c, b, g, h] -> [runs*b, n, c + L, h]: the ancestors' keys
-    REPEATED in front of each segment's own keys (the copy this method pays for)."""
-    own_k = to_kernel(expand_kv(own, n), runs)  # [runs*b, n, L, h]
-    c, b, _, h = anc.shape
-    rep = to_kernel(expand_kv(anc, n), 1).unsqueeze(0).expand(runs, -1, -1, -1, -1)  # [runs, b, n, c, h]
-    return torch.cat([rep.reshape(runs * b, n, c, h), own_k], dim=2)
+def _with_prefix(own: torch.Tensor, anc: torch.Tensor, runs: int) -> torch.Tensor:
+    """Own keys [runs*L, b, g, h] and ancestor keys [c, b, g, h] -> [runs*b, g, c + L, h]: the ancestors' keys
+    REPEATED in front of each segment's own keys (the copy this method pays for; kv heads stay compact)."""
+    own_k = to_kernel(own, runs)  # [runs*b, g, L, h]
+    c, b, g, h = anc.shape
+    rep = to_kernel(anc, 1).unsqueeze(0).expand(runs, -1, -1, -1, -1)  # [runs, b, g, c, h]
+    return torch.cat([rep.reshape(runs * b, g, c, h), own_k], dim=2)
 
 
 def repeat_prefix_attention(
@@ -55,10 +55,11 @@ def repeat_prefix_attention(
             mask[:, c:] = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
             o = F.scaled_dot_product_attention(
                 to_kernel(q[run.rows], B),
-                _with_prefix(k[own], anc_k, n, B),
-                _with_prefix(v[own], anc_v, n, B),
+                _with_prefix(k[own], anc_k, B),
+                _with_prefix(v[own], anc_v, B),
                 attn_mask=mask,
                 scale=scale,
+                enable_gqa=k.shape[2] != n,
             )  # [B*b, n, L, h]
             pieces_out.append((run.rows, from_kernel(o, B)))
     pieces_out.sort(key=lambda p: p[0].start)
