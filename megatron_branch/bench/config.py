@@ -113,11 +113,15 @@ class BenchConfig:
     """Peak FLOP/s of the device in TFLOP/s, for MFU (0 = do not report MFU)."""
     seed: int = 0
     """Seed of the model weights and the rollouts."""
+    profile: str | None = None
+    """Profile one extra step of this variant (first shape) with torch.profiler; its top ops go in the report."""
 
     def __post_init__(self) -> None:
         unknown = [v for v in self.variants if v not in VARIANTS]
         if unknown:
             raise UserError(f"unknown variant(s) {', '.join(unknown)}; valid: {', '.join(VARIANTS)}")
+        if self.profile is not None and self.profile not in VARIANTS:
+            raise UserError(f"--profile: unknown variant {self.profile!r}; valid: {', '.join(VARIANTS)}")
         if BASELINE not in self.variants:
             self.variants = (BASELINE, *self.variants)
         if self.dtype not in DTYPES:

@@ -45,6 +45,16 @@ def markdown(report: dict[str, Any]) -> str:
                 + (f" {100 * r['mfu']:.1f}% |" if mfu and r["mfu"] is not None else (" - |" if mfu else ""))
             )
         lines.append("")
+    if "profile" in report:
+        prof = report["profile"]
+        lines += [
+            f"Top ops of one {prof['variant']} step (P={prof['prompt']:,}, G={prof['branches']}), torch.profiler:",
+            "",
+            "```",
+            prof["table"].rstrip(),
+            "```",
+            "",
+        ]
     lines.append(
         "speed-up = naive-fused median / this median; FLOP ratio = naive-fused analytic FLOPs / this variant's; "
         "of limit = speed-up / (naive-fused FLOPs / minimal tree FLOPs)."

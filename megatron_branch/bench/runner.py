@@ -235,13 +235,31 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def profile_step(cfg: BenchConfig, arch: ModelArch, model: torch.nn.Module, case: Case, variant: str) -> str:
+    """torch.profiler's table of the top ops (by self time) of one step of `variant`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cfg.device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        _step(cfg, arch, model, case, variant)
+        _sync(cfg.device)
+    key = "self_cuda_time_total" if cfg.device == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=15)
+
+
 def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     """The whole benchmark: every (P, G) of the grid, every variant; a JSON-ready dict."""
     arch, model = build_bench_model(cfg)
-    rows = []
+    rows, profiled = [], None
     for prompt in cfg.prompts:
         for branches in cfg.branches:
             case = make_case(cfg, arch, prompt, branches)
             log(f"bench: {case.tree.describe()}")
             rows += summarize(cfg, case, measure(cfg, arch, model, case, log))
-    return dict(config=cfg.to_dict(), arch=arch.to_dict(), machine=machine(), baseline=BASELINE, rows=rows)
+            if cfg.profile is not None and profiled is None:
+                profiled = dict(variant=cfg.profile, prompt=prompt, branches=branches,
+                                table=profile_step(cfg, arch, model, case, cfg.profile))  # fmt: skip
+    report = dict(config=cfg.to_dict(), arch=arch.to_dict(), machine=machine(), baseline=BASELINE, rows=rows)
+    if profiled is not None:
+        report["profile"] = profiled
+    return report

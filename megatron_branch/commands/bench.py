@@ -56,6 +56,9 @@ def add_bench_command(sub: Any) -> None:
     p.add_argument("--no-meter", action="store_true", help="skip the activation-meter step")
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak TFLOP/s, to report MFU")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--profile", default=None, metavar="VARIANT", help="profile one step; top ops in the report"
+    )
     p.add_argument("--json", default=None, help="write every number to this JSON file")
     p.add_argument("--markdown", default=None, help="write the tables to this markdown file")
     p.add_argument("--plot", default=None, help="write PNGs of speed-up and peak memory vs G and vs P here")
@@ -76,7 +79,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
     flags = dict(
         prompts=args.prompt, branches=args.branches, response=args.response, levels=args.levels,
         rounds=args.rounds, micro=args.micro, dtype=args.dtype, device=args.device, peak_tflops=args.peak_tflops,
-        seed=args.seed,
+        seed=args.seed, profile=args.profile,
     )  # fmt: skip
     fields.update({k: v for k, v in flags.items() if v is not None})
     if args.variants is not None:
