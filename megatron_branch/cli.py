@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_grad_command(sub)
     add_bench_command(sub)
+    from megatron_branch.commands.plan import add_plan_command
+
+    add_plan_command(sub)
     try:
         from megatron_branch.checkpoint.cli import add_convert_commands
     except ImportError:  # pragma: no cover - only while the checkpoint tools are absent

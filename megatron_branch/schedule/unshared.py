@@ -23,15 +23,18 @@ import torch
 from megatron_branch.attention.core_attention import BranchContext, attach_context
 from megatron_branch.attention.layout import AttentionLayout, QuerySegment
 from megatron_branch.data import PrefixTree
-from megatron_branch.losses.fused_logprobs import fused_linear_logprobs
-from megatron_branch.losses.logprobs import vocab_parallel_logprobs
+from megatron_branch.losses.fused_logprobs import fused_linear_logprobs_entropy
+from megatron_branch.losses.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from megatron_branch.losses.objective import BoundObjective, Objective
 from megatron_branch.models.gpt import BranchGPTModel
 from megatron_branch.schedule.common import (
+    ChunkOut,
     ScheduleOptions,
     StepResult,
+    Store,
     _output_weight,
     _to_output_region,
+    _to_replicated_region,
     model_device,
 )
 
@@ -66,49 +69,60 @@ def _forward(
     model: torch.nn.Module,
     tree: PrefixTree,
     rollouts: Sequence[int],
-    bound: BoundObjective,
+    bound: BoundObjective | None,
     opts: ScheduleOptions,
-    store: torch.Tensor | None,
+    store: Store,
 ) -> torch.Tensor:
-    """One forward of `rollouts` packed without sharing; returns the sum of their losses."""
+    """One forward of `rollouts` packed without sharing; records their results, returns the sum of their losses."""
     ids, pos, rows, tgt, layout = _pack(tree, rollouts, opts.pad_to)
     dev = model_device(model)
     ids, pos, rows, tgt = ids.to(dev)[None], pos.to(dev)[None], rows.to(dev), tgt.to(dev)
     ctx = BranchContext(layout=layout, backend=opts.backend)
     base = getattr(model, "module", model)
-    if opts.fused_logprobs and isinstance(base, BranchGPTModel):
+    want_entropy = opts.keep_entropy or (bound is not None and bound.needs_entropy)
+    ent = None
+    if isinstance(base, BranchGPTModel) and (opts.fused_logprobs or base.is_critic):
         with attach_context(model, ctx), base.hidden_states_only():
             hidden = model(ids, pos, None)  # [s (/tp under SP), 1, h]
-        hidden = _to_output_region(hidden, opts)[:, 0]  # [s, h]
-        logp = fused_linear_logprobs(
-            hidden.index_select(0, rows),
-            _output_weight(base),
-            tgt,
-            vocab_size=opts.vocab_size,
-            tp_group=opts.tp_group,
-            chunk_rows=opts.logprob_chunk_rows,
-        )  # [m]
+        if base.is_critic:  # the value at each loss row (see common.forward_chunk)
+            x = base.values(_to_replicated_region(hidden, opts)[:, 0].index_select(0, rows))  # [m]
+        else:
+            hidden = _to_output_region(hidden, opts)[:, 0]  # [s, h]
+            x, ent = fused_linear_logprobs_entropy(
+                hidden.index_select(0, rows),
+                _output_weight(base),
+                tgt,
+                vocab_size=opts.vocab_size,
+                tp_group=opts.tp_group,
+                chunk_rows=opts.logprob_chunk_rows,
+                entropy=want_entropy,
+            )  # [m], [m]
     else:
         with attach_context(model, ctx):
             logits = model(ids, pos, None)  # [1, s, v]
-        logp = vocab_parallel_logprobs(
-            logits[0].index_select(0, rows), tgt, vocab_size=opts.vocab_size, tp_group=opts.tp_group
-        )
-    total, offset = None, 0
+        picked = logits[0].index_select(0, rows)  # [m, v]
+        x = vocab_parallel_logprobs(picked, tgt, vocab_size=opts.vocab_size, tp_group=opts.tp_group)
+        if want_entropy:
+            ent = vocab_parallel_entropy(picked, vocab_size=opts.vocab_size, tp_group=opts.tp_group)
+    total = x.new_zeros(())
+    offset = 0
     for i in rollouts:
         r = tree.rollouts[i]
-        L = len(r.prompt) + len(r.response)
         first = max(len(r.prompt) - 1, 0)
-        mine = logp[offset : offset + L - 1 - first]
-        offset += L - 1 - first
-        # rollout_loss takes logprobs of tokens 1..L-1; prompt tokens carry weight 0, so zeros stand in for them
-        full = torch.cat([torch.zeros(first, dtype=mine.dtype, device=mine.device), mine])
-        loss = bound.rollout_loss(i, full)
-        total = loss if total is None else total + loss
-        if store is not None:
-            idx = tree.response_indices(i) if r.prompt else tree.response_indices(i)[1:]
-            store[idx] = mine.detach().to(device=store.device, dtype=store.dtype)
-    assert total is not None
+        m = len(r.prompt) + len(r.response) - 1 - first  # this rollout's loss rows
+        mine = x[offset : offset + m]
+        mine_ent = None if ent is None else ent[offset : offset + m]
+        offset += m
+        loss, stats = x.new_zeros(()), torch.zeros(0, dtype=torch.float64)
+        if bound is not None:
+            # rollout_loss reads tokens 1..L-1; prompt rows carry no loss (objectives select response rows),
+            # so zeros stand in for the rows never computed
+            pad = x.new_zeros(first)
+            full_ent = None if mine_ent is None else torch.cat([pad, mine_ent])
+            loss, stats = bound.rollout_loss(i, torch.cat([pad, mine]), full_ent)
+        total = total + loss
+        idx = tree.response_indices(i) if r.prompt else tree.response_indices(i)[1:]
+        store.add(idx, ChunkOut(loss=loss, stats=stats, logp=mine, entropy=mine_ent, captured={}))
     return total
 
 
@@ -117,37 +131,45 @@ def _run(
     groups: list[list[int]],
     model: torch.nn.Module,
     tree: PrefixTree,
-    objective: Objective,
+    objective: Objective | None,
     opts: ScheduleOptions,
+    forward_only: bool,
 ) -> StepResult:
     if opts.cp_size > 1:
         raise ValueError(f"the {name} schedule has no context parallelism (cp_size must be 1)")
-    bound = objective.bind(tree)
-    store = torch.full((tree.num_tokens,), float("nan"), dtype=torch.float64) if opts.keep_logprobs else None
-    total = 0.0
+    bound = objective.bind(tree) if objective is not None else None
+    store = Store(tree, opts)
     for group in groups:
-        loss = _forward(model, tree, group, bound, opts, store)
-        loss.backward()
-        total += float(loss.detach())
-    return StepResult(
-        schedule=name,
-        loss=total,
-        positions_logical=tree.positions_logical,
-        positions_computed=tree.positions_logical,
-        forwards=len(groups),
-        target_logprobs=store,
+        with torch.set_grad_enabled(not forward_only and torch.is_grad_enabled()):
+            loss = _forward(model, tree, group, bound, opts, store)
+        if not forward_only:
+            loss.backward()
+    return store.result(
+        name, tree, bound, opts, positions_computed=tree.positions_logical, forwards=len(groups)
     )
 
 
 def run_naive_fused(
-    model: torch.nn.Module, tree: PrefixTree, objective: Objective, opts: ScheduleOptions
+    model: torch.nn.Module,
+    tree: PrefixTree,
+    objective: Objective | None,
+    opts: ScheduleOptions,
+    *,
+    forward_only: bool = False,
 ) -> StepResult:
     """Every rollout in its own forward/backward (the fair baseline)."""
-    return _run("naive-fused", [[i] for i in range(len(tree.rollouts))], model, tree, objective, opts)
+    groups = [[i] for i in range(len(tree.rollouts))]
+    return _run("naive-fused", groups, model, tree, objective, opts, forward_only)
 
 
 def run_packed_nosharing(
-    model: torch.nn.Module, tree: PrefixTree, objective: Objective, opts: ScheduleOptions
+    model: torch.nn.Module,
+    tree: PrefixTree,
+    objective: Objective | None,
+    opts: ScheduleOptions,
+    *,
+    forward_only: bool = False,
 ) -> StepResult:
     """All rollouts in one block-diagonal forward/backward, nothing shared."""
-    return _run("packed-nosharing", [list(range(len(tree.rollouts)))], model, tree, objective, opts)
+    groups = [list(range(len(tree.rollouts)))]
+    return _run("packed-nosharing", groups, model, tree, objective, opts, forward_only)

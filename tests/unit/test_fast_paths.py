@@ -73,9 +73,9 @@ def test_only_response_rows_reach_the_output_projection(
         seen.append(target.clone())
         return real(hidden, weight, target, **kw)
 
-    real = common_mod.fused_linear_logprobs
-    monkeypatch.setattr(common_mod, "fused_linear_logprobs", spy)
-    monkeypatch.setattr(unshared_mod, "fused_linear_logprobs", spy)
+    real = common_mod.fused_linear_logprobs_entropy
+    monkeypatch.setattr(common_mod, "fused_linear_logprobs_entropy", spy)
+    monkeypatch.setattr(unshared_mod, "fused_linear_logprobs_entropy", spy)
     rs = rollouts()
     tree, _, _ = step(model, rs, schedule, branch_micro_batch=2)
     rows = int(sum(t.numel() for t in seen))
