@@ -22,7 +22,7 @@ from megatron_branch.generation import (
 from megatron_branch.losses import PolicyGradientObjective
 from megatron_branch.models import ModelArch, build_model
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
-from megatron_branch.schedule import ScheduleOptions, run_schedule
+from megatron_branch.schedule import ScheduleOptions, run_schedule, score_rollouts
 from megatron_branch.testing import tiny_hf_config, tiny_hf_model
 
 VOCAB = 41
@@ -83,9 +83,12 @@ def test_greedy_equals_cache_free_full_forward(dtype: torch.dtype) -> None:
 
 
 def training_logprobs(model, samples, schedule: str) -> list[torch.Tensor]:  # noqa: ANN001
-    """Each sample's response logprobs as the training forward computes them (keep_logprobs)."""
+    """Each sample's response logprobs as the training forward computes them (keep_logprobs), or as the
+    forward-only scoring path does ("score")."""
     rollouts = [s.to_rollout(advantage=1.0) for s in samples]
     tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
+    if schedule == "score":
+        return score_rollouts("replay", model, tree, ScheduleOptions(vocab_size=VOCAB)).logprobs
     obj = PolicyGradientObjective.grpo([1.0] * len(rollouts), tree.num_response_tokens_logical())
     res = run_schedule(schedule, model, tree, obj, ScheduleOptions(vocab_size=VOCAB, keep_logprobs=True))
     model.zero_grad(set_to_none=True)
@@ -110,7 +113,7 @@ def test_recorded_logprobs_equal_training_forward_float32(params: dict) -> None:
     )
     samples = out.flat()
     assert len(samples) == 8
-    for schedule in ("replay", "naive"):
+    for schedule in ("replay", "naive", "score"):
         for s, want in zip(samples, training_logprobs(model, samples, schedule)):
             torch.testing.assert_close(
                 torch.tensor(s.logprobs, dtype=torch.float64), want, rtol=1e-5, atol=1e-5
@@ -134,6 +137,7 @@ def test_prompt_prefilled_once_per_group_and_counts() -> None:
     st = out.stats
     assert st.prompt_prefills == [1, 1, 1, 1]
     assert st.prefill_forwards == 1 and st.prefill_positions == sum(lengths)
+    assert st.prefill_positions_unshared == 8 * sum(lengths)
     # no stop tokens: 4 roots x 2 tokens, then 8 leaves x 3 tokens per prompt are sampled; the last never fed
     assert st.tokens_sampled == 4 * (4 * 2 + 8 * 3)
     assert st.decode_positions == 4 * (4 * 2 + 8 * 2) and st.decode_steps == 4
