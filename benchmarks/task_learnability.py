@@ -28,6 +28,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", default="kv_retrieval")
     ap.add_argument("--num-pairs", type=int, default=6, help="kv_retrieval haystack size")
+    ap.add_argument("--key-len", type=int, default=2)
     ap.add_argument("--value-len", type=int, default=2)
     ap.add_argument("--value-chars", default="abcd")
     ap.add_argument("--length", type=int, default=24, help="copy_span filler length")
@@ -42,6 +43,13 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8, help="sampled rollouts per held-out prompt")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--rl-steps", type=int, default=0, help="on-policy GRPO steps after the warm-up")
+    ap.add_argument("--rl-prompts", type=int, default=8)
+    ap.add_argument("--rl-lr", type=float, default=1e-3)
+    ap.add_argument("--max-new", type=int, default=8)
+    ap.add_argument(
+        "--warmup-until", type=float, default=None, help="stop the warm-up once greedy reward >= this"
+    )
     args = ap.parse_args()
     torch.manual_seed(args.seed)
 
@@ -56,9 +64,16 @@ def main() -> None:
 
     initialize_parallel(ParallelConfig(), seed=args.seed)
     if args.task == "kv_retrieval":
-        opts = dict(num_pairs=args.num_pairs, value_len=args.value_len, value_chars=args.value_chars)
-    else:
+        opts = dict(
+            num_pairs=args.num_pairs,
+            key_len=args.key_len,
+            value_len=args.value_len,
+            value_chars=args.value_chars,
+        )
+    elif args.task == "copy_span":
         opts = dict(length=args.length, span_len=args.span_len, chars=args.value_chars)
+    else:
+        opts = dict(length=args.length, num_needles=args.span_len)
     task = get_task(args.task, **opts)
     t0 = time.perf_counter()
     tok = SentencePieceTokenizer.train_or_load(tempfile.mkdtemp(), task.corpus(300, seed=99))
@@ -105,9 +120,43 @@ def main() -> None:
         optim.step()
         if step % args.eval_every == 0 or step == args.steps:
             elapsed = time.perf_counter() - t_train
-            print(
-                json.dumps(dict(step=step, nll=round(res.loss, 4), train_s=round(elapsed, 1), **evaluate()))
-            )
+            metrics = evaluate()
+            print(json.dumps(dict(step=step, nll=round(res.loss, 4), train_s=round(elapsed, 1), **metrics)))
+            if args.warmup_until is not None and metrics["greedy_reward"] >= args.warmup_until:
+                break
+
+    # on-policy GRPO (one update per batch): group-normalised advantages, the policy-gradient objective
+    for group in optim.param_groups:
+        group["lr"] = args.rl_lr
+    sp = SamplingParams(n=args.n, max_new_tokens=args.max_new, temperature=1.0, stop_token_ids=(tok.eos_id,))
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    rewards_log: list[float] = []
+    t_rl = time.perf_counter()
+    for step in range(1, args.rl_steps + 1):
+        rows = task.rows(args.rl_prompts, seed=20_000 + step)
+        out = sampler.generate([tok.encode(r.prompt) for r in rows], sp, generator=gen)
+        flat_rows = [r for r in rows for _ in range(args.n)]
+        rewards = score_responses(task.reward, flat_rows, [tok.decode(s.response) for s in out.flat()])
+        adv: list[float] = []
+        for i in range(0, len(rewards), args.n):
+            g = torch.tensor(rewards[i : i + args.n], dtype=torch.float64)
+            adv += ((g - g.mean()) / (g.std() + 1e-6)).tolist() if g.max() > g.min() else [0.0] * args.n
+        rollouts = [s.to_rollout(advantage=a) for s, a in zip(out.flat(), adv)]
+        tree = PrefixTree.build(rollouts, vocab_size=arch.vocab_size)
+        obj = PolicyGradientObjective.grpo(adv, tree.num_response_tokens_logical())
+        optim.zero_grad(set_to_none=True)
+        run_schedule("replay", model, tree, obj, sopts)
+        optim.step()
+        rewards_log.append(sum(rewards) / len(rewards))
+        resp_len = out.stats.response_tokens / out.stats.num_samples
+        if step % 10 == 0 or step == args.rl_steps:
+            first, last = rewards_log[:10], rewards_log[-10:]
+            print(json.dumps(dict(rl_step=step, reward_mean=round(rewards_log[-1], 4),
+                                  first10=round(sum(first) / len(first), 4), last10=round(sum(last) / len(last), 4),
+                                  positions=f"{tree.positions_computed}/{tree.positions_logical}", resp_len=round(resp_len, 2),
+                                  rl_s=round(time.perf_counter() - t_rl, 1))))  # fmt: skip
+    if args.rl_steps:
+        print(json.dumps(dict(final=True, **evaluate())))
 
 
 if __name__ == "__main__":

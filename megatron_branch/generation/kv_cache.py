@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_branch.attention.core_attention import BranchContext
-from megatron_branch.attention.kernels import flash_attention_forward, lse_dtype
+from megatron_branch.attention.kernels import fused_attention_forward, lse_dtype
 from megatron_branch.attention.layout import AttentionLayout
 from megatron_branch.attention.merge import lse_merge
 
@@ -88,6 +88,15 @@ class DecodeStep:
     """[A] valid entries of `path`."""
     padded_rows: int = 0
     """Extra query rows (sequence parallel needs s % tp == 0); they attend to nothing and return 0."""
+    groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    """(prompt p, [a_p] rows of its branches) for every prompt with live branches; derived from `prompt_of`."""
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            self.groups = [
+                (p, torch.nonzero(self.prompt_of == p).squeeze(1))
+                for p in torch.unique(self.prompt_of).tolist()
+            ]
 
     @property
     def num_branches(self) -> int:
@@ -141,11 +150,10 @@ class DecodeContext(BranchContext):
         # part A: per prompt, all of its branches at once over the prompt's K/V, read in place
         out_a = torch.zeros_like(out_b)
         lse_a = torch.full_like(lse_b, float("-inf"))
-        for p in torch.unique(st.prompt_of).tolist():
-            rows = torch.nonzero(st.prompt_of == p).squeeze(1)  # [a_p]
+        for p, rows in st.groups:  # rows [a_p]
             qa = qg[rows].permute(1, 0, 2, 3).reshape(1, g, rows.numel() * r, h).contiguous()  # [1,g,a_p*r,h]
             pk, pv = self.cache.prompt_k[layer_number][p], self.cache.prompt_v[layer_number][p]  # [1,g,P,h]
-            o, lse = flash_attention_forward(qa, pk, pv, False, scale)  # [1,g,a_p*r,h], [1,g,a_p*r]
+            o, lse = fused_attention_forward(qa, pk, pv, False, scale)  # [1,g,a_p*r,h], [1,g,a_p*r]
             out_a[:, rows] = o.reshape(g, rows.numel(), r, h).to(acc)
             lse_a[:, rows] = lse.reshape(g, rows.numel(), r).to(acc)
 

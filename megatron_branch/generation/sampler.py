@@ -35,7 +35,7 @@ from megatron_branch.generation.kv_cache import DecodeContext, DecodeStep, Prefi
 from megatron_branch.generation.sampling import choose_tokens
 from megatron_branch.generation.types import GenerationOutput, GenerationStats, Sample, SamplingParams
 from megatron_branch.models.gpt import BranchGPTModel
-from megatron_branch.parallel.groups import comm_device
+from megatron_branch.parallel.groups import ParallelGroups, comm_device
 
 
 @dataclass(kw_only=True)
@@ -65,7 +65,9 @@ class _Branch:
 class BranchSampler:
     """The built-in `Generator` (types.Generator) on a megatron-core `BranchGPTModel` (models.build_model).
 
-    Supported: one rank, or tensor parallel (with or without sequence parallel) over `tp_group`; every TP rank
+    `groups` (parallel/groups.py) gives the layout; only its TP part matters here (`tp_group` and
+    `sequence_parallel` may be given instead by a caller without a ParallelGroups).
+    Supported: one rank, or tensor parallel (with or without sequence parallel) over the TP group; every TP rank
     calls `generate` with the same prompts and an identically seeded generator. Context parallel is not used for
     generation: build the sampler on each CP rank and they generate the same samples redundantly (prompts are not
     split over CP). Data parallel: each DP rank samples its own prompts.
@@ -76,6 +78,7 @@ class BranchSampler:
         model: torch.nn.Module,
         *,
         vocab_size: int,
+        groups: ParallelGroups | None = None,
         tp_group: Any = None,
         sequence_parallel: bool = False,
         max_prefill_tokens: int | None = None,
@@ -88,10 +91,14 @@ class BranchSampler:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         if max_prefill_tokens is not None and max_prefill_tokens <= 0:
             raise ValueError(f"max_prefill_tokens must be positive, got {max_prefill_tokens}")
+        # the layout comes in whole (preferred); tp_group/sequence_parallel are its TP part
+        if groups is not None:
+            assert tp_group is None, "pass groups= or tp_group=, not both"
+            tp_group, sequence_parallel = groups.tp, groups.sequence_parallel
         self.model, self.base = model, base
         self.vocab_size = vocab_size
-        self.tp_group = tp_group
         self.tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
+        self.tp_group = tp_group if self.tp_size > 1 else None  # a size-1 group needs no collectives
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
         self.max_prefill_tokens = max_prefill_tokens
         self.backend = backend
@@ -114,6 +121,10 @@ class BranchSampler:
         prompts = self._check_prompts(prompts, params)
         if not params.greedy and generator is None:
             raise ValueError("sampling (temperature > 0) needs a torch.Generator: pass generator=")
+        if generator is not None and generator.device.type != self.device.type:
+            raise ValueError(
+                f"the generator is on {generator.device}, the model on {self.device}: they must match"
+            )
         stats = GenerationStats(num_prompts=len(prompts), prompt_prefills=[0] * len(prompts))
         cache = PrefixKV()
         first_logits = self._prefill(prompts, cache, stats)  # [num_prompts, v]
@@ -146,6 +157,7 @@ class BranchSampler:
         samples = [self._collect(p, prompts[p], roots[p], params) for p in range(len(prompts))]
         stats.num_samples = sum(len(g) for g in samples)
         stats.response_tokens = sum(len(s.response) for g in samples for s in g)
+        stats.prefill_positions_unshared = params.n * sum(len(p) for p in prompts)
         stats.seconds = time.perf_counter() - t0
         return GenerationOutput(samples=samples, stats=stats)
 

@@ -124,6 +124,8 @@ class GenerationStats:
     """Model forwards spent on prompts (all prompts of a call are packed into as few forwards as allowed)."""
     prefill_positions: int = 0
     """Prompt token positions run through the model: the sum of the prompt lengths (each prompt ONCE)."""
+    prefill_positions_unshared: int = 0
+    """What prefilling every sample's prompt separately would cost: n * the sum of the prompt lengths."""
     prompt_prefills: list[int] = field(default_factory=list)
     """Per prompt, how many times it was prefilled (always 1: the test asserts it)."""
     decode_steps: int = 0
@@ -143,8 +145,8 @@ class GenerationStats:
         return self.response_tokens / self.seconds if self.seconds > 0 else 0.0
 
     def to_dict(self) -> dict[str, float]:
-        keys = ("num_prompts", "num_samples", "prefill_forwards", "prefill_positions", "decode_steps",
-                "decode_positions", "tokens_sampled", "response_tokens", "seconds")  # fmt: skip
+        keys = ("num_prompts", "num_samples", "prefill_forwards", "prefill_positions", "prefill_positions_unshared",
+                "decode_steps", "decode_positions", "tokens_sampled", "response_tokens", "seconds")  # fmt: skip
         return {**{k: getattr(self, k) for k in keys}, "tokens_per_s": self.tokens_per_s}
 
 

@@ -24,9 +24,10 @@ kind of list, with these differences, all deliberate:
   loss exactly.
 * Gradients: as megatron's schedule does, `config.finalize_model_grads_func` is called after backward when set
   (megatron's finalize_model_grads: DDP all-reduce over dp x cp, sequence-parallel norm grads over TP). The whole
-  step runs inside `config.no_sync_func` so that DDP reduces once, after the last backward. A model wrapped in
-  megatron DDP must reduce as a SUM (the objective is normalised globally and CP ranks hold disjoint loss terms):
-  `megatron_branch.parallel.ddp.wrap_megatron_ddp` does that.
+  step runs inside `config.no_sync_func` so that DDP reduces once, after the last backward. The objective is
+  normalised on the global batch and CP ranks hold disjoint loss terms, so the gradient wanted is the SUM over
+  dp x cp; megatron DDP with its default scaling (1 / dp_cp, unless `calculate_per_token_loss`) takes the MEAN,
+  so then the backward is scaled by dp_cp to compensate (`ScaledObjective`), and the gradient is the same either way.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import torch.distributed as dist
 from megatron_branch.data import PrefixTree, Rollout
 from megatron_branch.errors import UserError
 from megatron_branch.losses import PolicyGradientObjective
+from megatron_branch.parallel.groups import ParallelGroups
 from megatron_branch.schedule import ScheduleOptions, StepResult, run_schedule
 
 ObjectiveFactory = Callable[[list[Rollout], int], Any]
@@ -50,6 +52,40 @@ ObjectiveFactory = Callable[[list[Rollout], int], Any]
 
 def grpo_objective(rollouts: list[Rollout], num_response_tokens: int) -> PolicyGradientObjective:
     return PolicyGradientObjective.grpo([r.advantage for r in rollouts], num_response_tokens)
+
+
+@dataclass(frozen=True)
+class ScaledObjective:
+    """`objective` with every loss term multiplied by `scale` (to undo a gradient reduction that averages)."""
+
+    objective: Any
+    scale: float
+
+    def bind(self, tree: PrefixTree) -> Any:
+        return _ScaledBound(self.objective.bind(tree), self.scale)
+
+
+@dataclass(frozen=True)
+class _ScaledBound:
+    bound: Any
+    scale: float
+
+    def chunk_loss(self, logp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.bound.chunk_loss(logp, targets) * self.scale
+
+    def rollout_loss(self, i: int, logp: torch.Tensor) -> torch.Tensor:
+        return self.bound.rollout_loss(i, logp) * self.scale
+
+
+def _ddp_mean_factor(model: torch.nn.Module, dp_cp: int) -> float:
+    """dp_cp when `model` is megatron DDP scaling grads by 1 / dp_cp (its default), else 1."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    if dp_cp == 1 or not isinstance(model, DistributedDataParallel):
+        return 1.0
+    # megatron's DDP: a plain SUM only with calculate_per_token_loss; otherwise 1 / dp_cp, applied before the sum
+    # or by an averaging collective (average_in_collective)
+    return 1.0 if model.config.calculate_per_token_loss else float(dp_cp)
 
 
 def _as_rollouts(item: Any, where: str) -> list[Rollout]:
@@ -125,26 +161,32 @@ class BranchForwardBackward:
         tree = PrefixTree.build(rollouts, vocab_size=vocab)
         T = _global_count(tree.num_response_tokens_logical(), groups["dp"])
         opts = ScheduleOptions(
-            tp_group=groups["tp"] if groups["tp_size"] > 1 else None,
-            tp_size=groups["tp_size"],
-            sequence_parallel=bool(base.config.sequence_parallel),
-            cp_group=groups["cp"] if groups["cp_size"] > 1 else None,
-            cp_size=groups["cp_size"],
+            groups=ParallelGroups(
+                tp=groups["tp"],
+                cp=groups["cp"],
+                dp=groups["dp"],
+                dp_cp=None,  # gradients are finalised by megatron's finalize_model_grads_func, not by us
+                tp_size=groups["tp_size"],
+                cp_size=groups["cp_size"],
+                dp_size=groups["dp_size"],
+                sequence_parallel=bool(base.config.sequence_parallel) and groups["tp_size"] > 1,
+            ),
             vocab_size=vocab,
             **self.options,
         )
         objective = self.objective(rollouts, T)
+        scale = _ddp_mean_factor(model, groups["dp_size"] * groups["cp_size"])
+        if scale != 1.0:
+            objective = ScaledObjective(objective, scale)
         config = base.config
         no_sync = config.no_sync_func or contextlib.nullcontext
         with no_sync():
-            if forward_only:
-                result = _forward_only(model, tree, objective, opts)
-            else:
-                result = run_schedule(self.schedule, model, tree, objective, opts)
+            result = run_schedule(self.schedule, model, tree, objective, opts, forward_only=forward_only)
         if config.finalize_model_grads_func is not None and not forward_only:
             config.finalize_model_grads_func(
                 [model], None, pg_collection=groups["pg_collection"], force_all_reduce=force_all_reduce
             )
+        result.loss /= scale
         self.last_result = result
         share = 1.0 / (groups["dp_size"] * groups["cp_size"])
         # StepResult.loss is already summed over CP: each CP rank reports loss/cp so that dp x cp sums to the total
@@ -164,32 +206,6 @@ class BranchForwardBackward:
         if not out:
             raise UserError("the step's micro-batches hold no rollouts")
         return out
-
-
-def _forward_only(
-    model: torch.nn.Module, tree: PrefixTree, objective: Any, opts: ScheduleOptions
-) -> StepResult:
-    """The loss without backward: the packed schedule's chunk under no_grad (one forward over the tree)."""
-    with torch.no_grad():
-        return _run_no_backward(model, tree, objective, opts)
-
-
-def _run_no_backward(
-    model: torch.nn.Module, tree: PrefixTree, objective: Any, opts: ScheduleOptions
-) -> StepResult:
-    from megatron_branch.schedule.common import forward_chunk, prepare_chunk, reduce_over_cp
-
-    bound = objective.bind(tree)
-    chunk = prepare_chunk(tree, list(range(len(tree.segments))), opts)
-    loss, _, _ = forward_chunk(model, tree, chunk, bound, opts)
-    total, _ = reduce_over_cp(float(loss), None, opts)
-    return StepResult(
-        schedule="packed",
-        loss=total,
-        positions_logical=tree.positions_logical,
-        positions_computed=tree.positions_computed,
-        forwards=1,
-    )
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

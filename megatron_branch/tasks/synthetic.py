@@ -2,6 +2,7 @@
 
     kv_retrieval  "k37:dab k05:ghc k61:fea ... ? k05:"  -> "ghc"   (find the key in a haystack, copy its value)
     copy_span     "hgabf[cadd]ebhaag ... ? copy:"       -> "cadd"  (copy the span between the brackets)
+    needles       "hgaCbfdeHbhaJag ... ? find:"         -> "CHJ"   (the one letter of each needle alphabet)
 
 Each task is a small dataclass (sizes, alphabets) whose generators are deterministic in a seed
 (`random.Random(seed)`, never `hash()`), so prompts, warm-up examples and tokenizer text are the same in every
@@ -131,7 +132,47 @@ class CopySpanTask(SyntheticTask):
         return f"{filler[:at]}[{span}]{filler[at:]} ? copy:", span
 
 
-TASKS: dict[str, type[SyntheticTask]] = {KeyValueTask.name: KeyValueTask, CopySpanTask.name: CopySpanTask}
+@dataclass(kw_only=True)
+class NeedleTask(SyntheticTask):
+    """Find the needles hidden in a haystack: needle i is the one letter of alphabet i in the text (placed
+    anywhere); the answer lists them in alphabet order. Each answer character is found by ONE content lookup
+    (no induction circuit needed), so a tiny model learns it in a short warm-up: the demo task."""
+
+    name: ClassVar[str] = "needles"
+    length: int = 48
+    """Filler characters (the prompt is length + num_needles + 7 characters)."""
+    num_needles: int = 3
+    """Answer length."""
+    filler_chars: str = "abcdefgh"
+    needle_alphabets: tuple[str, ...] = ("ABCD", "EFGH", "IJKL", "MNOP", "QRST", "UVWX")
+    """Alphabet of needle i (chance = 1 / len per answer character)."""
+
+    def __post_init__(self) -> None:
+        if (
+            not 1 <= self.num_needles <= len(self.needle_alphabets)
+            or self.length < 1
+            or not self.filler_chars
+        ):
+            raise UserError(f"needles: need 1 <= num_needles <= {len(self.needle_alphabets)} and length >= 1")
+        used = [set(a) for a in self.needle_alphabets[: self.num_needles]] + [set(self.filler_chars)]
+        if sum(len(u) for u in used) != len(set().union(*used)) or set().union(*used) & set(" ?"):
+            raise UserError(
+                "needles: the filler and needle alphabets must be disjoint (and without ' ' or '?')"
+            )
+
+    def make(self, rng: random.Random) -> tuple[str, str]:
+        text = [rng.choice(self.filler_chars) for _ in range(self.length)]
+        needles = [rng.choice(a) for a in self.needle_alphabets[: self.num_needles]]
+        for ch in needles:
+            text.insert(rng.randrange(len(text) + 1), ch)
+        return f"{''.join(text)} ? find:", "".join(needles)
+
+
+TASKS: dict[str, type[SyntheticTask]] = {
+    KeyValueTask.name: KeyValueTask,
+    CopySpanTask.name: CopySpanTask,
+    NeedleTask.name: NeedleTask,
+}
 
 
 def get_task(name: str, **options: Any) -> SyntheticTask:

@@ -1,5 +1,6 @@
 """Generation under tensor parallel (+ sequence parallel): the same samples and logprobs as one rank, and the
-recorded logprobs equal the TP training forward's."""
+recorded logprobs equal the TP training forward's. Under CP every rank generates the same samples redundantly
+(the model is built as for training under CP; nothing in generation reads the CP group)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,7 @@ def generate(hf, pcfg: ParallelConfig):  # noqa: ANN001, ANN201
     )
     state = hf_to_mcore_state(hf.state_dict(), arch, padded_vocab=arch.padded_vocab_size(pcfg.tp))
     load_full_state(model, state, groups.tp)
-    tp_group = groups.tp if groups.tp_size > 1 else None
-    sampler = BranchSampler(
-        model, vocab_size=VOCAB, tp_group=tp_group, sequence_parallel=groups.sequence_parallel
-    )
+    sampler = BranchSampler(model, vocab_size=VOCAB, groups=groups)
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (7, 4, 10)]  # odd total: SP pads
     outs = [sampler.generate(prompts, p, generator=torch.Generator().manual_seed(5)) for p in PARAMS]
@@ -44,21 +42,24 @@ def generate(hf, pcfg: ParallelConfig):  # noqa: ANN001, ANN201
     rollouts = [s.to_rollout(advantage=1.0) for s in samples]
     tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
     obj = PolicyGradientObjective.grpo([1.0] * len(rollouts), tree.num_response_tokens_logical())
-    opts = ScheduleOptions(tp_group=groups.tp, tp_size=groups.tp_size, sequence_parallel=groups.sequence_parallel,
-                           vocab_size=VOCAB, keep_logprobs=True)  # fmt: skip
+    opts = ScheduleOptions(groups=groups, vocab_size=VOCAB, keep_logprobs=True)
     res = run_schedule("replay", model, tree, obj, opts)
     trained = [res.rollout_logprobs(tree, i) for i in range(len(rollouts))]
     return outs, trained
 
 
 @pytest.mark.world(2)
-@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2_sp"])
-def test_tp2_generation_matches_single_rank(sp: bool) -> None:
+@pytest.mark.parametrize(
+    "pcfg",
+    [ParallelConfig(tp=2), ParallelConfig(tp=2, sequence_parallel=True), ParallelConfig(cp=2)],
+    ids=["tp2", "tp2_sp", "cp2_redundant"],
+)
+def test_generation_matches_single_rank(pcfg: ParallelConfig) -> None:
     hf = tiny_hf_model(
         tiny_hf_config("qwen2", vocab_size=VOCAB, heads=4, kv_heads=2), seed=2, dtype=torch.float64
     )
     ref, _ = generate(hf, ParallelConfig())  # world 2, tp 1: each rank alone
-    outs, trained = generate(hf, ParallelConfig(tp=2, sequence_parallel=sp))
+    outs, trained = generate(hf, pcfg)
     for got, want in zip(outs, ref):
         assert [s.response for s in got.flat()] == [s.response for s in want.flat()]
         for a, b in zip(got.flat(), want.flat()):

@@ -22,7 +22,7 @@ from megatron_branch.generation import (
 from megatron_branch.losses import PolicyGradientObjective
 from megatron_branch.models import ModelArch, build_model
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
-from megatron_branch.schedule import ScheduleOptions, run_schedule
+from megatron_branch.schedule import ScheduleOptions, run_schedule, score_rollouts
 from megatron_branch.testing import tiny_hf_config, tiny_hf_model
 
 VOCAB = 41
@@ -83,9 +83,12 @@ def test_greedy_equals_cache_free_full_forward(dtype: torch.dtype) -> None:
 
 
 def training_logprobs(model, samples, schedule: str) -> list[torch.Tensor]:  # noqa: ANN001
-    """Each sample's response logprobs as the training forward computes them (keep_logprobs)."""
+    """Each sample's response logprobs as the training forward computes them (keep_logprobs), or as the
+    forward-only scoring path does ("score")."""
     rollouts = [s.to_rollout(advantage=1.0) for s in samples]
     tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
+    if schedule == "score":
+        return score_rollouts("replay", model, tree, ScheduleOptions(vocab_size=VOCAB)).logprobs
     obj = PolicyGradientObjective.grpo([1.0] * len(rollouts), tree.num_response_tokens_logical())
     res = run_schedule(schedule, model, tree, obj, ScheduleOptions(vocab_size=VOCAB, keep_logprobs=True))
     model.zero_grad(set_to_none=True)
@@ -110,7 +113,7 @@ def test_recorded_logprobs_equal_training_forward_float32(params: dict) -> None:
     )
     samples = out.flat()
     assert len(samples) == 8
-    for schedule in ("replay", "naive"):
+    for schedule in ("replay", "naive", "score"):
         for s, want in zip(samples, training_logprobs(model, samples, schedule)):
             torch.testing.assert_close(
                 torch.tensor(s.logprobs, dtype=torch.float64), want, rtol=1e-5, atol=1e-5
@@ -134,6 +137,7 @@ def test_prompt_prefilled_once_per_group_and_counts() -> None:
     st = out.stats
     assert st.prompt_prefills == [1, 1, 1, 1]
     assert st.prefill_forwards == 1 and st.prefill_positions == sum(lengths)
+    assert st.prefill_positions_unshared == 8 * sum(lengths)
     # no stop tokens: 4 roots x 2 tokens, then 8 leaves x 3 tokens per prompt are sampled; the last never fed
     assert st.tokens_sampled == 4 * (4 * 2 + 8 * 3)
     assert st.decode_positions == 4 * (4 * 2 + 8 * 2) and st.decode_steps == 4
@@ -237,3 +241,58 @@ def test_planted_bug_ignoring_the_prompt_cache_is_caught(monkeypatch: pytest.Mon
     )
     got = [list(s.response) for s in out.flat()]
     assert got != [cache_free_greedy(model, p, 6)[0] for p in prompts]
+
+
+def test_task_tokenizer_sampler_reward_pipeline(tmp_path) -> None:  # noqa: ANN001
+    """The pieces the training loop chains: task prompts -> tokenizer -> sampler -> decoded text -> reward."""
+    from megatron_branch.tasks import get_task, load_reward, score_responses
+    from megatron_branch.tokenizer import SentencePieceTokenizer
+
+    task = get_task("needles", length=20, num_needles=2)
+    tok = SentencePieceTokenizer.train_or_load(tmp_path, task.corpus(50, seed=0))
+    arch = ModelArch(family="llama", vocab_size=tok.vocab_size, hidden_size=32, num_layers=2,
+                     num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64, max_position_embeddings=128)  # fmt: skip
+    model = build_model(arch, dtype=torch.float32)
+    rows = task.rows(3, seed=1)
+    sp = SamplingParams(n=4, max_new_tokens=5, temperature=1.0, stop_token_ids=(tok.eos_id,))
+    out = BranchSampler(model, vocab_size=tok.vocab_size).generate(
+        [tok.encode(r.prompt) for r in rows], sp, generator=torch.Generator().manual_seed(0)
+    )
+    texts = [tok.decode(s.response) for s in out.flat()]
+    rewards = score_responses(load_reward(task.reward_spec), [r for r in rows for _ in range(4)], texts)
+    assert len(rewards) == 12 and all(0.0 <= x <= 1.0 for x in rewards)
+    for s, text in zip(out.flat(), texts):
+        assert tok.eos_id not in s.response[:-1] and len(s.response) <= 5 and "\n" not in text
+    assert out.stats.prefill_positions == sum(len(tok.encode(r.prompt)) for r in rows)
+
+
+def test_on_policy_grpo_through_the_sampler_raises_a_simple_reward() -> None:
+    """Samples (tree-sampled) -> rollouts with their old_logprobs -> replay update: a reward for emitting token 5
+    rises quickly, and the batch's shared positions grow as the responses converge. Guards the sample order and
+    `to_rollout` contract the training loop relies on."""
+    v = 12
+    arch = ModelArch(family="llama", vocab_size=v, hidden_size=32, num_layers=2, num_attention_heads=4,
+                     num_query_groups=2, ffn_hidden_size=64, max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(0)
+    model = build_model(arch)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sampler = BranchSampler(model, vocab_size=v)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [[1, 2, 3, 4], [4, 3, 2, 1, 0], [7, 7, 7]]
+    sp = SamplingParams(n=8, max_new_tokens=3, temperature=1.0, branch_at=(1,), branch_factor=2)
+    means, computed = [], []
+    for _ in range(12):
+        out = sampler.generate(prompts, sp, generator=gen)
+        rewards = torch.tensor([sum(t == 5 for t in s.response) / 3 for s in out.flat()]).view(3, 8)
+        adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)).flatten()
+        rollouts = [s.to_rollout(advantage=float(a)) for s, a in zip(out.flat(), adv)]
+        assert all(r.token_fields["old_logprobs"] == s.logprobs for r, s in zip(rollouts, out.flat()))
+        tree = PrefixTree.build(rollouts, vocab_size=v)
+        opt.zero_grad(set_to_none=True)
+        obj = PolicyGradientObjective.grpo(adv.tolist(), tree.num_response_tokens_logical())
+        run_schedule("replay", model, tree, obj, ScheduleOptions(vocab_size=v))
+        opt.step()
+        means.append(float(rewards.mean()))
+        computed.append(tree.positions_computed)
+    assert sum(means[-3:]) / 3 > sum(means[:3]) / 3 + 0.3, means
+    assert computed[-1] < computed[0], computed

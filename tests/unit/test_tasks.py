@@ -11,6 +11,7 @@ from megatron_branch.errors import UserError
 from megatron_branch.tasks import (
     CopySpanTask,
     KeyValueTask,
+    NeedleTask,
     PromptRow,
     char_match_reward,
     get_task,
@@ -48,6 +49,22 @@ def test_copy_span_answer_is_the_marked_span() -> None:
         body = r.prompt.split(" ? ")[0]
         assert body[body.index("[") + 1 : body.index("]")] == r.fields["answer"]
         assert len(body) == 30 + 5 + 2 and r.prompt.endswith("copy:")
+
+
+def test_needles_each_alphabet_once_answer_in_order() -> None:
+    task = NeedleTask(length=40, num_needles=3)
+    positions = set()
+    for r in task.rows(40, seed=2):
+        body = r.prompt.split(" ? ")[0]
+        assert len(body) == 43 and r.prompt.endswith("find:")
+        answer = r.fields["answer"]
+        for alphabet, ch in zip(task.needle_alphabets, answer):
+            assert [c for c in body if c in alphabet] == [ch]  # exactly one needle of each alphabet
+        assert set(body) - set(answer) <= set(task.filler_chars)
+        positions.add(body.index(answer[0]))
+    assert len(positions) > 10  # needles are anywhere
+    with pytest.raises(UserError, match="disjoint"):
+        NeedleTask(filler_chars="abcA")
 
 
 def test_char_match_reward_partial_credit() -> None:
