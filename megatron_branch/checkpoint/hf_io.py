@@ -41,6 +41,18 @@ def load_hf_config(hf_dir: str | os.PathLike) -> Any:
         raise UserError("no config.json in the Hugging Face model folder", where=str(d))
     from transformers import AutoConfig
 
+    from megatron_branch.models.arch import check_supported_architecture
+
+    where = str(d / "config.json")
+    try:
+        raw = json.loads((d / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise UserError(f"cannot read config: {type(e).__name__}: {_first_line(e)}", where=where) from None
+    if not isinstance(raw, dict):
+        raise UserError(f"cannot read config: a JSON object expected, got {type(raw).__name__}", where=where)
+    # before transformers parses it: it may re-map an unknown model_type to another one
+    check_supported_architecture(raw.get("model_type"), raw.get("architectures"), where=where)
+
     try:
         return AutoConfig.from_pretrained(str(d), local_files_only=True)
     except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:

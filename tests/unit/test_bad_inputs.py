@@ -359,7 +359,7 @@ def test_hf_pointing_at_a_file(assets: Path, tmp_path: Path, capsys) -> None:
 @pytest.mark.parametrize(
     ("changes", "expect"),
     [
-        ({"model_type": "mistral"}, "(architectures says Qwen2ForCausalLM)"),
+        ({"model_type": "mistral"}, "model_type 'mistral' (architectures says Qwen2ForCausalLM)"),
         ({"architectures": ["LlamaForCausalLM"]}, "model_type 'qwen2' does not match architectures"),
     ],
 )
