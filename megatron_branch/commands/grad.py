@@ -216,15 +216,19 @@ def run_grad(args: argparse.Namespace) -> int:
 
     pcfg, arch, rollouts, full_tree, objective = check_on_every_rank(validate)
     rank, world = init_distributed()
-    dp_size = pcfg.data_parallel_size(world)
-    if pcfg.cp > 1:
-        from megatron_branch.parallel.cp_layout import check_cp_fits
 
-        # each DP rank runs its own share of the groups: every share must fill its CP ranks
-        for share in assign_groups(full_tree, dp_size):
-            if share:
-                sub = PrefixTree.build([rollouts[i] for i in share], vocab_size=arch.vocab_size)
-                check_cp_fits(sub, pcfg.cp)
+    def validate_layout() -> None:  # needs the world size; still before any model work, one verdict
+        dp_size = pcfg.data_parallel_size(world)
+        if pcfg.cp > 1:
+            from megatron_branch.parallel.cp_layout import check_cp_fits
+
+            # each DP rank runs its own share of the groups: every share must fill its CP ranks
+            for share in assign_groups(full_tree, dp_size):
+                if share:
+                    sub = PrefixTree.build([rollouts[i] for i in share], vocab_size=arch.vocab_size)
+                    check_cp_fits(sub, pcfg.cp)
+
+    check_on_every_rank(validate_layout)
 
     groups = initialize_parallel(pcfg)
     model = load_policy(args.hf, arch, groups, dtype)

@@ -192,7 +192,10 @@ def test_grad_refusals_before_work(capsys: pytest.CaptureFixture[str]) -> None:
     for i, (layout, words) in enumerate(cases):
         rc, _, _ = _grad(d, f"refused{i}", "packed", *layout)
         err = capsys.readouterr().err.strip()
-        assert rc == 2 and words in err and "\n" not in err, (layout, err)
+        if dist.get_rank() == 0:  # an error every rank raised is printed once, by rank 0 (docs/errors.md)
+            assert rc == 2 and words in err and "\n" not in err, (layout, err)
+        else:
+            assert rc == 2 and err == "", (layout, err)
         assert not (d / f"refused{i}.safetensors").exists()
 
 
