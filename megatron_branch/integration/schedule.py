@@ -24,9 +24,10 @@ kind of list, with these differences, all deliberate:
   loss exactly.
 * Gradients: as megatron's schedule does, `config.finalize_model_grads_func` is called after backward when set
   (megatron's finalize_model_grads: DDP all-reduce over dp x cp, sequence-parallel norm grads over TP). The whole
-  step runs inside `config.no_sync_func` so that DDP reduces once, after the last backward. A model wrapped in
-  megatron DDP must reduce as a SUM (the objective is normalised globally and CP ranks hold disjoint loss terms):
-  `megatron_branch.parallel.ddp.wrap_megatron_ddp` does that.
+  step runs inside `config.no_sync_func` so that DDP reduces once, after the last backward. The objective is
+  normalised on the global batch and CP ranks hold disjoint loss terms, so the gradient wanted is the SUM over
+  dp x cp; megatron DDP with its default scaling (1 / dp_cp, unless `calculate_per_token_loss`) takes the MEAN,
+  so then the backward is scaled by dp_cp to compensate (`ScaledObjective`), and the gradient is the same either way.
 """
 
 from __future__ import annotations
@@ -51,6 +52,40 @@ ObjectiveFactory = Callable[[list[Rollout], int], Any]
 
 def grpo_objective(rollouts: list[Rollout], num_response_tokens: int) -> PolicyGradientObjective:
     return PolicyGradientObjective.grpo([r.advantage for r in rollouts], num_response_tokens)
+
+
+@dataclass(frozen=True)
+class ScaledObjective:
+    """`objective` with every loss term multiplied by `scale` (to undo a gradient reduction that averages)."""
+
+    objective: Any
+    scale: float
+
+    def bind(self, tree: PrefixTree) -> Any:
+        return _ScaledBound(self.objective.bind(tree), self.scale)
+
+
+@dataclass(frozen=True)
+class _ScaledBound:
+    bound: Any
+    scale: float
+
+    def chunk_loss(self, logp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.bound.chunk_loss(logp, targets) * self.scale
+
+    def rollout_loss(self, i: int, logp: torch.Tensor) -> torch.Tensor:
+        return self.bound.rollout_loss(i, logp) * self.scale
+
+
+def _ddp_mean_factor(model: torch.nn.Module, dp_cp: int) -> float:
+    """dp_cp when `model` is megatron DDP scaling grads by 1 / dp_cp (its default), else 1."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    if dp_cp == 1 or not isinstance(model, DistributedDataParallel):
+        return 1.0
+    # megatron's DDP: a plain SUM only with calculate_per_token_loss; otherwise 1 / dp_cp, applied before the sum
+    # or by an averaging collective (average_in_collective)
+    return 1.0 if model.config.calculate_per_token_loss else float(dp_cp)
 
 
 def _as_rollouts(item: Any, where: str) -> list[Rollout]:
@@ -140,6 +175,9 @@ class BranchForwardBackward:
             **self.options,
         )
         objective = self.objective(rollouts, T)
+        scale = _ddp_mean_factor(model, groups["dp_size"] * groups["cp_size"])
+        if scale != 1.0:
+            objective = ScaledObjective(objective, scale)
         config = base.config
         no_sync = config.no_sync_func or contextlib.nullcontext
         with no_sync():
@@ -148,6 +186,7 @@ class BranchForwardBackward:
             config.finalize_model_grads_func(
                 [model], None, pg_collection=groups["pg_collection"], force_all_reduce=force_all_reduce
             )
+        result.loss /= scale
         self.last_result = result
         share = 1.0 / (groups["dp_size"] * groups["cp_size"])
         # StepResult.loss is already summed over CP: each CP rank reports loss/cp so that dp x cp sums to the total

@@ -92,3 +92,22 @@ class _BoundPolicyGradient:
         w = torch.zeros(len(r.prompt) + len(r.response) - 1, dtype=torch.float64)
         w[max(len(r.prompt) - 1, 0) :] = self.objective.coef[i]
         return -(logp * w.to(device=logp.device, dtype=logp.dtype)).sum(), _NO_STATS
+
+
+@dataclass(kw_only=True)
+class AdvantagePolicyGradient:
+    """`PolicyGradientObjective.grpo` bound to any (sub-)tree from its rollouts' own advantages: the form an
+    update over micro-batches and DP shards needs (T is the GLOBAL response-token count)."""
+
+    num_response_tokens: int
+    """T of the global batch."""
+
+    def bind(self, tree: PrefixTree) -> _BoundPolicyGradient:
+        from megatron_branch.errors import UserError
+
+        for i, r in enumerate(tree.rollouts):
+            if r.advantage is None:
+                raise UserError("missing field 'advantage'", where=r.describe(i))
+        return PolicyGradientObjective.grpo(
+            [r.advantage for r in tree.rollouts], self.num_response_tokens
+        ).bind(tree)
