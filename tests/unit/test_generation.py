@@ -65,9 +65,11 @@ def cache_free_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], 
     return seq[len(prompt) :], lps
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_greedy_equals_cache_free_full_forward(dtype: torch.dtype) -> None:
-    model, _ = make_model(dtype)
+@pytest.mark.parametrize(
+    "dtype,tie", [(torch.float64, False), (torch.float32, True)], ids=["fp64", "fp32_tied"]
+)
+def test_greedy_equals_cache_free_full_forward(dtype: torch.dtype, tie: bool) -> None:
+    model, _ = make_model(dtype, tie=tie)
     prompts = prompts_of([9, 4, 13], seed=1)
     out = BranchSampler(model, vocab_size=VOCAB).generate(
         prompts, SamplingParams(n=3, max_new_tokens=7, temperature=0)
