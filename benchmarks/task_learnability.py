@@ -47,6 +47,9 @@ def main() -> None:
     ap.add_argument("--rl-prompts", type=int, default=8)
     ap.add_argument("--rl-lr", type=float, default=1e-3)
     ap.add_argument("--max-new", type=int, default=8)
+    ap.add_argument(
+        "--warmup-until", type=float, default=None, help="stop the warm-up once greedy reward >= this"
+    )
     args = ap.parse_args()
     torch.manual_seed(args.seed)
 
@@ -117,9 +120,10 @@ def main() -> None:
         optim.step()
         if step % args.eval_every == 0 or step == args.steps:
             elapsed = time.perf_counter() - t_train
-            print(
-                json.dumps(dict(step=step, nll=round(res.loss, 4), train_s=round(elapsed, 1), **evaluate()))
-            )
+            metrics = evaluate()
+            print(json.dumps(dict(step=step, nll=round(res.loss, 4), train_s=round(elapsed, 1), **metrics)))
+            if args.warmup_until is not None and metrics["greedy_reward"] >= args.warmup_until:
+                break
 
     # on-policy GRPO (one update per batch): group-normalised advantages, the policy-gradient objective
     for group in optim.param_groups:
@@ -144,11 +148,12 @@ def main() -> None:
         run_schedule("replay", model, tree, obj, sopts)
         optim.step()
         rewards_log.append(sum(rewards) / len(rewards))
+        resp_len = out.stats.response_tokens / out.stats.num_samples
         if step % 10 == 0 or step == args.rl_steps:
             first, last = rewards_log[:10], rewards_log[-10:]
             print(json.dumps(dict(rl_step=step, reward_mean=round(rewards_log[-1], 4),
                                   first10=round(sum(first) / len(first), 4), last10=round(sum(last) / len(last), 4),
-                                  positions=f"{tree.positions_computed}/{tree.positions_logical}",
+                                  positions=f"{tree.positions_computed}/{tree.positions_logical}", resp_len=round(resp_len, 2),
                                   rl_s=round(time.perf_counter() - t_rl, 1))))  # fmt: skip
     if args.rl_steps:
         print(json.dumps(dict(final=True, **evaluate())))

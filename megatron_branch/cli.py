@@ -16,6 +16,7 @@ from megatron_branch.errors import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from megatron_branch.commands.bench import add_bench_command
     from megatron_branch.commands.grad import add_grad_command
 
     parser = argparse.ArgumentParser(
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"megatron-branch {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_grad_command(sub)
+    add_bench_command(sub)
     from megatron_branch.commands.plan import add_plan_command
 
     add_plan_command(sub)

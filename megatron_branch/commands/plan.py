@@ -40,6 +40,12 @@ def add_plan_command(sub: Any) -> None:
     p.add_argument("--recompute", choices=RECOMPUTE)
     p.add_argument("--schedule", choices=SCHEDULES, default="replay")
     p.add_argument("--branch-micro-batch", type=int, default=8, help="replay: sibling leaves per forward")
+    p.add_argument(
+        "--dtype",
+        choices=["bf16", "float32"],
+        default="bf16",
+        help="parameter/activation dtype (grad runs float32)",
+    )
     p.add_argument("--json", action="store_true", help="end with one JSON line (the stable contract)")
     p.set_defaults(func=run_plan)
 
@@ -69,7 +75,7 @@ def run_plan(args: argparse.Namespace) -> int:
         from megatron_branch.errors import UserError
 
         raise UserError(f"--branch-micro-batch must be positive, got {args.branch_micro_batch}")
-    kw = {"branch_micro_batch": args.branch_micro_batch}
+    kw = {"branch_micro_batch": args.branch_micro_batch, "dtype": args.dtype}
     p = plan(
         name,
         arch,
@@ -104,7 +110,8 @@ def render(p: Plan, fixes: list[str]) -> str:
         + (f", {s.shared_response_length} shared" if s.shared_response_length else "")
         + f") = {s.positions_logical:,} positions ({s.positions_computed:,} distinct) on {p.gpus} x {p.gpu.name} "
         f"({p.gpu.memory_gb:g} GB, {p.gpu.tflops:g} TFLOP/s, {p.gpu.link_gbps:g} GB/s)",
-        f"layout: tp {lay.tp} x cp {lay.cp} x dp {lay.dp}, recompute {lay.recompute}, schedule {p.schedule}",
+        f"layout: tp {lay.tp} x cp {lay.cp} x dp {lay.dp}, recompute {lay.recompute}, schedule {p.schedule}, "
+        f"{p.dtype}",
         "memory per rank (GB):",
     ]
     for k in TERMS_IN_TOTAL:
@@ -115,7 +122,8 @@ def render(p: Plan, fixes: list[str]) -> str:
     )
     lines.append(
         f"FLOPs per step: naive {fl['naive']:.3e}, packed {fl['packed']:.3e}, replay {fl['replay']:.3e}; "
-        f"naive / {p.schedule} = {fl['ratio']:.2f}x"
+        f"naive / {p.schedule} = {fl['ratio']:.2f}x; stop-gradient (prompt state not trained, inexact) "
+        f"{fl['stop_gradient']:.3e}, {p.schedule} / stop-gradient = {fl['this_schedule'] / fl['stop_gradient']:.2f}x"
     )
     ring = "hidden behind attention" if t["ring_hidden"] else f"{t['ring_exposed']:.2f} s exposed"
     lines.append(

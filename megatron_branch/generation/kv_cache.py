@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_branch.attention.core_attention import BranchContext
-from megatron_branch.attention.kernels import flash_attention_forward, lse_dtype
+from megatron_branch.attention.kernels import fused_attention_forward, lse_dtype
 from megatron_branch.attention.layout import AttentionLayout
 from megatron_branch.attention.merge import lse_merge
 
@@ -153,7 +153,7 @@ class DecodeContext(BranchContext):
         for p, rows in st.groups:  # rows [a_p]
             qa = qg[rows].permute(1, 0, 2, 3).reshape(1, g, rows.numel() * r, h).contiguous()  # [1,g,a_p*r,h]
             pk, pv = self.cache.prompt_k[layer_number][p], self.cache.prompt_v[layer_number][p]  # [1,g,P,h]
-            o, lse = flash_attention_forward(qa, pk, pv, False, scale)  # [1,g,a_p*r,h], [1,g,a_p*r]
+            o, lse = fused_attention_forward(qa, pk, pv, False, scale)  # [1,g,a_p*r,h], [1,g,a_p*r]
             out_a[:, rows] = o.reshape(g, rows.numel(), r, h).to(acc)
             lse_a[:, rows] = lse.reshape(g, rows.numel(), r).to(acc)
 

@@ -51,6 +51,8 @@ def preference_pairs(rollouts: Sequence[Rollout]) -> list[tuple[int, int]]:
             raise UserError(f"pair {key!r} needs one chosen and one rejected rollout", where=last)
         if rollouts[a].prompt != rollouts[b].prompt:
             raise UserError(f"pair {key!r}: the two rollouts have different prompts", where=last)
+        if not rollouts[a].prompt:  # the pair must be one prompt group (one tree root) to stay on one rank
+            raise UserError(f"pair {key!r} has an empty prompt; DPO pairs need a prompt", where=last)
         out.append((a, b) if rollouts[a].chosen else (b, a))
     return out
 

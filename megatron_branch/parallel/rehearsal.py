@@ -211,13 +211,10 @@ def run_step(
     )
     stats = RingStats()
     opts = ScheduleOptions(
-        tp_group=tp_group,
-        tp_size=tp,
-        sequence_parallel=sp,
+        **({"groups": groups} if groups is not None else {}),
         vocab_size=arch.vocab_size,
         branch_micro_batch=branch_micro_batch,
         ring_stats=stats,
-        **({"cp_group": groups.cp, "cp_size": cp} if cp > 1 else {}),
     )
     model.zero_grad(set_to_none=True)
     rss_before = _rss_mb()

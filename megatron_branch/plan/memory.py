@@ -157,14 +157,16 @@ def logits_bytes(dm: Dims, m: int, chunk_rows: int) -> int:
 
 
 # --- static terms -----------------------------------------------------------------------------------------------
-def static_bytes(arch: ModelArch, layout: Layout, *, distributed_optimizer: bool = True) -> dict[str, int]:
-    """Weights (bf16), gradients (fp32 main grads), optimizer state (fp32 master + Adam m, v) on one rank."""
+def static_bytes(
+    arch: ModelArch, layout: Layout, *, distributed_optimizer: bool = True, param_bytes: int = 2
+) -> dict[str, int]:
+    """Weights (bf16: 2 B), gradients (fp32 main grads), optimizer state (fp32 master + Adam m, v) on one rank."""
     pc = parameter_count(arch)
     replicated = arch.num_layers * 2 * arch.hidden_size + pc["final_norm"]  # norms are not TP-sharded
     per_rank = (pc["total"] - replicated) // layout.tp + replicated
     shard = layout.dp * layout.cp  # megatron's distributed optimizer shards over DP x CP
     return {
-        "parameters": 2 * per_rank,
+        "parameters": param_bytes * per_rank,
         "gradients": 4 * per_rank,
         "optimizer_state": (12 * per_rank) // (shard if distributed_optimizer else 1),
         "optimizer_state_no_distributed": 12 * per_rank,

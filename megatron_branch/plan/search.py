@@ -46,6 +46,7 @@ class Plan:
     flops: dict[str, float]
     step_time: dict[str, Any]
     fits: bool
+    dtype: str = "bf16"
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -74,6 +75,7 @@ class Plan:
                 "positions_computed": self.shape.positions_computed,
             },
             "schedule": self.schedule,
+            "dtype": self.dtype,
             "layout": self.layout.as_dict(),
             "memory_bytes_per_rank": dict(self.memory),
             "gpu_memory_bytes": self.gpu.memory_bytes,
@@ -98,12 +100,17 @@ TERMS_IN_TOTAL = (
 )
 
 
+DTYPE_BYTES = {"bf16": 2, "float32": 4}
+"""--dtype: the model's parameter and activation dtype (bf16 training; float32 as `megatron-branch grad` runs)."""
+
+
 def memory_terms(
-    arch: ModelArch, shape: RolloutShape, layout: Layout, schedule: str, **kw: Any
+    arch: ModelArch, shape: RolloutShape, layout: Layout, schedule: str, *, dtype: str = "bf16", **kw: Any
 ) -> dict[str, int]:
-    """Per-rank bytes by term (bf16 activations) and the total (distributed optimizer)."""
-    st = static_bytes(arch, layout)
-    pk: Peak = step_peak(arch, shape, layout, schedule=schedule, act_bytes=2, **kw)
+    """Per-rank bytes by term and the total (distributed optimizer)."""
+    e = DTYPE_BYTES[dtype]
+    st = static_bytes(arch, layout, param_bytes=e)
+    pk: Peak = step_peak(arch, shape, layout, schedule=schedule, act_bytes=e, **kw)
     mem = {
         "parameters": st["parameters"],
         "gradients": st["gradients"],
@@ -145,19 +152,34 @@ def _ring_bytes_per_rank(arch: ModelArch, shape: RolloutShape, layout: Layout, s
 
 
 def step_time(
-    arch: ModelArch, shape: RolloutShape, layout: Layout, gpu: GPU, schedule: str, fl: StepFlops
+    arch: ModelArch,
+    shape: RolloutShape,
+    layout: Layout,
+    gpu: GPU,
+    schedule: str,
+    fl: StepFlops,
+    dtype: str = "bf16",
 ) -> dict[str, Any]:
     world = layout.world
     rate = gpu.tflops * 1e12 * MFU
     link = gpu.link_gbps * 1e9
     compute = fl.total / world / rate
     attention = fl.attention / world / rate
-    ring = _ring_bytes_per_rank(arch, shape, layout, schedule) / link
+    ring = _ring_bytes_per_rank(arch, shape, layout, schedule) * DTYPE_BYTES[dtype] / 2 / link
     exposed_ring = max(0.0, ring - attention)
     tp = 0.0
     if layout.tp > 1:
         rows = fl.positions / (layout.cp * layout.dp) + fl.recomputed_positions / (layout.cp * layout.dp)
-        tp = 8 * (layout.tp - 1) / layout.tp * rows * arch.hidden_size * 2 * arch.num_layers / link
+        tp = (
+            8
+            * (layout.tp - 1)
+            / layout.tp
+            * rows
+            * arch.hidden_size
+            * DTYPE_BYTES[dtype]
+            * arch.num_layers
+            / link
+        )
     shard = layout.dp * layout.cp
     grads = 0.0
     if shard > 1:
@@ -184,6 +206,7 @@ def evaluate(
     gpus: int,
     layout: Layout,
     schedule: str = "replay",
+    dtype: str = "bf16",
     **kw: Any,
 ) -> Plan:
     """The plan of one fixed layout."""
@@ -199,13 +222,16 @@ def evaluate(
         raise UserError(
             "the naive schedule has no context parallelism; use --cp 1 or --schedule replay|packed"
         )
-    mem = memory_terms(arch, shape, layout, schedule, **kw)
+    if dtype not in DTYPE_BYTES:
+        raise UserError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+    mem = memory_terms(arch, shape, layout, schedule, dtype=dtype, **kw)
     fl = {s: step_flops(arch, shape, s, layout if s == schedule else Layout()) for s in SCHEDULES}
     mine = fl[schedule]
     flops = {
         "naive": fl["naive"].total,
         "packed": fl["packed"].total,
         "replay": fl["replay"].total,
+        "stop_gradient": step_flops(arch, shape, "stop_gradient").total,
         "this_schedule": mine.total,
         "ratio": fl["naive"].total / mine.total,
         "attention_fraction": mine.attention / mine.total,
@@ -232,8 +258,9 @@ def evaluate(
         schedule=schedule,
         memory=mem,
         flops=flops,
-        step_time=step_time(arch, shape, layout, gpu, schedule, mine),
+        step_time=step_time(arch, shape, layout, gpu, schedule, mine, dtype),
         fits=mem["total"] <= gpu.memory_bytes,
+        dtype=dtype,
         notes=notes,
     )
 

@@ -1,4 +1,5 @@
-"""Training schedules over a prefix tree: `naive` (baseline), `packed` (one pass), `replay` (DFS, bounded memory).
+"""Training schedules over a prefix tree: `naive` (baseline), `packed` (one pass), `replay` (DFS, bounded memory);
+`naive-fused` and `packed-nosharing` are the unshared baselines on the same kernels (schedule/unshared.py).
 
 All three accumulate the SAME parameter gradients (into `param.grad`, or megatron DDP's `main_grad`) for the same
 logical-batch loss; they differ only in what is computed once and what is kept alive. Each also runs forward-only
@@ -18,11 +19,15 @@ from megatron_branch.schedule.naive import run_naive
 from megatron_branch.schedule.packed import run_packed
 from megatron_branch.schedule.replay import run_replay
 from megatron_branch.schedule.score import Scores, score_rollouts
+from megatron_branch.schedule.unshared import run_naive_fused, run_packed_nosharing
 
 SCHEDULES: dict[str, Callable[..., StepResult]] = {
     "naive": run_naive,
     "packed": run_packed,
     "replay": run_replay,
+    # baselines without sharing on the same kernels (the benchmark's fair comparison)
+    "naive-fused": run_naive_fused,
+    "packed-nosharing": run_packed_nosharing,
 }
 
 

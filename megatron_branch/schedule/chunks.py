@@ -46,7 +46,8 @@ class Chunk:
     layout: AttentionLayout
     """Which keys each query row sees."""
     targets: torch.Tensor
-    """[m] packed indices of the tokens PREDICTED in this chunk (their predecessor is a chunk token)."""
+    """[m] packed indices of the tokens PREDICTED in this chunk (their predecessor is a chunk token; by default only
+    tokens in some rollout's response, see `make_chunk`)."""
     target_rows: torch.Tensor
     """[m] chunk row whose logits predict each target (a fork row appears once per child)."""
 
@@ -82,9 +83,22 @@ class Chunk:
 
 
 def make_chunk(
-    tree: PrefixTree, segments: Sequence[int], *, external: Sequence[int] = (), pad_to_multiple: int = 1
+    tree: PrefixTree,
+    segments: Sequence[int],
+    *,
+    external: Sequence[int] = (),
+    pad_to_multiple: int = 1,
+    targets: str = "loss",
 ) -> Chunk:
-    """Build the chunk for `segments` whose ancestors outside the chunk are `external` (cached)."""
+    """Build the chunk for `segments` whose ancestors outside the chunk are `external` (cached).
+
+    targets: "loss" (default) predicts only tokens that are in some rollout's response (every token an RL loss or
+    a kept logprob can use, incl. the first response token, predicted by the last prompt row, and fork tokens);
+    "all" predicts every token with a predecessor in the chunk. Only target rows reach the output projection, so
+    "loss" keeps a long prompt's rows out of the vocabulary projection entirely.
+    """
+    if targets not in ("loss", "all"):
+        raise ValueError(f"targets must be 'loss' or 'all', got {targets!r}")
     segs = [tree.segments[i] for i in segments]
     ext_off: dict[int, int] = {}
     c = 0
@@ -127,14 +141,18 @@ def make_chunk(
     # Targets: every packed token whose predecessor is a chunk token. Within a segment that is the next token; at a
     # segment's last token it is the FIRST token of each child (the fork tokens), one row per child. Built from the
     # chunk's segments alone: O(chunk + children), never a table over the whole tree (replay makes many chunks).
+    # With targets="loss", a segment's targets start at its first response token (tree.response_starts).
+    first = tree.response_starts() if targets == "loss" else None
     tgt, rows = [], []
     for seg in segs:
         r0 = chunk_off[seg.id]
-        tgt.append(torch.arange(seg.offset + 1, seg.offset + seg.length))  # [l-1] next tokens
-        rows.append(torch.arange(r0, r0 + seg.length - 1))
-        if seg.children:
-            tgt.append(torch.tensor([tree.segments[c].offset for c in seg.children], dtype=torch.long))
-            rows.append(torch.full((len(seg.children),), r0 + seg.length - 1, dtype=torch.long))
+        j0 = 1 if first is None else max(1, first[seg.id])  # first in-segment offset predicted here
+        tgt.append(torch.arange(seg.offset + j0, seg.offset + seg.length))  # [l-j0] next tokens
+        rows.append(torch.arange(r0 + j0 - 1, r0 + seg.length - 1))
+        kids = [c for c in seg.children if first is None or first[c] == 0]  # fork tokens that carry a loss
+        if kids:
+            tgt.append(torch.tensor([tree.segments[c].offset for c in kids], dtype=torch.long))
+            rows.append(torch.full((len(kids),), r0 + seg.length - 1, dtype=torch.long))
     targets, order = torch.sort(torch.cat(tgt))  # packed order: a deterministic summation order
     target_rows = torch.cat(rows)[order]
     return Chunk(

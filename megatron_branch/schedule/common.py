@@ -97,7 +97,8 @@ class StepResult:
     forwards: int = 0
     """Model forward calls."""
     target_logprobs: torch.Tensor | None = None
-    """[N] logprob of every packed token as a target (NaN for roots' first tokens), when keep_logprobs."""
+    """[N] logprob of every packed token in some rollout's response (NaN elsewhere: prompt-only tokens are never
+    predicted, see schedule/chunks.py make_chunk), when keep_logprobs."""
     target_entropy: torch.Tensor | None = None
     """[N] entropy of the row predicting every packed token (NaN where none), when keep_entropy."""
     stats: dict[str, float] = field(default_factory=dict)

@@ -71,8 +71,12 @@ def run_naive(
                 loss, stats = x.new_zeros(()), torch.zeros(0, dtype=torch.float64)
         if not forward_only:
             loss.backward()
-        out = ChunkOut(loss=loss, stats=stats, logp=x, entropy=ent, captured={})
-        store.add(tree.rollout_indices(i)[1:], out)
+        # keep the response tokens' results, as the tree schedules do (prompt rows carry no loss; the first
+        # response token is predicted by the last prompt row)
+        first = max(len(r.prompt) - 1, 0)
+        ent = None if ent is None else ent[first:]
+        out = ChunkOut(loss=loss, stats=stats, logp=x[first:], entropy=ent, captured={})
+        store.add(tree.rollout_indices(i)[1 + first :], out)
     return store.result(
         "naive",
         tree,

@@ -241,3 +241,58 @@ def test_planted_bug_ignoring_the_prompt_cache_is_caught(monkeypatch: pytest.Mon
     )
     got = [list(s.response) for s in out.flat()]
     assert got != [cache_free_greedy(model, p, 6)[0] for p in prompts]
+
+
+def test_task_tokenizer_sampler_reward_pipeline(tmp_path) -> None:  # noqa: ANN001
+    """The pieces the training loop chains: task prompts -> tokenizer -> sampler -> decoded text -> reward."""
+    from megatron_branch.tasks import get_task, load_reward, score_responses
+    from megatron_branch.tokenizer import SentencePieceTokenizer
+
+    task = get_task("needles", length=20, num_needles=2)
+    tok = SentencePieceTokenizer.train_or_load(tmp_path, task.corpus(50, seed=0))
+    arch = ModelArch(family="llama", vocab_size=tok.vocab_size, hidden_size=32, num_layers=2,
+                     num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64, max_position_embeddings=128)  # fmt: skip
+    model = build_model(arch, dtype=torch.float32)
+    rows = task.rows(3, seed=1)
+    sp = SamplingParams(n=4, max_new_tokens=5, temperature=1.0, stop_token_ids=(tok.eos_id,))
+    out = BranchSampler(model, vocab_size=tok.vocab_size).generate(
+        [tok.encode(r.prompt) for r in rows], sp, generator=torch.Generator().manual_seed(0)
+    )
+    texts = [tok.decode(s.response) for s in out.flat()]
+    rewards = score_responses(load_reward(task.reward_spec), [r for r in rows for _ in range(4)], texts)
+    assert len(rewards) == 12 and all(0.0 <= x <= 1.0 for x in rewards)
+    for s, text in zip(out.flat(), texts):
+        assert tok.eos_id not in s.response[:-1] and len(s.response) <= 5 and "\n" not in text
+    assert out.stats.prefill_positions == sum(len(tok.encode(r.prompt)) for r in rows)
+
+
+def test_on_policy_grpo_through_the_sampler_raises_a_simple_reward() -> None:
+    """Samples (tree-sampled) -> rollouts with their old_logprobs -> replay update: a reward for emitting token 5
+    rises quickly, and the batch's shared positions grow as the responses converge. Guards the sample order and
+    `to_rollout` contract the training loop relies on."""
+    v = 12
+    arch = ModelArch(family="llama", vocab_size=v, hidden_size=32, num_layers=2, num_attention_heads=4,
+                     num_query_groups=2, ffn_hidden_size=64, max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(0)
+    model = build_model(arch)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sampler = BranchSampler(model, vocab_size=v)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [[1, 2, 3, 4], [4, 3, 2, 1, 0], [7, 7, 7]]
+    sp = SamplingParams(n=8, max_new_tokens=3, temperature=1.0, branch_at=(1,), branch_factor=2)
+    means, computed = [], []
+    for _ in range(12):
+        out = sampler.generate(prompts, sp, generator=gen)
+        rewards = torch.tensor([sum(t == 5 for t in s.response) / 3 for s in out.flat()]).view(3, 8)
+        adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)).flatten()
+        rollouts = [s.to_rollout(advantage=float(a)) for s, a in zip(out.flat(), adv)]
+        assert all(r.token_fields["old_logprobs"] == s.logprobs for r, s in zip(rollouts, out.flat()))
+        tree = PrefixTree.build(rollouts, vocab_size=v)
+        opt.zero_grad(set_to_none=True)
+        obj = PolicyGradientObjective.grpo(adv.tolist(), tree.num_response_tokens_logical())
+        run_schedule("replay", model, tree, obj, ScheduleOptions(vocab_size=v))
+        opt.step()
+        means.append(float(rewards.mean()))
+        computed.append(tree.positions_computed)
+    assert sum(means[-3:]) / 3 > sum(means[:3]) / 3 + 0.3, means
+    assert computed[-1] < computed[0], computed

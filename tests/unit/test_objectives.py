@@ -353,6 +353,8 @@ def test_dpo_pairs_refuse_malformed_input() -> None:
         preference_pairs([a, c])
     with pytest.raises(ValueError, match="f:2: pair 1 has 3 rollouts"):
         preference_pairs([a, dataclasses.replace(c, prompt=(1,)), b])
+    with pytest.raises(ValueError, match="f:2: pair 1 has an empty prompt"):
+        preference_pairs([dataclasses.replace(a, prompt=()), dataclasses.replace(c, prompt=())])
     with pytest.raises(ValueError, match="f:1: missing field 'pair'"):
         preference_pairs([dataclasses.replace(a, pair=None)])
     assert preference_pairs([dataclasses.replace(c, prompt=(1,)), a]) == [(1, 0)]
