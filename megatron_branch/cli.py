@@ -16,6 +16,7 @@ from megatron_branch.errors import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from megatron_branch.commands.bench import add_bench_command
     from megatron_branch.commands.grad import add_grad_command
 
     parser = argparse.ArgumentParser(
@@ -25,9 +26,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"megatron-branch {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_grad_command(sub)
+    add_bench_command(sub)
     from megatron_branch.commands.plan import add_plan_command
 
     add_plan_command(sub)
+    from megatron_branch.commands.train import add_train_command
+
+    add_train_command(sub)
     try:
         from megatron_branch.checkpoint.cli import add_convert_commands
     except ImportError:  # pragma: no cover - only while the checkpoint tools are absent
@@ -42,7 +47,14 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core.*")
     warnings.filterwarnings("ignore", category=FutureWarning)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if (
+        extra
+    ):  # `train` takes its overrides anywhere on the line (argparse stops collecting them at an option)
+        if not getattr(args, "collect_extra", False) or any(e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     try:
         return int(args.func(args) or 0)
     except UserError as e:

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from megatron_branch.data import PrefixTree, Rollout
 from megatron_branch.errors import UserError
 from megatron_branch.losses import PolicyGradientObjective
+from megatron_branch.parallel.groups import ParallelGroups
 from megatron_branch.schedule import ScheduleOptions, StepResult, run_schedule
 
 ObjectiveFactory = Callable[[list[Rollout], int], Any]
@@ -160,11 +161,16 @@ class BranchForwardBackward:
         tree = PrefixTree.build(rollouts, vocab_size=vocab)
         T = _global_count(tree.num_response_tokens_logical(), groups["dp"])
         opts = ScheduleOptions(
-            tp_group=groups["tp"] if groups["tp_size"] > 1 else None,
-            tp_size=groups["tp_size"],
-            sequence_parallel=bool(base.config.sequence_parallel),
-            cp_group=groups["cp"] if groups["cp_size"] > 1 else None,
-            cp_size=groups["cp_size"],
+            groups=ParallelGroups(
+                tp=groups["tp"],
+                cp=groups["cp"],
+                dp=groups["dp"],
+                dp_cp=None,  # gradients are finalised by megatron's finalize_model_grads_func, not by us
+                tp_size=groups["tp_size"],
+                cp_size=groups["cp_size"],
+                dp_size=groups["dp_size"],
+                sequence_parallel=bool(base.config.sequence_parallel) and groups["tp_size"] > 1,
+            ),
             vocab_size=vocab,
             **self.options,
         )
@@ -175,10 +181,7 @@ class BranchForwardBackward:
         config = base.config
         no_sync = config.no_sync_func or contextlib.nullcontext
         with no_sync():
-            if forward_only:
-                result = _forward_only(model, tree, objective, opts)
-            else:
-                result = run_schedule(self.schedule, model, tree, objective, opts)
+            result = run_schedule(self.schedule, model, tree, objective, opts, forward_only=forward_only)
         if config.finalize_model_grads_func is not None and not forward_only:
             config.finalize_model_grads_func(
                 [model], None, pg_collection=groups["pg_collection"], force_all_reduce=force_all_reduce
@@ -203,32 +206,6 @@ class BranchForwardBackward:
         if not out:
             raise UserError("the step's micro-batches hold no rollouts")
         return out
-
-
-def _forward_only(
-    model: torch.nn.Module, tree: PrefixTree, objective: Any, opts: ScheduleOptions
-) -> StepResult:
-    """The loss without backward: the packed schedule's chunk under no_grad (one forward over the tree)."""
-    with torch.no_grad():
-        return _run_no_backward(model, tree, objective, opts)
-
-
-def _run_no_backward(
-    model: torch.nn.Module, tree: PrefixTree, objective: Any, opts: ScheduleOptions
-) -> StepResult:
-    from megatron_branch.schedule.common import forward_chunk, prepare_chunk, reduce_over_cp
-
-    bound = objective.bind(tree)
-    chunk = prepare_chunk(tree, list(range(len(tree.segments))), opts)
-    loss, _, _ = forward_chunk(model, tree, chunk, bound, opts)
-    total, _ = reduce_over_cp(float(loss), None, opts)
-    return StepResult(
-        schedule="packed",
-        loss=total,
-        positions_logical=tree.positions_logical,
-        positions_computed=tree.positions_computed,
-        forwards=1,
-    )
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

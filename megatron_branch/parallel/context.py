@@ -28,7 +28,8 @@ class RingBranchContext(BranchContext):
     """Attention of this rank's chunk rows over the keys of every CP rank (and every rank's cached ancestor rows)."""
 
     layout: AttentionLayout | None = None  # type: ignore[assignment]
-    """Unused: visibility comes from the per-token metadata below."""
+    """Unused: visibility comes from the per-token metadata below (attention/visibility.py cuts it into
+    rectangles per ring block)."""
     q_meta: torch.Tensor
     """[2, s] long (segment id, offset in segment) of this rank's chunk rows; segment -1 = padding."""
     external_meta: torch.Tensor | None = None
@@ -38,7 +39,7 @@ class RingBranchContext(BranchContext):
     cp_group: Any
     """The context-parallel process group the ring runs on."""
     stats: RingStats | None = None
-    """Message counters (None = the process-wide ring.RING_STATS)."""
+    """Counters the ring adds to (messages, kernel calls); None = not counted. Passed in, never a global."""
 
     def attend(
         self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float

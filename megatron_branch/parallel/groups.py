@@ -48,7 +48,8 @@ class ParallelConfig:
 
 @dataclass(kw_only=True)
 class ParallelGroups:
-    """The groups the math needs; `None` for a size-1 dimension is never used: size-1 groups are real groups."""
+    """The groups the math needs, passed into it whole (schedule options, the update step). Under torchrun every
+    axis is a real group (size-1 groups included); `single()` is one process with no groups at all."""
 
     tp: Any
     cp: Any
@@ -58,6 +59,13 @@ class ParallelGroups:
     cp_size: int
     dp_size: int
     sequence_parallel: bool
+
+    @classmethod
+    def single(cls) -> ParallelGroups:
+        """One process, no parallelism: no groups at all (the math never calls a collective on a size-1 axis)."""
+        return cls(
+            tp=None, cp=None, dp=None, dp_cp=None, tp_size=1, cp_size=1, dp_size=1, sequence_parallel=False
+        )
 
 
 def _free_port() -> int:

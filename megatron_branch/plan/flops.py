@@ -77,8 +77,6 @@ def step_flops(
         logits_flops_per_row(arch),
     )
     N, G, R, L = shape.prompts, shape.responses, shape.root_length, shape.leaf_length
-    # every position but a sequence's first predicts the next token (prompt positions too: their logprobs are
-    # computed, weighted 0 in a policy-gradient loss)
     if schedule == "stop_gradient":
         # the announced system's form: the shared root runs forward only (its state is not trained), the responses
         # forward + backward against its cached K/V; the gradient is NOT that of naive training
@@ -90,6 +88,8 @@ def step_flops(
             positions=shape.positions_computed,
             recomputed_positions=0,
         )
+    # naive (megatron's output layer) computes every row's logits; the tree schedules send only the rows that
+    # predict a response token through the output projection (schedule/chunks.py make_chunk, targets="loss")
     if schedule == "naive":
         positions = shape.positions_logical
         pairs = N * G * causal_pairs(shape.rollout_length)
@@ -99,13 +99,15 @@ def step_flops(
     else:
         positions = shape.positions_computed
         pairs = N * (causal_pairs(R) + G * causal_pairs(L, R))
-        # tree targets: every position once, but a root's first (a fork token is predicted by its parent's last row)
-        target_rows = positions - N
+        # tree targets: every response token once (the first one predicted by the last prompt row, fork tokens by
+        # their parent's last row)
+        target_rows = N * (shape.response_length if G == 1 else shape.shared_response_length + G * L)
         fwd_again, pairs_again = 0, 0
         rows_again = 0
         if schedule == "replay" and layout.recompute in ("selective", "full") and G > 1:
             fwd_again, pairs_again = N * R, N * causal_pairs(R)  # the root is recomputed at its backward
-            rows_again = N * (R - 1 + G)  # with its fused logprob forward (2 passes over its target rows)
+            # with its fused logprob forward (2 passes over its target rows: the shared response tokens and the forks)
+            rows_again = N * (shape.shared_response_length + G)
     if layout.recompute == "full":  # megatron full recompute: every layer's forward once more
         fwd_again, pairs_again = fwd_again + positions, pairs_again + pairs
     return StepFlops(

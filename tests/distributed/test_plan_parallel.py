@@ -41,12 +41,7 @@ def test_planner_bytes_match_the_meter_cp2_tp2(kind: str, recompute: bool) -> No
     a = arch()
     model = build_model(a, dtype=torch.float32, tp=groups.tp_size, sequence_parallel=groups.sequence_parallel)
     shape = RolloutShape(prompt_length=120, responses=6, response_length=10, shared_response_length=2)
-    parallel = (
-        dict(cp_group=groups.cp, cp_size=2)
-        if kind == "cp2"
-        else dict(tp_group=groups.tp, tp_size=2, sequence_parallel=True)
-    )
-    got = measure_step(model, shape, vocab=VOCAB, branch_micro_batch=4, recompute=recompute, **parallel)
+    got = measure_step(model, shape, vocab=VOCAB, branch_micro_batch=4, recompute=recompute, groups=groups)
     layout = Layout(cp=2) if kind == "cp2" else Layout(tp=2)
     pk = step_peak(
         a,

@@ -10,15 +10,17 @@ locally, and compares its own rows of the CP result to it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron_branch.attention.reference import reference_attention
 from megatron_branch.data import PrefixTree, Rollout
-from megatron_branch.parallel.cp_layout import split_chunk, tree_related
+from megatron_branch.parallel.cp_layout import tree_related
 from megatron_branch.parallel.ring import RingStats, ring_tree_attention
-from megatron_branch.schedule.chunks import make_chunk
+from megatron_branch.schedule.chunks import make_chunk, split_chunk
 
 # ---------------------------------------------------------------------------------------------------------------
 # trees
@@ -162,7 +164,6 @@ def _model_case(schedule: str, dtype: torch.dtype, *, tp: int, cp: int, tol: flo
     from megatron_branch.models import ModelArch, build_model
     from megatron_branch.parallel.grads import finalize_grads
     from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
-    from megatron_branch.parallel.ring import RING_STATS
     from megatron_branch.schedule import ScheduleOptions, run_schedule
 
     sp = tp > 1
@@ -177,18 +178,19 @@ def _model_case(schedule: str, dtype: torch.dtype, *, tp: int, cp: int, tol: flo
     obj = PolicyGradientObjective.grpo(
         [r.advantage for r in tree.rollouts], tree.num_response_tokens_logical()
     )
-    common = dict(vocab_size=37, keep_logprobs=True, tp_group=groups.tp, tp_size=tp, sequence_parallel=sp)
+    common = dict(vocab_size=37, keep_logprobs=True)
+    no_cp = dataclasses.replace(groups, cp=None, cp_size=1)
 
     # reference: the naive schedule, run locally on every rank (no CP involved)
-    ref = run_schedule("naive", model, tree, obj, ScheduleOptions(**common))
+    ref = run_schedule("naive", model, tree, obj, ScheduleOptions(groups=no_cp, **common))
     finalize_grads(model, tp_group=groups.tp, dp_cp_group=None, sequence_parallel=sp)
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
 
     name, recompute = schedule.split("-")[0], schedule.endswith("recompute")
-    RING_STATS.reset()
+    stats = RingStats()
     opts = ScheduleOptions(
-        **common, cp_group=groups.cp, cp_size=cp, recompute=recompute, branch_micro_batch=2
+        groups=groups, **common, recompute=recompute, branch_micro_batch=2, ring_stats=stats
     )
     res = run_schedule(name, model, tree, obj, opts)
     finalize_grads(model, tp_group=groups.tp, dp_cp_group=groups.dp_cp, sequence_parallel=sp)
@@ -206,8 +208,8 @@ def _model_case(schedule: str, dtype: torch.dtype, *, tp: int, cp: int, tol: flo
     backwards = res.forwards - (
         inner if recompute else 0
     )  # recompute: the no-grad first forwards have no backward
-    assert RING_STATS.kv_messages == (cp - 1) * layers * (res.forwards + backwards)
-    assert RING_STATS.grad_messages == cp * layers * backwards
+    assert stats.kv_messages == (cp - 1) * layers * (res.forwards + backwards)
+    assert stats.grad_messages == cp * layers * backwards
     model.zero_grad(set_to_none=True)
 
 

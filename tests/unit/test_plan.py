@@ -6,14 +6,13 @@ The CP2 and TP2 sizes are in tests/distributed/test_plan_parallel.py.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from megatron_branch.bench.flops import variant_flops
 from megatron_branch.cli import main
 from megatron_branch.data import PrefixTree
 from megatron_branch.models import ModelArch, build_model
@@ -118,23 +117,14 @@ def test_planner_flops_match_flop_counter_and_bench(recompute: bool) -> None:
     assert got.positions_computed == fl.positions
     # FlopCounterMode counts the matmuls (CPU fused attention kernels have no formula: 0)
     assert fl.dense + fl.logits == pytest.approx(got.matmul_flops, rel=TOL)
-    # the benchmark's analytic count (benchmarks/schedule_speed.py): forward attention and dense FLOPs
-    spec = importlib.util.spec_from_file_location("schedule_speed", ROOT / "benchmarks" / "schedule_speed.py")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        bench = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        sys.modules["schedule_speed"] = bench  # its dataclasses look their module up
-        spec.loader.exec_module(bench)  # type: ignore[union-attr]
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-        sys.modules.pop("schedule_speed", None)
+    # the benchmark's analytic count (megatron_branch/bench/flops.py): forward attention and dense FLOPs
     tree = PrefixTree.build(shape_rollouts(shape, VOCAB), vocab_size=VOCAB)
-    useful = bench.useful_flops(arch, tree)
+    useful = variant_flops(arch, tree)
     plain = step_flops(arch, shape, "replay")
     naive = step_flops(arch, shape, "naive")
-    assert plain.attention / 3 == pytest.approx(useful["replay"][0].attention, rel=TOL)
-    assert naive.attention / 3 == pytest.approx(useful["naive"][0].attention, rel=TOL)
-    assert plain.dense / 3 == pytest.approx(useful["replay"][0].dense, rel=TOL)
+    assert plain.attention / 3 == pytest.approx(useful["replay"].attention, rel=TOL)
+    assert naive.attention / 3 == pytest.approx(useful["naive"].attention, rel=TOL)
+    assert plain.dense / 3 == pytest.approx(useful["replay"].dense, rel=TOL)
 
 
 # --- the command --------------------------------------------------------------------------------------------------

@@ -1,0 +1,181 @@
+"""attention/visibility.py and attention/rectangles.py: the rectangle description of the tree mask, and its kernels.
+
+The plans are checked against the dense rule (small sizes only: the dense mask is the slow reference here), every
+visible pair exactly once, for zigzag CP splits of random trees with cached ancestors; the rectangle forward and
+merged-LSE backward against float64 autograd through the reference attention.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_branch.attention.rectangles import plan_backward, plan_forward
+from megatron_branch.attention.reference import reference_attention
+from megatron_branch.attention.visibility import (
+    BlockPlan,
+    ancestors_from_related,
+    plan_block,
+    plan_from_layout,
+    plan_from_meta,
+    runs_from_meta,
+)
+from megatron_branch.data import PrefixTree
+from megatron_branch.parallel.cp_layout import tree_related
+from megatron_branch.schedule.chunks import make_chunk, split_chunk
+from megatron_branch.testing import random_tree_rollouts
+
+
+def _dense_rule(q_meta: torch.Tensor, k_meta: torch.Tensor, related: torch.Tensor) -> torch.Tensor:
+    """[sq, sk] bool from the per-token rule (the former ring `_block_mask`): the slow reference."""
+    qs, qo, ks, ko = q_meta[0], q_meta[1], k_meta[0], k_meta[1]
+    real = (qs >= 0)[:, None] & (ks >= 0)[None, :]
+    rel = related[qs.clamp(min=0)][:, ks.clamp(min=0)]
+    causal = (qs[:, None] != ks[None, :]) | (ko[None, :] <= qo[:, None])
+    return real & rel & causal
+
+
+def _coverage(plan: BlockPlan, sq: int, sk: int) -> torch.Tensor:
+    """[sq, sk] int: how many rectangles of the plan cover each pair (must be the mask, as 0/1)."""
+    cov = torch.zeros(sq, sk, dtype=torch.long)
+    for grp in plan.full:
+        for a, e in grp.rows:
+            for c, d in grp.cols:
+                cov[a:e, c:d] += 1
+    for sqr in plan.causal:
+        n = sqr.size
+        cov[sqr.row : sqr.row + n, sqr.col : sqr.col + n] += torch.ones(n, n, dtype=torch.long).tril()
+    return cov
+
+
+def _trees() -> list[PrefixTree]:
+    out = []
+    for seed, (levels, branches, seg) in enumerate([(1, 3, (1, 9)), (2, 3, (2, 13)), (3, 2, (1, 6))]):
+        rs = random_tree_rollouts(
+            groups=2, prompt_len=11 + seed, branches=branches, levels=levels, seg_len=seg, seed=seed
+        )
+        out.append(PrefixTree.build(rs, vocab_size=37))
+    return out
+
+
+def _rank_keys(
+    tree: PrefixTree, external: tuple[int, ...], segs: list[int], cp: int, rank: int
+) -> torch.Tensor:
+    """[2, sk] metadata of rank `rank`'s keys: its shards of the cached ancestors, then its chunk rows."""
+    metas = [
+        split_chunk(tree, make_chunk(tree, [a], external=tree.segments[a].ancestors), cp, rank).meta
+        for a in external
+    ]
+    metas.append(split_chunk(tree, make_chunk(tree, segs, external=external), cp, rank).meta)
+    return torch.cat(metas, dim=1)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_plans_cover_the_tree_mask_exactly_once(cp: int) -> None:
+    checked = 0
+    for tree in _trees():
+        related = tree_related(tree)
+        cases = [((), list(range(len(tree.segments))))]  # packed
+        for s in tree.segments:  # replay: every inner segment's children against the cached path
+            if s.children:
+                cases.append((s.ancestors + (s.id,), list(s.children)))
+        for external, segs in cases:
+            chunk = make_chunk(tree, segs, external=external)
+            for qr in range(cp):
+                q_meta = split_chunk(tree, chunk, cp, qr, pad_to_multiple=2).meta
+                for kr in range(cp):
+                    k_meta = _rank_keys(tree, external, segs, cp, kr)
+                    plan = plan_from_meta(q_meta, k_meta, related)
+                    want = _dense_rule(q_meta, k_meta, related)
+                    cov = _coverage(plan, q_meta.shape[1], k_meta.shape[1])
+                    assert torch.equal(cov, want.long()), (cp, qr, kr, external, segs)
+                    assert plan.empty == (not bool(want.any()))
+                    assert plan.visible_pairs == int(want.sum())
+                    for sqr in plan.causal:  # the fused causal kernel needs squares
+                        assert sqr.size > 0
+                    checked += 1
+    assert checked >= 20 * cp * cp
+
+
+def _unsplit_meta(tree: PrefixTree, segments: tuple[int, ...] | list[int]) -> torch.Tensor:
+    """[2, s] metadata of the rows of `segments` laid end to end, in order (no CP split, no padding)."""
+    seg = [torch.full((tree.segments[i].length,), i) for i in segments]
+    off = [torch.arange(tree.segments[i].length) for i in segments]
+    return torch.stack([torch.cat(seg), torch.cat(off)])
+
+
+def test_one_description_for_layout_and_metadata() -> None:
+    """A single-rank chunk's AttentionLayout and its per-token metadata give the same visibility (layout.dense_mask)."""
+    for tree in _trees():
+        related = tree_related(tree)
+        cases = [((), list(range(len(tree.segments))))]
+        for s in tree.segments:
+            cases.append((s.ancestors, [s.id]))
+            if s.children:
+                cases.append((s.ancestors + (s.id,), list(s.children)))
+        for external, segs in cases:
+            chunk = make_chunk(tree, segs, external=external)
+            mask = chunk.layout.dense_mask()
+            assert torch.equal(_coverage(plan_from_layout(chunk.layout), *mask.shape), mask.long())
+            q_meta, k_meta = _unsplit_meta(tree, segs), _unsplit_meta(tree, [*external, *segs])
+            assert torch.equal(_coverage(plan_from_meta(q_meta, k_meta, related), *mask.shape), mask.long())
+
+
+def test_runs_and_hidden_blocks_build_nothing() -> None:
+    meta = torch.tensor([[3, 3, 3, -1, 3, 3, 5, 5], [0, 1, 2, 0, 7, 8, 0, 1]])
+    runs = runs_from_meta(meta)
+    assert runs.start == (0, 4, 6) and runs.length == (3, 2, 2) and runs.segment == (3, 3, 5)
+    assert runs.offset == (0, 7, 0)
+    # segment 5 unrelated to segment 3: a hidden block has an empty plan
+    related = torch.eye(6, dtype=torch.bool)
+    q = runs_from_meta(torch.tensor([[5, 5], [0, 1]]))
+    k = runs_from_meta(torch.tensor([[3, 3], [0, 1]]))
+    assert plan_block(q, k, ancestors_from_related(related, q.segment)).empty
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+def test_rectangles_forward_backward_match_reference(dtype: torch.dtype, tol: float) -> None:
+    """Keys split into two blocks (as a ring would see them), merged forward, merged-LSE backward per rectangle."""
+    rs = random_tree_rollouts(groups=1, prompt_len=13, branches=3, levels=2, seg_len=(2, 7), seed=5)
+    tree = PrefixTree.build(rs, vocab_size=37)
+    chunk = make_chunk(tree, list(range(len(tree.segments))))
+    layout, related = chunk.layout, tree_related(tree)
+    meta = _unsplit_meta(tree, chunk.segments)  # [2, s]
+    s, b, n, g, h = layout.num_queries, 1, 4, 2, 8
+    gen = torch.Generator().manual_seed(29)
+    q = torch.randn(s, b, n, h, generator=gen, dtype=dtype, requires_grad=True)
+    k = torch.randn(s, b, g, h, generator=gen, dtype=dtype, requires_grad=True)
+    v = torch.randn(s, b, g, h, generator=gen, dtype=dtype, requires_grad=True)
+    dout = torch.randn(s, b, n * h, generator=gen, dtype=dtype)
+    ref = reference_attention(q, k, v, layout, scale=h**-0.5)
+    ref.backward(dout)
+
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    qb = q.detach().permute(1, 2, 0, 3).contiguous()
+    cut = s // 2
+    blocks = [(slice(0, cut), meta[:, :cut]), (slice(cut, s), meta[:, cut:])]
+
+    def internal(x: torch.Tensor, rows: slice) -> torch.Tensor:
+        return x.detach()[rows].repeat_interleave(n // g, dim=2).permute(1, 2, 0, 3).contiguous()
+
+    out = torch.zeros(b, n, s, h, dtype=acc)
+    lse = torch.full((b, n, s), float("-inf"), dtype=acc)
+    plans = [plan_from_meta(meta, km, related) for _, km in blocks]
+    for (rows, _), plan in zip(blocks, plans):
+        plan_forward(qb, internal(k, rows), internal(v, rows), plan, h**-0.5, out, lse)
+    torch.testing.assert_close(
+        out.permute(2, 0, 1, 3).reshape(s, b, n * h).to(dtype), ref.detach(), atol=tol, rtol=tol
+    )
+
+    dob = dout.view(s, b, n, h).permute(1, 2, 0, 3).contiguous()
+    dq = torch.zeros(b, n, s, h, dtype=acc)
+    dk, dv = torch.zeros(s, b, g, h, dtype=acc), torch.zeros(s, b, g, h, dtype=acc)
+    for (rows, _), plan in zip(blocks, plans):
+        dkv = torch.zeros(2, rows.stop - rows.start, b, g, h, dtype=acc)
+        ob = out.to(dtype)
+        plan_backward(dob, qb, internal(k, rows), internal(v, rows), ob, lse, plan, h**-0.5, dq, dkv)
+        dk[rows] += dkv[0]
+        dv[rows] += dkv[1]
+    torch.testing.assert_close(dq.permute(2, 0, 1, 3).to(dtype), q.grad, atol=tol, rtol=tol)
+    torch.testing.assert_close(dk.to(dtype), k.grad, atol=tol, rtol=tol)
+    torch.testing.assert_close(dv.to(dtype), v.grad, atol=tol, rtol=tol)
