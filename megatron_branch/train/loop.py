@@ -254,15 +254,30 @@ class Trainer:
             print(
                 f"supervised warm-up: {w.steps} steps on the task's reference answers (before RL)", flush=True
             )
-        # warm-up prompts come from their own seed: not the RL prompts
+        # warm-up and held-out prompts come from their own seeds: not the RL prompts
         pool = self.dataset.warmup(w.steps * w.batch_size, self.cfg.data.seed + 7919)
         batches = [pool[k * w.batch_size : (k + 1) * w.batch_size] for k in range(w.steps)]
+        held = self.dataset.warmup(w.eval_prompts, self.cfg.data.seed + 104729) if w.until_exact else []
 
         def log(k: int, loss: float) -> None:
             if self.is_main and ((k + 1) % max(1, w.steps // 4) == 0 or k == 0):
                 print(f"  warm-up step {k + 1}/{w.steps}: answer NLL {loss:.4f}", flush=True)
 
-        self.actor.warmup(batches, w.lr or self.cfg.optim.lr, log)
+        def stop(k: int) -> bool:
+            if not held or (k + 1) % w.eval_every:
+                return False
+            exact = self.actor.greedy_exact([r.prompt for r in held], [r.response for r in held])
+            if self.is_main:
+                print(
+                    f"  warm-up step {k + 1}: greedy exact {exact:.2f} on {len(held)} held-out prompts",
+                    flush=True,
+                )
+            return exact >= w.until_exact  # type: ignore[operator]
+
+        ran = self.actor.warmup(batches, w.lr or self.cfg.optim.lr, log, stop)
+        self.warmup_steps_run = ran
+        if self.is_main:
+            print(f"warm-up done after {ran} steps; RL starts", flush=True)
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
     def _sharded_state(self, *, loading: bool) -> dict[str, Any]:
