@@ -62,19 +62,12 @@ class Trainer:
         )
         pcfg.data_parallel_size(self.world)
         with run_folder(self.out, resume=resume) as setup_dir:
-            self.dataset = load_dataset(cfg, setup_dir)
-            self.arch = model_arch(cfg, vocab_size=self.dataset.tokenizer.vocab_size)
-            if self.arch.vocab_size < self.dataset.tokenizer.vocab_size:
-                raise UserError(
-                    f"the tokenizer has {self.dataset.tokenizer.vocab_size} tokens but the model's vocabulary "
-                    f"is {self.arch.vocab_size}"
-                )
-            check_fits_context(
-                cfg,
-                max_prompt_tokens=self.dataset.max_prompt_tokens,
-                context=self.arch.max_position_embeddings,
-                where="data",
-            )
+            err = None
+            try:  # every rank reads the same data: a bad file is one error, printed once
+                self._read_data(setup_dir)
+            except UserError as e:
+                err = str(e)
+            agree_on_error(err)
             if self.is_main:
                 write_resolved(cfg, setup_dir / "config.yaml")
             self.groups = initialize_parallel(pcfg, seed=t.seed)
@@ -112,6 +105,20 @@ class Trainer:
             tensorboard=cfg.logging.tensorboard,
             progress_bar=cfg.logging.progress_bar,
         )
+
+    def _read_data(self, setup_dir: Path) -> None:
+        cfg = self.cfg
+        self.dataset = load_dataset(cfg, setup_dir)
+        self.arch = model_arch(cfg, vocab_size=self.dataset.tokenizer.vocab_size)
+        if self.arch.vocab_size < self.dataset.tokenizer.vocab_size:
+            raise UserError(
+                f"the tokenizer has {self.dataset.tokenizer.vocab_size} tokens but the model's vocabulary "
+                f"is {self.arch.vocab_size}"
+            )
+        check_fits_context(
+            cfg, max_prompt_tokens=self.dataset.max_prompt_tokens, context=self.arch.max_position_embeddings,
+            where="data",
+        )  # fmt: skip
 
     # ---- one RL step -----------------------------------------------------------------------------------------
     def _sample(self, indices: list[int]) -> tuple[list[Rollout], list[float], dict[str, float]]:
@@ -318,11 +325,3 @@ class Trainer:
         self.step = int(common["step"])
         if self.is_main:
             print(f"resumed from {path} (step {self.step})", flush=True)
-
-
-def train(cfg: TrainConfig) -> dict[str, Any]:
-    err = None
-    trainer = Trainer(cfg)
-    summary = trainer.run()
-    agree_on_error(err)
-    return summary
