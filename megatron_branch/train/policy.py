@@ -90,8 +90,7 @@ class Actor:
             model, dtype=dtype, settings=_settings(cfg, cfg.optim.lr, updates), pgc=self.pgc
         )
         self.sampler = BranchSampler(
-            self.policy.ddp, vocab_size=arch.vocab_size, tp_group=groups.tp,
-            sequence_parallel=groups.sequence_parallel, backend=cfg.schedule.backend,
+            self.policy.ddp, vocab_size=arch.vocab_size, groups=groups, backend=cfg.schedule.backend,
         )  # fmt: skip
         opts = ScheduleOptions(
             groups=groups, vocab_size=arch.vocab_size, backend=cfg.schedule.backend,
@@ -236,7 +235,8 @@ class Actor:
         return out
 
     # ---- supervised warm-up (a separate optimizer: RL starts with fresh Adam moments) -------------------------
-    def warmup(self, batches: list[list[Rollout]], lr: float, log: Any) -> None:
+    def warmup(self, batches: list[list[Rollout]], lr: float, log: Any, stop: Any = None) -> int:
+        """Supervised steps on `batches` until `stop(k)` (called after step k) says so; returns the steps run."""
         from megatron_branch.losses import AdvantagePolicyGradient
         from megatron_branch.update import build_optimizer, update_step
 
@@ -249,6 +249,15 @@ class Actor:
             obj = AdvantagePolicyGradient(num_response_tokens=sum(len(r.response) for r in batch))
             res = update_step(self.policy.ddp, batch, obj, self.plan, optimizer=opt, scheduler=sched)
             log(k, res.metrics["actor/loss"])
+            if stop is not None and stop(k):
+                return k + 1
+        return len(batches)
+
+    def greedy_exact(self, prompts: list[tuple[int, ...]], answers: list[tuple[int, ...]]) -> float:
+        """Fraction of prompts whose greedy response is exactly the answer (answers end with eos, as sampled)."""
+        params = dataclasses.replace(self.params, n=1, temperature=0.0, branch_at=())
+        out = self.sampler.generate(prompts, params, generator=None)
+        return sum(g[0].response == a for g, a in zip(out.samples, answers)) / len(prompts)
 
     # ---- checkpoint parts ------------------------------------------------------------------------------------
     def sharded_state(self, *, loading: bool) -> dict[str, Any]:
