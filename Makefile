@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test test-unit lint clean bench
+.PHONY: setup demo parity-demo test test-unit lint clean bench
 
 setup: $(STAMP)
 
@@ -16,8 +16,14 @@ $(STAMP): pyproject.toml setup.py
 	@$(BIN)/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('transformer_engine') is not None and 'transformer-engine is installed in a CPU venv: it breaks import megatron.core')"
 	touch $(STAMP)
 
+# RL post-training of a tiny policy on an embedded task (GRPO, exact branch replay); a fresh run each time in
+# runs/demo/ (the demo's own folder). `make parity-demo`: one exact step, naive vs packed vs replay gradients.
 demo: $(STAMP)
-	$(BIN)/python examples/demo.py
+	rm -rf runs/demo
+	$(BIN)/megatron-branch train examples/configs/demo.yaml
+
+parity-demo: $(STAMP)
+	$(BIN)/python examples/parity_demo.py
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest tests/unit tests/gpu -q -p no:cacheprovider

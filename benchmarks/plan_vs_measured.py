@@ -1,7 +1,7 @@
 """The planner against measurements on this machine (deterministic byte and FLOP counts, no timing).
 
     python benchmarks/plan_vs_measured.py                          # single-rank sizes: meter, cache, FLOPs
-    python benchmarks/plan_vs_measured.py --rehearsal r.json       # vs the long-context rehearsal's per-rank
+    python benchmarks/plan_vs_measured.py --rehearsal r.json [--prompt P ...]   # vs the rehearsal's per-rank
                                                                    # meter peaks (benchmarks/scale_rehearsal.py --json)
 
 The CP2 / TP2 comparisons run under torchrun in tests/distributed/test_plan_parallel.py.
@@ -52,34 +52,43 @@ def single_rank() -> None:
               f"{pk.cached_kv:,} | {got.matmul_flops:.4g} | {mat:.4g} | {mat / got.matmul_flops:.3f} |")  # fmt: skip
 
 
-def rehearsal(path: str) -> int:
-    """Compare with the rehearsal's JSON: {layout: {tp, cp, sequence_parallel, ranks: [{activation_peak_mb}]}}."""
+def rehearsal(path: str, args: argparse.Namespace) -> int:
+    """Compare with the rehearsal's JSON ({layout: {tp, cp, sequence_parallel, positions_logical, ranks: [...]}});
+    the batch and model are the rehearsal's (benchmarks/scale_rehearsal.py), given by the same flags."""
     data = json.loads(open(path).read())
+    arch = ModelArch(family="llama", vocab_size=64, hidden_size=args.hidden, num_layers=args.layers,
+                     num_attention_heads=4, num_query_groups=2, ffn_hidden_size=2 * args.hidden)  # fmt: skip
+    shape = RolloutShape(prompt_length=args.prompt, responses=args.rollouts, response_length=args.response)
     worst = 0.0
     for name, res in data.items():
-        meta = res.get("args", {})
-        prompt, g, s = meta.get("prompt", 131008), meta.get("rollouts", 16), meta.get("response", 64)
-        arch = ModelArch(family="llama", vocab_size=64, hidden_size=meta.get("hidden", 32),
-                         num_layers=meta.get("layers", 1), num_attention_heads=4, num_query_groups=2,
-                         ffn_hidden_size=2 * meta.get("hidden", 32))  # fmt: skip
-        shape = RolloutShape(prompt_length=prompt, responses=g, response_length=s)
+        assert res["positions_logical"] == shape.positions_logical, (
+            "pass the rehearsal's --prompt/--rollouts/..."
+        )
         layout = Layout(tp=res["tp"], cp=res["cp"], sequence_parallel=res["sequence_parallel"])
         pk = step_peak(arch, shape, layout, act_bytes=4, segment_recompute=False, layer_recompute=False)
         measured = max(r["activation_peak_mb"] for r in res["ranks"]) * 2**20
         ratio = pk.saved / measured
         worst = max(worst, abs(ratio - 1))
-        print(
-            f"{name}: measured {measured / 2**20:.1f} MB per rank, planner {pk.saved / 2**20:.1f} MB ({ratio:.3f})"
-        )
+        print(f"| {name} | {measured / 2**20:.2f} | {pk.saved / 2**20:.2f} | {ratio:.3f} |")
     return 0 if worst <= 0.15 else 1
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rehearsal", default=None, help="the JSON of benchmarks/scale_rehearsal.py --json")
+    ap.add_argument(
+        "--rollouts", type=int, default=16, help="--rehearsal: its batch and model (its defaults)"
+    )
+    ap.add_argument("--prompt", type=int, default=131_008)
+    ap.add_argument("--response", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--hidden", type=int, default=32)
     args = ap.parse_args()
     if args.rehearsal:
-        raise SystemExit(rehearsal(args.rehearsal))
+        print(
+            "| layout | measured activation peak per rank (MB) | planner (MB) | ratio |\n|---|---:|---:|---:|"
+        )
+        raise SystemExit(rehearsal(args.rehearsal, args))
     single_rank()
 
 

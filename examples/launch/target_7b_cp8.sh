@@ -5,8 +5,8 @@
 # Settings from the planner (docs/planner.md):
 #     megatron-branch plan --model qwen2.5-7b --prompt-length 122880 --responses 16 --response-length 8192 \
 #         --gpus 8 --gpu h20 --tp 1 --cp 8 --dp 1 --recompute full
-# -> fits: 82.0 GB per rank of 96 (bf16, full recompute), step ~110 s on H20, 4.44x fewer FLOPs than naive.
-#    With what the engine runs today (segment recompute = selective): does NOT fit (197.5 GB bf16, 343.3 GB
+# -> fits: 81.8 GB per rank of 96 (bf16, full recompute), step ~108 s on H20, 4.51x fewer FLOPs than naive.
+#    With what the engine runs today (segment recompute = selective): does NOT fit (197.3 GB bf16, 343.0 GB
 #    float32; largest term: activations of the 15,360-row prompt shard): per-layer checkpointing is missing.
 #
 # Runs `megatron-branch grad` (the training command `megatron-branch train` had not landed when this was written;

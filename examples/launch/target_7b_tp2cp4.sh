@@ -5,8 +5,8 @@
 # Settings from the planner (docs/planner.md):
 #     megatron-branch plan --model qwen2.5-7b --prompt-length 122880 --responses 16 --response-length 8192 \
 #         --gpus 8 --gpu h20 --tp 2 --cp 4 --dp 1 --recompute full
-# -> fits: 55.9 GB per rank of 96 (bf16, full recompute), step ~110 s on H20, 4.44x fewer FLOPs than naive.
-#    With what the engine runs today (segment recompute = selective): does NOT fit (171.9 GB bf16, 310.0 GB
+# -> fits: 55.4 GB per rank of 96 (bf16, full recompute), step ~108 s on H20, 4.51x fewer FLOPs than naive.
+#    With what the engine runs today (segment recompute = selective): does NOT fit (171.4 GB bf16, 309.3 GB
 #    float32; largest term: activations): per-layer checkpointing is missing.
 #
 # Runs `megatron-branch grad` (the training command `megatron-branch train` had not landed when this was written;

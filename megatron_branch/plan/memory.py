@@ -227,7 +227,8 @@ def step_peak(
     if schedule == "naive" or G == 1:
         n = shape.rollout_length
         r = local_rows(n, 1, layout)
-        m = cdiv(n - 1, cp)
+        # naive (megatron's output layer) scores every row; a one-response tree only its response tokens
+        m = cdiv(n - 1 if schedule == "naive" else shape.response_length, cp)
         c = chunk_saved_bytes(dm, r, m, cp=cp, layer_recompute=lay_rc)
         return Peak(
             activations=c["kv"] + c["other"],
@@ -240,7 +241,7 @@ def step_peak(
     if schedule == "packed":  # every group of this DP rank in one chunk
         r = groups * (local_rows(R, 1, layout) + local_rows(L, G, layout))
         r = local_rows(r, 1, Layout(tp=layout.tp, sequence_parallel=layout.sequence_parallel))
-        m = cdiv(groups * (R - 1 + G * L), cp)
+        m = cdiv(groups * (shape.shared_response_length + G * L), cp)  # every response token once
         c = chunk_saved_bytes(dm, r, m, cp=cp, layer_recompute=lay_rc)
         return Peak(
             activations=c["kv"] + c["other"],
@@ -251,7 +252,9 @@ def step_peak(
         )
     assert schedule == "replay", schedule
     r_root = local_rows(R, 1, layout)
-    m_root = cdiv(R - 1 + G, cp)  # every row but the first predicts a token, the last one per child (forks)
+    # only rows that predict a response token reach the output projection (schedule/chunks.py, targets="loss"):
+    # the root's shared response tokens and one fork token per child
+    m_root = cdiv(shape.shared_response_length + G, cp)
     b = min(branch_micro_batch, G)
     r_leaf = local_rows(L, b, layout)
     m_leaf = cdiv(b * (L - 1), cp)

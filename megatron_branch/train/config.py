@@ -245,11 +245,18 @@ class WarmupConfig:
     """A short supervised warm-up on the task's reference answers before RL (the demo uses it; say so)."""
 
     steps: int = 0
-    """Supervised optimizer steps before RL (0 = none)."""
+    """Most supervised optimizer steps before RL (0 = none)."""
     batch_size: int = 16
     """Prompts per warm-up step."""
     lr: float | None = None
     """Warm-up learning rate (None = optim.lr)."""
+    until_exact: float | None = None
+    """Adaptive warm-up: every eval_every steps decode held-out prompts greedily and stop once this fraction is
+    exactly right (None = always run all steps). Stopping at the edge leaves RL room to improve."""
+    eval_every: int = 20
+    """Adaptive warm-up: steps between evaluations."""
+    eval_prompts: int = 64
+    """Adaptive warm-up: held-out prompts per evaluation (their own seed)."""
 
 
 @dataclass(kw_only=True)
@@ -592,8 +599,11 @@ def validate(cfg: TrainConfig) -> None:
             "parallel.cp > 1: generation has no context parallelism yet, so the loop runs TP and DP only"
         )
     check_model(cfg)
-    if cfg.warmup.steps < 0:
-        raise UserError(f"warmup.steps must be >= 0, got {cfg.warmup.steps}")
+    w = cfg.warmup
+    if w.steps < 0 or w.batch_size <= 0 or w.eval_every <= 0 or w.eval_prompts <= 0:
+        raise UserError("warmup: steps >= 0, batch_size, eval_every and eval_prompts > 0")
+    if w.until_exact is not None and not 0 < w.until_exact <= 1:
+        raise UserError(f"warmup.until_exact must be in (0, 1], got {w.until_exact}")
     if cfg.checkpoint.keep_last is not None and cfg.checkpoint.keep_last <= 0:
         raise UserError(f"checkpoint.keep_last must be positive, got {cfg.checkpoint.keep_last}")
 

@@ -62,19 +62,12 @@ class Trainer:
         )
         pcfg.data_parallel_size(self.world)
         with run_folder(self.out, resume=resume) as setup_dir:
-            self.dataset = load_dataset(cfg, setup_dir)
-            self.arch = model_arch(cfg, vocab_size=self.dataset.tokenizer.vocab_size)
-            if self.arch.vocab_size < self.dataset.tokenizer.vocab_size:
-                raise UserError(
-                    f"the tokenizer has {self.dataset.tokenizer.vocab_size} tokens but the model's vocabulary "
-                    f"is {self.arch.vocab_size}"
-                )
-            check_fits_context(
-                cfg,
-                max_prompt_tokens=self.dataset.max_prompt_tokens,
-                context=self.arch.max_position_embeddings,
-                where="data",
-            )
+            err = None
+            try:  # every rank reads the same data: a bad file is one error, printed once
+                self._read_data(setup_dir)
+            except UserError as e:
+                err = str(e)
+            agree_on_error(err)
             if self.is_main:
                 write_resolved(cfg, setup_dir / "config.yaml")
             self.groups = initialize_parallel(pcfg, seed=t.seed)
@@ -112,6 +105,20 @@ class Trainer:
             tensorboard=cfg.logging.tensorboard,
             progress_bar=cfg.logging.progress_bar,
         )
+
+    def _read_data(self, setup_dir: Path) -> None:
+        cfg = self.cfg
+        self.dataset = load_dataset(cfg, setup_dir)
+        self.arch = model_arch(cfg, vocab_size=self.dataset.tokenizer.vocab_size)
+        if self.arch.vocab_size < self.dataset.tokenizer.vocab_size:
+            raise UserError(
+                f"the tokenizer has {self.dataset.tokenizer.vocab_size} tokens but the model's vocabulary "
+                f"is {self.arch.vocab_size}"
+            )
+        check_fits_context(
+            cfg, max_prompt_tokens=self.dataset.max_prompt_tokens, context=self.arch.max_position_embeddings,
+            where="data",
+        )  # fmt: skip
 
     # ---- one RL step -----------------------------------------------------------------------------------------
     def _sample(self, indices: list[int]) -> tuple[list[Rollout], list[float], dict[str, float]]:
@@ -254,15 +261,30 @@ class Trainer:
             print(
                 f"supervised warm-up: {w.steps} steps on the task's reference answers (before RL)", flush=True
             )
-        # warm-up prompts come from their own seed: not the RL prompts
+        # warm-up and held-out prompts come from their own seeds: not the RL prompts
         pool = self.dataset.warmup(w.steps * w.batch_size, self.cfg.data.seed + 7919)
         batches = [pool[k * w.batch_size : (k + 1) * w.batch_size] for k in range(w.steps)]
+        held = self.dataset.warmup(w.eval_prompts, self.cfg.data.seed + 104729) if w.until_exact else []
 
         def log(k: int, loss: float) -> None:
             if self.is_main and ((k + 1) % max(1, w.steps // 4) == 0 or k == 0):
                 print(f"  warm-up step {k + 1}/{w.steps}: answer NLL {loss:.4f}", flush=True)
 
-        self.actor.warmup(batches, w.lr or self.cfg.optim.lr, log)
+        def stop(k: int) -> bool:
+            if not held or (k + 1) % w.eval_every:
+                return False
+            exact = self.actor.greedy_exact([r.prompt for r in held], [r.response for r in held])
+            if self.is_main:
+                print(
+                    f"  warm-up step {k + 1}: greedy exact {exact:.2f} on {len(held)} held-out prompts",
+                    flush=True,
+                )
+            return exact >= w.until_exact  # type: ignore[operator]
+
+        ran = self.actor.warmup(batches, w.lr or self.cfg.optim.lr, log, stop)
+        self.warmup_steps_run = ran
+        if self.is_main:
+            print(f"warm-up done after {ran} steps; RL starts", flush=True)
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
     def _sharded_state(self, *, loading: bool) -> dict[str, Any]:
@@ -303,11 +325,3 @@ class Trainer:
         self.step = int(common["step"])
         if self.is_main:
             print(f"resumed from {path} (step {self.step})", flush=True)
-
-
-def train(cfg: TrainConfig) -> dict[str, Any]:
-    err = None
-    trainer = Trainer(cfg)
-    summary = trainer.run()
-    agree_on_error(err)
-    return summary

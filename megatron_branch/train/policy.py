@@ -90,8 +90,7 @@ class Actor:
             model, dtype=dtype, settings=_settings(cfg, cfg.optim.lr, updates), pgc=self.pgc
         )
         self.sampler = BranchSampler(
-            self.policy.ddp, vocab_size=arch.vocab_size, tp_group=groups.tp,
-            sequence_parallel=groups.sequence_parallel, backend=cfg.schedule.backend,
+            self.policy.ddp, vocab_size=arch.vocab_size, groups=groups, backend=cfg.schedule.backend,
         )  # fmt: skip
         opts = ScheduleOptions(
             groups=groups, vocab_size=arch.vocab_size, backend=cfg.schedule.backend,
@@ -134,6 +133,26 @@ class Actor:
         assert per % group_size == 0, (per, group_size)
         return [batch[k : k + per] for k in range(0, len(batch), per)]
 
+    def _score_all(self, model: torch.nn.Module, batch: list[Rollout], name: str) -> list[Rollout]:
+        """Per-token field `name` scored forward-only for EVERY rollout of `batch`: each DP rank scores its
+        share (update.attach_scores), then the shares are exchanged (GAE needs every rollout's values)."""
+        import torch.distributed as dist
+
+        from megatron_branch.update import attach_scores
+
+        scored = attach_scores(model, batch, name, self.plan)
+        if self.groups.dp_size == 1:
+            return scored
+        mine = {i: r.token_fields[name] for i, r in enumerate(scored) if name in r.token_fields}
+        parts: list[Any] = [None] * self.groups.dp_size
+        dist.all_gather_object(parts, mine, group=self.groups.dp)
+        every = {i: v for part in parts for i, v in part.items()}
+        assert sorted(every) == list(range(len(batch))), "every rollout is scored by exactly one DP rank"
+        return [
+            dataclasses.replace(r, token_fields={**r.token_fields, name: every[i]})
+            for i, r in enumerate(batch)
+        ]
+
     def update(self, rollouts: list[Rollout], rewards: list[float], *, reference: Any) -> dict[str, float]:
         """All updates of one RL step on the global batch `rollouts` (n per prompt, prompt-major)."""
         from megatron_branch.losses import (
@@ -143,7 +162,7 @@ class Actor:
             with_gae,
             with_group_advantages,
         )
-        from megatron_branch.update import attach_scores, update_step
+        from megatron_branch.update import update_step
 
         cfg, a = self.cfg, self.cfg.actor
         if self.critic is None:
@@ -158,10 +177,10 @@ class Actor:
         minis = self._mini_batches(batch, cfg.rollout.n)
         for k, mb in enumerate(minis):  # scores the updates need, once per step
             if self.critic is not None:
-                mb = attach_scores(self.critic.ddp, mb, "values", self.plan)
+                mb = self._score_all(self.critic.ddp, mb, "values")
                 mb = with_gae(mb, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam)
             if reference is not None and a.kl_loss_coef > 0:
-                mb = attach_scores(reference, mb, "ref_logprobs", self.plan)
+                mb = self._score_all(reference, mb, "ref_logprobs")
             minis[k] = mb
         sums: dict[str, float] = {}
         count = 0
@@ -195,13 +214,13 @@ class Actor:
     def update_dpo(self, pairs: list[Rollout], *, reference: Any) -> dict[str, float]:
         """DPO: one optimizer step per mini-batch of pairs (chosen/rejected rollouts), reference scored."""
         from megatron_branch.losses import DPOObjective
-        from megatron_branch.update import attach_scores, update_step
+        from megatron_branch.update import update_step
 
         al = self.cfg.algorithm
         sums: dict[str, float] = {}
         count = 0
         for mb in self._mini_batches(pairs, 2):
-            mb = attach_scores(reference, mb, "ref_logprobs", self.plan)
+            mb = self._score_all(reference, mb, "ref_logprobs")
             for _ in range(self.cfg.actor.ppo_epochs):
                 obj = DPOObjective(num_pairs=len(mb) // 2, beta=al.dpo_beta, loss_type=al.dpo_loss)
                 res = update_step(
@@ -216,7 +235,8 @@ class Actor:
         return out
 
     # ---- supervised warm-up (a separate optimizer: RL starts with fresh Adam moments) -------------------------
-    def warmup(self, batches: list[list[Rollout]], lr: float, log: Any) -> None:
+    def warmup(self, batches: list[list[Rollout]], lr: float, log: Any, stop: Any = None) -> int:
+        """Supervised steps on `batches` until `stop(k)` (called after step k) says so; returns the steps run."""
         from megatron_branch.losses import AdvantagePolicyGradient
         from megatron_branch.update import build_optimizer, update_step
 
@@ -229,6 +249,15 @@ class Actor:
             obj = AdvantagePolicyGradient(num_response_tokens=sum(len(r.response) for r in batch))
             res = update_step(self.policy.ddp, batch, obj, self.plan, optimizer=opt, scheduler=sched)
             log(k, res.metrics["actor/loss"])
+            if stop is not None and stop(k):
+                return k + 1
+        return len(batches)
+
+    def greedy_exact(self, prompts: list[tuple[int, ...]], answers: list[tuple[int, ...]]) -> float:
+        """Fraction of prompts whose greedy response is exactly the answer (answers end with eos, as sampled)."""
+        params = dataclasses.replace(self.params, n=1, temperature=0.0, branch_at=())
+        out = self.sampler.generate(prompts, params, generator=None)
+        return sum(g[0].response == a for g, a in zip(out.samples, answers)) / len(prompts)
 
     # ---- checkpoint parts ------------------------------------------------------------------------------------
     def sharded_state(self, *, loading: bool) -> dict[str, Any]:

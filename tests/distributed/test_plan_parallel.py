@@ -79,12 +79,7 @@ def test_planner_matches_the_rehearsal_shape_scaled_down(kind: str) -> None:
     )
     model = build_model(a, dtype=torch.float32, tp=groups.tp_size, sequence_parallel=groups.sequence_parallel)
     shape = RolloutShape(prompt_length=2000, responses=16, response_length=64)
-    parallel = (
-        dict(cp_group=groups.cp, cp_size=2)
-        if kind == "cp2"
-        else dict(tp_group=groups.tp, tp_size=2, sequence_parallel=True)
-    )
-    got = measure_step(model, shape, vocab=64, branch_micro_batch=8, **parallel)
+    got = measure_step(model, shape, vocab=64, branch_micro_batch=8, groups=groups)
     layout = Layout(cp=2) if kind == "cp2" else Layout(tp=2)
     pk = step_peak(
         a, shape, layout, act_bytes=4, branch_micro_batch=8, segment_recompute=False, layer_recompute=False

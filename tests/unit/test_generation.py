@@ -65,9 +65,11 @@ def cache_free_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], 
     return seq[len(prompt) :], lps
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_greedy_equals_cache_free_full_forward(dtype: torch.dtype) -> None:
-    model, _ = make_model(dtype)
+@pytest.mark.parametrize(
+    "dtype,tie", [(torch.float64, False), (torch.float32, True)], ids=["fp64", "fp32_tied"]
+)
+def test_greedy_equals_cache_free_full_forward(dtype: torch.dtype, tie: bool) -> None:
+    model, _ = make_model(dtype, tie=tie)
     prompts = prompts_of([9, 4, 13], seed=1)
     out = BranchSampler(model, vocab_size=VOCAB).generate(
         prompts, SamplingParams(n=3, max_new_tokens=7, temperature=0)
@@ -264,6 +266,37 @@ def test_task_tokenizer_sampler_reward_pipeline(tmp_path) -> None:  # noqa: ANN0
     for s, text in zip(out.flat(), texts):
         assert tok.eos_id not in s.response[:-1] and len(s.response) <= 5 and "\n" not in text
     assert out.stats.prefill_positions == sum(len(tok.encode(r.prompt)) for r in rows)
+    # held-out evaluation: greedy responses scored by the reward; exact match against the answer
+    from megatron_branch.tasks import evaluate
+
+    sampler = BranchSampler(model, vocab_size=tok.vocab_size)
+    ev = evaluate(sampler, tok, rows, task.reward, max_new_tokens=5)
+    greedy = sampler.generate([tok.encode(r.prompt) for r in rows], SamplingParams(max_new_tokens=5, temperature=0,
+                              stop_token_ids=(tok.eos_id,)))  # fmt: skip
+    assert ev.responses == tuple(tok.decode(s.response) for s in greedy.flat())
+    assert ev.reward_mean == pytest.approx(
+        sum(task.reward(r.prompt, t, r.row) for r, t in zip(rows, ev.responses)) / 3
+    )
+    perfect = evaluate(_Oracle(tok, rows), tok, rows, task.reward, max_new_tokens=5)
+    assert perfect.reward_mean == 1.0 and perfect.exact == 1.0
+
+
+class _Oracle:
+    """A Generator that answers every row correctly (checks evaluate's bookkeeping)."""
+
+    def __init__(self, tok, rows) -> None:  # noqa: ANN001
+        self.tok, self.answers = tok, {tuple(tok.encode(r.prompt)): r.fields["answer"] for r in rows}
+
+    def generate(self, prompts, params, *, generator):  # noqa: ANN001, ANN201
+        from megatron_branch.generation import GenerationOutput, GenerationStats, Sample
+
+        samples = []
+        for i, p in enumerate(prompts):
+            ids = (*self.tok.encode(self.answers[tuple(p)]), self.tok.eos_id)
+            s = Sample(prompt_index=i, prompt=tuple(p), response=ids, logprobs=(0.0,) * len(ids),
+                       sampling_logprobs=(0.0,) * len(ids), finish_reason="stop")  # fmt: skip
+            samples.append([s] * params.n)
+        return GenerationOutput(samples=samples, stats=GenerationStats())
 
 
 def test_on_policy_grpo_through_the_sampler_raises_a_simple_reward() -> None:

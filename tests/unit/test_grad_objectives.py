@@ -118,7 +118,9 @@ def test_objectives_replay_equals_naive(
     data = "dpo.jsonl" if "dpo" in extra else "ppo.jsonl"
     out = {}
     for schedule in ("naive", "replay"):
-        rc, summary, err = grad(workdir, capsys, data, f"{schedule}.st", "--schedule", schedule, *extra)
+        rc, summary, err = grad(
+            workdir, capsys, data, f"{schedule}.st", "--schedule", schedule, "--overwrite", *extra
+        )
         assert rc == 0, err
         out[schedule] = (summary, load_file(workdir / f"{schedule}.st"))
     close(out["replay"][1], out["naive"][1], 1e-9)

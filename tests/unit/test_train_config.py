@@ -123,3 +123,22 @@ def test_every_field_has_a_docstring() -> None:
                         missing.append(f"{node.name}.{stmt.target.id}")
     assert not missing, missing
     assert TrainConfig.__doc__
+
+
+def test_docs_list_every_key() -> None:
+    """docs/training.md's reference names every config key (regenerate it when a field is added)."""
+    import dataclasses
+    import typing
+
+    from megatron_branch.train.config import ArchConfig
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text()
+    hints = typing.get_type_hints(TrainConfig)
+    keys = [
+        f"{f.name}.{g.name}"
+        for f in dataclasses.fields(TrainConfig)
+        for g in dataclasses.fields(hints[f.name])
+    ]
+    keys += [f"model.arch.{g.name}" for g in dataclasses.fields(ArchConfig)]
+    missing = [k for k in keys if f"`{k}`" not in text]
+    assert not missing, missing

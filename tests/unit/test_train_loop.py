@@ -187,3 +187,43 @@ def test_command_line_error_is_one_line(tmp_path: Path) -> None:
     assert lines == [
         f"megatron-branch: error: {cfg}: unknown config key rollout.nn (did you mean rollout.n?)"
     ]
+
+
+def test_ppo_with_critic_resumes_exactly(task: Path, tmp_path: Path) -> None:
+    """PPO: the critic (weights, optimizer, scheduler) is checkpointed too, so 2 + resume + 1 == 3 steps."""
+    ppo = ("algorithm.name=ppo", "algorithm.lam=0.95", "model.dtype=float64", "actor.kl_loss_coef=0.01")
+    full, mfull = _run(_cfg(task, tmp_path / "full", *ppo, "trainer.total_training_steps=3"))
+    part, _ = _run(_cfg(task, tmp_path / "part", *ppo, "trainer.total_training_steps=2"))
+    part.save()
+    again, m2 = _run(
+        _cfg(task, tmp_path / "part", *ppo, "trainer.total_training_steps=3", "trainer.resume_mode=auto")
+    )
+    assert all("critic/vf_loss" in m and "actor/kl_loss" in m for m in mfull)
+    for k in ("loss", "critic/vf_loss", "actor/kl_loss"):
+        assert abs(mfull[-1][k] - m2[-1][k]) <= 1e-9 * max(1.0, abs(mfull[-1][k])), k
+    assert _max_rel(_params(full), _params(again)) < 1e-9
+
+    def crit(tr: Trainer) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in tr.actor.critic.model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+    assert _max_rel(crit(full), crit(again)) < 1e-9
+
+
+def test_dpo_from_pairs(tmp_path: Path) -> None:
+    """DPO on a JSONL of pairs: no sampling; the implicit reward margin grows on pairs the policy keeps seeing."""
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [{"prompt": f"say {c}:", "chosen": c * 2, "rejected": "x" + c} for c in "abcd"]
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = _cfg(pairs, tmp_path / "dpo", "algorithm.name=dpo", f"data.pairs_file={pairs}", "data.train_files=null",
+               "data.reward=null", "data.train_batch_size=4", "trainer.total_training_steps=4")  # fmt: skip
+    _, m = _run(cfg)
+    assert [x["step"] for x in m] == [1, 2, 3, 4]
+    assert m[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # policy == reference at the start
+    assert m[-1]["rewards/margins"] > 0 and m[-1]["loss"] < m[0]["loss"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "p", "chosen": "a"}\n')
+    with pytest.raises(UserError, match=r"bad\.jsonl:1: field 'rejected'"):
+        Trainer(
+            _cfg(bad, tmp_path / "x", "algorithm.name=dpo", f"data.pairs_file={bad}", "data.train_files=null")
+        )
+    assert not (tmp_path / "x").exists()

@@ -1,11 +1,11 @@
-"""`make demo`: one exact branch-replay step on a tiny random Qwen2-style model, checked against naive training.
+"""`make parity-demo` (formerly `make demo`): one exact branch-replay step on a tiny random Qwen2-style model, checked against naive training.
 
 What it shows, on its embedded default (no download, a few seconds on a laptop CPU):
   * a GRPO-style batch: one shared prompt, 8 rollouts whose responses share beginnings at two levels;
   * the prefix tree megatron-branch builds from them (positions naive training computes vs positions we compute);
   * the same loss and the same per-parameter gradients (float64) from `naive`, `packed` and `replay`.
 
-    python examples/demo.py [--prompt-len 96] [--branches 4] [--levels 2] [--dtype float64]
+    python examples/parity_demo.py [--prompt-len 96] [--branches 4] [--levels 2] [--dtype float64]
 """
 
 from __future__ import annotations
