@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test test-unit lint clean
+.PHONY: setup demo test test-unit lint clean bench
 
 setup: $(STAMP)
 
@@ -27,6 +27,16 @@ test: $(STAMP) lint
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit -q -p no:cacheprovider
+
+# The fair benchmark (docs/performance.md): one run per preset, tables/JSON/plots under $(BENCH_OUT).
+# Timed: run it on a quiet machine. `make bench BENCH_PRESETS=C` runs one configuration.
+BENCH_PRESETS ?= A B C memory-G
+BENCH_OUT ?= bench-out
+bench: $(STAMP)
+	for p in $(BENCH_PRESETS); do \
+		$(BIN)/python -m megatron_branch bench --preset $$p --json $(BENCH_OUT)/$$p.json \
+			--markdown $(BENCH_OUT)/$$p.md --plot $(BENCH_OUT) || exit 1; \
+	done
 
 lint: $(STAMP)
 	$(BIN)/ruff check megatron_branch tools examples tests benchmarks docs

@@ -44,7 +44,7 @@ def _run(hf, tree: PrefixTree, schedule: str, dtype: torch.dtype, groups, cp: in
     obj = PolicyGradientObjective.grpo(
         [r.advantage for r in tree.rollouts], tree.num_response_tokens_logical()
     )
-    ring = {"cp_group": groups.cp, "cp_size": cp} if cp > 1 else {}
+    ring = {"groups": groups} if cp > 1 else {}
     opts = ScheduleOptions(vocab_size=arch.vocab_size, keep_logprobs=True, branch_micro_batch=4, **ring)
     res = run_schedule(schedule, model, tree, obj, opts)
     finalize_grads(

@@ -1,10 +1,8 @@
-"""The schedule variants every benchmark compares: name -> (schedule, extra ScheduleOptions)."""
+"""The schedule variants the memory benchmark compares (a subset of megatron_branch.bench.config.VARIANTS, the one
+registry: name -> (schedule, extra ScheduleOptions))."""
 
 from __future__ import annotations
 
-VARIANTS: dict[str, tuple[str, dict[str, bool]]] = {
-    "naive": ("naive", {}),
-    "packed": ("packed", {}),
-    "replay": ("replay", {}),
-    "replay+recompute": ("replay", {"recompute": True}),
-}
+from megatron_branch.bench.config import VARIANTS as ALL
+
+VARIANTS = {name: ALL[name] for name in ("naive", "packed", "replay", "replay+recompute")}

@@ -2,7 +2,7 @@
 
     .venv/bin/python docs/make_parallelism_figure.py
 
-The layout is computed by the real code (`schedule.chunks.make_chunk`, `parallel.cp_layout.split_chunk`), not drawn
+The layout is computed by the real code (`schedule.chunks.make_chunk`, `schedule.chunks.split_chunk`), not drawn
 by hand: (a) the tree, every token coloured by the CP rank that holds it (zigzag per segment, padding hatched);
 (b) what each of the 4 global ranks holds in the packed forward: its CP share, cut into SP shards along the
 sequence outside attention, and all of the share's rows but half of the heads inside attention; (c) replay of one
@@ -21,8 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 
 from megatron_branch.data import PrefixTree, Rollout  # noqa: E402
-from megatron_branch.parallel.cp_layout import split_chunk  # noqa: E402
-from megatron_branch.schedule.chunks import make_chunk  # noqa: E402
+from megatron_branch.schedule.chunks import make_chunk, split_chunk  # noqa: E402
 
 TP, CP = 2, 2
 RANK_COLORS = ["#4C72B0", "#DD8452"]  # CP rank 0, 1

@@ -100,6 +100,36 @@ def hf_policy_gradient(model: Any, rollouts: Sequence[Rollout]) -> tuple[float, 
     return total, grads
 
 
+def tiny_branch_model(
+    dtype: torch.dtype = torch.float64,
+    *,
+    seed: int = 0,
+    vocab_size: int = 37,
+    scale: float = 3.0,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+) -> Any:
+    """A tiny megatron-core Llama (GQA) with random weights scaled by `scale` (peaked distributions), built on the
+    current parallel state; the same seed gives the same full weights at any TP size only through checkpoints."""
+    from megatron_branch.models import ModelArch, build_model
+
+    torch.manual_seed(seed)
+    arch = ModelArch(
+        family="llama",
+        vocab_size=vocab_size,
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+    )
+    model = build_model(arch, dtype=dtype, tp=tp, sequence_parallel=sequence_parallel)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(scale)
+    return model
+
+
 def random_tree_rollouts(
     *,
     vocab_size: int = 37,

@@ -11,8 +11,8 @@ from megatron_branch.attention.dispatch import (
 )
 from megatron_branch.attention.flex import flex_attention_forward
 from megatron_branch.attention.kernels import (
-    flash_attention_backward,
-    flash_attention_forward,
+    fused_attention_backward,
+    fused_attention_forward,
     math_attention_backward,
     math_attention_forward,
 )
@@ -28,8 +28,8 @@ __all__ = [
     "QuerySegment",
     "attention",
     "default_backend",
-    "flash_attention_backward",
-    "flash_attention_forward",
+    "fused_attention_backward",
+    "fused_attention_forward",
     "flex_attention_forward",
     "lse_merge",
     "math_attention_backward",

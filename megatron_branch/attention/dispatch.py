@@ -8,8 +8,9 @@ Backends:
     reference  plain masked softmax (the float64 oracle)
     merge      fused two-part attention + lse merge with the per-part backward (default on CPU and CUDA)
     packed     one SDPA with the dense tree mask
-    flex       FlexAttention with a BlockMask (forward-only on CPU)
-The default is chosen once per device type; tests override it with `use_backend`.
+    flex       FlexAttention with a BlockMask (forward-only on CPU; the GPU path for general trees)
+    repeat     the ancestors' K/V repeated per segment + masked SDPA (PrefixGrouper's method: a benchmark baseline)
+The default is "merge" on every device; tests override it with `use_backend`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from megatron_branch.attention.layout import AttentionLayout
 from megatron_branch.attention.merge_backend import merge_attention
 from megatron_branch.attention.packed_backend import packed_attention
 from megatron_branch.attention.reference import reference_attention
+from megatron_branch.attention.repeat_backend import repeat_prefix_attention
 
 AttentionFn = Callable[..., torch.Tensor]
 
@@ -32,9 +34,9 @@ BACKENDS: dict[str, AttentionFn] = {
     "merge": merge_attention,
     "packed": packed_attention,
     "flex": flex_attention_forward,
+    "repeat": repeat_prefix_attention,
 }
 
-_DEVICE_DEFAULTS: dict[str, str] = {}  # device type -> backend name, filled on first use
 _override: str | None = None  # set by set_default_backend / use_backend
 
 
@@ -45,14 +47,9 @@ def _check_name(name: str) -> str:
 
 
 def default_backend(device: torch.device | str) -> str:
-    """The backend used when none is named: an override if set, else the device type's default (chosen once)."""
-    if _override is not None:
-        return _override
-    kind = torch.device(device).type
-    if kind not in _DEVICE_DEFAULTS:
-        # "merge" everywhere: exact, and the fused kernels (CPU flash op, flash_attn on CUDA) do the heavy lifting
-        _DEVICE_DEFAULTS[kind] = "merge"
-    return _DEVICE_DEFAULTS[kind]
+    """The backend used when none is named: an override if set, else "merge" (exact on every device; the fused
+    kernels of attention/kernels.py, chosen by device and dtype, do the heavy lifting)."""
+    return _override if _override is not None else "merge"
 
 
 def set_default_backend(name: str | None) -> None:

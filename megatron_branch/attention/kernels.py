@@ -13,6 +13,14 @@ Why an explicit backward: a part's backward must be able to run with the MERGED 
 dS = P * (dP - D) is exactly the slice of the full attention's dS over that part's keys, so summing dq over parts
 and scattering dk/dv gives the exact gradient of the merged attention.
 
+Which fused kernel `fused_attention_forward/backward` run (one dispatcher, chosen by device and dtype):
+    CPU                    aten._scaled_dot_product_flash_attention_for_cpu (+ _backward), any float dtype
+    CUDA, fp16/bf16        flash_attn's kernel when that package is installed, else torch's own
+                           aten._scaled_dot_product_flash_attention (+ _backward): both return and consume the lse
+    anything else          the math kernels below (exact, slow; CUDA fp32/fp64 land here)
+Inputs may be strided views (e.g. [s, b, g, h] storage read as [b, g, s, h]): every kernel reads strides, so cached
+K/V are never copied to call one (only the last dim must be contiguous).
+
 TRAP: the lse returned by `aten._scaled_dot_product_flash_attention_for_cpu` carries no gradient; autograd through it
 is silently wrong (dq off by ~25%). These functions are called under no_grad by the autograd.Function that owns them.
 """
@@ -98,33 +106,50 @@ def math_attention_backward(
 # fused kernels: no mask, only "all visible" or causal with sq == sk
 # ---------------------------------------------------------------------------------------------------------------
 
-
-def _use_flash_attn(q: torch.Tensor) -> bool:
-    return q.is_cuda and _HAVE_FLASH_ATTN and q.dtype in (torch.float16, torch.bfloat16)
+_HALF = (torch.float16, torch.bfloat16)
 
 
-def flash_attention_forward(
+def fused_kernel_name(q: torch.Tensor) -> str:
+    """Which kernel `fused_attention_forward` runs for inputs like `q`: "cpu-flash", "flash-attn",
+    "cuda-flash" or "math"."""
+    if q.device.type == "cpu":
+        return "cpu-flash"
+    if q.is_cuda and q.dtype in _HALF:
+        return "flash-attn" if _HAVE_FLASH_ATTN else "cuda-flash"
+    return "math"
+
+
+def fused_attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused attention returning (out, lse). Never differentiate through the returned lse (see TRAP above)."""
+    """Fused attention returning (out, lse), the kernel chosen by `fused_kernel_name`.
+
+    Never differentiate through the returned lse (see TRAP above): call it under no_grad.
+    """
     if causal:
         assert q.shape[-2] == k.shape[-2], "causal fused parts need sq == sk"
-    if q.device.type == "cpu":
+    kind = fused_kernel_name(q)
+    if kind == "cpu-flash":
         # the CPU flash op supports fp64/fp32/bf16/fp16 in torch 2.13; lse comes back fp32 (fp64 for fp64)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=None, scale=scale
         )
         return out, lse
-    if _use_flash_attn(q):
+    if kind == "flash-attn":
         # flash_attn wants [b, s, n, h]; the public API returns softmax_lse [b, n, sq] fp32 with return_attn_probs
         t = [x.transpose(1, 2) for x in (q, k, v)]  # [b, s, n, h]
         out, lse, _ = flash_attn_func(*t, 0.0, softmax_scale=scale, causal=causal, return_attn_probs=True)
         return out.transpose(1, 2), lse
+    if kind == "cuda-flash":
+        # torch's own FlashAttention-2: (out, logsumexp [b, n, sq] fp32, cum_seq_q, cum_seq_k, max_q, max_k,
+        # philox_seed, philox_offset, debug_mask). UNTESTED on GPU (none was lent): tests/gpu checks it.
+        res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        return res[0], res[1]
     mask = _causal_mask(q.shape[-2], k.shape[-2], q.device) if causal else None
     return math_attention_forward(q, k, v, mask, scale)
 
 
-def flash_attention_backward(
+def fused_attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -135,7 +160,8 @@ def flash_attention_backward(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused backward with the GIVEN out and lse (merged ones make the per-part backward exact)."""
-    if q.device.type == "cpu":
+    kind = fused_kernel_name(q)
+    if kind == "cpu-flash":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.contiguous(),
             q,
@@ -149,7 +175,7 @@ def flash_attention_backward(
             scale=scale,
         )
         return dq, dk, dv
-    if _use_flash_attn(q):
+    if kind == "flash-attn":
         t = [x.transpose(1, 2).contiguous() for x in (dout, q, k, v, out)]  # [b, s, n, h]
         dq, dk, dv = (torch.empty_like(x) for x in t[1:4])
         kw: dict = dict(
@@ -163,5 +189,34 @@ def flash_attention_backward(
             kw.update(softcap=0.0)
         _flash_attn_backward(*t, lse.contiguous(), dq, dk, dv, **kw)
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    if kind == "cuda-flash":
+        # the backward op takes the forward's sequence bookkeeping; for dense (non-varlen) calls the cumulative
+        # lengths are unused (None) and the philox state is irrelevant at dropout 0.
+        sq, sk = q.shape[-2], k.shape[-2]
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout.to(q.dtype).contiguous(),
+            q,
+            k,
+            v,
+            out.to(q.dtype).contiguous(),
+            lse.to(torch.float32).contiguous(),
+            None,
+            None,
+            sq,
+            sk,
+            0.0,
+            causal,
+            seed,
+            seed,
+            scale=scale,
+        )
+        return dq, dk, dv
     mask = _causal_mask(q.shape[-2], k.shape[-2], q.device) if causal else None
     return math_attention_backward(dout, q, k, v, out, lse, mask, scale)
+
+
+# The old names (they described one of the four kernels this dispatches to), kept while branches written against
+# them (the CP rectangles) merge; new code calls fused_attention_forward/backward.
+flash_attention_forward = fused_attention_forward
+flash_attention_backward = fused_attention_backward

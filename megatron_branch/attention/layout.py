@@ -15,7 +15,9 @@ visible key and no backend ever sees an empty softmax row by construction.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,6 +59,15 @@ class AttentionLayout:
     num_queries: int  # Sq
     num_keys: int  # Sk
     segments: tuple[QuerySegment, ...]
+    _derived: dict = field(default_factory=dict, compare=False, repr=False)
+    """What backends derive from the layout (dense mask per device, block mask, kernel plan), built on the first
+    layer's call and reused by every later layer of the chunk (a chunk has one layout). Not part of equality."""
+
+    def derived(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """`build()` once per layout and key; later calls return the same object (never mutate it)."""
+        if key not in self._derived:
+            self._derived[key] = build()
+        return self._derived[key]
 
     def __post_init__(self) -> None:
         sq, sk = self.num_queries, self.num_keys
@@ -93,7 +104,11 @@ class AttentionLayout:
             )
 
     def dense_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
-        """bool [Sq, Sk], True = query row may attend to key column."""
+        """bool [Sq, Sk], True = query row may attend to key column (built once per layout and device)."""
+        dev = torch.device("cpu" if device is None else device)
+        return self.derived(("dense_mask", str(dev)), lambda: self._build_dense_mask(dev))
+
+    def _build_dense_mask(self, device: torch.device) -> torch.Tensor:
         mask = torch.zeros(self.num_queries, self.num_keys, dtype=torch.bool, device=device)  # [Sq, Sk]
         for seg in self.segments:
             rows = slice(seg.q_start, seg.q_end)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_branch.attention.kernels import flash_attention_backward, flash_attention_forward
+from megatron_branch.attention.kernels import fused_attention_backward, fused_attention_forward
 from megatron_branch.attention.merge import lse_merge
 from megatron_branch.attention.visibility import BlockPlan, Range
 
@@ -57,13 +57,13 @@ def plan_forward(
     """Attention of q over one key block, merged INTO the running out [b,n,sq,h] / lse [b,n,sq] (acc dtype)."""
     assert plan.fits(q.shape[2], k.shape[2]), "the plan was made for blocks of other sizes"
     for grp in plan.full:  # rows that see the same key ranges: one non-causal call
-        o, lo = flash_attention_forward(
+        o, lo = fused_attention_forward(
             _gather(q, grp.rows), _gather(k, grp.cols), _gather(v, grp.cols), False, scale
         )  # [b, n, rows, h], [b, n, rows]
         _merge_into(out, lse, grp.rows, o, lo)
     for sq in plan.causal:  # the diagonal pieces: causal squares
         rows, cols = (sq.row, sq.row + sq.size), (sq.col, sq.col + sq.size)
-        o, lo = flash_attention_forward(
+        o, lo = fused_attention_forward(
             _gather(q, (rows,)), _gather(k, (cols,)), _gather(v, (cols,)), True, scale
         )
         _merge_into(out, lse, (rows,), o, lo)
@@ -109,7 +109,7 @@ def plan_backward(
     parts = [(grp.rows, grp.cols, False) for grp in plan.full]
     parts += [(((c.row, c.row + c.size),), ((c.col, c.col + c.size),), True) for c in plan.causal]
     for rows, cols, causal in parts:
-        dqp, dkp, dvp = flash_attention_backward(
+        dqp, dkp, dvp = fused_attention_backward(
             _gather(dout, rows),
             _gather(q, rows),
             _gather(k, cols),

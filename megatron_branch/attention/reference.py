@@ -15,7 +15,10 @@ import math
 
 import torch
 
+from megatron_branch.attention.heads import expand_kv
 from megatron_branch.attention.layout import AttentionLayout
+
+__all__ = ["check_shapes", "expand_kv", "reference_attention"]
 
 
 def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: AttentionLayout) -> None:
@@ -34,12 +37,6 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Atte
         raise ValueError(
             f"q has {sq} rows and k {sk}, layout expects {layout.num_queries} queries, {layout.num_keys} keys"
         )
-
-
-def expand_kv(x: torch.Tensor, n: int) -> torch.Tensor:
-    """[s, b, g, h] -> [s, b, n, h]: each kv head repeated n // g times, adjacent (query head j -> group j // (n//g))."""
-    g = x.shape[2]
-    return x if g == n else x.repeat_interleave(n // g, dim=2)
 
 
 def reference_attention(

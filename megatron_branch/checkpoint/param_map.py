@@ -11,6 +11,11 @@ Layouts (verified against megatron-core 0.16.1 source):
   in two halves). Under TP each rank holds [gate_r; up_r]; tp.py handles that, this file sees full tensors only.
 - word_embeddings / output_layer: `padded_vocab` rows; rows past the tokenizer's vocabulary are zeros here and
   are dropped on export.
+- Two megatron layer specs, one map: the local spec (`get_gpt_layer_local_spec`) names the norms
+  `input_layernorm` / `pre_mlp_layernorm`; the TransformerEngine spec (`get_gpt_layer_with_transformer_engine_spec`)
+  leaves those slots IdentityOp and fuses each norm into the next projection (TELayerNormColumnParallelLinear), whose
+  norm weight is `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`. A rule's `te` field is its TE
+  name when it differs; every tensor and transform is the same.
 
 Streaming: `iter_hf_to_mcore` / `iter_mcore_to_hf` ask for the source tensors of one rule at a time, so a caller
 that reads lazily (hf_io) holds about one layer in memory.
@@ -29,6 +34,8 @@ from megatron_branch.models.arch import ModelArch
 # Buffers some older HF checkpoints carry; recomputed from the config, never converted.
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 TRANSFORM_NAMES = ("identity", "qkv_interleave", "qkv_bias_interleave", "fused_gate_up", "vocab_pad")
+SPECS = ("local", "te")
+"""megatron layer specs the map names tensors for: megatron-core's local spec and its TransformerEngine spec."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,10 +48,17 @@ class Rule:
     """identity | qkv_interleave | qkv_bias_interleave | fused_gate_up | vocab_pad"""
     when: str | None = None
     """None (always), "qkv_bias" (arch.qkv_bias) or "untied" (not arch.tie_word_embeddings)."""
+    te: str | None = None
+    """The megatron name under the TransformerEngine layer spec, when it differs from `mcore`."""
 
     def __post_init__(self) -> None:
         assert self.transform in TRANSFORM_NAMES, self.transform
         assert self.when in (None, "qkv_bias", "untied"), self.when
+
+    def name(self, spec: str = "local") -> str:
+        """The megatron name (with `{i}`) under `spec` ("local" or "te")."""
+        assert spec in SPECS, spec
+        return self.te if spec == "te" and self.te else self.mcore
 
     @property
     def per_layer(self) -> bool:
@@ -56,7 +70,12 @@ _M = "decoder.layers.{i}."
 # Llama and Qwen2 share names; Qwen2 adds the QKV bias (arch.qkv_bias), so one list serves both families.
 DECODER_RULES: tuple[Rule, ...] = (
     Rule(mcore="embedding.word_embeddings.weight", hf=("model.embed_tokens.weight",), transform="vocab_pad"),
-    Rule(mcore=_M + "input_layernorm.weight", hf=(_L + "input_layernorm.weight",), transform="identity"),
+    Rule(
+        mcore=_M + "input_layernorm.weight",
+        hf=(_L + "input_layernorm.weight",),
+        transform="identity",
+        te=_M + "self_attention.linear_qkv.layer_norm_weight",
+    ),
     Rule(
         mcore=_M + "self_attention.linear_qkv.weight",
         hf=tuple(_L + f"self_attn.{p}_proj.weight" for p in "qkv"),
@@ -77,6 +96,7 @@ DECODER_RULES: tuple[Rule, ...] = (
         mcore=_M + "pre_mlp_layernorm.weight",
         hf=(_L + "post_attention_layernorm.weight",),
         transform="identity",
+        te=_M + "mlp.linear_fc1.layer_norm_weight",
     ),
     Rule(
         mcore=_M + "mlp.linear_fc1.weight",
@@ -191,8 +211,13 @@ def _applies(rule: Rule, arch: ModelArch) -> bool:
     return True
 
 
-def mcore_names(arch: ModelArch) -> list[str]:
-    return [r.mcore.format(i=i) for r, i in _active_rules(arch)]
+def mcore_names(arch: ModelArch, spec: str = "local") -> list[str]:
+    return [r.name(spec).format(i=i) for r, i in _active_rules(arch)]
+
+
+def detect_spec(names: Iterable[str]) -> str:
+    """ "te" when the names are those of megatron's TransformerEngine layer spec (fused norm weights), else "local"."""
+    return "te" if any(n.endswith("linear_qkv.layer_norm_weight") for n in names) else "local"
 
 
 # --- streaming conversion -------------------------------------------------------------------------------------------
@@ -226,8 +251,9 @@ def iter_hf_to_mcore(
     *,
     padded_vocab: int,
     where: str = "checkpoint",
+    spec: str = "local",
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (megatron name, full megatron tensor) one at a time, reading the HF tensors each one needs."""
+    """Yield (megatron name under `spec`, full megatron tensor) one at a time, reading the HF tensors each needs."""
     if padded_vocab < arch.vocab_size:
         raise UserError(f"padded vocabulary {padded_vocab} is smaller than vocab_size={arch.vocab_size}")
     check_hf_names(hf_names, arch, where=where)
@@ -239,16 +265,20 @@ def iter_hf_to_mcore(
             t = get_hf_tensor(name)
             _check_shape(name, t, shapes[name], where)
             srcs.append(t)
-        yield rule.mcore.format(i=layer), _TRANSFORMS[rule.transform][0](srcs, arch, padded_vocab)
+        yield rule.name(spec).format(i=layer), _TRANSFORMS[rule.transform][0](srcs, arch, padded_vocab)
 
 
 def iter_mcore_to_hf(
-    get_mcore_tensor: Callable[[str], torch.Tensor], arch: ModelArch, *, where: str = "megatron state"
+    get_mcore_tensor: Callable[[str], torch.Tensor],
+    arch: ModelArch,
+    *,
+    where: str = "megatron state",
+    spec: str = "local",
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) in HF file order; vocabulary padding is dropped. Works for weights and grads."""
     shapes = hf_shapes(arch)
     for rule, layer in _active_rules(arch):
-        mname = rule.mcore.format(i=layer)
+        mname = rule.name(spec).format(i=layer)
         t = get_mcore_tensor(mname)
         _check_mcore_shape(rule, t, arch, mname, where)
         outs = _TRANSFORMS[rule.transform][1](t, arch)
@@ -274,15 +304,21 @@ def _check_mcore_shape(rule: Rule, t: torch.Tensor, arch: ModelArch, mname: str,
 
 
 def hf_to_mcore_state(
-    hf_state: Mapping[str, torch.Tensor], arch: ModelArch, *, padded_vocab: int
+    hf_state: Mapping[str, torch.Tensor], arch: ModelArch, *, padded_vocab: int, spec: str = "local"
 ) -> dict[str, torch.Tensor]:
-    """Full (unsharded) megatron tensors from full HF tensors."""
-    return dict(iter_hf_to_mcore(hf_state.keys(), hf_state.__getitem__, arch, padded_vocab=padded_vocab))
+    """Full (unsharded) megatron tensors, named for `spec`, from full HF tensors."""
+    return dict(
+        iter_hf_to_mcore(hf_state.keys(), hf_state.__getitem__, arch, padded_vocab=padded_vocab, spec=spec)
+    )
 
 
-def mcore_to_hf_state(mcore_state: Mapping[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
-    """Full HF tensors from full megatron tensors (weights or gradients); padded vocabulary rows are dropped."""
-    missing = [n for n in mcore_names(arch) if n not in mcore_state]
+def mcore_to_hf_state(
+    mcore_state: Mapping[str, torch.Tensor], arch: ModelArch, *, spec: str | None = None
+) -> dict[str, torch.Tensor]:
+    """Full HF tensors from full megatron tensors (weights or gradients); padded vocabulary rows are dropped.
+    `spec` None = detected from the names (TE's fused norm weights); TE's `_extra_state` entries are ignored."""
+    spec = spec or detect_spec(mcore_state.keys())
+    missing = [n for n in mcore_names(arch, spec) if n not in mcore_state]
     if missing:
         raise UserError(f"megatron state lacks tensor {missing[0]!r}")
-    return dict(iter_mcore_to_hf(mcore_state.__getitem__, arch))
+    return dict(iter_mcore_to_hf(mcore_state.__getitem__, arch, spec=spec))

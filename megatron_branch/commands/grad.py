@@ -4,7 +4,16 @@ Contract (stable; other tools rely on it):
     megatron-branch grad --hf DIR --rollouts FILE.jsonl --out GRADS.safetensors
         [--schedule replay|packed|naive] [--dtype float32|float64] [--tp N] [--cp N] [--sequence-parallel]
         [--logprobs-out LP.jsonl] [--grad-sync ddp|manual]
-Loss (on-policy GRPO form): L = -(1/T) sum_i sum_{t in response_i} A_i logp(i,t), T = all response tokens.
+Loss (--objective pg, the default; on-policy GRPO form): L = -(1/T) sum_i sum_{t in response_i} A_i logp(i,t),
+T = all response tokens.
+Additions (other objectives, docs/design.md "Objectives"):
+    --objective pg|grpo|dpo      grpo = clipped surrogate + KL + entropy; dpo = DPO / IPO on preference pairs
+    --clip-low 0.2 --clip-high 0.2 [--clip-c C] --kl-coef 0.0 --kl-type k1|k2|k3 --entropy-coef 0.0
+    --loss-agg token-mean|seq-mean-token-mean|seq-mean-token-sum|seq-mean-token-sum-norm [--loss-agg-norm L]
+    --beta 0.1 --dpo-loss sigmoid|ipo
+    Rollout fields: advantage (float) or advantages (one per response token); old_logprobs, ref_logprobs (one per
+    response token; old_logprobs absent = on-policy); DPO: pair (a JSON scalar shared by the pair), chosen (bool),
+    ref_logprobs required. A missing field or a malformed pair: a one-line error naming file:line.
 GRADS: dL/dparam for every trainable parameter, full unsharded, HF names, in --dtype. The last stdout line is JSON.
 Runs single-process or under `torchrun --nproc_per_node N -m megatron_branch grad ...` (world = tp*cp*dp).
 With more than one process the gradients are reduced by megatron-core's DistributedDataParallel and
@@ -16,13 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_branch.errors import UserError
+from megatron_branch import outputs
+from megatron_branch.data.rollouts import CONTEXT_OVERRIDE_FLAG
+from megatron_branch.errors import UserError, check_on_every_rank
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -40,7 +50,9 @@ def add_grad_command(sub: Any) -> None:
     p.add_argument(
         "--rollouts", required=True, help='JSONL: {"prompt": [ids], "response": [ids], "advantage": x}'
     )
-    p.add_argument("--out", required=True, help="where to write the gradients (.safetensors, HF names)")
+    p.add_argument(
+        "--out", required=True, help="where to write the gradients (.safetensors, HF names; see --overwrite)"
+    )
     p.add_argument("--schedule", default="replay", choices=["replay", "packed", "naive"])
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
@@ -54,13 +66,82 @@ def add_grad_command(sub: Any) -> None:
         "--branch-micro-batch", type=_positive_int, default=8, help="replay: sibling leaves per forward"
     )
     p.add_argument("--logprobs-out", default=None, help="write each rollout's response logprobs (JSONL)")
+    o = p.add_argument_group("objective (additions to the contract)")
+    o.add_argument("--objective", default="pg", choices=["pg", "grpo", "dpo"], help="the loss (default pg)")
+    o.add_argument("--clip-low", type=float, default=0.2, help="grpo: ratio clipped below at 1 - clip_low")
+    o.add_argument("--clip-high", type=float, default=0.2, help="grpo: ratio clipped above at 1 + clip_high")
+    o.add_argument(
+        "--clip-c", type=float, default=None, help="grpo: dual-clip bound for A < 0 (> 1; verl: 3)"
+    )
+    o.add_argument("--kl-coef", type=float, default=0.0, help="grpo: coefficient of the KL to ref_logprobs")
+    o.add_argument("--kl-type", default="k1", choices=["k1", "k2", "k3", "kl", "mse", "low_var_kl"])
+    o.add_argument("--entropy-coef", type=float, default=0.0, help="grpo: entropy bonus coefficient")
+    o.add_argument("--loss-agg", default="token-mean", choices=list(_agg_modes()), help="grpo: aggregation")
+    o.add_argument("--loss-agg-norm", type=float, default=None, help="L_norm of seq-mean-token-sum-norm")
+    o.add_argument("--beta", type=float, default=0.1, help="dpo: beta")
+    o.add_argument("--dpo-loss", default="sigmoid", choices=["sigmoid", "ipo"], help="dpo: loss form")
     p.add_argument(
         "--grad-sync",
         default="ddp",
         choices=["ddp", "manual"],
         help="multi-process gradient reduction: megatron-core DDP + finalize_model_grads, or the plain reference",
     )
+    p.add_argument(
+        CONTEXT_OVERRIDE_FLAG,
+        action="store_true",
+        help="accept rollouts longer than the model's max_position_embeddings (RoPE extrapolates; off by default)",
+    )
+    outputs.add_overwrite_argument(p)
     p.set_defaults(func=run_grad)
+
+
+def _agg_modes() -> tuple[str, ...]:
+    from megatron_branch.losses.aggregation import AGG_MODES
+
+    return AGG_MODES
+
+
+def make_objective(args: argparse.Namespace, rollouts: list[Any], full_tree: Any) -> Any:
+    """The objective the flags describe, normalised on the whole batch, validated on every rollout (UserError
+    naming file:line for a missing field or a malformed pair) before any collective."""
+    from megatron_branch.losses import (
+        AdvantagePolicyGradient,
+        Aggregation,
+        DPOObjective,
+        PolicyObjective,
+        preference_pairs,
+    )
+    from megatron_branch.losses.dpo import reference_sums
+
+    try:
+        if args.objective == "pg":
+            objective: Any = AdvantagePolicyGradient(
+                num_response_tokens=full_tree.num_response_tokens_logical()
+            )
+        elif args.objective == "grpo":
+            agg = Aggregation.of_batch(rollouts, args.loss_agg, norm=args.loss_agg_norm)
+            objective = PolicyObjective(
+                agg=agg,
+                clip_low=args.clip_low,
+                clip_high=args.clip_high,
+                clip_c=args.clip_c,
+                kl_coef=args.kl_coef,
+                kl_type=args.kl_type,
+                entropy_coef=args.entropy_coef,
+            )
+        else:
+            objective = DPOObjective(
+                num_pairs=len(preference_pairs(rollouts)), beta=args.beta, loss_type=args.dpo_loss
+            )
+    except UserError:
+        raise
+    except ValueError as e:  # a bad flag value (clip_c <= 1, a missing --loss-agg-norm, ...)
+        raise UserError(str(e)) from None
+    if args.objective == "dpo":
+        reference_sums(full_tree)  # every rollout has ref_logprobs
+    else:
+        objective.bind(full_tree)  # every rollout has the fields the objective reads
+    return objective
 
 
 def _positive_int(text: str) -> int:
@@ -70,63 +151,70 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _check_output(path: str | None) -> None:
-    if path is None:
-        return
-    if not Path(path).parent.is_dir():
-        raise UserError(f"output folder {str(Path(path).parent)!r} does not exist")
-    if Path(path).is_dir():
-        raise UserError(f"output {path!r} is a directory; give a file name")
+def _check_output(path: str | None, overwrite: bool) -> None:
+    if path is not None:
+        outputs.check_output_file(path, overwrite=overwrite)
 
 
-def _atomic_write(path: str, write: Any) -> None:
+def _atomic_write(path: str, write: Any, overwrite: bool) -> None:
     """Write via a temporary file in the same folder, then rename: never a half-written output."""
-    target = Path(path)
-    _check_output(path)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    try:
+    with outputs.atomic_file(path, overwrite=overwrite) as tmp:
         write(str(tmp))
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Refuse flags that would do nothing in this run (a silent no-op hides a mistake)."""
+    if args.sequence_parallel and args.tp == 1:
+        raise UserError(
+            "--sequence-parallel does nothing at --tp 1 (it splits activations over the TP group)"
+        )
+    if args.recompute and args.schedule != "replay":
+        raise UserError(
+            f"--recompute applies to --schedule replay only; --schedule {args.schedule} ignores it"
+        )
 
 
 def run_grad(args: argparse.Namespace) -> int:
+    """The thin command around the update's gradient part (update.accumulate_gradients + finalize)."""
     from megatron_branch.checkpoint.hf_io import HFTensorReader, load_hf_config
-    from megatron_branch.checkpoint.param_map import iter_hf_to_mcore, mcore_to_hf_state
-    from megatron_branch.checkpoint.tp import gather_full_grads, load_full_tensor
+    from megatron_branch.checkpoint.param_map import mcore_to_hf_state
+    from megatron_branch.checkpoint.tp import gather_full_grads
     from megatron_branch.data import PrefixTree, read_rollouts_jsonl
-    from megatron_branch.losses import PolicyGradientObjective
-    from megatron_branch.models import ModelArch, build_model
+    from megatron_branch.models import ModelArch
     from megatron_branch.parallel.data import assign_groups
-    from megatron_branch.parallel.grads import finalize_grads
     from megatron_branch.parallel.groups import (
         ParallelConfig,
-        agree_on_error,
-        comm_device,
         init_distributed,
         initialize_parallel,
     )
-    from megatron_branch.schedule import ScheduleOptions, run_schedule
+    from megatron_branch.schedule import ScheduleOptions
+    from megatron_branch.update import UpdatePlan, accumulate_gradients, finalize, reduce_metrics
 
     dtype = DTYPES[args.dtype]
-    # Validate everything the user gave before any collective or model work.
-    pcfg = ParallelConfig(tp=args.tp, cp=args.cp, sequence_parallel=args.sequence_parallel)
-    _check_output(args.out)
-    _check_output(args.logprobs_out)
-    if pcfg.cp > 1 and args.schedule == "naive":
-        # naive runs every rollout whole through megatron's own attention: it has no ring, so under CP every CP
-        # rank would compute the whole batch and the CP sum would count it cp times.
-        raise UserError(
-            f"--schedule naive has no context parallelism (it is the unsplit baseline); "
-            f"use --schedule packed or replay with --cp {pcfg.cp}"
-        )
-    arch = ModelArch.from_hf_config(load_hf_config(args.hf), where=os.path.join(args.hf, "config.json"))
-    arch.check_tensor_parallel(pcfg.tp)
-    reader = HFTensorReader(args.hf)
-    rollouts = read_rollouts_jsonl(args.rollouts, vocab_size=arch.vocab_size)
-    full_tree = PrefixTree.build(rollouts, vocab_size=arch.vocab_size)
+
+    def validate() -> tuple[Any, ...]:
+        # Everything the user gave, before any collective or model work (on every rank, one verdict).
+        pcfg = ParallelConfig(tp=args.tp, cp=args.cp, sequence_parallel=args.sequence_parallel)
+        _check_flags(args)
+        _check_output(args.out, args.overwrite)
+        _check_output(args.logprobs_out, args.overwrite)
+        if pcfg.cp > 1 and args.schedule == "naive":
+            # naive runs every rollout whole through megatron's own attention: it has no ring, so under CP every
+            # CP rank would compute the whole batch and the CP sum would count it cp times.
+            raise UserError(
+                f"--schedule naive has no context parallelism (it is the unsplit baseline); "
+                f"use --schedule packed or replay with --cp {pcfg.cp}"
+            )
+        arch = ModelArch.from_hf_config(load_hf_config(args.hf), where=os.path.join(args.hf, "config.json"))
+        arch.check_tensor_parallel(pcfg.tp)
+        HFTensorReader(args.hf)  # every shard's header is read now: a broken file fails before any work
+        max_positions = None if args.allow_longer_context else arch.max_position_embeddings
+        rollouts = read_rollouts_jsonl(args.rollouts, vocab_size=arch.vocab_size, max_positions=max_positions)
+        full_tree = PrefixTree.build(rollouts, vocab_size=arch.vocab_size)
+        objective = make_objective(args, rollouts, full_tree)
+        return pcfg, arch, rollouts, full_tree, objective
+
+    pcfg, arch, rollouts, full_tree, objective = check_on_every_rank(validate)
     rank, world = init_distributed()
     dp_size = pcfg.data_parallel_size(world)
     if pcfg.cp > 1:
@@ -139,67 +227,38 @@ def run_grad(args: argparse.Namespace) -> int:
                 check_cp_fits(sub, pcfg.cp)
 
     groups = initialize_parallel(pcfg)
-    model = build_model(arch, dtype=dtype, tp=groups.tp_size, sequence_parallel=groups.sequence_parallel)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, full in iter_hf_to_mcore(
-            reader.keys(),
-            reader.get,
-            arch,
-            padded_vocab=arch.padded_vocab_size(groups.tp_size),
-            where=args.hf,
-        ):
-            load_full_tensor(model, name, full.to(dtype), groups.tp, params=params)
-    if torch.cuda.is_available():  # weights are loaded on the host, then the model moves to this rank's GPU
-        model.cuda()
-
+    model = load_policy(args.hf, arch, groups, dtype)
     # megatron's DDP (when there is more than one process): main_grad buffers, SUM over dp x cp, SP norm sum over TP
-    ddp = None
+    ddp, pg_collection = None, None
     if args.grad_sync == "ddp" and world > 1:
         from megatron.core.process_groups_config import ProcessGroupCollection
 
-        from megatron_branch.parallel.ddp import finalize_megatron_grads, wrap_megatron_ddp
+        from megatron_branch.parallel.ddp import wrap_megatron_ddp
 
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()  # the entry point owns the groups
         ddp = wrap_megatron_ddp(model, dtype=dtype, pg_collection=pg_collection)
 
-    dp_rank = dist.get_rank(groups.dp)
-    mine = assign_groups(full_tree, groups.dp_size)[dp_rank]
-    T = full_tree.num_response_tokens_logical()  # GLOBAL logical count: any DP size gives the same gradient
-    model.zero_grad(set_to_none=True)
-    loss, result, tree = 0.0, None, None
-    if mine:
-        tree = PrefixTree.build([rollouts[i] for i in mine], vocab_size=arch.vocab_size)
-        objective = PolicyGradientObjective.grpo([rollouts[i].advantage for i in mine], T)
-        opts = ScheduleOptions(
-            tp_group=groups.tp,
-            tp_size=groups.tp_size,
-            sequence_parallel=groups.sequence_parallel,
-            vocab_size=arch.vocab_size,
-            backend=args.backend,
-            branch_micro_batch=args.branch_micro_batch,
-            recompute=args.recompute,
-            keep_logprobs=args.logprobs_out is not None,
-            **({"cp_group": groups.cp, "cp_size": groups.cp_size} if groups.cp_size > 1 else {}),
-        )
-        result = run_schedule(args.schedule, ddp if ddp is not None else model, tree, objective, opts)
-        loss = result.loss
-    if ddp is not None:
-        finalize_megatron_grads(ddp, pg_collection=pg_collection)
-    else:
-        finalize_grads(
-            model, tp_group=groups.tp, dp_cp_group=groups.dp_cp, sequence_parallel=groups.sequence_parallel
-        )
-    loss_t = torch.tensor(
-        [loss, result.positions_computed if result else 0], dtype=torch.float64, device=comm_device(groups.dp)
+    opts = ScheduleOptions(
+        groups=groups,
+        vocab_size=arch.vocab_size,
+        backend=args.backend,
+        branch_micro_batch=args.branch_micro_batch,
+        recompute=args.recompute,
     )
-    if groups.dp_size > 1:
-        dist.all_reduce(loss_t, group=groups.dp)
+    plan = UpdatePlan(opts=opts, schedule=args.schedule, pg_collection=pg_collection)
+    model.zero_grad(set_to_none=True)
+    acc = accumulate_gradients(
+        ddp if ddp is not None else model,
+        rollouts,
+        objective,
+        plan,
+        keep_logprobs=args.logprobs_out is not None,
+    )
+    finalize(ddp if ddp is not None else model, plan)
+    metrics = reduce_metrics(acc, objective, groups, "actor")
     grads = mcore_to_hf_state(gather_full_grads(model, groups.tp), arch)
 
-    lp_rows: list[tuple[int, list[float]]] = []
-    if args.logprobs_out is not None and result is not None:
-        lp_rows = [(mine[j], result.rollout_logprobs(tree, j).tolist()) for j in range(len(mine))]
+    lp_rows: list[tuple[int, list[float]]] = sorted(acc.logprobs.items())
     if args.logprobs_out is not None and groups.dp_size > 1:
         gathered: list[Any] = [None] * groups.dp_size
         dist.all_gather_object(gathered, lp_rows, group=groups.dp)
@@ -207,29 +266,47 @@ def run_grad(args: argparse.Namespace) -> int:
 
     summary = {
         "schedule": args.schedule,
-        "loss": float(loss_t[0]),
+        "loss": metrics.pop("actor/loss"),
         "positions_logical": full_tree.positions_logical,
-        "positions_computed": int(loss_t[1]) if args.schedule != "naive" else full_tree.positions_logical,
+        "positions_computed": int(metrics["tree/positions_computed"]),
         "positions_tree": full_tree.positions_computed,
         "rollouts": len(rollouts),
-        "response_tokens": T,
+        "response_tokens": full_tree.num_response_tokens_logical(),
         "dtype": args.dtype,
         "tp": groups.tp_size,
         "cp": groups.cp_size,
         "dp": groups.dp_size,
         "sequence_parallel": groups.sequence_parallel,
         "out": args.out,
+        "objective": args.objective,
+        "metrics": metrics,
     }
-    err = None
-    if rank == 0:  # rank 0 writes; a failure there must reach every rank, which would otherwise wait forever
-        try:
-            _write_outputs(args, grads, lp_rows, dtype)
-        except (UserError, OSError) as e:
-            err = str(e)
-    agree_on_error(err, error=UserError)
+    # rank 0 writes; a failure there must reach every rank, which would otherwise wait forever
+    outputs.write_on_rank0(lambda: _write_outputs(args, grads, lp_rows, dtype))
     if rank == 0:
         print(json.dumps(summary), flush=True)
     return 0
+
+
+def load_policy(hf_dir: str, arch: Any, groups: Any, dtype: torch.dtype) -> torch.nn.Module:
+    """The megatron-core model of `arch` on this rank with the HF weights of `hf_dir` (TP shards), on this rank's
+    GPU when there is one."""
+    from megatron_branch.checkpoint.hf_io import HFTensorReader
+    from megatron_branch.checkpoint.param_map import iter_hf_to_mcore
+    from megatron_branch.checkpoint.tp import load_full_tensor
+    from megatron_branch.models import build_model
+
+    reader = HFTensorReader(hf_dir)
+    model = build_model(arch, dtype=dtype, tp=groups.tp_size, sequence_parallel=groups.sequence_parallel)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, full in iter_hf_to_mcore(
+            reader.keys(), reader.get, arch, padded_vocab=arch.padded_vocab_size(groups.tp_size), where=hf_dir
+        ):
+            load_full_tensor(model, name, full.to(dtype), groups.tp, params=params)
+    if torch.cuda.is_available():  # weights are loaded on the host, then the model moves to this rank's GPU
+        model.cuda()
+    return model
 
 
 def _write_outputs(
@@ -241,7 +318,7 @@ def _write_outputs(
     from safetensors.torch import save_file
 
     host = {n: g.to(device="cpu", dtype=dtype).contiguous() for n, g in grads.items()}
-    _atomic_write(args.out, lambda p: save_file(host, p))
+    _atomic_write(args.out, lambda p: save_file(host, p), args.overwrite)
     if args.logprobs_out is not None:
 
         def write_lp(p: str) -> None:
@@ -249,4 +326,4 @@ def _write_outputs(
                 for i, lp in sorted(lp_rows):
                     f.write(json.dumps({"index": i, "logprobs": lp}) + "\n")
 
-        _atomic_write(args.logprobs_out, write_lp)
+        _atomic_write(args.logprobs_out, write_lp, args.overwrite)

@@ -96,6 +96,7 @@ class PrefixTree:
     ):
         self.rollouts = rollouts
         self._relation: torch.Tensor | None = None
+        self._response_starts: tuple[int, ...] | None = None
         self.segments = segments
         self.roots = tuple(s.id for s in segments if s.parent == -1)
         self._leaves = leaves  # segment where each rollout's sequence ends
@@ -261,6 +262,22 @@ class PrefixTree:
         related = self.segment_relation()
         mask = related[self.segment_ids][:, self.segment_ids]
         return mask.tril_()
+
+    def response_starts(self) -> tuple[int, ...]:
+        """Per segment: the offset inside it of its first token that is a RESPONSE token of some rollout (its
+        length when none is), computed once. A token is in some rollout's response iff its position id reaches the
+        shortest prompt among the rollouts through its segment; only those tokens carry a loss or a logprob, so
+        only their predecessors' rows need the output projection (schedule/chunks.py)."""
+        if self._response_starts is None:
+            shortest = [None] * len(self.segments)  # shortest prompt among the rollouts through each segment
+            for i, r in enumerate(self.rollouts):
+                for sid in self.rollout_segments(i):
+                    if shortest[sid] is None or len(r.prompt) < shortest[sid]:
+                        shortest[sid] = len(r.prompt)
+            self._response_starts = tuple(
+                min(s.length, max(0, shortest[s.id] - s.start_position)) for s in self.segments
+            )
+        return self._response_starts
 
     def segment_relation(self) -> torch.Tensor:
         """bool [S, S]: related[q, k] iff segment k is an ancestor of segment q or q itself (computed once).

@@ -9,6 +9,12 @@ JSONL format, one rollout a line (blank lines skipped):
 
     {"prompt": [ids], "response": [ids], "advantage": 0.5, "old_logprobs": [floats, one per response token]}
 
+`advantage` (a float) is what the policy objectives need unless `advantages` (one per response token) is given;
+DPO rollouts carry `pair` (any JSON scalar shared by the two rollouts of a pair) and `chosen` (true/false) instead.
+The per-token fields the objectives read (`TOKEN_FIELDS`: advantages, old_logprobs, ref_logprobs, rewards, values, returns)
+must be finite. Each rollout remembers where it came from (`where`, file:line), so an objective that finds a field
+missing names the line.
+
 Any other key whose value is a non-empty list of numbers is a per-response-token field and must have one value
 per response token (a misaligned list is an error rather than silently dropped: it would train on wrong data).
 Other keys (scalars, strings, lists of non-numbers, empty lists) are ignored, so rollout files may carry metadata.
@@ -26,7 +32,10 @@ from typing import Any
 
 from megatron_branch.errors import UserError
 
-_REQUIRED = ("prompt", "response", "advantage")
+_REQUIRED = ("prompt", "response")
+_SCALARS = ("advantage", "pair", "chosen")  # top-level keys that are not per-token fields
+TOKEN_FIELDS = ("advantages", "old_logprobs", "ref_logprobs", "rewards", "values", "returns")
+"""Per-response-token fields the objectives read (others are carried along untouched)."""
 
 
 def _is_number(value: Any) -> bool:
@@ -87,6 +96,8 @@ def _validate_token_fields(fields: Any, *, num_response: int, where: str) -> dic
         for j, v in enumerate(values):
             if not _is_number(v):
                 raise UserError(f"field {key!r} value {j} is {v!r}, not a number", where=where)
+            if key in TOKEN_FIELDS and not math.isfinite(v):
+                raise UserError(f"field {key!r} value {j} is {v!r}, not a finite number", where=where)
         out[key] = tuple(float(v) for v in values)
     return out
 
@@ -97,24 +108,46 @@ class Rollout:
 
     prompt: tuple[int, ...]
     response: tuple[int, ...]
-    advantage: float = 0.0
+    advantage: float | None = None
+    """The rollout's scalar advantage (None: not given; the policy objectives then need `advantages`)."""
     # Per-response-token values (e.g. old logprobs for PPO), each with one value per response token.
     token_fields: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    pair: str | int | float | bool | None = None
+    """DPO: the key shared by the two rollouts of a preference pair."""
+    chosen: bool | None = None
+    """DPO: whether this rollout is the pair's preferred one."""
+    where: str | None = field(default=None, compare=False)
+    """Where it was read from (file:line), for error messages."""
 
     def __post_init__(self) -> None:
-        where = "rollout"
+        where = self.where or "rollout"
         prompt = validate_token_ids(self.prompt, name="prompt", where=where)
         response = validate_token_ids(self.response, name="response", where=where)
         # An empty prompt is fine (the sequence is still non-empty); an empty response has nothing to train on.
         if not response:
             raise UserError("response is empty", where=where)
-        if not _is_number(self.advantage) or not math.isfinite(self.advantage):
+        if self.advantage is not None and (
+            not _is_number(self.advantage) or not math.isfinite(self.advantage)
+        ):
             raise UserError(f"advantage must be a finite number, got {self.advantage!r}", where=where)
+        if self.pair is not None and not isinstance(self.pair, (str, int, float, bool)):
+            raise UserError(f"pair must be a JSON scalar, got {type(self.pair).__name__}", where=where)
+        if self.chosen is not None and not isinstance(self.chosen, bool):
+            raise UserError(f"chosen must be true or false, got {self.chosen!r}", where=where)
         fields = _validate_token_fields(self.token_fields, num_response=len(response), where=where)
         object.__setattr__(self, "prompt", prompt)
         object.__setattr__(self, "response", response)
-        object.__setattr__(self, "advantage", float(self.advantage))
+        if self.advantage is not None:
+            object.__setattr__(self, "advantage", float(self.advantage))
         object.__setattr__(self, "token_fields", fields)
+
+    def field(self, name: str) -> tuple[float, ...] | None:
+        """Per-response-token field `name`, or None when this rollout has none."""
+        return self.token_fields.get(name)
+
+    def describe(self, i: int) -> str:
+        """Where this rollout is, for an error message: file:line, else its index."""
+        return self.where or f"rollout {i}"
 
     @property
     def sequence(self) -> tuple[int, ...]:
@@ -132,21 +165,60 @@ def _parse_line(obj: Any, *, where: str, vocab_size: int | None) -> Rollout:
     response = validate_token_ids(obj["response"], name="response", where=where, vocab_size=vocab_size)
     if not response:
         raise UserError("response is empty", where=where)
-    advantage = obj["advantage"]
-    if not _is_number(advantage) or not math.isfinite(advantage):
+    advantage = obj.get("advantage")
+    if advantage is not None and (not _is_number(advantage) or not math.isfinite(advantage)):
         raise UserError(f"advantage must be a finite number, got {advantage!r}", where=where)
     token_fields: dict[str, Any] = {}
     for key, value in obj.items():
-        if key in _REQUIRED or not isinstance(value, list) or not value:
+        if key in TOKEN_FIELDS and not (isinstance(value, list) and all(_is_number(v) for v in value)):
+            raise UserError(f"field {key!r} must be a list of numbers, one per response token", where=where)
+        if key in _REQUIRED or key in _SCALARS or not isinstance(value, list) or not value:
             continue  # scalars and empty lists are metadata
         if all(_is_number(v) for v in value):
             token_fields[key] = value
     fields = _validate_token_fields(token_fields, num_response=len(response), where=where)
-    return Rollout(prompt=prompt, response=response, advantage=advantage, token_fields=fields)
+    return Rollout(
+        prompt=prompt,
+        response=response,
+        advantage=advantage,
+        token_fields=fields,
+        pair=obj.get("pair"),
+        chosen=obj.get("chosen"),
+        where=where,
+    )
 
 
-def read_rollouts_jsonl(path: str | Path, *, vocab_size: int | None = None) -> list[Rollout]:
-    """Read rollouts from a JSONL file; any problem is a one-line UserError naming `path:line`."""
+CONTEXT_OVERRIDE_FLAG = "--allow-longer-context"
+
+
+def check_sequence_length(rollout: Rollout, max_positions: int | None, *, where: str) -> None:
+    """Refuse a rollout longer than the model's context (`max_position_embeddings`).
+
+    Positions past the context were never trained: RoPE extrapolates silently and the gradients are of a model
+    evaluated where it is not defined. `max_positions=None` skips the check (the explicit override).
+    """
+    n = len(rollout.prompt) + len(rollout.response)
+    if max_positions is not None and n > max_positions:
+        raise UserError(
+            f"rollout has {n} tokens ({len(rollout.prompt)} prompt + {len(rollout.response)} response), longer "
+            f"than the model's context of {max_positions} positions (max_position_embeddings); pass "
+            f"{CONTEXT_OVERRIDE_FLAG} to extrapolate RoPE past it",
+            where=where,
+        )
+
+
+def check_context(rollouts: Sequence[Rollout], max_positions: int | None, *, where: str = "rollout") -> None:
+    """`check_sequence_length` for rollouts that did not come from a file (named `where` + their index)."""
+    for i, rollout in enumerate(rollouts):
+        check_sequence_length(rollout, max_positions, where=f"{where} {i}")
+
+
+def read_rollouts_jsonl(
+    path: str | Path, *, vocab_size: int | None = None, max_positions: int | None = None
+) -> list[Rollout]:
+    """Read rollouts from a JSONL file; any problem is a one-line UserError naming `path:line`.
+
+    `max_positions`: refuse rollouts longer than the model's context (see `check_sequence_length`)."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -161,7 +233,9 @@ def read_rollouts_jsonl(path: str | Path, *, vocab_size: int | None = None) -> l
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise UserError(f"invalid JSON ({exc.msg} at column {exc.colno})", where=where) from None
-        rollouts.append(_parse_line(obj, where=where, vocab_size=vocab_size))
+        rollout = _parse_line(obj, where=where, vocab_size=vocab_size)
+        check_sequence_length(rollout, max_positions, where=where)
+        rollouts.append(rollout)
     if not rollouts:
         raise UserError("no rollouts", where=str(path))
     return rollouts
@@ -171,13 +245,12 @@ def write_rollouts_jsonl(path: str | Path, rollouts: Sequence[Rollout]) -> None:
     """Write rollouts in the format `read_rollouts_jsonl` reads (token fields as top-level keys)."""
     lines = []
     for rollout in rollouts:
-        obj: dict[str, Any] = {
-            "prompt": list(rollout.prompt),
-            "response": list(rollout.response),
-            "advantage": rollout.advantage,
-        }
+        obj: dict[str, Any] = {"prompt": list(rollout.prompt), "response": list(rollout.response)}
+        for key in _SCALARS:
+            if getattr(rollout, key) is not None:
+                obj[key] = getattr(rollout, key)
         for key, values in rollout.token_fields.items():
-            if key in _REQUIRED:
+            if key in _REQUIRED or key in _SCALARS:
                 raise UserError(
                     f"token field {key!r} would shadow the required field of that name", where=str(path)
                 )

@@ -11,6 +11,9 @@ vocab-parallel logprob of losses/logprobs.py (max, sum-exp and target all-reduce
 vocabulary columns excluded), and `vocab_parallel_logprobs` on materialised logits is the reference it is tested
 against.
 
+With `entropy`, the same passes also give each row's full-vocabulary entropy (for the entropy bonus of RL
+objectives), still without materialising logits.
+
 The gradient w.r.t. `hidden` is this rank's partial sum over its vocabulary slice; the caller routes `hidden`
 through megatron's `copy_to_tensor_model_parallel_region` (or the sequence-parallel gather), whose backward sums
 the partials over TP, exactly as megatron's ColumnParallelLinear does for its input.
@@ -48,6 +51,7 @@ class _FusedLinearLogprob(torch.autograd.Function):
         vocab_size: int,
         group: Any,
         rows: int,
+        with_entropy: bool,
     ):
         rank, size = _tp(group)
         m, v_local = hidden.shape[0], weight.shape[0]
@@ -65,41 +69,59 @@ class _FusedLinearLogprob(torch.autograd.Function):
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
         sum_exp = torch.empty(m, dtype=dtype, device=hidden.device)
         tgt = torch.empty(m, dtype=dtype, device=hidden.device)
+        # entropy: H = lse - E_p[x] = log S - U / S with S = sum e^(x-max), U = sum (x-max) e^(x-max), both sums
+        # over the vocabulary slices (all-reduced with S): no extra collective
+        sum_xexp = torch.zeros(m if with_entropy else 0, dtype=dtype, device=hidden.device)
         for i in range(0, m, rows):  # pass 2: sum-exp and the target logit, both shifted by the max
             x = (
                 _chunk_logits(hidden[i : i + rows], weight, n_real, dtype) - row_max[i : i + rows, None]
             )  # [c, v]
-            sum_exp[i : i + rows] = x.exp().sum(dim=-1)
+            e = x.exp()
+            sum_exp[i : i + rows] = e.sum(dim=-1)
+            if with_entropy:  # real columns only: padding is -inf * 0
+                sum_xexp[i : i + rows] = (x[:, :n_real] * e[:, :n_real]).sum(dim=-1)
             t = x.gather(1, idx[i : i + rows, None]).squeeze(1)
             tgt[i : i + rows] = torch.where(local[i : i + rows], t, torch.zeros_like(t))
         if size > 1:
-            both = torch.stack([tgt, sum_exp])
+            both = torch.stack([tgt, sum_exp, *([sum_xexp] if with_entropy else [])])
             dist.all_reduce(both, group=group)
             tgt, sum_exp = both[0], both[1]
+            if with_entropy:
+                sum_xexp = both[2]
         lse = row_max + sum_exp.log()  # [m] log-sum-exp over the whole vocabulary
-        ctx.save_for_backward(hidden, weight, idx, local, lse)
-        ctx.rows, ctx.n_real = rows, n_real
-        return (tgt - sum_exp.log()).to(hidden.dtype)
+        ent = sum_exp.log() - sum_xexp / sum_exp if with_entropy else lse[:0]  # [m] or empty
+        ctx.save_for_backward(hidden, weight, idx, local, lse, ent)
+        ctx.rows, ctx.n_real, ctx.with_entropy = rows, n_real, with_entropy
+        logp = (tgt - sum_exp.log()).to(hidden.dtype)
+        return logp, ent.to(hidden.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN205
-        hidden, weight, idx, local, lse = ctx.saved_tensors
+    def backward(  # noqa: ANN205
+        ctx: Any, grad: torch.Tensor, grad_ent: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, idx, local, lse, ent = ctx.saved_tensors
         dtype = lse.dtype
         d_hidden = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
         d_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
         g_all = grad.to(dtype)
+        use_ent = ctx.with_entropy and grad_ent is not None and bool(grad_ent.ne(0).any())
         for i in range(0, hidden.shape[0], ctx.rows):
             h = hidden[i : i + ctx.rows]
-            p = (
+            logq = (
                 _chunk_logits(h, weight, ctx.n_real, dtype) - lse[i : i + ctx.rows, None]
-            ).exp()  # [c, v] softmax
+            )  # [c, v] log-softmax
+            p = logq.exp()  # [c, v] softmax (padding: 0)
             g = -p * g_all[i : i + ctx.rows, None]  # d logp / d logits = onehot - softmax
             g.scatter_add_(
                 1, idx[i : i + ctx.rows, None], (g_all[i : i + ctx.rows] * local[i : i + ctx.rows])[:, None]
             )
+            if use_ent:  # dH / dx_j = -p_j (log p_j + H): local columns only, H and lse are global
+                t = p * (logq + ent[i : i + ctx.rows, None])
+                t = torch.where(p > 0, t, torch.zeros_like(t))  # padding: 0 * -inf
+                g -= t * grad_ent.to(dtype)[i : i + ctx.rows, None]
             d_hidden[i : i + ctx.rows] = g @ weight.to(dtype)  # [c, h]
             d_weight += g.t() @ h.to(dtype)  # [v, h]
-        return d_hidden.to(hidden.dtype), d_weight.to(weight.dtype), None, None, None, None
+        return d_hidden.to(hidden.dtype), d_weight.to(weight.dtype), None, None, None, None, None
 
 
 def fused_linear_logprobs(
@@ -115,5 +137,27 @@ def fused_linear_logprobs(
 
     Never holds more than `chunk_rows` rows of logits. `vocab_size` is the real (unpadded) vocabulary.
     """
+    return fused_linear_logprobs_entropy(
+        hidden, weight, target, vocab_size=vocab_size, tp_group=tp_group, chunk_rows=chunk_rows, entropy=False
+    )[0]
+
+
+def fused_linear_logprobs_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    vocab_size: int,
+    tp_group: Any = None,
+    chunk_rows: int = 1024,
+    entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logp [m], H [m]): the target logprob and the full-vocabulary entropy H = -sum_v p log p of each row, both
+    differentiable, from the same passes (one extra sum per row; no extra collective). entropy=False: (logp, None).
+
+    Backward of H (vocab-parallel): dH/dx_j = -p_j (log p_j + H) on this rank's columns, with the global lse and
+    H saved from the forward, so the backward needs no collective beyond the caller's input-gradient sum.
+    """
     assert hidden.dim() == 2 and weight.dim() == 2 and target.shape == hidden.shape[:1]
-    return _FusedLinearLogprob.apply(hidden, weight, target, vocab_size, tp_group, chunk_rows)
+    logp, ent = _FusedLinearLogprob.apply(hidden, weight, target, vocab_size, tp_group, chunk_rows, entropy)
+    return logp, (ent if entropy else None)

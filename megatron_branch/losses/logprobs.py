@@ -94,6 +94,54 @@ def vocab_parallel_logprobs(
     return torch.cat(parts)
 
 
+class _VocabParallelEntropy(torch.autograd.Function):
+    """H = -sum_v p_v log p_v per row over vocab-parallel logits (the naive schedule's path; the fused one is in
+    fused_logprobs.py). Backward: dH/dx_j = -p_j (log p_j + H), local columns, global H."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, vocab_size: int, group: Any) -> torch.Tensor:
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        x = logits.to(dtype)
+        v_local = x.shape[-1]
+        start = _group_rank(group) * v_local
+        n_real = max(0, min(v_local, vocab_size - start))
+        x = x[:, :n_real]  # [m, v_real]: padded vocabulary is never a candidate
+        row_max = x.max(dim=-1).values if n_real else torch.full(x.shape[:1], float("-inf"), dtype=dtype)
+        if _group_size(group) > 1:
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        x = x - row_max[:, None]
+        e = x.exp()
+        both = torch.stack([e.sum(dim=-1), (x * e).sum(dim=-1)])  # [2, m]: S, U
+        if _group_size(group) > 1:
+            dist.all_reduce(both, group=group)
+        ent = both[0].log() - both[1] / both[0]  # [m]
+        logq = x - both[0].log()[:, None]  # [m, v_real] log-softmax
+        ctx.save_for_backward(logq, ent)
+        ctx.shape, ctx.in_dtype = logits.shape, logits.dtype
+        return ent.to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        logq, ent = ctx.saved_tensors
+        p = logq.exp()
+        t = torch.where(p > 0, p * (logq + ent[:, None]), torch.zeros_like(p))
+        g = torch.zeros(ctx.shape, dtype=logq.dtype, device=logq.device)
+        g[:, : logq.shape[1]] = -t * grad.to(logq.dtype)[:, None]
+        return g.to(ctx.in_dtype), None, None
+
+
+def vocab_parallel_entropy(logits: torch.Tensor, *, vocab_size: int, tp_group: Any = None) -> torch.Tensor:
+    """Full-vocabulary entropy of each row of vocab-parallel logits [m, v_local] -> [m] (differentiable)."""
+    assert logits.dim() == 2
+    return _VocabParallelEntropy.apply(logits, vocab_size, tp_group)
+
+
+def reference_entropy(full_logits: torch.Tensor, *, vocab_size: int) -> torch.Tensor:
+    """Slow path on unsharded logits [m, V_padded]: -sum p log p over the real vocabulary."""
+    logq = torch.log_softmax(full_logits[:, :vocab_size], dim=-1)
+    return -(logq.exp() * logq).sum(dim=-1)
+
+
 def reference_logprobs(full_logits: torch.Tensor, target: torch.Tensor, *, vocab_size: int) -> torch.Tensor:
     """Slow path on unsharded logits [m, V_padded]: log_softmax over the real vocabulary."""
     return torch.log_softmax(full_logits[:, :vocab_size], dim=-1).gather(1, target[:, None]).squeeze(1)

@@ -4,13 +4,16 @@ A schedule never sees a whole rollout's loss at once: `packed` and `replay` hold
 holds one rollout. So an objective is *bound* to a tree once (`bind`), fixing its normalisation on the logical batch
 (what naive training would count, across micro-batches and DP ranks), and then answers two questions:
 
-    chunk_loss(logp [m], targets [m])  -> loss of these packed target tokens (tree schedules)
-    rollout_loss(i, logp [L-1])        -> loss of rollout i given the logprobs of its tokens 1..L-1 (naive)
+    chunk_loss(logp [m], targets [m], entropy [m] | None) -> (loss, stats [K])   packed targets (tree schedules)
+    rollout_loss(i, logp [L-1], entropy [L-1] | None)     -> (loss, stats [K])   rollout i's tokens 1..L-1 (naive)
 
-Both must add up to the same total. A token shared by k rollouts appears once in the tree and has the same
+Both must add up to the same total. `stats` are detached float64 metric contributions named by `stat_names`,
+already normalised on the global batch, so they add over chunks, micro-batches and ranks like the loss does.
+`needs_entropy` asks the schedule for each row's full-vocabulary entropy (computed in the fused projection). A token shared by k rollouts appears once in the tree and has the same
 logprob in all of them, so any objective that is a sum over (rollout, token) of f_i,t(logp) fits: the policy
 gradient below (linear), and PPO's clipped ratio (a per-token function) alike. Sequence-level objectives (DPO)
-fit after a no-grad pass that turns them into per-rollout coefficients.
+fit after a no-grad pass that turns them into per-rollout coefficients (losses/dpo.py). The per-token objectives
+with per-rollout data (losses/policy.py, losses/value.py) share the (rollout, token) pair index of losses/pairs.py.
 
 `PolicyGradientObjective` is the on-policy GRPO form used by `megatron-branch grad`:
     L = -(1/T) * sum_i sum_{t in response_i} A_i * logp(i, t),   T = total response tokens (logical)
@@ -28,9 +31,16 @@ from megatron_branch.data import PrefixTree
 
 
 class BoundObjective(Protocol):
-    def chunk_loss(self, logp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
+    needs_entropy: bool
+    stat_names: tuple[str, ...]
 
-    def rollout_loss(self, i: int, logp: torch.Tensor) -> torch.Tensor: ...
+    def chunk_loss(
+        self, logp: torch.Tensor, targets: torch.Tensor, entropy: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rollout_loss(
+        self, i: int, logp: torch.Tensor, entropy: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class Objective(Protocol):
@@ -57,18 +67,47 @@ class PolicyGradientObjective:
         return _BoundPolicyGradient(self, tree)
 
 
+_NO_STATS = torch.zeros(0, dtype=torch.float64)
+
+
 class _BoundPolicyGradient:
+    needs_entropy = False
+    stat_names: tuple[str, ...] = ()
+
     def __init__(self, objective: PolicyGradientObjective, tree: PrefixTree) -> None:
         self.objective, self.tree = objective, tree
         # [N] weight of each packed token's logprob: the sum over the rollouts whose response holds it
         self.weights = tree.token_weights(objective.coef)
 
-    def chunk_loss(self, logp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return -(logp * self.weights[targets.cpu()].to(device=logp.device, dtype=logp.dtype)).sum()
+    def chunk_loss(
+        self, logp: torch.Tensor, targets: torch.Tensor, entropy: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return -(logp * self.weights[targets.cpu()].to(device=logp.device, dtype=logp.dtype)).sum(), _NO_STATS
 
-    def rollout_loss(self, i: int, logp: torch.Tensor) -> torch.Tensor:
+    def rollout_loss(
+        self, i: int, logp: torch.Tensor, entropy: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.tree.rollouts[i]
         # logp[j] is the logprob of token j+1; response tokens start at index len(prompt)
         w = torch.zeros(len(r.prompt) + len(r.response) - 1, dtype=torch.float64)
         w[max(len(r.prompt) - 1, 0) :] = self.objective.coef[i]
-        return -(logp * w.to(device=logp.device, dtype=logp.dtype)).sum()
+        return -(logp * w.to(device=logp.device, dtype=logp.dtype)).sum(), _NO_STATS
+
+
+@dataclass(kw_only=True)
+class AdvantagePolicyGradient:
+    """`PolicyGradientObjective.grpo` bound to any (sub-)tree from its rollouts' own advantages: the form an
+    update over micro-batches and DP shards needs (T is the GLOBAL response-token count)."""
+
+    num_response_tokens: int
+    """T of the global batch."""
+
+    def bind(self, tree: PrefixTree) -> _BoundPolicyGradient:
+        from megatron_branch.errors import UserError
+
+        for i, r in enumerate(tree.rollouts):
+            if r.advantage is None:
+                raise UserError("missing field 'advantage'", where=r.describe(i))
+        return PolicyGradientObjective.grpo(
+            [r.advantage for r in tree.rollouts], self.num_response_tokens
+        ).bind(tree)

@@ -44,6 +44,9 @@ class BranchGPTModel(GPTModel):
     forward(input_ids [b, s], position_ids [b, s], attention_mask) -> logits [b, s, v/tp] (vocab-parallel).
     """
 
+    is_critic = False
+    """A value model (models/critic.py): the schedules read `values(hidden)` instead of logprobs."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         enable_position_rope(self)
@@ -73,6 +76,7 @@ def build_model(
     sequence_parallel: bool = False,
     vocab_divisible_by: int = 1,
     init_weights: bool = True,
+    model_cls: type[BranchGPTModel] | None = None,
     **config_overrides: Any,
 ) -> BranchGPTModel:
     """A megatron-core GPT model for `arch` on this rank (tensor-parallel shards if tp > 1).
@@ -80,6 +84,7 @@ def build_model(
     `tp` must equal the tensor-parallel size megatron's parallel_state was initialised with.
     `init_weights=False` leaves the weights uninitialised (`torch.empty`) for a caller that overwrites every
     parameter (checkpoint loading); the parameters carry the same tensor-parallel attributes either way.
+    `model_cls`: a BranchGPTModel subclass to build (the critic, models/critic.py).
     """
     apply_cpu_shims()
     if not init_weights:
@@ -87,7 +92,7 @@ def build_model(
     config = arch.to_transformer_config(
         dtype=dtype, tp=tp, sequence_parallel=sequence_parallel, **config_overrides
     )
-    model = BranchGPTModel(
+    model = (model_cls or BranchGPTModel)(
         config=config,
         # A block spec so that the final norm is ours too (megatron's default refuses sequence parallel).
         transformer_layer_spec=TransformerBlockSubmodules(

@@ -1,4 +1,4 @@
-"""Split one chunk of the prefix tree over the ranks of a context-parallel group (zigzag per segment).
+"""The zigzag layout of a chunk over the ranks of a context-parallel group (schedule/chunks.py `split_chunk` cuts it).
 
 SHAPE LEGEND (positions only; sequence-first like Megatron):
     s      rows of the unsplit chunk (its real tokens, `Chunk.token_index`)
@@ -19,48 +19,10 @@ A fork token (first token of a child segment) is therefore handled where the par
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
 from megatron_branch.data import PrefixTree
 from megatron_branch.errors import UserError
-
-if TYPE_CHECKING:  # runtime import would be circular (schedule.common imports this module)
-    from megatron_branch.schedule.chunks import Chunk
-
-
-@dataclass(frozen=True, kw_only=True)
-class CPChunk:
-    """This rank's share of a chunk; `chunk` is the unsplit reference it was cut from."""
-
-    chunk: Chunk
-    cp_size: int
-    cp_rank: int
-    token_index: torch.Tensor
-    """[s_loc] packed tree index of each local row (-1 = padding)."""
-    rows: torch.Tensor
-    """[s_loc] row of the unsplit chunk each local row holds (-1 = padding): the map the tests compare through."""
-    input_ids: torch.Tensor
-    """[s_loc] token ids (padding: 0)."""
-    position_ids: torch.Tensor
-    """[s_loc] original position ids (padding: 0)."""
-    meta: torch.Tensor
-    """[2, s_loc] long (segment id, offset in segment); segment -1 = padding."""
-    targets: torch.Tensor
-    """[m_loc] packed indices of the targets predicted on this rank."""
-    target_rows: torch.Tensor
-    """[m_loc] local row whose logits predict each target."""
-
-    @property
-    def num_real(self) -> int:
-        """Real positions of the whole (unsplit) chunk: what the schedules count as computed."""
-        return self.chunk.num_real
-
-    @property
-    def num_local(self) -> int:
-        return int(self.token_index.numel())
 
 
 def tree_related(tree: PrefixTree) -> torch.Tensor:
@@ -78,57 +40,6 @@ def zigzag_offsets(length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     second = torch.arange((2 * cp_size - 1 - cp_rank) * piece, (2 * cp_size - cp_rank) * piece)
     offs = torch.cat([first, second])  # [2 * piece]
     return torch.where(offs < length, offs, torch.full_like(offs, -1))
-
-
-def split_chunk(
-    tree: PrefixTree, chunk: Chunk, cp_size: int, cp_rank: int, *, pad_to_multiple: int = 1
-) -> CPChunk:
-    """Rank `cp_rank`'s share of `chunk` (built WITHOUT padding); local rows padded to `pad_to_multiple` (SP: tp)."""
-    from megatron_branch.schedule.chunks import lookup  # here: schedule imports this module
-
-    assert chunk.layout.num_queries == chunk.num_real, (
-        "split the unpadded chunk (make_chunk pad_to_multiple=1)"
-    )
-    seg_ids, offsets = [], []
-    for sid in chunk.segments:
-        offs = zigzag_offsets(tree.segments[sid].length, cp_size, cp_rank)
-        seg_ids.append(torch.where(offs >= 0, torch.full_like(offs, sid), torch.full_like(offs, -1)))
-        offsets.append(offs)
-    seg = torch.cat(seg_ids)  # [s_loc before final padding]
-    off = torch.cat(offsets)
-    extra = -seg.numel() % pad_to_multiple  # the same on every rank: all ranks have equal lengths
-    seg = torch.cat([seg, torch.full((extra,), -1, dtype=torch.long)])  # [s_loc]
-    off = torch.cat([off, torch.full((extra,), -1, dtype=torch.long)])
-    real = seg >= 0  # [s_loc]
-    seg_offset = torch.tensor([s.offset for s in tree.segments], dtype=torch.long)  # [S]
-    token_index = torch.where(real, seg_offset[seg.clamp(min=0)] + off, torch.full_like(seg, -1))  # [s_loc]
-
-    # unsplit chunk row of every packed index (chunk rows follow chunk.token_index)
-    rows = torch.where(real, lookup(chunk.token_index, token_index), torch.full_like(seg, -1))  # [s_loc]
-    assert bool((rows[real] >= 0).all()), "a local token is not in the chunk"
-
-    safe = token_index.clamp(min=0)
-    input_ids = torch.where(real, tree.tokens[safe], torch.zeros_like(seg))
-    position_ids = torch.where(real, tree.position_ids[safe], torch.zeros_like(seg))
-
-    # targets whose predecessor row is local: local row of each packed index, then filter the chunk's targets
-    pred = chunk.token_index[chunk.target_rows]  # [m] packed index of each target's predecessor
-    pred_row = lookup(
-        token_index, pred
-    )  # [m] its local row, -1 when another rank holds it (padding: -1, never hit)
-    mine = pred_row >= 0
-    return CPChunk(
-        chunk=chunk,
-        cp_size=cp_size,
-        cp_rank=cp_rank,
-        token_index=token_index,
-        rows=rows,
-        input_ids=input_ids,
-        position_ids=position_ids,
-        meta=torch.stack([seg, off.clamp(min=0)]),
-        targets=chunk.targets[mine],
-        target_rows=pred_row[mine],
-    )
 
 
 def check_cp_fits(tree: PrefixTree, cp_size: int) -> None:

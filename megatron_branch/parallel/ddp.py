@@ -27,20 +27,24 @@ from typing import Any
 import torch
 
 
-def wrap_megatron_ddp(model: torch.nn.Module, *, dtype: torch.dtype, pg_collection: Any) -> torch.nn.Module:
+def wrap_megatron_ddp(
+    model: torch.nn.Module, *, dtype: torch.dtype, pg_collection: Any, use_distributed_optimizer: bool = False
+) -> torch.nn.Module:
     """`model` inside megatron-core's DDP, reducing to a SUM in the parameters' own dtype (see the module doc).
 
     `pg_collection` is the entry point's `ProcessGroupCollection.use_mpu_process_groups()`: DDP needs dp, dp_cp,
     tp, pp, ep and expt_dp from it (without expt_dp it would call `new_group` for this rank alone, a collective
     the other ranks do not join), finalize_model_grads tp, pp, embd, pos_embd, dp_cp. Grads are reduced in `dtype` itself: `grad_reduce_in_fp32` would turn
     a float64 run's `main_grad` into float32, and for float32 it changes nothing.
+    `use_distributed_optimizer` lays the grad buffers out for megatron's DistributedOptimizer (CUDA only, see
+    update/optimizer.py; untested here: no GPU was lent); it must match the optimizer's setting.
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=dtype == torch.float32,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=use_distributed_optimizer,
         average_in_collective=False,
     )
     config = copy.copy(model.config)

@@ -48,7 +48,8 @@ class ParallelConfig:
 
 @dataclass(kw_only=True)
 class ParallelGroups:
-    """The groups the math needs; `None` for a size-1 dimension is never used: size-1 groups are real groups."""
+    """The groups the math needs, passed into it whole (schedule options, the update step). Under torchrun every
+    axis is a real group (size-1 groups included); `single()` is one process with no groups at all."""
 
     tp: Any
     cp: Any
@@ -58,6 +59,13 @@ class ParallelGroups:
     cp_size: int
     dp_size: int
     sequence_parallel: bool
+
+    @classmethod
+    def single(cls) -> ParallelGroups:
+        """One process, no parallelism: no groups at all (the math never calls a collective on a size-1 axis)."""
+        return cls(
+            tp=None, cp=None, dp=None, dp_cp=None, tp_size=1, cp_size=1, dp_size=1, sequence_parallel=False
+        )
 
 
 def _free_port() -> int:
@@ -123,7 +131,8 @@ def comm_device(group: Any = None) -> torch.device:
 
 def agree_on_error(err: str | None, *, error: type[Exception] = UserError) -> None:
     """Every rank passes its own error (or None); if any rank has one, every rank raises the first of them
-    (as `error`). A collective: all ranks of the world must call it.
+    (as `error`, marked `all_ranks` so that the CLI prints it on rank 0 only). A collective: all ranks of the
+    world must call it.
     """
     if dist.is_initialized() and dist.get_world_size() > 1:
         errs: list[str | None] = [None] * dist.get_world_size()
@@ -131,9 +140,13 @@ def agree_on_error(err: str | None, *, error: type[Exception] = UserError) -> No
         bad = [(r, e) for r, e in enumerate(errs) if e]
         if bad:
             rank, msg = bad[0]
-            raise error(f"rank {rank}: {msg}" if len(bad) < len(errs) else msg)
+            exc = error(f"rank {rank}: {msg}" if len(bad) < len(errs) else msg)
+            exc.all_ranks = True  # type: ignore[attr-defined]  # every rank raises it: rank 0 alone prints it
+            raise exc
     elif err:
-        raise error(err)
+        exc = error(err)
+        exc.all_ranks = True  # type: ignore[attr-defined]
+        raise exc
 
 
 def destroy_parallel() -> None:

@@ -194,6 +194,7 @@ def run_step(
     from megatron_branch.models import build_model
     from megatron_branch.parallel.cp_layout import check_cp_fits, zigzag_offsets
     from megatron_branch.parallel.grads import finalize_grads
+    from megatron_branch.parallel.groups import ParallelGroups
     from megatron_branch.parallel.ring import RingStats
     from megatron_branch.schedule import ScheduleOptions, run_schedule
 
@@ -211,13 +212,10 @@ def run_step(
     )
     stats = RingStats()
     opts = ScheduleOptions(
-        tp_group=tp_group,
-        tp_size=tp,
-        sequence_parallel=sp,
+        groups=groups if groups is not None else ParallelGroups.single(),
         vocab_size=arch.vocab_size,
         branch_micro_batch=branch_micro_batch,
         ring_stats=stats,
-        **({"cp_group": groups.cp, "cp_size": cp} if cp > 1 else {}),
     )
     model.zero_grad(set_to_none=True)
     rss_before = _rss_mb()

@@ -1,7 +1,9 @@
-"""Training schedules over a prefix tree: `naive` (baseline), `packed` (one pass), `replay` (DFS, bounded memory).
+"""Training schedules over a prefix tree: `naive` (baseline), `packed` (one pass), `replay` (DFS, bounded memory);
+`naive-fused` and `packed-nosharing` are the unshared baselines on the same kernels (schedule/unshared.py).
 
 All three accumulate the SAME parameter gradients (into `param.grad`, or megatron DDP's `main_grad`) for the same
-logical-batch loss; they differ only in what is computed once and what is kept alive.
+logical-batch loss; they differ only in what is computed once and what is kept alive. Each also runs forward-only
+(`score_rollouts`): no backward, no graph, the same numbers as its training forward.
 """
 
 from __future__ import annotations
@@ -16,11 +18,16 @@ from megatron_branch.schedule.common import ScheduleOptions, StepResult
 from megatron_branch.schedule.naive import run_naive
 from megatron_branch.schedule.packed import run_packed
 from megatron_branch.schedule.replay import run_replay
+from megatron_branch.schedule.score import Scores, score_rollouts
+from megatron_branch.schedule.unshared import run_naive_fused, run_packed_nosharing
 
 SCHEDULES: dict[str, Callable[..., StepResult]] = {
     "naive": run_naive,
     "packed": run_packed,
     "replay": run_replay,
+    # baselines without sharing on the same kernels (the benchmark's fair comparison)
+    "naive-fused": run_naive_fused,
+    "packed-nosharing": run_packed_nosharing,
 }
 
 
@@ -28,13 +35,20 @@ def run_schedule(
     name: str,
     model: torch.nn.Module,
     tree: PrefixTree,
-    objective: Objective,
+    objective: Objective | None,
     opts: ScheduleOptions,
+    *,
+    forward_only: bool = False,
 ) -> StepResult:
-    """Forward and backward the logical batch `tree` with schedule `name`; gradients accumulate in the model."""
+    """Forward and backward the logical batch `tree` with schedule `name`; gradients accumulate in the model.
+
+    `forward_only`: no backward and no graph (`objective` may be None: logprobs/entropy only, see score_rollouts).
+    """
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    return SCHEDULES[name](model, tree, objective, opts)
+    if objective is None and not forward_only:
+        raise ValueError("a training step needs an objective (objective=None only with forward_only=True)")
+    return SCHEDULES[name](model, tree, objective, opts, forward_only=forward_only)
 
 
-__all__ = ["SCHEDULES", "ScheduleOptions", "StepResult", "run_schedule"]
+__all__ = ["SCHEDULES", "ScheduleOptions", "Scores", "StepResult", "run_schedule", "score_rollouts"]

@@ -1,23 +1,34 @@
 """A chunk: the tokens of one model forward, and the attention layout the prefix tree gives them.
 
-Shape legend (sequence first, as megatron): s chunk tokens (padded), c cached ancestor tokens (external keys).
+Shape legend (sequence first, as megatron): s chunk tokens (padded), c cached ancestor tokens (external keys),
+s_loc rows one context-parallel rank holds, m targets predicted in the chunk (on this rank).
 
 Every schedule is a sequence of chunks. A chunk holds whole segments of the prefix tree: the whole tree (`packed`),
 one segment or a micro-batch of sibling leaf segments (`replay`). Keys are laid out as
 [external ancestors in path order (c) | chunk tokens (s)]; each segment sees its ancestors fully and itself
 causally, wherever those ancestors live. Padding (for sequence parallel, s % tp == 0) is one extra causal segment
 that no real query sees, so it never changes a result.
+
+Two kinds answer the same questions (`context`, `cache_rows`, `cache_meta`, targets, ids), so the schedules never
+branch on which one they hold: `Chunk` (one rank holds every row) and `CPChunk` (this rank's zigzag share under
+context parallelism, parallel/cp_layout.py; attention runs as a ring).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from megatron_branch.attention.core_attention import KV, BranchContext
 from megatron_branch.attention.layout import AttentionLayout, QuerySegment
 from megatron_branch.data import PrefixTree
+from megatron_branch.parallel.cp_layout import tree_related, zigzag_offsets
+
+if TYPE_CHECKING:
+    from megatron_branch.schedule.common import ScheduleOptions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,7 +46,8 @@ class Chunk:
     layout: AttentionLayout
     """Which keys each query row sees."""
     targets: torch.Tensor
-    """[m] packed indices of the tokens PREDICTED in this chunk (their predecessor is a chunk token)."""
+    """[m] packed indices of the tokens PREDICTED in this chunk (their predecessor is a chunk token; by default only
+    tokens in some rollout's response, see `make_chunk`)."""
     target_rows: torch.Tensor
     """[m] chunk row whose logits predict each target (a fork row appears once per child)."""
 
@@ -43,11 +55,50 @@ class Chunk:
     def num_real(self) -> int:
         return int(self.token_index.numel())
 
+    @property
+    def cache_rows(self) -> int:
+        """Rows of this chunk's K/V that descendants attend to: the real rows (padding is never a key)."""
+        return self.num_real
+
+    @property
+    def cache_meta(self) -> torch.Tensor | None:
+        """Metadata the descendants' context needs for the cached rows: none (the layout says it all)."""
+        return None
+
+    def context(
+        self,
+        tree: PrefixTree,
+        opts: ScheduleOptions,
+        *,
+        external_kv: dict[int, list[KV]],
+        external_meta: torch.Tensor | None,
+        capture: bool,
+        device: torch.device,
+    ) -> BranchContext:
+        """The attention context of one forward of this chunk (dense layout, one rank)."""
+        assert external_meta is None
+        return BranchContext(
+            layout=self.layout, external_kv=external_kv, capture=capture, backend=opts.backend
+        )
+
 
 def make_chunk(
-    tree: PrefixTree, segments: Sequence[int], *, external: Sequence[int] = (), pad_to_multiple: int = 1
+    tree: PrefixTree,
+    segments: Sequence[int],
+    *,
+    external: Sequence[int] = (),
+    pad_to_multiple: int = 1,
+    targets: str = "loss",
 ) -> Chunk:
-    """Build the chunk for `segments` whose ancestors outside the chunk are `external` (cached)."""
+    """Build the chunk for `segments` whose ancestors outside the chunk are `external` (cached).
+
+    targets: "loss" (default) predicts only tokens that are in some rollout's response (every token an RL loss or
+    a kept logprob can use, incl. the first response token, predicted by the last prompt row, and fork tokens);
+    "all" predicts every token with a predecessor in the chunk. Only target rows reach the output projection, so
+    "loss" keeps a long prompt's rows out of the vocabulary projection entirely.
+    """
+    if targets not in ("loss", "all"):
+        raise ValueError(f"targets must be 'loss' or 'all', got {targets!r}")
     segs = [tree.segments[i] for i in segments]
     ext_off: dict[int, int] = {}
     c = 0
@@ -90,14 +141,18 @@ def make_chunk(
     # Targets: every packed token whose predecessor is a chunk token. Within a segment that is the next token; at a
     # segment's last token it is the FIRST token of each child (the fork tokens), one row per child. Built from the
     # chunk's segments alone: O(chunk + children), never a table over the whole tree (replay makes many chunks).
+    # With targets="loss", a segment's targets start at its first response token (tree.response_starts).
+    first = tree.response_starts() if targets == "loss" else None
     tgt, rows = [], []
     for seg in segs:
         r0 = chunk_off[seg.id]
-        tgt.append(torch.arange(seg.offset + 1, seg.offset + seg.length))  # [l-1] next tokens
-        rows.append(torch.arange(r0, r0 + seg.length - 1))
-        if seg.children:
-            tgt.append(torch.tensor([tree.segments[c].offset for c in seg.children], dtype=torch.long))
-            rows.append(torch.full((len(seg.children),), r0 + seg.length - 1, dtype=torch.long))
+        j0 = 1 if first is None else max(1, first[seg.id])  # first in-segment offset predicted here
+        tgt.append(torch.arange(seg.offset + j0, seg.offset + seg.length))  # [l-j0] next tokens
+        rows.append(torch.arange(r0 + j0 - 1, r0 + seg.length - 1))
+        kids = [c for c in seg.children if first is None or first[c] == 0]  # fork tokens that carry a loss
+        if kids:
+            tgt.append(torch.tensor([tree.segments[c].offset for c in kids], dtype=torch.long))
+            rows.append(torch.full((len(kids),), r0 + seg.length - 1, dtype=torch.long))
     targets, order = torch.sort(torch.cat(tgt))  # packed order: a deterministic summation order
     target_rows = torch.cat(rows)[order]
     return Chunk(
@@ -109,6 +164,121 @@ def make_chunk(
         layout=layout,
         targets=targets,
         target_rows=target_rows,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CPChunk:
+    """This rank's share of a chunk; `chunk` is the unsplit reference it was cut from."""
+
+    chunk: Chunk
+    cp_size: int
+    cp_rank: int
+    token_index: torch.Tensor
+    """[s_loc] packed tree index of each local row (-1 = padding)."""
+    rows: torch.Tensor
+    """[s_loc] row of the unsplit chunk each local row holds (-1 = padding): the map the tests compare through."""
+    input_ids: torch.Tensor
+    """[s_loc] token ids (padding: 0)."""
+    position_ids: torch.Tensor
+    """[s_loc] original position ids (padding: 0)."""
+    meta: torch.Tensor
+    """[2, s_loc] long (segment id, offset in segment); segment -1 = padding."""
+    targets: torch.Tensor
+    """[m_loc] packed indices of the targets predicted on this rank."""
+    target_rows: torch.Tensor
+    """[m_loc] local row whose logits predict each target."""
+
+    @property
+    def num_real(self) -> int:
+        """Real positions of the whole (unsplit) chunk: what the schedules count as computed."""
+        return self.chunk.num_real
+
+    @property
+    def num_local(self) -> int:
+        return int(self.token_index.numel())
+
+    @property
+    def cache_rows(self) -> int:
+        """Every local row: padding is hidden by its metadata, and keeping it keeps every rank's cached shard of a
+        prefix the same length."""
+        return self.num_local
+
+    @property
+    def cache_meta(self) -> torch.Tensor:
+        """[2, s_loc] metadata of the cached rows: the ring's visibility for the descendants' queries."""
+        return self.meta
+
+    def context(
+        self,
+        tree: PrefixTree,
+        opts: ScheduleOptions,
+        *,
+        external_kv: dict[int, list[KV]],
+        external_meta: torch.Tensor | None,
+        capture: bool,
+        device: torch.device,
+    ) -> BranchContext:
+        """The ring attention context over the context-parallel group (parallel/context.py)."""
+        from megatron_branch.parallel.context import RingBranchContext  # the ring: only under CP
+
+        return RingBranchContext(
+            q_meta=self.meta.to(device),
+            external_kv=external_kv,
+            external_meta=None if external_meta is None else external_meta.to(device),
+            related=tree_related(tree).to(device),
+            cp_group=opts.cp_group,
+            capture=capture,
+            stats=opts.ring_stats,
+        )
+
+
+def split_chunk(
+    tree: PrefixTree, chunk: Chunk, cp_size: int, cp_rank: int, *, pad_to_multiple: int = 1
+) -> CPChunk:
+    """Rank `cp_rank`'s share of `chunk` (built WITHOUT padding); local rows padded to `pad_to_multiple` (SP: tp)."""
+    assert chunk.layout.num_queries == chunk.num_real, (
+        "split the unpadded chunk (make_chunk pad_to_multiple=1)"
+    )
+    seg_ids, offsets = [], []
+    for sid in chunk.segments:
+        offs = zigzag_offsets(tree.segments[sid].length, cp_size, cp_rank)
+        seg_ids.append(torch.where(offs >= 0, torch.full_like(offs, sid), torch.full_like(offs, -1)))
+        offsets.append(offs)
+    seg = torch.cat(seg_ids)  # [s_loc before final padding]
+    off = torch.cat(offsets)
+    extra = -seg.numel() % pad_to_multiple  # the same on every rank: all ranks have equal lengths
+    seg = torch.cat([seg, torch.full((extra,), -1, dtype=torch.long)])  # [s_loc]
+    off = torch.cat([off, torch.full((extra,), -1, dtype=torch.long)])
+    real = seg >= 0  # [s_loc]
+    seg_offset = torch.tensor([s.offset for s in tree.segments], dtype=torch.long)  # [S]
+    token_index = torch.where(real, seg_offset[seg.clamp(min=0)] + off, torch.full_like(seg, -1))  # [s_loc]
+
+    # unsplit chunk row of every packed index (chunk rows follow chunk.token_index)
+    rows = torch.where(real, lookup(chunk.token_index, token_index), torch.full_like(seg, -1))  # [s_loc]
+    assert bool((rows[real] >= 0).all()), "a local token is not in the chunk"
+
+    safe = token_index.clamp(min=0)
+    input_ids = torch.where(real, tree.tokens[safe], torch.zeros_like(seg))
+    position_ids = torch.where(real, tree.position_ids[safe], torch.zeros_like(seg))
+
+    # targets whose predecessor row is local: local row of each packed index, then filter the chunk's targets
+    pred = chunk.token_index[chunk.target_rows]  # [m] packed index of each target's predecessor
+    pred_row = lookup(
+        token_index, pred
+    )  # [m] its local row, -1 when another rank holds it (padding: -1, never hit)
+    mine = pred_row >= 0
+    return CPChunk(
+        chunk=chunk,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        token_index=token_index,
+        rows=rows,
+        input_ids=input_ids,
+        position_ids=position_ids,
+        meta=torch.stack([seg, off.clamp(min=0)]),
+        targets=chunk.targets[mine],
+        target_rows=pred_row[mine],
     )
 
 

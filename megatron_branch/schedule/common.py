@@ -1,4 +1,4 @@
-"""What every schedule shares: one chunk's forward, logprobs and loss, and the step's result record.
+"""What every schedule shares: the options, one chunk's forward (logprobs, entropy, loss), and the step's result.
 
 Shape legend: s chunk tokens, m predicted targets, v vocabulary slice on this TP rank, b batch (1).
 """
@@ -6,33 +6,28 @@ Shape legend: s chunk tokens, m predicted targets, v vocabulary slice on this TP
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_branch.attention.core_attention import KV, BranchContext, attach_context
+from megatron_branch.attention.core_attention import KV, attach_context
 from megatron_branch.data import PrefixTree
-from megatron_branch.losses.fused_logprobs import fused_linear_logprobs
-from megatron_branch.losses.logprobs import vocab_parallel_logprobs
+from megatron_branch.losses.fused_logprobs import fused_linear_logprobs_entropy
+from megatron_branch.losses.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from megatron_branch.losses.objective import BoundObjective
 from megatron_branch.models.gpt import BranchGPTModel
-from megatron_branch.parallel.cp_layout import CPChunk, split_chunk, tree_related
-from megatron_branch.parallel.groups import comm_device
-from megatron_branch.schedule.chunks import Chunk, make_chunk
+from megatron_branch.parallel.groups import ParallelGroups, comm_device
+from megatron_branch.schedule.chunks import Chunk, CPChunk, make_chunk, split_chunk
 
 
 @dataclass(kw_only=True)
 class ScheduleOptions:
-    """How a step runs. Process groups are passed in here, never read from globals inside the math."""
+    """How a step runs. The parallel layout comes in whole (`groups`), never read from globals inside the math."""
 
-    tp_group: Any = None
-    """Tensor-parallel group of the model (None = no TP)."""
-    tp_size: int = 1
-    """Its size; chunks are padded to a multiple of it under sequence parallel."""
-    sequence_parallel: bool = False
-    """Whether the model was built with sequence parallel."""
+    groups: ParallelGroups = field(default_factory=ParallelGroups.single)
+    """The process groups and sizes (parallel/groups.py); the default is one process without parallelism."""
     vocab_size: int
     """Real (unpadded) vocabulary size; padded logits are excluded from every softmax."""
     backend: str | None = None
@@ -43,11 +38,8 @@ class ScheduleOptions:
     """replay: keep no graph for a segment with children; recompute its forward at its backward."""
     keep_logprobs: bool = False
     """Return every target's logprob (detached) in the result."""
-    cp_group: Any = None
-    """Context-parallel group (None = no CP). With cp_size > 1 every chunk is split zigzag over it and attention
-    runs as a ring (megatron_branch.parallel); parameter grads then need parallel.grads.finalize_grads."""
-    cp_size: int = 1
-    """Its size."""
+    keep_entropy: bool = False
+    """Also compute and return every target row's full-vocabulary entropy (detached)."""
     ring_stats: Any = None
     """Under CP: a parallel.ring.RingStats the ring attention adds its message and kernel counts to (None = not
     counted)."""
@@ -58,14 +50,33 @@ class ScheduleOptions:
     """Rows of logits alive at once in the fused path."""
 
     def __post_init__(self) -> None:
-        if self.cp_size > 1 and self.cp_group is None:
-            raise ValueError(f"cp_size={self.cp_size} needs a cp_group")
         if self.vocab_size <= 0:
             raise ValueError(f"vocab_size must be positive, got {self.vocab_size}")
         if self.branch_micro_batch <= 0:
             raise ValueError(f"branch_micro_batch must be positive, got {self.branch_micro_batch}")
         if self.logprob_chunk_rows <= 0:
             raise ValueError(f"logprob_chunk_rows must be positive, got {self.logprob_chunk_rows}")
+
+    # the views the math reads (one home: `groups`)
+    @property
+    def tp_group(self) -> Any:
+        return self.groups.tp
+
+    @property
+    def tp_size(self) -> int:
+        return self.groups.tp_size
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.groups.sequence_parallel
+
+    @property
+    def cp_group(self) -> Any:
+        return self.groups.cp
+
+    @property
+    def cp_size(self) -> int:
+        return self.groups.cp_size
 
     @property
     def pad_to(self) -> int:
@@ -86,12 +97,103 @@ class StepResult:
     forwards: int = 0
     """Model forward calls."""
     target_logprobs: torch.Tensor | None = None
-    """[N] logprob of every packed token as a target (NaN for roots' first tokens), when keep_logprobs."""
+    """[N] logprob of every packed token in some rollout's response (NaN elsewhere: prompt-only tokens are never
+    predicted, see schedule/chunks.py make_chunk), when keep_logprobs."""
+    target_entropy: torch.Tensor | None = None
+    """[N] entropy of the row predicting every packed token (NaN where none), when keep_entropy."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """The objective's metric contributions (already normalised on the global batch: they add over micro-batches
+    and DP ranks), summed over this rank's chunks and CP."""
 
     def rollout_logprobs(self, tree: PrefixTree, i: int) -> torch.Tensor:
         """Logprobs of rollout i's response tokens, in order (from the packed targets)."""
         assert self.target_logprobs is not None, "run the schedule with keep_logprobs=True"
         return self.target_logprobs[tree.response_indices(i)]
+
+    def rollout_entropy(self, tree: PrefixTree, i: int) -> torch.Tensor:
+        """Entropies at rollout i's response tokens, in order."""
+        assert self.target_entropy is not None, "run the schedule with keep_entropy=True"
+        return self.target_entropy[tree.response_indices(i)]
+
+
+@dataclass(kw_only=True)
+class ChunkOut:
+    """What one chunk's forward gives its schedule."""
+
+    loss: torch.Tensor
+    """[] the objective's loss over the chunk's targets (0 when scoring)."""
+    stats: torch.Tensor
+    """[K] float64 detached metric contributions (the objective's `stat_names`)."""
+    logp: torch.Tensor
+    """[m] logprob of each target (for a critic: the value at its row)."""
+    entropy: torch.Tensor | None
+    """[m] entropy of each target's row, when the objective or the options ask for it."""
+    captured: dict[int, KV]
+    """layer -> this chunk's K/V (when captured)."""
+
+
+class Store:
+    """Host-side per-packed-token results of a step (logprobs, entropy), NaN where not predicted."""
+
+    def __init__(self, tree: PrefixTree, opts: ScheduleOptions) -> None:
+        n = tree.num_tokens
+        self.logp = torch.full((n,), float("nan"), dtype=torch.float64) if opts.keep_logprobs else None
+        self.entropy = torch.full((n,), float("nan"), dtype=torch.float64) if opts.keep_entropy else None
+        self.loss = 0.0
+        self.stats: torch.Tensor | None = None
+
+    def add(self, targets: torch.Tensor, out: ChunkOut) -> None:
+        """Record one counted chunk forward (the one whose loss is back-propagated)."""
+        self.loss += float(out.loss.detach())
+        self.stats = out.stats if self.stats is None else self.stats + out.stats
+        if self.logp is not None:
+            self.logp[targets] = out.logp.detach().to(device="cpu", dtype=torch.float64)
+        if self.entropy is not None and out.entropy is not None:
+            self.entropy[targets] = out.entropy.detach().to(device="cpu", dtype=torch.float64)
+
+    def set_rows(self, idx: torch.Tensor, logp: torch.Tensor, entropy: torch.Tensor | None) -> None:
+        if self.logp is not None:
+            self.logp[idx] = logp.detach().to(device="cpu", dtype=torch.float64)
+        if self.entropy is not None and entropy is not None:
+            self.entropy[idx] = entropy.detach().to(device="cpu", dtype=torch.float64)
+
+    def result(
+        self, name: str, tree: PrefixTree, objective: BoundObjective | None, opts: ScheduleOptions, **kw: Any
+    ) -> StepResult:
+        """The step's result, summed over the CP group (each target was computed on exactly one CP rank)."""
+        names = tuple(objective.stat_names) if objective is not None else ()
+        stats = self.stats if self.stats is not None else torch.zeros(len(names), dtype=torch.float64)
+        loss, stats = self.loss, stats.detach().cpu().to(torch.float64)
+        logp, entropy = self.logp, self.entropy
+        if opts.cp_size > 1:
+            dev = comm_device(opts.cp_group)
+            t = torch.cat([torch.tensor([loss], dtype=torch.float64), stats]).to(dev)
+            dist.all_reduce(t, group=opts.cp_group)
+            t = t.cpu()
+            loss, stats = float(t[0]), t[1:]
+            logp, entropy = _merge_over_cp(logp, opts), _merge_over_cp(entropy, opts)
+        return StepResult(
+            schedule=name,
+            loss=loss,
+            positions_logical=tree.positions_logical,
+            target_logprobs=logp,
+            target_entropy=entropy,
+            stats=dict(zip(names, stats.tolist())),
+            **kw,
+        )
+
+
+def _merge_over_cp(store: torch.Tensor | None, opts: ScheduleOptions) -> torch.Tensor | None:
+    if store is None:
+        return None
+    dev = comm_device(opts.cp_group)
+    held = ~torch.isnan(store)
+    both = torch.stack([torch.where(held, store, torch.zeros_like(store)), held.to(store.dtype)]).to(
+        dev
+    )  # [2, N]
+    dist.all_reduce(both, group=opts.cp_group)
+    both = both.cpu()  # the store lives on the host
+    return torch.where(both[1] > 0, both[0], torch.full_like(store, float("nan")))
 
 
 def prepare_chunk(
@@ -109,57 +211,55 @@ def forward_chunk(
     model: torch.nn.Module,
     tree: PrefixTree,
     chunk: Chunk | CPChunk,
-    objective: BoundObjective,
+    objective: BoundObjective | None,
     opts: ScheduleOptions,
     *,
     external_kv: dict[int, list[KV]] | None = None,
     capture: bool = False,
     external_meta: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, dict[int, KV]]:
-    """Forward one chunk; returns (loss over its targets, their logprobs [m], captured chunk K/V per layer).
-
-    Under CP (`chunk` a CPChunk) only this rank's rows and targets; `external_meta` [2, c] describes the rows of
-    `external_kv`.
+) -> ChunkOut:
+    """Forward one chunk: the objective's loss over its targets, their logprobs [m] (and entropies), and the
+    captured chunk K/V per layer. `objective=None` scores only (loss 0). Under CP only this rank's rows and
+    targets; `external_meta` [2, c] describes the rows of `external_kv`.
     """
-    ctx: BranchContext
-    if isinstance(chunk, CPChunk):
-        from megatron_branch.parallel.context import RingBranchContext
-
-        ctx = RingBranchContext(
-            q_meta=chunk.meta.to(model_device(model)),
-            external_kv=external_kv or {},
-            external_meta=None if external_meta is None else external_meta.to(model_device(model)),
-            related=tree_related(tree).to(model_device(model)),
-            cp_group=opts.cp_group,
-            capture=capture,
-            stats=opts.ring_stats,
-        )
-    else:
-        ctx = BranchContext(
-            layout=chunk.layout, external_kv=external_kv or {}, capture=capture, backend=opts.backend
-        )
     dev = model_device(model)  # chunks are built on the host; the model may live on an accelerator
+    ctx = chunk.context(
+        tree, opts, external_kv=external_kv or {}, external_meta=external_meta, capture=capture, device=dev
+    )
+    want_entropy = opts.keep_entropy or (objective is not None and objective.needs_entropy)
     ids, pos = chunk.input_ids.to(dev)[None], chunk.position_ids.to(dev)[None]  # [1, s]
     target_rows, target_ids = chunk.target_rows.to(dev), tree.tokens[chunk.targets].to(dev)  # [m]
     base = getattr(model, "module", model)  # megatron DDP wraps the GPTModel
-    if opts.fused_logprobs and isinstance(base, BranchGPTModel):
+    ent = None
+    if isinstance(base, BranchGPTModel) and (opts.fused_logprobs or base.is_critic):
         with attach_context(model, ctx), base.hidden_states_only():
             hidden = model(ids, pos, None)  # [s (/tp under SP), 1, h] final hidden states
-        hidden = _to_output_region(hidden, opts)[:, 0]  # [s, h], TP-summed gradient in backward
-        logp = fused_linear_logprobs(
-            hidden.index_select(0, target_rows),
-            _output_weight(base),  # [v/tp, h]
-            target_ids,
-            vocab_size=opts.vocab_size,
-            tp_group=opts.tp_group,
-            chunk_rows=opts.logprob_chunk_rows,
-        )  # [m]
+        if base.is_critic:  # the value head is replicated over TP: its input is gathered, not TP-summed
+            rows = _to_replicated_region(hidden, opts)[:, 0].index_select(0, target_rows)  # [m, h]
+            logp = base.values(rows)  # [m] value at each target's predecessor row
+        else:
+            hidden = _to_output_region(hidden, opts)[:, 0]  # [s, h], TP-summed gradient in backward
+            logp, ent = fused_linear_logprobs_entropy(
+                hidden.index_select(0, target_rows),
+                _output_weight(base),  # [v/tp, h]
+                target_ids,
+                vocab_size=opts.vocab_size,
+                tp_group=opts.tp_group,
+                chunk_rows=opts.logprob_chunk_rows,
+                entropy=want_entropy,
+            )  # [m], [m]
     else:
         with attach_context(model, ctx):
             logits = model(ids, pos, None)  # [1, s, v]
         rows = logits[0].index_select(0, target_rows)  # [m, v]
         logp = vocab_parallel_logprobs(rows, target_ids, vocab_size=opts.vocab_size, tp_group=opts.tp_group)
-    return objective.chunk_loss(logp, chunk.targets), logp, ctx.captured
+        if want_entropy:
+            ent = vocab_parallel_entropy(rows, vocab_size=opts.vocab_size, tp_group=opts.tp_group)
+    if objective is None:
+        loss, stats = logp.new_zeros(()), torch.zeros(0, dtype=torch.float64)
+    else:
+        loss, stats = objective.chunk_loss(logp, chunk.targets, ent)
+    return ChunkOut(loss=loss, stats=stats, logp=logp, entropy=ent, captured=ctx.captured)
 
 
 def _output_weight(model: BranchGPTModel) -> torch.Tensor:
@@ -168,6 +268,19 @@ def _output_weight(model: BranchGPTModel) -> torch.Tensor:
     if model.share_embeddings_and_output_weights:
         return model.shared_embedding_or_output_weight()
     return model.output_layer.weight
+
+
+def _to_replicated_region(hidden: torch.Tensor, opts: ScheduleOptions) -> torch.Tensor:
+    """The final hidden states whole on every TP rank for a head replicated over TP (the critic's value head):
+    under SP all-gather the sequence (backward: keep this rank's slice), else identity (each TP rank already
+    holds the whole input gradient, so nothing is summed)."""
+    if opts.tp_size == 1 or opts.tp_group is None or not opts.sequence_parallel:
+        return hidden
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    return gather_from_sequence_parallel_region(
+        hidden, tensor_parallel_output_grad=False, group=opts.tp_group
+    )
 
 
 def _to_output_region(hidden: torch.Tensor, opts: ScheduleOptions) -> torch.Tensor:
@@ -189,34 +302,3 @@ def _to_output_region(hidden: torch.Tensor, opts: ScheduleOptions) -> torch.Tens
 
 def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
-
-
-def record_logprobs(store: torch.Tensor | None, chunk: Chunk | CPChunk, logp: torch.Tensor) -> None:
-    if store is not None:  # the store lives on the host, indexed by packed position
-        store[chunk.targets] = logp.detach().to(device=store.device, dtype=store.dtype)
-
-
-def cache_rows(chunk: Chunk | CPChunk) -> int:
-    """Rows of a chunk's K/V that descendants attend to: the real rows, or under CP every local row (padding is
-    hidden by its metadata, and keeping it keeps every rank's cached shard the same length)."""
-    return chunk.num_local if isinstance(chunk, CPChunk) else chunk.num_real
-
-
-def reduce_over_cp(
-    loss: float, store: torch.Tensor | None, opts: ScheduleOptions
-) -> tuple[float, torch.Tensor | None]:
-    """Under CP: the loss is the SUM of the ranks' terms; each target's logprob was computed on exactly one rank."""
-    if opts.cp_size == 1:
-        return loss, store
-    dev = comm_device(opts.cp_group)
-    t = torch.tensor([loss], dtype=torch.float64, device=dev)
-    dist.all_reduce(t, group=opts.cp_group)
-    if store is not None:
-        held = ~torch.isnan(store)
-        both = torch.stack([torch.where(held, store, torch.zeros_like(store)), held.to(store.dtype)]).to(
-            dev
-        )  # [2, N]
-        dist.all_reduce(both, group=opts.cp_group)
-        both = both.cpu()  # the store lives on the host
-        store = torch.where(both[1] > 0, both[0], torch.full_like(store, float("nan")))
-    return float(t[0]), store

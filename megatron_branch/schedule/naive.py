@@ -1,8 +1,8 @@
 """The naive schedule: every rollout run separately through megatron's own attention (the baseline).
 
 Nothing here uses the prefix tree's sharing or our attention backends: each rollout is a plain causal sequence
-through megatron-core's DotProductAttention, which is what the exactness tests compare everything else against.
-The tree is used only to read per-rollout data (tokens, loss weights) and to index results.
+through megatron-core's DotProductAttention and output layer, which is what the exactness tests compare everything
+else against. The tree is used only to read per-rollout data (tokens, loss weights) and to index results.
 """
 
 from __future__ import annotations
@@ -10,22 +10,36 @@ from __future__ import annotations
 import torch
 
 from megatron_branch.data import PrefixTree
-from megatron_branch.losses.logprobs import vocab_parallel_logprobs
+from megatron_branch.losses.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from megatron_branch.losses.objective import Objective
-from megatron_branch.schedule.common import ScheduleOptions, StepResult, model_device
+from megatron_branch.models.gpt import BranchGPTModel
+from megatron_branch.schedule.common import (
+    ChunkOut,
+    ScheduleOptions,
+    StepResult,
+    Store,
+    _to_replicated_region,
+    model_device,
+)
 
 
 def run_naive(
-    model: torch.nn.Module, tree: PrefixTree, objective: Objective, opts: ScheduleOptions
+    model: torch.nn.Module,
+    tree: PrefixTree,
+    objective: Objective | None,
+    opts: ScheduleOptions,
+    *,
+    forward_only: bool = False,
 ) -> StepResult:
     # Under CP every CP rank would run every rollout whole, and the CP grad sum would count it cp times.
     if opts.cp_size > 1:
         raise ValueError(
             "the naive schedule has no context parallelism (cp_size must be 1); use packed or replay"
         )
-    bound = objective.bind(tree)
-    total = 0.0
-    store = torch.full((tree.num_tokens,), float("nan"), dtype=torch.float64) if opts.keep_logprobs else None
+    bound = objective.bind(tree) if objective is not None else None
+    want_entropy = opts.keep_entropy or (bound is not None and bound.needs_entropy)
+    store = Store(tree, opts)
+    base = getattr(model, "module", model)
     dev = model_device(model)
     for i, r in enumerate(tree.rollouts):
         seq = torch.tensor(r.prompt + r.response, dtype=torch.long, device=dev)  # [L]
@@ -36,21 +50,38 @@ def run_naive(
         mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=dev), diagonal=1)[
             None, None
         ]  # True = masked
-        logits = model(ids[None], pos[None], mask)  # [1, s, v]
-        logp = vocab_parallel_logprobs(
-            logits[0, : L - 1], seq[1:], vocab_size=opts.vocab_size, tp_group=opts.tp_group
-        )  # [L-1]: row j predicts token j+1
-        loss = bound.rollout_loss(i, logp)
-        loss.backward()
-        total += float(loss.detach())
-        if store is not None:
-            idx = tree.rollout_indices(i)[1:]
-            store[idx] = logp.detach().to(device=store.device, dtype=torch.float64)
-    return StepResult(
-        schedule="naive",
-        loss=total,
-        positions_logical=tree.positions_logical,
+        ent = None
+        with torch.set_grad_enabled(not forward_only and torch.is_grad_enabled()):
+            if isinstance(base, BranchGPTModel) and base.is_critic:
+                with base.hidden_states_only():
+                    hidden = model(ids[None], pos[None], mask)  # [s (/tp), 1, h]
+                x = base.values(_to_replicated_region(hidden, opts)[: L - 1, 0])  # [L-1] value of row j
+            else:
+                logits = model(ids[None], pos[None], mask)  # [1, s, v]
+                x = vocab_parallel_logprobs(
+                    logits[0, : L - 1], seq[1:], vocab_size=opts.vocab_size, tp_group=opts.tp_group
+                )  # [L-1]: row j predicts token j+1
+                if want_entropy:
+                    ent = vocab_parallel_entropy(
+                        logits[0, : L - 1], vocab_size=opts.vocab_size, tp_group=opts.tp_group
+                    )
+            if bound is not None:
+                loss, stats = bound.rollout_loss(i, x, ent)
+            else:
+                loss, stats = x.new_zeros(()), torch.zeros(0, dtype=torch.float64)
+        if not forward_only:
+            loss.backward()
+        # keep the response tokens' results, as the tree schedules do (prompt rows carry no loss; the first
+        # response token is predicted by the last prompt row)
+        first = max(len(r.prompt) - 1, 0)
+        ent = None if ent is None else ent[first:]
+        out = ChunkOut(loss=loss, stats=stats, logp=x[first:], entropy=ent, captured={})
+        store.add(tree.rollout_indices(i)[1 + first :], out)
+    return store.result(
+        "naive",
+        tree,
+        bound,
+        opts,
         positions_computed=tree.positions_logical,
         forwards=len(tree.rollouts),
-        target_logprobs=store,
     )

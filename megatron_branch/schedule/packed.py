@@ -11,31 +11,23 @@ import torch
 
 from megatron_branch.data import PrefixTree
 from megatron_branch.losses.objective import Objective
-from megatron_branch.schedule.common import (
-    ScheduleOptions,
-    StepResult,
-    forward_chunk,
-    prepare_chunk,
-    record_logprobs,
-    reduce_over_cp,
-)
+from megatron_branch.schedule.common import ScheduleOptions, StepResult, Store, forward_chunk, prepare_chunk
 
 
 def run_packed(
-    model: torch.nn.Module, tree: PrefixTree, objective: Objective, opts: ScheduleOptions
+    model: torch.nn.Module,
+    tree: PrefixTree,
+    objective: Objective | None,
+    opts: ScheduleOptions,
+    *,
+    forward_only: bool = False,
 ) -> StepResult:
-    bound = objective.bind(tree)
-    store = torch.full((tree.num_tokens,), float("nan"), dtype=torch.float64) if opts.keep_logprobs else None
+    bound = objective.bind(tree) if objective is not None else None
+    store = Store(tree, opts)
     chunk = prepare_chunk(tree, range(len(tree.segments)), opts)  # under CP: this rank's zigzag share
-    loss, logp, _ = forward_chunk(model, tree, chunk, bound, opts)
-    loss.backward()
-    record_logprobs(store, chunk, logp)
-    total, store = reduce_over_cp(float(loss.detach()), store, opts)
-    return StepResult(
-        schedule="packed",
-        loss=total,
-        positions_logical=tree.positions_logical,
-        positions_computed=tree.positions_computed,
-        forwards=1,
-        target_logprobs=store,
-    )
+    with torch.set_grad_enabled(not forward_only and torch.is_grad_enabled()):
+        out = forward_chunk(model, tree, chunk, bound, opts)
+    if not forward_only:
+        out.loss.backward()
+    store.add(chunk.targets, out)
+    return store.result("packed", tree, bound, opts, positions_computed=tree.positions_computed, forwards=1)

@@ -14,6 +14,10 @@ arXiv 2602.00482), and only one root-to-leaf path (plus one micro-batch of leave
 With `recompute`, step 1 runs without a graph for segments that have children, and step 4 recomputes the forward
 before its backward: memory then holds only the path's K/V, at the price of one more forward per inner segment.
 Dropout is 0 in every model we build, so the recomputed forward is bit-identical (no RNG state to replay).
+
+`forward_only` (scoring: old-policy, reference and DPO logprobs, evaluation) runs the same DFS under no_grad:
+the path's K/V are cached as plain tensors and dropped when a subtree is done, no graph is kept, so memory is one
+root-to-leaf path's K/V plus one chunk's activations, and the numbers are the training forward's bit for bit.
 """
 
 from __future__ import annotations
@@ -26,33 +30,36 @@ from megatron_branch.attention.core_attention import KV
 from megatron_branch.data import PrefixTree
 from megatron_branch.losses.objective import BoundObjective, Objective
 from megatron_branch.memory import track_extra
+from megatron_branch.schedule.chunks import Chunk, CPChunk
 from megatron_branch.schedule.common import (
+    ChunkOut,
     ScheduleOptions,
     StepResult,
-    cache_rows,
+    Store,
     forward_chunk,
     prepare_chunk,
-    record_logprobs,
-    reduce_over_cp,
 )
 
 
 class _Replay:
     def __init__(
-        self, model: torch.nn.Module, tree: PrefixTree, objective: BoundObjective, opts: ScheduleOptions
+        self,
+        model: torch.nn.Module,
+        tree: PrefixTree,
+        objective: BoundObjective | None,
+        opts: ScheduleOptions,
+        forward_only: bool,
     ) -> None:
         self.model, self.tree, self.objective, self.opts = model, tree, objective, opts
+        self.forward_only = forward_only
         self.cache: dict[int, dict[int, KV]] = {}  # segment -> layer -> (k [l,b,g,h], v) leaves
-        # CP only: segment -> [2, l] metadata of this rank's cached rows
+        # segment -> metadata of this rank's cached rows, for chunks whose context needs it (CP: [2, l])
         self.meta: dict[int, torch.Tensor] = {}
         self.path: list[int] = []  # cached ancestors of what runs next, root first
-        self.loss = 0.0
         self.forwards = 0
         self.positions = 0
         self.recomputed = 0
-        self.store = (
-            torch.full((tree.num_tokens,), float("nan"), dtype=torch.float64) if opts.keep_logprobs else None
-        )
+        self.store = Store(tree, opts)
 
     def external_kv(self) -> dict[int, list[KV]]:
         """layer -> the current path's cached K/V leaves, root first (blocks, not concatenated: no copy)."""
@@ -62,15 +69,16 @@ class _Replay:
         return {layer: [self.cache[a][layer] for a in self.path] for layer in layers}
 
     def external_meta(self) -> torch.Tensor | None:
-        """CP only: [2, c] metadata of this rank's rows of the current path, in external_kv's order."""
-        if not self.path or self.opts.cp_size == 1:
-            return None
-        return torch.cat([self.meta[a] for a in self.path], dim=1)
+        """[2, c] metadata of the current path's cached rows in external_kv's order (None: not needed)."""
+        metas = [self.meta[a] for a in self.path if a in self.meta]
+        return torch.cat(metas, dim=1) if metas else None
 
-    def _forward(self, segments: list[int], *, capture: bool, grad: bool = True):  # noqa: ANN202
+    def _forward(
+        self, segments: list[int], *, capture: bool, grad: bool = True
+    ) -> tuple[Chunk | CPChunk, ChunkOut]:
         chunk = prepare_chunk(self.tree, segments, self.opts, external=self.path)
-        with torch.set_grad_enabled(grad):
-            loss, logp, captured = forward_chunk(
+        with torch.set_grad_enabled(grad and not self.forward_only):
+            out = forward_chunk(
                 self.model,
                 self.tree,
                 chunk,
@@ -81,32 +89,34 @@ class _Replay:
                 external_meta=self.external_meta(),
             )
         self.forwards += 1
-        return chunk, loss, logp, captured
+        return chunk, out
 
     def run_leaves(self, leaves: list[int]) -> None:
-        chunk, loss, logp, _ = self._forward(leaves, capture=False)
-        loss.backward()
-        self.loss += float(loss.detach())
+        chunk, out = self._forward(leaves, capture=False)
+        if not self.forward_only:
+            out.loss.backward()
         self.positions += chunk.num_real
-        record_logprobs(self.store, chunk, logp)
+        self.store.add(chunk.targets, out)
 
     def run_segment(self, seg_id: int) -> None:
         seg = self.tree.segments[seg_id]
         if not seg.children:
             self.run_leaves([seg_id])
             return
-        keep_graph = not self.opts.recompute
-        chunk, loss, logp, captured = self._forward([seg_id], capture=True, grad=keep_graph)
+        keep_graph = not self.opts.recompute and not self.forward_only
+        chunk, out = self._forward([seg_id], capture=True, grad=keep_graph)
         self.positions += chunk.num_real
         # padded rows (sequence parallel) are never seen by descendants: cache real rows only (under CP every local
         # row: each rank keeps ITS shard of this prefix's K/V for the whole replay of its subtree)
-        real = cache_rows(chunk)
-        if self.opts.cp_size > 1:
-            self.meta[seg_id] = chunk.meta  # type: ignore[union-attr]
-        self.cache[seg_id] = {
-            layer: (k[:real].detach().requires_grad_(), v[:real].detach().requires_grad_())
-            for layer, (k, v) in captured.items()
-        }
+        real = chunk.cache_rows
+        if chunk.cache_meta is not None:
+            self.meta[seg_id] = chunk.cache_meta
+        leaf = (
+            (lambda t: t[:real].detach())
+            if self.forward_only
+            else (lambda t: t[:real].detach().requires_grad_())
+        )
+        self.cache[seg_id] = {layer: (leaf(k), leaf(v)) for layer, (k, v) in out.captured.items()}
         # the cache is activation memory too: an active ActivationMeter counts it (a no-op otherwise)
         track_extra(t for kv in self.cache[seg_id].values() for t in kv)
         self.path.append(seg_id)
@@ -118,19 +128,22 @@ class _Replay:
         self.path.pop()
         leaves = self.cache.pop(seg_id)
         self.meta.pop(seg_id, None)
+        if self.forward_only:  # scoring: no backward, and the first forward is the one counted
+            self.store.add(chunk.targets, out)
+            return
         if not keep_graph:
-            chunk, loss, logp, captured = self._forward([seg_id], capture=True, grad=True)
+            chunk, out = self._forward([seg_id], capture=True, grad=True)
             self.recomputed += chunk.num_real
-        outputs, grads = [loss], [torch.ones_like(loss)]
-        for layer, (k, v) in captured.items():
+        outputs, grads = [out.loss], [torch.ones_like(out.loss)]
+        for layer, (k, v) in out.captured.items():
             k_leaf, v_leaf = leaves[layer]
-            for t, leaf in ((k, k_leaf), (v, v_leaf)):
-                if leaf.grad is not None:
+            for t, cached in ((k, k_leaf), (v, v_leaf)):
+                if cached.grad is not None:
                     outputs.append(t[:real])
-                    grads.append(leaf.grad)
-        torch.autograd.backward(outputs, grads)
-        self.loss += float(loss.detach())
-        record_logprobs(self.store, chunk, logp)
+                    grads.append(cached.grad)
+        if outputs[0].requires_grad or len(outputs) > 1:
+            torch.autograd.backward(outputs, grads)
+        self.store.add(chunk.targets, out)
 
     def _child_groups(self, children: tuple[int, ...]) -> Iterator[list[int]]:
         """Inner children one at a time; leaf children in micro-batches of `branch_micro_batch`."""
@@ -148,19 +161,24 @@ class _Replay:
 
 
 def run_replay(
-    model: torch.nn.Module, tree: PrefixTree, objective: Objective, opts: ScheduleOptions
+    model: torch.nn.Module,
+    tree: PrefixTree,
+    objective: Objective | None,
+    opts: ScheduleOptions,
+    *,
+    forward_only: bool = False,
 ) -> StepResult:
-    r = _Replay(model, tree, objective.bind(tree), opts)
+    bound = objective.bind(tree) if objective is not None else None
+    r = _Replay(model, tree, bound, opts, forward_only)
     for root in tree.roots:
         r.run_segment(root)
     assert r.positions == tree.positions_computed, (r.positions, tree.positions_computed)
-    loss, store = reduce_over_cp(r.loss, r.store, opts)
-    return StepResult(
-        schedule="replay",
-        loss=loss,
-        positions_logical=tree.positions_logical,
+    return r.store.result(
+        "replay",
+        tree,
+        bound,
+        opts,
         positions_computed=r.positions,
         positions_recomputed=r.recomputed,
         forwards=r.forwards,
-        target_logprobs=store,
     )

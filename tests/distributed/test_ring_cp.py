@@ -10,15 +10,17 @@ locally, and compares its own rows of the CP result to it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron_branch.attention.reference import reference_attention
 from megatron_branch.data import PrefixTree, Rollout
-from megatron_branch.parallel.cp_layout import split_chunk, tree_related
+from megatron_branch.parallel.cp_layout import tree_related
 from megatron_branch.parallel.ring import RingStats, ring_tree_attention
-from megatron_branch.schedule.chunks import make_chunk
+from megatron_branch.schedule.chunks import make_chunk, split_chunk
 
 # ---------------------------------------------------------------------------------------------------------------
 # trees
@@ -176,10 +178,11 @@ def _model_case(schedule: str, dtype: torch.dtype, *, tp: int, cp: int, tol: flo
     obj = PolicyGradientObjective.grpo(
         [r.advantage for r in tree.rollouts], tree.num_response_tokens_logical()
     )
-    common = dict(vocab_size=37, keep_logprobs=True, tp_group=groups.tp, tp_size=tp, sequence_parallel=sp)
+    common = dict(vocab_size=37, keep_logprobs=True)
+    no_cp = dataclasses.replace(groups, cp=None, cp_size=1)
 
     # reference: the naive schedule, run locally on every rank (no CP involved)
-    ref = run_schedule("naive", model, tree, obj, ScheduleOptions(**common))
+    ref = run_schedule("naive", model, tree, obj, ScheduleOptions(groups=no_cp, **common))
     finalize_grads(model, tp_group=groups.tp, dp_cp_group=None, sequence_parallel=sp)
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
@@ -187,7 +190,7 @@ def _model_case(schedule: str, dtype: torch.dtype, *, tp: int, cp: int, tol: flo
     name, recompute = schedule.split("-")[0], schedule.endswith("recompute")
     stats = RingStats()
     opts = ScheduleOptions(
-        **common, cp_group=groups.cp, cp_size=cp, recompute=recompute, branch_micro_batch=2, ring_stats=stats
+        groups=groups, **common, recompute=recompute, branch_micro_batch=2, ring_stats=stats
     )
     res = run_schedule(name, model, tree, obj, opts)
     finalize_grads(model, tp_group=groups.tp, dp_cp_group=groups.dp_cp, sequence_parallel=sp)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megatron_branch.attention.kernels import math_attention_forward
 from megatron_branch.data import PrefixTree, Rollout
-from megatron_branch.parallel.cp_layout import split_chunk, tree_related
+from megatron_branch.parallel.cp_layout import tree_related
 from megatron_branch.parallel.rehearsal import (
     LargestTensorMode,
     RehearsalBatch,
@@ -29,7 +29,7 @@ from megatron_branch.parallel.rehearsal import (
     run_step,
 )
 from megatron_branch.parallel.ring import RingStats, ring_tree_attention
-from megatron_branch.schedule.chunks import make_chunk
+from megatron_branch.schedule.chunks import make_chunk, split_chunk
 
 N, G, H = 4, 2, 8  # query heads, kv heads, head dim
 

@@ -255,7 +255,7 @@ def test_layout_validation(segments, sq: int, sk: int, match: str) -> None:
 
 
 def test_dispatch_defaults_and_overrides() -> None:
-    assert set(BACKENDS) == {"reference", "merge", "packed", "flex"}
+    assert set(BACKENDS) == {"reference", "merge", "packed", "flex", "repeat"}
     assert default_backend("cpu") == "merge" and default_backend(torch.device("cpu")) == "merge"
     with use_backend("packed"):
         assert default_backend("cpu") == "packed"
@@ -268,7 +268,7 @@ def test_dispatch_defaults_and_overrides() -> None:
         assert default_backend("cpu") == "reference"
     finally:
         set_default_backend(None)
-    with pytest.raises(ValueError, match="flex, merge, packed, reference"):
+    with pytest.raises(ValueError, match="flex, merge, packed, reference, repeat"):
         attention(*make_inputs(LAYOUTS["causal"], 2, 2, torch.float32), LAYOUTS["causal"], backend="nope")
     with pytest.raises(ValueError, match="valid"):
         set_default_backend("nope")

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from megatron_branch.attention import (
     AttentionLayout,
-    flash_attention_backward,
-    flash_attention_forward,
+    fused_attention_backward,
+    fused_attention_forward,
     lse_merge,
     math_attention_backward,
     math_attention_forward,
@@ -126,13 +126,13 @@ def test_flash_kernel_forward_backward(dtype: torch.dtype, causal: bool, sq: int
     q, k, v = qkv(2, 3, sq, sk, 8, dtype, seed=3)
     scale = 0.25
     mask = torch.ones(sq, sk, dtype=torch.bool).tril() if causal else None
-    out, lse = flash_attention_forward(q, k, v, causal, scale)
+    out, lse = fused_attention_forward(q, k, v, causal, scale)
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
     ref_out, ref_lse = sdpa_ref(qr, kr, vr, mask, scale)
     assert rel_err(out, ref_out) < TOL[dtype] and rel_err(lse, ref_lse) < TOL[dtype]
     dout = torch.randn_like(out)
     ref_grads = torch.autograd.grad(ref_out, (qr, kr, vr), dout)
-    grads = flash_attention_backward(dout, q, k, v, out, lse, causal, scale)
+    grads = fused_attention_backward(dout, q, k, v, out, lse, causal, scale)
     for got, want in zip(grads, ref_grads):
         assert rel_err(got, want) < TOL[dtype]
 
@@ -153,8 +153,8 @@ def test_per_part_backward_with_merged_out_lse_is_exact(kernel: str) -> None:
     ka, kb, va, vb = k[:, :, :n], k[:, :, n:], v[:, :, :n], v[:, :, n:]
     if kernel == "flash":
         fwd = [
-            flash_attention_forward(q, ka, va, False, scale),
-            flash_attention_forward(q, kb, vb, True, scale),
+            fused_attention_forward(q, ka, va, False, scale),
+            fused_attention_forward(q, kb, vb, True, scale),
         ]
     else:
         fwd = [
@@ -164,8 +164,8 @@ def test_per_part_backward_with_merged_out_lse_is_exact(kernel: str) -> None:
     out, lse = merge_parts(fwd)
     assert rel_err(out, ref_out) < 1e-12
     if kernel == "flash":
-        ga = flash_attention_backward(dout, q, ka, va, out, lse, False, scale)
-        gb = flash_attention_backward(dout, q, kb, vb, out, lse, True, scale)
+        ga = fused_attention_backward(dout, q, ka, va, out, lse, False, scale)
+        gb = fused_attention_backward(dout, q, kb, vb, out, lse, True, scale)
     else:
         ga = math_attention_backward(dout, q, ka, va, out, lse, None, scale)
         gb = math_attention_backward(dout, q, kb, vb, out, lse, causal, scale)

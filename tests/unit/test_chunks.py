@@ -24,7 +24,7 @@ def test_targets_match_the_predecessor_relation() -> None:
     for segs, ext in [(range(len(tree.segments)), ()), ([tree.roots[0]], ())] + [
         ([c], tree.segments[c].ancestors) for c in range(len(tree.segments)) if tree.segments[c].parent >= 0
     ]:
-        chunk = make_chunk(tree, list(segs), external=ext)
+        chunk = make_chunk(tree, list(segs), external=ext, targets="all")
         pred = tree.predecessor
         want = sorted(
             int(u)
@@ -34,6 +34,11 @@ def test_targets_match_the_predecessor_relation() -> None:
         assert chunk.targets.tolist() == want
         # every target's row holds its predecessor
         assert torch.equal(chunk.token_index[chunk.target_rows], pred[chunk.targets])
+        # the default keeps the targets in some rollout's response: here the fork tokens and everything after
+        loss = make_chunk(tree, list(segs), external=ext)
+        response = tree.response_counts() > 0
+        assert loss.targets.tolist() == [t for t in want if response[t]]
+        assert torch.equal(loss.token_index[loss.target_rows], pred[loss.targets])
 
 
 def test_sixteen_rollouts_of_128k_prompt() -> None:
@@ -46,6 +51,7 @@ def test_sixteen_rollouts_of_128k_prompt() -> None:
     assert tree.positions_computed == P + G * S
     root = tree.roots[0]
     first = make_chunk(tree, [root])
-    assert first.layout.num_keys == P and first.targets.numel() == P - 1 + G  # next tokens + 16 fork tokens
+    assert first.layout.num_keys == P and first.targets.numel() == G  # the 16 fork tokens: no prompt row
+    assert make_chunk(tree, [root], targets="all").targets.numel() == P - 1 + G  # + the prompt's next tokens
     leaf = make_chunk(tree, [tree.segments[root].children[3]], external=[root])
     assert leaf.layout.num_keys == P + S and leaf.layout.num_queries == S and leaf.targets.numel() == S - 1

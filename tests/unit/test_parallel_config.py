@@ -14,9 +14,9 @@ import pytest
 from megatron_branch.cli import main
 from megatron_branch.data import PrefixTree, Rollout, write_rollouts_jsonl
 from megatron_branch.errors import UserError
-from megatron_branch.parallel.cp_layout import check_cp_fits, split_chunk
+from megatron_branch.parallel.cp_layout import check_cp_fits
 from megatron_branch.parallel.groups import ParallelConfig
-from megatron_branch.schedule.chunks import make_chunk
+from megatron_branch.schedule.chunks import make_chunk, split_chunk
 
 
 def _random_tree(rng: random.Random) -> PrefixTree:

@@ -64,7 +64,11 @@ BAD_CASES = [
     pytest.param("[1, 2]", "JSON object", id="not-object"),
     pytest.param(_line(response=[3], advantage=0.0), "missing field 'prompt'", id="missing-prompt"),
     pytest.param(_line(prompt=[1], advantage=0.0), "missing field 'response'", id="missing-response"),
-    pytest.param(_line(prompt=[1], response=[2]), "missing field 'advantage'", id="missing-advantage"),
+    pytest.param(_line(prompt=[1], response=[2], pair=[1]), "pair must be a JSON scalar", id="pair-list"),
+    pytest.param(_line(prompt=[1], response=[2], chosen=1), "chosen must be true or false", id="chosen-int"),
+    pytest.param(
+        _line(prompt=[1], response=[2], old_logprobs="x"), "must be a list of numbers", id="old-str"
+    ),
     pytest.param(_line(prompt="1 2", response=[3], advantage=0.0), "prompt must be a list", id="prompt-str"),
     pytest.param(_line(prompt=[1], response=7, advantage=0.0), "response must be a list", id="response-int"),
     pytest.param(_line(prompt=[1], response=[], advantage=0.0), "response is empty", id="empty-response"),
@@ -129,3 +133,18 @@ def test_non_utf8_file_is_a_user_error(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"binary\.jsonl: cannot read") as info:
         read_rollouts_jsonl(path)
     assert "\n" not in str(info.value)
+
+
+def test_objective_fields_round_trip_and_remember_their_line(tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "dpo.jsonl"
+    path.write_text(
+        _line(prompt=[1], response=[2, 3], pair="q1", chosen=True, ref_logprobs=[-1.0, -2.0])
+        + "\n"
+        + _line(prompt=[1], response=[4], pair="q1", chosen=False, ref_logprobs=[-0.5], advantages=[0.25])
+        + "\n"
+    )
+    a, b = read_rollouts_jsonl(path)
+    assert a.advantage is None and a.pair == "q1" and a.chosen is True and a.where == f"{path}:1"
+    assert b.field("advantages") == (0.25,) and b.field("old_logprobs") is None and b.where == f"{path}:2"
+    write_rollouts_jsonl(tmp_path / "again.jsonl", [a, b])
+    assert read_rollouts_jsonl(tmp_path / "again.jsonl") == [a, b]

@@ -1,5 +1,6 @@
 """Property test: on random rollout sets that share at random depths (duplicates, strict prefixes, empty prompts,
-forests, one-token segments), packed and replay give naive's loss, logprobs and gradients in float64."""
+forests, one-token segments), packed, replay and the unshared baselines (naive-fused, packed-nosharing) give naive's
+loss, logprobs and gradients in float64."""
 
 from __future__ import annotations
 
@@ -59,7 +60,12 @@ def test_replay_and_packed_equal_naive(
     model: torch.nn.Module, rollouts: list[Rollout], micro: int, recompute: bool
 ) -> None:
     base, base_grads = step(model, rollouts, "naive")
-    for schedule, kw in (("packed", {}), ("replay", {"branch_micro_batch": micro, "recompute": recompute})):
+    for schedule, kw in (
+        ("packed", {}),
+        ("replay", {"branch_micro_batch": micro, "recompute": recompute}),
+        ("naive-fused", {}),
+        ("packed-nosharing", {}),
+    ):
         res, grads = step(model, rollouts, schedule, **kw)
         assert res.loss == pytest.approx(base.loss, rel=1e-10, abs=1e-13)
         torch.testing.assert_close(

@@ -62,11 +62,11 @@ def assert_grads_close(got: dict, want: dict, tol: float) -> None:
         assert err <= tol, f"{name}: relative error {err:.3e} > {tol:.0e}"
 
 
-TREES = {
-    "shared_prompt": dict(prompt_len=9, branches=4, levels=1),
-    "two_levels": dict(prompt_len=7, branches=3, levels=2),
-    "three_levels": dict(prompt_len=5, branches=2, levels=3, seg_len=(2, 4)),
-    "three_groups": dict(groups=3, prompt_len=6, branches=3, levels=2),
+TREES = {  # explicit seeds: a failure reproduces in any process (hash() of a string changes with each one)
+    "shared_prompt": dict(prompt_len=9, branches=4, levels=1, seed=101),
+    "two_levels": dict(prompt_len=7, branches=3, levels=2, seed=202),
+    "three_levels": dict(prompt_len=5, branches=2, levels=3, seg_len=(2, 4), seed=303),
+    "three_groups": dict(groups=3, prompt_len=6, branches=3, levels=2, seed=404),
 }
 MODELS = {"llama_gqa": ("llama", False), "qwen2_bias": ("qwen2", False), "llama_tied": ("llama", True)}
 
@@ -76,7 +76,7 @@ MODELS = {"llama_gqa": ("llama", False), "qwen2_bias": ("qwen2", False), "llama_
 def test_float64_parity_with_naive_and_hf(model_name: str, tree_name: str) -> None:
     family, tie = MODELS[model_name]
     hf, model, arch = make_pair(family, tie, torch.float64)
-    rollouts = random_tree_rollouts(seed=hash(tree_name) % 1000, **TREES[tree_name])
+    rollouts = random_tree_rollouts(**TREES[tree_name])
     hf_loss, hf_grads = hf_policy_gradient(hf, rollouts)
     tree, naive, naive_grads = run(model, arch, rollouts, "naive")
     assert tree.positions_computed < tree.positions_logical

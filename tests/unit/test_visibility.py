@@ -21,8 +21,8 @@ from megatron_branch.attention.visibility import (
     runs_from_meta,
 )
 from megatron_branch.data import PrefixTree
-from megatron_branch.parallel.cp_layout import split_chunk, tree_related
-from megatron_branch.schedule.chunks import make_chunk
+from megatron_branch.parallel.cp_layout import tree_related
+from megatron_branch.schedule.chunks import make_chunk, split_chunk
 from megatron_branch.testing import random_tree_rollouts
 
 

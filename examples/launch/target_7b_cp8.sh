@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The 2.1M-position target on one 8-GPU node: 16 rollouts x 131,072 positions (a 122,880-token prompt shared by
+# 16 responses of 8,192 tokens), qwen2.5-7b, TP1 x CP8, exact branch replay (one step, gradients under HF names).
+#
+# Settings from the planner (docs/planner.md):
+#     megatron-branch plan --model qwen2.5-7b --prompt-length 122880 --responses 16 --response-length 8192 \
+#         --gpus 8 --gpu h20 --tp 1 --cp 8 --dp 1 --recompute full
+# -> fits: 82.0 GB per rank of 96 (bf16, full recompute), step ~110 s on H20, 4.44x fewer FLOPs than naive.
+#    With what the engine runs today (segment recompute = selective): does NOT fit (197.5 GB bf16, 343.3 GB
+#    float32; largest term: activations of the 15,360-row prompt shard): per-layer checkpointing is missing.
+#
+# Runs `megatron-branch grad` (the training command `megatron-branch train` had not landed when this was written;
+# grad computes the same exact gradient in float32, without an optimizer step). Before launching, the planner is
+# asked about THIS run (float32, the recompute grad has: RECOMPUTE=selective) and the script stops with its
+# verdict if that does not fit (FORCE=1 launches anyway).
+#
+#     MODEL=HF_DIR ROLLOUTS=rollouts.jsonl [OUT=grads.safetensors] [GPU=h20|h100|h200] bash examples/launch/target_7b_cp8.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+MODEL=${MODEL:?set MODEL to the Hugging Face folder of qwen2.5-7b}
+ROLLOUTS=${ROLLOUTS:?set ROLLOUTS to a JSONL file of 16 rollouts sharing a 122,880-token prompt}
+OUT=${OUT:-grads.safetensors}
+GPU=${GPU:-h20}
+RECOMPUTE=${RECOMPUTE:-selective}
+preflight --model qwen2.5-7b --prompt-length 122880 --responses 16 --response-length 8192 --gpus 8 --gpu "$GPU" \
+    --tp 1 --cp 8 --dp 1 --recompute "$RECOMPUTE" --dtype float32
+flags=()
+[[ "$RECOMPUTE" != none ]] && flags+=(--recompute)
+run $TORCHRUN --standalone --nproc_per_node 8 -m megatron_branch grad --hf "$MODEL" --rollouts "$ROLLOUTS" \
+    --out "$OUT" --schedule replay --dtype float32 --cp 8 --branch-micro-batch 8 "${flags[@]}"

@@ -1,0 +1,1 @@
+"""`megatron-branch bench`: the variants a user could run instead, measured round-robin in one process."""

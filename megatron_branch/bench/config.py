@@ -1,0 +1,169 @@
+"""What the benchmark runs: the variants (schedule + options), the model and the shapes, with named presets.
+
+The variants, each on the SAME rollouts and the SAME model:
+    naive-fused       each rollout alone, fused attention, logits only where a loss needs them: THE baseline
+    packed-nosharing  all rollouts in one block-diagonal sequence, no sharing (verl's remove-padding packing)
+    repeat-prefix     one pass, each branch attends to the prefix K/V repeated per branch (PrefixGrouper)
+    naive             megatron-core's own unfused attention, every logit (the earlier baseline, for continuity)
+    packed            the whole tree in one pass (shared prefix computed once)
+    replay            depth-first replay with cached prefix K/V (bounded memory)
+    replay+recompute  replay keeping no graph for inner segments
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_branch.errors import UserError
+from megatron_branch.models import ModelArch
+
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "naive-fused": ("naive-fused", {}),
+    "packed-nosharing": ("packed-nosharing", {}),
+    "repeat-prefix": ("packed", {"backend": "repeat"}),
+    "naive": ("naive", {}),
+    "packed": ("packed", {}),
+    "replay": ("replay", {}),
+    "replay+recompute": ("replay", {"recompute": True}),
+}
+"""variant -> (schedule name, extra ScheduleOptions)."""
+
+BASELINE = "naive-fused"
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(kw_only=True)
+class ModelShape:
+    """A Llama-style model with random weights (only its shape matters for speed and memory)."""
+
+    layers: int = 2
+    """Transformer layers."""
+    hidden: int = 128
+    """Model width."""
+    heads: int = 4
+    """Query heads."""
+    kv_heads: int = 2
+    """Key/value heads (GQA groups)."""
+    ffn: int = 0
+    """SwiGLU inner width; 0 = 3 x hidden."""
+    vocab: int = 1024
+    """Vocabulary size."""
+    tie: bool = False
+    """Tie the input embedding and the output layer."""
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "kv_heads", "vocab"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.heads % self.kv_heads:
+            raise UserError(f"--heads {self.heads} must be a multiple of --kv-heads {self.kv_heads}")
+        if self.hidden % self.heads:
+            raise UserError(f"--hidden {self.hidden} must be a multiple of --heads {self.heads}")
+
+    def arch(self, max_len: int) -> ModelArch:
+        return ModelArch(
+            family="llama",
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
+            num_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_query_groups=self.kv_heads,
+            ffn_hidden_size=self.ffn or 3 * self.hidden,
+            tie_word_embeddings=self.tie,
+            max_position_embeddings=max(4096, max_len),
+        )
+
+
+@dataclass(kw_only=True)
+class BenchConfig:
+    """One benchmark run: a model, a grid of tree shapes, the variants and how to time them."""
+
+    model: ModelShape = field(default_factory=ModelShape)
+    """The model every variant runs."""
+    prompts: tuple[int, ...] = (1024,)
+    """Prompt lengths P (a sweep when several)."""
+    branches: tuple[int, ...] = (8,)
+    """Responses per prompt G (a sweep when several)."""
+    response: int = 64
+    """Tokens per response S (below the prompt, or per level with levels > 1)."""
+    levels: int = 1
+    """Levels of the response tree below the prompt (1 = G leaves right below it; more: shared response starts)."""
+    variants: tuple[str, ...] = tuple(VARIANTS)
+    """Which variants to run; the baseline is always added."""
+    rounds: int = 3
+    """Timed rounds after one untimed warm-up round; each round runs every variant once, order rotated."""
+    micro: int = 8
+    """replay's branch_micro_batch."""
+    dtype: str = "float32"
+    """Parameter and activation dtype."""
+    device: str = "cpu"
+    """"cpu" or "cuda"."""
+    meter: bool = True
+    """Also run every variant once under the activation meter (deterministic saved-activation bytes)."""
+    peak_tflops: float = 0.0
+    """Peak FLOP/s of the device in TFLOP/s, for MFU (0 = do not report MFU)."""
+    seed: int = 0
+    """Seed of the model weights and the rollouts."""
+    profile: str | None = None
+    """Profile one extra step of this variant (first shape) with torch.profiler; its top ops go in the report."""
+
+    def __post_init__(self) -> None:
+        unknown = [v for v in self.variants if v not in VARIANTS]
+        if unknown:
+            raise UserError(f"unknown variant(s) {', '.join(unknown)}; valid: {', '.join(VARIANTS)}")
+        if self.profile is not None and self.profile not in VARIANTS:
+            raise UserError(f"--profile: unknown variant {self.profile!r}; valid: {', '.join(VARIANTS)}")
+        if BASELINE not in self.variants:
+            self.variants = (BASELINE, *self.variants)
+        if self.dtype not in DTYPES:
+            raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise UserError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise UserError("--device cuda: no CUDA device is available")
+        for name in ("rounds", "micro", "response", "levels"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"--{name} must be positive, got {getattr(self, name)}")
+        if not self.prompts or not self.branches or min(self.prompts) < 1 or min(self.branches) < 1:
+            raise UserError("--prompt and --branches need positive values")
+        if self.levels > 1 and max(self.branches) > self.model.vocab:
+            raise UserError(f"--branches {max(self.branches)} exceeds --vocab {self.model.vocab}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _m(**kw: Any) -> ModelShape:
+    return ModelShape(**kw)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # the issue's configurations (2-core CPU, float32)
+    "A": dict(model=_m(layers=4, hidden=512, heads=8, kv_heads=2, vocab=32000), prompts=(4096,), branches=(8,),
+              response=128),
+    "B": dict(model=_m(layers=4, hidden=512, heads=8, kv_heads=2, vocab=32000), prompts=(1024,), branches=(16,),
+              response=512),
+    "C": dict(model=_m(layers=2, hidden=256, heads=4, kv_heads=2, vocab=32000), prompts=(8192,), branches=(16,),
+              response=256),
+    # replay's memory flat in G (configuration A's model and prompt, G = 4..32)
+    "memory-G": dict(model=_m(layers=4, hidden=512, heads=8, kv_heads=2, vocab=32000), prompts=(4096,),
+                     branches=(4, 8, 16, 32), response=128, variants=("naive-fused", "packed", "replay",
+                                                                       "replay+recompute")),
+    # seconds on a laptop: the smoke test and a first look
+    "tiny": dict(model=_m(layers=2, hidden=32, heads=4, kv_heads=2, vocab=64), prompts=(48,), branches=(4,),
+                 response=8, rounds=1),
+    # a 1B-class model (Llama-3.2-1B's shape) at P = 32K on one GPU, bf16
+    "gpu-1b": dict(model=_m(layers=16, hidden=2048, heads=32, kv_heads=8, ffn=8192, vocab=128256, tie=True),
+                   prompts=(32768,), branches=(8, 16), response=512, dtype="bfloat16", device="cuda",
+                   variants=("naive-fused", "repeat-prefix", "packed", "replay", "replay+recompute"), micro=8),
+}  # fmt: skip
+"""name -> BenchConfig fields; command-line flags override them."""

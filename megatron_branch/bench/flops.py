@@ -1,0 +1,95 @@
+"""Analytic FLOPs of one training step (forward + backward) under each variant, causal attention counted as causal.
+
+Per token position: the matmuls of every layer (QKV, attention output projection, SwiGLU gate/up/down), 2 FLOPs per
+multiply-add. Per row that reaches the output projection: 2 * hidden * vocab. Per (query, visible key) pair:
+4 * heads * head_dim per layer (q.k and p.v), counting exactly the keys a position may see (position id p sees p + 1
+keys on its path; a rollout of length L alone has L(L+1)/2 pairs), never the dense square. Backward = 2 x forward.
+replay+recompute adds one more forward of every inner segment (and of the output-projection rows it predicts).
+This is what each method must compute; kernels that compute masked work (megatron's unfused attention in `naive`,
+the dense mask of the `packed` attention backend) or extra passes (the fused logprob's second pass over the
+vocabulary, and its recomputation in backward) execute more. `torch.utils.flop_counter` is not used: it counts 0
+for SDPA on CPU and counts causal attention as dense (docs/design.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_branch.data import PrefixTree
+from megatron_branch.models import ModelArch
+from megatron_branch.schedule.chunks import make_chunk
+
+
+@dataclass(frozen=True)
+class Flops:
+    """Forward FLOPs of one step, by part, and the step's forward + backward total."""
+
+    dense: float  # token positions x per-position layer matmuls
+    head: float  # output-projection rows x 2 * hidden * vocab
+    attention: float  # (query, visible key) pairs x per-pair FLOPs
+    extra_forward: float = (
+        0.0  # recomputation (replay+recompute): forward only, its backward is the one above
+    )
+
+    @property
+    def forward(self) -> float:
+        return self.dense + self.head + self.attention
+
+    @property
+    def step(self) -> float:
+        return 3 * self.forward + self.extra_forward
+
+
+def per_position_flops(arch: ModelArch) -> float:
+    """Forward layer matmul FLOPs of one token position (output projection excluded)."""
+    h, hd = arch.hidden_size, arch.head_dim or arch.hidden_size // arch.num_attention_heads
+    q, kv = arch.num_attention_heads * hd, arch.num_query_groups * hd
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * arch.ffn_hidden_size
+    return 2.0 * arch.num_layers * per_layer
+
+
+def per_row_head_flops(arch: ModelArch) -> float:
+    return 2.0 * arch.hidden_size * arch.vocab_size
+
+
+def per_pair_flops(arch: ModelArch) -> float:
+    hd = arch.head_dim or arch.hidden_size // arch.num_attention_heads
+    return 4.0 * arch.num_attention_heads * hd * arch.num_layers
+
+
+def variant_flops(arch: ModelArch, tree: PrefixTree) -> dict[str, Flops]:
+    """Variant name (bench.config.VARIANTS) -> its analytic FLOPs on `tree`."""
+    tok, row, pair = per_position_flops(arch), per_row_head_flops(arch), per_pair_flops(arch)
+    lengths = [len(r.prompt) + len(r.response) for r in tree.rollouts]
+    loss_rows = [len(r.response) - (0 if r.prompt else 1) for r in tree.rollouts]
+    causal = pair * sum(n * (n + 1) // 2 for n in lengths)
+    unshared = Flops(tok * sum(lengths), row * sum(loss_rows), causal)
+    naive = Flops(
+        tok * sum(lengths), row * sum(lengths), causal
+    )  # megatron's output layer: every row's logits
+    whole = make_chunk(
+        tree, range(len(tree.segments))
+    )  # the tree's loss targets, as packed and replay select them
+    shared = Flops(
+        tok * tree.positions_computed,
+        row * whole.targets.numel(),
+        pair * float((tree.position_ids + 1).sum()),
+    )
+    inner = [s for s in tree.segments if s.children]
+    inner_rows = sum(make_chunk(tree, [s.id], external=s.ancestors).targets.numel() for s in inner)
+    again = (
+        tok * sum(s.length for s in inner)
+        + row * inner_rows
+        + pair * sum(s.start_position * s.length + s.length * (s.length + 1) // 2 for s in inner)
+    )
+    recompute = Flops(shared.dense, shared.head, shared.attention, extra_forward=again)
+    return {
+        "naive-fused": unshared,
+        "packed-nosharing": unshared,
+        "repeat-prefix": shared,
+        "naive": naive,
+        "packed": shared,
+        "replay": shared,
+        "replay+recompute": recompute,
+        "minimal": shared,
+    }

@@ -1,0 +1,283 @@
+"""Run the variants round-robin in ONE process on the same rollouts and model, and measure them.
+
+Shared machines are noisy (the same GEMM swung 40-305 GFLOP/s within one session, docs/design.md), so: one untimed
+warm-up round (first-call allocations), then `rounds` rounds that each run every variant once with the order
+rotated by one per round (no fixed position bias), fresh gradients before every step; medians and min-max.
+Only ratios within one run mean anything.
+
+Memory, per variant: the peak process RSS above its value at the step's start (CPU; freed heap is handed back to
+the OS before each step with glibc's malloc_trim, so a variant does not hide inside its predecessor's free lists),
+`torch.cuda.max_memory_allocated` above the step's start (CUDA), and the deterministic activation meter
+(megatron_branch.memory: bytes autograd saves for backward, identical on every machine) from one extra untimed step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_branch.bench.config import BASELINE, DTYPES, VARIANTS, BenchConfig
+from megatron_branch.bench.flops import Flops, variant_flops
+from megatron_branch.data import PrefixTree
+from megatron_branch.errors import UserError
+from megatron_branch.losses import PolicyGradientObjective
+from megatron_branch.memory import ActivationMeter
+from megatron_branch.models import ModelArch, build_model
+from megatron_branch.schedule import ScheduleOptions, StepResult, run_schedule
+from megatron_branch.testing import random_tree_rollouts
+
+
+def _rss_bytes() -> int:
+    """Current resident set size (Linux /proc; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _trim_heap() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: RSS deltas may then under-count
+        pass
+
+
+class PeakRss:
+    """Context manager: the peak RSS above the value at entry, sampled every `interval` seconds by a thread."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.interval, self.peak, self._stop = interval, 0, threading.Event()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss_bytes() - self.start)
+            time.sleep(self.interval)
+
+    def __enter__(self) -> PeakRss:
+        self.start = _rss_bytes()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_bytes() - self.start)
+
+
+@dataclass(kw_only=True)
+class Measurement:
+    """One variant on one tree shape."""
+
+    variant: str
+    prompt: int
+    branches: int
+    times: list[float] = field(default_factory=list)
+    rss_peak: int = 0
+    cuda_peak: int = 0
+    meter_peak: int = 0
+    result: StepResult | None = None
+    flops: Flops | None = None
+    failed: str = ""
+    """Why the variant has no timing (it ran out of memory), or empty."""
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+
+@dataclass(kw_only=True)
+class Case:
+    """The rollouts of one (P, G) shape, with what every variant needs."""
+
+    prompt: int
+    branches: int
+    tree: PrefixTree
+    objective: PolicyGradientObjective
+    flops: dict[str, Flops]
+
+
+def make_case(cfg: BenchConfig, arch: ModelArch, prompt: int, branches: int) -> Case:
+    rollouts = random_tree_rollouts(
+        vocab_size=cfg.model.vocab,
+        prompt_len=prompt,
+        branches=branches,
+        levels=cfg.levels,
+        seg_len=(cfg.response, cfg.response),
+        seed=cfg.seed,
+    )
+    tree = PrefixTree.build(rollouts, vocab_size=cfg.model.vocab)
+    obj = PolicyGradientObjective.grpo([r.advantage for r in rollouts], tree.num_response_tokens_logical())
+    return Case(prompt=prompt, branches=branches, tree=tree, objective=obj, flops=variant_flops(arch, tree))
+
+
+def build_bench_model(cfg: BenchConfig) -> tuple[ModelArch, torch.nn.Module]:
+    from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
+
+    initialize_parallel(ParallelConfig())
+    torch.manual_seed(cfg.seed)
+    arch = cfg.model.arch(max(cfg.prompts) + cfg.levels * cfg.response + 1)
+    model = build_model(arch, dtype=DTYPES[cfg.dtype])
+    return arch, model.to(cfg.device)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _step(cfg: BenchConfig, arch: ModelArch, model: torch.nn.Module, case: Case, variant: str) -> StepResult:
+    schedule, kw = VARIANTS[variant]
+    model.zero_grad(set_to_none=True)  # fresh grads: every step does the same accumulation work
+    opts = ScheduleOptions(vocab_size=arch.vocab_size, branch_micro_batch=cfg.micro, **kw)
+    return run_schedule(schedule, model, case.tree, case.objective, opts)
+
+
+def measure(
+    cfg: BenchConfig, arch: ModelArch, model: torch.nn.Module, case: Case, log: Any = print
+) -> list[Measurement]:
+    """All variants of `cfg` on `case`, round-robin; returns one Measurement per variant (in cfg order)."""
+    labels = list(cfg.variants)
+    out = {v: Measurement(variant=v, prompt=case.prompt, branches=case.branches) for v in labels}
+    for v in labels:  # warm-up round, untimed; a variant that runs out of memory is reported, not fatal
+        out[v].flops = case.flops[v]
+        try:
+            out[v].result = _step(cfg, arch, model, case, v)
+        except (torch.cuda.OutOfMemoryError, MemoryError) as e:
+            out[v].failed = f"out of memory: {str(e).splitlines()[0][:120]}"
+            log(f"  {v}: {out[v].failed}")
+            model.zero_grad(set_to_none=True)
+            if cfg.device == "cuda":
+                torch.cuda.empty_cache()
+    if out[BASELINE].failed:
+        raise UserError(f"the baseline {BASELINE} ran out of memory at P={case.prompt}, G={case.branches}")
+    labels = [v for v in labels if not out[v].failed]
+    for r in range(cfg.rounds):
+        for v in labels[r % len(labels) :] + labels[: r % len(labels)]:
+            _trim_heap()
+            if cfg.device == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+            _sync(cfg.device)
+            with PeakRss() as rss:
+                t0 = time.perf_counter()
+                _step(cfg, arch, model, case, v)
+                _sync(cfg.device)
+                dt = time.perf_counter() - t0
+            out[v].times.append(dt)
+            out[v].rss_peak = max(out[v].rss_peak, rss.peak)
+            if cfg.device == "cuda":
+                out[v].cuda_peak = max(out[v].cuda_peak, torch.cuda.max_memory_allocated() - base)
+        log(f"  P={case.prompt} G={case.branches}: round {r + 1}/{cfg.rounds} done")
+    if cfg.meter:
+        for v in labels:
+            with ActivationMeter(model) as meter:
+                _step(cfg, arch, model, case, v)
+            out[v].meter_peak = meter.peak_bytes
+    return list(out.values())
+
+
+def summarize(cfg: BenchConfig, case: Case, ms: list[Measurement]) -> list[dict[str, Any]]:
+    """JSON-ready rows: times, throughput, memory, FLOPs, speed-up over the baseline next to the analytic limit."""
+    base = next(m for m in ms if m.variant == BASELINE)
+    limit = case.flops[BASELINE].step / case.flops["minimal"].step
+    rows = []
+    for m in ms:
+        if m.failed:
+            rows.append(dict(variant=m.variant, prompt=case.prompt, branches=case.branches, failed=m.failed,
+                             analytic_limit=limit))  # fmt: skip
+            continue
+        assert m.result is not None and m.flops is not None
+        med = m.median
+        speedup = base.median / med
+        achieved = m.flops.step / med
+        computed = m.result.positions_computed + m.result.positions_recomputed
+        rows.append(
+            dict(
+                variant=m.variant,
+                prompt=case.prompt,
+                branches=case.branches,
+                response=cfg.response,
+                median_s=med,
+                min_s=min(m.times),
+                max_s=max(m.times),
+                times_s=m.times,
+                logical_tokens_per_s=case.tree.positions_logical / med,
+                computed_tokens_per_s=computed / med,
+                positions_logical=case.tree.positions_logical,
+                positions_computed=m.result.positions_computed,
+                positions_recomputed=m.result.positions_recomputed,
+                rss_peak_mb=m.rss_peak / 2**20,
+                cuda_peak_mb=m.cuda_peak / 2**20 if cfg.device == "cuda" else None,
+                activation_meter_mb=m.meter_peak / 2**20 if cfg.meter else None,
+                gflop_step=m.flops.step / 1e9,
+                gflop_attention_fwd=m.flops.attention / 1e9,
+                gflop_head_fwd=m.flops.head / 1e9,
+                achieved_tflops=achieved / 1e12,
+                mfu=achieved / (cfg.peak_tflops * 1e12) if cfg.peak_tflops > 0 else None,
+                speedup=speedup,
+                flop_ratio=case.flops[BASELINE].step / m.flops.step,
+                analytic_limit=limit,
+                fraction_of_limit=speedup / limit,
+                loss=m.result.loss,
+                failed="",
+            )
+        )
+    return rows
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = dict(
+        platform=platform.platform(),
+        processor=platform.processor() or platform.machine(),
+        cpu_count=os.cpu_count(),
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+    )
+    try:
+        info["load_average"] = os.getloadavg()
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def profile_step(cfg: BenchConfig, arch: ModelArch, model: torch.nn.Module, case: Case, variant: str) -> str:
+    """torch.profiler's table of the top ops (by self time) of one step of `variant`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cfg.device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        _step(cfg, arch, model, case, variant)
+        _sync(cfg.device)
+    key = "self_cuda_time_total" if cfg.device == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=15)
+
+
+def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
+    """The whole benchmark: every (P, G) of the grid, every variant; a JSON-ready dict."""
+    arch, model = build_bench_model(cfg)
+    rows, profiled = [], None
+    for prompt in cfg.prompts:
+        for branches in cfg.branches:
+            case = make_case(cfg, arch, prompt, branches)
+            log(f"bench: {case.tree.describe()}")
+            rows += summarize(cfg, case, measure(cfg, arch, model, case, log))
+            if cfg.profile is not None and profiled is None:
+                profiled = dict(variant=cfg.profile, prompt=prompt, branches=branches,
+                                table=profile_step(cfg, arch, model, case, cfg.profile))  # fmt: skip
+    report = dict(config=cfg.to_dict(), arch=arch.to_dict(), machine=machine(), baseline=BASELINE, rows=rows)
+    if profiled is not None:
+        report["profile"] = profiled
+    return report

@@ -1,0 +1,155 @@
+"""A folder of numbered megatron-core dist checkpoints, each written atomically: the training loop's store.
+
+    store = CheckpointStore(run_dir / "checkpoints")
+    store.save(step, sharded_state_dict, common={"step": step, ...})   # every rank calls it
+    path = store.latest()                                              # newest COMPLETE checkpoint or None
+    state, common = store.load(path, sharded_state_dict)               # every rank calls it
+
+Layout: `ROOT/step_00000010/` = the torch_dist files of `megatron.core.dist_checkpointing` (model, optimizer,
+per-rank RNG as ShardedObjects, ...) plus `train_state.json` (the `common` dict: step, data position, scheduler
+state). Atomicity: every rank writes into one temp folder beside the target; after all ranks finished, rank 0
+writes `train_state.json` LAST and renames the folder into place. A crash at any point before the rename leaves a
+`.step_*.tmp-*` folder that `latest()` ignores (and the next save removes), so the previous checkpoint stays the
+newest usable one. `latest()` trusts only folders holding `train_state.json`.
+
+Errors on one rank are raised on every rank (`agree_on_error`), so no rank waits forever in a collective.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from megatron_branch.checkpoint.dist_ckpt import load_sharded, save_sharded
+from megatron_branch.errors import UserError
+from megatron_branch.parallel.groups import agree_on_error
+
+STATE_FILE = "train_state.json"
+FORMAT = "megatron-branch/train-checkpoint"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _broadcast(value: Any) -> Any:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class CheckpointStore:
+    """Numbered checkpoints under `root`. Collective methods (`save`, `load`, `latest`) are called by all ranks."""
+
+    def __init__(self, root: str | os.PathLike, *, keep_last: int | None = None) -> None:
+        self.root = Path(root)
+        self.keep_last = keep_last
+
+    def path(self, step: int) -> Path:
+        return self.root / f"step_{step:08d}"
+
+    def steps(self) -> list[int]:
+        """Steps of the complete checkpoints, oldest first (this process's view of the folder)."""
+        if not self.root.is_dir():
+            return []
+        out = []
+        for p in self.root.iterdir():
+            m = _STEP_DIR.match(p.name)
+            if m and (p / STATE_FILE).is_file():
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint (rank 0's view, shared with every rank), or None."""
+        steps = _broadcast(self.steps() if _rank() == 0 else None)
+        return self.path(steps[-1]) if steps else None
+
+    # ---- save ----------------------------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        sharded_state_dict: dict[str, Any],
+        *,
+        common: dict[str, Any],
+        finish: Callable[[Path], None] | None = None,
+    ) -> Path:
+        """Write checkpoint `step` atomically. `common` must be JSON data (rank 0's copy is written).
+
+        `finish(tmp_dir)` runs on rank 0 after the shards are written and before the state file and the rename
+        (e.g. to add a tokenizer or a description); a failure there also leaves the previous checkpoint newest.
+        """
+        target = self.path(step)
+        tmp, err = None, None
+        if _rank() == 0:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                for stale in self.root.glob(".step_*.tmp-*"):  # left by a crash mid-save
+                    shutil.rmtree(stale, ignore_errors=True)
+                tmp = tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=self.root)
+            except OSError as e:
+                err = f"cannot create checkpoint folder under {str(self.root)!r}: {e.strerror or e}"
+        tmp, err = _broadcast((tmp, err))
+        if err:
+            raise UserError(err)
+        tmp_path = Path(tmp)
+        save_sharded(sharded_state_dict, tmp_path)
+        err = None
+        if _rank() == 0:
+            try:
+                if finish is not None:
+                    finish(tmp_path)
+                body = {"format": FORMAT, "step": step, **common}
+                (tmp_path / STATE_FILE).write_text(json.dumps(body, indent=1) + "\n")
+                if target.exists():  # a re-save of the same step (after resume): replace it
+                    shutil.rmtree(target)
+                os.replace(tmp_path, target)
+                self._prune()
+            except Exception as e:  # must reach the other ranks, which wait in agree_on_error
+                err = f"cannot write checkpoint {str(target)!r}: {e}"
+                shutil.rmtree(tmp_path, ignore_errors=True)
+        agree_on_error(err, error=UserError)
+        return target
+
+    def _prune(self) -> None:
+        if self.keep_last is None:
+            return
+        for s in self.steps()[: -self.keep_last]:
+            shutil.rmtree(self.path(s), ignore_errors=True)
+
+    # ---- load ----------------------------------------------------------------------------------------------
+    def read_common(self, path: str | os.PathLike) -> dict[str, Any]:
+        f = Path(path) / STATE_FILE
+        try:
+            body = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise UserError(f"unreadable checkpoint state ({e})", where=str(f)) from None
+        if body.get("format") != FORMAT:
+            raise UserError(f"format is {body.get('format')!r}, expected {FORMAT!r}", where=str(f))
+        return body
+
+    def load(
+        self, path: str | os.PathLike, sharded_state_dict: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict]:
+        """Load the shards described by `sharded_state_dict` and the common state. All ranks call it."""
+        common = self.read_common(path)
+        state = load_sharded(sharded_state_dict, path)
+        return state, common
+
+
+def rng_sharded_object(key: str, state: Any) -> Any:
+    """A per-rank object (RNG states differ by rank) as a megatron ShardedObject over the whole world."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return ShardedObject(key, state, (world,), (_rank(),), replica_id=0)

@@ -1,0 +1,118 @@
+"""`megatron-branch bench`: the variants a user could run instead, on the same rollouts, round-robin in one process.
+
+    megatron-branch bench --preset A --json out/A.json --plot out/            # the issue's configuration A
+    megatron-branch bench --preset memory-G --json out/mem.json --plot out/   # peak memory against G
+    megatron-branch bench --prompt 512,1024,2048 --branches 8 --layers 2 --hidden 128 --vocab 4096
+
+Variants (--variants, comma separated; naive-fused, the baseline, is always run):
+    naive-fused, packed-nosharing, repeat-prefix, naive, packed, replay, replay+recompute
+Every speed-up is quoted against naive-fused (each rollout alone on the same model, fused attention kernel and
+fused logprob as replay: what a user runs today), next to the analytic limit (naive-fused FLOPs / the tree's
+minimal FLOPs, causal attention counted as causal). Presets: A, B, C, memory-G, tiny, gpu-1b; flags override them.
+Timings on a shared machine are only comparable within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from megatron_branch.errors import UserError
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def add_bench_command(sub: Any) -> None:
+    from megatron_branch.bench.config import PRESETS
+
+    p = sub.add_parser(
+        "bench",
+        help="fair round-robin benchmark of the schedules against unshared baselines",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="named configuration")
+    p.add_argument("--prompt", type=_ints, default=None, help="prompt length(s) P, e.g. 1024 or 512,1024")
+    p.add_argument("--branches", type=_ints, default=None, help="responses per prompt G, e.g. 8 or 4,8,16,32")
+    p.add_argument("--response", type=int, default=None, help="tokens per response S")
+    p.add_argument("--levels", type=int, default=None, help="levels of the response tree (1: G leaves)")
+    for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab"):
+        p.add_argument(f"--{name}", type=int, default=None, help=f"model {name}")
+    p.add_argument("--tie", action="store_true", default=None, help="tie embedding and output layer")
+    p.add_argument("--variants", default=None, help="comma-separated variants (default: all)")
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds after the warm-up (default 3)")
+    p.add_argument("--micro", type=int, default=None, help="replay's branch_micro_batch (default 8)")
+    p.add_argument("--dtype", default=None, help="float32 (default), float64, bfloat16, float16")
+    p.add_argument("--device", default=None, help="cpu (default) or cuda")
+    p.add_argument("--no-meter", action="store_true", help="skip the activation-meter step")
+    p.add_argument("--peak-tflops", type=float, default=None, help="device peak TFLOP/s, to report MFU")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--profile", default=None, metavar="VARIANT", help="profile one step; top ops in the report"
+    )
+    p.add_argument("--json", default=None, help="write every number to this JSON file")
+    p.add_argument("--markdown", default=None, help="write the tables to this markdown file")
+    p.add_argument("--plot", default=None, help="write PNGs of speed-up and peak memory vs G and vs P here")
+    p.set_defaults(func=run_bench_command)
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    from megatron_branch.bench.config import PRESETS, BenchConfig, ModelShape
+
+    fields: dict[str, Any] = dict(PRESETS[args.preset]) if args.preset else {}
+    model = fields.pop("model", ModelShape())
+    model_kw = {
+        k: getattr(model, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "tie")
+    }
+    for k in model_kw:
+        if getattr(args, k, None) is not None:
+            model_kw[k] = getattr(args, k)
+    flags = dict(
+        prompts=args.prompt, branches=args.branches, response=args.response, levels=args.levels,
+        rounds=args.rounds, micro=args.micro, dtype=args.dtype, device=args.device, peak_tflops=args.peak_tflops,
+        seed=args.seed, profile=args.profile,
+    )  # fmt: skip
+    fields.update({k: v for k, v in flags.items() if v is not None})
+    if args.variants is not None:
+        fields["variants"] = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    if args.no_meter:
+        fields["meter"] = False
+    return BenchConfig(model=ModelShape(**model_kw), **fields)
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    from megatron_branch.bench.report import markdown, plot, write_json
+    from megatron_branch.bench.runner import run_bench
+
+    cfg = config_from_args(args)
+    outputs = [Path(x) for x in (args.json, args.markdown) if x] + ([Path(args.plot)] if args.plot else [])
+    for path in outputs:  # refuse before the (long) run, not after it
+        parent = path if path == Path(args.plot or "\0") else path.parent
+        if parent.exists() and not parent.is_dir():
+            raise UserError(f"{parent} exists and is not a folder")
+    if args.plot:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise UserError("--plot needs matplotlib (pip install 'megatron-branch[bench]')")
+    report = run_bench(cfg)
+    text = markdown(report)
+    print(text)
+    if args.json:
+        write_json(report, Path(args.json))
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(text)
+    if args.plot:
+        for path in plot(report, Path(args.plot)):
+            print(f"wrote {path}")
+    return 0

@@ -1,0 +1,143 @@
+"""`megatron-branch plan`: will this batch fit, in which layout, at what cost (arithmetic only, no GPU).
+
+    megatron-branch plan --model PRESET|CONFIG.json --prompt-length P --responses G --response-length S
+        [--prompts N] [--shared-response-length K] --gpus N --gpu h20|h100|h200
+        [--gpu-memory-gb M --gpu-tflops T --link-gbps B] [--tp N --cp N --dp N --recompute none|selective|full]
+        [--schedule replay|packed|naive] [--json]
+
+With --json the last stdout line is one JSON object: fits, layout {tp, cp, dp, recompute}, memory_bytes_per_rank
+(one key per term and total), flops {naive, replay, ratio, ...}, step_time_s, and more. The command line and these
+keys are a stable contract. Exit status 0 whether or not it fits (read `fits`); 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Any
+
+from megatron_branch.plan.model import GPU_PRESETS, MODEL_PRESETS, RECOMPUTE, RolloutShape, load_model
+from megatron_branch.plan.search import SCHEDULES, TERMS_IN_TOTAL, Plan, plan, what_would_fit
+
+
+def add_plan_command(sub: Any) -> None:
+    p = sub.add_parser("plan", help="per-rank memory, FLOPs, step time and a layout for a rollout batch")
+    p.add_argument("--model", required=True, help=f"preset ({', '.join(MODEL_PRESETS)}) or an HF config.json")
+    p.add_argument("--prompt-length", type=int, required=True)
+    p.add_argument("--responses", type=int, required=True, help="responses per prompt (G)")
+    p.add_argument("--response-length", type=int, required=True)
+    p.add_argument("--prompts", type=int, default=1, help="prompt groups per step (default 1)")
+    p.add_argument("--shared-response-length", type=int, default=0)
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--gpu", choices=list(GPU_PRESETS), required=True)
+    p.add_argument("--gpu-memory-gb", type=float, help="override the preset's memory (GB)")
+    p.add_argument("--gpu-tflops", type=float, help="override the preset's dense bf16 TFLOP/s")
+    p.add_argument("--link-gbps", type=float, help="override the preset's link bandwidth (GB/s)")
+    p.add_argument("--tp", type=int)
+    p.add_argument("--cp", type=int)
+    p.add_argument("--dp", type=int)
+    p.add_argument("--recompute", choices=RECOMPUTE)
+    p.add_argument("--schedule", choices=SCHEDULES, default="replay")
+    p.add_argument("--branch-micro-batch", type=int, default=8, help="replay: sibling leaves per forward")
+    p.add_argument(
+        "--dtype",
+        choices=["bf16", "float32"],
+        default="bf16",
+        help="parameter/activation dtype (grad runs float32)",
+    )
+    p.add_argument("--json", action="store_true", help="end with one JSON line (the stable contract)")
+    p.set_defaults(func=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    name, arch = load_model(args.model)
+    gpu = GPU_PRESETS[args.gpu]
+    overrides = {
+        k: v
+        for k, v in (
+            ("memory_gb", args.gpu_memory_gb),
+            ("tflops", args.gpu_tflops),
+            ("link_gbps", args.link_gbps),
+        )
+        if v is not None
+    }
+    if overrides:
+        gpu = dataclasses.replace(gpu, name=f"{gpu.name}*", **overrides)
+    shape = RolloutShape(
+        prompt_length=args.prompt_length,
+        responses=args.responses,
+        response_length=args.response_length,
+        prompts=args.prompts,
+        shared_response_length=args.shared_response_length,
+    )
+    if args.branch_micro_batch <= 0:
+        from megatron_branch.errors import UserError
+
+        raise UserError(f"--branch-micro-batch must be positive, got {args.branch_micro_batch}")
+    kw = {"branch_micro_batch": args.branch_micro_batch, "dtype": args.dtype}
+    p = plan(
+        name,
+        arch,
+        shape,
+        gpu,
+        args.gpus,
+        tp=args.tp,
+        cp=args.cp,
+        dp=args.dp,
+        recompute=args.recompute,
+        schedule=args.schedule,
+        **kw,
+    )
+    out = p.to_json()
+    if not p.fits:
+        out["would_fit_with"] = what_would_fit(p, **kw)
+    print(render(p, out.get("would_fit_with", [])))
+    if args.json:
+        print(json.dumps(out, sort_keys=True))
+    return 0
+
+
+def _gb(b: float) -> str:
+    return f"{b / 1e9:8.2f}"
+
+
+def render(p: Plan, fixes: list[str]) -> str:
+    lay, mem, fl, t = p.layout, p.memory, p.flops, p.step_time
+    s = p.shape
+    lines = [
+        f"{p.model}: {s.prompts} x ({s.prompt_length} prompt + {s.responses} x {s.response_length} response"
+        + (f", {s.shared_response_length} shared" if s.shared_response_length else "")
+        + f") = {s.positions_logical:,} positions ({s.positions_computed:,} distinct) on {p.gpus} x {p.gpu.name} "
+        f"({p.gpu.memory_gb:g} GB, {p.gpu.tflops:g} TFLOP/s, {p.gpu.link_gbps:g} GB/s)",
+        f"layout: tp {lay.tp} x cp {lay.cp} x dp {lay.dp}, recompute {lay.recompute}, schedule {p.schedule}, "
+        f"{p.dtype}",
+        "memory per rank (GB):",
+    ]
+    for k in TERMS_IN_TOTAL:
+        lines.append(f"  {k:<18}{_gb(mem[k])}")
+    lines.append(f"  {'total':<18}{_gb(mem['total'])}   of {p.gpu.memory_gb:g}")
+    lines.append(
+        f"  (optimizer state without the distributed optimizer: {mem['optimizer_state_no_distributed'] / 1e9:.2f})"
+    )
+    lines.append(
+        f"FLOPs per step: naive {fl['naive']:.3e}, packed {fl['packed']:.3e}, replay {fl['replay']:.3e}; "
+        f"naive / {p.schedule} = {fl['ratio']:.2f}x; stop-gradient (prompt state not trained, inexact) "
+        f"{fl['stop_gradient']:.3e}, {p.schedule} / stop-gradient = {fl['this_schedule'] / fl['stop_gradient']:.2f}x"
+    )
+    ring = "hidden behind attention" if t["ring_hidden"] else f"{t['ring_exposed']:.2f} s exposed"
+    lines.append(
+        f"step time ~ {t['total']:.1f} s: compute {t['compute']:.1f} s (MFU {t['mfu_assumed']:g}), ring "
+        f"{t['ring']:.2f} s ({ring}), "
+        f"TP comm {t['tensor_parallel_comm']:.2f} s, grad reduce {t['grad_reduce']:.2f} s"
+    )
+    for n in p.notes:
+        lines.append(f"note: {n}")
+    if p.fits:
+        lines.append("fits")
+    else:
+        lines.append(
+            f"does not fit: needs {mem['total'] / 1e9:.1f} GB per rank, {p.gpu.memory_gb:g} GB available; largest term "
+            f"{p.largest_term} ({mem[p.largest_term] / 1e9:.1f} GB). Would fit with: " + "; ".join(fixes)
+        )
+    return "\n".join(lines)

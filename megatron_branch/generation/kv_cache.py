@@ -1,0 +1,164 @@
+"""The decode-time K/V cache: each prompt's K/V kept once, each branch's own tokens in a shared buffer, and the
+BranchContext a decode step attaches to the model.
+
+SHAPE LEGEND (Megatron sequence-first at the boundary; per TP rank):
+    s  query rows of a decode step: one per live branch (A of them), plus padding under sequence parallel
+    P  tokens of one prompt        B  rows of the branch buffer (every generated token's slot, all prompts)
+    L  longest branch path (its generated tokens, itself included)
+    n  query heads, g kv groups, r = n // g query heads per group, h head dim
+    model side:    q [s,1,n,h]   k, v [s,1,g,h]   out [s,1,n*h]
+    cache:         prompt k/v [1,g,P,h] per prompt per layer (the fused kernels' layout, made once at prefill)
+                   buffer k/v [g,B,h] per layer
+
+A decode step is the prefix tree's own picture: every branch is a length-1 query segment whose ancestors are its
+prompt and the generated tokens above it. The attention uses that structure directly, in two parts merged by the
+engine's one log-sum-exp merge (attention/merge.py):
+    part A  all branches of prompt p vs prompt p's K/V: ONE fused non-causal call per prompt and layer, the
+            prompt's K/V read in place (the queries of every branch are stacked as rows per kv group, so GQA
+            needs no expanded copy of the prompt);
+    part B  each branch vs its own generated tokens (its path in the buffer, itself included): one batched,
+            masked matmul over [A, L] for all branches (a tree-sampled shared response prefix is gathered per
+            branch here; it is short, the prompt is not).
+RoPE is applied by the model at each token's true position (the position ids of the step), before K/V are cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_branch.attention.core_attention import BranchContext
+from megatron_branch.attention.kernels import fused_attention_forward, lse_dtype
+from megatron_branch.attention.layout import AttentionLayout
+from megatron_branch.attention.merge import lse_merge
+
+
+@dataclass(kw_only=True)
+class PrefixKV:
+    """Per layer: each prompt's K/V ([1,g,P,h], root of every branch of that prompt) and the branch buffer."""
+
+    prompt_k: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    """layer -> [prompt p -> k [1,g,P_p,h]] (contiguous, post-RoPE)."""
+    prompt_v: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    buffer_k: dict[int, torch.Tensor] = field(default_factory=dict)
+    """layer -> [g,B,h]: row b holds the K of the generated token assigned slot b."""
+    buffer_v: dict[int, torch.Tensor] = field(default_factory=dict)
+    buffer_rows: int = 0
+    """B."""
+
+    def add_prompts(
+        self, captured: dict[int, tuple[torch.Tensor, torch.Tensor]], spans: list[tuple[int, int]]
+    ) -> None:
+        """Keep one prefill forward's captured K/V ([S,1,g,h] per layer) as one block per prompt, spans[p] =
+        (start, end) rows; prompts are numbered in the order they are added. The prefill's tensors can go."""
+        for layer, (k, v) in captured.items():
+            self.prompt_k.setdefault(layer, []).extend(_internal(k[a:b]) for a, b in spans)
+            self.prompt_v.setdefault(layer, []).extend(_internal(v[a:b]) for a, b in spans)
+
+    def allocate_buffer(self, rows: int) -> None:
+        """The branch buffer: `rows` slots for generated tokens, shared by all branches of all prompts."""
+        self.buffer_rows = rows
+        for layer, ks in self.prompt_k.items():
+            _, g, _, h = ks[0].shape
+            self.buffer_k[layer] = ks[0].new_zeros(g, rows, h)
+            self.buffer_v[layer] = ks[0].new_zeros(g, rows, h)
+
+    def num_prompt_rows(self, p: int) -> int:
+        first = next(iter(self.prompt_k.values()))
+        return first[p].shape[2]
+
+
+def _internal(x: torch.Tensor) -> torch.Tensor:
+    """[P,1,g,h] -> [1,g,P,h] contiguous (once per prompt)."""
+    return x.permute(1, 2, 0, 3).contiguous()
+
+
+@dataclass(kw_only=True)
+class DecodeStep:
+    """Where the A branches of one decode step read and write (host tensors, built by the sampler)."""
+
+    prompt_of: torch.Tensor
+    """[A] prompt index of each branch."""
+    slot: torch.Tensor
+    """[A] buffer row that receives each branch's new K/V."""
+    path: torch.Tensor
+    """[A, L] buffer rows of each branch's generated tokens, root first, ending with `slot` (padded with 0)."""
+    path_len: torch.Tensor
+    """[A] valid entries of `path`."""
+    padded_rows: int = 0
+    """Extra query rows (sequence parallel needs s % tp == 0); they attend to nothing and return 0."""
+    groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    """(prompt p, [a_p] rows of its branches) for every prompt with live branches; derived from `prompt_of`."""
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            self.groups = [
+                (p, torch.nonzero(self.prompt_of == p).squeeze(1))
+                for p in torch.unique(self.prompt_of).tolist()
+            ]
+
+    @property
+    def num_branches(self) -> int:
+        return int(self.slot.numel())
+
+    def to(self, device: torch.device) -> DecodeStep:
+        return DecodeStep(
+            prompt_of=self.prompt_of.to(device),
+            slot=self.slot.to(device),
+            path=self.path.to(device),
+            path_len=self.path_len.to(device),
+            padded_rows=self.padded_rows,
+        )
+
+
+@dataclass(kw_only=True)
+class DecodeContext(BranchContext):
+    """BranchContext of one decode step: reads the prompts' K/V in place, writes each branch's new K/V."""
+
+    layout: AttentionLayout | None = None  # type: ignore[assignment]
+    """Unused: the step's visibility is `step` (prompt + own path), cheaper than a general layout."""
+    cache: PrefixKV
+    step: DecodeStep
+
+    def attend(
+        self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """q [s,1,n,h], k/v [s,1,g,h] -> [s,1,n*h]."""
+        st, a = self.step, self.step.num_branches
+        s, b, n, h = q.shape
+        g = k.shape[2]
+        r = n // g
+        assert b == 1 and s == a + st.padded_rows, (q.shape, a, st.padded_rows)
+        bk, bv = self.cache.buffer_k[layer_number], self.cache.buffer_v[layer_number]  # [g,B,h]
+        bk[:, st.slot] = k[:a, 0].transpose(0, 1).to(bk.dtype)  # the new tokens' K/V join their branches
+        bv[:, st.slot] = v[:a, 0].transpose(0, 1).to(bv.dtype)
+        qg = q[:a, 0].reshape(
+            a, g, r, h
+        )  # [A,g,r,h]; query head j uses kv group j // r (Megatron's grouping)
+        acc = lse_dtype(q.dtype)
+
+        # part B: each branch over its own generated tokens (path rows, itself last), masked to its length
+        kp, vp = bk[:, st.path], bv[:, st.path]  # [g,A,L,h]
+        qb = qg.permute(1, 0, 2, 3).to(acc)  # [g,A,r,h]
+        scores = torch.matmul(qb, kp.to(acc).transpose(-1, -2)) * scale  # [g,A,r,L]
+        valid = torch.arange(st.path.shape[1], device=q.device)[None, :] < st.path_len[:, None]  # [A,L]
+        scores = scores.masked_fill(~valid[None, :, None, :], float("-inf"))
+        lse_b = torch.logsumexp(scores, dim=-1)  # [g,A,r]; finite: a branch always sees itself
+        out_b = torch.matmul(torch.exp(scores - lse_b[..., None]), vp.to(acc))  # [g,A,r,h]
+
+        # part A: per prompt, all of its branches at once over the prompt's K/V, read in place
+        out_a = torch.zeros_like(out_b)
+        lse_a = torch.full_like(lse_b, float("-inf"))
+        for p, rows in st.groups:  # rows [a_p]
+            qa = qg[rows].permute(1, 0, 2, 3).reshape(1, g, rows.numel() * r, h).contiguous()  # [1,g,a_p*r,h]
+            pk, pv = self.cache.prompt_k[layer_number][p], self.cache.prompt_v[layer_number][p]  # [1,g,P,h]
+            o, lse = fused_attention_forward(qa, pk, pv, False, scale)  # [1,g,a_p*r,h], [1,g,a_p*r]
+            out_a[:, rows] = o.reshape(g, rows.numel(), r, h).to(acc)
+            lse_a[:, rows] = lse.reshape(g, rows.numel(), r).to(acc)
+
+        out, _ = lse_merge(out_a, lse_a, out_b, lse_b)  # [g,A,r,h]
+        out = out.permute(1, 0, 2, 3).reshape(a, 1, n * h).to(q.dtype)  # [A,1,n*h]
+        if st.padded_rows:
+            out = torch.cat([out, out.new_zeros(st.padded_rows, 1, n * h)])
+        return out

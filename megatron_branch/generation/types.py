@@ -1,0 +1,175 @@
+"""What a rollout generator takes and returns, and the `Generator` protocol an external engine would implement.
+
+`SamplingParams` says how to sample (verl's `rollout.*` names where verl has one); a generator returns, per prompt,
+`n` `Sample`s (prompt ids, response ids, the policy's logprob of every response token) and a `GenerationStats`.
+`BranchSampler` (sampler.py) is the built-in generator: it prefills each prompt once and decodes all of its
+branches in one batch against the prompt's K/V. An external engine (vLLM, SGLang) plugs in by implementing
+`Generator.generate` with the same contract; see docs/generation.md for what it must guarantee.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from megatron_branch.data import Rollout
+
+
+@dataclass(kw_only=True)
+class SamplingParams:
+    """How continuations are sampled. Validated on construction (ValueError names the field)."""
+
+    n: int = 1
+    """Rollouts per prompt (verl `rollout.n`; the GRPO group size). With `branch_at`, the number of LEAVES."""
+    max_new_tokens: int
+    """Most tokens sampled per rollout (a stop token counts and is kept in the response)."""
+    temperature: float = 1.0
+    """Softmax temperature of the SAMPLING distribution; 0 = greedy (argmax, ties to the lowest id)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens before sampling (0 = off). Applied after the temperature."""
+    top_p: float = 1.0
+    """Nucleus: keep the smallest set of most likely tokens whose probability reaches top_p (1 = off). After top_k."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Sampling one of these ends the rollout (the token is part of the response, so training sees it)."""
+    branch_at: tuple[int, ...] = ()
+    """Tree sampling: after k sampled tokens (k in branch_at, increasing, 0 < k < max_new_tokens) every branch forks
+    into `branch_factor` branches that share its tokens (and their K/V). Empty = plain G-way sampling."""
+    branch_factor: int = 2
+    """Children per fork point; n must be divisible by branch_factor ** len(branch_at)."""
+
+    def __post_init__(self) -> None:
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        self.branch_at = tuple(int(k) for k in self.branch_at)
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be a positive int, got {self.n!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
+        if list(self.branch_at) != sorted(set(self.branch_at)) or any(
+            not 0 < k < self.max_new_tokens for k in self.branch_at
+        ):
+            raise ValueError(
+                f"branch_at must be strictly increasing depths in (0, max_new_tokens={self.max_new_tokens}), "
+                f"got {self.branch_at}"
+            )
+        if not isinstance(self.branch_factor, int) or self.branch_factor < 1:
+            raise ValueError(f"branch_factor must be a positive int, got {self.branch_factor!r}")
+        if self.n % self.root_fanout_divisor:
+            raise ValueError(
+                f"n={self.n} must be divisible by branch_factor ** len(branch_at) = {self.root_fanout_divisor}"
+            )
+
+    @property
+    def root_fanout_divisor(self) -> int:
+        return self.branch_factor ** len(self.branch_at)
+
+    @property
+    def root_fanout(self) -> int:
+        """Branches sampled straight from the prompt (n when there is no tree sampling)."""
+        return self.n // self.root_fanout_divisor
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sample:
+    """One sampled continuation of one prompt."""
+
+    prompt_index: int
+    """Index of its prompt in the `generate` call."""
+    prompt: tuple[int, ...]
+    """Prompt token ids."""
+    response: tuple[int, ...]
+    """Sampled token ids (a stop token, if one was sampled, is the last)."""
+    logprobs: tuple[float, ...]
+    """log pi(token | context) of each response token under the POLICY at temperature 1, over the whole (real)
+    vocabulary: what the training forward computes for that token, hence PPO's `old_logprobs`. It does not depend
+    on temperature/top_k/top_p (see `sampling_logprobs`)."""
+    sampling_logprobs: tuple[float, ...]
+    """log q(token) under the distribution actually sampled from (temperature, top_k, top_p applied); 0 for greedy.
+    Equals `logprobs` when temperature = 1 and no filter is active. Kept for off-policy corrections."""
+    finish_reason: str
+    """"stop" (a stop token was sampled) or "length" (max_new_tokens reached)."""
+
+    def to_rollout(self, advantage: float = 0.0, **token_fields: Sequence[float]) -> Rollout:
+        """The training record: `old_logprobs` = `logprobs` (plus any other per-response-token fields)."""
+        return Rollout(
+            prompt=self.prompt,
+            response=self.response,
+            advantage=advantage,
+            token_fields={"old_logprobs": self.logprobs, **token_fields},
+        )
+
+
+@dataclass(kw_only=True)
+class GenerationStats:
+    """Counts of one `generate` call (deterministic) and its wall time."""
+
+    num_prompts: int = 0
+    num_samples: int = 0
+    prefill_forwards: int = 0
+    """Model forwards spent on prompts (all prompts of a call are packed into as few forwards as allowed)."""
+    prefill_positions: int = 0
+    """Prompt token positions run through the model: the sum of the prompt lengths (each prompt ONCE)."""
+    prefill_positions_unshared: int = 0
+    """What prefilling every sample's prompt separately would cost: n * the sum of the prompt lengths."""
+    prompt_prefills: list[int] = field(default_factory=list)
+    """Per prompt, how many times it was prefilled (always 1: the test asserts it)."""
+    decode_steps: int = 0
+    """Decode forwards (each feeds one token of every live branch of every prompt)."""
+    decode_positions: int = 0
+    """Token positions run through the model while decoding (fed tokens; shared tree tokens once)."""
+    tokens_sampled: int = 0
+    """Tokens drawn from the model (a shared tree token once)."""
+    response_tokens: int = 0
+    """Sum of the response lengths over all samples (shared tokens once per sample: the logical count)."""
+    seconds: float = 0.0
+    """Wall time of the call."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Logical response tokens per second."""
+        return self.response_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, float]:
+        keys = ("num_prompts", "num_samples", "prefill_forwards", "prefill_positions", "prefill_positions_unshared",
+                "decode_steps", "decode_positions", "tokens_sampled", "response_tokens", "seconds")  # fmt: skip
+        return {**{k: getattr(self, k) for k in keys}, "tokens_per_s": self.tokens_per_s}
+
+
+@dataclass(kw_only=True)
+class GenerationOutput:
+    samples: list[list[Sample]]
+    """samples[p] = the n samples of prompt p, in a deterministic (depth-first tree) order."""
+    stats: GenerationStats
+
+    def flat(self) -> list[Sample]:
+        return [s for group in self.samples for s in group]
+
+
+@runtime_checkable
+class Generator(Protocol):
+    """What the training loop needs from a rollout engine (the built-in one is `BranchSampler`).
+
+    Contract: `generate` returns `len(prompts)` groups of exactly `params.n` samples; every rank of a
+    tensor-parallel group gets the same samples; the same `generator` state gives the same samples; each
+    sample's `logprobs` are the policy's temperature-1 logprobs of its tokens (to float tolerance of the training
+    forward: an external engine in another precision should leave them to be re-scored by the trainer).
+    """
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, generator: torch.Generator
+    ) -> GenerationOutput: ...

@@ -1,0 +1,160 @@
+"""The clipped-surrogate policy loss of GRPO and PPO, with a KL penalty to a reference policy and an entropy bonus.
+
+Per (rollout i, response token t), logp the current policy, old the sampling policy, ref the reference, A the
+advantage (the rollout's scalar or its per-token value), r = exp(clamp(logp - old, -20, 20)) (verl's clamp):
+
+    pg  = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))
+    pg  = min(pg, -A clip_c)                      for A < 0, only when clip_c is given (dual clip, c > 1)
+    kl  = k(logp, ref):  k1 = logp - ref,  k2 = (logp - ref)^2 / 2,
+                         k3 = clamp(e^x - x - 1, -10, 10), x = clamp(ref - logp, -20, 20)   (verl's low_var_kl)
+    l   = pg + kl_coef kl - entropy_coef H        H = the policy's full-vocabulary entropy at that position
+
+aggregated over the global batch (losses/aggregation.py). `old_logprobs` absent = on-policy: old = logp detached,
+so r = 1 with the gradient of r (the plain policy gradient). Every term is a function of this pair's logp (and
+entropy) and this pair's data, so under sharing each rollout's term at a shared token is evaluated separately
+(losses/pairs.py) and the gradient equals per-rollout training exactly.
+
+Metrics (verl's names): actor/pg_loss, actor/kl_loss (before the coefficient) and actor/entropy are aggregated
+like the loss; actor/pg_clipfrac (the clipped branch is taken), actor/pg_clipfrac_lower (A < 0 and the dual clip
+bound is taken) and actor/ppo_kl (mean of old - logp) are token means over the global batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_branch.data import PrefixTree
+from megatron_branch.losses.aggregation import Aggregation
+from megatron_branch.losses.pairs import PairBound, TokenPairs
+
+KL_TYPES = ("k1", "k2", "k3")
+KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+"""verl's names for the same estimators."""
+
+
+def kl_penalty(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL estimate of the policy from the reference (k1, k2, or k3 = verl's low_var_kl with its clamps)."""
+    kind = KL_ALIASES.get(kind, kind)
+    if kind == "k1":
+        return logp - ref
+    if kind == "k2":
+        return 0.5 * (logp - ref).square()
+    if kind == "k3":
+        x = (ref - logp).clamp(-20.0, 20.0)
+        return (x.exp() - x - 1).clamp(-10.0, 10.0)
+    raise ValueError(f"unknown KL type {kind!r}; choose one of {', '.join(KL_TYPES + tuple(KL_ALIASES))}")
+
+
+@dataclass(kw_only=True)
+class PolicyObjective:
+    """GRPO / PPO actor loss. Per-rollout data comes from the rollouts of the bound tree (advantage or
+    advantages, old_logprobs, ref_logprobs)."""
+
+    agg: Aggregation
+    """Aggregation mode and the GLOBAL batch counts."""
+    clip_low: float | None = 0.2
+    """epsilon_low: r is clipped below at 1 - clip_low (None with clip_high None: no clipping)."""
+    clip_high: float | None = 0.2
+    """epsilon_high: r is clipped above at 1 + clip_high (DAPO's clip-higher when larger than clip_low)."""
+    clip_c: float | None = None
+    """Dual-clip bound for A < 0 (> 1); None = off. verl always applies it with 3."""
+    kl_coef: float = 0.0
+    """Coefficient of the KL penalty (needs ref_logprobs when non-zero)."""
+    kl_type: str = "k1"
+    """k1 | k2 | k3 (aliases kl, mse, low_var_kl)."""
+    entropy_coef: float = 0.0
+    """Coefficient of the entropy bonus (the loss subtracts entropy_coef * H)."""
+    entropy_metric: bool = False
+    """Report actor/entropy even when entropy_coef is 0 (costs one sum per row in the fused projection)."""
+
+    def __post_init__(self) -> None:
+        if (self.clip_low is None) != (self.clip_high is None):
+            raise ValueError("give both clip_low and clip_high, or neither (no clipping)")
+        for name in ("clip_low", "clip_high"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v:
+                raise ValueError(f"{name} must be >= 0, got {v}")
+        if self.clip_low is not None and self.clip_low >= 1:
+            raise ValueError(f"clip_low must be < 1 (r is clipped at 1 - clip_low), got {self.clip_low}")
+        if self.clip_c is not None and not self.clip_c > 1:
+            raise ValueError(f"the dual-clip constant must be > 1, got {self.clip_c}")
+        self.kl_type = KL_ALIASES.get(self.kl_type, self.kl_type)
+        if self.kl_type not in KL_TYPES:
+            raise ValueError(f"unknown KL type {self.kl_type!r}; choose k1, k2, k3 (or kl, mse, low_var_kl)")
+
+    @property
+    def needs_entropy(self) -> bool:
+        return self.entropy_coef != 0 or self.entropy_metric
+
+    def stat_names(self) -> tuple[tuple[str, str], ...]:
+        names = [
+            ("actor/pg_loss", "agg"),
+            ("actor/pg_clipfrac", "token"),
+            ("actor/pg_clipfrac_lower", "token"),
+        ]
+        names.append(("actor/ppo_kl", "token"))
+        if self.kl_coef != 0:
+            names.append(("actor/kl_loss", "agg"))
+        if self.needs_entropy:
+            names.append(("actor/entropy", "agg"))
+        return tuple(names)
+
+    def bind(self, tree: PrefixTree) -> PairBound:
+        pairs = TokenPairs(tree)
+        adv, _ = pairs.field("advantages", scalar="advantage")
+        old, has_old = pairs.field("old_logprobs", required=False)
+        data = {"adv": adv, "old": old, "has_old": has_old}
+        if self.kl_coef != 0:
+            data["ref"], _ = pairs.field("ref_logprobs")
+        weight = pairs.rollout_values(
+            torch.tensor(
+                [self.agg.rollout_weight(len(r.response)) for r in tree.rollouts], dtype=torch.float64
+            )
+        )
+        names = self.stat_names()
+        return PairBound(
+            pairs,
+            data=data,
+            weight=weight,
+            token_weight=self.agg.token_weight,
+            terms=self.terms,
+            needs_entropy=self.needs_entropy,
+            stat_names=tuple(n for n, _ in names),
+            stat_kinds=tuple(k for _, k in names),
+        )
+
+    def terms(
+        self, logp: torch.Tensor, entropy: torch.Tensor | None, d: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Per-pair loss [q] and stats, in `stat_names` order."""
+        adv = d["adv"]
+        old = torch.where(d["has_old"], d["old"], logp.detach())  # on-policy: r = 1 with r's gradient
+        neg_kl = (logp - old).clamp(-20.0, 20.0)  # verl clamps the log-ratio before exp
+        ratio = neg_kl.exp()
+        pg1 = -adv * ratio
+        if self.clip_low is not None and self.clip_high is not None:
+            pg2 = -adv * ratio.clamp(1.0 - self.clip_low, 1.0 + self.clip_high)
+            pg = torch.maximum(pg1, pg2)
+            clipped = (pg2 > pg1).to(logp.dtype)
+        else:
+            pg, clipped = pg1, torch.zeros_like(pg1)
+        lower = torch.zeros_like(pg)
+        if self.clip_c is not None:
+            pg3 = -adv * self.clip_c
+            neg = adv < 0
+            lower = ((pg > pg3) & neg).to(logp.dtype)
+            pg = torch.where(neg, torch.minimum(pg, pg3), pg)
+        loss = pg
+        stats = [pg, clipped, lower, -neg_kl]
+        if self.kl_coef != 0:
+            kl = kl_penalty(logp, d["ref"], self.kl_type)
+            loss = loss + self.kl_coef * kl
+            stats.append(kl)
+        if self.needs_entropy:
+            assert entropy is not None, "the schedule did not compute the entropy the objective needs"
+            if self.entropy_coef != 0:
+                loss = loss - self.entropy_coef * entropy
+            stats.append(entropy)
+        return loss, stats

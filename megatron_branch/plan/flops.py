@@ -1,0 +1,119 @@
+"""FLOPs of one training step (all ranks together) for naive, packed and replay, counted from the rollout shape.
+
+2 FLOPs per multiply-add. Forward per token position: the layer matmuls (QKV, output projection, SwiGLU's three);
+per (query, visible key) pair and layer: q.k and p.v (4 * heads * head_dim). Backward = 2 x forward for matmuls
+and attention (as benchmarks/schedule_speed.py counts). The output projection runs only on rows that predict a
+token (the fused logprob path, losses/fused_logprobs.py) and, as implemented, costs 5 matmuls per row instead of 3:
+two forward passes (row max, then sum-exp and target) and, in backward, a recompute plus the two gradient matmuls.
+
+Recompute adds forwards: the engine's segment recompute one more forward (with its fused logprob
+forward) of every segment that has children;
+megatron's full recompute one more forward of every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_branch.models.arch import ModelArch
+from megatron_branch.plan.model import Layout, RolloutShape
+
+LOGITS_MATMULS = 5
+"""Output-projection matmuls per target row in the fused logprob path (forward 2, backward 3)."""
+
+
+def layer_matmul_flops_per_token(arch: ModelArch) -> int:
+    """Forward FLOPs of one token through every layer's matmuls (no attention scores, no output projection)."""
+    h, d = arch.hidden_size, arch.head_dim
+    assert d is not None
+    nq, g, f = arch.num_attention_heads, arch.num_query_groups, arch.ffn_hidden_size
+    per_layer = 2 * h * (nq + 2 * g) * d + 2 * nq * d * h + 2 * 3 * h * f
+    return arch.num_layers * per_layer
+
+
+def attention_flops_per_pair(arch: ModelArch) -> int:
+    """Forward FLOPs of one (query, visible key) pair over all layers."""
+    assert arch.head_dim is not None
+    return arch.num_layers * 4 * arch.num_attention_heads * arch.head_dim
+
+
+def logits_flops_per_row(arch: ModelArch) -> int:
+    """One matmul of a target row with the output projection."""
+    return 2 * arch.hidden_size * arch.vocab_size
+
+
+def causal_pairs(n: int, ancestors: int = 0) -> int:
+    """(query, key) pairs of n tokens attending causally to themselves and fully to `ancestors` keys."""
+    return n * ancestors + n * (n + 1) // 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepFlops:
+    """One step's FLOPs split by kind; forward and backward together, recompute included."""
+
+    dense: float
+    """Layer matmuls (forward + backward + recomputed forwards)."""
+    attention: float
+    """Attention scores and weighted values over visible pairs."""
+    logits: float
+    """Output projection of the target rows (the fused logprob's passes)."""
+    positions: int
+    """Token positions run forward once."""
+    recomputed_positions: int
+
+    @property
+    def total(self) -> float:
+        return self.dense + self.attention + self.logits
+
+
+def step_flops(
+    arch: ModelArch, shape: RolloutShape, schedule: str, layout: Layout | None = None
+) -> StepFlops:
+    """FLOPs of the whole step (every prompt group, every rank) for `schedule`."""
+    layout = layout or Layout()
+    tok, pair, row = (
+        layer_matmul_flops_per_token(arch),
+        attention_flops_per_pair(arch),
+        logits_flops_per_row(arch),
+    )
+    N, G, R, L = shape.prompts, shape.responses, shape.root_length, shape.leaf_length
+    if schedule == "stop_gradient":
+        # the announced system's form: the shared root runs forward only (its state is not trained), the responses
+        # forward + backward against its cached K/V; the gradient is NOT that of naive training
+        own = N * G * causal_pairs(L, R)
+        return StepFlops(
+            dense=tok * (N * R + 3 * N * G * L),
+            attention=pair * (N * causal_pairs(R) + 3 * own),
+            logits=row * LOGITS_MATMULS * N * G * L,  # each response token, the first predicted by the root
+            positions=shape.positions_computed,
+            recomputed_positions=0,
+        )
+    # naive (megatron's output layer) computes every row's logits; the tree schedules send only the rows that
+    # predict a response token through the output projection (schedule/chunks.py make_chunk, targets="loss")
+    if schedule == "naive":
+        positions = shape.positions_logical
+        pairs = N * G * causal_pairs(shape.rollout_length)
+        fwd_again, pairs_again = 0, 0
+        rows_again = 0
+        target_rows = N * G * (shape.rollout_length - 1)
+    else:
+        positions = shape.positions_computed
+        pairs = N * (causal_pairs(R) + G * causal_pairs(L, R))
+        # tree targets: every response token once (the first one predicted by the last prompt row, fork tokens by
+        # their parent's last row)
+        target_rows = N * (shape.response_length if G == 1 else shape.shared_response_length + G * L)
+        fwd_again, pairs_again = 0, 0
+        rows_again = 0
+        if schedule == "replay" and layout.recompute in ("selective", "full") and G > 1:
+            fwd_again, pairs_again = N * R, N * causal_pairs(R)  # the root is recomputed at its backward
+            # with its fused logprob forward (2 passes over its target rows: the shared response tokens and the forks)
+            rows_again = N * (shape.shared_response_length + G)
+    if layout.recompute == "full":  # megatron full recompute: every layer's forward once more
+        fwd_again, pairs_again = fwd_again + positions, pairs_again + pairs
+    return StepFlops(
+        dense=tok * (3 * positions + fwd_again),
+        attention=pair * (3 * pairs + pairs_again),
+        logits=row * (LOGITS_MATMULS * target_rows + 2 * rows_again),
+        positions=positions,
+        recomputed_positions=fwd_again,
+    )

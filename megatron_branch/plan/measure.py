@@ -1,0 +1,103 @@
+"""Measure what the planner predicts, on this machine: a step's saved-for-backward peak (the activation meter),
+the replay cache's bytes, and the executed matmul FLOPs (torch's FlopCounterMode), for one rollout shape.
+
+Used by the planner's tests (tests/unit/test_plan.py, tests/distributed/test_plan_parallel.py) and by
+benchmarks/plan_vs_measured.py. Parallel groups are passed in (None = single rank).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+from unittest import mock
+
+import torch
+
+from megatron_branch.data import PrefixTree, Rollout
+from megatron_branch.losses import PolicyGradientObjective
+from megatron_branch.memory import ActivationMeter
+from megatron_branch.plan.model import RolloutShape
+from megatron_branch.schedule import ScheduleOptions, run_schedule
+
+
+def shape_rollouts(shape: RolloutShape, vocab: int, seed: int = 0) -> list[Rollout]:
+    """Rollouts with exactly `shape`'s prefix tree: per prompt group a random prompt and shared response start,
+    then responses whose next tokens differ (so each is its own leaf). Needs responses <= vocab."""
+    assert shape.responses <= vocab, "distinct fork tokens need responses <= vocab"
+    rng = random.Random(seed)
+    out = []
+    for _ in range(shape.prompts):
+        prompt = [rng.randrange(vocab) for _ in range(shape.prompt_length)]
+        shared = [rng.randrange(vocab) for _ in range(shape.shared_response_length)]
+        rest = shape.response_length - shape.shared_response_length
+        for i in range(shape.responses):
+            tail = [rng.randrange(vocab) for _ in range(rest - 1)]
+            out.append(Rollout(prompt=prompt, response=shared + [i] + tail, advantage=rng.uniform(-1, 1)))
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measured:
+    saved_peak: int
+    """ActivationMeter peak: bytes saved for backward + replay's cached K/V and accumulators."""
+    cached_kv: int
+    """Bytes of the distinct storages the replay cache registered over the step (one prompt group: its root
+    cache; 0 for other schedules)."""
+    matmul_flops: int
+    """FlopCounterMode's count (CPU fused attention kernels count 0: this is the non-attention part)."""
+    positions_computed: int
+
+
+def measure_step(
+    model: torch.nn.Module,
+    shape: RolloutShape,
+    *,
+    vocab: int,
+    schedule: str = "replay",
+    branch_micro_batch: int = 8,
+    recompute: bool = False,
+    count_flops: bool = False,
+    seed: int = 0,
+    **parallel: Any,
+) -> Measured:
+    """One step of `schedule` over `shape`'s rollouts with the meter on (grads accumulate into `model`)."""
+    from megatron_branch.schedule import replay as replay_module
+
+    rollouts = shape_rollouts(shape, vocab, seed)
+    tree = PrefixTree.build(rollouts, vocab_size=vocab)
+    obj = PolicyGradientObjective.grpo([r.advantage for r in rollouts], tree.num_response_tokens_logical())
+    opts = ScheduleOptions(
+        vocab_size=vocab, branch_micro_batch=branch_micro_batch, recompute=recompute, **parallel
+    )
+    cached: dict[int, int] = {}  # storage ptr -> bytes, of the cache registered so far and still alive
+    peak_cached = 0
+    real_track = replay_module.track_extra
+
+    def track(tensors: Any) -> None:
+        nonlocal peak_cached
+        ts = list(tensors)
+        for t in ts:
+            s = t.untyped_storage()
+            cached[s.data_ptr()] = s.nbytes()
+        peak_cached = max(peak_cached, sum(cached.values()))
+        real_track(ts)
+
+    model.zero_grad(set_to_none=True)
+    flops = 0
+    with mock.patch.object(replay_module, "track_extra", track), ActivationMeter(model) as meter:
+        if count_flops:
+            from torch.utils.flop_counter import FlopCounterMode
+
+            with FlopCounterMode(display=False) as counter:
+                res = run_schedule(schedule, model, tree, obj, opts)
+            flops = counter.get_total_flops()
+        else:
+            res = run_schedule(schedule, model, tree, obj, opts)
+    assert meter.current_bytes == 0, f"{meter.current_bytes} bytes still held after the step"
+    return Measured(
+        saved_peak=meter.peak_bytes,
+        cached_kv=peak_cached,
+        matmul_flops=flops,
+        positions_computed=res.positions_computed,
+    )

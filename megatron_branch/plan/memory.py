@@ -1,0 +1,288 @@
+"""Per-rank memory of one training step, by term: what THIS engine keeps alive, counted from its code.
+
+Two kinds of terms:
+  * static: weights, gradients, optimizer state (Megatron-LM's `theoretical_memory_usage`: bf16 weights 2 B,
+    fp32 main grads 4 B, fp32 master copy + Adam moments 12 B = 18 B/param; the distributed optimizer shards the
+    12 B over the data-parallel x context-parallel group, which is megatron's optimizer sharding group);
+  * per chunk: the tensors autograd saves for backward, one storage counted once, exactly as the activation meter
+    (megatron_branch/memory.py) counts them, plus transient buffers the meter does not see (ring blocks, logits
+    chunks) and a stated allocator margin.
+
+Saved per transformer layer for r rows on this rank (tp t, sp: sequence parallel, e: activation bytes, f32:
+max(e, 4) for statistics the kernels keep in fp32; n = heads/t, g = kv heads/t, d head dim, h hidden, f ffn/t),
+read off megatron-core 0.16's local spec with this engine's core attention (checked by tests/unit/test_plan.py):
+    norms (x2)        input x, rstd, x * rstd          2 * (2 r_n h e + r_n f32)     r_n = r / t under SP
+    QKV, fc1 inputs   the norm outputs                 2 * r_n h e                   (SP: saved before gather)
+    RoPE              cos / sin for q and for k        4 r d e
+    attention         q (rotated), out, lse            r n d e * 2 + n r f32
+    K/V               k (rotated) and v, a VIEW of the fused QKV output, so the whole QKV buffer stays alive
+                                                       r g d e + r (n + 2g) d e
+    MLP (SwiGLU)      fc1 out, silu out, product, ...  5 r f e
+Under CP (ring attention) also the ring's internal output copy r n d e and, with cached ancestors, the
+concatenated keys and values 2 (c + r) g d e. These are Korthikanti et al. (2022)'s per-layer terms for THIS
+implementation: no score matrix (fused kernels), no dropout masks (dropout is 0), SwiGLU instead of GeLU.
+
+Replay keeps, for the cached ancestors on the current root-to-leaf path, their K/V (the two storages above, not
+copied: the cache is detached views) and a dK/dV accumulator per cached row and layer (2 g d e, the leaves' .grad).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_branch.models.arch import ModelArch
+from megatron_branch.plan.model import Layout, RolloutShape, parameter_count
+
+INDEX_BYTES = 8  # int64 token ids / indices
+
+ALLOCATOR_MARGIN_FRACTION = 0.08
+"""Caching-allocator fragmentation allowance on top of the counted terms (a stated assumption, not measured)."""
+ALLOCATOR_MARGIN_FIXED = 2 * 2**30
+"""CUDA context, NCCL buffers, cuBLAS workspace (a stated assumption)."""
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Dims:
+    """The per-rank widths the formulas use."""
+
+    h: int
+    d: int
+    n: int  # query heads on this TP rank
+    g: int  # kv heads on this TP rank (replicated when tp > kv heads)
+    f: int  # ffn width on this TP rank
+    v: int  # vocabulary slice on this TP rank
+    layers: int
+    tp: int
+    sp: bool
+    e: int  # activation bytes
+    f32: int  # statistics bytes (max(e, 4))
+
+    @classmethod
+    def of(cls, arch: ModelArch, layout: Layout, act_bytes: int) -> Dims:
+        t = layout.tp
+        assert arch.head_dim is not None
+        return cls(
+            h=arch.hidden_size,
+            d=arch.head_dim,
+            n=arch.num_attention_heads // t,
+            g=max(1, arch.num_query_groups // t),
+            f=arch.ffn_hidden_size // t,
+            v=arch.padded_vocab_size(t) // t,
+            layers=arch.num_layers,
+            tp=t,
+            sp=layout.sp,
+            e=act_bytes,
+            f32=max(act_bytes, 4),
+        )
+
+    def seq_rows(self, r: int) -> int:
+        """Rows of a sequence-sharded tensor (SP shards the norms and linear inputs over TP)."""
+        return r // self.tp if self.sp else r
+
+
+# --- one chunk ----------------------------------------------------------------------------------------------------
+def layer_kv_bytes(dm: Dims, r: int) -> int:
+    """Per layer: the K storage and the fused QKV storage that V views (alive while K/V are cached or saved)."""
+    return r * dm.g * dm.d * dm.e + r * (dm.n + 2 * dm.g) * dm.d * dm.e
+
+
+def layer_other_bytes(dm: Dims, r: int, *, ext: int = 0, cp: int = 1) -> int:
+    """Per layer: everything else a layer saves for backward over r rows (ext cached rows it attends to)."""
+    rn = dm.seq_rows(r)
+    norms = 2 * (2 * rn * dm.h * dm.e + rn * dm.f32)
+    linear_in = 2 * rn * dm.h * dm.e
+    rope = 4 * r * dm.d * dm.e
+    attn = 2 * r * dm.n * dm.d * dm.e + dm.n * r * dm.f32
+    mlp = 5 * r * dm.f * dm.e
+    ring = 0
+    if cp > 1:
+        ring = r * dm.n * dm.d * dm.e  # the ring's output before its final reshape
+        if ext:
+            ring += 2 * (ext + r) * dm.g * dm.d * dm.e  # [cached | own] keys and values, concatenated
+        ring += 2 * (r + ext + r) * INDEX_BYTES  # q / k metadata
+    return norms + linear_in + rope + attn + mlp + ring
+
+
+def head_bytes(dm: Dims, r: int, m: int) -> int:
+    """Embedding indices, final norm, and the fused output projection + logprob over m target rows."""
+    rn = dm.seq_rows(r)
+    embed = r * INDEX_BYTES
+    norm = 2 * rn * dm.h * dm.e + rn * dm.f32
+    # index_select saves its index; the fused logprob saves the selected hidden rows, target idx, mask, lse;
+    # the objective saves its per-target weights
+    logprob = m * INDEX_BYTES + m * dm.h * dm.e + m * INDEX_BYTES + m + m * dm.f32 + m * dm.e
+    return embed + norm + logprob
+
+
+def chunk_saved_bytes(
+    dm: Dims, r: int, m: int, *, ext: int = 0, cp: int = 1, layer_recompute: bool = False
+) -> dict[str, int]:
+    """Bytes a chunk of r local rows (m local targets) holds for backward: its own K/V part and the rest."""
+    if layer_recompute:  # megatron full recompute: each layer keeps its input; one layer is live at a time
+        kv = layer_kv_bytes(dm, r)
+        one_layer = kv + layer_other_bytes(dm, r, ext=ext, cp=cp)
+        return {"kv": 0, "other": dm.layers * dm.seq_rows(r) * dm.h * dm.e + one_layer + head_bytes(dm, r, m)}
+    return {
+        "kv": dm.layers * layer_kv_bytes(dm, r),
+        "other": dm.layers * layer_other_bytes(dm, r, ext=ext, cp=cp) + head_bytes(dm, r, m),
+    }
+
+
+def kv_grad_bytes(dm: Dims, rows: int) -> int:
+    """dK/dV accumulators (the cached leaves' .grad, in the leaves' dtype) for `rows` cached rows, all layers."""
+    return dm.layers * 2 * rows * dm.g * dm.d * dm.e
+
+
+def ring_buffer_bytes(dm: Dims, rows: int, keys: int, cp: int) -> int:
+    """Transient ring buffers of one layer (not saved, so the meter does not see them): the K/V block computed on
+    and the one in flight; in backward also their fp32 dK/dV accumulators and the fp32 dQ accumulator."""
+    if cp == 1:
+        return 0
+    block = 2 * keys * dm.g * dm.d  # k and v stacked: one message
+    forward = 2 * block * dm.e
+    backward = 2 * block * (dm.e + 4) + rows * dm.n * dm.d * 4
+    return max(forward, backward)
+
+
+def logits_bytes(dm: Dims, m: int, chunk_rows: int) -> int:
+    """Transient buffers of the fused output projection + logprob (losses/fused_logprobs.py): two row chunks of
+    logits in fp32 (logits and their exp / softmax and its gradient), the fp32 weight-gradient accumulator and the
+    fp32 hidden-gradient; the meter does not see them (not saved)."""
+    rows = min(m, chunk_rows)
+    return 2 * rows * dm.v * dm.f32 + dm.v * dm.h * dm.f32 + m * dm.h * dm.f32
+
+
+# --- static terms -----------------------------------------------------------------------------------------------
+def static_bytes(
+    arch: ModelArch, layout: Layout, *, distributed_optimizer: bool = True, param_bytes: int = 2
+) -> dict[str, int]:
+    """Weights (bf16: 2 B), gradients (fp32 main grads), optimizer state (fp32 master + Adam m, v) on one rank."""
+    pc = parameter_count(arch)
+    replicated = arch.num_layers * 2 * arch.hidden_size + pc["final_norm"]  # norms are not TP-sharded
+    per_rank = (pc["total"] - replicated) // layout.tp + replicated
+    shard = layout.dp * layout.cp  # megatron's distributed optimizer shards over DP x CP
+    return {
+        "parameters": param_bytes * per_rank,
+        "gradients": 4 * per_rank,
+        "optimizer_state": (12 * per_rank) // (shard if distributed_optimizer else 1),
+        "optimizer_state_no_distributed": 12 * per_rank,
+        "optimizer_state_distributed": (12 * per_rank) // shard,
+        "parameters_per_rank": per_rank,
+    }
+
+
+# --- the step's peak --------------------------------------------------------------------------------------------
+def local_rows(length: int, count: int, layout: Layout) -> int:
+    """Rows one CP rank holds for `count` segments of `length` tokens (zigzag: 2 equal padded pieces per segment),
+    padded to a multiple of TP under sequence parallel (parallel/cp_layout.py, schedule/chunks.py)."""
+    if layout.cp == 1:
+        r = length * count
+    else:
+        r = count * 2 * cdiv(length, 2 * layout.cp)
+    return cdiv(r, layout.tp) * layout.tp if layout.sp else r
+
+
+@dataclass(frozen=True, kw_only=True)
+class Peak:
+    """The saved-for-backward peak of a step on one rank and the transient buffers beside it."""
+
+    activations: int
+    """Saved activations of the chunks alive at the peak (for replay: the path's graphs and the running chunk)."""
+    cached_kv: int
+    """Replay: cached ancestor K/V not already counted in a live graph."""
+    kv_grads: int
+    """Replay: their dK/dV accumulators."""
+    ring_buffers: int
+    logits: int
+
+    @property
+    def saved(self) -> int:
+        """What the activation meter measures: activations + cached K/V + accumulators."""
+        return self.activations + self.cached_kv + self.kv_grads
+
+
+def step_peak(
+    arch: ModelArch,
+    shape: RolloutShape,
+    layout: Layout,
+    *,
+    schedule: str = "replay",
+    act_bytes: int = 2,
+    branch_micro_batch: int = 8,
+    logprob_chunk_rows: int = 1024,
+    segment_recompute: bool | None = None,
+    layer_recompute: bool | None = None,
+) -> Peak:
+    """Peak per-rank memory of one step. Prompt groups run one after another (replay runs root by root; packed
+    and naive see one group's rollouts at a time per DP rank only for naive, whole tree for packed)."""
+    dm = Dims.of(arch, layout, act_bytes)
+    cp = layout.cp
+    seg_rc = layout.recompute in ("selective", "full") if segment_recompute is None else segment_recompute
+    lay_rc = layout.recompute == "full" if layer_recompute is None else layer_recompute
+    R, L, G = shape.root_length, shape.leaf_length, shape.responses
+    if schedule == "naive" or G == 1:
+        n = shape.rollout_length
+        r = local_rows(n, 1, layout)
+        m = cdiv(n - 1, cp)
+        c = chunk_saved_bytes(dm, r, m, cp=cp, layer_recompute=lay_rc)
+        return Peak(
+            activations=c["kv"] + c["other"],
+            cached_kv=0,
+            kv_grads=0,
+            ring_buffers=ring_buffer_bytes(dm, r, r, cp),
+            logits=logits_bytes(dm, m, logprob_chunk_rows),
+        )
+    groups = cdiv(shape.prompts, layout.dp)  # prompt groups on this DP rank
+    if schedule == "packed":  # every group of this DP rank in one chunk
+        r = groups * (local_rows(R, 1, layout) + local_rows(L, G, layout))
+        r = local_rows(r, 1, Layout(tp=layout.tp, sequence_parallel=layout.sequence_parallel))
+        m = cdiv(groups * (R - 1 + G * L), cp)
+        c = chunk_saved_bytes(dm, r, m, cp=cp, layer_recompute=lay_rc)
+        return Peak(
+            activations=c["kv"] + c["other"],
+            cached_kv=0,
+            kv_grads=0,
+            ring_buffers=ring_buffer_bytes(dm, r, r, cp),
+            logits=logits_bytes(dm, m, logprob_chunk_rows),
+        )
+    assert schedule == "replay", schedule
+    r_root = local_rows(R, 1, layout)
+    m_root = cdiv(R - 1 + G, cp)  # every row but the first predicts a token, the last one per child (forks)
+    b = min(branch_micro_batch, G)
+    r_leaf = local_rows(L, b, layout)
+    m_leaf = cdiv(b * (L - 1), cp)
+    root = chunk_saved_bytes(dm, r_root, m_root, cp=cp, layer_recompute=lay_rc)
+    leaf = chunk_saved_bytes(dm, r_leaf, m_leaf, ext=r_root, cp=cp, layer_recompute=lay_rc)
+    cached = dm.layers * layer_kv_bytes(dm, r_root)
+    grads = kv_grad_bytes(dm, r_root)
+    # phase 1, the last leaf micro-batch before its backward: root graph (unless recomputed) + cache + grads + leaf
+    root_graph = 0 if seg_rc else root["other"]
+    phase_leaves = root_graph + cached + grads + leaf["kv"] + leaf["other"]
+    # phase 2 (segment recompute only): the root recomputed with its graph; its no-grad cache (held until the
+    # accumulated grads are injected) and the grads beside it
+    phase_root = cached + root["kv"] + root["other"] + grads if seg_rc else 0
+    ring = max(ring_buffer_bytes(dm, r_root, r_root, cp), ring_buffer_bytes(dm, r_leaf, r_root + r_leaf, cp))
+    logits = max(logits_bytes(dm, m_root, logprob_chunk_rows), logits_bytes(dm, m_leaf, logprob_chunk_rows))
+    if phase_root > phase_leaves:
+        return Peak(
+            activations=root["kv"] + root["other"],
+            cached_kv=cached,
+            kv_grads=grads,
+            ring_buffers=ring,
+            logits=logits,
+        )
+    return Peak(
+        activations=root_graph + leaf["kv"] + leaf["other"],
+        cached_kv=cached,
+        kv_grads=grads,
+        ring_buffers=ring,
+        logits=logits,
+    )
+
+
+def margin_bytes(counted: int) -> int:
+    return int(ALLOCATOR_MARGIN_FRACTION * counted) + ALLOCATOR_MARGIN_FIXED

@@ -1,0 +1,224 @@
+"""What the planner plans for: a model, a rollout shape, GPUs and a parallel layout (pure data).
+
+Presets are written from the published `config.json` of each model (no download): the fields that decide
+memory and FLOPs. Llama-3.1's rope scaling does not change either, so the planner ignores it (the engine itself
+refuses it for training: models/arch.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_branch.errors import UserError
+from megatron_branch.models.arch import ModelArch
+
+MODEL_PRESETS: dict[str, ModelArch] = {
+    # Qwen/Qwen2.5-7B config.json
+    "qwen2.5-7b": ModelArch(
+        family="qwen2",
+        vocab_size=152064,
+        hidden_size=3584,
+        num_layers=28,
+        num_attention_heads=28,
+        num_query_groups=4,
+        ffn_hidden_size=18944,
+        rope_theta=1e6,
+        qkv_bias=True,
+        max_position_embeddings=131072,
+    ),
+    # meta-llama/Llama-3.1-8B config.json
+    "llama-3.1-8b": ModelArch(
+        family="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        num_layers=32,
+        num_attention_heads=32,
+        num_query_groups=8,
+        ffn_hidden_size=14336,
+        rope_theta=5e5,
+        max_position_embeddings=131072,
+    ),
+    # Qwen/Qwen2.5-32B config.json
+    "qwen2.5-32b": ModelArch(
+        family="qwen2",
+        vocab_size=152064,
+        hidden_size=5120,
+        num_layers=64,
+        num_attention_heads=40,
+        num_query_groups=8,
+        ffn_hidden_size=27648,
+        rope_theta=1e6,
+        qkv_bias=True,
+        max_position_embeddings=131072,
+    ),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPU:
+    """One accelerator as the planner sees it."""
+
+    name: str
+    """Preset name or "custom"."""
+    memory_gb: float
+    """Device memory in GB (1e9 bytes), as the vendor states it."""
+    tflops: float
+    """Peak dense bf16 TFLOP/s (no sparsity)."""
+    link_gbps: float
+    """Per-GPU interconnect bandwidth in GB/s (NVLink, one direction) used for ring, TP and DP traffic."""
+
+    def __post_init__(self) -> None:
+        for flag, value in (
+            ("--gpu-memory-gb", self.memory_gb),
+            ("--gpu-tflops", self.tflops),
+            ("--link-gbps", self.link_gbps),
+        ):
+            if value <= 0:
+                raise UserError(f"{flag} must be positive, got {value}")
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gb * 1e9)
+
+
+GPU_PRESETS: dict[str, GPU] = {
+    "h20": GPU(name="h20", memory_gb=96, tflops=148, link_gbps=900),
+    "h100": GPU(name="h100", memory_gb=80, tflops=989, link_gbps=900),
+    "h200": GPU(name="h200", memory_gb=141, tflops=989, link_gbps=900),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutShape:
+    """A step's batch: `prompts` prompt groups, each a prompt of `prompt_length` tokens with `responses` responses
+    of `response_length` tokens whose first `shared_response_length` tokens are the same in all of them.
+
+    As a prefix tree (data/prefix_tree.py) each group is one root segment of prompt + shared tokens and
+    `responses` leaf segments of the rest (a single segment when there is one response).
+    """
+
+    prompt_length: int
+    """P: prompt tokens."""
+    responses: int
+    """G: responses per prompt."""
+    response_length: int
+    """S: tokens per response."""
+    prompts: int = 1
+    """N: prompt groups per step (over all data-parallel ranks)."""
+    shared_response_length: int = 0
+    """K: leading response tokens all G responses share (0 = they fork right after the prompt)."""
+
+    def __post_init__(self) -> None:
+        for f in ("prompt_length", "responses", "response_length", "prompts"):
+            if getattr(self, f) <= 0:
+                raise UserError(f"--{f.replace('_', '-')} must be positive, got {getattr(self, f)}")
+        if not 0 <= self.shared_response_length < self.response_length:
+            raise UserError(
+                f"--shared-response-length must be in [0, response length {self.response_length}), "
+                f"got {self.shared_response_length}"
+            )
+
+    @property
+    def root_length(self) -> int:
+        """Tokens of the shared root segment (prompt + shared response beginning)."""
+        if self.responses == 1:
+            return self.prompt_length + self.response_length
+        return self.prompt_length + self.shared_response_length
+
+    @property
+    def leaf_length(self) -> int:
+        """Tokens of each leaf segment (0 when there is one response: the root is the whole rollout)."""
+        return 0 if self.responses == 1 else self.response_length - self.shared_response_length
+
+    @property
+    def rollout_length(self) -> int:
+        return self.prompt_length + self.response_length
+
+    @property
+    def positions_logical(self) -> int:
+        """Token positions naive training processes in the step."""
+        return self.prompts * self.responses * self.rollout_length
+
+    @property
+    def positions_computed(self) -> int:
+        """Distinct prefix-tree positions (packed and replay compute each once)."""
+        return self.prompts * (self.root_length + self.responses * self.leaf_length)
+
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """A parallel layout (world = tp * cp * dp) and an activation-recompute mode.
+
+    recompute: "none" keeps every activation; "selective" is megatron's default selective recompute (core
+    attention only; with a fused attention kernel it stores no score matrix, so it saves nothing here and the
+    planner says so); "full" is megatron's full per-layer recompute (recompute_granularity="full", uniform, one
+    layer per checkpoint: only each layer's input is kept) together with the engine's segment recompute (replay
+    keeps no graph for a segment with children, only its cached K/V).
+    """
+
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    recompute: str = "none"
+    sequence_parallel: bool = True
+    """With tp > 1 (megatron's SP: norms and the MLP/attention inputs sharded over the sequence)."""
+
+    def __post_init__(self) -> None:
+        for f in ("tp", "cp", "dp"):
+            if getattr(self, f) <= 0:
+                raise UserError(f"--{f} must be positive, got {getattr(self, f)}")
+        if self.recompute not in RECOMPUTE:
+            raise UserError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp * self.dp
+
+    @property
+    def sp(self) -> bool:
+        return self.sequence_parallel and self.tp > 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "recompute": self.recompute}
+
+
+def load_model(spec: str) -> tuple[str, ModelArch]:
+    """A preset name or a path to an HF config.json -> (name, arch). Only the size fields are read, so a config
+    with rope scaling (Llama-3.1) plans fine; unknown architectures are still refused."""
+    if spec in MODEL_PRESETS:
+        return spec, MODEL_PRESETS[spec]
+    path = Path(spec)
+    if not path.is_file():
+        raise UserError(
+            f"--model {spec!r} is neither a preset ({', '.join(MODEL_PRESETS)}) nor a config.json file"
+        )
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read it as JSON: {e}", where=str(path)) from None
+    if not isinstance(d, dict):
+        raise UserError("expected a JSON object", where=str(path))
+    d = {k: v for k, v in d.items() if k not in ("rope_scaling", "rope_parameters")}  # sizes only
+    return path.parent.name or str(path), ModelArch.from_hf_config(d, where=str(path))
+
+
+def parameter_count(arch: ModelArch) -> dict[str, int]:
+    """Parameters by part: embedding, output layer (0 when tied), per transformer layer, final norm."""
+    h, d = arch.hidden_size, arch.head_dim
+    assert d is not None
+    nq, g, f = arch.num_attention_heads, arch.num_query_groups, arch.ffn_hidden_size
+    qkv = h * (nq + 2 * g) * d + ((nq + 2 * g) * d if arch.qkv_bias else 0)
+    layer = qkv + nq * d * h + 2 * h + h * 2 * f + f * h  # QKV, proj, 2 norms, fc1 (gate+up), fc2
+    return {
+        "embedding": arch.vocab_size * h,
+        "output": 0 if arch.tie_word_embeddings else arch.vocab_size * h,
+        "layer": layer,
+        "final_norm": h,
+        "total": arch.vocab_size * h * (1 if arch.tie_word_embeddings else 2) + arch.num_layers * layer + h,
+    }

@@ -1,0 +1,175 @@
+"""Baselines without sharing, on the SAME model, kernels and fused logprob as replay: the fair comparison.
+
+Shape legend: s tokens of one forward, m rows that carry a loss, h hidden, v vocabulary slice on this TP rank.
+
+    naive-fused       every rollout separately, one causal segment each (what megatron-core with flash attention or
+                      TE does when a user trains each rollout alone): the baseline every headline ratio is quoted
+                      against;
+    packed-nosharing  all rollouts packed into ONE sequence, block-diagonal causal (verl's remove-padding packing):
+                      nothing is shared, every rollout's prompt is computed again.
+
+Both run the branch attention backend (default `merge`: one fused causal call per rollout, equal-length rollouts
+batched) and send only the rows that predict a response token through the output projection, fused with the
+logprob, exactly as the tree schedules do; only WHICH positions are computed differs. The loss is the objective's
+per-rollout form (`rollout_loss`), so these are exact for every objective (tests/unit/test_unshared.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from megatron_branch.attention.core_attention import BranchContext, attach_context
+from megatron_branch.attention.layout import AttentionLayout, QuerySegment
+from megatron_branch.data import PrefixTree
+from megatron_branch.losses.fused_logprobs import fused_linear_logprobs_entropy
+from megatron_branch.losses.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
+from megatron_branch.losses.objective import BoundObjective, Objective
+from megatron_branch.models.gpt import BranchGPTModel
+from megatron_branch.schedule.common import (
+    ChunkOut,
+    ScheduleOptions,
+    StepResult,
+    Store,
+    _output_weight,
+    _to_output_region,
+    _to_replicated_region,
+    model_device,
+)
+
+
+def _pack(tree: PrefixTree, rollouts: Sequence[int], pad_to: int) -> tuple[torch.Tensor, ...]:
+    """(input_ids [s], position_ids [s], rows [m], targets [m], layout) of `rollouts` laid end to end."""
+    ids, pos, rows, tgt, segs = [], [], [], [], []
+    start = 0
+    for i in rollouts:
+        r = tree.rollouts[i]
+        seq = torch.tensor(r.prompt + r.response, dtype=torch.long)  # [L]
+        L = seq.numel()
+        first = max(
+            len(r.prompt) - 1, 0
+        )  # row predicting the first response token (an empty prompt: token 1)
+        ids.append(seq)
+        pos.append(torch.arange(L))
+        rows.append(torch.arange(start + first, start + L - 1))  # rows that predict a response token
+        tgt.append(seq[first + 1 :])
+        segs.append(QuerySegment(q_start=start, q_end=start + L, self_k_start=start))
+        start += L
+    s = -(-start // pad_to) * pad_to
+    if s > start:  # padding: its own causal segment, invisible to every real query
+        segs.append(QuerySegment(q_start=start, q_end=s, self_k_start=start))
+        ids.append(torch.zeros(s - start, dtype=torch.long))
+        pos.append(torch.zeros(s - start, dtype=torch.long))
+    layout = AttentionLayout(num_queries=s, num_keys=s, segments=tuple(segs))
+    return torch.cat(ids), torch.cat(pos), torch.cat(rows), torch.cat(tgt), layout
+
+
+def _forward(
+    model: torch.nn.Module,
+    tree: PrefixTree,
+    rollouts: Sequence[int],
+    bound: BoundObjective | None,
+    opts: ScheduleOptions,
+    store: Store,
+) -> torch.Tensor:
+    """One forward of `rollouts` packed without sharing; records their results, returns the sum of their losses."""
+    ids, pos, rows, tgt, layout = _pack(tree, rollouts, opts.pad_to)
+    dev = model_device(model)
+    ids, pos, rows, tgt = ids.to(dev)[None], pos.to(dev)[None], rows.to(dev), tgt.to(dev)
+    ctx = BranchContext(layout=layout, backend=opts.backend)
+    base = getattr(model, "module", model)
+    want_entropy = opts.keep_entropy or (bound is not None and bound.needs_entropy)
+    ent = None
+    if isinstance(base, BranchGPTModel) and (opts.fused_logprobs or base.is_critic):
+        with attach_context(model, ctx), base.hidden_states_only():
+            hidden = model(ids, pos, None)  # [s (/tp under SP), 1, h]
+        if base.is_critic:  # the value at each loss row (see common.forward_chunk)
+            x = base.values(_to_replicated_region(hidden, opts)[:, 0].index_select(0, rows))  # [m]
+        else:
+            hidden = _to_output_region(hidden, opts)[:, 0]  # [s, h]
+            x, ent = fused_linear_logprobs_entropy(
+                hidden.index_select(0, rows),
+                _output_weight(base),
+                tgt,
+                vocab_size=opts.vocab_size,
+                tp_group=opts.tp_group,
+                chunk_rows=opts.logprob_chunk_rows,
+                entropy=want_entropy,
+            )  # [m], [m]
+    else:
+        with attach_context(model, ctx):
+            logits = model(ids, pos, None)  # [1, s, v]
+        picked = logits[0].index_select(0, rows)  # [m, v]
+        x = vocab_parallel_logprobs(picked, tgt, vocab_size=opts.vocab_size, tp_group=opts.tp_group)
+        if want_entropy:
+            ent = vocab_parallel_entropy(picked, vocab_size=opts.vocab_size, tp_group=opts.tp_group)
+    total = x.new_zeros(())
+    offset = 0
+    for i in rollouts:
+        r = tree.rollouts[i]
+        first = max(len(r.prompt) - 1, 0)
+        m = len(r.prompt) + len(r.response) - 1 - first  # this rollout's loss rows
+        mine = x[offset : offset + m]
+        mine_ent = None if ent is None else ent[offset : offset + m]
+        offset += m
+        loss, stats = x.new_zeros(()), torch.zeros(0, dtype=torch.float64)
+        if bound is not None:
+            # rollout_loss reads tokens 1..L-1; prompt rows carry no loss (objectives select response rows),
+            # so zeros stand in for the rows never computed
+            pad = x.new_zeros(first)
+            full_ent = None if mine_ent is None else torch.cat([pad, mine_ent])
+            loss, stats = bound.rollout_loss(i, torch.cat([pad, mine]), full_ent)
+        total = total + loss
+        idx = tree.response_indices(i) if r.prompt else tree.response_indices(i)[1:]
+        store.add(idx, ChunkOut(loss=loss, stats=stats, logp=mine, entropy=mine_ent, captured={}))
+    return total
+
+
+def _run(
+    name: str,
+    groups: list[list[int]],
+    model: torch.nn.Module,
+    tree: PrefixTree,
+    objective: Objective | None,
+    opts: ScheduleOptions,
+    forward_only: bool,
+) -> StepResult:
+    if opts.cp_size > 1:
+        raise ValueError(f"the {name} schedule has no context parallelism (cp_size must be 1)")
+    bound = objective.bind(tree) if objective is not None else None
+    store = Store(tree, opts)
+    for group in groups:
+        with torch.set_grad_enabled(not forward_only and torch.is_grad_enabled()):
+            loss = _forward(model, tree, group, bound, opts, store)
+        if not forward_only:
+            loss.backward()
+    return store.result(
+        name, tree, bound, opts, positions_computed=tree.positions_logical, forwards=len(groups)
+    )
+
+
+def run_naive_fused(
+    model: torch.nn.Module,
+    tree: PrefixTree,
+    objective: Objective | None,
+    opts: ScheduleOptions,
+    *,
+    forward_only: bool = False,
+) -> StepResult:
+    """Every rollout in its own forward/backward (the fair baseline)."""
+    groups = [[i] for i in range(len(tree.rollouts))]
+    return _run("naive-fused", groups, model, tree, objective, opts, forward_only)
+
+
+def run_packed_nosharing(
+    model: torch.nn.Module,
+    tree: PrefixTree,
+    objective: Objective | None,
+    opts: ScheduleOptions,
+    *,
+    forward_only: bool = False,
+) -> StepResult:
+    """All rollouts in one block-diagonal forward/backward, nothing shared."""
+    groups = [list(range(len(tree.rollouts)))]
+    return _run("packed-nosharing", groups, model, tree, objective, opts, forward_only)

@@ -1,0 +1,662 @@
+"""The training configuration: one YAML file, nested dataclasses, dotted command-line overrides.
+
+    megatron-branch train CONFIG.yaml rollout.n=8 optim.lr=1e-5 actor.kl_loss_coef=0.001
+
+Key names follow verl where verl has one (`rollout.n`, `actor.clip_ratio_low`, `actor.kl_loss_coef`,
+`actor.loss_agg_mode`, `actor.ppo_epochs`, `actor.ppo_mini_batch_size`, `data.train_batch_size`,
+`trainer.total_training_steps`, `trainer.save_freq`, `trainer.resume_mode`). Every field has a docstring
+(docs/training.md is the reference). A mistake (unknown key, wrong type, impossible combination) is one
+`UserError` line naming the key, raised before any work is done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from megatron_branch.errors import UserError
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class ArchConfig:
+    """A Llama-style architecture defined in the config (random init): the demo's tiny policy."""
+
+    family: Literal["llama", "qwen2"] = "llama"
+    """"llama" (no QKV bias) or "qwen2" (QKV bias)."""
+    vocab_size: int | None = None
+    """None = the tokenizer's vocabulary size."""
+    hidden_size: int = 64
+    """Model width."""
+    num_layers: int = 2
+    """Transformer layers."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_query_groups: int = 2
+    """Key/value heads (GQA)."""
+    ffn_hidden_size: int = 128
+    """SwiGLU inner width."""
+    max_position_embeddings: int = 1024
+    """The model's context: prompt + response must fit."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the output layer."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The policy (and, by default, the reference and the critic's trunk)."""
+
+    hf_path: str | None = None
+    """Hugging Face folder (config.json + safetensors, Llama/Qwen2) to start from; loaded through the converter."""
+    arch: ArchConfig | None = None
+    """A config-defined architecture with random weights (used when hf_path is not given)."""
+    dtype: Literal["float32", "float64"] = "float32"
+    """Parameter and compute dtype (float64 for exactness checks)."""
+    init_seed: int = 0
+    """Seed of the random init of a config-defined model."""
+
+
+@dataclass(kw_only=True)
+class TokenizerConfig:
+    """How text becomes token ids."""
+
+    type: Literal["sentencepiece", "hf"] = "sentencepiece"
+    """"sentencepiece": a small model trained at start-up on the task's text (cached in the run folder);
+    "hf": the tokenizer.json of an HF folder, through transformers."""
+    path: str | None = None
+    """hf: the folder holding the tokenizer (None = model.hf_path). sentencepiece: an existing .model file
+    (None = train one at start-up)."""
+    vocab_size: int = 128
+    """sentencepiece training: vocabulary size (bpe/unigram; char uses the training alphabet)."""
+    model_type: Literal["char", "bpe", "unigram"] = "char"
+    """sentencepiece training: model type (char = one token per character, the embedded task's choice)."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Prompts (and what the reward needs), or DPO pairs."""
+
+    task: str | None = None
+    """A built-in verifiable task (prompts and reward generated in-process), e.g. "kv_retrieval"."""
+    task_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the built-in task (its sizes, e.g. num_pairs for kv_retrieval)."""
+    num_prompts: int = 256
+    """Built-in task: prompts generated (from data.seed)."""
+    train_files: str | None = None
+    """JSONL of prompts: {"prompt": text, ...whatever the reward needs}; used when no task is given."""
+    reward: str | None = None
+    """"module:function" taking (prompt, response_text, row) and returning a float; None = the task's own."""
+    pairs_file: str | None = None
+    """DPO: JSONL of {"prompt": text, "chosen": text, "rejected": text}."""
+    train_batch_size: int = 4
+    """Prompts per RL step (each sampled rollout.n times); DPO: pairs per step."""
+    shuffle: bool = True
+    """Shuffle the prompts each epoch (with data.seed; the position is checkpointed)."""
+    seed: int = 1
+    """Seed of the prompt order."""
+    max_prompt_length: int | None = None
+    """Longest prompt in tokens (longer prompts are an error); None = measured on the data at start-up."""
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """Sampling G continuations per prompt through the shared-prefix KV cache."""
+
+    n: int = 4
+    """G, rollouts per prompt (group size)."""
+    temperature: float = 1.0
+    """Sampling temperature (0 = greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1 = off)."""
+    top_k: int = -1
+    """Top-k sampling (-1 = off)."""
+    response_length: int = 16
+    """Max new tokens per rollout."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings (besides the tokenizer's end of sequence)."""
+    branch_at: list[int] = field(default_factory=list)
+    """Tree sampling: after these numbers of sampled tokens each branch forks again (shared response starts)."""
+    branch_factor: int = 2
+    """Tree sampling: children per fork (rollout.n must divide by branch_factor ** len(branch_at))."""
+    seed: int = 2
+    """Seed of the sampler's generator (checkpointed)."""
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    """Which objective trains the policy, and its advantage estimator."""
+
+    name: Literal["grpo", "ppo", "dpo"] = "grpo"
+    """grpo: group-relative advantages; ppo: critic + GAE; dpo: offline preference pairs (no sampling)."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide by the group's standard deviation (False = Dr. GRPO)."""
+    gamma: float = 1.0
+    """PPO: GAE discount."""
+    lam: float = 1.0
+    """PPO: GAE lambda."""
+    dpo_beta: float = 0.1
+    """DPO: beta."""
+    dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    """DPO: loss form."""
+
+
+@dataclass(kw_only=True)
+class ActorConfig:
+    """The policy loss (clipped surrogate + KL + entropy) and how the batch is split into updates."""
+
+    clip_ratio_low: float = 0.2
+    """Lower clip of the importance ratio: 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """Upper clip: 1 + clip_ratio_high."""
+    clip_ratio_c: float | None = None
+    """Dual clip for negative advantages (verl applies 3.0); None = off; must be > 1."""
+    kl_loss_coef: float = 0.0
+    """KL-to-reference coefficient; > 0 scores a frozen reference model each step."""
+    kl_loss_type: Literal["k1", "k2", "k3", "kl", "mse", "low_var_kl"] = "low_var_kl"
+    """KL estimator (verl's names are aliases: kl = k1, mse = k2, low_var_kl = k3)."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus coefficient."""
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    """How per-token losses aggregate over the global batch."""
+    loss_agg_norm: float | None = None
+    """L_norm of seq-mean-token-sum-norm (required there)."""
+    ppo_epochs: int = 1
+    """Passes over each step's rollouts."""
+    ppo_mini_batch_size: int | None = None
+    """Prompts per optimizer step (each with its rollout.n rollouts); None = the whole step's batch."""
+    ppo_micro_batch_size: int | None = None
+    """Prompts per gradient-accumulation micro-batch; None = the whole mini-batch."""
+
+
+@dataclass(kw_only=True)
+class CriticConfig:
+    """PPO's value model (a scalar head on the policy's trunk, initialised from the policy's weights)."""
+
+    cliprange_value: float = 0.5
+    """Clip of the value update around the old values."""
+    lr: float | None = None
+    """Critic learning rate (None = optim.lr)."""
+    ppo_epochs: int | None = None
+    """Passes of the critic over each step's rollouts (None = actor.ppo_epochs)."""
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """megatron-core's optimizer (Adam) and learning-rate scheduler."""
+
+    lr: float = 1e-4
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Floor of the decay."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Gradient clipping by global norm (0 = off)."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up optimizer steps."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warm-up (to min_lr at the last optimizer step)."""
+
+
+@dataclass(kw_only=True)
+class ParallelConfigSection:
+    """The rank layout under torchrun (world = tp * cp * dp)."""
+
+    tp: int = 1
+    """Tensor-parallel size (must divide the heads)."""
+    cp: int = 1
+    """Context-parallel size (ring attention for training)."""
+    sequence_parallel: bool = False
+    """Sequence parallel over the TP group."""
+
+
+@dataclass(kw_only=True)
+class ScheduleConfig:
+    """How the engine runs a batch of rollouts (all give the same gradient)."""
+
+    name: Literal["replay", "packed", "naive"] = "replay"
+    """replay (DFS over the prefix tree), packed (one pass), naive (one rollout at a time)."""
+    backend: Literal["merge", "packed", "reference"] | None = None
+    """Attention backend override."""
+    branch_micro_batch: int = 8
+    """replay: sibling leaves per forward."""
+    recompute: bool = False
+    """replay: recompute inner segments at backward."""
+
+
+@dataclass(kw_only=True)
+class WarmupConfig:
+    """A short supervised warm-up on the task's reference answers before RL (the demo uses it; say so)."""
+
+    steps: int = 0
+    """Supervised optimizer steps before RL (0 = none)."""
+    batch_size: int = 16
+    """Prompts per warm-up step."""
+    lr: float | None = None
+    """Warm-up learning rate (None = optim.lr)."""
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """What is written besides metrics.jsonl."""
+
+    tensorboard: bool = True
+    """TensorBoard event files under OUT/tensorboard."""
+    progress_bar: bool = True
+    """A tqdm bar with reward and step time (rank 0)."""
+    plot: bool = True
+    """OUT/curves.png at each save and at the end."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """What a checkpoint holds besides model, optimizer, scheduler, RNG and data position."""
+
+    hf_export: bool = True
+    """Export the final policy as an HF folder (OUT/hf) through the converter."""
+    keep_last: int | None = None
+    """Keep only the newest k checkpoints (None = all)."""
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """The run itself."""
+
+    total_training_steps: int = 20
+    """RL steps (one sample -> reward -> update round each)."""
+    save_freq: int = -1
+    """Checkpoint every k steps (-1 = only at the end)."""
+    resume_mode: Literal["disable", "auto"] = "disable"
+    """auto: continue from the newest checkpoint in the run folder."""
+    default_local_dir: str = "runs/train"
+    """Run folder: config.yaml, metrics.jsonl, tensorboard/, curves.png, checkpoints/, hf/."""
+    seed: int = 0
+    """Seed of torch/python/numpy RNGs (checkpointed)."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Policy model."""
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    """Tokenizer."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts / pairs and reward."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Sampling."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """grpo / ppo / dpo."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Policy loss and update split."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """PPO value model."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and scheduler."""
+    parallel: ParallelConfigSection = field(default_factory=ParallelConfigSection)
+    """TP / CP (DP = the rest of the world)."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """Engine schedule."""
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    """Supervised warm-up."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Outputs besides metrics.jsonl."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint contents."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Steps, saving, resuming, run folder."""
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+# ---- building from dicts, with one-line errors ----------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    if origin is not None:
+        return getattr(origin, "__name__", str(tp))
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """`value` as type `tp` or a UserError naming `key`. ints are accepted where floats are expected."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(value, a, key)
+            except UserError:
+                continue
+        raise UserError(f"{key} must be {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            close = difflib.get_close_matches(str(value), [str(a) for a in typing.get_args(tp)], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UserError(f"{key} must be one of {_type_name(tp)}, got {value!r}{hint}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise UserError(f"{key} must be a mapping of its fields, got {value!r}")
+        return from_dict(tp, value, prefix=key + ".")
+    if origin is list:
+        if not isinstance(value, list):
+            raise UserError(f"{key} must be a list, got {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_convert(v, item, f"{key}[{j}]") for j, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise UserError(f"{key} must be a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise UserError(f"{key} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UserError(f"{key} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UserError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise UserError(f"{key} must be a string, got {value!r}")
+        return value
+    raise AssertionError(f"unhandled config type {tp} at {key}")
+
+
+def from_dict(cls: Any, raw: dict[str, Any], *, prefix: str = "") -> Any:
+    """Build dataclass `cls` from a nested dict; unknown keys are refused with the closest known name."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            raise UserError(f"unknown config key {prefix}{key}{hint}")
+        kwargs[key] = _convert(value, hints[key], prefix + key)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, UserError):
+            raise
+        raise UserError(f"{prefix.rstrip('.') or 'config'}: {e}") from None
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The resolved config as plain data (what config.yaml in the run folder holds)."""
+    return dataclasses.asdict(cfg)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (["a", "b", "c"], value parsed as YAML: `8` is an int, `1e-5` a float, `null` None)."""
+    import yaml
+
+    if "=" not in text:
+        raise UserError(f"override {text!r} must look like section.key=value")
+    key, _, value = text.partition("=")
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise UserError(f"override {text!r}: empty key part")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value
+    # YAML 1.1 reads `1e-5` as a string (it wants `1.0e-5`): accept what a user means.
+    if isinstance(parsed, str):
+        try:
+            parsed = float(parsed) if any(c in parsed for c in ".eE") else parsed
+        except ValueError:
+            pass
+    return parts, parsed
+
+
+def _set_path(raw: dict[str, Any], parts: list[str], value: Any, text: str) -> None:
+    node = raw
+    for p in parts[:-1]:
+        child = node.get(p)
+        if child is None:
+            child = node[p] = {}
+        if not isinstance(child, dict):
+            raise UserError(f"override {text!r}: {p} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _fix_yaml_floats(node: Any) -> Any:
+    """YAML 1.1 (pyyaml) reads `1e-5` as a string; numbers written that way are meant as floats."""
+    if isinstance(node, dict):
+        return {k: _fix_yaml_floats(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_fix_yaml_floats(v) for v in node]
+    if isinstance(node, str):
+        try:
+            return float(node) if any(c in node for c in "eE") and node[0] in "0123456789.-+" else node
+        except ValueError:
+            return node
+    return node
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:  # type: ignore[assignment]
+    """Read the YAML file (None = all defaults), apply dotted overrides, build and validate the config."""
+    import yaml
+
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as e:
+            raise UserError(f"cannot read config: {e.strerror or e}", where=str(path)) from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            line = f":{mark.line + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise UserError(f"invalid YAML ({problem})", where=f"{path}{line}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise UserError("the config must be a mapping of sections", where=str(path))
+        raw = _fix_yaml_floats(loaded or {})
+    for text in overrides:
+        parts, value = parse_override(text)
+        _set_path(raw, parts, value, text)
+    where = f"{path}" if path is not None else "config"
+    try:
+        return from_dict(TrainConfig, raw)
+    except UserError as e:
+        raise UserError(str(e), where=where) from None
+
+
+# ---- cross-field checks ---------------------------------------------------------------------------------------
+
+
+def _positive(name: str, value: int | float | None) -> None:
+    if value is not None and value <= 0:
+        raise UserError(f"{name} must be positive, got {value}")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Checks that need several fields (each field's type is checked while building). One line per error."""
+    a, act, r, d, t = cfg.algorithm, cfg.actor, cfg.rollout, cfg.data, cfg.trainer
+    for name, v in [
+        ("rollout.n", r.n),
+        ("rollout.response_length", r.response_length),
+        ("data.train_batch_size", d.train_batch_size),
+        ("data.num_prompts", d.num_prompts),
+        ("actor.ppo_epochs", act.ppo_epochs),
+        ("actor.ppo_mini_batch_size", act.ppo_mini_batch_size),
+        ("actor.ppo_micro_batch_size", act.ppo_micro_batch_size),
+        ("trainer.total_training_steps", t.total_training_steps),
+        ("optim.lr", cfg.optim.lr),
+        ("parallel.tp", cfg.parallel.tp),
+        ("parallel.cp", cfg.parallel.cp),
+        ("schedule.branch_micro_batch", cfg.schedule.branch_micro_batch),
+        ("tokenizer.vocab_size", cfg.tokenizer.vocab_size),
+        ("data.max_prompt_length", d.max_prompt_length),
+    ]:
+        _positive(name, v)
+    if t.save_freq == 0 or t.save_freq < -1:
+        raise UserError(f"trainer.save_freq must be a positive number of steps or -1, got {t.save_freq}")
+    if r.temperature < 0 or not 0 < r.top_p <= 1 or (r.top_k == 0 or r.top_k < -1):
+        raise UserError(
+            f"rollout: temperature >= 0, 0 < top_p <= 1, top_k > 0 or -1; got {r.temperature}, {r.top_p}, {r.top_k}"
+        )
+    if sorted(set(r.branch_at)) != r.branch_at or any(k <= 0 or k >= r.response_length for k in r.branch_at):
+        raise UserError(
+            f"rollout.branch_at must be increasing token counts in (0, response_length={r.response_length}), "
+            f"got {r.branch_at}"
+        )
+    if r.branch_at and (r.branch_factor < 1 or r.n % (r.branch_factor ** len(r.branch_at))):
+        raise UserError(
+            f"rollout.n={r.n} must be divisible by rollout.branch_factor ** len(rollout.branch_at) = "
+            f"{r.branch_factor ** len(r.branch_at)}"
+        )
+    if a.name == "grpo" and r.n == 1:
+        raise UserError(
+            "rollout.n=1 with algorithm.name=grpo: a group of one has a zero group-relative advantage, "
+            "so nothing would be learned; use rollout.n >= 2"
+        )
+    if act.clip_ratio_c is not None and act.clip_ratio_c <= 1:
+        raise UserError(f"actor.clip_ratio_c must be > 1 (verl uses 3.0), got {act.clip_ratio_c}")
+    if not 0 <= act.clip_ratio_low < 1 or act.clip_ratio_high < 0:
+        raise UserError(
+            f"actor.clip_ratio_low must be in [0, 1) and clip_ratio_high >= 0, "
+            f"got {act.clip_ratio_low}, {act.clip_ratio_high}"
+        )
+    if act.kl_loss_coef < 0 or act.entropy_coeff < 0:
+        raise UserError("actor.kl_loss_coef and actor.entropy_coeff must be >= 0")
+    if act.loss_agg_mode == "seq-mean-token-sum-norm" and act.loss_agg_norm is None:
+        raise UserError("actor.loss_agg_mode=seq-mean-token-sum-norm needs actor.loss_agg_norm (L_norm)")
+    mini = act.ppo_mini_batch_size or d.train_batch_size
+    if mini > d.train_batch_size or d.train_batch_size % mini:
+        raise UserError(
+            f"actor.ppo_mini_batch_size={mini} must divide data.train_batch_size={d.train_batch_size}"
+        )
+    if act.ppo_micro_batch_size is not None and mini % act.ppo_micro_batch_size:
+        raise UserError(
+            f"actor.ppo_micro_batch_size={act.ppo_micro_batch_size} must divide the mini-batch ({mini} prompts)"
+        )
+    if a.name == "dpo":
+        if d.pairs_file is None:
+            raise UserError("algorithm.name=dpo needs data.pairs_file (JSONL of prompt/chosen/rejected)")
+    elif d.task is None and d.train_files is None:
+        raise UserError(f"algorithm.name={a.name} needs data.task or data.train_files")
+    elif d.task is None and d.reward is None:
+        raise UserError("data.train_files needs data.reward (module:function)")
+    if d.reward is not None and (d.reward.count(":") != 1 or not all(d.reward.split(":"))):
+        raise UserError(f"data.reward must look like module:function, got {d.reward!r}")
+    if cfg.model.hf_path is None and cfg.model.arch is None:
+        raise UserError("model: give model.hf_path (an HF folder) or model.arch (a config-defined model)")
+    if cfg.tokenizer.type == "hf" and cfg.tokenizer.path is None and cfg.model.hf_path is None:
+        raise UserError("tokenizer.type=hf needs tokenizer.path or model.hf_path")
+    if cfg.schedule.name == "naive" and cfg.parallel.cp > 1:
+        raise UserError(
+            "schedule.name=naive has no context parallelism; use packed or replay with parallel.cp > 1"
+        )
+    if cfg.parallel.cp > 1:
+        raise UserError(
+            "parallel.cp > 1: generation has no context parallelism yet, so the loop runs TP and DP only"
+        )
+    check_model(cfg)
+    if cfg.warmup.steps < 0:
+        raise UserError(f"warmup.steps must be >= 0, got {cfg.warmup.steps}")
+    if cfg.checkpoint.keep_last is not None and cfg.checkpoint.keep_last <= 0:
+        raise UserError(f"checkpoint.keep_last must be positive, got {cfg.checkpoint.keep_last}")
+
+
+def model_arch(cfg: TrainConfig, vocab_size: int | None = None) -> Any:
+    """The policy's ModelArch: from model.hf_path's config.json, or from model.arch (vocab from the tokenizer)."""
+    from megatron_branch.models.arch import ModelArch
+
+    if cfg.model.hf_path is not None:
+        from megatron_branch.checkpoint.hf_io import load_hf_config
+
+        where = str(Path(cfg.model.hf_path) / "config.json")
+        if not Path(where).is_file():
+            raise UserError("model.hf_path has no config.json", where=where)
+        return ModelArch.from_hf_config(load_hf_config(cfg.model.hf_path), where=where)
+    a = cfg.model.arch
+    assert a is not None
+    try:
+        return ModelArch(
+            family=a.family,
+            vocab_size=a.vocab_size or vocab_size or 1,
+            hidden_size=a.hidden_size,
+            num_layers=a.num_layers,
+            num_attention_heads=a.num_attention_heads,
+            num_query_groups=a.num_query_groups,
+            ffn_hidden_size=a.ffn_hidden_size,
+            rope_theta=a.rope_theta,
+            qkv_bias=a.family == "qwen2",
+            tie_word_embeddings=a.tie_word_embeddings,
+            max_position_embeddings=a.max_position_embeddings,
+        )
+    except ValueError as e:
+        raise UserError(f"model.arch: {e}") from None
+
+
+def check_model(cfg: TrainConfig) -> None:
+    """The architecture exists and splits over parallel.tp (reads only config.json)."""
+    arch = model_arch(cfg)
+    try:
+        arch.check_tensor_parallel(cfg.parallel.tp)
+    except UserError as e:
+        raise UserError(f"parallel.tp: {e}") from None
+    if cfg.data.max_prompt_length is not None:
+        check_fits_context(
+            cfg,
+            max_prompt_tokens=cfg.data.max_prompt_length,
+            context=arch.max_position_embeddings,
+            where="config",
+        )
+
+
+def check_fits_context(cfg: TrainConfig, *, max_prompt_tokens: int, context: int, where: str) -> None:
+    """A prompt plus the longest response must fit the model's context (RoPE table)."""
+    need = max_prompt_tokens + cfg.rollout.response_length
+    if need > context:
+        raise UserError(
+            f"prompt ({max_prompt_tokens} tokens) + rollout.response_length ({cfg.rollout.response_length}) = "
+            f"{need} exceeds the model's context of {context} tokens",
+            where=where,
+        )
+
+
+def write_resolved(cfg: TrainConfig, path: Path) -> None:
+    import yaml
+
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")

@@ -1,0 +1,313 @@
+"""The RL loop: sample -> reward -> (reference scores) -> ppo_epochs x mini-batch updates -> next step.
+
+    trainer = Trainer(cfg)      # validate, build tokenizer/data/models/optimizer, resume if asked (all ranks)
+    summary = trainer.run()     # steps, metrics, checkpoints, curves, HF export
+
+Under torchrun the world is tp * dp (CP is refused by the config: generation has none yet). Every rank of a
+data-parallel replica samples the same rollouts (same prompts, same generator seed); replicas sample different
+prompts of the step's global batch, and the rollouts are gathered so that every rank builds the same global
+batch for the update, which splits it over DP again by prefix group (parallel/data.py) and normalises the loss
+on the GLOBAL batch: DP1 and DP2 give the same update.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_branch.checkpoint.store import CheckpointStore, rng_sharded_object
+from megatron_branch.data import PrefixTree, Rollout
+from megatron_branch.errors import UserError
+from megatron_branch.parallel.groups import (
+    ParallelConfig,
+    agree_on_error,
+    init_distributed,
+    initialize_parallel,
+)
+from megatron_branch.train import policy as policy_ops
+from megatron_branch.train.config import TrainConfig, check_fits_context, model_arch, write_resolved
+from megatron_branch.train.data import load_dataset
+from megatron_branch.train.metrics import RunLogger
+from megatron_branch.train.models import DTYPES, build_policy, frozen_copy
+from megatron_branch.train.run_dir import run_folder
+from megatron_branch.train.state import PromptOrder, capture_rng, restore_rng
+
+
+def _gather_over(group: Any, obj: Any) -> list[Any]:
+    if group is None or dist.get_world_size(group) == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+class Trainer:
+    """One training run (all ranks construct it with the same config)."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.rank, self.world = init_distributed()
+        self.is_main = self.rank == 0
+        t = cfg.trainer
+        self.out = Path(t.default_local_dir)
+        resume = t.resume_mode == "auto"
+        self.dtype = DTYPES[cfg.model.dtype]
+        # Everything the user gave is read and checked before anything is written (one line on failure).
+        pcfg = ParallelConfig(
+            tp=cfg.parallel.tp, cp=cfg.parallel.cp, sequence_parallel=cfg.parallel.sequence_parallel
+        )
+        pcfg.data_parallel_size(self.world)
+        with run_folder(self.out, resume=resume) as setup_dir:
+            self.dataset = load_dataset(cfg, setup_dir)
+            self.arch = model_arch(cfg, vocab_size=self.dataset.tokenizer.vocab_size)
+            if self.arch.vocab_size < self.dataset.tokenizer.vocab_size:
+                raise UserError(
+                    f"the tokenizer has {self.dataset.tokenizer.vocab_size} tokens but the model's vocabulary "
+                    f"is {self.arch.vocab_size}"
+                )
+            check_fits_context(
+                cfg,
+                max_prompt_tokens=self.dataset.max_prompt_tokens,
+                context=self.arch.max_position_embeddings,
+                where="data",
+            )
+            if self.is_main:
+                write_resolved(cfg, setup_dir / "config.yaml")
+            self.groups = initialize_parallel(pcfg, seed=t.seed)
+            self.dp_rank = dist.get_rank(self.groups.dp)
+            self.policy = build_policy(
+                self.arch, hf_path=cfg.model.hf_path, dtype=self.dtype, groups=self.groups,
+                init_seed=cfg.model.init_seed,
+            )  # fmt: skip
+            self.actor = policy_ops.Actor(
+                cfg, self.policy, arch=self.arch, groups=self.groups, dtype=self.dtype
+            )
+            self.actor.set_stop_tokens(self.dataset.stop_token_ids(cfg.rollout.stop))
+            self.order = PromptOrder(
+                num_prompts=len(self.dataset), batch_size=cfg.data.train_batch_size,
+                shuffle=cfg.data.shuffle, seed=cfg.data.seed,
+            )  # fmt: skip
+            # One stream per DP replica (TP ranks of a replica must draw the same tokens).
+            self.sample_rng = torch.Generator().manual_seed(cfg.rollout.seed * 1_000_003 + self.dp_rank)
+            self.reference: torch.nn.Module | None = None
+            self.needs_reference = cfg.algorithm.name == "dpo" or cfg.actor.kl_loss_coef > 0
+            self.store = CheckpointStore(self.out / "checkpoints", keep_last=cfg.checkpoint.keep_last)
+            self.step = 0
+            latest = self.store.latest() if resume and setup_dir == self.out else None
+            if latest is not None:
+                self._load(latest)
+            else:
+                self._warmup()
+                if self.needs_reference:
+                    self.reference = frozen_copy(self.policy, self.arch, dtype=self.dtype, groups=self.groups)
+        self.logger = RunLogger(
+            self.out,
+            total_steps=t.total_training_steps,
+            start_step=self.step,
+            enabled=self.is_main,
+            tensorboard=cfg.logging.tensorboard,
+            progress_bar=cfg.logging.progress_bar,
+        )
+
+    # ---- one RL step -----------------------------------------------------------------------------------------
+    def _sample(self, indices: list[int]) -> tuple[list[Rollout], list[float], dict[str, float]]:
+        """Sample rollout.n continuations of each prompt of this replica's share; gather the global batch."""
+        slots = list(range(len(indices)))[self.dp_rank :: self.groups.dp_size]  # positions in the batch
+        out = self.actor.generate([self.dataset.prompt_ids(indices[k]) for k in slots], self.sample_rng)
+        local = []
+        for k, group in zip(slots, out.samples):
+            for s in group:
+                reward = self.dataset.reward(indices[k], s.response)
+                local.append((k, s.prompt, s.response, s.logprobs, reward))
+        rows = [r for part in _gather_over(self.groups.dp, local) for r in part]
+        rows.sort(key=lambda r: r[0])  # the global batch in the step's prompt order (stable within a group)
+        rewards = [r[4] for r in rows]
+        rollouts = [Rollout(prompt=r[1], response=r[2], token_fields={"old_logprobs": r[3]}) for r in rows]
+        stats = {
+            "gen/prefill_positions": out.stats.prefill_positions,
+            "gen/decode_steps": out.stats.decode_steps,
+            "gen/tokens_per_s": out.stats.tokens_per_s,
+        }
+        return rollouts, rewards, stats
+
+    def train_step(self) -> dict[str, Any]:
+        """One RL step (DPO: one pass over a batch of pairs); returns its metrics line."""
+        if self.cfg.algorithm.name == "dpo":
+            return self._dpo_step()
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        indices = self.order.next_batch()
+        rollouts, rewards, gen_stats = self._sample(indices)
+        t_gen = time.perf_counter()
+        metrics = self.actor.update(rollouts, rewards, reference=self.reference)
+        t_upd = time.perf_counter()
+        self.last_batch, self.last_rewards = rollouts, rewards  # inspected by tests
+        resp = [len(r.response) for r in rollouts]
+        self.step += 1
+        step_s = t_upd - t0
+        mean = sum(rewards) / len(rewards)
+        positions = self._positions(rollouts)
+        return {
+            "step": self.step,
+            "reward_mean": mean,
+            "loss": metrics.pop("loss"),
+            **positions,
+            "critic/score/mean": mean,
+            "critic/score/max": max(rewards),
+            "critic/score/min": min(rewards),
+            "response_length/mean": sum(resp) / len(resp),
+            **metrics,
+            **gen_stats,
+            "timing_s/gen": t_gen - t0,
+            "timing_s/update_actor": t_upd - t_gen,
+            "timing_s/step": step_s,
+            # logical tokens (what naive training would process) per second of the whole RL step
+            "perf/throughput": positions["positions_logical"] * cfg.actor.ppo_epochs / step_s,
+        }
+
+    def _positions(self, rollouts: list[Rollout]) -> dict[str, int]:
+        """Token positions of one pass over the step's batch: naive training's count and what the schedule ran."""
+        tree = PrefixTree.build(rollouts)
+        naive = self.cfg.schedule.name == "naive"
+        return {
+            "positions_logical": tree.positions_logical,
+            "positions_computed": tree.positions_logical if naive else tree.positions_computed,
+        }
+
+    def _dpo_step(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        pairs = []
+        for j in self.order.next_batch():
+            p = self.dataset.pairs[j]  # type: ignore[index]
+            pairs.append(Rollout(prompt=p["prompt"], response=p["chosen"], pair=j, chosen=True))
+            pairs.append(Rollout(prompt=p["prompt"], response=p["rejected"], pair=j, chosen=False))
+        metrics = self.actor.update_dpo(pairs, reference=self.reference)
+        self.last_batch, self.last_rewards = pairs, []
+        self.step += 1
+        step_s = time.perf_counter() - t0
+        return {
+            "step": self.step,
+            "reward_mean": metrics["rewards/accuracies"],  # DPO has no reward: the pairs ranked right
+            "loss": metrics.pop("loss"),
+            **self._positions(pairs),
+            "response_length/mean": sum(len(r.response) for r in pairs) / len(pairs),
+            **metrics,
+            "timing_s/update_actor": step_s,
+            "timing_s/step": step_s,
+            "perf/throughput": PrefixTree.build(pairs).positions_logical / step_s,
+        }
+
+    # ---- the run ---------------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg.trainer
+        last: dict[str, Any] = {}
+        try:
+            while self.step < cfg.total_training_steps:
+                last = self.train_step()
+                self.logger.log(last)
+                if cfg.save_freq > 0 and self.step % cfg.save_freq == 0:
+                    self.save()
+            if self.store.latest() != self.store.path(self.step):  # the final state is always saved
+                self.save()
+            elif self.cfg.logging.plot:
+                self.logger.plot()
+            exported = self._export()
+        finally:
+            self.logger.close()
+        return {
+            "steps": self.step,
+            "out": str(self.out),
+            "metrics": str(self.out / "metrics.jsonl"),
+            "curves": str(self.out / "curves.png"),
+            "checkpoint": str(self.store.path(self.step)),
+            "hf": str(exported) if exported else None,
+            "last": last,
+        }
+
+    def _export(self) -> Path | None:
+        if not self.cfg.checkpoint.hf_export:
+            return None
+        if self.dtype != torch.float32:
+            self.logger.write("HF export skipped: only float32 runs are exported")
+            return None
+        from megatron_branch.train.models import export_hf
+
+        return export_hf(
+            self.policy, self.out, arch=self.arch, dtype=self.dtype, groups=self.groups,
+            tokenizer_dir=self.dataset.tokenizer_dir,
+        )  # fmt: skip
+
+    # ---- warm-up ---------------------------------------------------------------------------------------------
+    def _warmup(self) -> None:
+        w = self.cfg.warmup
+        if w.steps == 0:
+            return
+        if self.dataset.warmup is None:
+            raise UserError(
+                "warmup.steps > 0 needs a built-in task (data.task): it supplies the reference answers"
+            )
+        if self.is_main:
+            print(
+                f"supervised warm-up: {w.steps} steps on the task's reference answers (before RL)", flush=True
+            )
+        # warm-up prompts come from their own seed: not the RL prompts
+        pool = self.dataset.warmup(w.steps * w.batch_size, self.cfg.data.seed + 7919)
+        batches = [pool[k * w.batch_size : (k + 1) * w.batch_size] for k in range(w.steps)]
+
+        def log(k: int, loss: float) -> None:
+            if self.is_main and ((k + 1) % max(1, w.steps // 4) == 0 or k == 0):
+                print(f"  warm-up step {k + 1}/{w.steps}: answer NLL {loss:.4f}", flush=True)
+
+        self.actor.warmup(batches, w.lr or self.cfg.optim.lr, log)
+
+    # ---- checkpoints -----------------------------------------------------------------------------------------
+    def _sharded_state(self, *, loading: bool) -> dict[str, Any]:
+        sd: dict[str, Any] = self.actor.sharded_state(loading=loading)
+        sd["rng"] = rng_sharded_object("rng_state", None if loading else capture_rng(self.sample_rng))
+        if self.needs_reference:
+            ref = self.reference if self.reference is not None else self._empty_reference()
+            self.reference = ref
+            sd["reference"] = ref.sharded_state_dict(prefix="reference.")
+        return sd
+
+    def _empty_reference(self) -> torch.nn.Module:
+        from megatron_branch.models import build_model
+
+        ref = build_model(
+            self.arch, dtype=self.dtype, tp=self.groups.tp_size,
+            sequence_parallel=self.groups.sequence_parallel, init_weights=False,
+        )  # fmt: skip
+        ref.requires_grad_(False)
+        return ref
+
+    def save(self) -> Path:
+        common = {"data": self.order.state_dict(), **self.actor.common_state()}
+        path = self.store.save(self.step, self._sharded_state(loading=False), common=common)
+        if self.cfg.logging.plot:
+            self.logger.plot()
+        return path
+
+    def _load(self, path: Path) -> None:
+        state, common = self.store.load(path, self._sharded_state(loading=True))
+        self.actor.load_state(state, common)
+        if "reference" in state:
+            ref_state = {k.removeprefix("reference."): v for k, v in state["reference"].items()}
+            self.reference.load_state_dict(ref_state, strict=True)  # type: ignore[union-attr]
+            self.reference.eval()  # type: ignore[union-attr]
+        restore_rng(state["rng"], self.sample_rng)
+        self.order.load_state_dict(common["data"])
+        self.step = int(common["step"])
+        if self.is_main:
+            print(f"resumed from {path} (step {self.step})", flush=True)
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    err = None
+    trainer = Trainer(cfg)
+    summary = trainer.run()
+    agree_on_error(err)
+    return summary

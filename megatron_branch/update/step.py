@@ -1,0 +1,255 @@
+"""One full update: score what is needed, run the schedule over every micro-batch, finalise gradients, step.
+
+    result = update_step(model, batch, objective, plan, optimizer=opt, scheduler=sched)
+
+`batch` is the GLOBAL logical batch (every rank passes the same rollouts). Whole prompt groups go to DP ranks
+(balanced by computed positions, parallel/data.py) and, on each rank, to `micro_batches` consecutive micro-batches
+(gradient accumulation). Every objective is normalised on the global batch (losses/aggregation.py, DPO's pair
+count), so the sum over micro-batches and ranks is the one-big-batch gradient exactly: 1, 2 or 4 micro-batches and
+DP1 or DP2 give the same parameters after the step. Gradients are reduced by megatron DDP's finalize_model_grads
+(a SUM over dp x cp, parallel/ddp.py), then megatron's optimizer steps and the scheduler advances.
+
+Metrics (verl's names, `actor/` or `critic/` by objective): the objective's stats summed over micro-batches and
+DP (each already a global mean: a shared token counts once per rollout), `<role>/loss`, `<role>/grad_norm`,
+`<role>/lr`, `tree/positions_logical`, `tree/positions_computed` and `tree/token_ratio` (logical / computed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_branch.data import PrefixTree, Rollout
+from megatron_branch.losses.dpo import DPOObjective
+from megatron_branch.losses.objective import Objective
+from megatron_branch.losses.value import ValueObjective
+from megatron_branch.parallel.data import assign_groups
+from megatron_branch.parallel.groups import comm_device
+from megatron_branch.schedule import ScheduleOptions, run_schedule, score_rollouts
+from megatron_branch.update.optimizer import current_lr
+
+
+@dataclass(kw_only=True)
+class UpdatePlan:
+    """How an update runs (the objective aside)."""
+
+    opts: ScheduleOptions
+    """Schedule options; `opts.groups` is the parallel layout (DP rank and size come from `groups.dp`)."""
+    schedule: str = "replay"
+    """naive | packed | replay."""
+    micro_batches: int = 1
+    """Micro-batches of whole prompt groups per rank (gradient accumulation); capped at the groups there are."""
+    pg_collection: Any = None
+    """megatron's ProcessGroupCollection for DDP's finalize_model_grads (None: the model is not DDP-wrapped and
+    gradients are finalised by parallel.grads.finalize_grads)."""
+
+    def __post_init__(self) -> None:
+        if self.micro_batches <= 0:
+            raise ValueError(f"micro_batches must be positive, got {self.micro_batches}")
+
+
+@dataclass(kw_only=True)
+class UpdateResult:
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Global metrics of this update (identical on every rank)."""
+    stepped: bool = True
+    """Whether the optimizer applied the step (megatron skips it on inf/nan gradients)."""
+
+
+def split_micro_batches(rollouts: Sequence[Rollout], indices: Sequence[int], n: int) -> list[list[int]]:
+    """`indices` (this rank's rollouts) cut into at most `n` consecutive micro-batches of whole prompt groups,
+    balanced by rollout count; deterministic."""
+    if not indices:
+        return []
+    tree = PrefixTree.build([rollouts[i] for i in indices])
+    groups = [[indices[j] for j in g] for g in tree.groups()]
+    n = min(n, len(groups))
+    total = sum(len(g) for g in groups)
+    out: list[list[int]] = [[]]
+    done = 0
+    for g in groups:
+        if out[-1] and len(out) < n and done >= total * len(out) / n:
+            out.append([])
+        out[-1].extend(g)
+        done += len(g)
+    return out
+
+
+def attach_scores(
+    model: torch.nn.Module,
+    rollouts: Sequence[Rollout],
+    name: str,
+    plan: UpdatePlan,
+    *,
+    only_missing: bool = True,
+) -> list[Rollout]:
+    """`rollouts` (the global batch) with per-token field `name` (old_logprobs, ref_logprobs, values) scored
+    forward-only by `model` through the plan's schedule. Each DP rank scores its own share and the shares are
+    gathered over DP, so every rank returns the same, complete batch (a collective over `groups.dp`).
+
+    An empty prompt's first response token has no logprob: it gets 0.0 there (no objective reads it).
+    """
+    mine = _my_share(rollouts, plan)
+    todo = [i for i in mine if not (only_missing and rollouts[i].field(name) is not None)]
+    scored: dict[int, tuple[float, ...]] = {}
+    for chunk in split_micro_batches(rollouts, todo, plan.micro_batches):
+        tree = PrefixTree.build([rollouts[i] for i in chunk], vocab_size=plan.opts.vocab_size)
+        scores = score_rollouts(plan.schedule, model, tree, plan.opts)
+        for j, i in enumerate(chunk):
+            scored[i] = tuple(scores.logprobs[j].nan_to_num(0.0).tolist())
+    groups = plan.opts.groups
+    if groups.dp is not None and groups.dp_size > 1:
+        parts: list[Any] = [None] * groups.dp_size
+        dist.all_gather_object(parts, scored, group=groups.dp)
+        scored = {i: v for part in parts for i, v in part.items()}
+    out = list(rollouts)
+    for i, vals in scored.items():
+        out[i] = dataclasses.replace(rollouts[i], token_fields={**rollouts[i].token_fields, name: vals})
+    return out
+
+
+def _my_share(rollouts: Sequence[Rollout], plan: UpdatePlan) -> list[int]:
+    groups = plan.opts.groups
+    full = PrefixTree.build(list(rollouts))
+    rank = dist.get_rank(groups.dp) if groups.dp is not None and groups.dp_size > 1 else 0
+    return assign_groups(full, groups.dp_size)[rank]
+
+
+@dataclass(kw_only=True)
+class Accumulated:
+    """What the schedules left after one pass over this rank's share (gradients are in the model)."""
+
+    loss: float = 0.0
+    """This rank's share of the global loss."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """This rank's share of each metric (global means: they add over ranks)."""
+    positions_logical: int = 0
+    positions_computed: int = 0
+    logprobs: dict[int, list[float]] = field(default_factory=dict)
+    """Global rollout index -> response logprobs (NaN where unscored), when asked for."""
+
+
+def accumulate_gradients(
+    model: torch.nn.Module,
+    batch: Sequence[Rollout],
+    objective: Objective | DPOObjective,
+    plan: UpdatePlan,
+    *,
+    keep_logprobs: bool = False,
+) -> Accumulated:
+    """Forward/backward this rank's share of the global `batch`, micro-batch by micro-batch; gradients accumulate
+    in the model (not finalised). The gradient part of `update_step`, and all of `megatron-branch grad`."""
+    opts = dataclasses.replace(plan.opts, keep_logprobs=keep_logprobs or plan.opts.keep_logprobs)
+    acc = Accumulated()
+    for chunk in split_micro_batches(batch, _my_share(batch, plan), plan.micro_batches):
+        tree = PrefixTree.build([batch[i] for i in chunk], vocab_size=opts.vocab_size)
+        run_obj: Objective = objective  # type: ignore[assignment]
+        if isinstance(
+            objective, DPOObjective
+        ):  # sequence-level: a forward-only pass fixes dL/dpi (losses/dpo.py)
+            pi = score_rollouts(plan.schedule, model, tree, opts).sums()
+            run_obj, dpo_loss, dpo_stats = objective.linearise(tree, pi)
+        res = run_schedule(plan.schedule, model, tree, run_obj, opts)
+        if isinstance(objective, DPOObjective):
+            res.loss, res.stats = dpo_loss, dpo_stats
+        acc.loss += res.loss
+        for k, v in res.stats.items():
+            acc.stats[k] = acc.stats.get(k, 0.0) + v
+        acc.positions_logical += res.positions_logical
+        acc.positions_computed += res.positions_computed
+        if keep_logprobs:
+            for j, i in enumerate(chunk):
+                acc.logprobs[i] = res.rollout_logprobs(tree, j).tolist()
+    return acc
+
+
+def reduce_metrics(acc: Accumulated, objective: Any, groups: Any, role: str) -> dict[str, float]:
+    """The global metrics of an accumulation (a SUM over DP ranks; a collective over `groups.dp`)."""
+    names = sorted(acc.stats) if acc.stats else _stat_names(objective)
+    local = [acc.loss, acc.positions_logical, acc.positions_computed, *[acc.stats.get(k, 0.0) for k in names]]
+    total = _sum_over_dp(torch.tensor(local, dtype=torch.float64), groups)
+    metrics = {f"{role}/loss": float(total[0])}
+    metrics.update({k: float(v) for k, v in zip(names, total[3:])})
+    metrics["tree/positions_logical"] = float(total[1])
+    metrics["tree/positions_computed"] = float(total[2])
+    metrics["tree/token_ratio"] = float(total[1] / total[2]) if total[2] > 0 else float("nan")
+    return metrics
+
+
+def update_step(
+    model: torch.nn.Module,
+    batch: Sequence[Rollout],
+    objective: Objective | DPOObjective,
+    plan: UpdatePlan,
+    *,
+    optimizer: Any,
+    scheduler: Any = None,
+    ref_model: torch.nn.Module | None = None,
+) -> UpdateResult:
+    """One optimizer step of `model` (megatron DDP) on the global `batch` with `objective`; see the module doc.
+
+    `ref_model`: scores `ref_logprobs` forward-only where the objective needs them and the rollouts lack them.
+    """
+    role = "critic" if isinstance(objective, ValueObjective) else "actor"
+    needs_ref = isinstance(objective, DPOObjective) or getattr(objective, "kl_coef", 0) != 0
+    if ref_model is not None and needs_ref:
+        batch = attach_scores(ref_model, batch, "ref_logprobs", plan)
+    _zero_grads(model, optimizer)
+    acc = accumulate_gradients(model, batch, objective, plan)
+    finalize(model, plan)
+    stepped, grad_norm, _ = optimizer.step()
+    lr = current_lr(optimizer)
+    if scheduler is not None:
+        scheduler.step(1)
+    metrics = reduce_metrics(acc, objective, plan.opts.groups, role)
+    metrics[f"{role}/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+    metrics[f"{role}/lr"] = lr
+    return UpdateResult(metrics=metrics, stepped=bool(stepped))
+
+
+def _stat_names(objective: Any) -> list[str]:
+    """The objective's metric names for a rank with no rollouts (it must still join the DP sum)."""
+    if hasattr(objective, "stat_names") and callable(objective.stat_names):
+        return sorted(n for n, _ in objective.stat_names())
+    if isinstance(objective, ValueObjective):
+        return sorted(("critic/vf_loss", "critic/vf_clipfrac"))
+    if isinstance(objective, DPOObjective):
+        return sorted(
+            ("dpo/loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+        )
+    return []
+
+
+def _zero_grads(model: torch.nn.Module, optimizer: Any) -> None:
+    if hasattr(model, "zero_grad_buffer"):
+        model.zero_grad_buffer()  # megatron DDP: main_grad buffers
+    optimizer.zero_grad()
+    model.zero_grad(set_to_none=True)
+
+
+def finalize(model: torch.nn.Module, plan: UpdatePlan) -> None:
+    """Reduce the accumulated gradients: megatron DDP + finalize_model_grads, or the plain reference."""
+    groups = plan.opts.groups
+    if plan.pg_collection is not None:
+        from megatron_branch.parallel.ddp import finalize_megatron_grads
+
+        finalize_megatron_grads(model, pg_collection=plan.pg_collection)
+        return
+    from megatron_branch.parallel.grads import finalize_grads
+
+    finalize_grads(
+        model, tp_group=groups.tp, dp_cp_group=groups.dp_cp, sequence_parallel=groups.sequence_parallel
+    )
+
+
+def _sum_over_dp(t: torch.Tensor, groups: Any) -> torch.Tensor:
+    t = t.to(torch.float64)
+    if groups.dp is not None and groups.dp_size > 1:
+        t = t.to(comm_device(groups.dp))
+        dist.all_reduce(t, group=groups.dp)
+    return t.cpu()

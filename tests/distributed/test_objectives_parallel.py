@@ -1,0 +1,248 @@
+"""The RL objectives under TP2+SP, CP2 and DP2 against single-rank references (float64, 1e-9 per parameter).
+
+    python tests/distributed/launch.py 2 -k objectives
+
+- TP2+SP and CP2: the replay (and packed) gradient of the clipped surrogate with dual clip, KL and entropy, and of
+  the critic's value loss, against an HF float64 oracle that runs every rollout alone and evaluates the SAME bound
+  objective's per-rollout loss on HF's logprobs and entropies (so the vocab-parallel entropy is checked too).
+- DP2: one full update (megatron DDP + megatron's optimizer, clipping active) against the update computed on one
+  rank (whole batch, no DDP) with torch's AdamW.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from megatron_branch.checkpoint.param_map import hf_to_mcore_state, mcore_to_hf_state
+from megatron_branch.checkpoint.tp import gather_full_grads, load_full_state
+from megatron_branch.data import PrefixTree, Rollout
+from megatron_branch.losses import Aggregation, PolicyObjective
+from megatron_branch.models import ModelArch, build_model
+from megatron_branch.parallel.grads import finalize_grads
+from megatron_branch.parallel.groups import ParallelConfig, ParallelGroups, initialize_parallel
+from megatron_branch.schedule import ScheduleOptions, run_schedule
+from megatron_branch.testing import exact_hf_norms, random_tree_rollouts, tiny_hf_config, tiny_hf_model
+
+VOCAB = 37
+
+
+def _rollouts() -> list[Rollout]:
+    rng = random.Random(31)
+    rs = random_tree_rollouts(groups=2, prompt_len=7, branches=3, levels=2, seg_len=(2, 5), seed=32)
+    return [
+        dataclasses.replace(
+            r,
+            token_fields={
+                "old_logprobs": tuple(rng.uniform(-4.5, -2.5) for _ in r.response),
+                "ref_logprobs": tuple(rng.uniform(-4.5, -2.5) for _ in r.response),
+                "advantages": tuple(rng.uniform(-1, 1) for _ in r.response),
+            },
+        )
+        for r in rs
+    ]
+
+
+def _objective(rollouts: list[Rollout]) -> PolicyObjective:
+    return PolicyObjective(
+        agg=Aggregation.of_batch(rollouts, "seq-mean-token-mean"),
+        clip_c=3.0,
+        kl_coef=0.2,
+        kl_type="k3",
+        entropy_coef=0.05,
+    )
+
+
+def _hf() -> torch.nn.Module:
+    return exact_hf_norms(
+        tiny_hf_model(tiny_hf_config("llama", vocab_size=VOCAB), seed=9, dtype=torch.float64)
+    )
+
+
+def _oracle(hf: torch.nn.Module, rollouts: list[Rollout], objective: PolicyObjective) -> tuple[float, dict]:
+    """HF float64, rollout by rollout, through the objective's own per-rollout loss (naive's formula)."""
+    tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
+    bound = objective.bind(tree)
+    hf.zero_grad(set_to_none=True)
+    total = 0.0
+    for i, r in enumerate(rollouts):
+        seq = torch.tensor([list(r.prompt) + list(r.response)])
+        logq = torch.log_softmax(hf(input_ids=seq).logits[0, :-1], dim=-1)  # [L-1, V]
+        logp = logq.gather(1, seq[0, 1:, None]).squeeze(1)
+        ent = -(logq.exp() * logq).sum(-1)
+        loss, _ = bound.rollout_loss(i, logp, ent)
+        loss.backward()
+        total += float(loss)
+    return total, {n: p.grad.clone() for n, p in hf.named_parameters()}
+
+
+def _close(got: dict, want: dict, tol: float) -> None:
+    assert got.keys() == want.keys()
+    for n, g in want.items():
+        err = ((got[n].double() - g).norm() / g.norm()).item()
+        assert err <= tol, f"{n}: {err:.2e}"
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("layout", ["tp2_sp", "cp2"])
+def test_policy_objective_under_tp_sp_and_cp(layout: str, dtype: torch.dtype) -> None:
+    hf, rollouts = _hf(), _rollouts()
+    objective = _objective(rollouts)
+    want_loss, want = _oracle(hf, rollouts, objective)
+    pcfg = ParallelConfig(tp=2, sequence_parallel=True) if layout == "tp2_sp" else ParallelConfig(cp=2)
+    groups = initialize_parallel(pcfg)
+    arch = ModelArch.from_hf_config(hf.config)
+    model = build_model(arch, dtype=dtype, tp=groups.tp_size, sequence_parallel=groups.sequence_parallel)
+    state = hf_to_mcore_state(hf.state_dict(), arch, padded_vocab=arch.padded_vocab_size(groups.tp_size))
+    load_full_state(model, {k: v.to(dtype) for k, v in state.items()}, groups.tp)
+    tol = 1e-9 if dtype == torch.float64 else 1e-5  # float32 against the float64 oracle
+    tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
+    for schedule, kw in [("replay", {"branch_micro_batch": 2}), ("packed", {})]:
+        model.zero_grad(set_to_none=True)
+        res = run_schedule(
+            schedule, model, tree, objective, ScheduleOptions(groups=groups, vocab_size=VOCAB, **kw)
+        )
+        finalize_grads(
+            model, tp_group=groups.tp, dp_cp_group=groups.dp_cp, sequence_parallel=groups.sequence_parallel
+        )
+        assert res.loss == pytest.approx(want_loss, rel=tol)
+        _close(mcore_to_hf_state(gather_full_grads(model, groups.tp), arch), want, tol)
+        assert 0 < res.stats["actor/pg_clipfrac"] < 1 and res.stats["actor/entropy"] > 0
+
+
+@pytest.mark.world(2)
+def test_dp2_update_equals_one_rank_update() -> None:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_branch.parallel.ddp import wrap_megatron_ddp
+    from megatron_branch.update import (
+        OptimizerSettings,
+        UpdatePlan,
+        accumulate_gradients,
+        build_optimizer,
+        update_step,
+    )
+
+    hf, rollouts = _hf(), _rollouts()
+    objective = _objective(rollouts)
+    groups = initialize_parallel(ParallelConfig())
+    assert groups.dp_size == 2
+    arch = ModelArch.from_hf_config(hf.config)
+    state = hf_to_mcore_state(hf.state_dict(), arch, padded_vocab=arch.padded_vocab_size(1))
+
+    # one rank alone: the whole batch, no DDP, torch AdamW on the clipped gradient
+    ref = build_model(arch, dtype=torch.float64)
+    load_full_state(ref, state, None)
+    single = UpdatePlan(
+        opts=ScheduleOptions(groups=ParallelGroups.single(), vocab_size=VOCAB), schedule="naive"
+    )
+    accumulate_gradients(ref, rollouts, objective, single)
+    grads = [p.grad for p in ref.parameters()]
+    norm = torch.sqrt(sum((g**2).sum() for g in grads))
+    scale = min(1.0, 0.05 / (float(norm) + 1e-6))
+    adam = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.0)
+    for g in grads:
+        g.mul_(scale)
+    adam.step()
+
+    # DP2: megatron DDP + megatron's optimizer, replay, two micro-batches per rank
+    model = build_model(arch, dtype=torch.float64)
+    load_full_state(model, state, None)
+    start = [p.detach().clone() for p in model.parameters()]
+    pgc = ProcessGroupCollection.use_mpu_process_groups()
+    ddp = wrap_megatron_ddp(model, dtype=torch.float64, pg_collection=pgc)
+    opt, sched = build_optimizer(
+        ddp, OptimizerSettings(lr=1e-3, weight_decay=0.0, clip_grad=0.05), dtype=torch.float64
+    )
+    plan = UpdatePlan(
+        opts=ScheduleOptions(groups=groups, vocab_size=VOCAB), micro_batches=2, pg_collection=pgc
+    )
+    metrics = update_step(ddp, rollouts, objective, plan, optimizer=opt, scheduler=sched).metrics
+    assert metrics["actor/grad_norm"] == pytest.approx(float(norm), rel=1e-10)  # the global norm, over DP
+    for (n, p), q, p0 in zip(model.named_parameters(), ref.parameters(), start):
+        err = ((p.detach() - q.detach()).norm() / (q.detach() - p0).norm()).item()  # relative to the update
+        assert err <= 1e-9, f"{n}: {err:.2e}"
+
+
+@pytest.mark.world(2)
+def test_critic_value_loss_under_tp2_sp() -> None:
+    """The value head is replicated over TP on gathered hidden states: the gradient is still exact."""
+    from megatron_branch.losses import ValueObjective
+    from megatron_branch.models import build_critic
+
+    hf, rng = _hf(), random.Random(41)
+    rollouts = [
+        dataclasses.replace(
+            r,
+            token_fields={
+                "values": tuple(rng.uniform(-1, 1) for _ in r.response),
+                "returns": tuple(rng.uniform(-1, 1) for _ in r.response),
+            },
+        )
+        for r in random_tree_rollouts(groups=2, prompt_len=7, branches=3, levels=2, seg_len=(2, 5), seed=42)
+    ]
+    objective = ValueObjective(agg=Aggregation.of_batch(rollouts), clip=0.2)
+    g = torch.Generator().manual_seed(5)
+    head_w = torch.randn(1, hf.config.hidden_size, generator=g, dtype=torch.float64)
+    head_b = torch.randn(1, generator=g, dtype=torch.float64)
+
+    # oracle: HF's final hidden states, the same head, every rollout alone
+    tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
+    bound = objective.bind(tree)
+    w, b = head_w.clone().requires_grad_(), head_b.clone().requires_grad_()
+    hf.zero_grad(set_to_none=True)
+    for i, r in enumerate(rollouts):
+        seq = torch.tensor([list(r.prompt) + list(r.response)])
+        h = hf.model(input_ids=seq).last_hidden_state[0, :-1]  # [L-1, h]: the row before each token
+        bound.rollout_loss(i, (h @ w.t() + b).squeeze(-1))[0].backward()
+    want = {n: p.grad.clone() for n, p in hf.named_parameters() if p.grad is not None}
+
+    groups = initialize_parallel(ParallelConfig(tp=2, sequence_parallel=True))
+    arch = ModelArch.from_hf_config(hf.config)
+    critic = build_critic(arch, dtype=torch.float64, tp=2, sequence_parallel=True)
+    state = hf_to_mcore_state(hf.state_dict(), arch, padded_vocab=arch.padded_vocab_size(2))
+    load_full_state(critic, {**state, "value_head.weight": head_w, "value_head.bias": head_b}, groups.tp)
+    critic.zero_grad(set_to_none=True)
+    res = run_schedule("replay", critic, tree, objective, ScheduleOptions(groups=groups, vocab_size=VOCAB))
+    finalize_grads(critic, tp_group=groups.tp, dp_cp_group=groups.dp_cp, sequence_parallel=True)
+    full = gather_full_grads(critic, groups.tp)
+    torch.testing.assert_close(full.pop("value_head.weight"), w.grad, rtol=1e-9, atol=0)
+    torch.testing.assert_close(full.pop("value_head.bias"), b.grad, rtol=1e-9, atol=0)
+    got = {n: t for n, t in mcore_to_hf_state(full, arch).items() if n in want}
+    _close(got, want, 1e-9)
+    assert 0 < res.stats["critic/vf_clipfrac"] < 1
+
+
+@pytest.mark.world(2)
+def test_attach_scores_gathers_the_whole_batch_over_dp() -> None:
+    import torch.distributed as dist
+
+    from megatron_branch.update import UpdatePlan, attach_scores
+
+    hf = _hf()
+    rollouts = [dataclasses.replace(r, token_fields={}) for r in _rollouts()]
+    groups = initialize_parallel(ParallelConfig())
+    arch = ModelArch.from_hf_config(hf.config)
+    model = build_model(arch, dtype=torch.float64)
+    load_full_state(
+        model, hf_to_mcore_state(hf.state_dict(), arch, padded_vocab=arch.padded_vocab_size(1)), None
+    )
+    dp2 = attach_scores(
+        model, rollouts, "values", UpdatePlan(opts=ScheduleOptions(groups=groups, vocab_size=VOCAB))
+    )
+    one = attach_scores(
+        model,
+        rollouts,
+        "values",
+        UpdatePlan(opts=ScheduleOptions(groups=ParallelGroups.single(), vocab_size=VOCAB)),
+    )
+    assert [r.field("values") for r in dp2] == [
+        r.field("values") for r in one
+    ]  # complete, and the same numbers
+    both: list = [None, None]
+    dist.all_gather_object(both, [r.field("values") for r in dp2], group=groups.dp)
+    assert both[0] == both[1]

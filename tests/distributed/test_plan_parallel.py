@@ -1,0 +1,92 @@
+"""The planner's per-rank bytes against the activation meter under CP2 and TP2 (+SP), on every rank.
+
+python tests/distributed/launch.py 2 -k plan
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_branch.models import ModelArch, build_model
+from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
+from megatron_branch.plan import Layout, RolloutShape
+from megatron_branch.plan.measure import measure_step
+from megatron_branch.plan.memory import Dims, layer_kv_bytes, local_rows, step_peak
+
+VOCAB = 37
+TOL = 0.15
+
+
+def arch() -> ModelArch:
+    return ModelArch(
+        family="qwen2",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        qkv_bias=True,
+    )
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("kind", ["cp2", "tp2_sp"])
+def test_planner_bytes_match_the_meter_cp2_tp2(kind: str, recompute: bool) -> None:
+    cfg = ParallelConfig(cp=2) if kind == "cp2" else ParallelConfig(tp=2, sequence_parallel=True)
+    groups = initialize_parallel(cfg)
+    torch.manual_seed(0)
+    a = arch()
+    model = build_model(a, dtype=torch.float32, tp=groups.tp_size, sequence_parallel=groups.sequence_parallel)
+    shape = RolloutShape(prompt_length=120, responses=6, response_length=10, shared_response_length=2)
+    got = measure_step(model, shape, vocab=VOCAB, branch_micro_batch=4, recompute=recompute, groups=groups)
+    layout = Layout(cp=2) if kind == "cp2" else Layout(tp=2)
+    pk = step_peak(
+        a,
+        shape,
+        layout,
+        act_bytes=4,
+        branch_micro_batch=4,
+        segment_recompute=recompute,
+        layer_recompute=False,
+    )
+    assert pk.saved == pytest.approx(got.saved_peak, rel=TOL), (kind, pk, got)
+    dm = Dims.of(a, layout, 4)
+    assert got.cached_kv == pytest.approx(
+        a.num_layers * layer_kv_bytes(dm, local_rows(shape.root_length, 1, layout)), rel=TOL
+    )
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("kind", ["cp2", "tp2_sp"])
+def test_planner_matches_the_rehearsal_shape_scaled_down(kind: str) -> None:
+    """The long-context rehearsal's batch (16 responses of 64 tokens under one long prompt, a 1-layer Llama of
+    hidden 32, 4 heads / 2 KV groups, vocabulary 64, float32), its prompt scaled down to 2,000 tokens."""
+    cfg = ParallelConfig(cp=2) if kind == "cp2" else ParallelConfig(tp=2, sequence_parallel=True)
+    groups = initialize_parallel(cfg)
+    torch.manual_seed(0)
+    a = ModelArch(
+        family="llama",
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=1,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        max_position_embeddings=4096,
+    )
+    model = build_model(a, dtype=torch.float32, tp=groups.tp_size, sequence_parallel=groups.sequence_parallel)
+    shape = RolloutShape(prompt_length=2000, responses=16, response_length=64)
+    parallel = (
+        dict(cp_group=groups.cp, cp_size=2)
+        if kind == "cp2"
+        else dict(tp_group=groups.tp, tp_size=2, sequence_parallel=True)
+    )
+    got = measure_step(model, shape, vocab=64, branch_micro_batch=8, **parallel)
+    layout = Layout(cp=2) if kind == "cp2" else Layout(tp=2)
+    pk = step_peak(
+        a, shape, layout, act_bytes=4, branch_micro_batch=8, segment_recompute=False, layer_recompute=False
+    )
+    assert pk.saved == pytest.approx(got.saved_peak, rel=TOL), (kind, pk, got)

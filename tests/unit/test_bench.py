@@ -1,0 +1,104 @@
+"""`megatron-branch bench` end to end at a tiny size (timings are not asserted: only what is deterministic), and the
+analytic FLOP counts the speed-ups are quoted against."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_branch.bench.config import VARIANTS
+from megatron_branch.bench.flops import per_pair_flops, per_position_flops, per_row_head_flops, variant_flops
+from megatron_branch.cli import main
+from megatron_branch.data import PrefixTree
+from megatron_branch.models import ModelArch
+from megatron_branch.testing import random_tree_rollouts
+
+
+def test_flops_of_one_prompt_with_g_responses() -> None:
+    P, G, S, V = 20, 3, 5, 50
+    arch = ModelArch(
+        family="llama", vocab_size=V, hidden_size=16, num_layers=2, num_attention_heads=4, num_query_groups=2,
+        ffn_hidden_size=24,
+    )  # fmt: skip
+    tree = PrefixTree.build(random_tree_rollouts(vocab_size=V, prompt_len=P, branches=G, seg_len=(S, S)))
+    f = variant_flops(arch, tree)
+    tok, row, pair = per_position_flops(arch), per_row_head_flops(arch), per_pair_flops(arch)
+    # the tree: P + G*S positions; G*S rows reach the output projection (every response token, none of the prompt)
+    shared_pairs = P * (P + 1) // 2 + G * sum(p + 1 for p in range(P, P + S))
+    assert f["replay"].forward == pytest.approx(tok * (P + G * S) + row * G * S + pair * shared_pairs)
+    # naive-fused: every rollout alone, causal (L(L+1)/2 pairs, not L^2), the same G*S loss rows
+    L = P + S
+    assert f["naive-fused"].forward == pytest.approx(tok * G * L + row * G * S + pair * G * L * (L + 1) // 2)
+    # megatron's naive computes every row's logits
+    assert f["naive"].head == pytest.approx(row * G * L)
+    # recompute: the prompt forward once more (its G fork rows included)
+    assert f["replay+recompute"].step - f["replay"].step == pytest.approx(
+        tok * P + row * G + pair * P * (P + 1) // 2
+    )
+    assert f["minimal"] == f["packed"] == f["repeat-prefix"]
+    assert f["naive-fused"].step == 3 * f["naive-fused"].forward
+
+
+def test_bench_runs_every_variant_and_writes_json_and_plots(tmp_path, capsys) -> None:  # noqa: ANN001
+    out = tmp_path / "b.json"
+    rc = main(
+        ["bench", "--preset", "tiny", "--branches", "2,4", "--rounds", "1", "--json", str(out),
+         "--markdown", str(tmp_path / "b.md"), "--plot", str(tmp_path / "png")]
+    )  # fmt: skip
+    assert rc == 0
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert {(r["variant"], r["branches"]) for r in rows} == {(v, g) for v in VARIANTS for g in (2, 4)}
+    for g in (2, 4):
+        by = {r["variant"]: r for r in rows if r["branches"] == g}
+        assert by["naive-fused"]["speedup"] == 1.0 and by["naive-fused"]["flop_ratio"] == 1.0
+        # the tree variants' FLOP ratio IS the analytic limit; recompute is below it, the unshared ones at 1
+        assert by["replay"]["flop_ratio"] == pytest.approx(by["replay"]["analytic_limit"])
+        assert by["packed-nosharing"]["flop_ratio"] == 1.0
+        assert 1.0 < by["replay+recompute"]["flop_ratio"] < by["replay"]["flop_ratio"]
+        # same rollouts, same model: every variant's loss is the same number
+        for r in by.values():
+            assert r["loss"] == pytest.approx(by["naive"]["loss"], rel=1e-4, abs=1e-6)
+        assert by["replay"]["positions_computed"] < by["naive-fused"]["positions_computed"]
+        assert all(r["activation_meter_mb"] > 0 and len(r["times_s"]) == 1 for r in by.values())
+    assert "| replay |" in (tmp_path / "b.md").read_text()
+    assert [p.name for p in (tmp_path / "png").iterdir()] == ["bench_vs_G_prompt48.png"]
+    assert "analytic limit" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--variants", "replay,fastest"], "unknown variant(s) fastest"),
+        (["--heads", "3"], "--heads 3 must be a multiple of --kv-heads 2"),
+        (["--dtype", "int8"], "--dtype must be one of"),
+    ],
+)
+def test_bench_bad_input_is_one_line_exit_2(argv: list[str], match: str, capsys) -> None:  # noqa: ANN001
+    assert main(["bench", "--preset", "tiny", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert match in err and len(err.splitlines()) == 1
+
+
+def test_a_variant_out_of_memory_is_reported_not_fatal(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_branch.bench import runner
+    from megatron_branch.bench.config import PRESETS, BenchConfig
+    from megatron_branch.bench.report import markdown
+
+    real = runner._step
+
+    def step(cfg, arch, model, case, variant):  # noqa: ANN001, ANN202
+        if variant == "repeat-prefix":
+            raise MemoryError("planted")
+        return real(cfg, arch, model, case, variant)
+
+    monkeypatch.setattr(runner, "_step", step)
+    cfg = BenchConfig(
+        **{**PRESETS["tiny"], "variants": ("naive-fused", "repeat-prefix", "replay"), "meter": False}
+    )
+    report = runner.run_bench(cfg, log=lambda *_: None)
+    by = {r["variant"]: r for r in report["rows"]}
+    assert by["repeat-prefix"]["failed"].startswith("out of memory: planted")
+    assert by["replay"]["failed"] == "" and by["replay"]["speedup"] > 0
+    assert "| repeat-prefix | out of memory: planted |" in markdown(report)

@@ -1,0 +1,196 @@
+"""The planner against this machine: activation and cached-K/V bytes against the activation meter, FLOPs against
+torch's FlopCounterMode and the benchmark's analytic count, and the `plan` command's contract.
+
+The CP2 and TP2 sizes are in tests/distributed/test_plan_parallel.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_branch.bench.flops import variant_flops
+from megatron_branch.cli import main
+from megatron_branch.data import PrefixTree
+from megatron_branch.models import ModelArch, build_model
+from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
+from megatron_branch.plan import GPU_PRESETS, MODEL_PRESETS, Layout, RolloutShape
+from megatron_branch.plan.flops import step_flops
+from megatron_branch.plan.measure import measure_step, shape_rollouts
+from megatron_branch.plan.memory import Dims, layer_kv_bytes, step_peak
+
+VOCAB = 37
+TOL = 0.15
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tiny(hidden: int, layers: int, dtype: torch.dtype) -> tuple[ModelArch, torch.nn.Module]:
+    torch.manual_seed(0)
+    arch = ModelArch(
+        family="qwen2",
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=2 * hidden,
+        qkv_bias=True,
+    )
+    return arch, build_model(arch, dtype=dtype)
+
+
+# (hidden, layers, dtype, shape, segment recompute): three sizes, both dtypes, with and without recompute
+SIZES = [
+    (32, 2, torch.float32, RolloutShape(prompt_length=64, responses=8, response_length=8), False),
+    (32, 2, torch.float32, RolloutShape(prompt_length=64, responses=8, response_length=8), True),
+    (
+        64,
+        3,
+        torch.float64,
+        RolloutShape(prompt_length=200, responses=6, response_length=24, shared_response_length=8),
+        False,
+    ),
+    (48, 2, torch.float32, RolloutShape(prompt_length=300, responses=12, response_length=16), True),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _single_rank() -> None:
+    initialize_parallel(ParallelConfig())
+
+
+@pytest.mark.parametrize("hidden,layers,dtype,shape,recompute", SIZES)
+def test_planner_bytes_match_the_meter(
+    hidden: int, layers: int, dtype: torch.dtype, shape: RolloutShape, recompute: bool
+) -> None:
+    arch, model = tiny(hidden, layers, dtype)
+    got = measure_step(model, shape, vocab=VOCAB, branch_micro_batch=4, recompute=recompute)
+    pk = step_peak(
+        arch,
+        shape,
+        Layout(),
+        act_bytes=dtype.itemsize,
+        branch_micro_batch=4,
+        segment_recompute=recompute,
+        layer_recompute=False,
+    )
+    assert pk.saved == pytest.approx(got.saved_peak, rel=TOL), (pk, got)
+    # the cache: K and the fused QKV storage V views, per layer, for the root's rows
+    dm = Dims.of(arch, Layout(), dtype.itemsize)
+    assert got.cached_kv == layers * layer_kv_bytes(dm, shape.root_length)
+    assert pk.cached_kv == got.cached_kv
+
+
+def test_packed_bytes_match_the_meter() -> None:
+    arch, model = tiny(32, 2, torch.float32)
+    shape = RolloutShape(prompt_length=64, responses=8, response_length=8)
+    got = measure_step(model, shape, vocab=VOCAB, schedule="packed")
+    pk = step_peak(arch, shape, Layout(), schedule="packed", act_bytes=4)
+    assert pk.saved == pytest.approx(got.saved_peak, rel=TOL)
+    assert got.cached_kv == 0
+
+
+def test_planted_error_is_caught() -> None:
+    """The comparison can fail: a planner that forgot the MLP's saved tensors is far off."""
+    arch, model = tiny(32, 2, torch.float32)
+    shape = RolloutShape(prompt_length=64, responses=8, response_length=8)
+    got = measure_step(model, shape, vocab=VOCAB, branch_micro_batch=4)
+    wrong = step_peak(
+        ModelArch(**{**arch.to_dict(), "ffn_hidden_size": 1}),
+        shape,
+        Layout(),
+        act_bytes=4,
+        branch_micro_batch=4,
+    )
+    assert abs(wrong.saved - got.saved_peak) > TOL * got.saved_peak
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_planner_flops_match_flop_counter_and_bench(recompute: bool) -> None:
+    arch, model = tiny(32, 2, torch.float32)
+    shape = RolloutShape(prompt_length=96, responses=6, response_length=12, shared_response_length=4)
+    got = measure_step(model, shape, vocab=VOCAB, branch_micro_batch=4, recompute=recompute, count_flops=True)
+    fl = step_flops(arch, shape, "replay", Layout(recompute="selective" if recompute else "none"))
+    assert got.positions_computed == fl.positions
+    # FlopCounterMode counts the matmuls (CPU fused attention kernels have no formula: 0)
+    assert fl.dense + fl.logits == pytest.approx(got.matmul_flops, rel=TOL)
+    # the benchmark's analytic count (megatron_branch/bench/flops.py): forward attention and dense FLOPs
+    tree = PrefixTree.build(shape_rollouts(shape, VOCAB), vocab_size=VOCAB)
+    useful = variant_flops(arch, tree)
+    plain = step_flops(arch, shape, "replay")
+    naive = step_flops(arch, shape, "naive")
+    assert plain.attention / 3 == pytest.approx(useful["replay"].attention, rel=TOL)
+    assert naive.attention / 3 == pytest.approx(useful["naive"].attention, rel=TOL)
+    assert plain.dense / 3 == pytest.approx(useful["replay"].dense, rel=TOL)
+
+
+# --- the command --------------------------------------------------------------------------------------------------
+TARGET = ["--prompt-length", "122880", "--responses", "16", "--response-length", "8192", "--gpus", "8"]
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert main(["plan", *argv, "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    return json.loads(out[-1])
+
+
+def test_plan_json_contract(capsys: pytest.CaptureFixture[str]) -> None:
+    d = run_json(capsys, "--model", "qwen2.5-7b", *TARGET, "--gpu", "h20")
+    assert set(d) >= {"fits", "layout", "memory_bytes_per_rank", "flops", "step_time_s"}
+    assert set(d["layout"]) == {"tp", "cp", "dp", "recompute"}
+    mem = d["memory_bytes_per_rank"]
+    terms = ("parameters", "gradients", "optimizer_state", "activations", "cached_kv", "kv_grads")
+    terms += ("ring_buffers", "logits", "allocator_margin")
+    assert set(mem) >= {*terms, "total", "optimizer_state_no_distributed"}
+    assert mem["total"] == sum(mem[t] for t in terms)
+    assert {"naive", "replay", "ratio"} <= set(d["flops"])
+    assert d["flops"]["ratio"] == pytest.approx(d["flops"]["naive"] / d["flops"]["replay"])
+    assert d["step_time_s"] > 0
+    assert d["fits"] == (mem["total"] <= GPU_PRESETS["h20"].memory_bytes)
+    lay = d["layout"]
+    assert lay["tp"] * lay["cp"] * lay["dp"] == 8
+
+
+def test_plan_fixed_layout_and_custom_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    d = run_json(
+        capsys, "--model", "llama-3.1-8b", *TARGET, "--gpu", "h100", "--tp", "2", "--cp", "4", "--dp", "1",
+        "--recompute", "selective", "--gpu-memory-gb", "200",
+    )  # fmt: skip
+    assert d["layout"] == {"tp": 2, "cp": 4, "dp": 1, "recompute": "selective"}
+    assert d["gpu_memory_bytes"] == 200 * 10**9
+
+
+def test_does_not_fit_names_the_largest_term(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(["plan", "--model", "qwen2.5-32b", *TARGET, "--gpu", "h100", "--cp", "8", "--recompute", "none"])
+        == 0
+    )
+    text = capsys.readouterr().out
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("does not fit: needs")
+    assert "largest term activations" in last and "Would fit with:" in last
+
+
+def test_plan_reads_a_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = MODEL_PRESETS["qwen2.5-7b"].to_hf_config().to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    a = run_json(capsys, "--model", str(tmp_path / "config.json"), *TARGET, "--gpu", "h200", "--cp", "8")
+    b = run_json(capsys, "--model", "qwen2.5-7b", *TARGET, "--gpu", "h200", "--cp", "8")
+    assert a["memory_bytes_per_rank"] == b["memory_bytes_per_rank"]
+
+
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["--model", "nope-7b"], "neither a preset"),
+        (["--model", "qwen2.5-7b", "--tp", "3"], "no layout"),
+        (["--model", "qwen2.5-7b", "--shared-response-length", "9000"], "--shared-response-length"),
+    ],
+)
+def test_plan_bad_input_is_one_line(argv: list[str], msg: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", *TARGET, "--gpu", "h20", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and msg in err[0], err
