@@ -35,13 +35,13 @@ N, G, H = 4, 2, 8  # query heads, kv heads, head dim
 
 
 def _long_tree(cp: int) -> PrefixTree:
-    """A prompt of 1024 * cp tokens and 4 branches of about 256 * cp: ~1024 prompt and ~1024 branch rows per rank."""
+    """A prompt of 512 * cp tokens and 4 branches of about 128 * cp: ~512 prompt and ~512 branch rows per rank."""
     gen = torch.Generator().manual_seed(5)
-    p = [int(x) for x in torch.randint(0, 37, (1024 * cp,), generator=gen)]
+    p = [int(x) for x in torch.randint(0, 37, (512 * cp,), generator=gen)]
     rs = [
         Rollout(
             prompt=p,
-            response=[i] + [int(x) for x in torch.randint(0, 37, (256 * cp - 1 - i,), generator=gen)],
+            response=[i] + [int(x) for x in torch.randint(0, 37, (128 * cp - 1 - i,), generator=gen)],
             advantage=1.0,
         )
         for i in range(4)
@@ -113,7 +113,7 @@ def _reference(batch: RehearsalBatch) -> StepReport:
     return box[0]
 
 
-@pytest.mark.world(2, 4)
+@pytest.mark.world(2)
 def test_ring_memory_rehearsal_scaled_down() -> None:
     from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
 
