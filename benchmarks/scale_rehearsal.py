@@ -104,20 +104,32 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
     return [x for k in keys for x in (f"--{k}", str(getattr(args, k)))]
 
 
+def _span(values: list[float], fmt: str) -> str:
+    lo, hi = min(values), max(values)
+    return format(hi, fmt) if format(lo, fmt) == format(hi, fmt) else f"{format(lo, fmt)}-{format(hi, fmt)}"
+
+
 def _table(results: dict[str, dict]) -> str:
-    lines = [
-        "| layout | rank | local rows | peak RSS (MB) | RSS before step (MB) | activation peak (MB) | "
-        "largest tensor (MB) | K/V msgs | dK/dV msgs | ring MB sent | kernel calls | wall (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    """One row per layout; a range where the ranks differ (every rank's figures are in the JSON)."""
+    cols = [
+        ("local rows", "local_rows", "d", 1),
+        ("peak RSS (MB)", "peak_rss_mb", ".0f", 1),
+        ("RSS before step (MB)", "rss_before_mb", ".0f", 1),
+        ("activation peak (MB)", "activation_peak_mb", ".1f", 1),
+        ("largest tensor (MB)", "largest_tensor_mb", ".2f", 1),
+        ("K/V msgs", "kv_messages", "d", 1),
+        ("dK/dV msgs", "grad_messages", "d", 1),
+        ("ring MB sent", "ring_bytes_sent", ".1f", 2**-20),
+        ("kernel calls", "kernel_calls", "d", 1),
+        ("wall (s)", "wall_s", ".1f", 1),
     ]
+    lines = ["| layout | ranks | " + " | ".join(c[0] for c in cols) + " |", "|---" * (len(cols) + 2) + "|"]
     for name, res in results.items():
-        for r in res["ranks"]:
-            lines.append(
-                f"| {name} | {r['rank']} | {r['local_rows']} | {r['peak_rss_mb']:.0f} | {r['rss_before_mb']:.0f} | "
-                f"{r['activation_peak_mb']:.1f} | {r['largest_tensor_mb']:.2f} | {r['kv_messages']} | "
-                f"{r['grad_messages']} | {r['ring_bytes_sent'] / 2**20:.1f} | {r['kernel_calls']} | "
-                f"{r['wall_s']:.1f} |"
-            )
+        cells = []
+        for _, key, fmt, mul in cols:
+            vals = [r[key] * mul for r in res["ranks"]]
+            cells.append(_span([int(v) for v in vals] if fmt == "d" else vals, fmt))
+        lines.append(f"| {name} | {len(res['ranks'])} | " + " | ".join(cells) + " |")
     lines.append("")
     for name, res in results.items():
         if "max_grad_rel_err" in res:

@@ -21,10 +21,10 @@ if [ -n "$wheels" ]; then
     # offline: only the wheels handed over, never the network
     "$python" -m pip install --no-index --no-deps --disable-pip-version-check -q "$wheels"/*.whl || exit 3
 fi
+"$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'bench_gpu.sh: no CUDA device')" || exit 4
 {
-    "$python" -c "import torch, sys; assert torch.cuda.is_available(), 'no CUDA device'; \
-print('python', sys.version.split()[0]); print('torch', torch.__version__, 'cuda', torch.version.cuda); \
-print('gpu', torch.cuda.get_device_name())" || exit 4
+    "$python" -c "import torch, sys; print('python', sys.version.split()[0]); \
+print('torch', torch.__version__, 'cuda', torch.version.cuda); print('gpu', torch.cuda.get_device_name())"
     "$python" -c "import megatron.core; print('megatron-core', megatron.core.__version__)"
     "$python" -c "import flash_attn; print('flash-attn', flash_attn.__version__)" 2>/dev/null || echo "flash-attn absent"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>/dev/null

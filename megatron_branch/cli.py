@@ -1,7 +1,8 @@
 """The `megatron-branch` command (also `python -m megatron_branch`, and under torchrun).
 
 User errors (UserError: bad rollouts, impossible parallel sizes, broken checkpoints) print ONE line
-`megatron-branch: error: <what and where>` on stderr and exit with status 2; no traceback.
+`megatron-branch: error: <what and where>` on stderr and exit with status 2; no traceback. Under torchrun rank 0
+prints an error that every rank raised once; see docs/errors.md (also for what torchrun itself adds).
 """
 
 from __future__ import annotations
@@ -12,14 +13,24 @@ import sys
 import warnings
 
 from megatron_branch import __version__
-from megatron_branch.errors import UserError
+from megatron_branch.errors import UserError, one_line
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser (usage + one error line, exit status 2), printed by rank 0 only under torchrun: every
+    rank parses the same command line, so every rank fails alike."""
+
+    def error(self, message: str):  # type: ignore[override]
+        if os.environ.get("RANK") not in (None, "0"):
+            sys.exit(2)
+        super().error(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from megatron_branch.commands.bench import add_bench_command
     from megatron_branch.commands.grad import add_grad_command
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="megatron-branch",
         description="Exact shared-prefix (branch replay) RL training for Megatron-Core.",
     )
@@ -58,14 +69,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except UserError as e:
-        rank = os.environ.get("RANK")
-        prefix = (
-            "megatron-branch: error: " if rank in (None, "0") else f"megatron-branch[rank {rank}]: error: "
-        )
-        print(prefix + str(e).replace("\n", " "), file=sys.stderr, flush=True)
+        report_user_error(e)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def report_user_error(e: UserError) -> None:
+    """Print `e` as ONE line on stderr: on rank 0 only when every rank raised it (`all_ranks`), else on the rank
+    that raised it (prefixed with its rank, so that an error seen by one rank only is never lost)."""
+    rank = os.environ.get("RANK")
+    if rank not in (None, "0") and getattr(e, "all_ranks", False):
+        return
+    prefix = "megatron-branch: error: " if rank in (None, "0") else f"megatron-branch[rank {rank}]: error: "
+    print(prefix + one_line(e), file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

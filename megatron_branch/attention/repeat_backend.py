@@ -53,13 +53,15 @@ def repeat_prefix_attention(
             own = slice(run.k0, run.k0 + B * L)
             mask = torch.ones(L, c + L, dtype=torch.bool, device=q.device)  # [L, c + L]
             mask[:, c:] = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+            kr, vr = _with_prefix(k[own], anc_k, B), _with_prefix(v[own], anc_v, B)  # [B*b, g, c + L, h]
+            if q.is_cuda and kr.shape[1] != n:
+                # CUDA's masked memory-efficient kernel takes no GQA: expand the heads (as a user of that kernel must)
+                kr, vr = (
+                    kr.repeat_interleave(n // kr.shape[1], dim=1),
+                    vr.repeat_interleave(n // vr.shape[1], dim=1),
+                )
             o = F.scaled_dot_product_attention(
-                to_kernel(q[run.rows], B),
-                _with_prefix(k[own], anc_k, B),
-                _with_prefix(v[own], anc_v, B),
-                attn_mask=mask,
-                scale=scale,
-                enable_gqa=k.shape[2] != n,
+                to_kernel(q[run.rows], B), kr, vr, attn_mask=mask, scale=scale, enable_gqa=kr.shape[1] != n
             )  # [B*b, n, L, h]
             pieces_out.append((run.rows, from_kernel(o, B)))
     pieces_out.sort(key=lambda p: p[0].start)

@@ -24,11 +24,11 @@ def markdown(report: dict[str, Any]) -> str:
     )
     lines = [head, ""]
     shapes = sorted({(r["prompt"], r["branches"]) for r in report["rows"]})
-    mfu = any(r["mfu"] is not None for r in report["rows"])
+    mfu = any(r.get("mfu") is not None for r in report["rows"])
     for p, g in shapes:
         rows = [r for r in report["rows"] if (r["prompt"], r["branches"]) == (p, g)]
         lines += [
-            f"**P={p:,}, G={g}** (positions logical {rows[0]['positions_logical']:,}; analytic limit "
+            f"**P={p:,}, G={g}** (positions logical {rows[0].get('positions_logical', 0):,}; analytic limit "
             f"{rows[0]['analytic_limit']:.2f}x over {report['baseline']})",
             "",
             "| variant | median s (fwd+bwd) | min-max s | logical tok/s | computed tok/s | speed-up | "
@@ -37,6 +37,9 @@ def markdown(report: dict[str, Any]) -> str:
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if mfu else ""),
         ]
         for r in rows:
+            if r.get("failed"):
+                lines.append(f"| {r['variant']} | {r['failed']} |" + " |" * (11 + mfu))
+                continue
             lines.append(
                 f"| {r['variant']} | {r['median_s']:.3f} | {r['min_s']:.3f}-{r['max_s']:.3f} | "
                 f"{r['logical_tokens_per_s']:,.0f} | {r['computed_tokens_per_s']:,.0f} | {r['speedup']:.2f}x | "
@@ -76,7 +79,7 @@ def plot(report: dict[str, Any], out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = report["rows"]
+    rows = [r for r in report["rows"] if not r.get("failed")]
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     mem_key = "cuda_peak_mb" if report["config"]["device"] == "cuda" else "rss_peak_mb"
     written = []

@@ -27,6 +27,7 @@ import torch
 from megatron_branch.bench.config import BASELINE, DTYPES, VARIANTS, BenchConfig
 from megatron_branch.bench.flops import Flops, variant_flops
 from megatron_branch.data import PrefixTree
+from megatron_branch.errors import UserError
 from megatron_branch.losses import PolicyGradientObjective
 from megatron_branch.memory import ActivationMeter
 from megatron_branch.models import ModelArch, build_model
@@ -86,6 +87,8 @@ class Measurement:
     meter_peak: int = 0
     result: StepResult | None = None
     flops: Flops | None = None
+    failed: str = ""
+    """Why the variant has no timing (it ran out of memory), or empty."""
 
     @property
     def median(self) -> float:
@@ -145,9 +148,19 @@ def measure(
     """All variants of `cfg` on `case`, round-robin; returns one Measurement per variant (in cfg order)."""
     labels = list(cfg.variants)
     out = {v: Measurement(variant=v, prompt=case.prompt, branches=case.branches) for v in labels}
-    for v in labels:  # warm-up round, untimed
-        out[v].result = _step(cfg, arch, model, case, v)
+    for v in labels:  # warm-up round, untimed; a variant that runs out of memory is reported, not fatal
         out[v].flops = case.flops[v]
+        try:
+            out[v].result = _step(cfg, arch, model, case, v)
+        except (torch.cuda.OutOfMemoryError, MemoryError) as e:
+            out[v].failed = f"out of memory: {str(e).splitlines()[0][:120]}"
+            log(f"  {v}: {out[v].failed}")
+            model.zero_grad(set_to_none=True)
+            if cfg.device == "cuda":
+                torch.cuda.empty_cache()
+    if out[BASELINE].failed:
+        raise UserError(f"the baseline {BASELINE} ran out of memory at P={case.prompt}, G={case.branches}")
+    labels = [v for v in labels if not out[v].failed]
     for r in range(cfg.rounds):
         for v in labels[r % len(labels) :] + labels[: r % len(labels)]:
             _trim_heap()
@@ -171,7 +184,7 @@ def measure(
             with ActivationMeter(model) as meter:
                 _step(cfg, arch, model, case, v)
             out[v].meter_peak = meter.peak_bytes
-    return [out[v] for v in labels]
+    return list(out.values())
 
 
 def summarize(cfg: BenchConfig, case: Case, ms: list[Measurement]) -> list[dict[str, Any]]:
@@ -180,6 +193,10 @@ def summarize(cfg: BenchConfig, case: Case, ms: list[Measurement]) -> list[dict[
     limit = case.flops[BASELINE].step / case.flops["minimal"].step
     rows = []
     for m in ms:
+        if m.failed:
+            rows.append(dict(variant=m.variant, prompt=case.prompt, branches=case.branches, failed=m.failed,
+                             analytic_limit=limit))  # fmt: skip
+            continue
         assert m.result is not None and m.flops is not None
         med = m.median
         speedup = base.median / med
@@ -213,6 +230,7 @@ def summarize(cfg: BenchConfig, case: Case, ms: list[Measurement]) -> list[dict[
                 analytic_limit=limit,
                 fraction_of_limit=speedup / limit,
                 loss=m.result.loss,
+                failed="",
             )
         )
     return rows

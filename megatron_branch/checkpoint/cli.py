@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
+
+from megatron_branch.outputs import add_overwrite_argument
 
 SUPPORTED = (
     "Supported: LlamaForCausalLM and Qwen2ForCausalLM (RMSNorm, SwiGLU, RoPE without scaling), GQA/MQA, "
@@ -25,12 +28,15 @@ def add_convert_commands(subparsers: Any) -> None:
         "Run under torchrun with N processes for --tp N. " + SUPPORTED,
     )
     h2m.add_argument("--hf", required=True, help="local HF model folder (config.json + safetensors)")
-    h2m.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
+    h2m.add_argument(
+        "--out", required=True, help="output folder (absent or empty; its parent must exist; see --overwrite)"
+    )
     h2m.add_argument("--tp", type=int, default=1, help="tensor-parallel size to build with (default 1)")
     h2m.add_argument("--pp", type=int, default=1, help="pipeline-parallel size; only 1 is supported")
     h2m.add_argument(
         "--dtype", default=None, help="float32, bfloat16 or float16 (default: the HF storage dtype)"
     )
+    add_overwrite_argument(h2m)
     h2m.set_defaults(func=run)
 
     m2h = csub.add_parser(
@@ -40,21 +46,28 @@ def add_convert_commands(subparsers: Any) -> None:
         "by training, saved at any TP. " + SUPPORTED,
     )
     m2h.add_argument("--mcore", required=True, help="megatron checkpoint folder (with megatron_branch.json)")
-    m2h.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
+    m2h.add_argument(
+        "--out", required=True, help="output folder (absent or empty; its parent must exist; see --overwrite)"
+    )
     m2h.add_argument("--tokenizer", default=None, help="folder whose tokenizer files are copied")
     m2h.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
+    add_overwrite_argument(m2h)
     m2h.set_defaults(func=run)
 
     ver = subparsers.add_parser(
         "verify-conversion",
         help="compare logits of a HF model and its megatron conversion",
         description="Runs transformers (fp32, eager) and the megatron model on a few deterministic random "
-        "sequences; prints max |logit diff|, KL and argmax agreement as JSON; exits 1 past --tol. "
+        "sequences; prints max |logit diff|, KL and argmax agreement as JSON; exits 1 past --tol. The HF "
+        "weights are rounded to the checkpoint's dtype for the reference, so the default --tol holds for "
+        "bf16/fp16 checkpoints too (the rounding's own effect is reported as rounding_max_abs_diff). "
         + SUPPORTED,
     )
     ver.add_argument("--hf", required=True, help="local HF model folder")
     ver.add_argument("--mcore", required=True, help="megatron checkpoint folder")
-    ver.add_argument("--tol", type=float, default=1e-4, help="max allowed |logit difference| (default 1e-4)")
+    ver.add_argument(
+        "--tol", type=float, default=None, help="max allowed |logit difference| (default 1e-4, any dtype)"
+    )
     ver.set_defaults(func=run)
 
 
@@ -62,14 +75,20 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "convert_direction", None) == "hf-to-mcore":
         from megatron_branch.checkpoint.hf_to_mcore import convert_hf_to_mcore
 
-        out = convert_hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype)
+        out = convert_hf_to_mcore(
+            args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype, overwrite=args.overwrite
+        )
         print(f"wrote {out}")
         return 0
     if getattr(args, "convert_direction", None) == "mcore-to-hf":
         from megatron_branch.checkpoint.mcore_to_hf import convert_mcore_to_hf
 
         out = convert_mcore_to_hf(
-            args.mcore, args.out, tokenizer_dir=args.tokenizer, max_shard_size=args.max_shard_size
+            args.mcore,
+            args.out,
+            tokenizer_dir=args.tokenizer,
+            max_shard_size=args.max_shard_size,
+            overwrite=args.overwrite,
         )
         print(f"wrote {out}")
         return 0
@@ -77,4 +96,10 @@ def run(args: argparse.Namespace) -> int:
 
     report = verify_conversion(args.hf, args.mcore, tol=args.tol)
     print(json.dumps(report, indent=2))
+    if not report["ok"]:
+        print(
+            f"megatron-branch: verify-conversion: max |logit diff| {report['max_abs_diff']:.3g} exceeds "
+            f"--tol {report['tol']:.3g}",
+            file=sys.stderr,
+        )
     return 0 if report["ok"] else 1

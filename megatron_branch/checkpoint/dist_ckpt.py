@@ -6,18 +6,34 @@ and wait for rank 0 until the process-group timeout. That is how a wrong `replic
 the multi-rank checkpoint test. Here the same check runs before megatron's, its verdict is shared with every
 rank, and every rank raises the same `CheckpointError`; megatron's own (rank-0-only) check is then skipped.
 
+Integrity: `save_sharded` returns the checkpoint's file record (size and SHA-256 of every file; the shards are
+hashed while they are written) for the caller to store in its description, and `load_sharded` checks it, and
+refuses pickled code, before megatron reads anything (checkpoint/integrity.py).
+
 megatron's dist_checkpointing always uses the default (whole-world) process group, so every rank of the world
 calls these functions, in the same order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
+from megatron_branch.checkpoint.integrity import (
+    HASH,
+    HashingStream,
+    file_digest,
+    safe_common_strategy,
+    short_reason,
+    verify_checkpoint,
+)
 from megatron_branch.compat.cpu import CompatError
+from megatron_branch.errors import UserError
 from megatron_branch.parallel.groups import agree_on_error
 
 __all__ = [
@@ -72,7 +88,27 @@ def check_sharding(sharded_state_dict: dict[str, Any]) -> None:
     agree_on_error(err, error=CheckpointError)
 
 
-def sync_save_strategy() -> Any:
+def _hashing_file_system(record: dict[str, Any]) -> Any:
+    """torch's FileSystem whose shard streams (`*.distcp`) hash what is written into `record[name]`."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class HashingFileSystem(FileSystem):  # type: ignore[misc,valid-type]
+        @contextlib.contextmanager
+        def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+            if mode != "wb" or not str(path).endswith(".distcp"):
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            stream = HashingStream(open(path, "wb"), record, Path(path).name)  # noqa: SIM115 (closed below)
+            try:
+                yield stream
+            finally:
+                stream.close()
+
+    return HashingFileSystem()
+
+
+def sync_save_strategy(record: dict[str, Any] | None = None) -> Any:
     """megatron's `torch_dist` format, written synchronously by torch's FileSystemWriter in this process.
 
     megatron's own writer (FileSystemWriterAsync, also used for "synchronous" saves) is unusable here:
@@ -83,7 +119,8 @@ def sync_save_strategy() -> Any:
     - it spawns a multiprocessing Manager (a fresh interpreter) for the results queue.
     The files are the same torch.distributed.checkpoint layout (`__<rank>_<i>.distcp` + `.metadata`), so
     megatron's loader, and any megatron training run, reads them. None of the three issues applies to this
-    writer, so no CUDA shim is needed for saving.
+    writer, so no CUDA shim is needed for saving. `record` (when given) receives {shard file: {size, sha256}} of
+    the shards this rank writes, hashed while writing.
     """
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
@@ -101,9 +138,12 @@ def sync_save_strategy() -> Any:
             # The same translation as megatron's TorchDistSaveShardedStrategy.async_save, then torch's writer.
             sharded_state_dict, _, _ = replace_keys(sharded_state_dict, self.keep_only_main_replica)
             pyt_state_dict = to_pyt(sharded_state_dict, False)
+            writer = FileSystemWriter(str(checkpoint_dir), thread_count=1)
+            if record is not None:
+                writer.fs = _hashing_file_system(record)
             dcp_save(
                 pyt_state_dict,
-                storage_writer=FileSystemWriter(str(checkpoint_dir), thread_count=1),
+                storage_writer=writer,
                 planner=planner_cls(
                     dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False
                 ),
@@ -112,22 +152,72 @@ def sync_save_strategy() -> Any:
     return SyncTorchDistSave("torch_dist", 1)
 
 
-def save_sharded(sharded_state_dict: dict[str, Any], checkpoint_dir: str | os.PathLike) -> None:
-    """`dist_checkpointing.save` with the synchronous writer and an every-rank sharding check. All ranks call it."""
+def save_sharded(sharded_state_dict: dict[str, Any], checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
+    """`dist_checkpointing.save` with the synchronous writer and an every-rank sharding check. All ranks call it.
+
+    Returns, on every rank, the checkpoint's file record {file name: {"size", "sha256"}} (every file in
+    `checkpoint_dir` after the save; the shards hashed while written) to be stored with the checkpoint and given
+    back to `load_sharded`.
+    """
     from megatron.core import dist_checkpointing
 
     check_sharding(sharded_state_dict)
+    mine: dict[str, Any] = {}
     dist_checkpointing.save(
         sharded_state_dict,
         str(checkpoint_dir),
-        sharded_strategy=sync_save_strategy(),
+        sharded_strategy=sync_save_strategy(mine),
         validate_access_integrity=False,  # done above, on every rank
     )
+    parts: list[Any] = [mine]
+    if dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)  # also: every rank has finished writing
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        files = {k: v for part in parts for k, v in part.items()}
+        d = Path(checkpoint_dir)
+        for p in sorted(d.rglob("*")):  # .metadata, common.pt, metadata.json: small, hashed now
+            rel = p.relative_to(d).as_posix()
+            if p.is_file() and rel not in files:
+                files[rel] = {"size": p.stat().st_size, HASH: file_digest(p)}
+        box = [dict(sorted(files.items()))]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
-def load_sharded(sharded_state_dict: dict[str, Any], checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
-    """`dist_checkpointing.load` after an every-rank sharding check. All ranks call it."""
+def load_sharded(
+    sharded_state_dict: dict[str, Any],
+    checkpoint_dir: str | os.PathLike,
+    *,
+    files: dict[str, Any] | None = None,
+    verify: bool = True,
+    recorded_in: str = "the checkpoint's file record",
+) -> dict[str, Any]:
+    """`dist_checkpointing.load` after an every-rank sharding check. All ranks call it.
+
+    First (`verify`, the default) the checkpoint is checked against `files` (what `save_sharded` returned; None
+    checks the structure only) and refused if pickled code is in it (checkpoint/integrity.py); `verify=False`
+    when the caller has just run `verify_checkpoint` itself. The common state is loaded with weights_only=True.
+    """
     from megatron.core import dist_checkpointing
 
+    if verify:
+        verify_checkpoint(checkpoint_dir, files, recorded_in=recorded_in)
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
+
     check_sharding(sharded_state_dict)
-    return dist_checkpointing.load(sharded_state_dict, str(checkpoint_dir), validate_access_integrity=False)
+    try:
+        return dist_checkpointing.load(
+            sharded_state_dict,
+            str(checkpoint_dir),
+            common_strategy=safe_common_strategy(),
+            validate_access_integrity=False,
+        )
+    except (CheckpointingException, CheckpointException) as e:
+        # torch's reader gathers every rank's failure into one CheckpointException, raised on every rank
+        raise UserError(
+            f"cannot load the dist checkpoint ({short_reason(e)})", where=str(checkpoint_dir)
+        ) from None

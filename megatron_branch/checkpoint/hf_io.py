@@ -1,26 +1,28 @@
 """Read and write Hugging Face model folders (config.json + safetensors), one tensor at a time.
 
-Reading never downloads: the config is parsed from the local folder only. Every failure of the user's files (no
-folder, no config, an index naming a missing shard, a truncated or corrupt shard) is a one-line `UserError` that
-names the file. Writing goes to a temporary folder next to the target that is renamed at the end, so a failure
-never leaves a half-written model behind.
+Reading never downloads: the config is parsed from the local folder only, and weights are read from safetensors
+only (pickled `.bin`/`.pt` weights are never opened: unpickling runs code). Every failure of the user's files
+(no folder, no config, an index naming a missing shard, a truncated or corrupt shard) is a one-line `UserError`
+that names the file. Writing follows megatron_branch.outputs: a temporary folder next to the target, renamed at
+the end, so a failure never leaves a half-written model behind.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from megatron_branch import outputs
 from megatron_branch.errors import UserError
 
+HF_MARKER = "config.json"  # every HF model folder has one: --overwrite replaces only such folders
+PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.bin")
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -29,11 +31,27 @@ INDEX_FILE = "model.safetensors.index.json"
 def load_hf_config(hf_dir: str | os.PathLike) -> Any:
     """The transformers config of a local folder (never downloads)."""
     d = Path(hf_dir)
+    if d.exists() and not d.is_dir():
+        raise UserError(
+            f"{str(d)!r} is a file; give the Hugging Face model folder (the one holding config.json)"
+        )
     if not d.is_dir():
         raise UserError(f"Hugging Face model folder {str(d)!r} does not exist")
     if not (d / "config.json").is_file():
         raise UserError("no config.json in the Hugging Face model folder", where=str(d))
     from transformers import AutoConfig
+
+    from megatron_branch.models.arch import check_supported_architecture
+
+    where = str(d / "config.json")
+    try:
+        raw = json.loads((d / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise UserError(f"cannot read config: {type(e).__name__}: {_first_line(e)}", where=where) from None
+    if not isinstance(raw, dict):
+        raise UserError(f"cannot read config: a JSON object expected, got {type(raw).__name__}", where=where)
+    # before transformers parses it: it may re-map an unknown model_type to another one
+    check_supported_architecture(raw.get("model_type"), raw.get("architectures"), where=where)
 
     try:
         return AutoConfig.from_pretrained(str(d), local_files_only=True)
@@ -61,6 +79,13 @@ class HFTensorReader:
         elif (self.dir / SINGLE_FILE).is_file():
             self.file_of = {n: SINGLE_FILE for n in self._open(SINGLE_FILE).keys()}
         else:
+            pickled = [n for n in PICKLED_WEIGHTS if (self.dir / n).is_file()]
+            if pickled:
+                raise UserError(
+                    f"the weights are pickled ({pickled[0]}), which megatron-branch never unpickles (it can run "
+                    f"code); save them as safetensors ({SINGLE_FILE})",
+                    where=str(self.dir),
+                )
             raise UserError(f"no {SINGLE_FILE} or {INDEX_FILE} in the model folder", where=str(self.dir))
         # Open every shard once up front: a truncated or corrupt header fails here, naming its file.
         for shard in sorted(set(self.file_of.values())):
@@ -113,39 +138,20 @@ def _first_line(e: BaseException) -> str:
 
 
 # --- writing --------------------------------------------------------------------------------------------------------
-def temp_dir_beside(target: Path) -> Path:
-    """A fresh temp folder next to `target` (same filesystem, so the final rename is atomic), after refusing a
-    `target` that exists and is not an empty folder."""
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise UserError(
-            f"output folder {str(target)!r} already exists and is not empty; refusing to overwrite"
-        )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-
-
-@contextlib.contextmanager
-def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temp folder next to `target`; rename it to `target` on success, delete it on failure."""
-    target = Path(target)
-    tmp = temp_dir_beside(target)
-    try:
-        yield tmp
-        if target.exists():
-            target.rmdir()  # empty (checked above)
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def copy_tokenizer_files(tokenizer_dir: str | os.PathLike, out: Path) -> list[str]:
+def check_tokenizer_dir(tokenizer_dir: str | os.PathLike) -> list[str]:
+    """The tokenizer files present in `tokenizer_dir`, refusing a folder without any."""
     src = Path(tokenizer_dir)
     if not src.is_dir():
         raise UserError(f"tokenizer folder {str(src)!r} does not exist")
     copied = [n for n in TOKENIZER_FILES if (src / n).is_file()]
     if not copied:
         raise UserError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {str(src)!r}")
+    return copied
+
+
+def copy_tokenizer_files(tokenizer_dir: str | os.PathLike, out: Path) -> list[str]:
+    src = Path(tokenizer_dir)
+    copied = check_tokenizer_dir(src)
     for n in copied:
         shutil.copyfile(src / n, out / n)
     return copied
@@ -172,16 +178,18 @@ def write_hf_folder(
     *,
     max_shard_size: int | str = "5GB",
     tokenizer_dir: str | os.PathLike | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write config.json + safetensors shards (with an index when more than one) + tokenizer files, atomically.
 
     `tensors` is consumed lazily: a shard is written as soon as it is full, so at most one shard is resident.
+    An existing HF folder at `out_dir` is replaced only with `overwrite` (megatron_branch.outputs).
     """
     from safetensors.torch import save_file
 
     limit = parse_size(max_shard_size)
     out = Path(out_dir)
-    with atomic_dir(out) as tmp:
+    with outputs.atomic_dir(out, overwrite=overwrite, marker=HF_MARKER) as tmp:
         shards: list[dict[str, torch.Tensor]] = [{}]
         sizes = [0]
         files: list[str] = []

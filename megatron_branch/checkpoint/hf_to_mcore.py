@@ -4,7 +4,9 @@ Runs single process or on every rank of a torchrun launch. Each rank builds the 
 the HF tensors one rule at a time from safetensors (memory-mapped) and copies only its shard into the parameters,
 so no second full copy of the model is ever materialised; megatron's random init is skipped. The checkpoint is
 `megatron.core.dist_checkpointing` (`torch_dist`) of `model.sharded_state_dict()` plus `megatron_branch.json`
-describing the architecture.
+describing the architecture and recording every file of the checkpoint (size, SHA-256), which loading checks.
+Everything that needs no model (the output folder, the HF folder, the architecture, TP against the launch) is
+checked before any work, on every rank, with one verdict (docs/errors.md).
 """
 
 from __future__ import annotations
@@ -18,17 +20,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_branch import outputs
 from megatron_branch.checkpoint.dist_ckpt import save_sharded
-from megatron_branch.checkpoint.hf_io import TOKENIZER_FILES, HFTensorReader, load_hf_config, temp_dir_beside
+from megatron_branch.checkpoint.hf_io import TOKENIZER_FILES, HFTensorReader, load_hf_config
 from megatron_branch.checkpoint.param_map import iter_hf_to_mcore, mcore_names
 from megatron_branch.checkpoint.tp import load_full_tensor
-from megatron_branch.errors import UserError
+from megatron_branch.errors import UserError, check_on_every_rank, launched_world_size
 from megatron_branch.models.arch import ModelArch
 from megatron_branch.parallel.groups import agree_on_error
 
 META_FILE = "megatron_branch.json"
 FORMAT = "megatron-branch/mcore-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: "files" records every file of the checkpoint (size, sha256); 1 had no record
 TOKENIZER_SUBDIR = "tokenizer"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,17 +64,16 @@ def _broadcast_from_rank0(value: Any) -> Any:
     return box[0]
 
 
-def _make_tmp_dir(out_dir: Path) -> Path:
+def _make_tmp_dir(out_dir: Path, *, overwrite: bool) -> Path:
     """Rank 0 checks the target and makes a temp folder next to it; every rank gets the path or the same error."""
     result: tuple[str | None, str | None] = (None, None)
     if _rank_world()[0] == 0:
         try:
-            result = (str(temp_dir_beside(out_dir)), None)
+            result = (str(outputs.make_temp_dir(out_dir, overwrite=overwrite, marker=META_FILE)), None)
         except UserError as e:
             result = (None, str(e))
     path, err = _broadcast_from_rank0(result)
-    if err:
-        raise UserError(err)
+    agree_on_error(err, error=UserError)
     return Path(path)
 
 
@@ -84,32 +86,45 @@ def save_mcore_checkpoint(
     tp: int,
     source: str | None = None,
     tokenizer_dir: str | os.PathLike | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Save `model` (this rank's shards) as a dist checkpoint + megatron_branch.json. All ranks call it.
 
-    Every rank writes its shards into a temp folder next to `out_dir`; rank 0 then adds the description and the
-    tokenizer files and renames the folder into place, so `out_dir` is never half-written. An error on any rank
-    is raised on every rank (no rank is left waiting in a collective).
+    Every rank writes its shards into a temp folder next to `out_dir`; rank 0 then adds the description (with
+    the file record) and the tokenizer files and renames the folder into place (outputs.commit_dir), so
+    `out_dir` is never half-written. An error on any rank is raised on every rank (no rank is left waiting in a
+    collective). An existing checkpoint at `out_dir` is replaced only with `overwrite`.
     """
     out = Path(out_dir)
-    tmp = _make_tmp_dir(out)
+    tmp = _make_tmp_dir(out, overwrite=overwrite)
     rank, _ = _rank_world()
     ok = False
     try:
-        save_sharded(model.sharded_state_dict(), tmp)
+        files = save_sharded(model.sharded_state_dict(), tmp)
         err = None
         if rank == 0:
             try:
                 _finish_on_rank0(
-                    model, tmp, out, arch=arch, dtype=dtype, tp=tp, source=source, tokenizer_dir=tokenizer_dir
+                    model,
+                    tmp,
+                    out,
+                    arch=arch,
+                    dtype=dtype,
+                    tp=tp,
+                    source=source,
+                    tokenizer_dir=tokenizer_dir,
+                    files=files,
+                    overwrite=overwrite,
                 )
+            except UserError as e:
+                err = str(e)
             except Exception as e:  # must reach the other ranks, which wait in agree_on_error
                 err = f"cannot write {str(out)!r}: {e}"
         agree_on_error(err, error=UserError)
         ok = True
     finally:
         if not ok and rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            outputs.discard(tmp)
     return out
 
 
@@ -123,6 +138,8 @@ def _finish_on_rank0(
     tp: int,
     source: str | None,
     tokenizer_dir: str | os.PathLike | None,
+    files: dict[str, Any],
+    overwrite: bool,
 ) -> None:
     meta = {
         "format": FORMAT,
@@ -132,6 +149,7 @@ def _finish_on_rank0(
         "padded_vocab_size": model.embedding.word_embeddings.weight.shape[0] * tp,
         "saved_tensor_parallel": tp,
         "source": source,
+        "files": files,
     }
     (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     if tokenizer_dir is not None and any((Path(tokenizer_dir) / n).is_file() for n in TOKENIZER_FILES):
@@ -139,9 +157,7 @@ def _finish_on_rank0(
         for n in TOKENIZER_FILES:
             if (Path(tokenizer_dir) / n).is_file():
                 shutil.copyfile(Path(tokenizer_dir) / n, tmp / TOKENIZER_SUBDIR / n)
-    if out.exists():
-        out.rmdir()  # checked empty by _make_tmp_dir
-    os.replace(tmp, out)
+    outputs.commit_dir(tmp, out, overwrite=overwrite, marker=META_FILE)
 
 
 def convert_hf_to_mcore(
@@ -152,31 +168,39 @@ def convert_hf_to_mcore(
     pp: int = 1,
     dtype: str | torch.dtype | None = None,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> Path:
     """Convert a local HF Llama/Qwen2 folder into a megatron-core dist checkpoint at `out_dir`.
 
     `tp` must divide the number of launched ranks (1 when single process). `dtype` None keeps the storage dtype.
+    Everything is checked (on every rank, one verdict) before any model is built.
     """
     from megatron_branch.models import build_model
     from megatron_branch.parallel.groups import ParallelConfig, init_distributed, initialize_parallel
 
-    if pp != 1:
-        raise UserError(
-            f"--pp {pp}: pipeline-parallel conversion is not supported; convert with --pp 1 "
-            "(a dist checkpoint is layout-independent)"
-        )
-    cfg = load_hf_config(hf_dir)
-    arch = ModelArch.from_hf_config(cfg, where=str(Path(hf_dir) / "config.json"))
-    arch.check_tensor_parallel(tp)
-    reader = HFTensorReader(hf_dir)
-    dtype = parse_dtype(dtype) or reader.dtype()
-    if dtype not in DTYPES.values():
-        raise UserError(f"checkpoint dtype {dtype} is not supported; pass --dtype")
-    _, world = init_distributed()
-    if world % tp:
-        raise UserError(
-            f"--tp {tp} needs a launch whose process count is a multiple of {tp} (this one has {world})"
-        )
+    def validate() -> tuple[ModelArch, HFTensorReader, torch.dtype]:
+        if pp != 1:
+            raise UserError(
+                f"--pp {pp}: pipeline-parallel conversion is not supported; convert with --pp 1 "
+                "(a dist checkpoint is layout-independent)"
+            )
+        outputs.check_output_dir(out_dir, overwrite=overwrite, marker=META_FILE)
+        cfg = load_hf_config(hf_dir)
+        arch = ModelArch.from_hf_config(cfg, where=str(Path(hf_dir) / "config.json"))
+        arch.check_tensor_parallel(tp)
+        reader = HFTensorReader(hf_dir)
+        dt = parse_dtype(dtype) or reader.dtype()
+        if dt not in DTYPES.values():
+            raise UserError(f"checkpoint dtype {dt} is not supported; pass --dtype")
+        world = launched_world_size()
+        if world % tp:
+            raise UserError(
+                f"--tp {tp} needs a launch whose process count is a multiple of {tp} (this one has {world})"
+            )
+        return arch, reader, dt
+
+    arch, reader, dtype = check_on_every_rank(validate)
+    init_distributed()
     groups = initialize_parallel(ParallelConfig(tp=tp))
     # Every parameter is overwritten below: skip megatron's random init (a full fp32 master copy of each
     # weight on every rank, filled with normal_()).
@@ -195,5 +219,12 @@ def convert_hf_to_mcore(
             loaded.add(name)
     assert loaded == set(params), sorted(set(params) ^ loaded)
     return save_mcore_checkpoint(
-        model, out_dir, arch=arch, dtype=dtype, tp=tp, source=str(hf_dir), tokenizer_dir=hf_dir
+        model,
+        out_dir,
+        arch=arch,
+        dtype=dtype,
+        tp=tp,
+        source=str(hf_dir),
+        tokenizer_dir=hf_dir,
+        overwrite=overwrite,
     )

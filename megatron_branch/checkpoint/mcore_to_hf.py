@@ -4,7 +4,10 @@ A dist checkpoint saved at any TP loads at the current one: megatron-core re-sha
 offsets, including the SwiGLU fc1 (saved as global [gate; up]). The one thing it cannot re-shard is the vocabulary
 PADDING, which depends on TP (37 rows pad to 38 at TP2, 40 at TP4): the two vocabulary tensors are therefore read
 whole at their saved shape and re-padded here. Before anything is read, the saved tensor shapes are checked
-against `megatron_branch.json`, so a checkpoint whose description disagrees with its tensors is refused.
+against `megatron_branch.json`, so a checkpoint whose description disagrees with its tensors is refused; and
+before that, every file is checked against the record in `megatron_branch.json` (present, full size, SHA-256) and
+the files megatron would unpickle are checked for code (checkpoint/integrity.py): a deleted or truncated shard is
+named in one line before any tensor is loaded.
 """
 
 from __future__ import annotations
@@ -17,15 +20,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_branch import outputs
 from megatron_branch.checkpoint.dist_ckpt import load_sharded
-from megatron_branch.checkpoint.hf_io import write_hf_folder
+from megatron_branch.checkpoint.hf_io import HF_MARKER, check_tokenizer_dir, write_hf_folder
 from megatron_branch.checkpoint.hf_to_mcore import (
     FORMAT,
+    FORMAT_VERSION,
     META_FILE,
     TOKENIZER_SUBDIR,
     dtype_name,
     parse_dtype,
 )
+from megatron_branch.checkpoint.integrity import verify_checkpoint
 from megatron_branch.checkpoint.param_map import iter_mcore_to_hf
 from megatron_branch.checkpoint.tp import (
     VOCAB_PARAMS,
@@ -34,12 +40,15 @@ from megatron_branch.checkpoint.tp import (
     repad_vocab,
     shard_full_tensor,
 )
-from megatron_branch.errors import UserError
+from megatron_branch.errors import UserError, check_on_every_rank
 from megatron_branch.models.arch import ModelArch
 
 
 def read_meta(mcore_dir: str | os.PathLike) -> dict[str, Any]:
+    """The checkpoint's description (JSON; nothing is unpickled). Adds "arch_obj" (a ModelArch)."""
     d = Path(mcore_dir)
+    if d.exists() and not d.is_dir():
+        raise UserError(f"megatron checkpoint {str(d)!r} is a file; give the checkpoint folder")
     if not d.is_dir():
         raise UserError(f"megatron checkpoint folder {str(d)!r} does not exist")
     f = d / META_FILE
@@ -47,10 +56,22 @@ def read_meta(mcore_dir: str | os.PathLike) -> dict[str, Any]:
         raise UserError(f"no {META_FILE}: not a checkpoint written by megatron-branch", where=str(d))
     try:
         meta = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"malformed JSON ({e})", where=str(f)) from None
-    if meta.get("format") != FORMAT:
-        raise UserError(f"format is {meta.get('format')!r}, expected {FORMAT!r}", where=str(f))
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise UserError(f"format is {got!r}, expected {FORMAT!r}", where=str(f))
+    version = meta.get("version")
+    if version not in (1, FORMAT_VERSION):
+        raise UserError(f"format version {version!r} is not one this megatron-branch reads", where=str(f))
+    files = meta.get("files")
+    if version >= 2 and not (
+        isinstance(files, dict)
+        and all(isinstance(v, dict) and {"size", "sha256"} <= set(v) for v in files.values())
+    ):
+        raise UserError(
+            'the file record ("files": name -> size, sha256) is missing or malformed', where=str(f)
+        )
     try:
         meta["arch_obj"] = ModelArch.from_dict(meta["arch"])
     except (KeyError, TypeError, ValueError) as e:
@@ -88,6 +109,8 @@ def load_mcore_checkpoint(
     meta = read_meta(d)
     arch: ModelArch = meta["arch_obj"]
     arch.check_tensor_parallel(tp)
+    # Before megatron reads anything: every file present, full size, undamaged; nothing pickled runs code.
+    verify_checkpoint(d, meta.get("files"), recorded_in=META_FILE)
     dt = parse_dtype(dtype) or parse_dtype(meta.get("dtype", "float32"))
     model = build_model(arch, dtype=dt, tp=tp)
     sharded = model.sharded_state_dict()
@@ -123,7 +146,7 @@ def load_mcore_checkpoint(
             vocab_keys[name] = key
             buf = torch.empty(tuple(saved[key].global_shape), dtype=dt)
             sharded[name] = ShardedTensor.from_rank_offsets(key, buf, replica_id=replica)
-    state = load_sharded(sharded, d)
+    state = load_sharded(sharded, d, verify=False)  # verified above
     params = dict(model.named_parameters())
     for name in vocab_keys:
         p = params[name]
@@ -140,14 +163,26 @@ def convert_mcore_to_hf(
     tokenizer_dir: str | os.PathLike | None = None,
     max_shard_size: int | str = "5GB",
     dtype: str | torch.dtype | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write an HF folder (config.json, safetensors shards + index, tokenizer files) from a dist checkpoint.
 
     Loads at the current world's TP (the whole world when launched, 1 when single process); rank 0 writes.
+    The output, the description and the options are checked before any work, on every rank.
     """
+    from megatron_branch.checkpoint.hf_io import parse_size
     from megatron_branch.parallel.groups import ParallelConfig, init_distributed, initialize_parallel
 
-    meta = read_meta(mcore_dir)  # before any distributed set-up: a wrong folder fails fast
+    def validate() -> dict[str, Any]:
+        outputs.check_output_dir(out_dir, overwrite=overwrite, marker=HF_MARKER)
+        meta = read_meta(mcore_dir)  # before any distributed set-up: a wrong folder fails fast
+        parse_size(max_shard_size)
+        parse_dtype(dtype)
+        if tokenizer_dir is not None:
+            check_tokenizer_dir(tokenizer_dir)
+        return meta
+
+    meta = check_on_every_rank(validate)
     _, world = init_distributed()
     try:
         meta["arch_obj"].check_tensor_parallel(world)
@@ -161,24 +196,18 @@ def convert_mcore_to_hf(
     if tokenizer_dir is None and (Path(mcore_dir) / TOKENIZER_SUBDIR).is_dir():
         tokenizer_dir = Path(mcore_dir) / TOKENIZER_SUBDIR
     out = Path(out_dir)
-    err = None
-    if dist.get_rank() == 0:
+
+    def write() -> None:
         cfg = arch.to_hf_config()
         cfg.dtype = dtype_name(next(iter(full.values())).dtype)
-        try:
-            write_hf_folder(
-                out,
-                cfg,
-                iter_mcore_to_hf(full.__getitem__, arch, where=str(mcore_dir)),
-                max_shard_size=max_shard_size,
-                tokenizer_dir=tokenizer_dir,
-            )
-        except (UserError, OSError) as e:  # must reach the other ranks, which wait on rank 0's word
-            err = str(e)
-    if dist.get_world_size() > 1:
-        box = [err]
-        dist.broadcast_object_list(box, src=0)
-        err = box[0]
-    if err:
-        raise UserError(err)
+        write_hf_folder(
+            out,
+            cfg,
+            iter_mcore_to_hf(full.__getitem__, arch, where=str(mcore_dir)),
+            max_shard_size=max_shard_size,
+            tokenizer_dir=tokenizer_dir,
+            overwrite=overwrite,
+        )
+
+    outputs.write_on_rank0(write)  # a failure on rank 0 is raised on every rank
     return out

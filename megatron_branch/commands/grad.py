@@ -25,13 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_branch.errors import UserError
+from megatron_branch import outputs
+from megatron_branch.data.rollouts import CONTEXT_OVERRIDE_FLAG
+from megatron_branch.errors import UserError, check_on_every_rank
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -49,7 +50,9 @@ def add_grad_command(sub: Any) -> None:
     p.add_argument(
         "--rollouts", required=True, help='JSONL: {"prompt": [ids], "response": [ids], "advantage": x}'
     )
-    p.add_argument("--out", required=True, help="where to write the gradients (.safetensors, HF names)")
+    p.add_argument(
+        "--out", required=True, help="where to write the gradients (.safetensors, HF names; see --overwrite)"
+    )
     p.add_argument("--schedule", default="replay", choices=["replay", "packed", "naive"])
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
@@ -83,6 +86,12 @@ def add_grad_command(sub: Any) -> None:
         choices=["ddp", "manual"],
         help="multi-process gradient reduction: megatron-core DDP + finalize_model_grads, or the plain reference",
     )
+    p.add_argument(
+        CONTEXT_OVERRIDE_FLAG,
+        action="store_true",
+        help="accept rollouts longer than the model's max_position_embeddings (RoPE extrapolates; off by default)",
+    )
+    outputs.add_overwrite_argument(p)
     p.set_defaults(func=run_grad)
 
 
@@ -142,31 +151,32 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _check_output(path: str | None) -> None:
-    if path is None:
-        return
-    if not Path(path).parent.is_dir():
-        raise UserError(f"output folder {str(Path(path).parent)!r} does not exist")
-    if Path(path).is_dir():
-        raise UserError(f"output {path!r} is a directory; give a file name")
+def _check_output(path: str | None, overwrite: bool) -> None:
+    if path is not None:
+        outputs.check_output_file(path, overwrite=overwrite)
 
 
-def _atomic_write(path: str, write: Any) -> None:
+def _atomic_write(path: str, write: Any, overwrite: bool) -> None:
     """Write via a temporary file in the same folder, then rename: never a half-written output."""
-    target = Path(path)
-    _check_output(path)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    try:
+    with outputs.atomic_file(path, overwrite=overwrite) as tmp:
         write(str(tmp))
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Refuse flags that would do nothing in this run (a silent no-op hides a mistake)."""
+    if args.sequence_parallel and args.tp == 1:
+        raise UserError(
+            "--sequence-parallel does nothing at --tp 1 (it splits activations over the TP group)"
+        )
+    if args.recompute and args.schedule != "replay":
+        raise UserError(
+            f"--recompute applies to --schedule replay only; --schedule {args.schedule} ignores it"
+        )
 
 
 def run_grad(args: argparse.Namespace) -> int:
     """The thin command around the update's gradient part (update.accumulate_gradients + finalize)."""
-    from megatron_branch.checkpoint.hf_io import load_hf_config
+    from megatron_branch.checkpoint.hf_io import HFTensorReader, load_hf_config
     from megatron_branch.checkpoint.param_map import mcore_to_hf_state
     from megatron_branch.checkpoint.tp import gather_full_grads
     from megatron_branch.data import PrefixTree, read_rollouts_jsonl
@@ -174,7 +184,6 @@ def run_grad(args: argparse.Namespace) -> int:
     from megatron_branch.parallel.data import assign_groups
     from megatron_branch.parallel.groups import (
         ParallelConfig,
-        agree_on_error,
         init_distributed,
         initialize_parallel,
     )
@@ -182,22 +191,30 @@ def run_grad(args: argparse.Namespace) -> int:
     from megatron_branch.update import UpdatePlan, accumulate_gradients, finalize, reduce_metrics
 
     dtype = DTYPES[args.dtype]
-    # Validate everything the user gave before any collective or model work.
-    pcfg = ParallelConfig(tp=args.tp, cp=args.cp, sequence_parallel=args.sequence_parallel)
-    _check_output(args.out)
-    _check_output(args.logprobs_out)
-    if pcfg.cp > 1 and args.schedule == "naive":
-        # naive runs every rollout whole through megatron's own attention: it has no ring, so under CP every CP
-        # rank would compute the whole batch and the CP sum would count it cp times.
-        raise UserError(
-            f"--schedule naive has no context parallelism (it is the unsplit baseline); "
-            f"use --schedule packed or replay with --cp {pcfg.cp}"
-        )
-    arch = ModelArch.from_hf_config(load_hf_config(args.hf), where=os.path.join(args.hf, "config.json"))
-    arch.check_tensor_parallel(pcfg.tp)
-    rollouts = read_rollouts_jsonl(args.rollouts, vocab_size=arch.vocab_size)
-    full_tree = PrefixTree.build(rollouts, vocab_size=arch.vocab_size)
-    objective = make_objective(args, rollouts, full_tree)
+
+    def validate() -> tuple[Any, ...]:
+        # Everything the user gave, before any collective or model work (on every rank, one verdict).
+        pcfg = ParallelConfig(tp=args.tp, cp=args.cp, sequence_parallel=args.sequence_parallel)
+        _check_flags(args)
+        _check_output(args.out, args.overwrite)
+        _check_output(args.logprobs_out, args.overwrite)
+        if pcfg.cp > 1 and args.schedule == "naive":
+            # naive runs every rollout whole through megatron's own attention: it has no ring, so under CP every
+            # CP rank would compute the whole batch and the CP sum would count it cp times.
+            raise UserError(
+                f"--schedule naive has no context parallelism (it is the unsplit baseline); "
+                f"use --schedule packed or replay with --cp {pcfg.cp}"
+            )
+        arch = ModelArch.from_hf_config(load_hf_config(args.hf), where=os.path.join(args.hf, "config.json"))
+        arch.check_tensor_parallel(pcfg.tp)
+        HFTensorReader(args.hf)  # every shard's header is read now: a broken file fails before any work
+        max_positions = None if args.allow_longer_context else arch.max_position_embeddings
+        rollouts = read_rollouts_jsonl(args.rollouts, vocab_size=arch.vocab_size, max_positions=max_positions)
+        full_tree = PrefixTree.build(rollouts, vocab_size=arch.vocab_size)
+        objective = make_objective(args, rollouts, full_tree)
+        return pcfg, arch, rollouts, full_tree, objective
+
+    pcfg, arch, rollouts, full_tree, objective = check_on_every_rank(validate)
     rank, world = init_distributed()
     dp_size = pcfg.data_parallel_size(world)
     if pcfg.cp > 1:
@@ -264,13 +281,8 @@ def run_grad(args: argparse.Namespace) -> int:
         "objective": args.objective,
         "metrics": metrics,
     }
-    err = None
-    if rank == 0:  # rank 0 writes; a failure there must reach every rank, which would otherwise wait forever
-        try:
-            _write_outputs(args, grads, lp_rows, dtype)
-        except (UserError, OSError) as e:
-            err = str(e)
-    agree_on_error(err, error=UserError)
+    # rank 0 writes; a failure there must reach every rank, which would otherwise wait forever
+    outputs.write_on_rank0(lambda: _write_outputs(args, grads, lp_rows, dtype))
     if rank == 0:
         print(json.dumps(summary), flush=True)
     return 0
@@ -306,7 +318,7 @@ def _write_outputs(
     from safetensors.torch import save_file
 
     host = {n: g.to(device="cpu", dtype=dtype).contiguous() for n, g in grads.items()}
-    _atomic_write(args.out, lambda p: save_file(host, p))
+    _atomic_write(args.out, lambda p: save_file(host, p), args.overwrite)
     if args.logprobs_out is not None:
 
         def write_lp(p: str) -> None:
@@ -314,4 +326,4 @@ def _write_outputs(
                 for i, lp in sorted(lp_rows):
                     f.write(json.dumps({"index": i, "logprobs": lp}) + "\n")
 
-        _atomic_write(args.logprobs_out, write_lp)
+        _atomic_write(args.logprobs_out, write_lp, args.overwrite)

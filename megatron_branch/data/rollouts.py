@@ -188,8 +188,37 @@ def _parse_line(obj: Any, *, where: str, vocab_size: int | None) -> Rollout:
     )
 
 
-def read_rollouts_jsonl(path: str | Path, *, vocab_size: int | None = None) -> list[Rollout]:
-    """Read rollouts from a JSONL file; any problem is a one-line UserError naming `path:line`."""
+CONTEXT_OVERRIDE_FLAG = "--allow-longer-context"
+
+
+def check_sequence_length(rollout: Rollout, max_positions: int | None, *, where: str) -> None:
+    """Refuse a rollout longer than the model's context (`max_position_embeddings`).
+
+    Positions past the context were never trained: RoPE extrapolates silently and the gradients are of a model
+    evaluated where it is not defined. `max_positions=None` skips the check (the explicit override).
+    """
+    n = len(rollout.prompt) + len(rollout.response)
+    if max_positions is not None and n > max_positions:
+        raise UserError(
+            f"rollout has {n} tokens ({len(rollout.prompt)} prompt + {len(rollout.response)} response), longer "
+            f"than the model's context of {max_positions} positions (max_position_embeddings); pass "
+            f"{CONTEXT_OVERRIDE_FLAG} to extrapolate RoPE past it",
+            where=where,
+        )
+
+
+def check_context(rollouts: Sequence[Rollout], max_positions: int | None, *, where: str = "rollout") -> None:
+    """`check_sequence_length` for rollouts that did not come from a file (named `where` + their index)."""
+    for i, rollout in enumerate(rollouts):
+        check_sequence_length(rollout, max_positions, where=f"{where} {i}")
+
+
+def read_rollouts_jsonl(
+    path: str | Path, *, vocab_size: int | None = None, max_positions: int | None = None
+) -> list[Rollout]:
+    """Read rollouts from a JSONL file; any problem is a one-line UserError naming `path:line`.
+
+    `max_positions`: refuse rollouts longer than the model's context (see `check_sequence_length`)."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -204,7 +233,9 @@ def read_rollouts_jsonl(path: str | Path, *, vocab_size: int | None = None) -> l
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise UserError(f"invalid JSON ({exc.msg} at column {exc.colno})", where=where) from None
-        rollouts.append(_parse_line(obj, where=where, vocab_size=vocab_size))
+        rollout = _parse_line(obj, where=where, vocab_size=vocab_size)
+        check_sequence_length(rollout, max_positions, where=where)
+        rollouts.append(rollout)
     if not rollouts:
         raise UserError("no rollouts", where=str(path))
     return rollouts

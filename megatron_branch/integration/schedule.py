@@ -67,14 +67,30 @@ class ScaledObjective:
 
 @dataclass(frozen=True)
 class _ScaledBound:
+    """The bound objective's loss times `scale`; its metric statistics unchanged (they are not gradients)."""
+
     bound: Any
     scale: float
 
-    def chunk_loss(self, logp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.bound.chunk_loss(logp, targets) * self.scale
+    @property
+    def needs_entropy(self) -> bool:
+        return bool(self.bound.needs_entropy)
 
-    def rollout_loss(self, i: int, logp: torch.Tensor) -> torch.Tensor:
-        return self.bound.rollout_loss(i, logp) * self.scale
+    @property
+    def stat_names(self) -> tuple[str, ...]:
+        return tuple(self.bound.stat_names)
+
+    def chunk_loss(
+        self, logp: torch.Tensor, targets: torch.Tensor, entropy: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, stats = self.bound.chunk_loss(logp, targets, entropy)
+        return loss * self.scale, stats
+
+    def rollout_loss(
+        self, i: int, logp: torch.Tensor, entropy: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, stats = self.bound.rollout_loss(i, logp, entropy)
+        return loss * self.scale, stats
 
 
 def _ddp_mean_factor(model: torch.nn.Module, dp_cp: int) -> float:

@@ -18,6 +18,33 @@ from megatron_branch.errors import UserError
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 
 
+def check_supported_architecture(model_type: Any, architectures: Any, *, where: str) -> str:
+    """The family ("llama"/"qwen2") of a config's `model_type` and `architectures`, naming what is unsupported.
+
+    Called on the raw config.json (hf_io.load_hf_config: transformers may re-map an unknown model_type) and on the
+    parsed config."""
+    if architectures is None:
+        archs: list[Any] = []
+    else:
+        archs = list(architectures) if isinstance(architectures, (list, tuple)) else [architectures]
+    family = {"llama": "llama", "qwen2": "qwen2"}.get(model_type)
+    supported = ", ".join(f"{cls} (model_type {fam!r})" for cls, fam in SUPPORTED_ARCHITECTURES.items())
+    bad_archs = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
+    if bad_archs:
+        raise UserError(f"unsupported architecture {bad_archs[0]!r}; supported: {supported}", where=where)
+    if family is None:
+        also = f" (architectures says {', '.join(archs)})" if archs else ""
+        raise UserError(
+            f"unsupported architecture: model_type {model_type!r}{also}; supported: {supported}", where=where
+        )
+    mismatched = [a for a in archs if SUPPORTED_ARCHITECTURES[a] != family]
+    if mismatched:
+        raise UserError(
+            f"model_type {model_type!r} does not match architectures {mismatched[0]!r}", where=where
+        )
+    return family
+
+
 @dataclass(kw_only=True)
 class ModelArch:
     """A decoder-only Llama/Qwen2-style transformer: RMSNorm, SwiGLU, RoPE, GQA."""
@@ -72,15 +99,7 @@ class ModelArch:
     def from_hf_config(cls, cfg: Any, *, where: str = "config.json") -> ModelArch:
         """Map a transformers `PretrainedConfig` (or its dict) to a ModelArch, refusing what we cannot reproduce."""
         d = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
-        archs = d.get("architectures") or []
-        model_type = d.get("model_type")
-        family = {"llama": "llama", "qwen2": "qwen2"}.get(model_type)
-        if family is None or any(a not in SUPPORTED_ARCHITECTURES for a in archs):
-            got = ", ".join(archs) or model_type
-            raise UserError(
-                f"unsupported architecture {got!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}",
-                where=where,
-            )
+        family = check_supported_architecture(d.get("model_type"), d.get("architectures"), where=where)
         if d.get("hidden_act", "silu") != "silu":
             raise UserError(
                 f"hidden_act={d['hidden_act']!r} is not supported (only silu/SwiGLU)", where=where

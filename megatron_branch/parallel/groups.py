@@ -131,7 +131,8 @@ def comm_device(group: Any = None) -> torch.device:
 
 def agree_on_error(err: str | None, *, error: type[Exception] = UserError) -> None:
     """Every rank passes its own error (or None); if any rank has one, every rank raises the first of them
-    (as `error`). A collective: all ranks of the world must call it.
+    (as `error`, marked `all_ranks` so that the CLI prints it on rank 0 only). A collective: all ranks of the
+    world must call it.
     """
     if dist.is_initialized() and dist.get_world_size() > 1:
         errs: list[str | None] = [None] * dist.get_world_size()
@@ -139,9 +140,13 @@ def agree_on_error(err: str | None, *, error: type[Exception] = UserError) -> No
         bad = [(r, e) for r, e in enumerate(errs) if e]
         if bad:
             rank, msg = bad[0]
-            raise error(f"rank {rank}: {msg}" if len(bad) < len(errs) else msg)
+            exc = error(f"rank {rank}: {msg}" if len(bad) < len(errs) else msg)
+            exc.all_ranks = True  # type: ignore[attr-defined]  # every rank raises it: rank 0 alone prints it
+            raise exc
     elif err:
-        raise error(err)
+        exc = error(err)
+        exc.all_ranks = True  # type: ignore[attr-defined]
+        raise exc
 
 
 def destroy_parallel() -> None:

@@ -194,6 +194,7 @@ def run_step(
     from megatron_branch.models import build_model
     from megatron_branch.parallel.cp_layout import check_cp_fits, zigzag_offsets
     from megatron_branch.parallel.grads import finalize_grads
+    from megatron_branch.parallel.groups import ParallelGroups
     from megatron_branch.parallel.ring import RingStats
     from megatron_branch.schedule import ScheduleOptions, run_schedule
 
@@ -211,7 +212,7 @@ def run_step(
     )
     stats = RingStats()
     opts = ScheduleOptions(
-        **({"groups": groups} if groups is not None else {}),
+        groups=groups if groups is not None else ParallelGroups.single(),
         vocab_size=arch.vocab_size,
         branch_micro_batch=branch_micro_batch,
         ring_stats=stats,

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from megatron_branch.attention.kernels import lse_dtype
 from megatron_branch.attention.rectangles import plan_backward, plan_forward
+from megatron_branch.attention.reference import expand_kv
 from megatron_branch.attention.visibility import BlockPlan, ancestors_from_related, plan_block, runs_from_meta
 
 
@@ -97,10 +98,8 @@ class _RingComm:
 
 
 def _expand(x: torch.Tensor, n: int) -> torch.Tensor:
-    """[sk, b, g, h] -> [b, n, sk, h], kv heads repeated n // g times (Megatron's grouping)."""
-    g = x.shape[2]
-    x = x if g == n else x.repeat_interleave(n // g, dim=2)
-    return x.permute(1, 2, 0, 3).contiguous()
+    """[sk, b, g, h] -> [b, n, sk, h], kv heads repeated n // g times (THE expand_kv, Megatron's grouping)."""
+    return expand_kv(x, n).permute(1, 2, 0, 3).contiguous()
 
 
 def ring_tree_attention_forward(q, k, v, q_meta, k_meta, related, scale, group, stats):  # noqa: ANN001, ANN201

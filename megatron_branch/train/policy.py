@@ -134,6 +134,26 @@ class Actor:
         assert per % group_size == 0, (per, group_size)
         return [batch[k : k + per] for k in range(0, len(batch), per)]
 
+    def _score_all(self, model: torch.nn.Module, batch: list[Rollout], name: str) -> list[Rollout]:
+        """Per-token field `name` scored forward-only for EVERY rollout of `batch`: each DP rank scores its
+        share (update.attach_scores), then the shares are exchanged (GAE needs every rollout's values)."""
+        import torch.distributed as dist
+
+        from megatron_branch.update import attach_scores
+
+        scored = attach_scores(model, batch, name, self.plan)
+        if self.groups.dp_size == 1:
+            return scored
+        mine = {i: r.token_fields[name] for i, r in enumerate(scored) if name in r.token_fields}
+        parts: list[Any] = [None] * self.groups.dp_size
+        dist.all_gather_object(parts, mine, group=self.groups.dp)
+        every = {i: v for part in parts for i, v in part.items()}
+        assert sorted(every) == list(range(len(batch))), "every rollout is scored by exactly one DP rank"
+        return [
+            dataclasses.replace(r, token_fields={**r.token_fields, name: every[i]})
+            for i, r in enumerate(batch)
+        ]
+
     def update(self, rollouts: list[Rollout], rewards: list[float], *, reference: Any) -> dict[str, float]:
         """All updates of one RL step on the global batch `rollouts` (n per prompt, prompt-major)."""
         from megatron_branch.losses import (
@@ -143,7 +163,7 @@ class Actor:
             with_gae,
             with_group_advantages,
         )
-        from megatron_branch.update import attach_scores, update_step
+        from megatron_branch.update import update_step
 
         cfg, a = self.cfg, self.cfg.actor
         if self.critic is None:
@@ -158,10 +178,10 @@ class Actor:
         minis = self._mini_batches(batch, cfg.rollout.n)
         for k, mb in enumerate(minis):  # scores the updates need, once per step
             if self.critic is not None:
-                mb = attach_scores(self.critic.ddp, mb, "values", self.plan)
+                mb = self._score_all(self.critic.ddp, mb, "values")
                 mb = with_gae(mb, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam)
             if reference is not None and a.kl_loss_coef > 0:
-                mb = attach_scores(reference, mb, "ref_logprobs", self.plan)
+                mb = self._score_all(reference, mb, "ref_logprobs")
             minis[k] = mb
         sums: dict[str, float] = {}
         count = 0
@@ -195,13 +215,13 @@ class Actor:
     def update_dpo(self, pairs: list[Rollout], *, reference: Any) -> dict[str, float]:
         """DPO: one optimizer step per mini-batch of pairs (chosen/rejected rollouts), reference scored."""
         from megatron_branch.losses import DPOObjective
-        from megatron_branch.update import attach_scores, update_step
+        from megatron_branch.update import update_step
 
         al = self.cfg.algorithm
         sums: dict[str, float] = {}
         count = 0
         for mb in self._mini_batches(pairs, 2):
-            mb = attach_scores(reference, mb, "ref_logprobs", self.plan)
+            mb = self._score_all(reference, mb, "ref_logprobs")
             for _ in range(self.cfg.actor.ppo_epochs):
                 obj = DPOObjective(num_pairs=len(mb) // 2, beta=al.dpo_beta, loss_type=al.dpo_loss)
                 res = update_step(

@@ -88,20 +88,28 @@ def attach_scores(
     *,
     only_missing: bool = True,
 ) -> list[Rollout]:
-    """`rollouts` with per-token field `name` (old_logprobs, ref_logprobs, values) scored forward-only by `model`
-    through the plan's schedule, for the rollouts of this DP rank's share (others are returned unchanged).
+    """`rollouts` (the global batch) with per-token field `name` (old_logprobs, ref_logprobs, values) scored
+    forward-only by `model` through the plan's schedule. Each DP rank scores its own share and the shares are
+    gathered over DP, so every rank returns the same, complete batch (a collective over `groups.dp`).
 
     An empty prompt's first response token has no logprob: it gets 0.0 there (no objective reads it).
     """
-    out = list(rollouts)
     mine = _my_share(rollouts, plan)
     todo = [i for i in mine if not (only_missing and rollouts[i].field(name) is not None)]
+    scored: dict[int, tuple[float, ...]] = {}
     for chunk in split_micro_batches(rollouts, todo, plan.micro_batches):
         tree = PrefixTree.build([rollouts[i] for i in chunk], vocab_size=plan.opts.vocab_size)
         scores = score_rollouts(plan.schedule, model, tree, plan.opts)
         for j, i in enumerate(chunk):
-            vals = tuple(scores.logprobs[j].nan_to_num(0.0).tolist())
-            out[i] = dataclasses.replace(rollouts[i], token_fields={**rollouts[i].token_fields, name: vals})
+            scored[i] = tuple(scores.logprobs[j].nan_to_num(0.0).tolist())
+    groups = plan.opts.groups
+    if groups.dp is not None and groups.dp_size > 1:
+        parts: list[Any] = [None] * groups.dp_size
+        dist.all_gather_object(parts, scored, group=groups.dp)
+        scored = {i: v for part in parts for i, v in part.items()}
+    out = list(rollouts)
+    for i, vals in scored.items():
+        out[i] = dataclasses.replace(rollouts[i], token_fields={**rollouts[i].token_fields, name: vals})
     return out
 
 

@@ -215,3 +215,34 @@ def test_critic_value_loss_under_tp2_sp() -> None:
     got = {n: t for n, t in mcore_to_hf_state(full, arch).items() if n in want}
     _close(got, want, 1e-9)
     assert 0 < res.stats["critic/vf_clipfrac"] < 1
+
+
+@pytest.mark.world(2)
+def test_attach_scores_gathers_the_whole_batch_over_dp() -> None:
+    import torch.distributed as dist
+
+    from megatron_branch.update import UpdatePlan, attach_scores
+
+    hf = _hf()
+    rollouts = [dataclasses.replace(r, token_fields={}) for r in _rollouts()]
+    groups = initialize_parallel(ParallelConfig())
+    arch = ModelArch.from_hf_config(hf.config)
+    model = build_model(arch, dtype=torch.float64)
+    load_full_state(
+        model, hf_to_mcore_state(hf.state_dict(), arch, padded_vocab=arch.padded_vocab_size(1)), None
+    )
+    dp2 = attach_scores(
+        model, rollouts, "values", UpdatePlan(opts=ScheduleOptions(groups=groups, vocab_size=VOCAB))
+    )
+    one = attach_scores(
+        model,
+        rollouts,
+        "values",
+        UpdatePlan(opts=ScheduleOptions(groups=ParallelGroups.single(), vocab_size=VOCAB)),
+    )
+    assert [r.field("values") for r in dp2] == [
+        r.field("values") for r in one
+    ]  # complete, and the same numbers
+    both: list = [None, None]
+    dist.all_gather_object(both, [r.field("values") for r in dp2], group=groups.dp)
+    assert both[0] == both[1]

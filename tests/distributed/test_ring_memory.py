@@ -99,12 +99,17 @@ def _check_step(res: StepReport, ref: StepReport, tol: float) -> None:
 
 
 def _reference(batch: RehearsalBatch) -> StepReport:
-    """The CP1 step, computed on rank 0 only (no collectives) and broadcast: one reference for every rank."""
-    box: list[StepReport | None] = [None]
+    """The CP1 step, computed on rank 0 only (no collectives) and broadcast: one reference for every rank.
+
+    A failure on rank 0 reaches every rank (which would otherwise wait in the broadcast until the timeout)."""
+    box: list[StepReport | str | None] = [None]
     if dist.get_rank() == 0:
-        box[0] = run_step(batch, rehearsal_arch(vocab=batch.vocab), None)
+        try:
+            box[0] = run_step(batch, rehearsal_arch(vocab=batch.vocab), None)
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            box[0] = f"rank 0 reference failed: {type(e).__name__}: {e}"
     dist.broadcast_object_list(box, src=0)
-    assert box[0] is not None
+    assert isinstance(box[0], StepReport), box[0]
     return box[0]
 
 
@@ -127,6 +132,7 @@ def test_cp8_rehearsal_scaled_down() -> None:
 
     batch = RehearsalBatch(prompt=4032)
     arch = rehearsal_arch(vocab=batch.vocab)
+    initialize_parallel(ParallelConfig(cp=8))  # the reference needs megatron's parallel_state (TP size 1)
     ref = _reference(batch)
     for cfg in (ParallelConfig(cp=8), ParallelConfig(tp=2, cp=4, sequence_parallel=True)):
         res = run_step(batch, arch, initialize_parallel(cfg))

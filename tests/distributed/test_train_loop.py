@@ -93,12 +93,36 @@ def test_dp2_resume_equals_uninterrupted() -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _pairs_file(tmp: Path) -> Path:
+    import json
+
+    f = tmp / "pairs.jsonl"
+    if dist.get_rank() == 0:
+        rows = [{"prompt": f"k{i}:ab ? k{i}:", "chosen": "ab", "rejected": "ba"} for i in range(8)]
+        f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dist.barrier()
+    return f
+
+
+ALGOS = {
+    "grpo": [],
+    "ppo": ["algorithm.name=ppo", "algorithm.lam=0.95", "critic.cliprange_value=0.5"],
+    "dpo": ["algorithm.name=dpo"],
+}
+
+
 @pytest.mark.world(2)
+@pytest.mark.parametrize("algo", sorted(ALGOS))
 @pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.tp=1"], ids=["tp2", "dp2"])
-def test_grpo_runs_tp2_and_dp2(layout: str) -> None:
+def test_algorithms_run_tp2_and_dp2(layout: str, algo: str) -> None:
     tmp = shared_tmp()
     try:
-        tr = Trainer(_cfg(tmp / "run", layout, "trainer.total_training_steps=3", "trainer.save_freq=2"))
+        extra = list(ALGOS[algo])
+        if algo == "dpo":
+            extra += [f"data.pairs_file={_pairs_file(tmp)}", "data.task=null"]
+        tr = Trainer(
+            _cfg(tmp / "run", layout, "trainer.total_training_steps=3", "trainer.save_freq=2", *extra)
+        )
         summary = tr.run()  # the command's whole path: steps, metrics, save_freq, final checkpoint, curves
         dist.barrier()
         assert (tr.groups.tp_size, tr.groups.dp_size) == ((2, 1) if layout.endswith("2") else (1, 2))
@@ -106,6 +130,8 @@ def test_grpo_runs_tp2_and_dp2(layout: str) -> None:
         rows = read_metrics(summary["metrics"])
         assert [m["step"] for m in rows] == [1, 2, 3]
         assert all(torch.isfinite(torch.tensor(m["loss"])) for m in rows)
+        want = {"grpo": "actor/pg_clipfrac", "ppo": "critic/vf_loss", "dpo": "rewards/margins"}[algo]
+        assert all(want in m for m in rows)
         _agree([r.response for r in tr.last_batch])  # every rank trained on the same global batch
     finally:
         dist.barrier()

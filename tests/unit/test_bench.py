@@ -79,3 +79,26 @@ def test_bench_bad_input_is_one_line_exit_2(argv: list[str], match: str, capsys)
     assert main(["bench", "--preset", "tiny", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert match in err and len(err.splitlines()) == 1
+
+
+def test_a_variant_out_of_memory_is_reported_not_fatal(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_branch.bench import runner
+    from megatron_branch.bench.config import PRESETS, BenchConfig
+    from megatron_branch.bench.report import markdown
+
+    real = runner._step
+
+    def step(cfg, arch, model, case, variant):  # noqa: ANN001, ANN202
+        if variant == "repeat-prefix":
+            raise MemoryError("planted")
+        return real(cfg, arch, model, case, variant)
+
+    monkeypatch.setattr(runner, "_step", step)
+    cfg = BenchConfig(
+        **{**PRESETS["tiny"], "variants": ("naive-fused", "repeat-prefix", "replay"), "meter": False}
+    )
+    report = runner.run_bench(cfg, log=lambda *_: None)
+    by = {r["variant"]: r for r in report["rows"]}
+    assert by["repeat-prefix"]["failed"].startswith("out of memory: planted")
+    assert by["replay"]["failed"] == "" and by["replay"]["speedup"] > 0
+    assert "| repeat-prefix | out of memory: planted |" in markdown(report)

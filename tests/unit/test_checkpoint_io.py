@@ -69,3 +69,49 @@ def test_sync_writer_roundtrip(tmp_path: Path) -> None:
     for (n, a), (_, b) in zip(src.state_dict().items(), dst.state_dict().items(), strict=True):
         if isinstance(a, torch.Tensor):
             assert torch.equal(a, b), n
+
+
+def test_file_record_hashed_while_writing_and_checked_on_load(tmp_path: Path) -> None:
+    """The record save_sharded returns equals the files on disk; load_sharded refuses a file that differs."""
+    import hashlib
+
+    from megatron_branch.errors import UserError
+
+    initialize_parallel(ParallelConfig(tp=1))
+    src = build_model(_arch(False))
+    files = save_sharded(src.sharded_state_dict(), tmp_path)
+    on_disk = {
+        p.name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+        for p in tmp_path.iterdir()
+    }
+    assert files == on_disk
+    dst = build_model(_arch(False), init_weights=False)
+    load_sharded(dst.sharded_state_dict(), tmp_path, files=files)
+    shard = tmp_path / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(UserError, match=r"__0_0.distcp is damaged: its sha256 differs"):
+        load_sharded(dst.sharded_state_dict(), tmp_path, files=files)
+
+
+def test_rng_states_as_sharded_objects_load_safely(tmp_path: Path) -> None:
+    """What a training checkpoint holds (torch, Python and numpy RNG states as a ShardedObject): accepted by the
+    weights_only=True check of byte items and loaded back equal."""
+    import random
+
+    import numpy as np
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    initialize_parallel(ParallelConfig(tp=1))
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+    def sd(obj):
+        w = ShardedTensor.from_rank_offsets("w", torch.arange(6.0).reshape(2, 3), replica_id=0)
+        return {"w": w, "rng": ShardedObject("rng", obj, (1,), (0,), replica_id=0)}
+
+    files = save_sharded(sd(state), tmp_path)
+    got = load_sharded(sd(None), tmp_path, files=files)
+    assert torch.equal(got["rng"]["torch"], state["torch"]) and got["rng"]["python"] == state["python"]
+    assert np.array_equal(got["rng"]["numpy"][1], state["numpy"][1])
+    assert torch.equal(got["w"], torch.arange(6.0).reshape(2, 3))

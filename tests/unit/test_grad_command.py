@@ -38,7 +38,7 @@ def argv(hf: Path, rollouts: Path, out: Path, *extra: str) -> list[str]:
 def grad(
     workdir: Path, capsys: pytest.CaptureFixture[str], *extra: str, out: str = "g.safetensors"
 ) -> tuple[int, dict, str]:
-    rc = main(argv(workdir / "hf", workdir / "r.jsonl", workdir / out, *extra))
+    rc = main(argv(workdir / "hf", workdir / "r.jsonl", workdir / out, "--overwrite", *extra))
     cap = capsys.readouterr()
     lines = [ln for ln in cap.out.strip().splitlines() if ln.strip()]
     return rc, (json.loads(lines[-1]) if rc == 0 else {}), cap.err
@@ -160,7 +160,7 @@ def test_bad_options_refused_before_work(workdir: Path, capsys: pytest.CaptureFi
     (workdir / "a_dir").mkdir(exist_ok=True)
     rc = main([*base[:-1], str(workdir / "a_dir")])
     err = capsys.readouterr().err.strip()
-    assert rc == 2 and "is a directory" in err and "\n" not in err
+    assert rc == 2 and "is a folder" in err and "\n" not in err
 
 
 def test_replay_options_keep_parity(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
