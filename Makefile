@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml setup.py
 # runs/demo/ (the demo's own folder). `make parity-demo`: one exact step, naive vs packed vs replay gradients.
 demo: $(STAMP)
 	rm -rf runs/demo
+	mkdir -p runs
 	$(BIN)/megatron-branch train examples/configs/demo.yaml
 
 parity-demo: $(STAMP)

@@ -40,7 +40,7 @@ def add_overwrite_argument(parser: argparse.ArgumentParser) -> None:
 
 
 # --- validation (before any work) -------------------------------------------------------------------------------
-def _check_parent(target: Path, what: str) -> None:
+def check_parent(target: Path, what: str) -> None:
     parent = target.parent
     if not parent.is_dir():
         if parent.exists():
@@ -55,7 +55,7 @@ def _check_parent(target: Path, what: str) -> None:
 def check_output_file(path: str | os.PathLike, *, overwrite: bool, what: str = "output") -> Path:
     """Refuse a file output that cannot or may not be written. Returns the path."""
     target = Path(path)
-    _check_parent(target, what)
+    check_parent(target, what)
     if target.is_dir():
         raise UserError(f"{what} {str(target)!r} is a folder; give a file name")
     if target.exists() and not overwrite:
@@ -73,7 +73,7 @@ def check_output_dir(
     """Refuse a folder output that cannot or may not be written. `marker` is a file every output of this kind
     holds: `--overwrite` replaces only a folder that has it. Returns the path."""
     target = Path(path)
-    _check_parent(target, what)
+    check_parent(target, what)
     if target.exists() and not target.is_dir():
         raise UserError(f"{what} {str(target)!r} is a file, not a folder")
     if target.is_dir() and not _is_empty_dir(target):

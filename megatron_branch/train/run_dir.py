@@ -4,14 +4,15 @@ step), so a bad config, bad data or a failing set-up leaves nothing behind; on r
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch.distributed as dist
 
 from megatron_branch.errors import UserError
+from megatron_branch.outputs import apply_umask, check_parent, temp_path_beside
 from megatron_branch.parallel.groups import agree_on_error
 
 
@@ -42,8 +43,11 @@ def run_folder(target: Path, *, resume: bool) -> Iterator[Path]:
                         f"run folder {str(target)!r} already holds a run; resume it with --resume auto "
                         "(trainer.resume_mode=auto) or choose another trainer.default_local_dir"
                     )
-                target.parent.mkdir(parents=True, exist_ok=True)
-                result = (tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent), False, None)
+                # the outputs rule (docs/errors.md): a missing parent folder is refused, never created
+                check_parent(target, "run folder")
+                tmp_dir = temp_path_beside(target)
+                os.mkdir(tmp_dir)
+                result = (str(tmp_dir), False, None)
         except (UserError, OSError) as e:
             result = (None, False, str(e))
     path, existing, err = _broadcast(result)  # type: ignore[misc]
@@ -61,6 +65,7 @@ def run_folder(target: Path, *, resume: bool) -> Iterator[Path]:
                 try:
                     if target.exists():
                         target.rmdir()  # checked empty above
+                    apply_umask(tmp)
                     tmp.replace(target)
                 except OSError as e:
                     err = f"cannot create run folder {str(target)!r}: {e}"
