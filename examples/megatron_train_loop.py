@@ -6,9 +6,11 @@ Model from a layer spec, megatron DDP, an optimizer with megatron's learning-rat
     torchrun --nproc_per_node 2 examples/megatron_train_loop.py --config CONFIG.json --rollouts R.jsonl \
         --tp 2 --steps 3 --out OUT_DIR
 
-Every rank writes its parameter shards to OUT_DIR/rank{R}.safetensors after the last step.
-patches/megatron_train_loop.patch turns this into branch replay; tests/unit/test_train_loop_patch.py runs both
-and compares the parameters after three optimizer steps.
+Every rank writes its parameter shards to OUT_DIR/rank{R}.safetensors after the last step. `main(argv)` is the
+whole run; inside an already-initialised process group (a test) it uses that group instead of starting one.
+patches/megatron_train_loop.patch turns this into branch replay; tests/unit/test_train_loop_patch.py (TP1) and
+tests/distributed/test_train_loop_patch_tp.py (TP2) run both and compare the parameters after three optimizer
+steps.
 
 The optimizer: on a GPU megatron's own (`get_megatron_optimizer`). On CPU megatron-core 0.16.1's optimizer
 hard-codes CUDA, so there the loop uses torch's Adam over the same parameters (reading DDP's main_grad) with
@@ -105,7 +107,7 @@ def optimizer_step(optimizer: Any, model: DistributedDataParallel) -> None:
         optimizer.step()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--config", required=True, help="an HF config.json (the architecture; weights are random)"
@@ -116,9 +118,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=1234)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
-    initialize_parallel(ParallelConfig(tp=args.tp), seed=args.seed)  # torch.distributed + parallel_state
+    # torch.distributed (unless already initialised: then that process group is used) + parallel_state
+    initialize_parallel(ParallelConfig(tp=args.tp), seed=args.seed)
     with open(args.config) as f:
         arch = ModelArch.from_hf_config(json.load(f), where=args.config)
     torch.manual_seed(args.seed)
