@@ -2,9 +2,14 @@
 
     python tests/distributed/launch.py 2 -k objectives
 
-- TP2+SP and CP2: the replay (and packed) gradient of the clipped surrogate with dual clip, KL and entropy, and of
-  the critic's value loss, against an HF float64 oracle that runs every rollout alone and evaluates the SAME bound
-  objective's per-rollout loss on HF's logprobs and entropies (so the vocab-parallel entropy is checked too).
+- Per objective, under each layout (TP2+SP, CP2, DP2 = two ranks with one prompt group each): the replay and the
+  packed gradient (through accumulate_gradients + finalize, the gradient part of the update) of
+  * the clipped surrogate with dual clip, KL and entropy (float64 1e-9, float32 1e-5), against an HF float64 oracle
+    that runs every rollout alone and evaluates the SAME bound objective's per-rollout loss on HF's logprobs and
+    entropies (so the vocab-parallel entropy is checked too);
+  * DPO, sigmoid and ipo (float64 1e-9, float32 1e-5): the forward-only pass, then the linearised gradient pass,
+    against autograd through HF's per-rollout logprob sums; the two responses of a pair share their first tokens;
+  * the critic's value loss with clipping (float64 1e-9, float32 1e-5), against HF's hidden states through the same head.
 - DP2: one full update (megatron DDP + megatron's optimizer, clipping active) against the update computed on one
   rank (whole batch, no DDP) with torch's AdamW.
 """
@@ -22,9 +27,8 @@ from megatron_branch.checkpoint.tp import gather_full_grads, load_full_state
 from megatron_branch.data import PrefixTree, Rollout
 from megatron_branch.losses import Aggregation, PolicyObjective
 from megatron_branch.models import ModelArch, build_model
-from megatron_branch.parallel.grads import finalize_grads
 from megatron_branch.parallel.groups import ParallelConfig, ParallelGroups, initialize_parallel
-from megatron_branch.schedule import ScheduleOptions, run_schedule
+from megatron_branch.schedule import ScheduleOptions
 from megatron_branch.testing import exact_hf_norms, random_tree_rollouts, tiny_hf_config, tiny_hf_model
 
 VOCAB = 37
@@ -86,32 +90,112 @@ def _close(got: dict, want: dict, tol: float) -> None:
         assert err <= tol, f"{n}: {err:.2e}"
 
 
-@pytest.mark.world(2)
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
-@pytest.mark.parametrize("layout", ["tp2_sp", "cp2"])
-def test_policy_objective_under_tp_sp_and_cp(layout: str, dtype: torch.dtype) -> None:
-    hf, rollouts = _hf(), _rollouts()
-    objective = _objective(rollouts)
-    want_loss, want = _oracle(hf, rollouts, objective)
-    pcfg = ParallelConfig(tp=2, sequence_parallel=True) if layout == "tp2_sp" else ParallelConfig(cp=2)
-    groups = initialize_parallel(pcfg)
+LAYOUTS = ["tp2_sp", "cp2", "dp2"]
+
+
+def _layout(layout: str) -> ParallelGroups:
+    cfg = {
+        "tp2_sp": ParallelConfig(tp=2, sequence_parallel=True),
+        "cp2": ParallelConfig(cp=2),
+        "dp2": ParallelConfig(),  # world 2, tp = cp = 1: two DP ranks, each with one prompt group
+    }[layout]
+    return initialize_parallel(cfg)
+
+
+def _policy(hf: torch.nn.Module, groups: ParallelGroups, dtype: torch.dtype) -> torch.nn.Module:
     arch = ModelArch.from_hf_config(hf.config)
     model = build_model(arch, dtype=dtype, tp=groups.tp_size, sequence_parallel=groups.sequence_parallel)
     state = hf_to_mcore_state(hf.state_dict(), arch, padded_vocab=arch.padded_vocab_size(groups.tp_size))
     load_full_state(model, {k: v.to(dtype) for k, v in state.items()}, groups.tp)
+    return model
+
+
+def _layout_grads(
+    model: torch.nn.Module, rollouts: list[Rollout], objective: object, groups: ParallelGroups, schedule: str
+) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """(global metrics, full gradients) of one gradient pass over the GLOBAL batch under `groups`.
+
+    accumulate_gradients gives each DP rank its prompt groups (all of them under TP/CP); for DPO it runs what the
+    single-process DPO tests run: score_rollouts(...).sums(), DPOObjective.linearise, then the schedule.
+    """
+    from megatron_branch.update import UpdatePlan, accumulate_gradients, finalize, reduce_metrics
+
+    kw = {"branch_micro_batch": 2} if schedule == "replay" else {}
+    plan = UpdatePlan(opts=ScheduleOptions(groups=groups, vocab_size=VOCAB, **kw), schedule=schedule)
+    model.zero_grad(set_to_none=True)
+    acc = accumulate_gradients(model, rollouts, objective, plan)  # type: ignore[arg-type]
+    finalize(model, plan)  # SP grads over TP, every grad SUMMED over DP x CP (global normalisation)
+    role = "critic" if type(objective).__name__ == "ValueObjective" else "actor"
+    return reduce_metrics(acc, objective, groups, role), gather_full_grads(model, groups.tp)
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_policy_objective_under_tp_sp_cp_and_dp(layout: str, dtype: torch.dtype) -> None:
+    hf, rollouts = _hf(), _rollouts()
+    objective = _objective(rollouts)
+    want_loss, want = _oracle(hf, rollouts, objective)
+    groups = _layout(layout)
+    model = _policy(hf, groups, dtype)
+    arch = ModelArch.from_hf_config(hf.config)
     tol = 1e-9 if dtype == torch.float64 else 1e-5  # float32 against the float64 oracle
+    for schedule in ("replay", "packed"):
+        metrics, grads = _layout_grads(model, rollouts, objective, groups, schedule)
+        assert metrics["actor/loss"] == pytest.approx(want_loss, rel=tol)
+        _close(mcore_to_hf_state(grads, arch), want, tol)
+        assert 0 < metrics["actor/pg_clipfrac"] < 1 and metrics["actor/entropy"] > 0
+
+
+def _dpo_rollouts() -> list[Rollout]:
+    """Four pairs; the two responses of a pair share their first two tokens (shared response rows whose
+    gradient coefficient differs between the chosen and the rejected rollout)."""
+    rng = random.Random(51)
+    out = []
+    for k in range(4):
+        prompt = tuple(rng.randrange(VOCAB) for _ in range(5))
+        common = tuple(rng.randrange(VOCAB) for _ in range(2))
+        for chosen, first in ((True, 1), (False, 2)):
+            resp = common + (first,) + tuple(rng.randrange(VOCAB) for _ in range(rng.randint(1, 3)))
+            ref = tuple(rng.uniform(-4.5, -2.5) for _ in resp)
+            out.append(
+                Rollout(
+                    prompt=prompt, response=resp, pair=k, chosen=chosen, token_fields={"ref_logprobs": ref}
+                )
+            )
+    return out
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("kind", ["sigmoid", "ipo"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_dpo_under_tp_sp_cp_and_dp(layout: str, kind: str, dtype: torch.dtype) -> None:
+    """Forward-only pass, then the linearised gradient pass, against autograd through HF's logprob sums."""
+    from megatron_branch.losses import DPOObjective
+
+    hf, rollouts = _hf(), _dpo_rollouts()
     tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
-    for schedule, kw in [("replay", {"branch_micro_batch": 2}), ("packed", {})]:
-        model.zero_grad(set_to_none=True)
-        res = run_schedule(
-            schedule, model, tree, objective, ScheduleOptions(groups=groups, vocab_size=VOCAB, **kw)
-        )
-        finalize_grads(
-            model, tp_group=groups.tp, dp_cp_group=groups.dp_cp, sequence_parallel=groups.sequence_parallel
-        )
-        assert res.loss == pytest.approx(want_loss, rel=tol)
-        _close(mcore_to_hf_state(gather_full_grads(model, groups.tp), arch), want, tol)
-        assert 0 < res.stats["actor/pg_clipfrac"] < 1 and res.stats["actor/entropy"] > 0
+    assert tree.positions_computed < tree.positions_logical
+    dpo = DPOObjective(num_pairs=4, beta=0.5, loss_type=kind)
+    hf.zero_grad(set_to_none=True)
+    pis = []
+    for r in rollouts:  # the oracle: every rollout alone, float64
+        seq = torch.tensor([list(r.prompt) + list(r.response)])
+        logq = torch.log_softmax(hf(input_ids=seq).logits[0, :-1], dim=-1)
+        pis.append(logq.gather(1, seq[0, 1:, None]).squeeze(1)[len(r.prompt) - 1 :].sum())
+    oracle, _ = dpo.loss(tree, torch.stack(pis))
+    oracle.backward()
+    want = {n: p.grad.clone() for n, p in hf.named_parameters()}
+
+    groups = _layout(layout)
+    model = _policy(hf, groups, dtype)
+    arch = ModelArch.from_hf_config(hf.config)
+    tol = 1e-9 if dtype == torch.float64 else 1e-5
+    for schedule in ("replay", "packed"):
+        metrics, grads = _layout_grads(model, rollouts, dpo, groups, schedule)
+        assert metrics["actor/loss"] == pytest.approx(float(oracle), rel=tol)
+        _close(mcore_to_hf_state(grads, arch), want, tol)
 
 
 @pytest.mark.world(2)
@@ -169,8 +253,10 @@ def test_dp2_update_equals_one_rank_update() -> None:
 
 
 @pytest.mark.world(2)
-def test_critic_value_loss_under_tp2_sp() -> None:
-    """The value head is replicated over TP on gathered hidden states: the gradient is still exact."""
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_critic_value_loss_under_tp_sp_cp_and_dp(layout: str, dtype: torch.dtype) -> None:
+    """The value head is replicated over TP (on gathered hidden states) and over CP / DP: still exact."""
     from megatron_branch.losses import ValueObjective
     from megatron_branch.models import build_critic
 
@@ -201,20 +287,23 @@ def test_critic_value_loss_under_tp2_sp() -> None:
         bound.rollout_loss(i, (h @ w.t() + b).squeeze(-1))[0].backward()
     want = {n: p.grad.clone() for n, p in hf.named_parameters() if p.grad is not None}
 
-    groups = initialize_parallel(ParallelConfig(tp=2, sequence_parallel=True))
+    groups = _layout(layout)
     arch = ModelArch.from_hf_config(hf.config)
-    critic = build_critic(arch, dtype=torch.float64, tp=2, sequence_parallel=True)
-    state = hf_to_mcore_state(hf.state_dict(), arch, padded_vocab=arch.padded_vocab_size(2))
-    load_full_state(critic, {**state, "value_head.weight": head_w, "value_head.bias": head_b}, groups.tp)
-    critic.zero_grad(set_to_none=True)
-    res = run_schedule("replay", critic, tree, objective, ScheduleOptions(groups=groups, vocab_size=VOCAB))
-    finalize_grads(critic, tp_group=groups.tp, dp_cp_group=groups.dp_cp, sequence_parallel=True)
-    full = gather_full_grads(critic, groups.tp)
-    torch.testing.assert_close(full.pop("value_head.weight"), w.grad, rtol=1e-9, atol=0)
-    torch.testing.assert_close(full.pop("value_head.bias"), b.grad, rtol=1e-9, atol=0)
-    got = {n: t for n, t in mcore_to_hf_state(full, arch).items() if n in want}
-    _close(got, want, 1e-9)
-    assert 0 < res.stats["critic/vf_clipfrac"] < 1
+    critic = build_critic(arch, dtype=dtype, tp=groups.tp_size, sequence_parallel=groups.sequence_parallel)
+    state = hf_to_mcore_state(hf.state_dict(), arch, padded_vocab=arch.padded_vocab_size(groups.tp_size))
+    state = {**state, "value_head.weight": head_w, "value_head.bias": head_b}
+    load_full_state(critic, {k: v.to(dtype) for k, v in state.items()}, groups.tp)
+    tol = 1e-9 if dtype == torch.float64 else 1e-5  # float32 against the float64 oracle
+    for schedule in ("replay", "packed"):
+        metrics, full = _layout_grads(critic, rollouts, objective, groups, schedule)
+        head = {"w": full.pop("value_head.weight"), "b": full.pop("value_head.bias")}
+        _close(head, {"w": w.grad, "b": b.grad}, tol)
+        if dtype == torch.float64:  # element by element too
+            torch.testing.assert_close(head["w"], w.grad, rtol=1e-9, atol=0)
+            torch.testing.assert_close(head["b"], b.grad, rtol=1e-9, atol=0)
+        got = {n: t for n, t in mcore_to_hf_state(full, arch).items() if n in want}
+        _close(got, want, tol)
+        assert 0 < metrics["critic/vf_clipfrac"] < 1
 
 
 @pytest.mark.world(2)
