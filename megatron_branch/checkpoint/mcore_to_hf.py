@@ -114,8 +114,9 @@ def load_mcore_checkpoint(
     """Build the model at TP `tp` (megatron's parallel_state must match) and load the checkpoint into it.
 
     The checkpoint may come from megatron's local or TransformerEngine layer spec: both save the same keys
-    (param_map.sharded_keys; TE's own `*._extra_state` entries are read into the local layers, which ignore
-    them). All ranks call it. Returns (model, arch, meta).
+    (param_map.sharded_keys; a TE run's `*._extra_state` entries load into the local layers, whose
+    set_extra_state ignores them; not yet tried on a checkpoint written by TE). All ranks call it.
+    Returns (model, arch, meta).
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
