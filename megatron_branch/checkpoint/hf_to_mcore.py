@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron_branch import outputs
 from megatron_branch.checkpoint.dist_ckpt import save_sharded
 from megatron_branch.checkpoint.hf_io import TOKENIZER_FILES, HFTensorReader, load_hf_config
-from megatron_branch.checkpoint.param_map import iter_hf_to_mcore, mcore_names
+from megatron_branch.checkpoint.param_map import iter_hf_to_mcore, mcore_names, sharded_keys
 from megatron_branch.checkpoint.tp import load_full_tensor
 from megatron_branch.errors import UserError, check_on_every_rank, launched_world_size
 from megatron_branch.models.arch import ModelArch
@@ -77,6 +77,23 @@ def _make_tmp_dir(out_dir: Path, *, overwrite: bool) -> Path:
     return Path(path)
 
 
+def check_sharded_keys(sharded: dict[str, Any], arch: ModelArch) -> None:
+    """The model's checkpoint keys are those of megatron's TE layer spec (param_map.sharded_keys), so the
+    checkpoint loads under either spec; a megatron-core that names them otherwise is refused, in one line."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    from megatron_branch.compat.cpu import CompatError
+
+    keys = {sh.key for sh in sharded.values() if isinstance(sh, ShardedTensor | ShardedTensorFactory)}
+    expected = set(sharded_keys(arch))
+    if keys != expected:
+        odd = sorted(keys - expected) or [f"(missing) {k}" for k in sorted(expected - keys)]
+        raise CompatError(
+            f"megatron-core names checkpoint tensor {odd[0]!r} differently from the TE layer spec's names the "
+            "parameter map expects (param_map.sharded_keys); megatron-branch targets megatron-core 0.16.1"
+        )
+
+
 def save_mcore_checkpoint(
     model: torch.nn.Module,
     out_dir: str | os.PathLike,
@@ -96,11 +113,13 @@ def save_mcore_checkpoint(
     collective). An existing checkpoint at `out_dir` is replaced only with `overwrite`.
     """
     out = Path(out_dir)
+    sharded = model.sharded_state_dict()
+    check_sharded_keys(sharded, arch)  # the same on every rank: raised everywhere, before anything is written
     tmp = _make_tmp_dir(out, overwrite=overwrite)
     rank, _ = _rank_world()
     ok = False
     try:
-        files = save_sharded(model.sharded_state_dict(), tmp)
+        files = save_sharded(sharded, tmp)
         err = None
         if rank == 0:
             try:

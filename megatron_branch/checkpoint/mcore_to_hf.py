@@ -93,12 +93,30 @@ def _expected_sharded_tensors(sharded_sd: dict[str, Any]) -> dict[str, tuple[str
     return out
 
 
+def _why(key: str, saved: Any) -> str:
+    """A hint when a norm is saved under the local module's own name, i.e. by a layer spec without megatron's
+    `sharded_state_dict_keys_map` (both megatron specs name it as TE does; param_map.sharded_keys)."""
+    for te, local in (
+        ("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
+        ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."),
+    ):
+        if te in key and key.replace(te, local) in saved:
+            return (
+                f" (it has {key.replace(te, local)!r}: written by a layer spec without megatron's "
+                "sharded_state_dict_keys_map; megatron's local and TE specs both save the TE name)"
+            )
+    return ""
+
+
 def load_mcore_checkpoint(
     mcore_dir: str | os.PathLike, *, tp_group: Any = None, tp: int = 1, dtype: str | torch.dtype | None = None
 ) -> tuple[torch.nn.Module, ModelArch, dict[str, Any]]:
     """Build the model at TP `tp` (megatron's parallel_state must match) and load the checkpoint into it.
 
-    All ranks call it. Returns (model, arch, meta).
+    The checkpoint may come from megatron's local or TransformerEngine layer spec: both save the same keys
+    (param_map.sharded_keys; a TE run's `*._extra_state` entries load into the local layers, whose
+    set_extra_state ignores them; not yet tried on a checkpoint written by TE). All ranks call it.
+    Returns (model, arch, meta).
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -124,7 +142,9 @@ def load_mcore_checkpoint(
         ) from None
     for name, (key, shape) in _expected_sharded_tensors(sharded).items():
         if key not in saved:
-            raise UserError(f"checkpoint lacks tensor {key!r} that {META_FILE} implies", where=str(d))
+            raise UserError(
+                f"checkpoint lacks tensor {key!r} that {META_FILE} implies{_why(key, saved)}", where=str(d)
+            )
         got = tuple(saved[key].global_shape)
         ok = (
             got == shape if name not in VOCAB_PARAMS else (got[1:] == shape[1:] and got[0] >= arch.vocab_size)

@@ -215,6 +215,18 @@ def mcore_names(arch: ModelArch, spec: str = "local") -> list[str]:
     return [r.name(spec).format(i=i) for r, i in _active_rules(arch)]
 
 
+def sharded_keys(arch: ModelArch) -> list[str]:
+    """The tensor keys of a megatron dist checkpoint of `arch`, under EITHER layer spec.
+
+    megatron stacks the layers of one tensor into one sharded key (`decoder.layers.X`, the layer an offset), and
+    names it as the TE spec's module tree does: the local spec's `sharded_state_dict_keys_map`
+    (`input_layernorm.` -> `self_attention.linear_qkv.layer_norm_`, `pre_mlp_layernorm.` ->
+    `mlp.linear_fc1.layer_norm_`, gpt_layer_specs.py) exists so that one checkpoint loads under both specs.
+    Hence: the rules' TE names without the layer index.
+    """
+    return list(dict.fromkeys(r.name("te").replace("{i}.", "") for r, _ in _active_rules(arch)))
+
+
 def detect_spec(names: Iterable[str]) -> str:
     """ "te" when the names are those of megatron's TransformerEngine layer spec (fused norm weights), else "local"."""
     return "te" if any(n.endswith("linear_qkv.layer_norm_weight") for n in names) else "local"

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from megatron.core.dist_checkpointing import load_tensors_metadata
 
 from megatron_branch.checkpoint import (
     convert_hf_to_mcore,
@@ -21,6 +22,7 @@ from megatron_branch.checkpoint import (
     mcore_to_hf_state,
 )
 from megatron_branch.checkpoint.hf_io import HFTensorReader
+from megatron_branch.checkpoint.param_map import sharded_keys
 from megatron_branch.checkpoint.verify import megatron_logits
 from megatron_branch.models import ModelArch, build_model
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
@@ -96,6 +98,10 @@ def test_checkpoint_saved_at_one_tp_loads_at_another() -> None:
         dist.barrier()
         save_tp = 2
         convert_hf_to_mcore(tmp / "hf", tmp / "mc", tp=save_tp, progress=False)  # dp = world / 2
+        # at TP > 1 too, the keys are those a TE-spec model asks for (docs/checkpoints.md, layer specs)
+        keys = set(load_tensors_metadata(str(tmp / "mc")))
+        arch = ModelArch.from_hf_config(hf.config)
+        assert {k for k in keys if not k.endswith("._extra_state")} == set(sharded_keys(arch))
         for load_tp in sorted({1, world}):
             groups = initialize_parallel(ParallelConfig(tp=load_tp))
             model, arch, meta = load_mcore_checkpoint(tmp / "mc", tp_group=groups.tp, tp=load_tp)
