@@ -18,6 +18,11 @@ Dropout is 0 in every model we build, so the recomputed forward is bit-identical
 `forward_only` (scoring: old-policy, reference and DPO logprobs, evaluation) runs the same DFS under no_grad:
 the path's K/V are cached as plain tensors and dropped when a subtree is done, no graph is kept, so memory is one
 root-to-leaf path's K/V plus one chunk's activations, and the numbers are the training forward's bit for bit.
+
+`replay-stopgrad` (run_replay_stopgrad) is NOT exact and exists only as a comparison: the stop-gradient baseline
+of the announced system, which treats each prompt's K/V as constants. The ROOT segments' cached K/V are detached
+without requires_grad, so no dK/dV flows from the children back into the root's positions; the root's own loss
+terms (the first response token, predicted from the prompt's last row) still back-propagate.
 """
 
 from __future__ import annotations
@@ -49,9 +54,11 @@ class _Replay:
         objective: BoundObjective | None,
         opts: ScheduleOptions,
         forward_only: bool,
+        stop_root_gradient: bool = False,
     ) -> None:
         self.model, self.tree, self.objective, self.opts = model, tree, objective, opts
         self.forward_only = forward_only
+        self.stop_root_gradient = stop_root_gradient  # replay-stopgrad only (inexact, a comparison)
         self.cache: dict[int, dict[int, KV]] = {}  # segment -> layer -> (k [l,b,g,h], v) leaves
         # segment -> metadata of this rank's cached rows, for chunks whose context needs it (CP: [2, l])
         self.meta: dict[int, torch.Tensor] = {}
@@ -113,7 +120,7 @@ class _Replay:
             self.meta[seg_id] = chunk.cache_meta
         leaf = (
             (lambda t: t[:real].detach())
-            if self.forward_only
+            if self.forward_only or (self.stop_root_gradient and not self.path)
             else (lambda t: t[:real].detach().requires_grad_())
         )
         self.cache[seg_id] = {layer: (leaf(k), leaf(v)) for layer, (k, v) in out.captured.items()}
@@ -167,14 +174,15 @@ def run_replay(
     opts: ScheduleOptions,
     *,
     forward_only: bool = False,
+    stop_root_gradient: bool = False,
 ) -> StepResult:
     bound = objective.bind(tree) if objective is not None else None
-    r = _Replay(model, tree, bound, opts, forward_only)
+    r = _Replay(model, tree, bound, opts, forward_only, stop_root_gradient)
     for root in tree.roots:
         r.run_segment(root)
     assert r.positions == tree.positions_computed, (r.positions, tree.positions_computed)
     return r.store.result(
-        "replay",
+        "replay-stopgrad" if stop_root_gradient else "replay",
         tree,
         bound,
         opts,
@@ -182,3 +190,17 @@ def run_replay(
         positions_recomputed=r.recomputed,
         forwards=r.forwards,
     )
+
+
+def run_replay_stopgrad(
+    model: torch.nn.Module,
+    tree: PrefixTree,
+    objective: Objective | None,
+    opts: ScheduleOptions,
+    *,
+    forward_only: bool = False,
+) -> StepResult:
+    """INEXACT, for comparison only: replay with each root's (prompt's) K/V treated as constants (no gradient
+    from the branches into the prompt), what the announced stop-gradient system trains. Forward-only it is
+    replay exactly (the same numbers); only the gradient differs."""
+    return run_replay(model, tree, objective, opts, forward_only=forward_only, stop_root_gradient=True)
