@@ -102,3 +102,15 @@ def test_stopgrad_scoring_is_replay_bit_for_bit(model: torch.nn.Module) -> None:
     for x, y in zip(a.logprobs, b.logprobs, strict=True):
         assert torch.equal(x.nan_to_num(0.0), y.nan_to_num(0.0))
     assert b.result.schedule == "replay-stopgrad"
+
+
+def test_train_config_accepts_the_variant() -> None:
+    """`megatron-branch train demo.yaml schedule.name=replay-stopgrad` validates (the loop runs the registry)."""
+    from pathlib import Path
+
+    from megatron_branch.schedule import SCHEDULES
+    from megatron_branch.train.config import load_config
+
+    demo = Path(__file__).resolve().parents[2] / "examples" / "configs" / "demo.yaml"
+    cfg = load_config(str(demo), ["schedule.name=replay-stopgrad"])
+    assert cfg.schedule.name == "replay-stopgrad" and cfg.schedule.name in SCHEDULES
