@@ -9,6 +9,8 @@ last layer's K/V projection loses the branches' share of the prompt's gradient.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -74,6 +76,50 @@ def test_stopgrad_differs_from_naive_where_the_prompt_is_shared(
             assert err <= 1e-9, f"{name}: {err:.2e} (should be untouched by the stop-gradient)"
         elif name in AFFECTED:
             assert err > 1e-2, f"{name}: {err:.2e} (the stop-gradient should change it)"
+
+
+def test_every_prompt_row_is_constant_however_the_trie_splits_the_prompts(model: torch.nn.Module) -> None:
+    """Two groups whose prompts share a template: the trie's root is the template, the rest of each prompt an
+    inner segment. The stop-gradient must hold ALL prompt rows constant, so the merged tree's gradient is the
+    sum of each group's alone (same loss normalisation). A root-only stop-gradient fails this (planted check).
+
+    The advantages below each first response token sum to zero, so the prompt's own loss term (the first response
+    token, predicted from the prompt's last row) has zero gradient: that term back-propagates within its own
+    segment's forward, so how the trie splits a prompt changes where it reaches (a documented limit)."""
+    import random
+
+    rng = random.Random(7)
+    template = [rng.randrange(VOCAB) for _ in range(5)]
+    both = []
+    for g in range(2):
+        group = random_tree_rollouts(vocab_size=VOCAB, prompt_len=4, branches=3, levels=2, seed=500 + g)
+        mean = {f: sum(r.advantage for r in group if r.response[0] == f) / sum(r.response[0] == f for r in group)
+                for f in {r.response[0] for r in group}}  # fmt: skip
+        both.append([
+            dataclasses.replace(r, prompt=tuple(template) + tuple(r.prompt), advantage=r.advantage - mean[r.response[0]])
+            for r in group
+        ])  # fmt: skip
+    merged = both[0] + both[1]
+    tree = PrefixTree.build(merged, vocab_size=VOCAB)
+    assert tree.segments[tree.roots[0]].tokens == tuple(template) and len(tree.roots) == 1  # the split
+    n = tree.num_response_tokens_logical()
+
+    def run(rollouts: list, schedule: str) -> dict[str, torch.Tensor]:
+        t = PrefixTree.build(rollouts, vocab_size=VOCAB)
+        model.zero_grad(set_to_none=True)
+        obj = PolicyGradientObjective.grpo([r.advantage for r in rollouts], n)
+        run_schedule(schedule, model, t, obj, ScheduleOptions(vocab_size=VOCAB))
+        return {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+
+    whole = run(merged, "replay-stopgrad")
+    parts = [run(g, "replay-stopgrad") for g in both]
+    for name in whole:
+        assert rel(whole[name], parts[0][name] + parts[1][name]) <= 1e-9, name
+    exact = run(merged, "replay")  # and the exact schedule differs from it on the trunk
+    assert (
+        rel(whole["decoder.layers.0.mlp.linear_fc1.weight"], exact["decoder.layers.0.mlp.linear_fc1.weight"])
+        > 1e-2
+    )
 
 
 def test_stopgrad_recompute_is_the_same_stopgrad(model: torch.nn.Module) -> None:
