@@ -219,8 +219,8 @@ def run_replay_stopgrad(
 ) -> StepResult:
     """INEXACT, for comparison only: replay with each shared prompt's K/V treated as constants (no gradient
     from the branches into the prompt), what the announced stop-gradient system trains. Forward-only it is
-    replay exactly (the same numbers); only the gradient differs. One process or TP (not CP: a rank's rows are a
-    zigzag shard there, not the prompt's first rows)."""
+    replay exactly (the same numbers); only the gradient differs. Tested in one process; refused under CP (a
+    rank's rows are a zigzag shard there, not the prompt's first rows)."""
     if opts.cp_size > 1:
         raise ValueError("replay-stopgrad (a comparison baseline) does not run under context parallelism")
     return run_replay(model, tree, objective, opts, forward_only=forward_only, stop_prompt_gradient=True)
