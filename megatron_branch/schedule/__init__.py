@@ -1,7 +1,8 @@
 """Training schedules over a prefix tree: `naive` (baseline), `packed` (one pass), `replay` (DFS, bounded memory);
 `naive-fused` and `packed-nosharing` are the unshared baselines on the same kernels (schedule/unshared.py).
+`replay-stopgrad` is the one INEXACT entry: a comparison baseline (prompt K/V as constants, schedule/replay.py).
 
-All three accumulate the SAME parameter gradients (into `param.grad`, or megatron DDP's `main_grad`) for the same
+The exact ones accumulate the SAME parameter gradients (into `param.grad`, or megatron DDP's `main_grad`) for the same
 logical-batch loss; they differ only in what is computed once and what is kept alive. Each also runs forward-only
 (`score_rollouts`): no backward, no graph, the same numbers as its training forward.
 """
@@ -17,7 +18,7 @@ from megatron_branch.losses.objective import Objective
 from megatron_branch.schedule.common import ScheduleOptions, StepResult
 from megatron_branch.schedule.naive import run_naive
 from megatron_branch.schedule.packed import run_packed
-from megatron_branch.schedule.replay import run_replay
+from megatron_branch.schedule.replay import run_replay, run_replay_stopgrad
 from megatron_branch.schedule.score import Scores, score_rollouts
 from megatron_branch.schedule.unshared import run_naive_fused, run_packed_nosharing
 
@@ -28,6 +29,8 @@ SCHEDULES: dict[str, Callable[..., StepResult]] = {
     # baselines without sharing on the same kernels (the benchmark's fair comparison)
     "naive-fused": run_naive_fused,
     "packed-nosharing": run_packed_nosharing,
+    # NOT exact, a comparison only: the prompt's K/V as constants (the announced stop-gradient system)
+    "replay-stopgrad": run_replay_stopgrad,
 }
 
 

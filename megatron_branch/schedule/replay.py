@@ -18,6 +18,14 @@ Dropout is 0 in every model we build, so the recomputed forward is bit-identical
 `forward_only` (scoring: old-policy, reference and DPO logprobs, evaluation) runs the same DFS under no_grad:
 the path's K/V are cached as plain tensors and dropped when a subtree is done, no graph is kept, so memory is one
 root-to-leaf path's K/V plus one chunk's activations, and the numbers are the training forward's bit for bit.
+
+`replay-stopgrad` (run_replay_stopgrad) is NOT exact and exists only as a comparison: the stop-gradient baseline
+of the announced system, which treats each prompt's K/V as constants. In every cached segment the rows that are
+prompt for all its rollouts (PrefixTree.response_starts) are cached detached WITHOUT requires_grad, so no dK/dV
+flows from the branches back into the prompt's positions, however the trie splits the prompts (a template shared
+across prompts is a root of its own); the prompt's own loss terms (the first response token, predicted from the
+prompt's last row) still back-propagate. A prompt no other rollout shares is not cached (it runs with its response
+in one forward) and is trained as in naive training.
 """
 
 from __future__ import annotations
@@ -49,9 +57,11 @@ class _Replay:
         objective: BoundObjective | None,
         opts: ScheduleOptions,
         forward_only: bool,
+        stop_prompt_gradient: bool = False,
     ) -> None:
         self.model, self.tree, self.objective, self.opts = model, tree, objective, opts
         self.forward_only = forward_only
+        self.stop_prompt_gradient = stop_prompt_gradient  # replay-stopgrad only (inexact, a comparison)
         self.cache: dict[int, dict[int, KV]] = {}  # segment -> layer -> (k [l,b,g,h], v) leaves
         # segment -> metadata of this rank's cached rows, for chunks whose context needs it (CP: [2, l])
         self.meta: dict[int, torch.Tensor] = {}
@@ -111,12 +121,17 @@ class _Replay:
         real = chunk.cache_rows
         if chunk.cache_meta is not None:
             self.meta[seg_id] = chunk.cache_meta
+        # rows held constant: 0 (exact) except in replay-stopgrad, where they are the segment's prompt rows
+        const = self.tree.response_starts()[seg_id] if self.stop_prompt_gradient else 0
         leaf = (
             (lambda t: t[:real].detach())
-            if self.forward_only
-            else (lambda t: t[:real].detach().requires_grad_())
+            if self.forward_only or (self.stop_prompt_gradient and const >= real)
+            else (lambda t: t[const:real].detach().requires_grad_())
         )
-        self.cache[seg_id] = {layer: (leaf(k), leaf(v)) for layer, (k, v) in out.captured.items()}
+        leaves = {layer: (leaf(k), leaf(v)) for layer, (k, v) in out.captured.items()}
+        self.cache[seg_id] = (
+            leaves if not 0 < const < real else self._with_constant_rows(out.captured, leaves, const)
+        )
         # the cache is activation memory too: an active ActivationMeter counts it (a no-op otherwise)
         track_extra(t for kv in self.cache[seg_id].values() for t in kv)
         self.path.append(seg_id)
@@ -126,7 +141,7 @@ class _Replay:
             else:
                 self.run_leaves(group)
         self.path.pop()
-        leaves = self.cache.pop(seg_id)
+        self.cache.pop(seg_id)
         self.meta.pop(seg_id, None)
         if self.forward_only:  # scoring: no backward, and the first forward is the one counted
             self.store.add(chunk.targets, out)
@@ -139,11 +154,20 @@ class _Replay:
             k_leaf, v_leaf = leaves[layer]
             for t, cached in ((k, k_leaf), (v, v_leaf)):
                 if cached.grad is not None:
-                    outputs.append(t[:real])
+                    outputs.append(t[const:real])
                     grads.append(cached.grad)
         if outputs[0].requires_grad or len(outputs) > 1:
             torch.autograd.backward(outputs, grads)
         self.store.add(chunk.targets, out)
+
+    @staticmethod
+    def _with_constant_rows(captured: dict[int, KV], leaves: dict[int, KV], const: int) -> dict[int, KV]:
+        """replay-stopgrad: the cached K/V with their first `const` rows as constants before the trained leaves
+        (a copy, unlike the exact path's in-place blocks: this variant is a comparison, not a fast path)."""
+        return {
+            layer: tuple(torch.cat([t[:const].detach(), lf]) for t, lf in zip(kv, leaves[layer]))  # type: ignore[misc]
+            for layer, kv in captured.items()
+        }
 
     def _child_groups(self, children: tuple[int, ...]) -> Iterator[list[int]]:
         """Inner children one at a time; leaf children in micro-batches of `branch_micro_batch`."""
@@ -167,14 +191,15 @@ def run_replay(
     opts: ScheduleOptions,
     *,
     forward_only: bool = False,
+    stop_prompt_gradient: bool = False,
 ) -> StepResult:
     bound = objective.bind(tree) if objective is not None else None
-    r = _Replay(model, tree, bound, opts, forward_only)
+    r = _Replay(model, tree, bound, opts, forward_only, stop_prompt_gradient)
     for root in tree.roots:
         r.run_segment(root)
     assert r.positions == tree.positions_computed, (r.positions, tree.positions_computed)
     return r.store.result(
-        "replay",
+        "replay-stopgrad" if stop_prompt_gradient else "replay",
         tree,
         bound,
         opts,
@@ -182,3 +207,20 @@ def run_replay(
         positions_recomputed=r.recomputed,
         forwards=r.forwards,
     )
+
+
+def run_replay_stopgrad(
+    model: torch.nn.Module,
+    tree: PrefixTree,
+    objective: Objective | None,
+    opts: ScheduleOptions,
+    *,
+    forward_only: bool = False,
+) -> StepResult:
+    """INEXACT, for comparison only: replay with each shared prompt's K/V treated as constants (no gradient
+    from the branches into the prompt), what the announced stop-gradient system trains. Forward-only it is
+    replay exactly (the same numbers); only the gradient differs. Tested in one process; refused under CP (a
+    rank's rows are a zigzag shard there, not the prompt's first rows)."""
+    if opts.cp_size > 1:
+        raise ValueError("replay-stopgrad (a comparison baseline) does not run under context parallelism")
+    return run_replay(model, tree, objective, opts, forward_only=forward_only, stop_prompt_gradient=True)

@@ -230,8 +230,9 @@ class ParallelConfigSection:
 class ScheduleConfig:
     """How the engine runs a batch of rollouts (all give the same gradient)."""
 
-    name: Literal["replay", "packed", "naive"] = "replay"
-    """replay (DFS over the prefix tree), packed (one pass), naive (one rollout at a time)."""
+    name: Literal["replay", "packed", "naive", "replay-stopgrad"] = "replay"
+    """replay (DFS over the prefix tree), packed (one pass), naive (one rollout at a time); replay-stopgrad is NOT
+    exact, a comparison only: the prompt's K/V as constants (the announced stop-gradient system)."""
     backend: Literal["merge", "packed", "reference"] | None = None
     """Attention backend override."""
     branch_micro_batch: int = 8

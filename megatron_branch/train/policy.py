@@ -244,10 +244,16 @@ class Actor:
                                        decay_steps=None)  # fmt: skip
         opt, sched = build_optimizer(self.policy.ddp, settings, dtype=self.dtype)
         self.policy.model.train()
+        # the inexact replay-stopgrad is an RL-update comparison: its warm-up is exact, so both start from one policy
+        plan = (
+            dataclasses.replace(self.plan, schedule="replay")
+            if self.plan.schedule == "replay-stopgrad"
+            else self.plan
+        )
         for k, batch in enumerate(batches):
             # advantage 1 on the answer tokens, token-mean: the loss is the answers' mean NLL (SFT)
             obj = AdvantagePolicyGradient(num_response_tokens=sum(len(r.response) for r in batch))
-            res = update_step(self.policy.ddp, batch, obj, self.plan, optimizer=opt, scheduler=sched)
+            res = update_step(self.policy.ddp, batch, obj, plan, optimizer=opt, scheduler=sched)
             log(k, res.metrics["actor/loss"])
             if stop is not None and stop(k):
                 return k + 1
