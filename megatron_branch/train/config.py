@@ -221,7 +221,8 @@ class ParallelConfigSection:
     tp: int = 1
     """Tensor-parallel size (must divide the heads)."""
     cp: int = 1
-    """Context-parallel size (ring attention for training)."""
+    """Context-parallel size: ring attention for the update and scoring (packed or replay; naive is refused);
+    every CP rank samples the same rollouts redundantly."""
     sequence_parallel: bool = False
     """Sequence parallel over the TP group."""
 
@@ -592,12 +593,10 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.tokenizer.type == "hf" and cfg.tokenizer.path is None and cfg.model.hf_path is None:
         raise UserError("tokenizer.type=hf needs tokenizer.path or model.hf_path")
     if cfg.schedule.name == "naive" and cfg.parallel.cp > 1:
+        # naive runs each rollout whole through megatron's own attention (no ring): every CP rank would compute
+        # the whole batch and the dp x cp gradient SUM would count it cp times.
         raise UserError(
             "schedule.name=naive has no context parallelism; use packed or replay with parallel.cp > 1"
-        )
-    if cfg.parallel.cp > 1:
-        raise UserError(
-            "parallel.cp > 1: generation has no context parallelism yet, so the loop runs TP and DP only"
         )
     check_model(cfg)
     w = cfg.warmup

@@ -3,11 +3,12 @@
     trainer = Trainer(cfg)      # validate, build tokenizer/data/models/optimizer, resume if asked (all ranks)
     summary = trainer.run()     # steps, metrics, checkpoints, curves, HF export
 
-Under torchrun the world is tp * dp (CP is refused by the config: generation has none yet). Every rank of a
-data-parallel replica samples the same rollouts (same prompts, same generator seed); replicas sample different
-prompts of the step's global batch, and the rollouts are gathered so that every rank builds the same global
-batch for the update, which splits it over DP again by prefix group (parallel/data.py) and normalises the loss
-on the GLOBAL batch: DP1 and DP2 give the same update.
+Under torchrun the world is tp * cp * dp. Every rank of a data-parallel replica (its TP and CP ranks) samples the
+same rollouts (same prompts, a generator seeded by the DP rank alone: the sampler has no CP, so CP ranks generate
+redundantly); replicas sample different prompts of the step's global batch, and the rollouts are gathered so that
+every rank builds the same global batch for the update, which splits it over DP again by prefix group
+(parallel/data.py), runs each share's ring over CP (the groups of `ScheduleOptions`), SUMS the gradients over
+dp x cp in megatron's DDP and normalises the loss on the GLOBAL batch: DP1, DP2 and CP2 give the same update.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class Trainer:
                 num_prompts=len(self.dataset), batch_size=cfg.data.train_batch_size,
                 shuffle=cfg.data.shuffle, seed=cfg.data.seed,
             )  # fmt: skip
-            # One stream per DP replica (TP ranks of a replica must draw the same tokens).
+            # One stream per DP replica: its TP and CP ranks must draw the same tokens (groups.dp excludes CP).
             self.sample_rng = torch.Generator().manual_seed(cfg.rollout.seed * 1_000_003 + self.dp_rank)
             self.reference: torch.nn.Module | None = None
             self.needs_reference = cfg.algorithm.name == "dpo" or cfg.actor.kl_loss_coef > 0

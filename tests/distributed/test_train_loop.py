@@ -1,9 +1,14 @@
 """`megatron-branch train` under torchrun: DP2 resume equals an uninterrupted DP2 run; GRPO runs under TP2 and
-DP2 with every rank seeing the same metrics."""
+DP2 with every rank seeing the same metrics; a CP2 GRPO run (with a checkpoint and resume in the middle) equals
+the single-process run of the same config; schedule.name=naive is refused under CP."""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -11,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_branch.cli import main
 from megatron_branch.train.config import load_config
 from megatron_branch.train.loop import Trainer
 from megatron_branch.train.metrics import read_metrics
@@ -23,8 +29,8 @@ def shared_tmp() -> Path:
     return Path(box[0])
 
 
-def _cfg(out: Path, *overrides: str):
-    base = [
+def _cfg_overrides(out: Path) -> list[str]:
+    return [
         "model.arch={hidden_size: 16, num_layers: 2, num_attention_heads: 2, num_query_groups: 2, "
         "ffn_hidden_size: 32, max_position_embeddings: 64}",
         "data.task=kv_retrieval",
@@ -40,7 +46,10 @@ def _cfg(out: Path, *overrides: str):
         "logging.plot=false",
         "checkpoint.hf_export=false",
     ]
-    return load_config(None, [*base, *overrides])
+
+
+def _cfg(out: Path, *overrides: str):
+    return load_config(None, [*_cfg_overrides(out), *overrides])
 
 
 def _run(cfg) -> tuple[Trainer, list[dict]]:
@@ -49,6 +58,7 @@ def _run(cfg) -> tuple[Trainer, list[dict]]:
     while tr.step < cfg.trainer.total_training_steps:
         m = tr.train_step()
         m["_tokens"] = [r.response for r in tr.last_batch]
+        m["_rewards"] = list(tr.last_rewards)
         rows.append(m)
     return tr, rows
 
@@ -133,6 +143,99 @@ def test_algorithms_run_tp2_and_dp2(layout: str, algo: str) -> None:
         want = {"grpo": "actor/pg_clipfrac", "ppo": "critic/vf_loss", "dpo": "rewards/margins"}[algo]
         assert all(want in m for m in rows)
         _agree([r.response for r in tr.last_batch])  # every rank trained on the same global batch
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# The single-process reference, run by rank 0 in a fresh interpreter with no torchrun environment (a world of one):
+# the sampled tokens and rewards of every step and the final parameters.
+_SINGLE = """
+import json, sys, torch
+from megatron_branch.train.config import load_config
+from megatron_branch.train.loop import Trainer
+from megatron_branch.train.models import unwrap
+cfg = load_config(None, json.loads(sys.argv[1]))
+tr, rows = Trainer(cfg), []
+while tr.step < cfg.trainer.total_training_steps:
+    tr.train_step()
+    rows.append(([r.response for r in tr.last_batch], tr.last_rewards))
+params = {k: v for k, v in unwrap(tr.policy).state_dict().items() if isinstance(v, torch.Tensor)}
+torch.save({"rows": rows, "params": params, "world": torch.distributed.get_world_size()}, sys.argv[2])
+"""
+_TORCHRUN_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def _single_process(overrides: list[str], out: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC")}
+    return subprocess.Popen([sys.executable, "-c", _SINGLE, json.dumps(overrides), str(out)], env=env)
+
+
+@pytest.mark.world(2)
+def test_cp2_grpo_with_resume_equals_single_process() -> None:
+    tmp = shared_tmp()
+    try:
+        common = ["model.dtype=float64", "schedule.name=replay"]
+        single = [*_cfg_overrides(tmp / "single"), *common, "trainer.total_training_steps=3"]
+        ref_proc = _single_process(single, tmp / "single.pt") if dist.get_rank() == 0 else None
+        cp2 = [*common, "parallel.cp=2"]
+        part, m1 = _run(_cfg(tmp / "cp2", *cp2, "trainer.total_training_steps=2"))
+        assert (part.groups.cp_size, part.groups.dp_size, part.groups.tp_size) == (2, 1, 1)
+        part.save()
+        again, m2 = _run(
+            _cfg(tmp / "cp2", *cp2, "trainer.total_training_steps=3", "trainer.resume_mode=auto")
+        )
+        assert again.step == 3 and len(m2) == 1
+        rc = [ref_proc.wait(timeout=600) if ref_proc is not None else 0]
+        dist.broadcast_object_list(rc, src=0)
+        assert rc == [0], "the single-process reference run failed"
+        ref = torch.load(tmp / "single.pt", weights_only=False)
+        assert ref["world"] == 1
+        got = [(m["_tokens"], m["_rewards"]) for m in m1 + m2]
+        assert got == ref["rows"]  # the same sampled tokens and rewards at every step (both CP ranks)
+        assert len({tuple(map(tuple, t)) for t, _ in got}) == 3  # the steps sampled different batches
+        mine = _params(again)
+        assert sorted(mine) == sorted(ref["params"])
+        err = max(float((mine[k] - ref["params"][k]).abs().max()) for k in mine)
+        assert err < 1e-9, err
+        _agree([m["reward_mean"] for m in m1 + m2])
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.world(2)
+def test_naive_schedule_refused_under_cp(capsys) -> None:
+    tmp = shared_tmp()
+    try:
+        cfg_file = tmp / "empty.yaml"
+        if dist.get_rank() == 0:
+            cfg_file.write_text("{}\n")
+        dist.barrier()
+        capsys.readouterr()
+        rc = main(
+            ["train", str(cfg_file), *_cfg_overrides(tmp / "run"), "schedule.name=naive", "parallel.cp=2"]
+        )
+        err = capsys.readouterr().err
+        rcs: list[int | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(rcs, rc)
+        assert rcs == [2, 2]
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        if dist.get_rank() == 0:
+            assert len(lines) == 1 and "schedule.name=naive has no context parallelism" in lines[0], err
+        else:
+            assert lines == [], err
+        assert not (tmp / "run").exists()  # refused before anything was written
     finally:
         dist.barrier()
         if dist.get_rank() == 0:

@@ -83,12 +83,20 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
         (["trainer.save_freq=0"], r"save_freq"),
         (["rollout=3"], r"rollout must be a mapping"),
         (["rollout.n"], r"must look like section\.key=value"),
+        (["schedule.name=naive", "parallel.cp=2"], r"schedule\.name=naive has no context parallelism"),
     ],
 )
 def test_one_line_errors(tmp_path: Path, overrides: list[str], message: str) -> None:
     with pytest.raises(UserError, match=message) as e:
         load_config(_write(tmp_path, BASE), overrides)
     assert "\n" not in str(e.value)
+
+
+def test_cp_accepted_with_the_ring_schedules(tmp_path: Path) -> None:
+    for name in ("replay", "packed"):
+        assert (
+            load_config(_write(tmp_path, BASE), [f"schedule.name={name}", "parallel.cp=2"]).parallel.cp == 2
+        )
 
 
 def test_bad_yaml_and_missing_file(tmp_path: Path) -> None:
