@@ -40,9 +40,10 @@ test-unit: $(STAMP)
 BENCH_PRESETS ?= A B C memory-G
 BENCH_OUT ?= bench-out
 bench: $(STAMP)
+	mkdir -p $(BENCH_OUT)
 	for p in $(BENCH_PRESETS); do \
 		$(BIN)/python -m megatron_branch bench --preset $$p --json $(BENCH_OUT)/$$p.json \
-			--markdown $(BENCH_OUT)/$$p.md --plot $(BENCH_OUT) || exit 1; \
+			--markdown $(BENCH_OUT)/$$p.md --plot $(BENCH_OUT)/$$p-plots --overwrite || exit 1; \
 	done
 
 lint: $(STAMP)

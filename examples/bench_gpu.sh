@@ -37,7 +37,7 @@ timeout 180 "$python" -m pytest tests/gpu -q -p no:cacheprovider -rs 2>&1 | tee 
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 timeout 330 "$python" -m megatron_branch bench --preset gpu-1b --rounds 2 --peak-tflops "$peak" \
-    --json "$out/bench.json" --markdown "$out/bench.md" --plot "$out" 2>&1 | tee "$out/bench.log"
+    --json "$out/bench.json" --markdown "$out/bench.md" --plot "$out/plots" 2>&1 | tee "$out/bench.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "bench_gpu.sh: done in $(( $(date +%s) - start )) s, status $status; results in $out"

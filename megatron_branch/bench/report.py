@@ -65,9 +65,12 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_json(report: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+PLOT_MARKER = "bench_plots.json"
+"""The file every --plot folder holds (the list of its PNGs): `--overwrite` replaces only such a folder."""
+
+
+def json_text(report: dict[str, Any]) -> str:
+    return json.dumps(report, indent=1, default=str) + "\n"
 
 
 def plot(report: dict[str, Any], out_dir: Path) -> list[Path]:
@@ -78,7 +81,6 @@ def plot(report: dict[str, Any], out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     rows = [r for r in report["rows"] if not r.get("failed")]
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     mem_key = "cuda_peak_mb" if report["config"]["device"] == "cuda" else "rss_peak_mb"

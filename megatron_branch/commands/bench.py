@@ -15,10 +15,18 @@ Timings on a shared machine are only comparable within one run.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
 from megatron_branch.errors import UserError
+from megatron_branch.outputs import (
+    add_overwrite_argument,
+    atomic_dir,
+    check_output_dir,
+    check_output_file,
+    write_text,
+)
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -61,7 +69,10 @@ def add_bench_command(sub: Any) -> None:
     )
     p.add_argument("--json", default=None, help="write every number to this JSON file")
     p.add_argument("--markdown", default=None, help="write the tables to this markdown file")
-    p.add_argument("--plot", default=None, help="write PNGs of speed-up and peak memory vs G and vs P here")
+    p.add_argument(
+        "--plot", default=None, help="write PNGs of speed-up and peak memory vs G and vs P into this folder"
+    )
+    add_overwrite_argument(p)
     p.set_defaults(func=run_bench_command)
 
 
@@ -90,29 +101,31 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
-    from megatron_branch.bench.report import markdown, plot, write_json
+    from megatron_branch.bench.report import PLOT_MARKER, json_text, markdown, plot
     from megatron_branch.bench.runner import run_bench
 
     cfg = config_from_args(args)
-    outputs = [Path(x) for x in (args.json, args.markdown) if x] + ([Path(args.plot)] if args.plot else [])
-    for path in outputs:  # refuse before the (long) run, not after it
-        parent = path if path == Path(args.plot or "\0") else path.parent
-        if parent.exists() and not parent.is_dir():
-            raise UserError(f"{parent} exists and is not a folder")
+    # the outputs rule (docs/errors.md), checked before the (long) run: parents must exist, --overwrite to replace
+    for path in (args.json, args.markdown):
+        if path:
+            check_output_file(path, overwrite=args.overwrite)
     if args.plot:
         import importlib.util
 
+        check_output_dir(args.plot, overwrite=args.overwrite, marker=PLOT_MARKER, what="plot folder")
         if importlib.util.find_spec("matplotlib") is None:
             raise UserError("--plot needs matplotlib (pip install 'megatron-branch[bench]')")
     report = run_bench(cfg)
     text = markdown(report)
     print(text)
     if args.json:
-        write_json(report, Path(args.json))
+        write_text(args.json, json_text(report), overwrite=args.overwrite)
     if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(text)
+        write_text(args.markdown, text, overwrite=args.overwrite)
     if args.plot:
-        for path in plot(report, Path(args.plot)):
-            print(f"wrote {path}")
+        with atomic_dir(args.plot, overwrite=args.overwrite, marker=PLOT_MARKER, what="plot folder") as tmp:
+            names = [p.name for p in plot(report, tmp)]
+            (tmp / PLOT_MARKER).write_text(json.dumps({"plots": names}) + "\n")
+        for name in names:
+            print(f"wrote {Path(args.plot) / name}")
     return 0

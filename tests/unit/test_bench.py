@@ -63,8 +63,23 @@ def test_bench_runs_every_variant_and_writes_json_and_plots(tmp_path, capsys) ->
         assert by["replay"]["positions_computed"] < by["naive-fused"]["positions_computed"]
         assert all(r["activation_meter_mb"] > 0 and len(r["times_s"]) == 1 for r in by.values())
     assert "| replay |" in (tmp_path / "b.md").read_text()
-    assert [p.name for p in (tmp_path / "png").iterdir()] == ["bench_vs_G_prompt48.png"]
+    assert sorted(p.name for p in (tmp_path / "png").iterdir()) == [
+        "bench_plots.json",
+        "bench_vs_G_prompt48.png",
+    ]
     assert "analytic limit" in capsys.readouterr().out
+
+
+def test_bench_outputs_follow_the_outputs_rule(tmp_path, capsys) -> None:  # noqa: ANN001
+    """An existing output needs --overwrite and a missing parent folder is refused, both before the run."""
+    (tmp_path / "b.json").write_text("keep")
+    tiny = ["bench", "--preset", "tiny", "--rounds", "1", "--variants", "replay"]
+    assert main([*tiny, "--json", str(tmp_path / "b.json")]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert (tmp_path / "b.json").read_text() == "keep"
+    assert main([*tiny, "--markdown", str(tmp_path / "missing" / "b.md")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "missing").exists()
 
 
 @pytest.mark.parametrize(
