@@ -104,8 +104,7 @@ def initialize_parallel(cfg: ParallelConfig, *, seed: int = 1234) -> ParallelGro
 
     _, world = init_distributed()
     dp = cfg.data_parallel_size(world)
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    destroy_parallel()  # frees the previous layout's groups too
     ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tp, context_parallel_size=cfg.cp)
     # torch 2.13 starts each process from a different CPU seed: seed explicitly so replicas agree.
     torch.manual_seed(seed)
@@ -150,7 +149,19 @@ def agree_on_error(err: str | None, *, error: type[Exception] = UserError) -> No
 
 
 def destroy_parallel() -> None:
+    """Tear down megatron's parallel_state AND free its process groups.
+
+    megatron's destroy_model_parallel only drops its references: every gloo group stays registered with
+    torch.distributed and keeps its transport thread polling, so a process that lays out the groups again and
+    again (a test suite: ~20 groups per layout) piles up thousands of busy threads (measured). Every group but
+    the default one is destroyed here; the groups belong to the entry point, which set them up.
+    """
     from megatron.core import parallel_state as ps
 
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    if not ps.model_parallel_is_initialized():
+        return
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        registered = dist.distributed_c10d._world.pg_map  # torch has no public list of live groups
+        for group in [g for g in registered if g is not dist.GroupMember.WORLD]:
+            dist.destroy_process_group(group)
