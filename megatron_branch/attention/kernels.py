@@ -214,9 +214,3 @@ def fused_attention_backward(
         return dq, dk, dv
     mask = _causal_mask(q.shape[-2], k.shape[-2], q.device) if causal else None
     return math_attention_backward(dout, q, k, v, out, lse, mask, scale)
-
-
-# The old names (they described one of the four kernels this dispatches to), kept while branches written against
-# them (the CP rectangles) merge; new code calls fused_attention_forward/backward.
-flash_attention_forward = fused_attention_forward
-flash_attention_backward = fused_attention_backward
