@@ -191,18 +191,24 @@ _SHIMS: dict[str, Callable[[], None]] = {
 }
 
 
-def apply_cpu_shims(*, force: bool = False) -> list[str]:
-    """Apply every CPU shim once (when CUDA is absent, or `force`). Returns the names applied by this call."""
+def apply_shims(shims: dict[str, Any], applied: dict[str, bool], *, force: bool = False) -> list[str]:
+    """Apply each of `shims` once (when CUDA is absent, or `force`), recording it in `applied`. Returns the names
+    applied by this call. Shared by the CPU shims here and the optimizer shims (compat/optimizer.py)."""
     if not (force or needs_cpu_shims()):
         return []
     done = []
-    for name, shim in _SHIMS.items():
-        if _APPLIED.get(name):
+    for name, shim in shims.items():
+        if applied.get(name):
             continue
         shim()
-        _APPLIED[name] = True
+        applied[name] = True
         done.append(name)
     return done
+
+
+def apply_cpu_shims(*, force: bool = False) -> list[str]:
+    """Apply every CPU shim once (when CUDA is absent, or `force`). Returns the names applied by this call."""
+    return apply_shims(_SHIMS, _APPLIED, force=force)
 
 
 def applied_shims() -> list[str]:

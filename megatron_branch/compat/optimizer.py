@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from megatron_branch.compat.cpu import _CpuTorchView, _resolve, needs_cpu_shims
+from megatron_branch.compat.cpu import _CpuTorchView, _resolve, apply_shims
 
 __all__ = ["apply_optimizer_shims"]
 
@@ -89,13 +89,4 @@ _SHIMS = {
 
 def apply_optimizer_shims(*, force: bool = False) -> list[str]:
     """Apply every optimizer shim once (when CUDA is absent, or `force`). Returns the names applied by this call."""
-    if not (force or needs_cpu_shims()):
-        return []
-    done = []
-    for name, shim in _SHIMS.items():
-        if _APPLIED.get(name):
-            continue
-        shim()
-        _APPLIED[name] = True
-        done.append(name)
-    return done
+    return apply_shims(_SHIMS, _APPLIED, force=force)

@@ -14,6 +14,7 @@ for a tiny model, which is what a demo needs. Prompt length grows with `num_pair
 from __future__ import annotations
 
 import random
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -35,14 +36,15 @@ def char_match_reward(prompt: str, response: str, row: Mapping[str, Any]) -> flo
 
 
 @dataclass(kw_only=True)
-class SyntheticTask:
+class SyntheticTask(ABC):
     """Base: subclasses define `make(rng) -> (prompt, answer)`."""
 
     name: ClassVar[str] = ""
     reward_spec: ClassVar[str] = "megatron_branch.tasks.synthetic:char_match_reward"
 
+    @abstractmethod
     def make(self, rng: random.Random) -> tuple[str, str]:
-        raise NotImplementedError
+        """One (prompt, answer) pair drawn from `rng`."""
 
     @staticmethod
     def reward(prompt: str, response: str, row: Mapping[str, Any]) -> float:
