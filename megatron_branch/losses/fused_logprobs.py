@@ -60,39 +60,40 @@ class _FusedLinearLogprob(torch.autograd.Function):
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         local = (target >= start) & (target < start + v_local)  # [m]
         idx = (target - start).clamp(0, v_local - 1)  # [m]
-        row_max = torch.empty(m, dtype=dtype, device=hidden.device)
-        for i in range(0, m, rows):  # pass 1: the row max over the whole vocabulary
-            row_max[i : i + rows] = (
-                _chunk_logits(hidden[i : i + rows], weight, n_real, dtype).max(dim=-1).values
-            )
-        if size > 1:
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        sum_exp = torch.empty(m, dtype=dtype, device=hidden.device)
+        # ONE pass over the vocabulary per chunk (one GEMM): this slice's row max r, S = sum e^(x-r),
+        # U = sum (x-r) e^(x-r) (entropy) and the raw target logit; the slices' partial sums are then rescaled
+        # to the global max M (the log-sum-exp merge of online softmax, Milakov & Gimelshein 2018): two small
+        # collectives over [m] rows, as before, and no second projection GEMM in forward.
+        r = torch.empty(m, dtype=dtype, device=hidden.device)
+        s = torch.empty(m, dtype=dtype, device=hidden.device)
+        u = torch.zeros(m if with_entropy else 0, dtype=dtype, device=hidden.device)
         tgt = torch.empty(m, dtype=dtype, device=hidden.device)
-        # entropy: H = lse - E_p[x] = log S - U / S with S = sum e^(x-max), U = sum (x-max) e^(x-max), both sums
-        # over the vocabulary slices (all-reduced with S): no extra collective
-        sum_xexp = torch.zeros(m if with_entropy else 0, dtype=dtype, device=hidden.device)
-        for i in range(0, m, rows):  # pass 2: sum-exp and the target logit, both shifted by the max
-            x = (
-                _chunk_logits(hidden[i : i + rows], weight, n_real, dtype) - row_max[i : i + rows, None]
-            )  # [c, v]
-            e = x.exp()
-            sum_exp[i : i + rows] = e.sum(dim=-1)
+        for i in range(0, m, rows):
+            x = _chunk_logits(hidden[i : i + rows], weight, n_real, dtype)  # [c, v]
+            mx = x.max(dim=-1).values  # [c]; -inf where the whole slice is padding
+            mx = torch.where(mx.isinf(), torch.zeros_like(mx), mx)
+            x -= mx[:, None]
+            e = x.exp()  # [c, v]; padding: 0
+            r[i : i + rows], s[i : i + rows] = mx, e.sum(dim=-1)
             if with_entropy:  # real columns only: padding is -inf * 0
-                sum_xexp[i : i + rows] = (x[:, :n_real] * e[:, :n_real]).sum(dim=-1)
-            t = x.gather(1, idx[i : i + rows, None]).squeeze(1)
+                u[i : i + rows] = (x[:, :n_real] * e[:, :n_real]).sum(dim=-1)
+            t = x.gather(1, idx[i : i + rows, None]).squeeze(1) + mx
             tgt[i : i + rows] = torch.where(local[i : i + rows], t, torch.zeros_like(t))
         if size > 1:
-            both = torch.stack([tgt, sum_exp, *([sum_xexp] if with_entropy else [])])
+            top = r.clone()
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            scale = torch.where(s > 0, (r - top).exp(), torch.zeros_like(s))  # [m]; empty slice: 0
+            parts = [tgt, s * scale, *([(u + (r - top) * s) * scale] if with_entropy else [])]
+            both = torch.stack(parts)
             dist.all_reduce(both, group=group)
-            tgt, sum_exp = both[0], both[1]
+            tgt, s, r = both[0], both[1], top
             if with_entropy:
-                sum_xexp = both[2]
-        lse = row_max + sum_exp.log()  # [m] log-sum-exp over the whole vocabulary
-        ent = sum_exp.log() - sum_xexp / sum_exp if with_entropy else lse[:0]  # [m] or empty
+                u = both[2]
+        lse = r + s.log()  # [m] log-sum-exp over the whole vocabulary
+        ent = s.log() - u / s if with_entropy else lse[:0]  # [m] or empty
         ctx.save_for_backward(hidden, weight, idx, local, lse, ent)
         ctx.rows, ctx.n_real, ctx.with_entropy = rows, n_real, with_entropy
-        logp = (tgt - sum_exp.log()).to(hidden.dtype)
+        logp = (tgt - lse).to(hidden.dtype)
         return logp, ent.to(hidden.dtype)
 
     @staticmethod

@@ -116,6 +116,40 @@ def test_vocab_parallel_logprobs_when_whole_slices_are_padding() -> None:
 
 
 @pytest.mark.world(2, 4)
+def test_fused_entropy_rescales_each_slice_to_the_global_max() -> None:
+    """One pass per chunk: every TP slice has its own row max (one slice's logits shifted far above the others),
+    partial sums are rescaled to the global max; logp, entropy and both gradients match the full vocabulary."""
+    from megatron_branch.losses.fused_logprobs import fused_linear_logprobs_entropy
+    from megatron_branch.losses.logprobs import reference_logprobs
+
+    groups = initialize_parallel(ParallelConfig(tp=dist.get_world_size()))
+    tp, rank = groups.tp_size, dist.get_rank(groups.tp)
+    torch.manual_seed(1)  # the same full tensors on every rank
+    vocab = 16 * tp - 3  # the last slice has 3 padding columns
+    hidden = torch.randn(7, 8, dtype=torch.float64)
+    hidden[:, 0] = 1.0
+    weight = torch.randn(16 * tp, 8, dtype=torch.float64)
+    weight[16:32, 0] += 30.0  # slice 1 dominates every row: other slices' sums are rescaled by ~e^-30
+    hidden.requires_grad_(), weight.requires_grad_()
+    target = torch.randint(0, vocab, (7,))
+    w_lp, w_ent = torch.randn(7, dtype=torch.float64), torch.randn(7, dtype=torch.float64)
+    local_w = weight.detach()[16 * rank : 16 * (rank + 1)].clone().requires_grad_()
+    local_h = hidden.detach().clone().requires_grad_()
+    lp, ent = fused_linear_logprobs_entropy(local_h, local_w, target, vocab_size=vocab, tp_group=groups.tp,
+                                            chunk_rows=3)  # fmt: skip
+    (lp * w_lp + ent * w_ent).sum().backward()
+    dist.all_reduce(local_h.grad, group=groups.tp)  # = copy_to_tensor_model_parallel_region backward
+    logits = hidden @ weight.t()
+    logq = torch.log_softmax(logits[:, :vocab], dim=-1)
+    want_lp, want_ent = reference_logprobs(logits, target, vocab_size=vocab), -(logq.exp() * logq).sum(-1)
+    (want_lp * w_lp + want_ent * w_ent).sum().backward()
+    torch.testing.assert_close(lp, want_lp, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ent, want_ent, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(local_h.grad, hidden.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(local_w.grad, weight.grad[16 * rank : 16 * (rank + 1)], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.world(2, 4)
 def test_fused_linear_logprobs_when_whole_slices_are_padding() -> None:
     from megatron_branch.losses.fused_logprobs import fused_linear_logprobs
     from megatron_branch.losses.logprobs import reference_logprobs
