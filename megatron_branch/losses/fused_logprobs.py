@@ -34,8 +34,11 @@ def _tp(group: Any) -> tuple[int, int]:
 
 
 def _chunk_logits(h: torch.Tensor, w: torch.Tensor, n_real: int, dtype: torch.dtype) -> torch.Tensor:
-    """[c, h] x [v, h] -> [c, v] logits in `dtype`, padded vocabulary columns at -inf."""
-    x = h.to(dtype) @ w.to(dtype).t()  # [c, v]
+    """[c, h] x [v, h] -> [c, v] logits in `dtype`, padded vocabulary columns at -inf.
+
+    The GEMM runs in the model's dtype (bf16 tensor cores on GPU, as megatron's output layer does), the softmax
+    math in `dtype` (at least float32, as megatron's cross-entropy upcasts); never a float32 copy of the weight."""
+    x = (h @ w.t()).to(dtype)  # [c, v]
     if n_real < x.shape[1]:
         x[:, n_real:] = float("-inf")
     return x
@@ -106,22 +109,27 @@ class _FusedLinearLogprob(torch.autograd.Function):
         d_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
         g_all = grad.to(dtype)
         use_ent = ctx.with_entropy and grad_ent is not None and bool(grad_ent.ne(0).any())
+        neg_g = -g_all
+        g_ent = grad_ent.to(dtype) if use_ent else None
+        # elementwise work in place on the recomputed chunk: it is memory-bound, one pass over [c, v] per op
         for i in range(0, hidden.shape[0], ctx.rows):
-            h = hidden[i : i + ctx.rows]
-            logq = (
-                _chunk_logits(h, weight, ctx.n_real, dtype) - lse[i : i + ctx.rows, None]
-            )  # [c, v] log-softmax
-            p = logq.exp()  # [c, v] softmax (padding: 0)
-            g = -p * g_all[i : i + ctx.rows, None]  # d logp / d logits = onehot - softmax
-            g.scatter_add_(
-                1, idx[i : i + ctx.rows, None], (g_all[i : i + ctx.rows] * local[i : i + ctx.rows])[:, None]
-            )
+            h, c = hidden[i : i + ctx.rows], slice(i, i + ctx.rows)
+            logq = _chunk_logits(h, weight, ctx.n_real, dtype)
+            logq -= lse[c, None]  # [c, v] log-softmax (padding: -inf)
+            p = logq.exp() if use_ent else logq.exp_()  # [c, v] softmax (padding: 0)
             if use_ent:  # dH / dx_j = -p_j (log p_j + H): local columns only, H and lse are global
-                t = p * (logq + ent[i : i + ctx.rows, None])
-                t = torch.where(p > 0, t, torch.zeros_like(t))  # padding: 0 * -inf
-                g -= t * grad_ent.to(dtype)[i : i + ctx.rows, None]
-            d_hidden[i : i + ctx.rows] = g @ weight.to(dtype)  # [c, h]
-            d_weight += g.t() @ h.to(dtype)  # [v, h]
+                t = logq.add_(ent[c, None]).mul_(p).masked_fill_(p == 0, 0.0)  # padding: 0 * -inf
+                g = p.mul_(neg_g[c, None]).sub_(t.mul_(g_ent[c, None]))  # type: ignore[index]
+            else:
+                g = p.mul_(neg_g[c, None])  # d logp / d logits = onehot - softmax
+            g.scatter_add_(1, idx[c, None], (g_all[c] * local[c])[:, None])
+            if g.dtype == h.dtype:  # float32 / float64 models: in place, no temporaries
+                torch.mm(g, weight, out=d_hidden[c])  # [c, h]
+                d_weight.addmm_(g.t(), h)  # [v, h]
+            else:  # bf16 / fp16: the logits' gradient in the model dtype, as megatron's linear backward sees it
+                gm = g.to(h.dtype)
+                d_hidden[c] = gm @ weight
+                d_weight += gm.t() @ h
         return d_hidden.to(hidden.dtype), d_weight.to(weight.dtype), None, None, None, None, None
 
 
@@ -160,5 +168,6 @@ def fused_linear_logprobs_entropy(
     H saved from the forward, so the backward needs no collective beyond the caller's input-gradient sum.
     """
     assert hidden.dim() == 2 and weight.dim() == 2 and target.shape == hidden.shape[:1]
+    assert hidden.dtype == weight.dtype, f"hidden {hidden.dtype} vs output weight {weight.dtype}"
     logp, ent = _FusedLinearLogprob.apply(hidden, weight, target, vocab_size, tp_group, chunk_rows, entropy)
     return logp, (ent if entropy else None)
