@@ -3,8 +3,9 @@
 2 FLOPs per multiply-add. Forward per token position: the layer matmuls (QKV, output projection, SwiGLU's three);
 per (query, visible key) pair and layer: q.k and p.v (4 * heads * head_dim). Backward = 2 x forward for matmuls
 and attention (as benchmarks/schedule_speed.py counts). The output projection runs only on rows that predict a
-token (the fused logprob path, losses/fused_logprobs.py) and, as implemented, costs 5 matmuls per row instead of 3:
-two forward passes (row max, then sum-exp and target) and, in backward, a recompute plus the two gradient matmuls.
+token (the fused logprob path, losses/fused_logprobs.py) and, as implemented, costs 4 matmuls per row instead of 3:
+one forward pass (row max, sum-exp and target from the same chunk of logits) and, in backward, a recompute plus
+the two gradient matmuls.
 
 Recompute adds forwards: the engine's segment recompute one more forward (with its fused logprob
 forward) of every segment that has children;
@@ -18,8 +19,8 @@ from dataclasses import dataclass
 from megatron_branch.models.arch import ModelArch
 from megatron_branch.plan.model import Layout, RolloutShape
 
-LOGITS_MATMULS = 5
-"""Output-projection matmuls per target row in the fused logprob path (forward 2, backward 3)."""
+LOGITS_MATMULS = 4
+"""Output-projection matmuls per target row in the fused logprob path (forward 1, backward 3)."""
 
 
 def layer_matmul_flops_per_token(arch: ModelArch) -> int:
@@ -106,14 +107,14 @@ def step_flops(
         rows_again = 0
         if schedule == "replay" and layout.recompute in ("selective", "full") and G > 1:
             fwd_again, pairs_again = N * R, N * causal_pairs(R)  # the root is recomputed at its backward
-            # with its fused logprob forward (2 passes over its target rows: the shared response tokens and the forks)
+            # with its fused logprob forward (1 pass over its target rows: the shared response tokens and the forks)
             rows_again = N * (shape.shared_response_length + G)
     if layout.recompute == "full":  # megatron full recompute: every layer's forward once more
         fwd_again, pairs_again = fwd_again + positions, pairs_again + pairs
     return StepFlops(
         dense=tok * (3 * positions + fwd_again),
         attention=pair * (3 * pairs + pairs_again),
-        logits=row * (LOGITS_MATMULS * target_rows + 2 * rows_again),
+        logits=row * (LOGITS_MATMULS * target_rows + rows_again),
         positions=positions,
         recomputed_positions=fwd_again,
     )
