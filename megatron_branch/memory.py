@@ -24,7 +24,8 @@ right number to compare schedules by. On CUDA, `cuda_peak_bytes` additionally re
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
@@ -177,3 +178,31 @@ def track_extra(tensors: Iterable[torch.Tensor]) -> None:
     for t in tensors:
         for m in _ACTIVE:
             m.track(t)
+
+
+@contextmanager
+def count_recomputed() -> Iterator[None]:
+    """Around a non-reentrant checkpoint's recomputation (in backward): count what it rebuilds with every active
+    meter (a no-op when none is active).
+
+    Inside the recomputation the innermost saved-tensor hooks are checkpoint's own, which store each rebuilt
+    tensor until the original graph's node unpacks it. These hooks wrap them (read with torch's private
+    `_top_saved_tensors_default_hooks`, which torch's AOTAutograd also uses; the meter tests of
+    tests/unit/test_layer_checkpoint.py fail if it changes): each tensor is replaced by a
+    detached alias of the same storage, counted until the alias is garbage (checkpoint drops its reference when the
+    node unpacks it, the node when its backward ran), then passed to checkpoint's hook unchanged.
+    """
+    if not _ACTIVE:
+        yield
+        return
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    assert top is not None, "count_recomputed belongs inside a checkpoint's recomputation"
+    inner_pack, inner_unpack = top
+
+    def pack(t: torch.Tensor) -> Any:
+        alias = t.detach()  # the same storage; checkpoint keeps this very object (it needs no grad)
+        track_extra([alias])
+        return inner_pack(alias)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, inner_unpack):
+        yield

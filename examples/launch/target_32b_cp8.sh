@@ -5,14 +5,14 @@
 # Settings from the planner (docs/planner.md):
 #     megatron-branch plan --model qwen2.5-32b --prompt-length 122880 --responses 16 --response-length 8192 \
 #         --gpus 8 --gpu h20 --tp 1 --cp 8 --dp 1 --recompute full
-# -> does NOT fit on 8 x H20 in any layout: 312.6 GB per rank at CP8 even with full recompute (largest term:
+# -> does NOT fit on 8 x H20 in any layout: 329.6 GB per rank at CP8 even with full recompute (largest term:
 #    gradients, 131 GB: weights and grads are not sharded by CP). The planner's nearest: TP8 + full recompute
 #    on 8 x H200 (123.1 GB of 141), or 16 x H20 (TP8 x CP2); pipeline parallel / offload are not in the engine.
 #
 # Runs `megatron-branch grad` (the training command `megatron-branch train` had not landed when this was written;
 # grad computes the same exact gradient in float32, without an optimizer step). Before launching, the planner is
-# asked about THIS run (float32, the recompute grad has: RECOMPUTE=selective) and the script stops with its
-# verdict if that does not fit (FORCE=1 launches anyway).
+# asked about THIS run (float32, RECOMPUTE=full by default: grad --recompute --recompute-layers; selective =
+# --recompute only) and the script stops with its verdict if that does not fit (FORCE=1 launches anyway).
 #
 #     MODEL=HF_DIR ROLLOUTS=rollouts.jsonl [OUT=grads.safetensors] [GPU=h20|h100|h200] bash examples/launch/target_32b_cp8.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -20,10 +20,11 @@ MODEL=${MODEL:?set MODEL to the Hugging Face folder of qwen2.5-32b}
 ROLLOUTS=${ROLLOUTS:?set ROLLOUTS to a JSONL file of 16 rollouts sharing a 122,880-token prompt}
 OUT=${OUT:-grads.safetensors}
 GPU=${GPU:-h20}
-RECOMPUTE=${RECOMPUTE:-selective}
+RECOMPUTE=${RECOMPUTE:-full}
 preflight --model qwen2.5-32b --prompt-length 122880 --responses 16 --response-length 8192 --gpus 8 --gpu "$GPU" \
     --tp 1 --cp 8 --dp 1 --recompute "$RECOMPUTE" --dtype float32
 flags=()
 [[ "$RECOMPUTE" != none ]] && flags+=(--recompute)
+[[ "$RECOMPUTE" == full ]] && flags+=(--recompute-layers)
 run $TORCHRUN --standalone --nproc_per_node 8 -m megatron_branch grad --hf "$MODEL" --rollouts "$ROLLOUTS" \
     --out "$OUT" --schedule replay --dtype float32 --cp 8 --branch-micro-batch 8 "${flags[@]}"

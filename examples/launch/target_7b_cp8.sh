@@ -5,14 +5,16 @@
 # Settings from the planner (docs/planner.md):
 #     megatron-branch plan --model qwen2.5-7b --prompt-length 122880 --responses 16 --response-length 8192 \
 #         --gpus 8 --gpu h20 --tp 1 --cp 8 --dp 1 --recompute full
-# -> fits: 81.8 GB per rank of 96 (bf16, full recompute), step ~108 s on H20, 4.51x fewer FLOPs than naive.
-#    With what the engine runs today (segment recompute = selective): does NOT fit (197.3 GB bf16, 343.0 GB
-#    float32; largest term: activations of the 15,360-row prompt shard): per-layer checkpointing is missing.
+# -> fits: 86.3 GB per rank of 96 (bf16, full recompute), step ~108 s on H20, 4.51x fewer FLOPs than naive.
+#    With segment recompute only (selective): does NOT fit (197.3 GB bf16, 343.0 GB float32; largest term:
+#    activations of the 15,360-row prompt shard). In float32 (what grad computes in) full does not fit at CP8
+#    either (121.0 GB: float32 weights and grads, which CP does not shard): the preflight stops this script;
+#    target_7b_tp2cp4.sh fits in float32.
 #
 # Runs `megatron-branch grad` (the training command `megatron-branch train` had not landed when this was written;
 # grad computes the same exact gradient in float32, without an optimizer step). Before launching, the planner is
-# asked about THIS run (float32, the recompute grad has: RECOMPUTE=selective) and the script stops with its
-# verdict if that does not fit (FORCE=1 launches anyway).
+# asked about THIS run (float32, RECOMPUTE=full by default: grad --recompute --recompute-layers; selective =
+# --recompute only) and the script stops with its verdict if that does not fit (FORCE=1 launches anyway).
 #
 #     MODEL=HF_DIR ROLLOUTS=rollouts.jsonl [OUT=grads.safetensors] [GPU=h20|h100|h200] bash examples/launch/target_7b_cp8.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -20,10 +22,11 @@ MODEL=${MODEL:?set MODEL to the Hugging Face folder of qwen2.5-7b}
 ROLLOUTS=${ROLLOUTS:?set ROLLOUTS to a JSONL file of 16 rollouts sharing a 122,880-token prompt}
 OUT=${OUT:-grads.safetensors}
 GPU=${GPU:-h20}
-RECOMPUTE=${RECOMPUTE:-selective}
+RECOMPUTE=${RECOMPUTE:-full}
 preflight --model qwen2.5-7b --prompt-length 122880 --responses 16 --response-length 8192 --gpus 8 --gpu "$GPU" \
     --tp 1 --cp 8 --dp 1 --recompute "$RECOMPUTE" --dtype float32
 flags=()
 [[ "$RECOMPUTE" != none ]] && flags+=(--recompute)
+[[ "$RECOMPUTE" == full ]] && flags+=(--recompute-layers)
 run $TORCHRUN --standalone --nproc_per_node 8 -m megatron_branch grad --hf "$MODEL" --rollouts "$ROLLOUTS" \
     --out "$OUT" --schedule replay --dtype float32 --cp 8 --branch-micro-batch 8 "${flags[@]}"

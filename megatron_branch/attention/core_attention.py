@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -43,6 +43,15 @@ class BranchContext:
     """layer_number -> this chunk's (k [s,b,g,h], v [s,b,g,h]), filled during forward when `capture`."""
     backend: str | None = None
     """Attention backend name (see attention.dispatch); None = the default chosen once for the device."""
+    recompute_layers: bool = False
+    """Run each transformer layer of this forward under activation checkpointing (models/layer_checkpoint.py):
+    only the layer inputs are kept, one layer's graph is rebuilt at a time in backward (with grad enabled only)."""
+
+    def for_recompute(self) -> BranchContext:
+        """The context a checkpointed layer's recomputation (in backward) attends with: the same layout, cached
+        K/V and metadata, but capturing nothing (the schedule's K/V come from the first forward, whose graph is
+        the one gradients are injected into; a recomputed capture would be a copy outside that graph)."""
+        return replace(self, capture=False, captured={})
 
     def attend(
         self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float

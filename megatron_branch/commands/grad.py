@@ -63,6 +63,12 @@ def add_grad_command(sub: Any) -> None:
     )
     p.add_argument("--recompute", action="store_true", help="replay: recompute inner segments at backward")
     p.add_argument(
+        "--recompute-layers",
+        action="store_true",
+        help="replay/packed: per-layer activation checkpointing inside every chunk (with --recompute: the "
+        "planner's `recompute full`)",
+    )
+    p.add_argument(
         "--branch-micro-batch", type=_positive_int, default=8, help="replay: sibling leaves per forward"
     )
     p.add_argument("--logprobs-out", default=None, help="write each rollout's response logprobs (JSONL)")
@@ -172,6 +178,11 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise UserError(
             f"--recompute applies to --schedule replay only; --schedule {args.schedule} ignores it"
         )
+    if args.recompute_layers and args.schedule == "naive":
+        raise UserError(
+            "--recompute-layers applies to --schedule replay or packed; --schedule naive runs megatron's own "
+            "attention without the engine's layer checkpointing"
+        )
 
 
 def run_grad(args: argparse.Namespace) -> int:
@@ -248,6 +259,7 @@ def run_grad(args: argparse.Namespace) -> int:
         backend=args.backend,
         branch_micro_batch=args.branch_micro_batch,
         recompute=args.recompute,
+        recompute_layers=args.recompute_layers,
     )
     plan = UpdatePlan(opts=opts, schedule=args.schedule, pg_collection=pg_collection)
     model.zero_grad(set_to_none=True)

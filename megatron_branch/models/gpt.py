@@ -16,11 +16,13 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_branch.attention.core_attention import BranchCoreAttention
 from megatron_branch.compat.cpu import apply_cpu_shims
 from megatron_branch.compat.norm import TorchNorm
 from megatron_branch.models.arch import ModelArch
+from megatron_branch.models.layer_checkpoint import BranchTransformerLayer
 from megatron_branch.models.rotary import enable_position_rope
 
 
@@ -28,9 +30,14 @@ def branch_layer_spec(*, use_apex_or_te_norm: bool = False) -> ModuleSpec:
     """megatron-core's local GPT layer spec with our core attention plugged into the attention slot.
 
     This is also how a user patches an existing Megatron run: take their spec and set
-    `spec.submodules.self_attention.submodules.core_attention = BranchCoreAttention` (see patches/).
+    `spec.submodules.self_attention.submodules.core_attention = BranchCoreAttention` (see patches/), and, for
+    per-layer activation checkpointing inside chunks (ScheduleOptions.recompute_layers), `spec.module =
+    BranchTransformerLayer` (models/layer_checkpoint.py).
     """
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    assert spec.module is TransformerLayer, spec.module
+    # megatron's layer, checkpointed while an attached context asks (ScheduleOptions.recompute_layers)
+    spec.module = BranchTransformerLayer
     spec.submodules.self_attention.submodules.core_attention = BranchCoreAttention
     if not use_apex_or_te_norm:
         spec.submodules.input_layernorm = TorchNorm

@@ -57,6 +57,7 @@ def measure_step(
     schedule: str = "replay",
     branch_micro_batch: int = 8,
     recompute: bool = False,
+    recompute_layers: bool = False,
     count_flops: bool = False,
     seed: int = 0,
     **parallel: Any,
@@ -68,7 +69,11 @@ def measure_step(
     tree = PrefixTree.build(rollouts, vocab_size=vocab)
     obj = PolicyGradientObjective.grpo([r.advantage for r in rollouts], tree.num_response_tokens_logical())
     opts = ScheduleOptions(
-        vocab_size=vocab, branch_micro_batch=branch_micro_batch, recompute=recompute, **parallel
+        vocab_size=vocab,
+        branch_micro_batch=branch_micro_batch,
+        recompute=recompute,
+        recompute_layers=recompute_layers,
+        **parallel,
     )
     cached: dict[int, int] = {}  # storage ptr -> bytes, of the cache registered so far and still alive
     peak_cached = 0

@@ -119,17 +119,34 @@ def head_bytes(dm: Dims, r: int, m: int) -> int:
 
 
 def chunk_saved_bytes(
-    dm: Dims, r: int, m: int, *, ext: int = 0, cp: int = 1, layer_recompute: bool = False
+    dm: Dims,
+    r: int,
+    m: int,
+    *,
+    ext: int = 0,
+    cp: int = 1,
+    layer_recompute: bool = False,
+    capture: bool = False,
 ) -> dict[str, int]:
-    """Bytes a chunk of r local rows (m local targets) holds for backward: its own K/V part and the rest."""
-    if layer_recompute:  # megatron full recompute: each layer keeps its input; one layer is live at a time
-        kv = layer_kv_bytes(dm, r)
-        one_layer = kv + layer_other_bytes(dm, r, ext=ext, cp=cp)
-        return {"kv": 0, "other": dm.layers * dm.seq_rows(r) * dm.h * dm.e + one_layer + head_bytes(dm, r, m)}
-    return {
-        "kv": dm.layers * layer_kv_bytes(dm, r),
-        "other": dm.layers * layer_other_bytes(dm, r, ext=ext, cp=cp) + head_bytes(dm, r, m),
-    }
+    """Bytes a chunk of r local rows (m local targets) holds for backward: its own K/V part and the rest.
+
+    With `layer_recompute` (per-layer activation checkpointing, models/layer_checkpoint.py) a layer keeps only its
+    input: "other" is then the chunk's peak in its own backward, every layer's input plus the larger of the head's
+    saved tensors (released before the last layer is rebuilt) and one rebuilt layer; "held" what it keeps while
+    it waits for its backward (inputs + head); "kv" the K/V a capturing chunk (replay's inner segment) keeps
+    outside autograd for its backward, whose gradient the children send (0 for a chunk that captures nothing).
+    """
+    if layer_recompute:
+        inputs = dm.layers * dm.seq_rows(r) * dm.h * dm.e
+        one_layer = layer_kv_bytes(dm, r) + layer_other_bytes(dm, r, ext=ext, cp=cp)
+        head = head_bytes(dm, r, m)
+        return {
+            "kv": dm.layers * layer_kv_bytes(dm, r) if capture else 0,
+            "other": inputs + max(head, one_layer),
+            "held": inputs + head,
+        }
+    other = dm.layers * layer_other_bytes(dm, r, ext=ext, cp=cp) + head_bytes(dm, r, m)
+    return {"kv": dm.layers * layer_kv_bytes(dm, r), "other": other, "held": other}
 
 
 def kv_grad_bytes(dm: Dims, rows: int) -> int:
@@ -258,21 +275,24 @@ def step_peak(
     b = min(branch_micro_batch, G)
     r_leaf = local_rows(L, b, layout)
     m_leaf = cdiv(b * (L - 1), cp)
-    root = chunk_saved_bytes(dm, r_root, m_root, cp=cp, layer_recompute=lay_rc)
+    root = chunk_saved_bytes(dm, r_root, m_root, cp=cp, layer_recompute=lay_rc, capture=True)
     leaf = chunk_saved_bytes(dm, r_leaf, m_leaf, ext=r_root, cp=cp, layer_recompute=lay_rc)
     cached = dm.layers * layer_kv_bytes(dm, r_root)
     grads = kv_grad_bytes(dm, r_root)
     # phase 1, the last leaf micro-batch before its backward: root graph (unless recomputed) + cache + grads + leaf
-    root_graph = 0 if seg_rc else root["other"]
+    # (the root's captured K/V, when its graph is kept, are the cache's storage: counted once)
+    root_graph = 0 if seg_rc else root["held"]
     phase_leaves = root_graph + cached + grads + leaf["kv"] + leaf["other"]
-    # phase 2 (segment recompute only): the root recomputed with its graph; its no-grad cache (held until the
-    # accumulated grads are injected) and the grads beside it
-    phase_root = cached + root["kv"] + root["other"] + grads if seg_rc else 0
+    # phase 2, the root's own backward: cache + grads + the root's graph; with segment recompute its graph is the
+    # recomputed one, whose captured K/V are new storages beside the no-grad cache (held until the accumulated
+    # grads are injected). Without any recompute this never exceeds phase 1 (which holds the same graph).
+    root_kv = root["kv"] if seg_rc else 0
+    phase_root = cached + root_kv + root["other"] + grads
     ring = max(ring_buffer_bytes(dm, r_root, r_root, cp), ring_buffer_bytes(dm, r_leaf, r_root + r_leaf, cp))
     logits = max(logits_bytes(dm, m_root, logprob_chunk_rows), logits_bytes(dm, m_leaf, logprob_chunk_rows))
     if phase_root > phase_leaves:
         return Peak(
-            activations=root["kv"] + root["other"],
+            activations=root_kv + root["other"],
             cached_kv=cached,
             kv_grads=grads,
             ring_buffers=ring,

@@ -245,8 +245,9 @@ def evaluate(
         )
     if layout.recompute == "full":
         notes.append(
-            "full = segment recompute + per-layer activation checkpointing of every chunk; the engine does not "
-            "run megatron's (reentrant) checkpoint yet: cached K/V read inside it would lose their dK/dV"
+            "full = segment recompute + per-layer activation checkpointing inside every chunk (grad "
+            "--recompute --recompute-layers): each layer keeps its input, one layer is rebuilt at a time "
+            "in backward, one more forward of every layer"
         )
     return Plan(
         model=model,
@@ -309,8 +310,9 @@ def plan(
     schedule: str = "replay",
     **kw: Any,
 ) -> Plan:
-    """The recommended plan: among the layouts that fit (fixed fields kept), the fastest, preferring what the
-    engine runs today (recompute none/selective) over full; if none fits, the one needing least memory."""
+    """The recommended plan: among the layouts that fit (fixed fields kept), the fastest (full recompute costs one
+    more forward of every layer, so it wins only where nothing lighter fits); if none fits, the one needing least
+    memory."""
     if gpus <= 0:
         raise UserError(f"--gpus must be positive, got {gpus}")
     if schedule not in SCHEDULES:
@@ -330,8 +332,7 @@ def plan(
     plans = [evaluate(model, arch, shape, gpu, gpus, lay, schedule, **kw) for lay in layouts]
     fitting = [p for p in plans if p.fits]
     if fitting:
-        runnable = [p for p in fitting if p.layout.recompute != "full"] or fitting
-        return min(runnable, key=lambda p: (p.step_time["total"], p.memory["total"]))
+        return min(fitting, key=lambda p: (p.step_time["total"], p.memory["total"]))
     return min(plans, key=lambda p: p.memory["total"])
 
 

@@ -78,7 +78,11 @@ class Chunk:
         """The attention context of one forward of this chunk (dense layout, one rank)."""
         assert external_meta is None
         return BranchContext(
-            layout=self.layout, external_kv=external_kv, capture=capture, backend=opts.backend
+            layout=self.layout,
+            external_kv=external_kv,
+            capture=capture,
+            backend=opts.backend,
+            recompute_layers=opts.recompute_layers,
         )
 
 
@@ -230,6 +234,7 @@ class CPChunk:
             cp_group=opts.cp_group,
             capture=capture,
             stats=opts.ring_stats,
+            recompute_layers=opts.recompute_layers,
         )
 
 

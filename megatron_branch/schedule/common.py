@@ -18,6 +18,7 @@ from megatron_branch.losses.fused_logprobs import fused_linear_logprobs_entropy
 from megatron_branch.losses.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from megatron_branch.losses.objective import BoundObjective
 from megatron_branch.models.gpt import BranchGPTModel
+from megatron_branch.models.layer_checkpoint import uses_layer_checkpointing
 from megatron_branch.parallel.groups import ParallelGroups, comm_device
 from megatron_branch.schedule.chunks import Chunk, CPChunk, make_chunk, split_chunk
 
@@ -36,6 +37,11 @@ class ScheduleOptions:
     """replay: how many sibling LEAF segments share one forward/backward."""
     recompute: bool = False
     """replay: keep no graph for a segment with children; recompute its forward at its backward."""
+    recompute_layers: bool = False
+    """replay, packed, naive-fused: per-layer activation checkpointing inside every chunk (torch's non-reentrant
+    checkpoint, models/layer_checkpoint.py): only each transformer layer's input is kept, one layer's graph is rebuilt
+    at a time in backward, at the price of one more forward of every layer. With `recompute` it is the planner's
+    `recompute full`. Needs a model built by models.build_model; no effect without grad (scoring)."""
     keep_logprobs: bool = False
     """Return every target's logprob (detached) in the result."""
     keep_entropy: bool = False
@@ -223,6 +229,7 @@ def forward_chunk(
     targets; `external_meta` [2, c] describes the rows of `external_kv`.
     """
     dev = model_device(model)  # chunks are built on the host; the model may live on an accelerator
+    check_recompute_layers(model, opts)
     ctx = chunk.context(
         tree, opts, external_kv=external_kv or {}, external_meta=external_meta, capture=capture, device=dev
     )
@@ -260,6 +267,15 @@ def forward_chunk(
     else:
         loss, stats = objective.chunk_loss(logp, chunk.targets, ent)
     return ChunkOut(loss=loss, stats=stats, logp=logp, entropy=ent, captured=ctx.captured)
+
+
+def check_recompute_layers(model: torch.nn.Module, opts: ScheduleOptions) -> None:
+    """recompute_layers needs layers that checkpoint themselves: refuse rather than silently keep everything."""
+    if opts.recompute_layers and not uses_layer_checkpointing(model):
+        raise ValueError(
+            "recompute_layers needs the model's layers to be BranchTransformerLayer (models.build_model, or "
+            "spec.module = BranchTransformerLayer in a patched layer spec)"
+        )
 
 
 def _output_weight(model: BranchGPTModel) -> torch.Tensor:

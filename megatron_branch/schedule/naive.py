@@ -36,6 +36,11 @@ def run_naive(
         raise ValueError(
             "the naive schedule has no context parallelism (cp_size must be 1); use packed or replay"
         )
+    if opts.recompute_layers:  # refuse rather than silently keep every activation
+        raise ValueError(
+            "the naive schedule runs megatron's own attention without a BranchContext: recompute_layers applies "
+            "to packed, replay and naive-fused"
+        )
     bound = objective.bind(tree) if objective is not None else None
     want_entropy = opts.keep_entropy or (bound is not None and bound.needs_entropy)
     store = Store(tree, opts)

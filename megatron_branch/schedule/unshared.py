@@ -35,6 +35,7 @@ from megatron_branch.schedule.common import (
     _output_weight,
     _to_output_region,
     _to_replicated_region,
+    check_recompute_layers,
     model_device,
 )
 
@@ -77,7 +78,8 @@ def _forward(
     ids, pos, rows, tgt, layout = _pack(tree, rollouts, opts.pad_to)
     dev = model_device(model)
     ids, pos, rows, tgt = ids.to(dev)[None], pos.to(dev)[None], rows.to(dev), tgt.to(dev)
-    ctx = BranchContext(layout=layout, backend=opts.backend)
+    check_recompute_layers(model, opts)
+    ctx = BranchContext(layout=layout, backend=opts.backend, recompute_layers=opts.recompute_layers)
     base = getattr(model, "module", model)
     want_entropy = opts.keep_entropy or (bound is not None and bound.needs_entropy)
     ent = None

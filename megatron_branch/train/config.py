@@ -240,6 +240,12 @@ class ScheduleConfig:
     """replay: sibling leaves per forward."""
     recompute: bool = False
     """replay: recompute inner segments at backward."""
+    enable_gradient_checkpointing: bool = False
+    """Per-layer activation checkpointing inside every chunk (ScheduleOptions.recompute_layers): each transformer
+    layer keeps only its input and is recomputed in backward, one layer at a time; with `recompute` it is the
+    planner's `recompute full`. verl's name (actor_rollout_ref.model.enable_gradient_checkpointing) rather than
+    megatron's `recompute_granularity`: the engine has one granularity (every layer, non-reentrant), which a
+    boolean states, and megatron's "selective" would mean something else here (planner: segment recompute)."""
 
 
 @dataclass(kw_only=True)
@@ -553,6 +559,11 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(
             f"rollout.n={r.n} must be divisible by rollout.branch_factor ** len(rollout.branch_at) = "
             f"{r.branch_factor ** len(r.branch_at)}"
+        )
+    if cfg.schedule.enable_gradient_checkpointing and cfg.schedule.name == "naive":
+        raise UserError(
+            "schedule.enable_gradient_checkpointing applies to schedule.name replay or packed; naive runs "
+            "megatron's own attention without the engine's layer checkpointing"
         )
     if a.name == "grpo" and r.n == 1:
         raise UserError(

@@ -1,0 +1,104 @@
+"""Per-layer activation checkpointing inside a chunk (ScheduleOptions.recompute_layers; the planner's
+`recompute full` together with replay's segment recompute).
+
+Shape legend (Megatron, sequence first): s chunk rows on this rank (s/tp under sequence parallel), b batch (1),
+h hidden. A checkpointed layer keeps only its input hidden_states [s, b, h] for backward; in backward its forward
+runs once more and that one layer's graph lives until the layer's backward is done (one layer at a time).
+
+The hook is megatron's own plug-in point: the layer spec's module (models/gpt.py `branch_layer_spec`) is
+`BranchTransformerLayer`, megatron's TransformerLayer whose forward checkpoints itself while the BranchContext
+attached to its core attention says `recompute_layers` and grad is enabled. Without a context, or under no_grad
+(scoring, replay's graph-free first forward of a recomputed segment), it IS megatron's layer.
+
+Why torch.utils.checkpoint(use_reentrant=False) and not megatron's `tensor_parallel.checkpoint`, which is
+reentrant: a reentrant checkpoint runs the region under no_grad and re-enters autograd from its own backward, with
+gradients flowing only into the region's declared tensor inputs. Here that would lose two gradients:
+  * the K/V a segment captures for its children (BranchContext.captured) would come out without a graph, so
+    replay's injection of the children's dK/dV into them (schedule/replay.py) would reach no parameter;
+  * a layer reads the cached ancestor K/V leaves through the context, not as inputs of the region, so the dK/dV
+    the layer sends into them would be dropped.
+The non-reentrant form keeps the region in the ordinary graph (captured K/V keep their grad_fn, the leaves stay
+inputs of the attention node) and only frees and rebuilds the saved tensors (torch.utils.checkpoint's note on
+the two variants: the reentrant one "does not record the autograd graph" in forward, the non-reentrant one does).
+
+Traps handled here (tests/unit/test_layer_checkpoint.py plants each one):
+  * the recomputation runs in backward, after `attach_context` has exited: it re-attaches the chunk's context
+    (layout, cached K/V, CP metadata) to THIS layer's core attention for its duration, then restores what was there;
+  * it captures nothing (`BranchContext.for_recompute`): the schedule's K/V are the first forward's, in the graph
+    the gradients are injected into;
+  * under CP the recomputation runs the ring again (collectives inside backward); every rank recomputes the same
+    layers in the same order because every rank runs the same deterministic schedule and backward;
+  * RNG: dropout is 0 in the models we build (models/arch.py); checkpoint's `preserve_rng_state` (the default)
+    restores the CPU/CUDA generator state for the recomputation anyway;
+  * the activation meter (memory.py): the layer input is saved by checkpoint as an ordinary saved tensor (the
+    meter sees it), the rebuilt graph is counted by `count_recomputed`, and captured K/V, which the schedule keeps
+    outside autograd's saved tensors once the region is checkpointed, are registered with `track_extra`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from torch.utils.checkpoint import checkpoint
+
+from megatron_branch.attention.core_attention import BranchContext, BranchCoreAttention
+from megatron_branch.memory import count_recomputed, track_extra
+
+
+class BranchTransformerLayer(TransformerLayer):
+    """megatron's TransformerLayer (same constructor, forward and state dict), checkpointed per the context."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        ctx = self.branch_context()
+        if ctx is None or not ctx.recompute_layers or not torch.is_grad_enabled():
+            return super().forward(*args, **kwargs)
+        # the hidden states go in as checkpoint's one saved input; the rest (masks, RoPE table, None's) by closure
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        run = _Checkpointed(self, ctx, args[1:], kwargs)
+        return checkpoint(run, hidden, use_reentrant=False)
+
+    def branch_context(self) -> BranchContext | None:
+        """The BranchContext attached to this layer's core attention (None: none, or not our attention)."""
+        core = getattr(self.self_attention, "core_attention", None)
+        return core.context if isinstance(core, BranchCoreAttention) else None
+
+
+class _Checkpointed:
+    """The function checkpoint runs: the layer's forward; its first call is the forward, later ones recompute."""
+
+    def __init__(self, layer: BranchTransformerLayer, ctx: BranchContext, args: tuple, kwargs: dict) -> None:
+        self.layer, self.ctx, self.args, self.kwargs = layer, ctx, args, kwargs
+        self.calls = 0
+
+    def __call__(self, hidden: torch.Tensor) -> Any:
+        self.calls += 1
+        core = self.layer.self_attention.core_attention
+        if self.calls == 1:  # the forward, with the schedule's context attached
+            out = TransformerLayer.forward(self.layer, hidden, *self.args, **self.kwargs)
+            if self.ctx.capture and core.layer_number in self.ctx.captured:
+                # the captured K/V are no longer saved by autograd (checkpoint dropped the region's saved
+                # tensors) but the schedule holds them: count them as the meter did without checkpointing
+                track_extra(self.ctx.captured[core.layer_number])
+            return out
+        with attached(core, self.ctx.for_recompute()), count_recomputed():
+            return TransformerLayer.forward(self.layer, hidden, *self.args, **self.kwargs)
+
+
+@contextmanager
+def attached(core: BranchCoreAttention, ctx: BranchContext) -> Iterator[None]:
+    """`ctx` attached to one core attention for a recomputation, then whatever was attached before (None: the
+    recomputation runs in backward, after the schedule's `attach_context` has exited)."""
+    held, core.context = core.context, ctx
+    try:
+        yield
+    finally:
+        core.context = held
+
+
+def uses_layer_checkpointing(model: torch.nn.Module) -> bool:
+    """Whether `model` has layers that can checkpoint themselves (built from `branch_layer_spec`)."""
+    return any(isinstance(m, BranchTransformerLayer) for m in model.modules())
