@@ -8,6 +8,7 @@ The variants, each on the SAME rollouts and the SAME model:
     packed            the whole tree in one pass (shared prefix computed once)
     replay            depth-first replay with cached prefix K/V (bounded memory)
     replay+recompute  replay keeping no graph for inner segments
+    replay+recompute-full  and per-layer activation checkpointing inside every chunk (the planner's `full`)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "packed": ("packed", {}),
     "replay": ("replay", {}),
     "replay+recompute": ("replay", {"recompute": True}),
+    "replay+recompute-full": ("replay", {"recompute": True, "recompute_layers": True}),
 }
 """variant -> (schedule name, extra ScheduleOptions)."""
 

@@ -4,7 +4,8 @@ Per token position: the matmuls of every layer (QKV, attention output projection
 multiply-add. Per row that reaches the output projection: 2 * hidden * vocab. Per (query, visible key) pair:
 4 * heads * head_dim per layer (q.k and p.v), counting exactly the keys a position may see (position id p sees p + 1
 keys on its path; a rollout of length L alone has L(L+1)/2 pairs), never the dense square. Backward = 2 x forward.
-replay+recompute adds one more forward of every inner segment (and of the output-projection rows it predicts).
+replay+recompute adds one more forward of every inner segment (and of the output-projection rows it predicts);
+replay+recompute-full (with per-layer checkpointing) also one more forward of every layer at every position.
 This is what each method must compute; kernels that compute masked work (megatron's unfused attention in `naive`,
 the dense mask of the `packed` attention backend) or extra passes (the fused logprob's second pass over the
 vocabulary, and its recomputation in backward) execute more. `torch.utils.flop_counter` is not used: it counts 0
@@ -83,6 +84,10 @@ def variant_flops(arch: ModelArch, tree: PrefixTree) -> dict[str, Flops]:
         + pair * sum(s.start_position * s.length + s.length * (s.length + 1) // 2 for s in inner)
     )
     recompute = Flops(shared.dense, shared.head, shared.attention, extra_forward=again)
+    # each position has one forward under grad, whose layers are rebuilt once in backward (not the head)
+    full = Flops(
+        shared.dense, shared.head, shared.attention, extra_forward=again + shared.dense + shared.attention
+    )
     return {
         "naive-fused": unshared,
         "packed-nosharing": unshared,
@@ -91,5 +96,6 @@ def variant_flops(arch: ModelArch, tree: PrefixTree) -> dict[str, Flops]:
         "packed": shared,
         "replay": shared,
         "replay+recompute": recompute,
+        "replay+recompute-full": full,
         "minimal": shared,
     }

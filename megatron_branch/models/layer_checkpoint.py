@@ -11,15 +11,15 @@ attached to its core attention says `recompute_layers` and grad is enabled. With
 (scoring, replay's graph-free first forward of a recomputed segment), it IS megatron's layer.
 
 Why torch.utils.checkpoint(use_reentrant=False) and not megatron's `tensor_parallel.checkpoint`, which is
-reentrant: a reentrant checkpoint runs the region under no_grad and re-enters autograd from its own backward, with
-gradients flowing only into the region's declared tensor inputs. Here that would lose two gradients:
-  * the K/V a segment captures for its children (BranchContext.captured) would come out without a graph, so
-    replay's injection of the children's dK/dV into them (schedule/replay.py) would reach no parameter;
-  * a layer reads the cached ancestor K/V leaves through the context, not as inputs of the region, so the dK/dV
-    the layer sends into them would be dropped.
-The non-reentrant form keeps the region in the ordinary graph (captured K/V keep their grad_fn, the leaves stay
-inputs of the attention node) and only frees and rebuilds the saved tensors (torch.utils.checkpoint's note on
-the two variants: the reentrant one "does not record the autograd graph" in forward, the non-reentrant one does).
+reentrant: a reentrant checkpoint runs the region's forward under no_grad and rebuilds the graph inside its own
+backward. The K/V a segment captures for its children (BranchContext.captured) would then come out of the forward
+without a graph, so replay could not inject the children's dK/dV into them (schedule/replay.py): the step fails
+("does not require grad"; planted in the tests). The non-reentrant form keeps the region in the ordinary graph
+(captured K/V keep their grad_fn) and only frees and rebuilds the saved tensors (torch.utils.checkpoint's note
+on the two variants: the reentrant one "does not record the autograd graph" in forward, the non-reentrant one
+does). Measured, not assumed: the dK/dV a checkpointed leaf chunk sends into the cached ancestor K/V it reads
+survive either variant (the reentrant backward, torch's and megatron's alike, runs autograd.backward over the
+rebuilt graph, which accumulates into every leaf it reaches); only the captured K/V need the non-reentrant form.
 
 Traps handled here (tests/unit/test_layer_checkpoint.py plants each one):
   * the recomputation runs in backward, after `attach_context` has exited: it re-attaches the chunk's context

@@ -10,7 +10,10 @@ locally, and compares its own rows of the CP result to it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -159,7 +162,9 @@ ARCH = dict(
 )
 
 
-def _model_case(schedule: str, dtype: torch.dtype, *, tp: int, cp: int, tol: float) -> None:
+def _model_case(
+    schedule: str, dtype: torch.dtype, *, tp: int, cp: int, tol: float, recompute_layers: bool = False
+) -> None:
     from megatron_branch.losses import PolicyGradientObjective
     from megatron_branch.models import ModelArch, build_model
     from megatron_branch.parallel.grads import finalize_grads
@@ -190,9 +195,15 @@ def _model_case(schedule: str, dtype: torch.dtype, *, tp: int, cp: int, tol: flo
     name, recompute = schedule.split("-")[0], schedule.endswith("recompute")
     stats = RingStats()
     opts = ScheduleOptions(
-        groups=groups, **common, recompute=recompute, branch_micro_batch=2, ring_stats=stats
+        groups=groups,
+        **common,
+        recompute=recompute,
+        recompute_layers=recompute_layers,
+        branch_micro_batch=2,
+        ring_stats=stats,
     )
-    res = run_schedule(name, model, tree, obj, opts)
+    with _recomputed_layers() as order:
+        res = run_schedule(name, model, tree, obj, opts)
     finalize_grads(model, tp_group=groups.tp, dp_cp_group=groups.dp_cp, sequence_parallel=sp)
 
     assert abs(res.loss - ref.loss) <= tol * max(1.0, abs(ref.loss)), (res.loss, ref.loss)
@@ -208,9 +219,35 @@ def _model_case(schedule: str, dtype: torch.dtype, *, tp: int, cp: int, tol: flo
     backwards = res.forwards - (
         inner if recompute else 0
     )  # recompute: the no-grad first forwards have no backward
-    assert stats.kv_messages == (cp - 1) * layers * (res.forwards + backwards)
+    # per-layer checkpointing: every backward first runs each layer's forward (and its ring) once more
+    again = backwards if recompute_layers else 0
+    assert stats.kv_messages == (cp - 1) * layers * (res.forwards + backwards + again)
     assert stats.grad_messages == cp * layers * backwards
+    assert len(order) == layers * again
+    # the recomputations (collectives inside backward under CP and TP) ran in the same order on every rank
+    orders = [None] * dist.get_world_size()
+    dist.all_gather_object(orders, order)
+    assert all(o == order for o in orders)
     model.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def _recomputed_layers() -> Iterator[list[int]]:
+    """The layer numbers the layer checkpoint recomputes, in order (models/layer_checkpoint.py `attached`)."""
+    from megatron_branch.models import layer_checkpoint
+
+    order: list[int] = []
+    real = layer_checkpoint.attached
+
+    def spy(core: Any, ctx: Any) -> Any:
+        order.append(core.layer_number)
+        return real(core, ctx)
+
+    layer_checkpoint.attached = spy
+    try:
+        yield order
+    finally:
+        layer_checkpoint.attached = real
 
 
 @pytest.mark.world(2, 4)
@@ -218,6 +255,15 @@ def _model_case(schedule: str, dtype: torch.dtype, *, tp: int, cp: int, tol: flo
 @pytest.mark.parametrize("schedule", ["packed", "replay", "replay-recompute"])
 def test_ring_cp_model_matches_naive(schedule: str, dtype: torch.dtype, tol: float) -> None:
     _model_case(schedule, dtype, tp=1, cp=dist.get_world_size(), tol=tol)
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-9), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("tp,cp", [(1, 2), (2, 1)], ids=["cp2", "tp2sp"])
+def test_recompute_layers_model_matches_naive(tp: int, cp: int, dtype: torch.dtype, tol: float) -> None:
+    """The planner's `recompute full` (segment recompute + per-layer checkpointing) under CP2 (the ring runs
+    again inside backward) and TP2 + SP (the sequence all-gathers run again): exact against naive."""
+    _model_case("replay-recompute", dtype, tp=tp, cp=cp, tol=tol, recompute_layers=True)
 
 
 @pytest.mark.world(4)

@@ -36,6 +36,10 @@ def test_flops_of_one_prompt_with_g_responses() -> None:
     assert f["replay+recompute"].step - f["replay"].step == pytest.approx(
         tok * P + row * G + pair * P * (P + 1) // 2
     )
+    # full: also every layer's forward once more at every position (the output projection is not checkpointed)
+    assert f["replay+recompute-full"].step - f["replay+recompute"].step == pytest.approx(
+        tok * (P + G * S) + pair * shared_pairs
+    )
     assert f["minimal"] == f["packed"] == f["repeat-prefix"]
     assert f["naive-fused"].step == 3 * f["naive-fused"].forward
 
