@@ -7,6 +7,10 @@ row-parallel output projection and MLP) stay as they are, since only attention n
 Without a BranchContext attached, BranchCoreAttention IS megatron's DotProductAttention, so the patched model
 behaves exactly as before until a schedule attaches one.
 
+A plain megatron `TransformerLayer` becomes `BranchTransformerLayer` (models/layer_checkpoint.py), the same layer
+that checkpoints itself while an attached context asks for it (ScheduleOptions.recompute_layers); other layer
+classes stay as they are (recompute_layers then refuses to run).
+
 RoPE from explicit position ids (`enable_position_rope`, models/rotary.py) is the other model-side change.
 """
 
@@ -15,7 +19,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
 from megatron_branch.attention.core_attention import BranchCoreAttention
+from megatron_branch.models.layer_checkpoint import BranchTransformerLayer
 
 
 def patch_layer_spec(spec: Any) -> Any:
@@ -27,4 +34,6 @@ def patch_layer_spec(spec: Any) -> Any:
         if not hasattr(attn, "submodules") or not hasattr(attn.submodules, "core_attention"):
             raise ValueError("this layer spec has no self_attention.submodules.core_attention slot to patch")
         attn.submodules.core_attention = BranchCoreAttention
+        if layer.module is TransformerLayer:  # the same layer, checkpointed only when asked
+            layer.module = BranchTransformerLayer
     return spec

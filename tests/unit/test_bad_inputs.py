@@ -338,6 +338,10 @@ def test_grad_outputs(assets: Path, tmp_path: Path, capsys) -> None:
     [
         (["--sequence-parallel"], ("--sequence-parallel does nothing at --tp 1",)),
         (["--recompute", "--schedule", "naive"], ("--recompute applies to --schedule replay only",)),
+        (
+            ["--recompute-layers", "--schedule", "naive"],
+            ("--recompute-layers applies to --schedule replay or packed",),
+        ),
         (["--recompute", "--schedule", "packed"], ("--schedule packed ignores it",)),
     ],
 )

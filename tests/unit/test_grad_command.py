@@ -164,12 +164,13 @@ def test_bad_options_refused_before_work(workdir: Path, capsys: pytest.CaptureFi
 
 
 def test_replay_options_keep_parity(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """--recompute and --branch-micro-batch change what is kept alive, never the gradient."""
+    """--recompute, --recompute-layers and --branch-micro-batch change what is kept alive, never the gradient."""
     rc, _, _ = grad(workdir, capsys, "--schedule", "naive", "--dtype", "float64", out="opt_naive.safetensors")
     assert rc == 0
     want = load_file(workdir / "opt_naive.safetensors")
     for extra in (
         ["--recompute", "--branch-micro-batch", "1"],
+        ["--recompute", "--recompute-layers", "--branch-micro-batch", "2"],
         ["--backend", "packed", "--branch-micro-batch", "3"],
     ):
         rc, summary, _ = grad(

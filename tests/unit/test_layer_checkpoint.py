@@ -237,3 +237,17 @@ def test_meter_peak_drops_as_the_planner_predicts(
     # planted: a meter blind to what the recomputation rebuilds (no count_recomputed) is far below the planner
     monkeypatch.setattr(lc, "count_recomputed", contextlib.nullcontext)
     assert abs(planned(True) - measured(True)) > PLAN_TOL * planned(True)
+
+
+def test_patched_megatron_spec_checkpoints_too() -> None:
+    """A user's patched megatron spec (integration.patch_layer_spec) gets the same layer: replay with
+    recompute_layers on megatron's plain GPTModel is exact against naive (float32, 1e-5)."""
+    from dropin_helpers import build_patched_gpt, tiny_arch
+
+    from megatron_branch.models.layer_checkpoint import uses_layer_checkpointing
+
+    model, rollouts = build_patched_gpt(tiny_arch()), random_tree_rollouts(**TREE)
+    assert uses_layer_checkpointing(model)
+    want, _ = step(model, rollouts, "naive")
+    got, _ = step(model, rollouts, "replay", recompute=True, recompute_layers=True, fused_logprobs=False)
+    assert max_rel_err(got, want) <= TOL[torch.float32]

@@ -84,6 +84,10 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
         (["rollout=3"], r"rollout must be a mapping"),
         (["rollout.n"], r"must look like section\.key=value"),
         (["schedule.name=naive", "parallel.cp=2"], r"schedule\.name=naive has no context parallelism"),
+        (
+            ["schedule.name=naive", "schedule.enable_gradient_checkpointing=true"],
+            r"enable_gradient_checkpointing applies to schedule\.name replay or packed",
+        ),
     ],
 )
 def test_one_line_errors(tmp_path: Path, overrides: list[str], message: str) -> None:
