@@ -109,7 +109,7 @@ def step_flops(
             fwd_again, pairs_again = N * R, N * causal_pairs(R)  # the root is recomputed at its backward
             # with its fused logprob forward (1 pass over its target rows: the shared response tokens and the forks)
             rows_again = N * (shape.shared_response_length + G)
-    if layout.recompute == "full":  # megatron full recompute: every layer's forward once more
+    if layout.recompute == "full":  # per-layer checkpointing: every layer's forward once more
         fwd_again, pairs_again = fwd_again + positions, pairs_again + pairs
     return StepFlops(
         dense=tok * (3 * positions + fwd_again),

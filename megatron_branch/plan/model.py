@@ -157,9 +157,10 @@ class Layout:
 
     recompute: "none" keeps every activation; "selective" is megatron's default selective recompute (core
     attention only; with a fused attention kernel it stores no score matrix, so it saves nothing here and the
-    planner says so); "full" is megatron's full per-layer recompute (recompute_granularity="full", uniform, one
-    layer per checkpoint: only each layer's input is kept) together with the engine's segment recompute (replay
-    keeps no graph for a segment with children, only its cached K/V).
+    planner says so); "full" is per-layer activation checkpointing inside every chunk (the engine's
+    ScheduleOptions.recompute_layers: megatron's recompute_granularity="full" shape, uniform, one layer per
+    checkpoint, only each layer's input kept, but torch's non-reentrant checkpoint) together with the engine's
+    segment recompute (replay keeps no graph for a segment with children, only its cached K/V).
     """
 
     tp: int = 1
