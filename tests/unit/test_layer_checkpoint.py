@@ -251,3 +251,14 @@ def test_patched_megatron_spec_checkpoints_too() -> None:
     want, _ = step(model, rollouts, "naive")
     got, _ = step(model, rollouts, "replay", recompute=True, recompute_layers=True, fused_logprobs=False)
     assert max_rel_err(got, want) <= TOL[torch.float32]
+
+
+def test_packed_meter_peak_matches_the_planner() -> None:
+    """packed (the whole tree in one checkpointed chunk): layer inputs + the larger of head and one layer."""
+    arch, model = tiny_arch_model(32, 2)
+    shape = RolloutShape(prompt_length=64, responses=8, response_length=8)
+    got = measure_step(model, shape, vocab=VOCAB, schedule="packed", recompute_layers=True)
+    pk = step_peak(arch, shape, Layout(), schedule="packed", act_bytes=4, layer_recompute=True)
+    assert pk.saved == pytest.approx(got.saved_peak, rel=PLAN_TOL)
+    kept = measure_step(model, shape, vocab=VOCAB, schedule="packed").saved_peak
+    assert got.saved_peak < 0.6 * kept
