@@ -32,16 +32,25 @@ def arch() -> ModelArch:
 
 
 @pytest.mark.world(2)
+@pytest.mark.parametrize("layers", [False, True], ids=["keep", "recompute_layers"])
 @pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("kind", ["cp2", "tp2_sp"])
-def test_planner_bytes_match_the_meter_cp2_tp2(kind: str, recompute: bool) -> None:
+def test_planner_bytes_match_the_meter_cp2_tp2(kind: str, recompute: bool, layers: bool) -> None:
     cfg = ParallelConfig(cp=2) if kind == "cp2" else ParallelConfig(tp=2, sequence_parallel=True)
     groups = initialize_parallel(cfg)
     torch.manual_seed(0)
     a = arch()
     model = build_model(a, dtype=torch.float32, tp=groups.tp_size, sequence_parallel=groups.sequence_parallel)
     shape = RolloutShape(prompt_length=120, responses=6, response_length=10, shared_response_length=2)
-    got = measure_step(model, shape, vocab=VOCAB, branch_micro_batch=4, recompute=recompute, groups=groups)
+    got = measure_step(
+        model,
+        shape,
+        vocab=VOCAB,
+        branch_micro_batch=4,
+        recompute=recompute,
+        recompute_layers=layers,
+        groups=groups,
+    )
     layout = Layout(cp=2) if kind == "cp2" else Layout(tp=2)
     pk = step_peak(
         a,
@@ -50,7 +59,7 @@ def test_planner_bytes_match_the_meter_cp2_tp2(kind: str, recompute: bool) -> No
         act_bytes=4,
         branch_micro_batch=4,
         segment_recompute=recompute,
-        layer_recompute=False,
+        layer_recompute=layers,
     )
     assert pk.saved == pytest.approx(got.saved_peak, rel=TOL), (kind, pk, got)
     dm = Dims.of(a, layout, 4)
