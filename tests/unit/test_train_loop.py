@@ -89,11 +89,13 @@ def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 def test_naive_and_replay_same_run_float64(task: Path, tmp_path: Path) -> None:
     runs = {}
-    for sched in ("naive", "replay"):
-        cfg = _cfg(task, tmp_path / sched, "model.dtype=float64", "trainer.total_training_steps=10",
-                   f"schedule.name={sched}")  # fmt: skip
-        runs[sched] = _run(cfg)
+    full = ("schedule.recompute=true", "schedule.enable_gradient_checkpointing=true")  # the planner's `full`
+    for name, sched, extra in (("naive", "naive", ()), ("replay", "replay", ()), ("full", "replay", full)):
+        cfg = _cfg(task, tmp_path / name, "model.dtype=float64", "trainer.total_training_steps=10",
+                   f"schedule.name={sched}", *extra)  # fmt: skip
+        runs[name] = _run(cfg)
     (a, ma), (b, mb) = runs["naive"], runs["replay"]
+    assert _max_rel(_params(a), _params(runs["full"][0])) < 1e-9
     for x, y in zip(ma, mb, strict=True):
         assert x["_tokens"] == y["_tokens"], x["step"]
         assert x["_rewards"] == y["_rewards"], x["step"]
