@@ -125,7 +125,7 @@ class _FusedLinearLogprob(torch.autograd.Function):
             g.scatter_add_(1, idx[c, None], (g_all[c] * local[c])[:, None])
             if g.dtype == h.dtype:  # float32 / float64 models: in place, no temporaries
                 torch.mm(g, weight, out=d_hidden[c])  # [c, h]
-                d_weight.addmm_(g.t(), h)  # [v, h]
+                torch.addmm(d_weight, g.t(), h, out=d_weight)  # [v, h] (addmm.out: flop counters see it)
             else:  # bf16 / fp16: the logits' gradient in the model dtype, as megatron's linear backward sees it
                 gm = g.to(h.dtype)
                 d_hidden[c] = gm @ weight
@@ -140,7 +140,7 @@ def fused_linear_logprobs(
     *,
     vocab_size: int,
     tp_group: Any = None,
-    chunk_rows: int = 1024,
+    chunk_rows: int = 256,
 ) -> torch.Tensor:
     """log p(target | hidden) with logits = hidden [m, h] @ weight[v_local, h]^T sharded over `tp_group` -> [m].
 
@@ -158,7 +158,7 @@ def fused_linear_logprobs_entropy(
     *,
     vocab_size: int,
     tp_group: Any = None,
-    chunk_rows: int = 1024,
+    chunk_rows: int = 256,
     entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logp [m], H [m]): the target logprob and the full-vocabulary entropy H = -sum_v p log p of each row, both

@@ -230,7 +230,7 @@ def step_peak(
     schedule: str = "replay",
     act_bytes: int = 2,
     branch_micro_batch: int = 8,
-    logprob_chunk_rows: int = 1024,
+    logprob_chunk_rows: int = 256,
     segment_recompute: bool | None = None,
     layer_recompute: bool | None = None,
 ) -> Peak:
