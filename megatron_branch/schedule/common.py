@@ -53,11 +53,11 @@ class ScheduleOptions:
     """Fuse the output projection with the logprob by row chunks (losses/fused_logprobs.py): a chunk's full logits
     are never materialised. Needs a BranchGPTModel; False (or another model) = megatron's output layer + logprobs."""
     logprob_chunk_rows: int = 256
-    """Rows of logits alive at once in the fused path. 256 keeps the transient [rows, vocab] fp32 chunk at
-    32 MB for a 32K vocabulary (128 MB at 128K) while the chunk's GEMM stays large (256 x hidden x vocab); on
-    the 2-core CPU 256 rows ran as fast as 1024 (docs/performance.md), and the chunk is the only head term that
-    grows with the leaf micro-batch (Liger-Kernel's fused linear cross-entropy sizes its chunks the same way,
-    about as many logits as hidden-state elements)."""
+    """Rows of logits alive at once in the fused path. 256 keeps the transient [rows, vocab] fp32 chunk at 32 MB
+    for a 32K vocabulary (128 MB at 128K) while the chunk's GEMM stays large (256 x hidden x vocab); on the
+    2-core CPU the head ran within 2% of its time at 1024 rows (docs/performance.md). The chunk is the only head
+    term that grows with the leaf micro-batch (Liger-Kernel's fused linear cross-entropy bounds its chunks the
+    same way)."""
 
     def __post_init__(self) -> None:
         if self.vocab_size <= 0:
