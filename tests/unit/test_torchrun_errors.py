@@ -48,9 +48,11 @@ def test_user_error_under_megatron_branch_launch(tmp_path: Path) -> None:
     cmd[cmd.index("HF")] = str(hf)
     p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
     ours = [ln for ln in (p.stdout + p.stderr).splitlines() if "megatron-branch" in ln and "error:" in ln]
-    assert ours == [f"megatron-branch: error: Hugging Face model folder {str(hf)!r} does not exist"]
-    assert p.returncode == 2, p.stderr
-    assert [ln for ln in p.stderr.splitlines() if ln.strip()] == ours  # nothing else at all
+    # every assertion shows the launch's whole output: a failure here must say what torchrun printed
+    out = f"rc={p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}"
+    assert ours == [f"megatron-branch: error: Hugging Face model folder {str(hf)!r} does not exist"], out
+    assert p.returncode == 2, out
+    assert [ln for ln in p.stderr.splitlines() if ln.strip()] == ours, out  # nothing else at all
     assert list((tmp_path / "out").iterdir()) == []
 
 
