@@ -130,6 +130,27 @@ def tiny_branch_model(
     return model
 
 
+def tiny_qwen2(
+    hidden: int, layers: int, dtype: torch.dtype = torch.float32, *, vocab_size: int = 37, seed: int = 0
+) -> tuple[Any, Any]:
+    """(arch, model): a tiny megatron-core Qwen2 (4 heads / 2 kv, QKV bias, ffn 2 x hidden) with seeded random
+    weights, built on the current parallel state; the planner's and the layer-checkpointing tests' model."""
+    from megatron_branch.models import ModelArch, build_model
+
+    torch.manual_seed(seed)
+    arch = ModelArch(
+        family="qwen2",
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=2 * hidden,
+        qkv_bias=True,
+    )
+    return arch, build_model(arch, dtype=dtype)
+
+
 def random_tree_rollouts(
     *,
     vocab_size: int = 37,

@@ -19,14 +19,14 @@ from torch.utils.checkpoint import CheckpointError, checkpoint
 from megatron_branch.attention.core_attention import BranchContext
 from megatron_branch.data import PrefixTree, Rollout
 from megatron_branch.losses import PolicyGradientObjective
-from megatron_branch.models import ModelArch, build_model
+from megatron_branch.models import ModelArch
 from megatron_branch.models import layer_checkpoint as lc
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
 from megatron_branch.plan import Layout, RolloutShape
 from megatron_branch.plan.measure import measure_step
 from megatron_branch.plan.memory import step_peak
 from megatron_branch.schedule import ScheduleOptions, StepResult, run_schedule, score_rollouts
-from megatron_branch.testing import random_tree_rollouts, tiny_branch_model
+from megatron_branch.testing import random_tree_rollouts, tiny_branch_model, tiny_qwen2
 
 VOCAB = 37
 TOL = {torch.float64: 1e-9, torch.float32: 1e-5}
@@ -186,18 +186,7 @@ def test_refused_where_it_would_do_nothing(models: dict[torch.dtype, torch.nn.Mo
 
 def tiny_arch_model(hidden: int, layers: int) -> tuple[ModelArch, torch.nn.Module]:
     """test_plan.py's tiny Qwen2 (float32)."""
-    torch.manual_seed(0)
-    arch = ModelArch(
-        family="qwen2",
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        num_layers=layers,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=2 * hidden,
-        qkv_bias=True,
-    )
-    return arch, build_model(arch, dtype=torch.float32)
+    return tiny_qwen2(hidden, layers, torch.float32, vocab_size=VOCAB)
 
 
 @pytest.mark.parametrize("segment_recompute", [False, True])

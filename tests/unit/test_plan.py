@@ -15,12 +15,13 @@ import torch
 from megatron_branch.bench.flops import variant_flops
 from megatron_branch.cli import main
 from megatron_branch.data import PrefixTree
-from megatron_branch.models import ModelArch, build_model
+from megatron_branch.models import ModelArch
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
 from megatron_branch.plan import GPU_PRESETS, MODEL_PRESETS, Layout, RolloutShape
 from megatron_branch.plan.flops import step_flops
 from megatron_branch.plan.measure import measure_step, shape_rollouts
 from megatron_branch.plan.memory import Dims, layer_kv_bytes, step_peak
+from megatron_branch.testing import tiny_qwen2
 
 VOCAB = 37
 TOL = 0.15
@@ -28,18 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def tiny(hidden: int, layers: int, dtype: torch.dtype) -> tuple[ModelArch, torch.nn.Module]:
-    torch.manual_seed(0)
-    arch = ModelArch(
-        family="qwen2",
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        num_layers=layers,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=2 * hidden,
-        qkv_bias=True,
-    )
-    return arch, build_model(arch, dtype=dtype)
+    return tiny_qwen2(hidden, layers, dtype, vocab_size=VOCAB)
 
 
 # (hidden, layers, dtype, shape, segment recompute): three sizes, both dtypes, with and without recompute
