@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,26 +213,32 @@ def check_context(rollouts: Sequence[Rollout], max_positions: int | None, *, whe
         check_sequence_length(rollout, max_positions, where=f"{where} {i}")
 
 
+def iter_jsonl(path: str | Path, what: str) -> Iterator[tuple[Any, str]]:
+    """(object, "path:line") for every non-blank line of a JSONL file of `what` (e.g. "rollout"); an unreadable
+    file or a line that is not JSON is a one-line UserError naming the file or `path:line`."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise UserError(f"cannot read {what} file: {reason}".replace("\n", " "), where=str(path)) from None
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            yield json.loads(line), where
+        except json.JSONDecodeError as exc:
+            raise UserError(f"invalid JSON ({exc.msg} at column {exc.colno})", where=where) from None
+
+
 def read_rollouts_jsonl(
     path: str | Path, *, vocab_size: int | None = None, max_positions: int | None = None
 ) -> list[Rollout]:
     """Read rollouts from a JSONL file; any problem is a one-line UserError naming `path:line`.
 
     `max_positions`: refuse rollouts longer than the model's context (see `check_sequence_length`)."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise UserError(f"cannot read rollout file: {reason}".replace("\n", " "), where=str(path)) from None
     rollouts = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"invalid JSON ({exc.msg} at column {exc.colno})", where=where) from None
+    for obj, where in iter_jsonl(path, "rollout"):
         rollout = _parse_line(obj, where=where, vocab_size=vocab_size)
         check_sequence_length(rollout, max_positions, where=where)
         rollouts.append(rollout)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_branch.attention.core_attention import KV, attach_context
+from megatron_branch.attention.core_attention import KV, BranchContext, attach_context
 from megatron_branch.data import PrefixTree
 from megatron_branch.losses.fused_logprobs import fused_linear_logprobs_entropy
 from megatron_branch.losses.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
@@ -240,32 +240,7 @@ def forward_chunk(
     want_entropy = opts.keep_entropy or (objective is not None and objective.needs_entropy)
     ids, pos = chunk.input_ids.to(dev)[None], chunk.position_ids.to(dev)[None]  # [1, s]
     target_rows, target_ids = chunk.target_rows.to(dev), tree.tokens[chunk.targets].to(dev)  # [m]
-    base = getattr(model, "module", model)  # megatron DDP wraps the GPTModel
-    ent = None
-    if isinstance(base, BranchGPTModel) and (opts.fused_logprobs or base.is_critic):
-        with attach_context(model, ctx), base.hidden_states_only():
-            hidden = model(ids, pos, None)  # [s (/tp under SP), 1, h] final hidden states
-        if base.is_critic:  # the value head is replicated over TP: its input is gathered, not TP-summed
-            rows = _to_replicated_region(hidden, opts)[:, 0].index_select(0, target_rows)  # [m, h]
-            logp = base.values(rows)  # [m] value at each target's predecessor row
-        else:
-            hidden = _to_output_region(hidden, opts)[:, 0]  # [s, h], TP-summed gradient in backward
-            logp, ent = fused_linear_logprobs_entropy(
-                hidden.index_select(0, target_rows),
-                _output_weight(base),  # [v/tp, h]
-                target_ids,
-                vocab_size=opts.vocab_size,
-                tp_group=opts.tp_group,
-                chunk_rows=opts.logprob_chunk_rows,
-                entropy=want_entropy,
-            )  # [m], [m]
-    else:
-        with attach_context(model, ctx):
-            logits = model(ids, pos, None)  # [1, s, v]
-        rows = logits[0].index_select(0, target_rows)  # [m, v]
-        logp = vocab_parallel_logprobs(rows, target_ids, vocab_size=opts.vocab_size, tp_group=opts.tp_group)
-        if want_entropy:
-            ent = vocab_parallel_entropy(rows, vocab_size=opts.vocab_size, tp_group=opts.tp_group)
+    logp, ent = row_logprobs(model, ctx, ids, pos, target_rows, target_ids, opts, entropy=want_entropy)
     if objective is None:
         loss, stats = logp.new_zeros(()), torch.zeros(0, dtype=torch.float64)
     else:
@@ -280,6 +255,48 @@ def check_recompute_layers(model: torch.nn.Module, opts: ScheduleOptions) -> Non
             "recompute_layers needs the model's layers to be BranchTransformerLayer (models.build_model, or "
             "spec.module = BranchTransformerLayer in a patched layer spec)"
         )
+
+
+def row_logprobs(
+    model: torch.nn.Module,
+    ctx: BranchContext,
+    ids: torch.Tensor,
+    pos: torch.Tensor,
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+    opts: ScheduleOptions,
+    *,
+    entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One model forward of ids/pos [1, s] under `ctx`, then per loss row: the target's logprob (the critic's
+    value) [m] and, if `entropy`, the full-vocabulary entropy [m]. `rows` [m] are the rows that predict
+    `targets` [m]. Every schedule's forward ends here (forward_chunk, schedule/unshared.py)."""
+    base = getattr(model, "module", model)  # megatron DDP wraps the GPTModel
+    if isinstance(base, BranchGPTModel) and (opts.fused_logprobs or base.is_critic):
+        with attach_context(model, ctx), base.hidden_states_only():
+            hidden = model(ids, pos, None)  # [s (/tp under SP), 1, h] final hidden states
+        if base.is_critic:  # the value head is replicated over TP: its input is gathered, not TP-summed
+            return base.values(_to_replicated_region(hidden, opts)[:, 0].index_select(0, rows)), None  # [m]
+        hidden = _to_output_region(hidden, opts)[:, 0]  # [s, h], TP-summed gradient in backward
+        return fused_linear_logprobs_entropy(
+            hidden.index_select(0, rows),
+            _output_weight(base),  # [v/tp, h]
+            targets,
+            vocab_size=opts.vocab_size,
+            tp_group=opts.tp_group,
+            chunk_rows=opts.logprob_chunk_rows,
+            entropy=entropy,
+        )  # [m], [m] or None
+    with attach_context(model, ctx):
+        logits = model(ids, pos, None)  # [1, s, v]
+    picked = logits[0].index_select(0, rows)  # [m, v]
+    logp = vocab_parallel_logprobs(picked, targets, vocab_size=opts.vocab_size, tp_group=opts.tp_group)
+    ent = (
+        vocab_parallel_entropy(picked, vocab_size=opts.vocab_size, tp_group=opts.tp_group)
+        if entropy
+        else None
+    )
+    return logp, ent
 
 
 def _output_weight(model: BranchGPTModel) -> torch.Tensor:

@@ -20,23 +20,18 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_branch.attention.core_attention import BranchContext, attach_context
+from megatron_branch.attention.core_attention import BranchContext
 from megatron_branch.attention.layout import AttentionLayout, QuerySegment
 from megatron_branch.data import PrefixTree
-from megatron_branch.losses.fused_logprobs import fused_linear_logprobs_entropy
-from megatron_branch.losses.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from megatron_branch.losses.objective import BoundObjective, Objective
-from megatron_branch.models.gpt import BranchGPTModel
 from megatron_branch.schedule.common import (
     ChunkOut,
     ScheduleOptions,
     StepResult,
     Store,
-    _output_weight,
-    _to_output_region,
-    _to_replicated_region,
     check_recompute_layers,
     model_device,
+    row_logprobs,
 )
 
 
@@ -80,32 +75,8 @@ def _forward(
     ids, pos, rows, tgt = ids.to(dev)[None], pos.to(dev)[None], rows.to(dev), tgt.to(dev)
     check_recompute_layers(model, opts)
     ctx = BranchContext(layout=layout, backend=opts.backend, recompute_layers=opts.recompute_layers)
-    base = getattr(model, "module", model)
     want_entropy = opts.keep_entropy or (bound is not None and bound.needs_entropy)
-    ent = None
-    if isinstance(base, BranchGPTModel) and (opts.fused_logprobs or base.is_critic):
-        with attach_context(model, ctx), base.hidden_states_only():
-            hidden = model(ids, pos, None)  # [s (/tp under SP), 1, h]
-        if base.is_critic:  # the value at each loss row (see common.forward_chunk)
-            x = base.values(_to_replicated_region(hidden, opts)[:, 0].index_select(0, rows))  # [m]
-        else:
-            hidden = _to_output_region(hidden, opts)[:, 0]  # [s, h]
-            x, ent = fused_linear_logprobs_entropy(
-                hidden.index_select(0, rows),
-                _output_weight(base),
-                tgt,
-                vocab_size=opts.vocab_size,
-                tp_group=opts.tp_group,
-                chunk_rows=opts.logprob_chunk_rows,
-                entropy=want_entropy,
-            )  # [m], [m]
-    else:
-        with attach_context(model, ctx):
-            logits = model(ids, pos, None)  # [1, s, v]
-        picked = logits[0].index_select(0, rows)  # [m, v]
-        x = vocab_parallel_logprobs(picked, tgt, vocab_size=opts.vocab_size, tp_group=opts.tp_group)
-        if want_entropy:
-            ent = vocab_parallel_entropy(picked, vocab_size=opts.vocab_size, tp_group=opts.tp_group)
+    x, ent = row_logprobs(model, ctx, ids, pos, rows, tgt, opts, entropy=want_entropy)
     total = x.new_zeros(())
     offset = 0
     for i in rollouts:

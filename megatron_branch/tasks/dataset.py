@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_branch.data.rollouts import iter_jsonl
 from megatron_branch.errors import UserError
 
 
@@ -46,20 +47,8 @@ def parse_prompt_row(obj: Any, *, where: str) -> PromptRow:
 
 def read_prompts_jsonl(path: str | Path, *, required: Sequence[str] = ()) -> list[PromptRow]:
     """Read prompt rows; `required` names fields every row must have (e.g. the reward's "answer")."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise UserError(f"cannot read prompt file: {reason}".replace("\n", " "), where=str(path)) from None
     rows = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"invalid JSON ({exc.msg} at column {exc.colno})", where=where) from None
+    for obj, where in iter_jsonl(path, "prompt"):
         row = parse_prompt_row(obj, where=where)
         for name in required:
             if name not in row.fields:

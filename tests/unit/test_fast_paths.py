@@ -17,7 +17,6 @@ from megatron_branch.models import ModelArch, build_model
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
 from megatron_branch.schedule import ScheduleOptions, run_schedule
 from megatron_branch.schedule import common as common_mod
-from megatron_branch.schedule import unshared as unshared_mod
 from megatron_branch.testing import random_tree_rollouts
 
 VOCAB = 23
@@ -74,8 +73,9 @@ def test_only_response_rows_reach_the_output_projection(
         return real(hidden, weight, target, **kw)
 
     real = common_mod.fused_linear_logprobs_entropy
-    monkeypatch.setattr(common_mod, "fused_linear_logprobs_entropy", spy)
-    monkeypatch.setattr(unshared_mod, "fused_linear_logprobs_entropy", spy)
+    monkeypatch.setattr(
+        common_mod, "fused_linear_logprobs_entropy", spy
+    )  # every schedule projects in common.row_logprobs
     rs = rollouts()
     tree, _, _ = step(model, rs, schedule, branch_micro_batch=2)
     rows = int(sum(t.numel() for t in seen))
