@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(args, "collect_extra", False) or any(e.startswith("-") for e in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
+    import torch.distributed as dist
+
+    owns_distributed = not dist.is_initialized()  # in-process callers (tests) keep their own process group
     try:
         return int(args.func(args) or 0)
     except UserError as e:
@@ -73,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    finally:
+        if owns_distributed and dist.is_initialized():
+            from megatron_branch.parallel.groups import shutdown_distributed
+
+            shutdown_distributed()
 
 
 def report_user_error(e: UserError) -> None:

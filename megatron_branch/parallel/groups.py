@@ -148,6 +148,16 @@ def agree_on_error(err: str | None, *, error: type[Exception] = UserError) -> No
         raise exc
 
 
+def shutdown_distributed() -> None:
+    """What the entry point that set up torch.distributed does before its process exits: free every group, the
+    default one included. A process that exits with a live gloo group can die in its C++ destructors
+    ("terminate called without an active exception", SIGABRT; seen under torchrun after a user error), so an
+    exit status 2 would become torchrun's 1 with a traceback."""
+    destroy_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def destroy_parallel() -> None:
     """Tear down megatron's parallel_state AND free its process groups.
 
