@@ -25,11 +25,15 @@ def tiny_hf_config(
     ffn: int = 64,
     tie: bool = False,
     rope_theta: float = 10000.0,
+    head_dim: int | None = None,
+    layer_types: Sequence[str] | None = None,
 ) -> Any:
-    """A transformers config for a tiny Llama or Qwen2 (Qwen2 has QKV bias)."""
-    from transformers import LlamaConfig, Qwen2Config
+    """A transformers config for a tiny Llama, Qwen2 (QKV bias), Qwen3 (q/k norms; head_dim defaults to 16, not
+    hidden/heads) or Qwen3.5 text model ("qwen3_5": 3 linear-attention layers to 1 full by default, head_dim 16,
+    partial RoPE 0.5 so that 8 of 16 dims rotate, multimodal RoPE sections, 2 key / 4 value GDN heads of 8)."""
+    import transformers
 
-    kw = dict(
+    kw: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=ffn,
@@ -42,21 +46,46 @@ def tiny_hf_config(
         rms_norm_eps=1e-6,
     )
     if family == "llama":
-        return LlamaConfig(architectures=["LlamaForCausalLM"], **kw)
+        return transformers.LlamaConfig(architectures=["LlamaForCausalLM"], **kw)
     if family == "qwen2":
-        return Qwen2Config(architectures=["Qwen2ForCausalLM"], **kw)
+        return transformers.Qwen2Config(architectures=["Qwen2ForCausalLM"], **kw)
+    if family == "qwen3":
+        return transformers.Qwen3Config(architectures=["Qwen3ForCausalLM"], head_dim=head_dim or 16, **kw)
+    if family == "qwen3_5":
+        from transformers.models.qwen3_5 import Qwen3_5TextConfig
+
+        kw["rope_parameters"].update(
+            partial_rotary_factor=0.5, mrope_section=[2, 1, 1], mrope_interleaved=True
+        )
+        if layer_types is None:
+            layer_types = ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(num_layers)]
+        return Qwen3_5TextConfig(
+            architectures=["Qwen3_5ForCausalLM"],
+            head_dim=head_dim or 16,
+            layer_types=list(layer_types),
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            **kw,
+        )
     raise ValueError(family)
 
 
 def tiny_hf_model(config: Any, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
-    """Random-weight HF causal LM (weights scaled up a little so that attention is far from uniform)."""
+    """Random-weight HF causal LM (weights scaled up a little so that attention is far from uniform). A gated
+    delta net's decay rates A = exp(A_log) are drawn in [0.05, 1] (HF's init draws up to 16, which forgets the
+    state within a token or two): the recurrent state then carries over many tokens."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.05, 1.0).log())
+            elif "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
             elif "bias" in name:
                 p.copy_(0.1 * torch.randn_like(p))
@@ -65,17 +94,35 @@ def tiny_hf_model(config: Any, *, seed: int = 0, dtype: torch.dtype = torch.floa
     return model.to(dtype)
 
 
-def exact_hf_norms(model: Any) -> Any:
-    """HF's RMSNorm computes in float32 even for float64 inputs; make it compute in the input dtype so that the
-    float64 oracle is float64 throughout (the only change to HF's math)."""
+ZERO_CENTERED_HF_NORMS = ("Qwen3_5RMSNorm", "Qwen3NextRMSNorm")
+"""transformers' RMSNorms whose weight is an offset from one: x / rms(x) * (1 + w)."""
 
-    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+
+def exact_hf_norms(model: Any) -> Any:
+    """HF's RMSNorms compute in float32 even for float64 inputs; make them compute in the input dtype so that the
+    float64 oracle is float64 throughout (the only change to HF's math): the plain ones (w * x / rms(x)), the
+    zero-centred ones (Qwen3.5: (1 + w) * x / rms(x)) and Qwen3.5's gated output norm (w * x / rms(x) * silu(z))."""
+
+    def plain(self: Any, x: torch.Tensor) -> torch.Tensor:
         var = x.pow(2).mean(-1, keepdim=True)
         return self.weight * (x * torch.rsqrt(var + self.variance_epsilon))
 
+    def zero_centered(self: Any, x: torch.Tensor) -> torch.Tensor:
+        var = x.pow(2).mean(-1, keepdim=True)
+        return (1.0 + self.weight) * (x * torch.rsqrt(var + self.eps))
+
+    def gated(self: Any, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        var = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(var + self.variance_epsilon)) * torch.nn.functional.silu(gate)
+
     for m in model.modules():
-        if type(m).__name__.endswith("RMSNorm"):
-            m.forward = forward.__get__(m)
+        name = type(m).__name__
+        if name in ZERO_CENTERED_HF_NORMS:
+            m.forward = zero_centered.__get__(m)
+        elif name.endswith("RMSNormGated"):
+            m.forward = gated.__get__(m)
+        elif name.endswith("RMSNorm"):
+            m.forward = plain.__get__(m)
     return model
 
 

@@ -41,7 +41,7 @@ def load_hf_config(hf_dir: str | os.PathLike) -> Any:
         raise UserError("no config.json in the Hugging Face model folder", where=str(d))
     from transformers import AutoConfig
 
-    from megatron_branch.models.arch import check_supported_architecture
+    from megatron_branch.models.hf_families import check_supported_architecture
 
     where = str(d / "config.json")
     try:

@@ -171,7 +171,7 @@ def load_mcore_checkpoint(
     for name in vocab_keys:
         p = params[name]
         full = repad_vocab(state[name], full_shape(p, tp)[0])
-        state[name] = shard_full_tensor(full, name=name, dim=0, rank=rank, size=tp, fused=False)
+        state[name] = shard_full_tensor(full, name=name, dim=0, rank=rank, size=tp)
     model.load_state_dict(state, strict=True)
     return model, arch, meta
 

@@ -1,21 +1,29 @@
-"""The one declarative map between Hugging Face (Llama/Qwen2) and megatron-core parameter names.
+"""The one declarative map between Hugging Face and megatron-core parameter names, for every family.
 
 Each `Rule` pairs a megatron name with the HF names it is made from and a named transform. Every transform is a
 pure, linear re-arrangement of rows (concatenation, interleaving, zero padding), so the same map converts weights
-and gradients, in both directions, bit-exactly.
+and gradients, in both directions, bit-exactly. A rule applies to the layers of one kind (`layers`: full or linear
+attention, models/arch.py `layer_types`) and under a condition of the arch (`when`).
 
-Layouts (verified against megatron-core 0.16.1 source):
+Layouts (verified against megatron-core 0.16.1 source; checkpoint/layouts.py does the arithmetic):
 - linear_qkv (transformer/attention.py, get_query_key_value_tensors): rows grouped per query group g:
-  [the n/ng query heads of g, the k head of g, the v head of g], each head `head_dim` rows. Bias alike.
+  [the n/ng query heads of g, (with attention_output_gate) their n/ng gate heads, the k head of g, the v head of
+  g], each head `head_dim` rows. Bias alike. HF's gated q_proj holds [query; gate] per head.
 - linear_fc1 with gated_linear_unit (transformer/mlp.py): the full weight is [gate; up] (SwiGLU chunks the output
   in two halves). Under TP each rank holds [gate_r; up_r]; tp.py handles that, this file sees full tensors only.
+- GatedDeltaNet in_proj (ssm/gated_delta_net.py): the full weight is [q; k; v; z; beta; alpha] (its dist
+  checkpoint saves these six parts as separate keys), each rank holding [q_r; k_r; v_r; z_r; beta_r; alpha_r]
+  (tp.py); HF's in_proj_qkv / in_proj_z / in_proj_b / in_proj_a stacked. conv1d [q; k; v] channels, as HF's.
 - word_embeddings / output_layer: `padded_vocab` rows; rows past the tokenizer's vocabulary are zeros here and
   are dropped on export.
-- Two megatron layer specs, one map: the local spec (`get_gpt_layer_local_spec`) names the norms
-  `input_layernorm` / `pre_mlp_layernorm`; the TransformerEngine spec (`get_gpt_layer_with_transformer_engine_spec`)
-  leaves those slots IdentityOp and fuses each norm into the next projection (TELayerNormColumnParallelLinear), whose
-  norm weight is `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`. A rule's `te` field is its TE
-  name when it differs; every tensor and transform is the same.
+- Two megatron layer specs, one map: the local spec (`get_gpt_layer_local_spec`, and models/gdn.py for GDN layers)
+  names the norms `input_layernorm` / `pre_mlp_layernorm`; the TransformerEngine specs leave those slots IdentityOp
+  and fuse each norm into the next projection, whose norm weight is `linear_qkv.layer_norm_weight` (GDN layers:
+  `in_proj.layer_norm_weight`) / `linear_fc1.layer_norm_weight`. A rule's `te` field is its TE name when it
+  differs; every tensor and transform is the same.
+- HF containers: a qwen3_5 checkpoint may be the multimodal Qwen3_5ForConditionalGeneration, whose text model is
+  under `model.language_model.`; its vision tower (`model.visual.`) and MTP head (`mtp.`) are not part of the
+  policy and are not converted (transformers' Qwen3_5ForCausalLM drops them on load the same way).
 
 Streaming: `iter_hf_to_mcore` / `iter_mcore_to_hf` ask for the source tensors of one rule at a time, so a caller
 that reads lazily (hf_io) holds about one layer in memory.
@@ -28,14 +36,20 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_branch.checkpoint.layouts import TRANSFORMS, hf_shape, mcore_rows
 from megatron_branch.errors import UserError
 from megatron_branch.models.arch import ModelArch
 
 # Buffers some older HF checkpoints carry; recomputed from the config, never converted.
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
-TRANSFORM_NAMES = ("identity", "qkv_interleave", "qkv_bias_interleave", "fused_gate_up", "vocab_pad")
+HF_TEXT_PREFIXES: dict[str, tuple[tuple[str, str], ...]] = {"qwen3_5": (("model.language_model.", "model."),)}
+"""family -> (stored prefix, canonical prefix): an HF container's text model under the names the rules use."""
+HF_NOT_CONVERTED: dict[str, tuple[str, ...]] = {"qwen3_5": ("model.visual.", "mtp.")}
+"""family -> HF tensor prefixes that are not part of the policy (vision tower, multi-token-prediction head)."""
+TRANSFORM_NAMES = tuple(TRANSFORMS)
 SPECS = ("local", "te")
 """megatron layer specs the map names tensors for: megatron-core's local spec and its TransformerEngine spec."""
+WHEN = (None, "qkv_bias", "untied", "qk_norm")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,15 +59,18 @@ class Rule:
     mcore: str
     hf: tuple[str, ...]
     transform: str
-    """identity | qkv_interleave | qkv_bias_interleave | fused_gate_up | vocab_pad"""
+    """One of checkpoint/layouts.py TRANSFORMS."""
     when: str | None = None
-    """None (always), "qkv_bias" (arch.qkv_bias) or "untied" (not arch.tie_word_embeddings)."""
+    """None (always), "qkv_bias" (arch.qkv_bias), "untied" (not arch.tie_word_embeddings), "qk_norm"."""
     te: str | None = None
     """The megatron name under the TransformerEngine layer spec, when it differs from `mcore`."""
+    layers: str | None = None
+    """Per-layer rules only: None (every layer), "full" (full-attention layers) or "linear" (gated delta net)."""
 
     def __post_init__(self) -> None:
-        assert self.transform in TRANSFORM_NAMES, self.transform
-        assert self.when in (None, "qkv_bias", "untied"), self.when
+        assert self.transform in TRANSFORMS, self.transform
+        assert self.when in WHEN, self.when
+        assert self.layers in (None, "full", "linear"), self.layers
 
     def name(self, spec: str = "local") -> str:
         """The megatron name (with `{i}`) under `spec` ("local" or "te")."""
@@ -67,31 +84,16 @@ class Rule:
 
 _L = "model.layers.{i}."
 _M = "decoder.layers.{i}."
-# Llama and Qwen2 share names; Qwen2 adds the QKV bias (arch.qkv_bias), so one list serves both families.
-DECODER_RULES: tuple[Rule, ...] = (
-    Rule(mcore="embedding.word_embeddings.weight", hf=("model.embed_tokens.weight",), transform="vocab_pad"),
-    Rule(
-        mcore=_M + "input_layernorm.weight",
-        hf=(_L + "input_layernorm.weight",),
-        transform="identity",
-        te=_M + "self_attention.linear_qkv.layer_norm_weight",
-    ),
-    Rule(
-        mcore=_M + "self_attention.linear_qkv.weight",
-        hf=tuple(_L + f"self_attn.{p}_proj.weight" for p in "qkv"),
-        transform="qkv_interleave",
-    ),
-    Rule(
-        mcore=_M + "self_attention.linear_qkv.bias",
-        hf=tuple(_L + f"self_attn.{p}_proj.bias" for p in "qkv"),
-        transform="qkv_bias_interleave",
-        when="qkv_bias",
-    ),
-    Rule(
-        mcore=_M + "self_attention.linear_proj.weight",
-        hf=(_L + "self_attn.o_proj.weight",),
-        transform="identity",
-    ),
+_ATTN = "self_attn."
+_LIN = "linear_attn."
+EMBEDDING = Rule(
+    mcore="embedding.word_embeddings.weight", hf=("model.embed_tokens.weight",), transform="vocab_pad"
+)
+HEAD = (
+    Rule(mcore="decoder.final_layernorm.weight", hf=("model.norm.weight",), transform="identity"),
+    Rule(mcore="output_layer.weight", hf=("lm_head.weight",), transform="vocab_pad", when="untied"),
+)
+MLP = (
     Rule(
         mcore=_M + "pre_mlp_layernorm.weight",
         hf=(_L + "post_attention_layernorm.weight",),
@@ -104,82 +106,114 @@ DECODER_RULES: tuple[Rule, ...] = (
         transform="fused_gate_up",
     ),
     Rule(mcore=_M + "mlp.linear_fc2.weight", hf=(_L + "mlp.down_proj.weight",), transform="identity"),
-    Rule(mcore="decoder.final_layernorm.weight", hf=("model.norm.weight",), transform="identity"),
-    Rule(mcore="output_layer.weight", hf=("lm_head.weight",), transform="vocab_pad", when="untied"),
 )
-PARAM_MAPS: dict[str, tuple[Rule, ...]] = {"llama": DECODER_RULES, "qwen2": DECODER_RULES}
 
 
-# --- transforms: (hf tensors) -> mcore tensor, and back ------------------------------------------------------------
-def _qkv_to_mcore(ts: list[torch.Tensor], arch: ModelArch, padded_vocab: int) -> torch.Tensor:
-    q, k, v = ts
-    ng, hd = arch.num_query_groups, arch.head_dim
-    per = arch.num_attention_heads // ng
-    rest = q.shape[1:]  # (hidden,) for weights, () for biases
-    return torch.cat(
-        [q.reshape(ng, per * hd, *rest), k.reshape(ng, hd, *rest), v.reshape(ng, hd, *rest)], dim=1
-    ).reshape(-1, *rest)
+def _attention(qkv: str, layers: str | None) -> tuple[Rule, ...]:
+    """A full-attention block whose fused QKV is assembled by transform `qkv`."""
+    return (
+        Rule(
+            mcore=_M + "input_layernorm.weight",
+            hf=(_L + "input_layernorm.weight",),
+            transform="identity",
+            te=_M + "self_attention.linear_qkv.layer_norm_weight",
+            layers=layers,
+        ),
+        Rule(
+            mcore=_M + "self_attention.linear_qkv.weight",
+            hf=tuple(_L + _ATTN + f"{p}_proj.weight" for p in "qkv"),
+            transform=qkv,
+            layers=layers,
+        ),
+        Rule(
+            mcore=_M + "self_attention.linear_qkv.bias",
+            hf=tuple(_L + _ATTN + f"{p}_proj.bias" for p in "qkv"),
+            transform="qkv_bias_interleave",
+            when="qkv_bias",
+            layers=layers,
+        ),
+        Rule(
+            mcore=_M + "self_attention.q_layernorm.weight",
+            hf=(_L + _ATTN + "q_norm.weight",),
+            transform="identity",
+            when="qk_norm",
+            layers=layers,
+        ),
+        Rule(
+            mcore=_M + "self_attention.k_layernorm.weight",
+            hf=(_L + _ATTN + "k_norm.weight",),
+            transform="identity",
+            when="qk_norm",
+            layers=layers,
+        ),
+        Rule(
+            mcore=_M + "self_attention.linear_proj.weight",
+            hf=(_L + _ATTN + "o_proj.weight",),
+            transform="identity",
+            layers=layers,
+        ),
+    )
 
 
-def _qkv_to_hf(t: torch.Tensor, arch: ModelArch) -> list[torch.Tensor]:
-    ng, hd = arch.num_query_groups, arch.head_dim
-    per = arch.num_attention_heads // ng
-    rest = t.shape[1:]
-    q, k, v = t.reshape(ng, (per + 2) * hd, *rest).split([per * hd, hd, hd], dim=1)
-    return [q.reshape(-1, *rest).clone(), k.reshape(-1, *rest).clone(), v.reshape(-1, *rest).clone()]
-
-
-def _vocab_pad(ts: list[torch.Tensor], arch: ModelArch, padded_vocab: int) -> torch.Tensor:
-    (t,) = ts
-    if padded_vocab == t.shape[0]:
-        return t
-    out = t.new_zeros(padded_vocab, *t.shape[1:])
-    out[: t.shape[0]] = t
-    return out
-
-
-_TRANSFORMS: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., list[torch.Tensor]]]] = {
-    "identity": (lambda ts, arch, pv: ts[0], lambda t, arch: [t]),
-    "qkv_interleave": (_qkv_to_mcore, _qkv_to_hf),
-    "qkv_bias_interleave": (_qkv_to_mcore, _qkv_to_hf),
-    "fused_gate_up": (
-        lambda ts, arch, pv: torch.cat(ts, dim=0),
-        lambda t, arch: [c.clone() for c in t.chunk(2)],
+GATED_DELTA_NET = (
+    Rule(
+        mcore=_M + "input_layernorm.weight",
+        hf=(_L + "input_layernorm.weight",),
+        transform="identity",
+        te=_M + "self_attention.in_proj.layer_norm_weight",
+        layers="linear",
     ),
-    "vocab_pad": (_vocab_pad, lambda t, arch: [t[: arch.vocab_size]]),
+    Rule(
+        mcore=_M + "self_attention.in_proj.weight",
+        hf=tuple(_L + _LIN + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")),
+        transform="gdn_in_proj",
+        layers="linear",
+    ),
+    Rule(
+        mcore=_M + "self_attention.conv1d.weight",
+        hf=(_L + _LIN + "conv1d.weight",),
+        transform="identity",
+        layers="linear",
+    ),
+    Rule(mcore=_M + "self_attention.A_log", hf=(_L + _LIN + "A_log",), transform="identity", layers="linear"),
+    Rule(
+        mcore=_M + "self_attention.dt_bias",
+        hf=(_L + _LIN + "dt_bias",),
+        transform="identity",
+        layers="linear",
+    ),
+    Rule(
+        mcore=_M + "self_attention.out_norm.weight",
+        hf=(_L + _LIN + "norm.weight",),
+        transform="identity",
+        layers="linear",
+    ),
+    Rule(
+        mcore=_M + "self_attention.out_proj.weight",
+        hf=(_L + _LIN + "out_proj.weight",),
+        transform="identity",
+        layers="linear",
+    ),
+)
+
+# Llama, Qwen2 and Qwen3 share names: Qwen2 adds the QKV bias (arch.qkv_bias), Qwen3 the q/k norms (arch.qk_norm).
+DECODER_RULES: tuple[Rule, ...] = (EMBEDDING, *_attention("qkv_interleave", None), *MLP, *HEAD)
+HYBRID_RULES: tuple[Rule, ...] = (
+    EMBEDDING,
+    *_attention("qkv_gate_interleave", "full"),
+    *GATED_DELTA_NET,
+    *MLP,
+    *HEAD,
+)
+PARAM_MAPS: dict[str, tuple[Rule, ...]] = {
+    "llama": DECODER_RULES,
+    "qwen2": DECODER_RULES,
+    "qwen3": DECODER_RULES,
+    "qwen3_5": HYBRID_RULES,
 }
-assert set(_TRANSFORMS) == set(TRANSFORM_NAMES)
 
 
-# --- expected shapes ------------------------------------------------------------------------------------------------
-def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor name of `arch` with the shape its config implies (the order of the rules)."""
-    h, hd, f, v = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size, arch.vocab_size
-    q, kv = arch.num_attention_heads * hd, arch.num_query_groups * hd
-    by_suffix = {
-        "embed_tokens.weight": (v, h),
-        "lm_head.weight": (v, h),
-        "layernorm.weight": (h,),
-        "norm.weight": (h,),
-        "q_proj.weight": (q, h),
-        "k_proj.weight": (kv, h),
-        "v_proj.weight": (kv, h),
-        "q_proj.bias": (q,),
-        "k_proj.bias": (kv,),
-        "v_proj.bias": (kv,),
-        "o_proj.weight": (h, q),
-        "gate_proj.weight": (f, h),
-        "up_proj.weight": (f, h),
-        "down_proj.weight": (h, f),
-    }
-    out = {}
-    for rule, layer in _active_rules(arch):
-        for name in rule.hf:
-            name = name.format(i=layer)
-            out[name] = next(s for suf, s in by_suffix.items() if name.endswith(suf))
-    return out
-
-
+# --- which rules, which layers ---------------------------------------------------------------------------------------
 def _rules(arch: ModelArch) -> tuple[Rule, ...]:
     if arch.family not in PARAM_MAPS:
         raise UserError(
@@ -188,27 +222,40 @@ def _rules(arch: ModelArch) -> tuple[Rule, ...]:
     return PARAM_MAPS[arch.family]
 
 
+def _applies(rule: Rule, arch: ModelArch, layer: int | None) -> bool:
+    if rule.when == "qkv_bias" and not arch.qkv_bias:
+        return False
+    if rule.when == "untied" and arch.tie_word_embeddings:
+        return False
+    if rule.when == "qk_norm" and not arch.qk_norm:
+        return False
+    if rule.layers is None or layer is None:
+        return True
+    return (rule.layers == "linear") == arch.is_linear(layer)
+
+
 def _active_rules(arch: ModelArch) -> Iterator[tuple[Rule, int | None]]:
     """(rule, layer) in file order: embedding, then layer by layer, then the head (one layer resident at a time)."""
-    rules = [r for r in _rules(arch) if _applies(r, arch)]
+    rules = _rules(arch)
     for r in rules:
-        if not r.per_layer and r.mcore.startswith("embedding."):
+        if not r.per_layer and r.mcore.startswith("embedding.") and _applies(r, arch, None):
             yield r, None
     for i in range(arch.num_layers):
         for r in rules:
-            if r.per_layer:
+            if r.per_layer and _applies(r, arch, i):
                 yield r, i
     for r in rules:
-        if not r.per_layer and not r.mcore.startswith("embedding."):
+        if not r.per_layer and not r.mcore.startswith("embedding.") and _applies(r, arch, None):
             yield r, None
 
 
-def _applies(rule: Rule, arch: ModelArch) -> bool:
-    if rule.when == "qkv_bias":
-        return arch.qkv_bias
-    if rule.when == "untied":
-        return not arch.tie_word_embeddings
-    return True
+def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name of `arch` (canonical text-model names) with the shape its config implies."""
+    return {
+        name.format(i=layer): hf_shape(name.format(i=layer), arch)
+        for rule, layer in _active_rules(arch)
+        for name in rule.hf
+    }
 
 
 def mcore_names(arch: ModelArch, spec: str = "local") -> list[str]:
@@ -218,35 +265,61 @@ def mcore_names(arch: ModelArch, spec: str = "local") -> list[str]:
 def sharded_keys(arch: ModelArch) -> list[str]:
     """The tensor keys of a megatron dist checkpoint of `arch`, under EITHER layer spec.
 
-    megatron stacks the layers of one tensor into one sharded key (`decoder.layers.X`, the layer an offset), and
-    names it as the TE spec's module tree does: the local spec's `sharded_state_dict_keys_map`
+    megatron stacks the layers of one tensor into one sharded key (`decoder.layers.X`, the layer an offset), unless
+    the layers differ (a hybrid: `linear_attention_freq`, transformer_block.py), when every layer keeps its index;
+    and it names it as the TE spec's module tree does: the local spec's `sharded_state_dict_keys_map`
     (`input_layernorm.` -> `self_attention.linear_qkv.layer_norm_`, `pre_mlp_layernorm.` ->
-    `mlp.linear_fc1.layer_norm_`, gpt_layer_specs.py) exists so that one checkpoint loads under both specs.
-    Hence: the rules' TE names without the layer index.
+    `mlp.linear_fc1.layer_norm_`, gpt_layer_specs.py; models/gdn.py for GDN layers) exists so that one
+    checkpoint loads under both specs. Hence: the rules' TE names, without the layer index unless hybrid. (A
+    GatedDeltaNet saves in_proj and conv1d as several parts of one key: the key here is the tensor's.)
     """
+    if arch.is_hybrid:
+        return [r.name("te").format(i=i) for r, i in _active_rules(arch)]
     return list(dict.fromkeys(r.name("te").replace("{i}.", "") for r, _ in _active_rules(arch)))
 
 
 def detect_spec(names: Iterable[str]) -> str:
     """ "te" when the names are those of megatron's TransformerEngine layer spec (fused norm weights), else "local"."""
-    return "te" if any(n.endswith("linear_qkv.layer_norm_weight") for n in names) else "local"
+    fused = ("linear_qkv.layer_norm_weight", "in_proj.layer_norm_weight")
+    return "te" if any(n.endswith(fused) for n in names) else "local"
 
 
-# --- streaming conversion -------------------------------------------------------------------------------------------
-def check_hf_names(hf_names: Iterable[str], arch: ModelArch, *, where: str = "checkpoint") -> None:
-    """Refuse missing or unexpected HF tensors (a tied lm_head.weight copy is accepted and ignored)."""
-    expected = set(hf_shapes(arch))
-    given = {n for n in hf_names if not n.endswith(IGNORED_HF_SUFFIXES)}
+# --- HF names: the container's view ------------------------------------------------------------------------------------
+def hf_name_map(hf_names: Iterable[str], arch: ModelArch) -> dict[str, str]:
+    """canonical HF name (the rules' names) -> the name stored in the checkpoint, for every stored tensor that is
+    part of the policy (a container's text model renamed; vision tower, MTP head and rotary buffers dropped)."""
+    prefixes = HF_TEXT_PREFIXES.get(arch.family, ())
+    skip = HF_NOT_CONVERTED.get(arch.family, ())
+    out: dict[str, str] = {}
+    for stored in hf_names:
+        if stored.endswith(IGNORED_HF_SUFFIXES) or stored.startswith(skip):
+            continue
+        canonical = stored
+        for old, new in prefixes:
+            if stored.startswith(old):
+                canonical = new + stored[len(old) :]
+        if canonical in out:
+            raise UserError(f"tensor {canonical!r} is stored twice (as {out[canonical]!r} and {stored!r})")
+        out[canonical] = stored
+    return out
+
+
+def check_hf_names(hf_names: Iterable[str], arch: ModelArch, *, where: str = "checkpoint") -> dict[str, str]:
+    """Refuse missing or unexpected HF tensors (a tied lm_head.weight copy is accepted and ignored).
+    Returns `hf_name_map` (canonical -> stored)."""
+    names = hf_name_map(hf_names, arch)
+    expected = hf_shapes(arch)
     if arch.tie_word_embeddings:
-        given.discard("lm_head.weight")
-    missing = [n for n in hf_shapes(arch) if n not in given]
+        names.pop("lm_head.weight", None)
+    missing = [n for n in expected if n not in names]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise UserError(f"missing tensor {missing[0]!r}{more} required by the config", where=where)
-    unexpected = sorted(given - expected)
+    unexpected = sorted(names[n] for n in set(names) - set(expected))
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         raise UserError(f"unexpected tensor {unexpected[0]!r}{more} not described by the config", where=where)
+    return names
 
 
 def _check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...], where: str) -> None:
@@ -256,6 +329,7 @@ def _check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...], where: s
         )
 
 
+# --- streaming conversion -------------------------------------------------------------------------------------------
 def iter_hf_to_mcore(
     hf_names: Iterable[str],
     get_hf_tensor: Callable[[str], torch.Tensor],
@@ -268,16 +342,16 @@ def iter_hf_to_mcore(
     """Yield (megatron name under `spec`, full megatron tensor) one at a time, reading the HF tensors each needs."""
     if padded_vocab < arch.vocab_size:
         raise UserError(f"padded vocabulary {padded_vocab} is smaller than vocab_size={arch.vocab_size}")
-    check_hf_names(hf_names, arch, where=where)
+    stored = check_hf_names(hf_names, arch, where=where)
     shapes = hf_shapes(arch)
     for rule, layer in _active_rules(arch):
         srcs = []
         for pat in rule.hf:
             name = pat.format(i=layer)
-            t = get_hf_tensor(name)
-            _check_shape(name, t, shapes[name], where)
+            t = get_hf_tensor(stored[name])
+            _check_shape(stored[name], t, shapes[name], where)
             srcs.append(t)
-        yield rule.name(spec).format(i=layer), _TRANSFORMS[rule.transform][0](srcs, arch, padded_vocab)
+        yield rule.name(spec).format(i=layer), TRANSFORMS[rule.transform][0](srcs, arch, padded_vocab)
 
 
 def iter_mcore_to_hf(
@@ -292,15 +366,17 @@ def iter_mcore_to_hf(
     for rule, layer in _active_rules(arch):
         mname = rule.name(spec).format(i=layer)
         t = get_mcore_tensor(mname)
-        _check_mcore_shape(rule, t, arch, mname, where)
-        outs = _TRANSFORMS[rule.transform][1](t, arch)
+        _check_mcore_shape(rule, layer, t, arch, mname, where)
+        outs = TRANSFORMS[rule.transform][1](t, arch)
         for pat, out in zip(rule.hf, outs, strict=True):
             name = pat.format(i=layer)
             _check_shape(name, out, shapes[name], where)
             yield name, out
 
 
-def _check_mcore_shape(rule: Rule, t: torch.Tensor, arch: ModelArch, mname: str, where: str) -> None:
+def _check_mcore_shape(
+    rule: Rule, layer: int | None, t: torch.Tensor, arch: ModelArch, mname: str, where: str
+) -> None:
     """Check the megatron tensor's shape before re-arranging it (a wrong shape would fail inside a reshape)."""
     if rule.transform == "vocab_pad":
         if t.dim() != 2 or t.shape[0] < arch.vocab_size or t.shape[1] != arch.hidden_size:
@@ -309,10 +385,7 @@ def _check_mcore_shape(rule: Rule, t: torch.Tensor, arch: ModelArch, mname: str,
                 where=where,
             )
         return
-    shapes = hf_shapes(arch)
-    parts = [shapes[p.format(i=0 if rule.per_layer else None)] for p in rule.hf]
-    expected = (sum(s[0] for s in parts), *parts[0][1:])
-    _check_shape(mname, t, expected, where)
+    _check_shape(mname, t, mcore_rows([hf_shape(p.format(i=layer), arch) for p in rule.hf]), where)
 
 
 def hf_to_mcore_state(

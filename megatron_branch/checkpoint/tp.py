@@ -1,10 +1,13 @@
 """Full megatron tensors <-> this rank's tensor-parallel shards.
 
 megatron-core marks each sharded parameter with `tensor_model_parallel = True` and `partition_dim` (0 for
-column-parallel: linear_qkv, linear_fc1, word_embeddings, output_layer; 1 for row-parallel: linear_proj,
-linear_fc2). A shard is a contiguous chunk of the full tensor along that dim, with ONE exception: the SwiGLU
-linear_fc1 holds [gate_r; up_r] on rank r (megatron's MLP chunks its local output in two halves), so its full
-tensor [gate; up] is re-assembled half by half. Norm weights are replicated (also under sequence parallel).
+column-parallel: linear_qkv, linear_fc1, word_embeddings, output_layer, a GatedDeltaNet's in_proj, conv1d,
+A_log and dt_bias; 1 for row-parallel: linear_proj, linear_fc2, out_proj). A shard is a contiguous chunk of the
+full tensor along that dim, except for fused tensors whose rank r holds its share of every section
+(checkpoint/layouts.py `tp_sections`): the SwiGLU linear_fc1 holds [gate_r; up_r] (megatron's MLP chunks its local
+output in two halves), a GatedDeltaNet's in_proj [q_r; k_r; v_r; z_r; beta_r; alpha_r] and its conv1d
+[q_r; k_r; v_r] channels; their full tensors ([gate; up], [q; k; v; z; beta; alpha], [q; k; v]) are re-assembled
+section by section. Norm weights are replicated (also under sequence parallel).
 
 The vocabulary-parallel tensors keep their padding as-is; `repad_vocab` re-pads a full tensor saved at another TP.
 Process groups are arguments: nothing here reads megatron's parallel_state.
@@ -18,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_branch.checkpoint.layouts import tp_sections
 from megatron_branch.errors import UserError
 from megatron_branch.parallel.grads import param_grad
 
@@ -30,10 +34,15 @@ def _rank_size(tp_group: Any) -> tuple[int, int]:
     return dist.get_rank(group=tp_group), dist.get_world_size(group=tp_group)
 
 
-def _is_fused_gate_up(name: str, model: torch.nn.Module | None) -> bool:
-    cfg = getattr(model, "config", None)
-    gated = getattr(cfg, "gated_linear_unit", True)
-    return gated and ".linear_fc1." in name
+def _sections(name: str, model: torch.nn.Module | None) -> tuple[int, ...] | None:
+    return tp_sections(name, getattr(model, "config", None))
+
+
+def _section_sizes(rows: int, sections: tuple[int, ...]) -> list[int]:
+    """`sections` (relative sizes) scaled to a tensor of `rows` rows."""
+    unit, rem = divmod(rows, sum(sections))
+    assert rem == 0, (rows, sections)
+    return [s * unit for s in sections]
 
 
 def _partition_dim(param: torch.Tensor) -> int | None:
@@ -42,28 +51,43 @@ def _partition_dim(param: torch.Tensor) -> int | None:
     return None
 
 
-def shard_full_tensor(full: torch.Tensor, *, name: str, dim: int | None, rank: int, size: int, fused: bool):
-    """This rank's shard of a full megatron tensor."""
+def shard_full_tensor(
+    full: torch.Tensor,
+    *,
+    name: str,
+    dim: int | None,
+    rank: int,
+    size: int,
+    sections: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """This rank's shard of a full megatron tensor (`sections`: fused sections, each split over the ranks)."""
     if dim is None or size == 1:
         return full
-    if fused:
-        gate, up = full.chunk(2, dim=dim)
-        return torch.cat([gate.chunk(size, dim=dim)[rank], up.chunk(size, dim=dim)[rank]], dim=dim)
+    if sections is not None:
+        parts = full.split(_section_sizes(full.shape[dim], sections), dim=dim)
+        for p in parts:
+            assert p.shape[dim] % size == 0, (
+                f"{name}: a section of {p.shape[dim]} rows does not split over TP {size}"
+            )
+        return torch.cat([p.chunk(size, dim=dim)[rank] for p in parts], dim=dim)
     assert full.shape[dim] % size == 0, (
         f"{name}: dim {dim} of {list(full.shape)} does not split over TP {size}"
     )
     return full.chunk(size, dim=dim)[rank]
 
 
-def _gather(local: torch.Tensor, *, dim: int | None, tp_group: Any, fused: bool) -> torch.Tensor:
+def _gather(
+    local: torch.Tensor, *, dim: int | None, tp_group: Any, sections: tuple[int, ...] | None
+) -> torch.Tensor:
     rank, size = _rank_size(tp_group)
     if dim is None or size == 1:
         return local.detach().clone()
     parts = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(parts, local.detach().contiguous(), group=tp_group)
-    if fused:
-        halves = [p.chunk(2, dim=dim) for p in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
+    if sections is not None:
+        sizes = [n // size for n in _section_sizes(local.shape[dim] * size, sections)]
+        split = [p.split(sizes, dim=dim) for p in parts]  # rank -> its share of each section
+        return torch.cat([split[r][k] for k in range(len(sizes)) for r in range(size)], dim=dim)
     return torch.cat(parts, dim=dim)
 
 
@@ -73,7 +97,7 @@ def gather_full_state(model: torch.nn.Module, tp_group: Any) -> dict[str, torch.
     All ranks of the group must call this (collectives in parameter order). Vocabulary padding is kept.
     """
     return {
-        name: _gather(p, dim=_partition_dim(p), tp_group=tp_group, fused=_is_fused_gate_up(name, model))
+        name: _gather(p, dim=_partition_dim(p), tp_group=tp_group, sections=_sections(name, model))
         for name, p in model.named_parameters()
     }
 
@@ -88,7 +112,7 @@ def gather_full_grads(model: torch.nn.Module, tp_group: Any) -> dict[str, torch.
         g = param_grad(p)
         if g is None:
             g = torch.zeros_like(p)
-        out[name] = _gather(g, dim=_partition_dim(p), tp_group=tp_group, fused=_is_fused_gate_up(name, model))
+        out[name] = _gather(g, dim=_partition_dim(p), tp_group=tp_group, sections=_sections(name, model))
     return out
 
 
@@ -134,7 +158,7 @@ def load_full_tensor(
             f"tensor {name!r} has shape {list(full.shape)}; the model expects {list(full_shape(p, size))}"
         )
     shard = shard_full_tensor(
-        full, name=name, dim=_partition_dim(p), rank=rank, size=size, fused=_is_fused_gate_up(name, model)
+        full, name=name, dim=_partition_dim(p), rank=rank, size=size, sections=_sections(name, model)
     )
     p.copy_(shard.to(p.dtype))
 

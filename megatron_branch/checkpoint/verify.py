@@ -14,10 +14,11 @@ import torch
 from megatron_branch.checkpoint.hf_io import HFTensorReader, load_hf_config
 from megatron_branch.checkpoint.param_map import IGNORED_HF_SUFFIXES
 from megatron_branch.errors import UserError
-from megatron_branch.models.arch import SUPPORTED_ARCHITECTURES, ModelArch
+from megatron_branch.models.arch import ModelArch
+from megatron_branch.models.hf_families import EXPORT_CLASS
 
 DEFAULT_TOL = 1e-4
-FAMILY_CLASS = {family: cls for cls, family in SUPPORTED_ARCHITECTURES.items()}
+FAMILY_CLASS = EXPORT_CLASS
 
 
 def megatron_logits(
@@ -97,7 +98,7 @@ def verify_conversion(
     """
     from megatron_branch.checkpoint.hf_to_mcore import parse_dtype
     from megatron_branch.checkpoint.mcore_to_hf import load_mcore_checkpoint, read_meta
-    from megatron_branch.checkpoint.param_map import hf_shapes, iter_hf_to_mcore
+    from megatron_branch.checkpoint.param_map import check_hf_names, hf_shapes, iter_hf_to_mcore
     from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
 
     tol = DEFAULT_TOL if tol is None else tol
@@ -118,7 +119,8 @@ def verify_conversion(
     model, arch, _ = load_mcore_checkpoint(mcore_dir, tp_group=groups.tp, tp=1, dtype=torch.float32)
     model.eval()
 
-    original = {n: reader.get(n).float() for n in hf_shapes(hf_arch)}
+    stored = check_hf_names(reader.keys(), hf_arch, where=str(hf_dir))  # canonical -> stored (HF containers)
+    original = {n: reader.get(stored[n]).float() for n in hf_shapes(hf_arch)}
     rounded = {n: t.to(ck_dtype).float() for n, t in original.items()}
     changed = any(not torch.equal(original[n], rounded[n]) for n in original)
     hf = _hf_reference(cfg, rounded, where=str(hf_dir))

@@ -45,7 +45,9 @@ def add_grad_command(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--hf", required=True, help="Hugging Face folder (config.json + safetensors): Llama or Qwen2"
+        "--hf",
+        required=True,
+        help="Hugging Face folder (config.json + safetensors): Llama, Qwen2, Qwen3 or Qwen3.5 (naive only)",
     )
     p.add_argument(
         "--rollouts", required=True, help='JSONL: {"prompt": [ids], "response": [ids], "advantage": x}'
@@ -192,6 +194,7 @@ def run_grad(args: argparse.Namespace) -> int:
     from megatron_branch.checkpoint.tp import gather_full_grads
     from megatron_branch.data import PrefixTree, read_rollouts_jsonl
     from megatron_branch.models import ModelArch
+    from megatron_branch.models.arch import check_schedule_supports
     from megatron_branch.parallel.data import assign_groups
     from megatron_branch.parallel.groups import (
         ParallelConfig,
@@ -218,6 +221,7 @@ def run_grad(args: argparse.Namespace) -> int:
             )
         arch = ModelArch.from_hf_config(load_hf_config(args.hf), where=os.path.join(args.hf, "config.json"))
         arch.check_tensor_parallel(pcfg.tp)
+        check_schedule_supports(arch, args.schedule)
         HFTensorReader(args.hf)  # every shard's header is read now: a broken file fails before any work
         max_positions = None if args.allow_longer_context else arch.max_position_embeddings
         rollouts = read_rollouts_jsonl(args.rollouts, vocab_size=arch.vocab_size, max_positions=max_positions)

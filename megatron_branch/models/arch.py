@@ -1,8 +1,17 @@
-"""The architecture description shared by model building, checkpoint conversion and the CLI.
+"""The architecture description shared by model building, checkpoint conversion, the planner and the CLI.
 
-`ModelArch` is the one place where a Hugging Face config (Llama, Qwen2) is mapped to megatron-core's
-`TransformerConfig`. Everything that is not reproduced exactly (rope scaling, sliding windows, MLP bias, other
-activations) is refused with a one-line `UserError` instead of being silently approximated.
+`ModelArch` is the one place where a model family is mapped to megatron-core's `TransformerConfig`; the Hugging
+Face config side (which config.json fields mean what, per family) is models/hf_families.py. Everything that is not
+reproduced exactly (rope scaling, sliding windows, MLP bias, other activations) is refused there with a one-line
+`UserError` instead of being silently approximated.
+
+Families (decoder-only, RMSNorm, SwiGLU, RoPE, GQA):
+    llama     LlamaForCausalLM
+    qwen2     Qwen2ForCausalLM: QKV bias
+    qwen3     Qwen3ForCausalLM: RMSNorm on each head's q and k (megatron's qk_layernorm), head_dim free
+    qwen3_5   Qwen3_5ForCausalLM / Qwen3_5ForConditionalGeneration (Qwen3.5 and Qwen3.6 text models): per-layer
+              gated delta net (megatron's GatedDeltaNet) or gated full attention (attention_output_gate, q/k norm,
+              partial RoPE), zero-centred RMSNorm weights (megatron's layernorm_zero_centered_gamma)
 """
 
 from __future__ import annotations
@@ -15,42 +24,17 @@ import torch
 
 from megatron_branch.errors import UserError
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
-
-
-def check_supported_architecture(model_type: Any, architectures: Any, *, where: str) -> str:
-    """The family ("llama"/"qwen2") of a config's `model_type` and `architectures`, naming what is unsupported.
-
-    Called on the raw config.json (hf_io.load_hf_config: transformers may re-map an unknown model_type) and on the
-    parsed config."""
-    if architectures is None:
-        archs: list[Any] = []
-    else:
-        archs = list(architectures) if isinstance(architectures, (list, tuple)) else [architectures]
-    family = {"llama": "llama", "qwen2": "qwen2"}.get(model_type)
-    supported = ", ".join(f"{cls} (model_type {fam!r})" for cls, fam in SUPPORTED_ARCHITECTURES.items())
-    bad_archs = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
-    if bad_archs:
-        raise UserError(f"unsupported architecture {bad_archs[0]!r}; supported: {supported}", where=where)
-    if family is None:
-        also = f" (architectures says {', '.join(archs)})" if archs else ""
-        raise UserError(
-            f"unsupported architecture: model_type {model_type!r}{also}; supported: {supported}", where=where
-        )
-    mismatched = [a for a in archs if SUPPORTED_ARCHITECTURES[a] != family]
-    if mismatched:
-        raise UserError(
-            f"model_type {model_type!r} does not match architectures {mismatched[0]!r}", where=where
-        )
-    return family
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_5")
+LAYER_TYPES = ("full_attention", "linear_attention")
+"""HF's names for the two kinds of token mixer (Qwen3.5 `layer_types`)."""
 
 
 @dataclass(kw_only=True)
 class ModelArch:
-    """A decoder-only Llama/Qwen2-style transformer: RMSNorm, SwiGLU, RoPE, GQA."""
+    """A decoder-only transformer of one of `FAMILIES`."""
 
     family: str
-    """"llama" or "qwen2"; decides the HF class written back on export."""
+    """One of FAMILIES; decides the HF class written back on export and the parameter map."""
     vocab_size: int
     """Vocabulary size of the tokenizer (unpadded). Megatron pads it to a multiple of TP; see `padded_vocab_size`."""
     hidden_size: int
@@ -58,27 +42,58 @@ class ModelArch:
     num_layers: int
     """Number of transformer layers."""
     num_attention_heads: int
-    """Query heads."""
+    """Query heads (full-attention layers)."""
     num_query_groups: int
     """Key/value heads (GQA groups); equal to num_attention_heads for plain multi-head attention."""
     ffn_hidden_size: int
     """SwiGLU inner width (HF `intermediate_size`)."""
     head_dim: int | None = None
-    """Per-head width; None means hidden_size // num_attention_heads."""
+    """Per-head width; None means hidden_size // num_attention_heads (Qwen3 and Qwen3.5 set it freely)."""
     rope_theta: float = 10000.0
     """RoPE base."""
     rms_norm_eps: float = 1e-6
-    """RMSNorm epsilon."""
+    """RMSNorm epsilon (every norm of the model)."""
     qkv_bias: bool = False
     """Bias on the Q/K/V projections (Qwen2: True)."""
     tie_word_embeddings: bool = False
     """Share the input embedding with the output layer."""
     max_position_embeddings: int = 4096
     """Longest sequence the model is built for (RoPE table length)."""
+    qk_norm: bool = False
+    """RMSNorm over each head's query and key, before RoPE (Qwen3, Qwen3.5: HF q_norm/k_norm; megatron's
+    qk_layernorm with a norm in the q/k slots)."""
+    zero_centered_norm: bool = False
+    """RMSNorm weights stored as offsets from one, y = x / rms(x) * (1 + w) (Qwen3.5's Qwen3_5RMSNorm; megatron's
+    layernorm_zero_centered_gamma). Every norm of the model, except a linear-attention layer's gated output norm,
+    which HF computes as w * x / rms(x) (Qwen3_5RMSNormGated) and which is kept so (compat/norm.py)."""
+    attention_output_gate: bool = False
+    """q_proj also yields a per-head gate and the attention output is multiplied by sigmoid(gate) before o_proj
+    (Qwen3.5's gated attention; megatron's attention_output_gate)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's dims RoPE rotates, the first ones (HF partial_rotary_factor; Qwen3.5: 0.25)."""
+    mrope_section: tuple[int, ...] | None = None
+    """Qwen3.5's multimodal RoPE sections (HF rope_parameters.mrope_section), carried to the exported config. Text
+    positions are equal in all three sections, so for text the multimodal RoPE IS 1-D RoPE over the rotated dims
+    (tests/unit/test_hybrid_models.py checks it against HF)."""
+    mrope_interleaved: bool = False
+    """HF rope_parameters.mrope_interleaved, carried to the exported config (no effect on text positions)."""
+    layer_types: tuple[str, ...] | None = None
+    """Per layer "full_attention" or "linear_attention" (HF layer_types); None = every layer full attention."""
+    linear_conv_kernel_dim: int = 4
+    """Linear-attention layers: width of the causal depthwise convolution over q, k, v."""
+    linear_key_head_dim: int = 0
+    """Linear-attention layers: query/key head width (0 when the model has none)."""
+    linear_value_head_dim: int = 0
+    """Linear-attention layers: value head width, also the gated output norm's width."""
+    linear_num_key_heads: int = 0
+    """Linear-attention layers: query/key heads."""
+    linear_num_value_heads: int = 0
+    """Linear-attention layers: value heads (a multiple of linear_num_key_heads; each key head serves
+    linear_num_value_heads // linear_num_key_heads consecutive value heads)."""
 
     def __post_init__(self) -> None:
-        if self.family not in ("llama", "qwen2"):
-            raise ValueError(f"family must be 'llama' or 'qwen2', not {self.family!r}")
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {', '.join(FAMILIES)}, not {self.family!r}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -93,75 +108,108 @@ class ModelArch:
                     "hidden_size must be a multiple of num_attention_heads when head_dim is not given"
                 )
             self.head_dim = self.hidden_size // self.num_attention_heads
+        if not 0 < self.rotary_percent <= 1:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.rotary_percent}")
+        if self.rotary_dim % 2:
+            raise ValueError(
+                f"head_dim {self.head_dim} x partial_rotary_factor {self.rotary_percent} = {self.rotary_dim} "
+                "rotated dims: RoPE needs an even number"
+            )
+        if self.mrope_section is not None:
+            self.mrope_section = tuple(int(x) for x in self.mrope_section)
+        self._check_layer_types()
+
+    def _check_layer_types(self) -> None:
+        if self.layer_types is None:
+            return
+        self.layer_types = tuple(self.layer_types)  # a JSON list from megatron_branch.json
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for num_hidden_layers={self.num_layers}"
+            )
+        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+        if bad:
+            raise ValueError(f"layer type {bad[0]!r} is not supported; supported: {', '.join(LAYER_TYPES)}")
+        if not self.is_hybrid:
+            return
+        for name in (
+            "linear_conv_kernel_dim",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(
+                    f"{name} must be positive for linear-attention layers, got {getattr(self, name)}"
+                )
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
+                f"linear_num_key_heads={self.linear_num_key_heads}"
+            )
+
+    # --- layer kinds ----------------------------------------------------------------------------------------------
+    @property
+    def is_hybrid(self) -> bool:
+        """True when some layer is linear attention (gated delta net)."""
+        return self.layer_types is not None and "linear_attention" in self.layer_types
+
+    def is_linear(self, layer: int) -> bool:
+        """Layer `layer` (0-based) is a linear-attention (gated delta net) layer."""
+        return self.layer_types is not None and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def num_linear_layers(self) -> int:
+        return sum(self.is_linear(i) for i in range(self.num_layers))
+
+    @property
+    def num_full_layers(self) -> int:
+        return self.num_layers - self.num_linear_layers
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head RoPE rotates (HF: int(head_dim * partial_rotary_factor), as megatron computes it)."""
+        assert self.head_dim is not None
+        return int(self.head_dim * self.rotary_percent)
+
+    # --- the GDN widths megatron's GatedDeltaNet uses (ssm/gated_delta_net.py) -------------------------------------
+    @property
+    def linear_qk_dim(self) -> int:
+        return self.linear_key_head_dim * self.linear_num_key_heads
+
+    @property
+    def linear_v_dim(self) -> int:
+        return self.linear_value_head_dim * self.linear_num_value_heads
+
+    def gdn_in_proj_sections(self) -> tuple[int, ...]:
+        """Rows of the full in_proj weight: [q, k, v, z (output gate), beta, alpha] (megatron's split order)."""
+        qk, v, nv = self.linear_qk_dim, self.linear_v_dim, self.linear_num_value_heads
+        return (qk, qk, v, v, nv, nv)
+
+    def gdn_conv_sections(self) -> tuple[int, ...]:
+        """Channels of the causal convolution: [q, k, v]."""
+        qk, v = self.linear_qk_dim, self.linear_v_dim
+        return (qk, qk, v)
 
     # ------------------------------------------------------------------------------------------------------------
     @classmethod
     def from_hf_config(cls, cfg: Any, *, where: str = "config.json") -> ModelArch:
         """Map a transformers `PretrainedConfig` (or its dict) to a ModelArch, refusing what we cannot reproduce."""
-        d = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
-        family = check_supported_architecture(d.get("model_type"), d.get("architectures"), where=where)
-        if d.get("hidden_act", "silu") != "silu":
-            raise UserError(
-                f"hidden_act={d['hidden_act']!r} is not supported (only silu/SwiGLU)", where=where
-            )
-        if d.get("mlp_bias"):
-            raise UserError("mlp_bias=true is not supported", where=where)
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in (None, "default"):
-            raise UserError(f"rope scaling {rope_type!r} cannot be reproduced exactly; refusing", where=where)
-        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
-        if family == "qwen2" and d.get("use_sliding_window"):
-            raise UserError("use_sliding_window=true is not supported", where=where)
-        if family == "llama":
-            qkv_bias = bool(d.get("attention_bias", False))
-            if qkv_bias:
-                # Llama's attention_bias also puts a bias on o_proj, which the map below does not carry.
-                raise UserError("Llama attention_bias=true (bias on o_proj) is not supported", where=where)
-        else:
-            qkv_bias = True
-        n_heads = d["num_attention_heads"]
+        from megatron_branch.models.hf_families import arch_fields_from_hf
+
         try:
-            return cls(
-                family=family,
-                vocab_size=d["vocab_size"],
-                hidden_size=d["hidden_size"],
-                num_layers=d["num_hidden_layers"],
-                num_attention_heads=n_heads,
-                num_query_groups=d.get("num_key_value_heads") or n_heads,
-                ffn_hidden_size=d["intermediate_size"],
-                head_dim=d.get("head_dim"),
-                rope_theta=float(theta),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                qkv_bias=qkv_bias,
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-            )
-        except KeyError as e:
-            raise UserError(f"missing field {e.args[0]!r}", where=where) from None
+            return cls(**arch_fields_from_hf(cfg, where=where))
         except ValueError as e:
+            if isinstance(e, UserError):
+                raise
             raise UserError(str(e), where=where) from None
 
     def to_hf_config(self) -> Any:
         """The transformers config that `from_hf_config` maps back to this arch."""
-        from transformers import LlamaConfig, Qwen2Config
+        from megatron_branch.models.hf_families import hf_config_of
 
-        common = dict(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.ffn_hidden_size,
-            num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_query_groups,
-            head_dim=self.head_dim,
-            rms_norm_eps=self.rms_norm_eps,
-            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
-            tie_word_embeddings=self.tie_word_embeddings,
-            max_position_embeddings=self.max_position_embeddings,
-        )
-        if self.family == "llama":
-            return LlamaConfig(architectures=["LlamaForCausalLM"], attention_bias=False, **common)
-        return Qwen2Config(architectures=["Qwen2ForCausalLM"], **common)
+        return hf_config_of(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -192,6 +240,10 @@ class ModelArch:
             raise UserError(
                 f"tensor parallel size {tp} does not divide intermediate_size={self.ffn_hidden_size}"
             )
+        if self.is_hybrid:  # megatron's GatedDeltaNet splits both head counts over TP (transformer_config.py)
+            for name in ("linear_num_key_heads", "linear_num_value_heads"):
+                if getattr(self, name) % tp:
+                    raise UserError(f"tensor parallel size {tp} does not divide {name}={getattr(self, name)}")
 
     def to_transformer_config(
         self,
@@ -235,6 +287,41 @@ class ModelArch:
             apply_rope_fusion=False,
             gradient_accumulation_fusion=False,
             attention_softmax_in_fp32=False,
+            qk_layernorm=self.qk_norm,
+            layernorm_zero_centered_gamma=self.zero_centered_norm,
+            attention_output_gate=self.attention_output_gate,
         )
+        if self.is_hybrid:
+            from megatron_branch.compat.gdn import gdn_uses_torch_path
+
+            kwargs.update(
+                experimental_attention_variant="gated_delta_net",
+                # megatron's pattern: 1 = linear attention, 0 = full attention; a list makes the dist checkpoint
+                # name every layer by its index (transformer_block.py: non-homogeneous layers)
+                linear_attention_freq=[int(self.is_linear(i)) for i in range(self.num_layers)],
+                linear_conv_kernel_dim=self.linear_conv_kernel_dim,
+                linear_key_head_dim=self.linear_key_head_dim,
+                linear_value_head_dim=self.linear_value_head_dim,
+                linear_num_key_heads=self.linear_num_key_heads,
+                linear_num_value_heads=self.linear_num_value_heads,
+                # torch's conv1d and megatron's torch_chunk_gated_delta_rule where fla's kernels cannot run
+                deterministic_mode=gdn_uses_torch_path(),
+            )
         kwargs.update(overrides)
         return TransformerConfig(**kwargs)
+
+
+HYBRID_SCHEDULES = ("naive", "naive-fused")
+"""Schedules that run a hybrid (gated delta net) model exactly today: each rollout alone, one causal sequence per
+forward, through megatron's own GatedDeltaNet. The tree schedules (packed, replay) and the packed or cached
+baselines would carry a recurrent state across rollouts or lose it at a fork: refused (issue #18 item 2)."""
+
+
+def check_schedule_supports(arch: ModelArch, schedule: str, *, flag: str = "--schedule") -> None:
+    """Refuse, in one line, a schedule that cannot run `arch` exactly (before any work)."""
+    if arch.is_hybrid and schedule not in HYBRID_SCHEDULES:
+        raise UserError(
+            f"{flag} {schedule} cannot run a hybrid model yet ({arch.family}, {arch.num_linear_layers} of "
+            f"{arch.num_layers} layers gated delta net): branch replay through the recurrent state is not "
+            f"implemented (issue #18 item 2); use {flag} {' or '.join(HYBRID_SCHEDULES)}"
+        )

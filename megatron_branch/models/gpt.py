@@ -1,4 +1,8 @@
-"""Build a megatron-core GPTModel for Llama/Qwen2 architectures with the branch-aware core attention.
+"""Build a megatron-core GPTModel for every family of models/arch.py with the branch-aware core attention.
+
+Full-attention layers are megatron's local GPT layer (q/k norms in their slots for Qwen3 and Qwen3.5, the output
+gate and partial RoPE from the config); linear-attention layers of a hybrid are megatron's GatedDeltaNet
+(models/gdn.py), the layer kind read per layer from `ModelArch.layer_types`.
 
 Model code only: no process groups are created here. Tensor/sequence parallel sizes come from megatron's
 `parallel_state`, initialised by the caller (megatron_branch.parallel.groups), as in any Megatron run.
@@ -20,21 +24,23 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_branch.attention.core_attention import BranchCoreAttention
 from megatron_branch.compat.cpu import apply_cpu_shims
+from megatron_branch.compat.gdn import apply_gdn_shims
 from megatron_branch.compat.norm import TorchNorm
 from megatron_branch.models.arch import ModelArch
 from megatron_branch.models.layer_checkpoint import BranchTransformerLayer
 from megatron_branch.models.rotary import enable_position_rope
 
 
-def branch_layer_spec(*, use_apex_or_te_norm: bool = False) -> ModuleSpec:
-    """megatron-core's local GPT layer spec with our core attention plugged into the attention slot.
+def branch_layer_spec(*, use_apex_or_te_norm: bool = False, qk_norm: bool = False) -> ModuleSpec:
+    """megatron-core's local GPT layer spec with our core attention plugged into the attention slot (`qk_norm`:
+    with norms in the q/k slots, megatron's qk_layernorm).
 
     This is also how a user patches an existing Megatron run: take their spec and set
     `spec.submodules.self_attention.submodules.core_attention = BranchCoreAttention` (see patches/), and, for
     per-layer activation checkpointing inside chunks (ScheduleOptions.recompute_layers), `spec.module =
     BranchTransformerLayer` (models/layer_checkpoint.py).
     """
-    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm))
     assert spec.module is TransformerLayer, spec.module
     # megatron's layer, checkpointed while an attached context asks (ScheduleOptions.recompute_layers)
     spec.module = BranchTransformerLayer
@@ -42,7 +48,21 @@ def branch_layer_spec(*, use_apex_or_te_norm: bool = False) -> ModuleSpec:
     if not use_apex_or_te_norm:
         spec.submodules.input_layernorm = TorchNorm
         spec.submodules.pre_mlp_layernorm = TorchNorm
+        if qk_norm:
+            spec.submodules.self_attention.submodules.q_layernorm = TorchNorm
+            spec.submodules.self_attention.submodules.k_layernorm = TorchNorm
     return spec
+
+
+def layer_specs(arch: ModelArch) -> list[ModuleSpec]:
+    """One spec per layer: the full-attention layer, or (hybrids) megatron's GatedDeltaNet layer."""
+    attention = branch_layer_spec(qk_norm=arch.qk_norm)
+    if not arch.is_hybrid:
+        return [attention] * arch.num_layers
+    from megatron_branch.models.gdn import gdn_layer_spec
+
+    linear = gdn_layer_spec(attention)
+    return [linear if arch.is_linear(i) else attention for i in range(arch.num_layers)]
 
 
 class BranchGPTModel(GPTModel):
@@ -94,6 +114,8 @@ def build_model(
     `model_cls`: a BranchGPTModel subclass to build (the critic, models/critic.py).
     """
     apply_cpu_shims()
+    if arch.is_hybrid:
+        apply_gdn_shims()
     if not init_weights:
         config_overrides = {**config_overrides, "perform_initialization": False}
     config = arch.to_transformer_config(
@@ -103,7 +125,7 @@ def build_model(
         config=config,
         # A block spec so that the final norm is ours too (megatron's default refuses sequence parallel).
         transformer_layer_spec=TransformerBlockSubmodules(
-            layer_specs=[branch_layer_spec()] * arch.num_layers, layer_norm=TorchNorm
+            layer_specs=layer_specs(arch), layer_norm=TorchNorm
         ),
         vocab_size=arch.padded_vocab_size(tp, vocab_divisible_by),
         max_sequence_length=arch.max_position_embeddings,
@@ -112,11 +134,15 @@ def build_model(
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
-        rotary_percent=1.0,
+        rotary_percent=arch.rotary_percent,
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
     )
     if not init_weights:
         _set_tp_attributes_without_init(model)
+    if arch.is_hybrid:
+        from megatron_branch.models.gdn import mark_gdn_partition_dims
+
+        mark_gdn_partition_dims(model)
     model.arch = arch  # type: ignore[attr-defined]
     return model
 

@@ -6,7 +6,8 @@ Under context parallelism each CP rank back-propagates only the loss terms of IT
 its keys through the ring), so a replicated parameter's full gradient is the SUM over CP ranks; data-parallel ranks
 hold disjoint rollouts, and the objective is already normalised by the GLOBAL logical token count, so DP is a SUM
 too (not a mean). Parameters marked `sequence_parallel` (norm weights in the sequence-parallel region) see only this
-TP rank's rows and are summed over TP, as megatron-core's `_allreduce_layernorm_grads` does.
+TP rank's rows and are summed over TP, as megatron-core's `_allreduce_layernorm_grads` does; so are q/k norms
+(`q_layernorm`, `k_layernorm`: they see only this rank's heads), with or without SP, by the same name rule.
 """
 
 from __future__ import annotations
@@ -44,13 +45,22 @@ def finalize_grads(
     Collective over both groups: every rank calls it with the same model structure. Params without a grad get a
     zero one first, so every rank reduces the same list.
     """
-    params = [p for p in model.parameters() if p.requires_grad]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
     for p in params:
         if param_grad(p) is None:
             p.grad = torch.zeros_like(p)
-    if sequence_parallel and tp_group is not None and dist.get_world_size(tp_group) > 1:
-        sp = [param_grad(p) for p in params if getattr(p, "sequence_parallel", False)]
-        if sp:
-            _all_reduce_sum(sp, tp_group)  # type: ignore[arg-type]
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        # megatron's rule (finalize_model_grads._allreduce_non_tensor_model_parallel_grads): norms in the SP
+        # region, and q/k norms, which see only this rank's heads (with or without SP), summed once over TP
+        partial = [
+            param_grad(p)
+            for n, p in named
+            if (sequence_parallel and getattr(p, "sequence_parallel", False))
+            or "q_layernorm" in n
+            or "k_layernorm" in n
+        ]
+        if partial:
+            _all_reduce_sum(partial, tp_group)  # type: ignore[arg-type]
     if dp_cp_group is not None and dist.get_world_size(dp_cp_group) > 1:
         _all_reduce_sum([param_grad(p) for p in params], dp_cp_group)  # type: ignore[misc]

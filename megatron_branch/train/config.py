@@ -28,8 +28,8 @@ from megatron_branch.errors import UserError
 class ArchConfig:
     """A Llama-style architecture defined in the config (random init): the demo's tiny policy."""
 
-    family: Literal["llama", "qwen2"] = "llama"
-    """"llama" (no QKV bias) or "qwen2" (QKV bias)."""
+    family: Literal["llama", "qwen2", "qwen3"] = "llama"
+    """"llama" (no QKV bias), "qwen2" (QKV bias) or "qwen3" (q/k norms)."""
     vocab_size: int | None = None
     """None = the tokenizer's vocabulary size."""
     hidden_size: int = 64
@@ -55,7 +55,8 @@ class ModelConfig:
     """The policy (and, by default, the reference and the critic's trunk)."""
 
     hf_path: str | None = None
-    """Hugging Face folder (config.json + safetensors, Llama/Qwen2) to start from; loaded through the converter."""
+    """Hugging Face folder (config.json + safetensors: Llama, Qwen2, Qwen3) to start from; loaded through the
+    converter. A Qwen3.5 hybrid is refused here for now (its sampler and tree schedules are issue #18)."""
     arch: ArchConfig | None = None
     """A config-defined architecture with random weights (used when hf_path is not given)."""
     dtype: Literal["float32", "float64"] = "float32"
@@ -643,6 +644,7 @@ def model_arch(cfg: TrainConfig, vocab_size: int | None = None) -> Any:
             ffn_hidden_size=a.ffn_hidden_size,
             rope_theta=a.rope_theta,
             qkv_bias=a.family == "qwen2",
+            qk_norm=a.family == "qwen3",
             tie_word_embeddings=a.tie_word_embeddings,
             max_position_embeddings=a.max_position_embeddings,
         )
@@ -653,6 +655,12 @@ def model_arch(cfg: TrainConfig, vocab_size: int | None = None) -> Any:
 def check_model(cfg: TrainConfig) -> None:
     """The architecture exists and splits over parallel.tp (reads only config.json)."""
     arch = model_arch(cfg)
+    if arch.is_hybrid:
+        raise UserError(
+            f"model.hf_path: {arch.family} is a hybrid ({arch.num_linear_layers} of {arch.num_layers} layers gated "
+            "delta net); training needs sampling and branch replay through the recurrent state (issue #18 items "
+            "2 and 4), not implemented yet; `megatron-branch grad --schedule naive` computes its exact gradient"
+        )
     try:
         arch.check_tensor_parallel(cfg.parallel.tp)
     except UserError as e:

@@ -1,0 +1,157 @@
+"""The row layouts behind the parameter map: HF tensor shapes, the named transforms, and the fused sections that
+tensor parallelism splits separately (param_map.py says which tensor uses which; tp.py shards by the sections).
+
+Shape legend: h hidden, d head_dim, n query heads, g kv heads (query groups), p = n / g, f ffn, v vocabulary;
+gated delta net: qk = key heads x key head dim, vd = value heads x value head dim, nv value heads, K conv kernel.
+
+    transform            HF tensors                         megatron tensor (full, TP-independent)
+    identity             t                                  t
+    vocab_pad            [v, h]                             [padded v, h], zero rows appended
+    fused_gate_up        gate [f, h], up [f, h]             [gate; up]
+    qkv_interleave       q [n d, .], k [g d, .], v [g d, .] per group: [p q heads | k | v]
+    qkv_gate_interleave  q [n 2d, h] = per head [query; gate], k, v
+                                                            per group: [p q heads | p gate heads | k | v]
+    gdn_in_proj          qkv [2qk + vd, h], z [vd, h], b [nv, h], a [nv, h]
+                                                            [q; k; v; z; beta; alpha]
+Each is a re-arrangement of rows: exact both ways, for weights and for gradients alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from megatron_branch.models.arch import ModelArch
+
+
+# --- HF shapes --------------------------------------------------------------------------------------------------------
+def hf_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
+    """The shape `arch` implies for the canonical HF tensor `name` (most specific suffix first)."""
+    h, d, f, v = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size, arch.vocab_size
+    assert d is not None
+    q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
+    qk, vd, nv = arch.linear_qk_dim, arch.linear_v_dim, arch.linear_num_value_heads
+    table: Sequence[tuple[str, tuple[int, ...]]] = (
+        ("embed_tokens.weight", (v, h)),
+        ("lm_head.weight", (v, h)),
+        ("linear_attn.in_proj_qkv.weight", (2 * qk + vd, h)),
+        ("linear_attn.in_proj_z.weight", (vd, h)),
+        ("linear_attn.in_proj_b.weight", (nv, h)),
+        ("linear_attn.in_proj_a.weight", (nv, h)),
+        ("linear_attn.conv1d.weight", (2 * qk + vd, 1, arch.linear_conv_kernel_dim)),
+        ("linear_attn.A_log", (nv,)),
+        ("linear_attn.dt_bias", (nv,)),
+        ("linear_attn.norm.weight", (arch.linear_value_head_dim,)),
+        ("linear_attn.out_proj.weight", (h, vd)),
+        ("q_norm.weight", (d,)),
+        ("k_norm.weight", (d,)),
+        ("layernorm.weight", (h,)),
+        ("norm.weight", (h,)),
+        ("q_proj.weight", (2 * q if arch.attention_output_gate else q, h)),
+        ("k_proj.weight", (kv, h)),
+        ("v_proj.weight", (kv, h)),
+        ("q_proj.bias", (q,)),
+        ("k_proj.bias", (kv,)),
+        ("v_proj.bias", (kv,)),
+        ("o_proj.weight", (h, q)),
+        ("gate_proj.weight", (f, h)),
+        ("up_proj.weight", (f, h)),
+        ("down_proj.weight", (h, f)),
+    )
+    shape = next((s for suffix, s in table if name.endswith(suffix)), None)
+    assert shape is not None, f"no shape rule for {name}"
+    return shape
+
+
+def mcore_rows(parts: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+    """The megatron tensor's shape made from HF tensors of shapes `parts` (stacked along rows)."""
+    return (sum(s[0] for s in parts), *parts[0][1:])
+
+
+# --- transforms: (hf tensors) -> mcore tensor, and back ------------------------------------------------------------
+def _qkv_to_mcore(ts: list[torch.Tensor], arch: ModelArch, padded_vocab: int) -> torch.Tensor:
+    q, k, v = ts
+    ng, hd = arch.num_query_groups, arch.head_dim
+    per = arch.num_attention_heads // ng
+    rest = q.shape[1:]  # (hidden,) for weights, () for biases
+    return torch.cat(
+        [q.reshape(ng, per * hd, *rest), k.reshape(ng, hd, *rest), v.reshape(ng, hd, *rest)], dim=1
+    ).reshape(-1, *rest)
+
+
+def _qkv_to_hf(t: torch.Tensor, arch: ModelArch) -> list[torch.Tensor]:
+    ng, hd = arch.num_query_groups, arch.head_dim
+    per = arch.num_attention_heads // ng
+    rest = t.shape[1:]
+    q, k, v = t.reshape(ng, (per + 2) * hd, *rest).split([per * hd, hd, hd], dim=1)
+    return [q.reshape(-1, *rest).clone(), k.reshape(-1, *rest).clone(), v.reshape(-1, *rest).clone()]
+
+
+def _qkv_gate_to_mcore(ts: list[torch.Tensor], arch: ModelArch, padded_vocab: int) -> torch.Tensor:
+    qg, k, v = ts
+    ng, hd = arch.num_query_groups, arch.head_dim
+    per = arch.num_attention_heads // ng
+    rest = qg.shape[1:]
+    heads = qg.reshape(ng, per, 2, hd, *rest)  # HF: per head [query (d); gate (d)]
+    q, gate = heads[:, :, 0].reshape(ng, per * hd, *rest), heads[:, :, 1].reshape(ng, per * hd, *rest)
+    return torch.cat([q, gate, k.reshape(ng, hd, *rest), v.reshape(ng, hd, *rest)], dim=1).reshape(-1, *rest)
+
+
+def _qkv_gate_to_hf(t: torch.Tensor, arch: ModelArch) -> list[torch.Tensor]:
+    ng, hd = arch.num_query_groups, arch.head_dim
+    per = arch.num_attention_heads // ng
+    rest = t.shape[1:]
+    q, gate, k, v = t.reshape(ng, (2 * per + 2) * hd, *rest).split([per * hd, per * hd, hd, hd], dim=1)
+    qg = torch.stack([q.reshape(ng, per, hd, *rest), gate.reshape(ng, per, hd, *rest)], dim=2)
+    return [qg.reshape(-1, *rest).clone(), k.reshape(-1, *rest).clone(), v.reshape(-1, *rest).clone()]
+
+
+def _vocab_pad(ts: list[torch.Tensor], arch: ModelArch, padded_vocab: int) -> torch.Tensor:
+    (t,) = ts
+    if padded_vocab == t.shape[0]:
+        return t
+    out = t.new_zeros(padded_vocab, *t.shape[1:])
+    out[: t.shape[0]] = t
+    return out
+
+
+def _gdn_in_proj_to_hf(t: torch.Tensor, arch: ModelArch) -> list[torch.Tensor]:
+    qk, vd, nv = arch.linear_qk_dim, arch.linear_v_dim, arch.linear_num_value_heads
+    return [c.clone() for c in t.split([2 * qk + vd, vd, nv, nv], dim=0)]
+
+
+TRANSFORMS: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., list[torch.Tensor]]]] = {
+    "identity": (lambda ts, arch, pv: ts[0], lambda t, arch: [t]),
+    "qkv_interleave": (_qkv_to_mcore, _qkv_to_hf),
+    "qkv_bias_interleave": (_qkv_to_mcore, _qkv_to_hf),
+    "qkv_gate_interleave": (_qkv_gate_to_mcore, _qkv_gate_to_hf),
+    "fused_gate_up": (
+        lambda ts, arch, pv: torch.cat(ts, dim=0),
+        lambda t, arch: [c.clone() for c in t.chunk(2)],
+    ),
+    "gdn_in_proj": (lambda ts, arch, pv: torch.cat(ts, dim=0), _gdn_in_proj_to_hf),
+    "vocab_pad": (_vocab_pad, lambda t, arch: [t[: arch.vocab_size]]),
+}
+"""name -> (HF tensors -> megatron tensor, megatron tensor -> HF tensors)."""
+
+
+# --- fused sections under tensor parallelism -----------------------------------------------------------------------
+def tp_sections(name: str, config: Any) -> tuple[int, ...] | None:
+    """Rows (dim 0) of the sections a full megatron tensor is made of when each TP rank holds its share of EVERY
+    section, not one contiguous block: SwiGLU's fc1 [gate; up] (transformer/mlp.py), a GatedDeltaNet's in_proj
+    [q; k; v; z; beta; alpha] and conv1d [q; k; v] channels (ssm/gated_delta_net.py). None: a contiguous split.
+    `config` is the model's TransformerConfig (the widths megatron built the module with)."""
+    if ".linear_fc1." in name and getattr(config, "gated_linear_unit", True):
+        return (1, 1)  # two equal halves
+    if getattr(config, "experimental_attention_variant", None) != "gated_delta_net":
+        return None
+    qk = config.linear_key_head_dim * config.linear_num_key_heads
+    vd = config.linear_value_head_dim * config.linear_num_value_heads
+    nv = config.linear_num_value_heads
+    if name.endswith("self_attention.in_proj.weight"):
+        return (qk, qk, vd, vd, nv, nv)
+    if name.endswith(("self_attention.conv1d.weight", "self_attention.conv1d.bias")):
+        return (qk, qk, vd)
+    return None
