@@ -133,6 +133,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_every_exact_schedule_matches_hf(dtype: torch.dtype, tie: bool) -> None:
