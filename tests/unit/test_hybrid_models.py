@@ -22,10 +22,10 @@ from megatron_branch.checkpoint import (
     convert_mcore_to_hf,
     gather_full_state,
     hf_to_mcore_state,
+    layouts,
     load_full_state,
     mcore_to_hf_state,
 )
-from megatron_branch.checkpoint import layouts
 from megatron_branch.checkpoint.hf_io import HFTensorReader
 from megatron_branch.checkpoint.param_map import hf_shapes, mcore_names, sharded_keys
 from megatron_branch.checkpoint.tp import gather_full_grads
