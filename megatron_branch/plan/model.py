@@ -56,6 +56,40 @@ MODEL_PRESETS: dict[str, ModelArch] = {
     ),
 }
 
+# The config.json fields of the published checkpoints, mapped by the same code as any HF folder
+# (models/hf_families.py): Qwen/Qwen3-8B and Qwen/Qwen3-32B config.json; Qwen/Qwen3.6-27B config.json's
+# text_config (revision 6a9e13bd; model card: hidden 5120, 64 layers = 16 x (3 x (Gated DeltaNet -> FFN) + 1 x
+# (Gated Attention -> FFN)), GDN 16 QK / 48 V heads of 128, attention 24 Q / 4 KV heads of 256, RoPE dim 64, FFN
+# 17408, vocabulary 248320). The multimodal checkpoint's vision tower and MTP head are not part of the policy.
+_QWEN3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, head_dim=128,
+              max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000, tie_word_embeddings=False,
+              hidden_act="silu", attention_bias=False)  # fmt: skip
+_QWEN3_6_27B_TEXT = dict(
+    model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"], vocab_size=248320, hidden_size=5120,
+    intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 16,
+    full_attention_interval=4, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_num_key_heads=16, linear_num_value_heads=48, attn_output_gate=True, output_gate_type="swish",
+    max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu",
+    attention_bias=False, partial_rotary_factor=0.25,
+    rope_parameters={"mrope_interleaved": True, "mrope_section": [11, 11, 10], "partial_rotary_factor": 0.25,
+                     "rope_theta": 10000000, "rope_type": "default"},
+)  # fmt: skip
+MODEL_PRESETS.update(
+    {
+        "qwen3-8b": ModelArch.from_hf_config(
+            dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                 num_key_value_heads=8), where="preset qwen3-8b"
+        ),
+        "qwen3-32b": ModelArch.from_hf_config(
+            dict(_QWEN3, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                 num_key_value_heads=8), where="preset qwen3-32b"
+        ),
+        "qwen3.6-27b": ModelArch.from_hf_config(_QWEN3_6_27B_TEXT, where="preset qwen3.6-27b"),
+    }
+)  # fmt: skip
+# A 35B-A3B-class MoE hybrid (Qwen3.5/3.6-35B-A3B) needs MoE layers in the planner: left to the MoE work.
+
 
 @dataclass(frozen=True, kw_only=True)
 class GPU:
@@ -205,21 +239,36 @@ def load_model(spec: str) -> tuple[str, ModelArch]:
         raise UserError(f"cannot read it as JSON: {e}", where=str(path)) from None
     if not isinstance(d, dict):
         raise UserError("expected a JSON object", where=str(path))
+    rope = d.get("rope_parameters") or {}
+    partial = d.get(
+        "partial_rotary_factor", rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+    )
     d = {k: v for k, v in d.items() if k not in ("rope_scaling", "rope_parameters")}  # sizes only
+    if partial is not None:  # the one RoPE field that changes a size (the rotated dims' cos / sin)
+        d["partial_rotary_factor"] = partial
     return path.parent.name or str(path), ModelArch.from_hf_config(d, where=str(path))
 
 
 def parameter_count(arch: ModelArch) -> dict[str, int]:
-    """Parameters by part: embedding, output layer (0 when tied), per transformer layer, final norm."""
-    h, d = arch.hidden_size, arch.head_dim
-    assert d is not None
-    nq, g, f = arch.num_attention_heads, arch.num_query_groups, arch.ffn_hidden_size
-    qkv = h * (nq + 2 * g) * d + ((nq + 2 * g) * d if arch.qkv_bias else 0)
-    layer = qkv + nq * d * h + 2 * h + h * 2 * f + f * h  # QKV, proj, 2 norms, fc1 (gate+up), fc2
+    """Parameters by part: embedding, output layer (0 when tied), per full-attention layer, per linear-attention
+    (gated delta net) layer, final norm, the total, and those every TP rank holds whole (norms)."""
+    from megatron_branch.plan.layers import attention_layer_params, gdn_layer_params, replicated_layer_params
+
+    h = arch.hidden_size
+    full, linear = arch.num_full_layers, arch.num_linear_layers
+    layer = attention_layer_params(arch)
+    linear_layer = gdn_layer_params(arch) if linear else 0
     return {
         "embedding": arch.vocab_size * h,
         "output": 0 if arch.tie_word_embeddings else arch.vocab_size * h,
         "layer": layer,
+        "linear_layer": linear_layer,
         "final_norm": h,
-        "total": arch.vocab_size * h * (1 if arch.tie_word_embeddings else 2) + arch.num_layers * layer + h,
+        "total": arch.vocab_size * h * (1 if arch.tie_word_embeddings else 2)
+        + full * layer
+        + linear * linear_layer
+        + h,
+        "replicated": full * replicated_layer_params(arch, False)
+        + linear * replicated_layer_params(arch, True)
+        + h,
     }

@@ -148,7 +148,7 @@ def _ring_bytes_per_rank(arch: ModelArch, shape: RolloutShape, layout: Layout, s
     for keys in chunks:
         kv = keys * per_row * dm.e
         total += (cp - 1) * kv * 2 + cp * keys * per_row * 4  # K/V forward + backward, dK/dV in fp32
-    return groups * dm.layers * total
+    return groups * dm.attn_layers * total  # GDN layers of a hybrid have no ring
 
 
 def step_time(
@@ -248,6 +248,12 @@ def evaluate(
             "full = segment recompute + per-layer activation checkpointing inside every chunk (grad "
             "--recompute --recompute-layers): each layer keeps its input, one layer is rebuilt at a time "
             "in backward, one more forward of every layer"
+        )
+    if arch.is_hybrid:
+        notes.append(
+            f"hybrid ({arch.num_linear_layers} gated delta net + {arch.num_full_layers} full-attention layers): GDN "
+            "layers planned with fla's kernel (plan/layers.py), no K/V and no ring; the engine runs hybrids with "
+            "--schedule naive only today (replay/packed through the recurrent state, and GDN under CP: issue #18)"
         )
     return Plan(
         model=model,
