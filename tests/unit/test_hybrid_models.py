@@ -181,6 +181,46 @@ def test_planted_in_proj_layout_bug_is_caught(monkeypatch: pytest.MonkeyPatch) -
     assert (logits(model, ids)[:, :37] - ref).abs().max() > 1e-2
 
 
+def test_the_sampler_refuses_a_hybrid() -> None:
+    from megatron_branch.generation import BranchSampler
+
+    _, model = megatron_of(hybrid())
+    with pytest.raises(ValueError, match="cannot sample a hybrid model yet"):
+        BranchSampler(model, vocab_size=37)
+
+
+def test_megatrons_te_hybrid_spec_puts_the_norms_where_the_map_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    """megatron's own hybrid block spec (TE only; built here with the named stand-ins of test_param_map_te.py):
+    GDN layers fuse the input norm into in_proj, attention layers into linear_qkv, the MLP's into fc1; GDN's
+    out_norm and the q/k norms are modules of their own. The map's TE names say the same."""
+    from megatron.core.models.gpt import experimental_attention_variant_module_specs as hybrid_specs
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.identity_op import IdentityOp
+    from test_param_map_te import FakeTESpecProvider, TELayerNormColumnParallelLinear, TENorm
+
+    monkeypatch.setattr(hybrid_specs, "TESpecProvider", FakeTESpecProvider, raising=False)
+    monkeypatch.setattr(gpt_layer_specs, "TESpecProvider", FakeTESpecProvider, raising=False)
+    arch = ModelArch.from_hf_config(tiny_hf_config("qwen3_5", num_layers=4))
+    block = hybrid_specs.get_transformer_block_with_experimental_attention_variant_spec(
+        arch.to_transformer_config()
+    )
+    gdn, attn = block.layer_specs[0].submodules, block.layer_specs[3].submodules
+    assert (
+        gdn.input_layernorm is IdentityOp
+        and gdn.self_attention.submodules.in_proj is TELayerNormColumnParallelLinear
+    )
+    assert gdn.self_attention.submodules.out_norm is TENorm
+    assert attn.input_layernorm is IdentityOp
+    assert attn.self_attention.submodules.linear_qkv is TELayerNormColumnParallelLinear
+    assert attn.self_attention.submodules.q_layernorm is TENorm
+    te = set(mcore_names(arch, "te"))
+    assert "decoder.layers.0.self_attention.in_proj.layer_norm_weight" in te
+    assert "decoder.layers.0.self_attention.out_norm.weight" in te
+    assert "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight" in te
+    assert "decoder.layers.3.self_attention.q_layernorm.weight" in te
+    assert not any(".input_layernorm." in n or ".pre_mlp_layernorm." in n for n in te)
+
+
 # --- conversion -------------------------------------------------------------------------------------------------------
 def test_round_trip_is_bit_exact() -> None:
     hf = hybrid(seed=3)
