@@ -189,7 +189,7 @@ def convert_hf_to_mcore(
     progress: bool = True,
     overwrite: bool = False,
 ) -> Path:
-    """Convert a local HF Llama/Qwen2 folder into a megatron-core dist checkpoint at `out_dir`.
+    """Convert a local HF folder (any family of models/arch.py) into a megatron-core dist checkpoint at `out_dir`.
 
     `tp` must divide the number of launched ranks (1 when single process). `dtype` None keeps the storage dtype.
     Everything is checked (on every rank, one verdict) before any model is built.
