@@ -354,3 +354,14 @@ def register(options: BranchOptions | None = None) -> type:
     if dist.is_initialized() and dist.get_rank() == 0:
         logger.warning("megatron-branch: verl's Megatron engine runs with branch replay (%s)", cls.__name__)
     return cls
+
+
+def unregister() -> None:
+    """Undo `register()` in this process (tests compare verl with and without the switch in one process)."""
+    from verl.utils.device import get_device_name, get_vendor
+    from verl.workers.engine import EngineRegistry
+
+    registry = EngineRegistry._engines.get("language_model", {}).get("megatron", {})
+    key = (get_device_name(), get_vendor())
+    if getattr(registry.get(key), "branch_options", None) is not None:
+        del registry[key]

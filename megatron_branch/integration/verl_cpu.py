@@ -45,6 +45,7 @@ def _cpu_device_module() -> SimpleNamespace:
         reset_peak_memory_stats=lambda *a, **k: None,
         mem_get_info=lambda *a, **k: (0, 0),
         device_count=lambda: 1,
+        get_device_name=lambda *a, **k: "CPU",
         current_device=lambda: "cpu",
         set_device=lambda *a, **k: None,
         is_available=lambda: True,
