@@ -98,8 +98,8 @@ def dp_share(td: Any, dp_rank: int, dp_size: int) -> Any:
 @dataclass
 class StepOut:
     engine: str
-    log_probs: torch.Tensor  # [B, R] compute_log_prob's, verl's padded response layout
-    entropy: torch.Tensor  # [B, R]
+    log_probs: torch.Tensor | None  # [B, R] compute_log_prob's, verl's padded response layout (None: not collected)
+    entropy: torch.Tensor | None  # [B, R]
     metrics: dict[str, Any]  # train_mini_batch's metrics
     grads: dict[str, torch.Tensor]  # this rank's main_grad per parameter, before the optimizer step
 
@@ -181,9 +181,11 @@ def run_step(worker: Any, td_fn: Any, *, actor: Any = None) -> StepOut:
     engine.optimizer_step = snapshot_then_step
     td = td_fn()
     tu.assign_non_tensor(td, calculate_entropy=True, compute_loss=False)
-    inferred = worker.infer_batch(td)
-    lp = no_padding_2_padding(tu.get(inferred, "log_probs"), td)
-    ent = no_padding_2_padding(tu.get(inferred, "entropy"), td)
+    inferred = worker.infer_batch(td)  # None on ranks that do not collect outputs (tp rank > 0)
+    lp = ent = None
+    if inferred is not None:
+        lp = no_padding_2_padding(tu.get(inferred, "log_probs"), td)
+        ent = no_padding_2_padding(tu.get(inferred, "entropy"), td)
     td = td_fn()
     tu.assign_non_tensor(
         td,
