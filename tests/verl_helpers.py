@@ -42,6 +42,7 @@ def grpo_batch(
     prompt_len: int = 12,
     response_len: int = 8,
     shared: int = 3,
+    temperature: float = 1.0,
 ) -> Any:
     """`groups` prompts x `n` rollouts (consecutive, as verl's `repeat(interleave=True)`), prompts of different
     lengths left-padded, responses of different lengths right-padded; the first half of each group shares its
@@ -84,7 +85,7 @@ def grpo_batch(
         batch_size=[B],
     )
     td = left_right_2_no_padding(td)
-    tu.assign_non_tensor(td, temperature=1.0)
+    tu.assign_non_tensor(td, temperature=temperature)  # the rollout's sampling temperature (verl's meta_info)
     return td
 
 
@@ -98,13 +99,15 @@ def dp_share(td: Any, dp_rank: int, dp_size: int) -> Any:
 @dataclass
 class StepOut:
     engine: str
-    log_probs: torch.Tensor | None  # [B, R] compute_log_prob's, verl's padded response layout (None: not collected)
+    log_probs: (
+        torch.Tensor | None
+    )  # [B, R] compute_log_prob's, verl's padded response layout (None: not collected)
     entropy: torch.Tensor | None  # [B, R]
     metrics: dict[str, Any]  # train_mini_batch's metrics
     grads: dict[str, torch.Tensor]  # this rank's main_grad per parameter, before the optimizer step
 
 
-def make_worker(hf_dir: str, *, tp: int = 1, dynamic_bsz: bool = False) -> Any:
+def make_worker(hf_dir: str, *, tp: int = 1, dynamic_bsz: bool = False, forward_only: bool = False) -> Any:
     """verl's TrainingWorker for a Megatron language model (float32 on CPU), built through verl's EngineRegistry."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import (
@@ -130,6 +133,7 @@ def make_worker(hf_dir: str, *, tp: int = 1, dynamic_bsz: bool = False) -> Any:
         use_dist_checkpointing=True,  # the checkpoint manager needs a bridge otherwise (none on CPU)
         dist_checkpointing_path=os.devnull,
         seed=7,
+        forward_only=forward_only,  # the reference policy's engine
     )
     object.__setattr__(engine, "dtype", "fp32")  # verl's config allows bf16/fp16 only; the CPU test runs fp32
     config = TrainingWorkerConfig(
@@ -161,6 +165,18 @@ def actor_config(**overrides: Any) -> Any:
     )
     kw.update(overrides)
     return ActorConfig(**kw)
+
+
+def infer(worker: Any, td: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """compute_log_prob / compute_ref_log_prob through the worker: (log_probs, entropy) [B, R]."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    tu.assign_non_tensor(td, calculate_entropy=True, compute_loss=False)
+    out = worker.infer_batch(td)
+    return no_padding_2_padding(tu.get(out, "log_probs"), td), no_padding_2_padding(
+        tu.get(out, "entropy"), td
+    )
 
 
 def run_step(worker: Any, td_fn: Any, *, actor: Any = None) -> StepOut:

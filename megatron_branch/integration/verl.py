@@ -40,7 +40,12 @@ logger = logging.getLogger(__name__)
 TESTED_VERL = ("0.9.1",)
 """verl versions whose engine internals this was tested against (tests/unit/test_verl_engine.py)."""
 
-STEP_METRICS = ("tree/positions_logical", "tree/positions_computed", "tree/token_ratio")
+STEP_METRICS = (
+    "tree/positions_logical",
+    "tree/positions_computed",
+    "tree/token_ratio",
+    "tree/prompts_split_over_dp",
+)
 """Our metrics, added to verl's (the actor's become `actor/tree/...` in verl's trainer)."""
 
 
@@ -167,7 +172,15 @@ class VerlTreeStep:
             )
             if not forward_only:
                 self._gradient_pass(model_chunk, slots, G, H, opts, run_schedule)
-        self._add_metrics(outputs, slots)
+        split = _prompts_split_over_dp(slots)
+        if split and not getattr(self.engine, "_branch_split_warned", False):
+            self.engine._branch_split_warned = True  # once per engine
+            logger.warning(
+                "megatron-branch: %d prompt group(s) are split over DP ranks (less sharing, still exact); keep "
+                "data.train_batch_size and actor.ppo_mini_batch_size multiples of the DP size, actor.shuffle=False",
+                split,
+            )
+        self._add_metrics(outputs, slots, split)
         return outputs
 
     # -- pieces ------------------------------------------------------------------------------------------------
@@ -263,9 +276,9 @@ class VerlTreeStep:
                 [model_chunk], None, pg_collection=ProcessGroupCollection.use_mpu_process_groups()
             )
 
-    def _add_metrics(self, outputs: list[dict[str, Any]], slots: TreeSlots) -> None:
-        """positions logical / computed of this rank's tree, on the first micro-batch's metrics (verl gathers them
-        over DP; the trainer reports their mean)."""
+    def _add_metrics(self, outputs: list[dict[str, Any]], slots: TreeSlots, split: int) -> None:
+        """positions logical / computed of this rank's tree and the prompts shared with another DP rank, on the
+        first micro-batch's metrics (verl gathers them over DP; the trainer reports their mean)."""
         if not outputs:
             return
         tree = slots.tree
@@ -273,6 +286,23 @@ class VerlTreeStep:
         metrics["tree/positions_logical"] = float(tree.positions_logical)
         metrics["tree/positions_computed"] = float(tree.positions_computed)
         metrics["tree/token_ratio"] = tree.positions_logical / tree.positions_computed
+        metrics["tree/prompts_split_over_dp"] = float(split)
+
+
+def _prompts_split_over_dp(slots: TreeSlots) -> int:
+    """How many of this rank's prompts (tree roots' first tokens and lengths) another DP rank also holds: the
+    check of the rule that keeps GRPO groups whole on one rank (docs/verl.md). Exactness does not depend on it;
+    sharing does."""
+    from megatron.core import parallel_state as ps
+
+    if not dist.is_initialized() or ps.get_data_parallel_world_size() == 1:
+        return 0
+    mine = {hash(tuple(r.prompt)) for r in slots.tree.rollouts}
+    every: list[Any] = [None] * ps.get_data_parallel_world_size()
+    dist.all_gather_object(every, mine, group=ps.get_data_parallel_group())
+    me = ps.get_data_parallel_rank()
+    others = set().union(*(s for i, s in enumerate(every) if i != me))
+    return len(mine & others)
 
 
 def _wants_entropy(micro_batches: list[Any]) -> bool:

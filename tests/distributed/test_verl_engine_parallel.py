@@ -66,3 +66,4 @@ def test_verl_engine_switch_parallel(tp: int) -> None:
         got, want = float(tree.metrics["actor/pg_loss"][0]), float(base.metrics["actor/pg_loss"][0])
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
         assert tree.metrics["tree/positions_computed"][0] < tree.metrics["tree/positions_logical"][0]
+        assert tree.metrics["tree/prompts_split_over_dp"][0] == 0  # whole groups per rank (prompts % DP == 0)

@@ -22,6 +22,7 @@ from verl_helpers import (  # noqa: E402
     VOCAB,
     actor_config,
     grpo_batch,
+    infer,
     make_worker,
     max_rel_grad_error,
     run_step,
@@ -105,12 +106,17 @@ def test_verl_metrics_unchanged_plus_positions(both: tuple) -> None:
     assert computed < logical and tree.metrics["tree/token_ratio"][0] == pytest.approx(logical / computed)
 
 
-def test_dynamic_batch_size(single_process: str) -> None:
-    """verl's dynamic batch size (token-budget micro-batches that may split a group): still exact."""
+def test_dynamic_batch_size_and_temperature(single_process: str) -> None:
+    """verl's dynamic batch size (token-budget micro-batches that may split a group) and a sampling temperature
+    (verl divides the logits by it): still exact."""
+
+    def td() -> object:
+        return grpo_batch(seed=1, groups=3, temperature=0.7)
+
     set_switch(False)
-    base = run_step(make_worker(single_process, dynamic_bsz=True), lambda: grpo_batch(seed=1, groups=3))
+    base = run_step(make_worker(single_process, dynamic_bsz=True), td)
     set_switch(True)
-    tree = run_step(make_worker(single_process, dynamic_bsz=True), lambda: grpo_batch(seed=1, groups=3))
+    tree = run_step(make_worker(single_process, dynamic_bsz=True), td)
     set_switch(False)
     torch.testing.assert_close(tree.log_probs, base.log_probs, rtol=1e-5, atol=1e-5)
     err, name = max_rel_grad_error(base.grads, tree.grads)
@@ -163,3 +169,33 @@ def test_kl_and_loss_modes_reach_the_gradient(single_process: str) -> None:
     err, name = max_rel_grad_error(base.grads, tree.grads)
     assert err <= 1e-5, f"{name}: {err:.2e}"
     assert VOCAB == 64
+
+
+def test_reference_engine_forward_only(single_process: str) -> None:
+    """The reference policy's engine (forward_only: no DDP, no optimizer) with the switch: verl's ref logprobs."""
+    set_switch(False)
+    want = infer(make_worker(single_process, forward_only=True), grpo_batch(seed=3))
+    set_switch(True)
+    worker = make_worker(single_process, forward_only=True)
+    set_switch(False)
+    assert type(worker.engine).__name__.startswith("BranchReplay")
+    got = infer(worker, grpo_batch(seed=3))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_patched_model_keeps_verls_own_path(single_process: str) -> None:
+    """The model patch alone (wrapped core attention, position RoPE) leaves verl's own forward bit-identical and
+    the parameter names unchanged (checkpoints, weight export)."""
+    from megatron_branch.integration.verl_model import BranchFallbackAttention, patch_verl_model
+
+    set_switch(False)
+    worker = make_worker(single_process, forward_only=True)
+    names = [n for n, _ in worker.engine.module[0].named_parameters()]
+    before = infer(worker, grpo_batch(seed=4))
+    patch_verl_model(worker.engine.module[0])
+    assert any(isinstance(m, BranchFallbackAttention) for m in worker.engine.module[0].modules())
+    assert [n for n, _ in worker.engine.module[0].named_parameters()] == names
+    after = infer(worker, grpo_batch(seed=4))
+    for a, b in zip(after, before):
+        assert torch.equal(a, b)
