@@ -367,10 +367,20 @@ def branch_engine_class(base: type, options: BranchOptions | None = None) -> typ
     return BranchReplayEngine
 
 
+def _engine_key() -> tuple[str, str]:
+    """The (device, vendor) key verl's EngineRegistry.get_engine_cls looks up first (its env overrides too)."""
+    import os
+
+    from verl.utils.device import get_device_name, get_vendor
+
+    return os.getenv("VERL_ENGINE_DEVICE") or get_device_name(), os.getenv(
+        "VERL_ENGINE_VENDOR"
+    ) or get_vendor()
+
+
 def register(options: BranchOptions | None = None) -> type:
     """Register the branch-replay engine for verl's language models on this process's platform (idempotent);
     returns the registered class."""
-    from verl.utils.device import get_device_name, get_vendor
     from verl.workers.engine import EngineRegistry
 
     check_verl_version()
@@ -378,7 +388,7 @@ def register(options: BranchOptions | None = None) -> type:
     if getattr(current, "branch_options", None) is not None:
         return current
     cls = branch_engine_class(current, options)
-    device, vendor = get_device_name(), get_vendor()
+    device, vendor = _engine_key()
     registry = EngineRegistry._engines["language_model"]["megatron"]
     registry[(device, vendor)] = cls  # the (device, vendor) key is looked up before the device-only default
     if dist.is_initialized() and dist.get_rank() == 0:
@@ -388,10 +398,9 @@ def register(options: BranchOptions | None = None) -> type:
 
 def unregister() -> None:
     """Undo `register()` in this process (tests compare verl with and without the switch in one process)."""
-    from verl.utils.device import get_device_name, get_vendor
     from verl.workers.engine import EngineRegistry
 
     registry = EngineRegistry._engines.get("language_model", {}).get("megatron", {})
-    key = (get_device_name(), get_vendor())
+    key = _engine_key()
     if getattr(registry.get(key), "branch_options", None) is not None:
         del registry[key]
