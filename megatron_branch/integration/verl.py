@@ -101,6 +101,10 @@ def refuse_unsupported(engine_config: Any, tf_config: Any = None) -> None:
         raise VerlBranchError(
             "branch replay does not support calculate_per_token_loss (set by CP / MoE aux losses)"
         )
+    if tf_config is not None and (tf_config.num_moe_experts or 0) > 0:
+        # megatron's router losses count each computed token once; under sharing a token stands for several
+        # rollouts (megatron-branch's own MoE path weights them; verl's engine path does not yet)
+        raise VerlBranchError("branch replay in verl's engine supports dense models only (MoE not wired yet)")
 
 
 def _refuse_batch(data: Any) -> None:

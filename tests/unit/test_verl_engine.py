@@ -156,6 +156,11 @@ def test_refusals_are_one_line(single_process: str) -> None:
     cfg = McoreEngineConfig(use_fused_kernels=True)
     with pytest.raises(VerlBranchError, match="use_fused_kernels"):
         refuse_unsupported(cfg)
+    from types import SimpleNamespace
+
+    moe = SimpleNamespace(calculate_per_token_loss=False, num_moe_experts=8)
+    with pytest.raises(VerlBranchError, match="dense models only"):
+        refuse_unsupported(McoreEngineConfig(), moe)
 
 
 def test_kl_and_loss_modes_reach_the_gradient(single_process: str) -> None:
