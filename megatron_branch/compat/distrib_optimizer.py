@@ -35,8 +35,8 @@ state dict and its gloo paths all run; two assumptions remain, both in `Distribu
    KeyError 'step'. The shim hands megatron's method the parameter's own `step` beside the checkpoint's tensors
    (copied onto itself: unchanged). And megatron's `load_state_dict` gives every parameter's state the SAME step
    tensor, which torch's Adam then increments in place once per parameter, so after one more step every bias
-   correction is wrong (measured: the update 25% off); each parameter gets its own copy (megatron clones it
-   the same way for its hybrid optimizer).
+   correction is wrong (measured: the update 25% off; the same for the hybrid optimizer, whose fused CPU Adam
+   increments a shared step once per parameter too); each parameter gets its own copy.
 
 So on CPU megatron's distributed optimizer holds float64 parameters exactly (tests/distributed/test_distrib_optimizer.py:
 == the plain optimizer at 1e-12 after 3 steps under DP2, CP2, DP2 x CP2). On a GPU nothing here runs, and
@@ -218,13 +218,12 @@ def _shim_set_states() -> None:
 
     @functools.wraps(orig)
     def _set_main_param_and_optimizer_states(self: Any, model_param: Any, tensors: dict) -> Any:
-        if not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 and "step" not in tensors:
-            group, order = self.model_param_group_index_map[model_param]
-            main = self.optimizer.param_groups[group]["params"][order]
-            state = self.optimizer.state[main]
-            if isinstance(state.get("step"), torch.Tensor):  # torch Adam's: restored from the param groups
-                state["step"] = state["step"].clone()  # its own tensor: megatron gave all of them one
-                tensors = {**tensors, "step": state["step"]}
+        group, order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+        if isinstance(state.get("step"), torch.Tensor):  # torch Adam's, restored from the param groups
+            state["step"] = state["step"].clone()  # its own tensor: megatron gave all of them one
+            if not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 and "step" not in tensors:
+                tensors = {**tensors, "step": state["step"]}  # megatron copies every state key
         return orig(self, model_param, tensors)
 
     _set_main_param_and_optimizer_states._megatron_branch_cpu = True  # type: ignore[attr-defined]

@@ -56,7 +56,9 @@ class Trainee:
         self.model.load_state_dict(
             {k.removeprefix(prefix): v for k, v in state["model"].items()}, strict=True
         )
-        self.optimizer.load_state_dict(state["optimizer"])
+        from megatron_branch.update.optimizer import load_optimizer_state
+
+        load_optimizer_state(self.optimizer, state["optimizer"])
 
 
 class Actor:

@@ -142,13 +142,13 @@ def check_supported(settings: OptimizerSettings, dtype: torch.dtype) -> None:
             f"main_grads_dtype=bf16 needs bf16 parameters (megatron keeps the gradients in the parameters' dtype "
             f"unless it reduces them in fp32); the parameters are {str(dtype).removeprefix('torch.')}"
         )
-    if settings.exp_avg_dtype != "fp32" or settings.exp_avg_sq_dtype != "fp32":
+    if settings.use_precision_aware_optimizer and not settings.optimizer_cpu_offload:
         from megatron.core.utils import get_te_version
 
         if not torch.cuda.is_available() or get_te_version() is None:
             raise ValueError(
-                "exp_avg_dtype / exp_avg_sq_dtype other than fp32 need TransformerEngine's FusedAdam on a GPU "
-                "(megatron's only implementation of lowered Adam moments)"
+                "use_precision_aware_optimizer without optimizer_cpu_offload needs TransformerEngine's FusedAdam "
+                "on a GPU (megatron's only implementation of it; lowered Adam moments live there)"
             )
     if settings.use_distributed_optimizer and dtype == torch.float64 and torch.cuda.is_available():
         raise ValueError(
@@ -237,8 +237,8 @@ def optimizer_sharded_state(optimizer: Any, model_sharded_state: dict[str, Any],
     Loading into a distributed optimizer that has not stepped yet: with torch's Adam (no TE / apex) megatron's
     `DistributedOptimizer.state_dict` asserts that every parameter's state holds one common `step`, which a
     fresh optimizer lacks, so its state first gets megatron's own dummy values
-    (`_init_optimizer_states_with_dummy_values`: one step on zero gradients; the load then overwrites master
-    copy, moments, step and the model's weights)."""
+    (`_init_optimizer_states_with_dummy_values`, for the hybrid optimizer `dummy_step`: one step on zero / random
+    gradients; the load then overwrites master copy, moments, step and the model's weights)."""
     if loading:
         from megatron.core.optimizer import distrib_optimizer as dopt
 
@@ -247,13 +247,42 @@ def optimizer_sharded_state(optimizer: Any, model_sharded_state: dict[str, Any],
                 isinstance(inner, dopt.DistributedOptimizer)
                 and not inner.is_stub_optimizer
                 and not dopt.HAVE_APEX_OR_TE
-                and isinstance(inner.optimizer, torch.optim.Adam | torch.optim.AdamW)
                 and len(inner.optimizer.state) == 0
             ):
-                inner._init_optimizer_states_with_dummy_values()
-    return optimizer.sharded_state_dict(
-        model_sharded_state, is_loading=loading, metadata=checkpoint_metadata()
-    )
+                if isinstance(inner.optimizer, dopt.HybridDeviceOptimizer):
+                    inner.optimizer.dummy_step()  # megatron's own, as its load_state_dict does later
+                else:
+                    inner._init_optimizer_states_with_dummy_values()
+    sd = optimizer.sharded_state_dict(model_sharded_state, is_loading=loading, metadata=checkpoint_metadata())
+    for groups in _saved_param_groups(optimizer, sd):
+        for g in groups:  # the hybrid optimizer's classes (cpu/gpu_optimizer_cls): code, not data
+            for k in [k for k, v in g.items() if isinstance(v, type)]:
+                del g[k]
+    return sd
+
+
+def load_optimizer_state(optimizer: Any, state: Any) -> None:
+    """`optimizer.load_state_dict(state)` for what `optimizer_sharded_state` saved: the hybrid optimizer's class
+    entries it left out (a checkpoint holds data only: checkpoint/integrity.py loads no pickled code) come back
+    from the running optimizer first."""
+    for inner, groups in zip(inner_optimizers(optimizer), _saved_param_groups(optimizer, state)):
+        defaults = getattr(getattr(inner, "optimizer", None), "defaults", {})
+        for g in groups:
+            for k, v in defaults.items():
+                if isinstance(v, type):
+                    g.setdefault(k, v)
+    optimizer.load_state_dict(state)
+
+
+def _saved_param_groups(optimizer: Any, sd: Any) -> list[list[dict[str, Any]]]:
+    """The param-group lists inside a (chained) optimizer state dict, one per inner optimizer."""
+    inner = inner_optimizers(optimizer)
+    parts = [sd] if len(inner) == 1 else [sd[i] for i in range(len(inner))]
+    out = []
+    for part in parts:
+        opt = part.get("optimizer") if isinstance(part, dict) else None
+        out.append(opt.get("param_groups", []) if isinstance(opt, dict) else [])
+    return out
 
 
 def inner_optimizers(optimizer: Any) -> list[Any]:
