@@ -73,13 +73,12 @@ class OptimizerChoice:
 
 def choices(distributed: bool | None, offload_fraction: float | None) -> list[OptimizerChoice]:
     """The optimizer choices to search: the given ones fixed, the rest tried (offload only where distributed)."""
+    if distributed is False and offload_fraction:
+        raise UserError("--offload-fraction needs the distributed optimizer (megatron's rule)")
     out = []
     for d in (distributed,) if distributed is not None else (False, True):
         fracs = (offload_fraction,) if offload_fraction is not None else (OFFLOAD_FRACTIONS if d else (0.0,))
-        for f in fracs:
-            if f and not d:
-                raise UserError("--offload-fraction needs the distributed optimizer (megatron's rule)")
-            out.append(OptimizerChoice(distributed=d, offload_fraction=f))
+        out += [OptimizerChoice(distributed=d, offload_fraction=f) for f in fracs if d or not f]
     return out
 
 
