@@ -2,7 +2,8 @@
 
 Measured on CPU (gloo): once compat/optimizer.py maps the optimizer package's "cuda" factories to the CPU, the
 distributed optimizer's buffers, reduce-scatter / all-gather over megatron DDP's contiguous buffers, its sharded
-state dict and its gloo paths all run; two assumptions remain, both in `DistributedOptimizer`:
+state dict and its gloo paths all run; what remains is in `DistributedOptimizer` (each shim replaces one of
+these, only without CUDA, idempotent, loud when megatron renames its target, compat/cpu.py's pattern):
 
 1. `_build_model_and_main_param_groups` (called from `__init__`) sorts parameters by `param.type()` into
    'torch.cuda.HalfTensor' / 'torch.cuda.BFloat16Tensor' (an fp32 main copy is made) and 'torch.cuda.FloatTensor'
@@ -15,13 +16,11 @@ state dict and its gloo paths all run; two assumptions remain, both in `Distribu
    float64 parameter that is a float32 copy, which torch refuses as the float64 shard's `.grad`. The shim runs
    megatron's own method whenever no float64 parameter is present (every case megatron supports) and otherwise
    does the same copy with `.to(main_shard.dtype)` (which is `.float()` for every dtype megatron accepts).
-
 3. With `optimizer_cpu_offload`, the fp32 path's main shards (`model_param.view(-1)[start:end]`, built while
    autograd records) are non-leaf tensors, and the HybridDeviceOptimizer, a torch Optimizer built over them,
    refuses them ("can't optimize a non-leaf Tensor"; megatron's offload is meant for bf16/fp16 parameters, whose
    shards are detached). The shim builds the shards under `torch.no_grad()` when offloading: the same views,
    leaves (`requires_grad` False; nothing reads it: optimizers read `.grad` / `.decoupled_grad`).
-
 4. Checkpoints: megatron-core 0.16.1's default optimizer format (`fully_sharded_model_space`) builds
    ShardedTensors with `flattened_range`, which 0.16.1's own ShardedTensor refuses ("flattened_range is not
    supported"), so megatron-branch saves the `fully_reshardable` format (update/optimizer.py:
@@ -40,8 +39,9 @@ state dict and its gloo paths all run; two assumptions remain, both in `Distribu
 
 So on CPU megatron's distributed optimizer holds float64 parameters exactly (tests/distributed/test_distrib_optimizer.py:
 == the plain optimizer at 1e-12 after 3 steps under DP2, CP2, DP2 x CP2). On a GPU nothing here runs, and
-megatron's own refusal of float64 stands. Guarded by tests/unit/test_distrib_optimizer_shims.py (each patched name
-exists; the refusals are still megatron's, so the shims are still needed; the copies compute what megatron's do).
+megatron's own refusal of float64 stands (update/optimizer.py says so before building). Guarded by
+tests/unit/test_offload.py (each patched name exists; the refusals are still megatron's, so the shims are still
+needed; scoped modes restore torch) and by the distributed test above.
 """
 
 from __future__ import annotations
