@@ -2,12 +2,16 @@
 
     megatron-branch plan --model PRESET|CONFIG.json --prompt-length P --responses G --response-length S
         [--prompts N] [--shared-response-length K] --gpus N --gpu h20|h100|h200
-        [--gpu-memory-gb M --gpu-tflops T --link-gbps B] [--tp N --cp N --dp N --recompute none|selective|full]
-        [--schedule replay|packed|naive] [--json]
+        [--gpu-memory-gb M --gpu-tflops T --link-gbps B] [--host-memory-gb H --host-link-gbps L]
+        [--tp N --cp N --dp N --recompute none|selective|full] [--optimizer plain|distributed]
+        [--offload-fraction F] [--branch-micro-batch B] [--schedule replay|packed|naive] [--json]
 
 With --json the last stdout line is one JSON object: fits, layout {tp, cp, dp, recompute}, memory_bytes_per_rank
-(one key per term and total), flops {naive, replay, ratio, ...}, step_time_s, and more. The command line and these
-keys are a stable contract. Exit status 0 whether or not it fits (read `fits`); 2 on bad input.
+(one key per term and total), flops {naive, replay, ratio, ...}, step_time_s, optimizer {name,
+use_distributed_optimizer, optimizer_cpu_offload, optimizer_offload_fraction}, host_memory_bytes_per_node,
+host_memory_bytes_per_rank (by term), branch_micro_batch, rejected (per other layout: its best choice and why it
+does not fit), and more. The command line and these keys are a stable contract. Exit status 0 whether or not it
+fits (read `fits`); 2 on bad input.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import json
 from typing import Any
 
 from megatron_branch.plan.model import GPU_PRESETS, MODEL_PRESETS, RECOMPUTE, RolloutShape, load_model
-from megatron_branch.plan.search import SCHEDULES, TERMS_IN_TOTAL, Plan, plan, what_would_fit
+from megatron_branch.plan.search import HOST_TERMS, SCHEDULES, TERMS_IN_TOTAL, Plan, plan, what_would_fit
 
 
 def add_plan_command(sub: Any) -> None:
@@ -34,12 +38,30 @@ def add_plan_command(sub: Any) -> None:
     p.add_argument("--gpu-memory-gb", type=float, help="override the preset's memory (GB)")
     p.add_argument("--gpu-tflops", type=float, help="override the preset's dense bf16 TFLOP/s")
     p.add_argument("--link-gbps", type=float, help="override the preset's link bandwidth (GB/s)")
+    p.add_argument("--host-memory-gb", type=float, help="host memory per node (GB; default 1024)")
+    p.add_argument("--host-link-gbps", type=float, help="host<->GPU GB/s per GPU, all copying (default 25)")
+    p.add_argument(
+        "--host-adam-gbps", type=float, help="host memory GB/s one rank's CPU Adam gets (default 25)"
+    )
+    p.add_argument("--gpus-per-node", type=int, help="GPUs sharing one host's memory (default 8)")
     p.add_argument("--tp", type=int)
     p.add_argument("--cp", type=int)
     p.add_argument("--dp", type=int)
     p.add_argument("--recompute", choices=RECOMPUTE)
     p.add_argument("--schedule", choices=SCHEDULES, default="replay")
-    p.add_argument("--branch-micro-batch", type=int, default=8, help="replay: sibling leaves per forward")
+    p.add_argument(
+        "--optimizer",
+        choices=["plain", "distributed"],
+        help="megatron's plain or distributed optimizer (default: searched)",
+    )
+    p.add_argument(
+        "--offload-fraction",
+        type=float,
+        help="optimizer state kept in host memory, 0..1 (megatron's CPU offload; default: searched)",
+    )
+    p.add_argument(
+        "--branch-micro-batch", type=int, help="replay: sibling leaves per forward (default: searched 8..1)"
+    )
     p.add_argument(
         "--dtype",
         choices=["bf16", "float32"],
@@ -59,6 +81,10 @@ def run_plan(args: argparse.Namespace) -> int:
             ("memory_gb", args.gpu_memory_gb),
             ("tflops", args.gpu_tflops),
             ("link_gbps", args.link_gbps),
+            ("host_memory_gb", args.host_memory_gb),
+            ("host_link_gbps", args.host_link_gbps),
+            ("host_adam_gbps", args.host_adam_gbps),
+            ("gpus_per_node", args.gpus_per_node),
         )
         if v is not None
     }
@@ -71,11 +97,12 @@ def run_plan(args: argparse.Namespace) -> int:
         prompts=args.prompts,
         shared_response_length=args.shared_response_length,
     )
-    if args.branch_micro_batch <= 0:
-        from megatron_branch.errors import UserError
-
-        raise UserError(f"--branch-micro-batch must be positive, got {args.branch_micro_batch}")
-    kw = {"branch_micro_batch": args.branch_micro_batch, "dtype": args.dtype}
+    kw = {
+        "branch_micro_batch": args.branch_micro_batch,
+        "dtype": args.dtype,
+        "distributed_optimizer": None if args.optimizer is None else args.optimizer == "distributed",
+        "offload_fraction": args.offload_fraction,
+    }
     p = plan(
         name,
         arch,
@@ -111,7 +138,7 @@ def render(p: Plan, fixes: list[str]) -> str:
         + f") = {s.positions_logical:,} positions ({s.positions_computed:,} distinct) on {p.gpus} x {p.gpu.name} "
         f"({p.gpu.memory_gb:g} GB, {p.gpu.tflops:g} TFLOP/s, {p.gpu.link_gbps:g} GB/s)",
         f"layout: tp {lay.tp} x cp {lay.cp} x dp {lay.dp}, recompute {lay.recompute}, schedule {p.schedule}, "
-        f"{p.dtype}",
+        f"{p.dtype}, optimizer {p.optimizer.name}, branch micro-batch {p.branch_micro_batch}",
         "memory per rank (GB):",
     ]
     for k in TERMS_IN_TOTAL:
@@ -119,6 +146,13 @@ def render(p: Plan, fixes: list[str]) -> str:
     lines.append(f"  {'total':<18}{_gb(mem['total'])}   of {p.gpu.memory_gb:g}")
     lines.append(
         f"  (optimizer state without the distributed optimizer: {mem['optimizer_state_no_distributed'] / 1e9:.2f})"
+    )
+    host = p.host_memory
+    lines.append(
+        f"optimizer: {p.optimizer.name}; host memory per rank (GB): "
+        + ", ".join(f"{k.removeprefix('host_')} {host[k] / 1e9:.2f}" for k in HOST_TERMS)
+        + f"; per node ({min(p.gpu.gpus_per_node, p.gpus)} ranks) {host['per_node'] / 1e9:.1f} of "
+        f"{p.gpu.host_memory_gb:g}"
     )
     lines.append(
         f"FLOPs per step: naive {fl['naive']:.3e}, packed {fl['packed']:.3e}, replay {fl['replay']:.3e}; "
@@ -129,15 +163,27 @@ def render(p: Plan, fixes: list[str]) -> str:
     lines.append(
         f"step time ~ {t['total']:.1f} s: compute {t['compute']:.1f} s (MFU {t['mfu_assumed']:g}), ring "
         f"{t['ring']:.2f} s ({ring}), "
-        f"TP comm {t['tensor_parallel_comm']:.2f} s, grad reduce {t['grad_reduce']:.2f} s"
+        f"TP comm {t['tensor_parallel_comm']:.2f} s, grad reduce {t['grad_reduce']:.2f} s, offload copies "
+        f"{t['offload_transfer']:.2f} s, host Adam {t['host_optimizer_step']:.2f} s"
     )
     for n in p.notes:
         lines.append(f"note: {n}")
+    if p.rejected:
+        lines.append("the other layouts (each with its best optimizer choice and branch micro-batch):")
+        for r in p.rejected:
+            lay_r = r["layout"]
+            lines.append(
+                f"  tp {lay_r['tp']} x cp {lay_r['cp']} x dp {lay_r['dp']}, {lay_r['recompute']:<9} "
+                f"{r['optimizer']}, bmb {r['branch_micro_batch']}: {r['reason']}"
+            )
     if p.fits:
         lines.append("fits")
     else:
-        lines.append(
-            f"does not fit: needs {mem['total'] / 1e9:.1f} GB per rank, {p.gpu.memory_gb:g} GB available; largest term "
-            f"{p.largest_term} ({mem[p.largest_term] / 1e9:.1f} GB). Would fit with: " + "; ".join(fixes)
+        where = (
+            f"needs {mem['total'] / 1e9:.1f} GB per rank, {p.gpu.memory_gb:g} GB available; largest term "
+            f"{p.largest_term} ({mem[p.largest_term] / 1e9:.1f} GB)"
+            if not p.fits_device
+            else f"needs {host['per_node'] / 1e9:.0f} GB of host memory per node, {p.gpu.host_memory_gb:g} GB available"
         )
+        lines.append(f"does not fit: {where}. Would fit with: " + "; ".join(fixes))
     return "\n".join(lines)

@@ -3,7 +3,8 @@
 Two kinds of terms:
   * static: weights, gradients, optimizer state (Megatron-LM's `theoretical_memory_usage`: bf16 weights 2 B,
     fp32 main grads 4 B, fp32 master copy + Adam moments 12 B = 18 B/param; the distributed optimizer shards the
-    12 B over the data-parallel x context-parallel group, which is megatron's optimizer sharding group);
+    12 B over the data-parallel x context-parallel group, which is megatron's optimizer sharding group; float32
+    weights are their own master: 8 B; the offload's host terms: plan/optimizer.py);
   * per chunk: the tensors autograd saves for backward, one storage counted once, exactly as the activation meter
     (megatron_branch/memory.py) counts them, plus transient buffers the meter does not see (ring blocks, logits
     chunks) and a stated allocator margin.
@@ -236,12 +237,15 @@ def static_bytes(
     replicated = pc["replicated"]  # norms are not TP-sharded
     per_rank = (pc["total"] - replicated) // layout.tp + replicated
     shard = layout.dp * layout.cp  # megatron's distributed optimizer shards over DP x CP
+    state = (
+        4 if param_bytes < 4 else 0
+    ) + 8  # fp32 master (bf16 parameters only) + Adam m, v: plan/optimizer.py
     return {
         "parameters": param_bytes * per_rank,
         "gradients": 4 * per_rank,
-        "optimizer_state": (12 * per_rank) // (shard if distributed_optimizer else 1),
-        "optimizer_state_no_distributed": 12 * per_rank,
-        "optimizer_state_distributed": (12 * per_rank) // shard,
+        "optimizer_state": (state * per_rank) // (shard if distributed_optimizer else 1),
+        "optimizer_state_no_distributed": state * per_rank,
+        "optimizer_state_distributed": (state * per_rank) // shard,
         "parameters_per_rank": per_rank,
     }
 

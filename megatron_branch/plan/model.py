@@ -103,12 +103,25 @@ class GPU:
     """Peak dense bf16 TFLOP/s (no sparsity)."""
     link_gbps: float
     """Per-GPU interconnect bandwidth in GB/s (NVLink, one direction) used for ring, TP and DP traffic."""
+    host_memory_gb: float = 1024
+    """Host memory per node in GB (a stated assumption: DGX H100 / H200 ship 2 TB, H20 servers 1-2 TB)."""
+    host_link_gbps: float = 25
+    """Host<->GPU bandwidth per GPU in GB/s while all GPUs of the node copy at once (PCIe Gen5 x16, two GPUs per
+    switch: an assumption), for the offloaded optimizer's gradients and parameters."""
+    host_adam_gbps: float = 25
+    """Host memory bandwidth one rank's CPU Adam gets, GB/s (a node's ~300 GB/s effective over 8 ranks)."""
+    gpus_per_node: int = 8
+    """GPUs per node (the host memory is shared by their ranks)."""
 
     def __post_init__(self) -> None:
         for flag, value in (
             ("--gpu-memory-gb", self.memory_gb),
             ("--gpu-tflops", self.tflops),
             ("--link-gbps", self.link_gbps),
+            ("--host-memory-gb", self.host_memory_gb),
+            ("--host-link-gbps", self.host_link_gbps),
+            ("--host-adam-gbps", self.host_adam_gbps),
+            ("--gpus-per-node", self.gpus_per_node),
         ):
             if value <= 0:
                 raise UserError(f"{flag} must be positive, got {value}")
@@ -116,6 +129,10 @@ class GPU:
     @property
     def memory_bytes(self) -> int:
         return int(self.memory_gb * 1e9)
+
+    @property
+    def host_memory_bytes(self) -> int:
+        return int(self.host_memory_gb * 1e9)
 
 
 GPU_PRESETS: dict[str, GPU] = {

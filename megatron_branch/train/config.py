@@ -213,6 +213,24 @@ class OptimConfig:
     """Linear warm-up optimizer steps."""
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     """Decay after warm-up (to min_lr at the last optimizer step)."""
+    use_distributed_optimizer: bool = False
+    """megatron's distributed optimizer: the fp32 master copy and Adam's moments sharded over DP x CP (exact)."""
+    optimizer_cpu_offload: bool = False
+    """megatron's CPU-offload optimizer: optimizer_offload_fraction of the (sharded) optimizer state and master
+    copy in host memory, stepped there (exact); needs use_distributed_optimizer and use_precision_aware_optimizer."""
+    optimizer_offload_fraction: float = 1.0
+    """With optimizer_cpu_offload: the fraction of the optimizer state (by elements) kept on the host."""
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    """With optimizer_cpu_offload on a GPU: overlap the host step with the host<->device copies."""
+    use_precision_aware_optimizer: bool = False
+    """megatron's precision-aware optimizer (the dtypes below; exact while they are fp32); needs
+    use_distributed_optimizer."""
+    main_grads_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Gradients reduced and stepped in this dtype (bf16: NOT exact, needs bf16 parameters)."""
+    exp_avg_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Adam's first moment (not fp32: NOT exact; TransformerEngine's FusedAdam on a GPU only)."""
+    exp_avg_sq_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Adam's second moment (as exp_avg_dtype)."""
 
 
 @dataclass(kw_only=True)
@@ -611,6 +629,7 @@ def validate(cfg: TrainConfig) -> None:
             "schedule.name=naive has no context parallelism; use packed or replay with parallel.cp > 1"
         )
     check_model(cfg)
+    check_optimizer(cfg)
     w = cfg.warmup
     if w.steps < 0 or w.batch_size <= 0 or w.eval_every <= 0 or w.eval_prompts <= 0:
         raise UserError("warmup: steps >= 0, batch_size, eval_every and eval_prompts > 0")
@@ -618,6 +637,38 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"warmup.until_exact must be in (0, 1], got {w.until_exact}")
     if cfg.checkpoint.keep_last is not None and cfg.checkpoint.keep_last <= 0:
         raise UserError(f"checkpoint.keep_last must be positive, got {cfg.checkpoint.keep_last}")
+
+
+def optimizer_settings(cfg: TrainConfig, *, lr: float, decay_steps: int | None = None) -> Any:
+    """The update's OptimizerSettings from the optim section (its rules: update/optimizer.py)."""
+    from megatron_branch.update.optimizer import OptimizerSettings
+
+    o = cfg.optim
+    try:
+        return OptimizerSettings(
+            lr=lr, min_lr=min(o.min_lr, lr), weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
+            eps=o.adam_eps, clip_grad=o.clip_grad, warmup_steps=o.lr_warmup_steps, decay_steps=decay_steps,
+            decay_style=o.lr_decay_style, use_distributed_optimizer=o.use_distributed_optimizer,
+            optimizer_cpu_offload=o.optimizer_cpu_offload, optimizer_offload_fraction=o.optimizer_offload_fraction,
+            overlap_cpu_optimizer_d2h_h2d=o.overlap_cpu_optimizer_d2h_h2d,
+            use_precision_aware_optimizer=o.use_precision_aware_optimizer, main_grads_dtype=o.main_grads_dtype,
+            exp_avg_dtype=o.exp_avg_dtype, exp_avg_sq_dtype=o.exp_avg_sq_dtype,
+        )  # fmt: skip
+    except ValueError as e:
+        raise UserError(f"optim: {e}") from None
+
+
+def check_optimizer(cfg: TrainConfig) -> None:
+    """The optim section is one megatron can run for model.dtype on this machine."""
+    import torch
+
+    from megatron_branch.update.optimizer import check_supported
+
+    settings = optimizer_settings(cfg, lr=cfg.optim.lr)
+    try:
+        check_supported(settings, getattr(torch, cfg.model.dtype))
+    except ValueError as e:
+        raise UserError(f"optim: {e}") from None
 
 
 def model_arch(cfg: TrainConfig, vocab_size: int | None = None) -> Any:

@@ -23,19 +23,13 @@ import torch
 from megatron_branch.data import Rollout
 from megatron_branch.models import ModelArch
 from megatron_branch.parallel.groups import ParallelGroups
-from megatron_branch.train.config import TrainConfig
+from megatron_branch.train.config import TrainConfig, optimizer_settings
 
 
 def _settings(cfg: TrainConfig, lr: float, total_updates: int) -> Any:
-    from megatron_branch.update import OptimizerSettings
-
     o = cfg.optim
     decay = max(total_updates - o.lr_warmup_steps, 1) if o.lr_decay_style != "constant" else None
-    return OptimizerSettings(
-        lr=lr, min_lr=min(o.min_lr, lr), weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
-        eps=o.adam_eps, clip_grad=o.clip_grad, warmup_steps=o.lr_warmup_steps, decay_steps=decay,
-        decay_style=o.lr_decay_style,
-    )  # fmt: skip
+    return optimizer_settings(cfg, lr=lr, decay_steps=decay)
 
 
 class Trainee:
@@ -46,21 +40,25 @@ class Trainee:
         from megatron_branch.update import build_optimizer
 
         self.model = model
-        self.ddp = wrap_megatron_ddp(model, dtype=dtype, pg_collection=pgc)
+        self.ddp = wrap_megatron_ddp(model, dtype=dtype, pg_collection=pgc, **settings.ddp_options(dtype))
         self.optimizer, self.scheduler = build_optimizer(self.ddp, settings, dtype=dtype)
 
     def sharded_state(self, prefix: str, *, loading: bool) -> dict[str, Any]:
+        from megatron_branch.update.optimizer import optimizer_sharded_state
+
         model_sd = self.model.sharded_state_dict(prefix=prefix)
         return {
             "model": model_sd,
-            "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=loading),
+            "optimizer": optimizer_sharded_state(self.optimizer, model_sd, loading=loading),
         }
 
     def load(self, state: dict[str, Any], prefix: str) -> None:
         self.model.load_state_dict(
             {k.removeprefix(prefix): v for k, v in state["model"].items()}, strict=True
         )
-        self.optimizer.load_state_dict(state["optimizer"])
+        from megatron_branch.update.optimizer import load_optimizer_state
+
+        load_optimizer_state(self.optimizer, state["optimizer"])
 
 
 class Actor:

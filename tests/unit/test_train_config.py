@@ -61,6 +61,9 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
     assert to_dict(again) == to_dict(cfg)
 
 
+OFFLOAD = ("use_distributed_optimizer", "use_precision_aware_optimizer", "optimizer_cpu_offload")
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -87,6 +90,20 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
         (
             ["schedule.name=naive", "schedule.enable_gradient_checkpointing=true"],
             r"enable_gradient_checkpointing applies to schedule\.name replay or packed",
+        ),
+        (
+            ["optim.optimizer_cpu_offload=true"],
+            r"optim: optimizer_cpu_offload needs use_distributed_optimizer",
+        ),
+        (["optim.optimizer_offload_fraction=2"], r"optim: optimizer_offload_fraction must be in \[0, 1\]"),
+        (["optim.exp_avg_dtype=bf16"], r"optim: exp_avg_dtype=bf16 needs use_precision_aware_optimizer"),
+        (
+            [f"optim.{k}=true" for k in OFFLOAD] + ["optim.main_grads_dtype=bf16"],
+            r"optim: main_grads_dtype=bf16 needs bf16 parameters .* the parameters are float32",
+        ),
+        (
+            [f"optim.{k}=true" for k in OFFLOAD] + ["optim.exp_avg_sq_dtype=bf16"],
+            r"optim: exp_avg_sq_dtype=bf16 with optimizer_cpu_offload: .* keeps Adam's moments in fp32",
         ),
     ],
 )

@@ -130,6 +130,35 @@ def test_resume_equals_uninterrupted(task: Path, tmp_path: Path) -> None:
     assert _max_rel(_params(full), _params(again)) < 1e-9
 
 
+@pytest.mark.slow
+def test_distributed_and_offloaded_optimizer_train_the_same_run(task: Path, tmp_path: Path) -> None:
+    """optim.use_distributed_optimizer and optim.optimizer_cpu_offload (half the state on the host; a world of
+    one, so the shards are whole) train the plain optimizer's run, through a checkpoint and resume."""
+    f64 = "model.dtype=float64"
+    plain, mplain = _run(_cfg(task, tmp_path / "plain", f64, "trainer.total_training_steps=3"))
+    offload = [f"optim.{k}=true" for k in ("use_distributed_optimizer", "use_precision_aware_optimizer",
+                                           "optimizer_cpu_offload")] + ["optim.optimizer_offload_fraction=0.5"]  # fmt: skip
+    part, m1 = _run(_cfg(task, tmp_path / "off", f64, "trainer.total_training_steps=2", *offload))
+    part.save()
+    again, m2 = _run(
+        _cfg(
+            task,
+            tmp_path / "off",
+            f64,
+            "trainer.total_training_steps=3",
+            "trainer.resume_mode=auto",
+            *offload,
+        )
+    )
+    assert (
+        again.step == 3
+        and type(again.actor.policy.optimizer.chained_optimizers[0]).__name__ == "DistributedOptimizer"
+    )
+    for x, y in zip(mplain, m1 + m2, strict=True):
+        assert x["_tokens"] == y["_tokens"], x["step"]
+    assert _max_rel(_params(plain), _params(again)) < 1e-9
+
+
 def test_crash_mid_save_keeps_previous_checkpoint(task: Path, tmp_path: Path, monkeypatch) -> None:
     import megatron_branch.checkpoint.store as store_mod
 
