@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from megatron_branch import outputs
 from megatron_branch.data.rollouts import CONTEXT_OVERRIDE_FLAG
-from megatron_branch.errors import UserError, check_on_every_rank
+from megatron_branch.errors import UserError
+from megatron_branch.parallel.agree import check_on_every_rank
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 

@@ -128,26 +128,6 @@ def comm_device(group: Any = None) -> torch.device:
     return torch.device("cpu")
 
 
-def agree_on_error(err: str | None, *, error: type[Exception] = UserError) -> None:
-    """Every rank passes its own error (or None); if any rank has one, every rank raises the first of them
-    (as `error`, marked `all_ranks` so that the CLI prints it on rank 0 only). A collective: all ranks of the
-    world must call it.
-    """
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        errs: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(errs, err)
-        bad = [(r, e) for r, e in enumerate(errs) if e]
-        if bad:
-            rank, msg = bad[0]
-            exc = error(f"rank {rank}: {msg}" if len(bad) < len(errs) else msg)
-            exc.all_ranks = True  # type: ignore[attr-defined]  # every rank raises it: rank 0 alone prints it
-            raise exc
-    elif err:
-        exc = error(err)
-        exc.all_ranks = True  # type: ignore[attr-defined]
-        raise exc
-
-
 def shutdown_distributed() -> None:
     """What the entry point that set up torch.distributed does before its process exits: free every group, the
     default one included. A process that exits with a live gloo group can die in its C++ destructors

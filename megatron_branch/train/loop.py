@@ -23,12 +23,8 @@ import torch.distributed as dist
 from megatron_branch.checkpoint.store import CheckpointStore, rng_sharded_object
 from megatron_branch.data import PrefixTree, Rollout
 from megatron_branch.errors import UserError
-from megatron_branch.parallel.groups import (
-    ParallelConfig,
-    agree_on_error,
-    init_distributed,
-    initialize_parallel,
-)
+from megatron_branch.parallel.agree import agree_on_error
+from megatron_branch.parallel.groups import ParallelConfig, init_distributed, initialize_parallel
 from megatron_branch.train import policy as policy_ops
 from megatron_branch.train.config import TrainConfig, check_fits_context, model_arch, write_resolved
 from megatron_branch.train.data import load_dataset
