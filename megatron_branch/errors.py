@@ -13,6 +13,8 @@ package: every floor may raise a UserError.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 
 class UserError(ValueError):
@@ -24,6 +26,43 @@ class UserError(ValueError):
     def __init__(self, message: str, *, where: str | None = None) -> None:
         self.where = where
         super().__init__(f"{where}: {message}" if where else message)
+
+
+@dataclass(frozen=True)
+class Spelling:
+    """How one entry point names settings in its messages: `--cp 2` on a command line, `parallel.cp=2` in a config.
+
+    `names` maps a setting (the field name every layer uses: `cp`, `recompute_layers`, `clip_ratio_c`) to how the
+    user writes it; a setting not listed is written as its flag (`--recompute-layers`)."""
+
+    names: Mapping[str, str] = field(default_factory=dict)
+    """setting -> its spelling at this entry point."""
+    assign: str = " "
+    """Between a setting and its value: " " for flags (`--cp 2`), "=" for config keys (`parallel.cp=2`)."""
+
+    def name(self, setting: str) -> str:
+        return self.names.get(setting) or "--" + setting.replace("_", "-")
+
+    def value(self, setting: str, value: object) -> str:
+        return f"{self.name(setting)}{self.assign}{value}"
+
+
+FLAGS = Spelling()
+"""The command-line spelling (`--tp 2`): what a SettingError says unless an entry point re-spells it."""
+
+
+class SettingError(UserError):
+    """A UserError about settings, worded once for every entry point: `say(spelling)` writes the message.
+
+    The rule that raises it does not know whether the user typed `--cp 2` or `parallel.cp=2`; str() is the
+    command-line wording, and an entry point with other names re-raises `e.spelled(its_spelling)`."""
+
+    def __init__(self, say: Callable[[Spelling], str]) -> None:
+        self.say = say
+        super().__init__(say(FLAGS))
+
+    def spelled(self, spelling: Spelling) -> UserError:
+        return UserError(self.say(spelling))
 
 
 def launched_world_size() -> int:
