@@ -601,7 +601,9 @@ def validate(cfg: TrainConfig) -> None:
         )
     if algo.offline:
         if d.pairs_file is None:
-            raise UserError(f"algorithm.name={a.name} needs data.pairs_file (JSONL of prompt/chosen/rejected)")
+            raise UserError(
+                f"algorithm.name={a.name} needs data.pairs_file (JSONL of prompt/chosen/rejected)"
+            )
     elif d.task is None and d.train_files is None:
         raise UserError(f"algorithm.name={a.name} needs data.task or data.train_files")
     elif d.task is None and d.reward is None:
