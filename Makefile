@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup demo parity-demo test test-unit lint clean bench
+.PHONY: setup demo parity-demo test test-fast test-unit lint clean bench
 
 setup: $(STAMP)
 
@@ -31,6 +31,10 @@ test: $(STAMP) lint
 	$(BIN)/python tests/distributed/launch.py 2
 	$(BIN)/python tests/distributed/launch.py 4
 	$(BIN)/python tests/distributed/launch.py 8 -k cp8
+
+# The edit-test loop: the unit tests not marked `slow` (under a minute on 2 cores). `make test` runs everything.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests/unit -q -p no:cacheprovider -m "not slow"
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit -q -p no:cacheprovider

@@ -95,6 +95,7 @@ def make_policy(rollouts: list[Rollout], case: dict) -> PolicyObjective:
     return PolicyObjective(agg=agg, **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(POLICY_CASES))
 def test_policy_packed_and_replay_equal_naive_float64(case: str) -> None:
     model = tiny_branch_model(torch.float64, seed=1)

@@ -87,6 +87,7 @@ def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max() / (a[k].abs().max() + 1e-30)) for k in a)
 
 
+@pytest.mark.slow
 def test_naive_and_replay_same_run_float64(task: Path, tmp_path: Path) -> None:
     runs = {}
     full = ("schedule.recompute=true", "schedule.enable_gradient_checkpointing=true")  # the planner's `full`
@@ -177,6 +178,7 @@ def test_bad_data_leaves_no_run_folder(task: Path, tmp_path: Path, mutate, messa
     assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
 
 
+@pytest.mark.slow
 def test_command_line_error_is_one_line(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text("model: {arch: {}}\ndata: {task: x}\nrollout: {nn: 3}\n")
@@ -191,6 +193,7 @@ def test_command_line_error_is_one_line(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.slow
 def test_ppo_with_critic_resumes_exactly(task: Path, tmp_path: Path) -> None:
     """PPO: the critic (weights, optimizer, scheduler) is checkpointed too, so 2 + resume + 1 == 3 steps."""
     ppo = ("algorithm.name=ppo", "algorithm.lam=0.95", "model.dtype=float64", "actor.kl_loss_coef=0.01")
