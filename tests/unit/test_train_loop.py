@@ -115,6 +115,7 @@ def test_naive_and_replay_losses_float32(task: Path, tmp_path: Path) -> None:
         assert abs(x - y) <= 1e-5 * max(1.0, abs(x))
 
 
+@pytest.mark.slow
 def test_resume_equals_uninterrupted(task: Path, tmp_path: Path) -> None:
     full, mfull = _run(_cfg(task, tmp_path / "full", "model.dtype=float64", "trainer.total_training_steps=4"))
     first, m1 = _run(_cfg(task, tmp_path / "part", "model.dtype=float64", "trainer.total_training_steps=2"))
