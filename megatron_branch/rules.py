@@ -9,7 +9,8 @@ at tp 1) live with it: parallel/layout.py.
 Rules (a flag that would do nothing is refused, not ignored):
     naive has no context parallelism   naive runs each rollout whole through megatron's own attention (no ring):
                                        every CP rank would compute the whole batch and the dp x cp gradient SUM
-                                       would count it cp times
+                                       would count it cp times; so do the unshared baselines (naive-fused,
+                                       packed-nosharing) and the stop-gradient comparison (replay-stopgrad)
     recompute is replay's              segment recompute is a step of replay's depth-first walk
     recompute_layers needs the engine  naive runs megatron's own layers, which never checkpoint themselves
     backend needs the engine           naive runs megatron's own attention, not one of the engine's backends
@@ -17,8 +18,10 @@ Rules (a flag that would do nothing is refused, not ignored):
 
 from __future__ import annotations
 
-from megatron_branch.errors import SettingError
+from megatron_branch.errors import SettingError, Spelling
 
+NO_RING = ("naive", "naive-fused", "packed-nosharing", "replay-stopgrad")
+"""Schedules without context parallelism."""
 REPLAY_SCHEDULES = ("replay", "replay-stopgrad")
 """Schedules with segment recompute (replay's depth-first walk)."""
 MEGATRON_ATTENTION = ("naive",)
@@ -36,11 +39,11 @@ def check_run(
     """Refuse a schedule with settings it cannot honour (see the module doc). A SettingError, command-line
     wording; re-spell it at entry points with other names."""
     own = schedule in MEGATRON_ATTENTION
-    if own and cp > 1:
+    if schedule in NO_RING and cp > 1:
         raise SettingError(
             lambda s: (
-                f"{s.value('schedule', schedule)} has no context parallelism (it is the unsplit baseline: "
-                f"every CP rank would compute the whole batch); use packed or replay with {s.name('cp')} > 1"
+                f"{s.value('schedule', schedule)} has no context parallelism (it has no ring: every CP rank "
+                f"would compute the whole batch); use packed or replay with {s.name('cp')} > 1"
             )
         )
     if recompute and schedule not in REPLAY_SCHEDULES:
@@ -64,3 +67,16 @@ def check_run(
                 "schedule runs megatron's own attention, not an engine backend"
             )
         )
+
+
+API = Spelling(
+    names={
+        "schedule": "schedule",
+        "cp": "cp_size",
+        "recompute": "ScheduleOptions.recompute",
+        "recompute_layers": "ScheduleOptions.recompute_layers",
+        "backend": "ScheduleOptions.backend",
+    },
+    assign="=",
+)
+"""How a library caller names the settings (run_schedule's name, ScheduleOptions): the schedules' own checks."""

@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 
 from megatron_branch.data import PrefixTree
-from megatron_branch.errors import SettingError, Spelling
+from megatron_branch.errors import SettingError
 from megatron_branch.losses.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from megatron_branch.losses.objective import Objective
 from megatron_branch.models.gpt import BranchGPTModel
-from megatron_branch.rules import check_run
+from megatron_branch.rules import API, check_run
 from megatron_branch.schedule.common import (
     ChunkOut,
     ScheduleOptions,
@@ -23,12 +23,6 @@ from megatron_branch.schedule.common import (
     _to_replicated_region,
     model_device,
 )
-
-OPTIONS = Spelling(
-    names={"schedule": "schedule", "cp": "cp_size", "recompute_layers": "ScheduleOptions.recompute_layers"},
-    assign="=",
-)
-"""How a library caller names the settings (run_schedule's name, ScheduleOptions)."""
 
 
 def run_naive(
@@ -42,7 +36,7 @@ def run_naive(
     try:  # the same rules every entry point checks up front (rules.py), for library callers
         check_run("naive", cp=opts.cp_size, recompute_layers=opts.recompute_layers)
     except SettingError as e:
-        raise e.spelled(OPTIONS) from None
+        raise e.spelled(API) from None
     bound = objective.bind(tree) if objective is not None else None
     want_entropy = opts.keep_entropy or (bound is not None and bound.needs_entropy)
     store = Store(tree, opts)

@@ -110,6 +110,10 @@ def test_rule_through_train(rule: str) -> None:
 @pytest.mark.parametrize(
     "overrides, says",
     [
+        (
+            ["schedule.name=replay-stopgrad", "parallel.cp=2"],
+            "schedule.name=replay-stopgrad has no context par",
+        ),
         (["parallel.pp=2"], "parallel.pp=2: pipeline parallelism is not in the engine yet"),
         (["parallel.ep=2"], "parallel.ep=2: expert parallelism is not in the engine yet"),
         (["rollout.n=1"], "rollout.n=1 with algorithm.name=grpo"),
