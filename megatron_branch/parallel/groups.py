@@ -2,7 +2,8 @@
 
 megatron-core's `parallel_state` owns the groups (tensor, context, data parallel) so that its layers, DDP and
 checkpointing see the same layout. Everything in megatron_branch's math takes the groups it needs as arguments
-(`ParallelGroups`); nothing below the entry points reads parallel_state or the environment.
+(`ParallelGroups`); nothing below the entry points reads parallel_state or the environment. The groups are laid out
+from a ParallelLayout (parallel/layout.py, the one layout type) and report it back (`ParallelGroups.layout`).
 """
 
 from __future__ import annotations

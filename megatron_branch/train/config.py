@@ -402,6 +402,14 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             raise UserError(f"{key} must be a list, got {value!r}")
         (item,) = typing.get_args(tp)
         return [_convert(v, item, f"{key}[{j}]") for j, v in enumerate(value)]
+    if origin is tuple:  # a shared type's field (ModelArch's, say): a YAML list
+        if not isinstance(value, (list, tuple)):
+            raise UserError(f"{key} must be a list, got {value!r}")
+        args = typing.get_args(tp)
+        items = [args[0]] * len(value) if len(args) == 2 and args[1] is Ellipsis else list(args)
+        if len(items) != len(value):
+            raise UserError(f"{key} must be a list of {len(items)}, got {value!r}")
+        return tuple(_convert(v, a, f"{key}[{j}]") for j, (v, a) in enumerate(zip(value, items)))
     if origin is dict:
         if not isinstance(value, dict):
             raise UserError(f"{key} must be a mapping, got {value!r}")
@@ -449,8 +457,16 @@ def from_dict(cls: Any, raw: dict[str, Any], *, prefix: str = "") -> Any:
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
-    """The resolved config as plain data (what config.yaml in the run folder holds)."""
-    return dataclasses.asdict(cfg)
+    """The resolved config as plain data (what config.yaml in the run folder holds; tuples as lists, as YAML)."""
+
+    def plain(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        return x
+
+    return plain(dataclasses.asdict(cfg))
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
