@@ -84,6 +84,7 @@ def add_grad_command(sub: Any) -> None:
         "--objective",
         dest="policy_loss",
         default="pg",
+        metavar="NAME",
         help="registered objective: pg (default), grpo (= vanilla), dpo, or one a --plugin registers",
     )
     o.add_argument(
