@@ -65,6 +65,7 @@ def cache_free_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], 
     return seq[len(prompt) :], lps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "dtype,tie", [(torch.float64, False), (torch.float32, True)], ids=["fp64", "fp32_tied"]
 )

@@ -215,6 +215,7 @@ def test_ppo_with_critic_resumes_exactly(task: Path, tmp_path: Path) -> None:
     assert _max_rel(crit(full), crit(again)) < 1e-9
 
 
+@pytest.mark.slow
 def test_dpo_from_pairs(tmp_path: Path) -> None:
     """DPO on a JSONL of pairs: no sampling; the implicit reward margin grows on pairs the policy keeps seeing."""
     pairs = tmp_path / "pairs.jsonl"
