@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 VERL_STAMP := $(VENV)/.verl-stamp
 
-.PHONY: setup setup-verl demo parity-demo test test-unit lint clean bench
+.PHONY: setup setup-verl demo parity-demo test test-fast test-unit lint clean bench
 
 setup: $(STAMP)
 
@@ -42,6 +42,10 @@ test: $(STAMP) $(VERL_STAMP) lint
 	$(BIN)/python tests/distributed/launch.py 2
 	$(BIN)/python tests/distributed/launch.py 4
 	$(BIN)/python tests/distributed/launch.py 8 -k cp8
+
+# The edit-test loop: the unit tests not marked `slow` (under a minute on 2 cores). `make test` runs everything.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests/unit -q -p no:cacheprovider -m "not slow"
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit -q -p no:cacheprovider

@@ -16,8 +16,9 @@ def markdown(report: dict[str, Any]) -> str:
     cfg = report["config"]
     model = cfg["model"]
     head = (
-        f"Model: {model['layers']} layers, hidden {model['hidden']}, {model['heads']} heads / {model['kv_heads']} "
-        f"kv, ffn {model['ffn'] or 3 * model['hidden']}, vocab {model['vocab']}, {cfg['dtype']} on {cfg['device']}; "
+        f"Model: {model['num_layers']} layers, hidden {model['hidden_size']}, {model['num_attention_heads']} heads / "
+        f"{model['num_query_groups']} kv, ffn {model['ffn_hidden_size']}, vocab {model['vocab_size']}, "
+        f"{cfg['dtype']} on {cfg['device']}; "
         f"S={cfg['response']}, levels {cfg['levels']}, branch_micro_batch {cfg['micro']}; {cfg['rounds']} rounds "
         f"after 1 warm-up, round-robin, order rotated. Machine: "
         + ", ".join(f"{k} {v}" for k, v in report["machine"].items())

@@ -14,6 +14,7 @@ from typing import Any
 
 from megatron_branch.errors import UserError
 from megatron_branch.models.arch import ModelArch
+from megatron_branch.parallel.layout import ParallelLayout
 
 MODEL_PRESETS: dict[str, ModelArch] = {
     # Qwen/Qwen2.5-7B config.json
@@ -203,8 +204,9 @@ RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True, kw_only=True)
-class Layout:
-    """A parallel layout (world = tp * cp * dp) and an activation-recompute mode.
+class Layout(ParallelLayout):
+    """A parallel layout (parallel/layout.py; the planner plans a whole world: dp is given) and an activation-
+    recompute mode.
 
     recompute: "none" keeps every activation; "selective" is megatron's default selective recompute (core
     attention only; with a fused attention kernel it stores no score matrix, so it saves nothing here and the
@@ -214,27 +216,17 @@ class Layout:
     segment recompute (replay keeps no graph for a segment with children, only its cached K/V).
     """
 
-    tp: int = 1
-    cp: int = 1
     dp: int = 1
-    recompute: str = "none"
+    """Data-parallel size (the planner's layouts cover the whole world)."""
     sequence_parallel: bool = True
     """With tp > 1 (megatron's SP: norms and the MLP/attention inputs sharded over the sequence)."""
+    recompute: str = "none"
+    """none | selective | full (above)."""
 
     def __post_init__(self) -> None:
-        for f in ("tp", "cp", "dp"):
-            if getattr(self, f) <= 0:
-                raise UserError(f"--{f} must be positive, got {getattr(self, f)}")
+        super().__post_init__()
         if self.recompute not in RECOMPUTE:
             raise UserError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.cp * self.dp
-
-    @property
-    def sp(self) -> bool:
-        return self.sequence_parallel and self.tp > 1
 
     def as_dict(self) -> dict[str, Any]:
         return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "recompute": self.recompute}

@@ -40,6 +40,7 @@ from megatron_branch.plan.optimizer import (
     offload_seconds,
     optimizer_bytes,
 )
+from megatron_branch.rules import check_run
 
 MFU = 0.45
 """Assumed fraction of peak FLOP/s a kernel reaches (dense and attention alike)."""
@@ -312,10 +313,7 @@ def evaluate(
             f"--dp {layout.dp} needs at least as many prompt groups (--prompts {shape.prompts}): "
             "whole prefix groups go to DP ranks"
         )
-    if schedule == "naive" and layout.cp > 1:
-        raise UserError(
-            "the naive schedule has no context parallelism; use --cp 1 or --schedule replay|packed"
-        )
+    check_run(schedule, cp=layout.cp)
     if dtype not in DTYPE_BYTES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
     pkey = ("peak", layout, schedule, dtype, tuple(sorted(kw.items())))
@@ -404,7 +402,7 @@ def candidate_layouts(
         except UserError:
             continue
         for c in (cp,) if cp else [c for c in range(1, gpus // t + 1) if (gpus // t) % c == 0]:
-            if (gpus // t) % c or (schedule == "naive" and c > 1):
+            if (gpus // t) % c or not _runs(schedule, c):
                 continue
             d = gpus // (t * c)
             if (dp and d != dp) or d > shape.prompts:
@@ -412,6 +410,15 @@ def candidate_layouts(
             for rc in (recompute,) if recompute else RECOMPUTE:
                 out.append(Layout(tp=t, cp=c, dp=d, recompute=rc))
     return out
+
+
+def _runs(schedule: str, cp: int) -> bool:
+    """The schedule can run at this CP size (rules.check_run: naive has no CP)."""
+    try:
+        check_run(schedule, cp=cp)
+    except UserError:
+        return False
+    return True
 
 
 def plan(

@@ -87,6 +87,7 @@ def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max() / (a[k].abs().max() + 1e-30)) for k in a)
 
 
+@pytest.mark.slow
 def test_naive_and_replay_same_run_float64(task: Path, tmp_path: Path) -> None:
     runs = {}
     full = ("schedule.recompute=true", "schedule.enable_gradient_checkpointing=true")  # the planner's `full`
@@ -114,6 +115,7 @@ def test_naive_and_replay_losses_float32(task: Path, tmp_path: Path) -> None:
         assert abs(x - y) <= 1e-5 * max(1.0, abs(x))
 
 
+@pytest.mark.slow
 def test_resume_equals_uninterrupted(task: Path, tmp_path: Path) -> None:
     full, mfull = _run(_cfg(task, tmp_path / "full", "model.dtype=float64", "trainer.total_training_steps=4"))
     first, m1 = _run(_cfg(task, tmp_path / "part", "model.dtype=float64", "trainer.total_training_steps=2"))
@@ -206,6 +208,7 @@ def test_bad_data_leaves_no_run_folder(task: Path, tmp_path: Path, mutate, messa
     assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
 
 
+@pytest.mark.slow
 def test_command_line_error_is_one_line(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text("model: {arch: {}}\ndata: {task: x}\nrollout: {nn: 3}\n")
@@ -220,6 +223,7 @@ def test_command_line_error_is_one_line(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.slow
 def test_ppo_with_critic_resumes_exactly(task: Path, tmp_path: Path) -> None:
     """PPO: the critic (weights, optimizer, scheduler) is checkpointed too, so 2 + resume + 1 == 3 steps."""
     ppo = ("algorithm.name=ppo", "algorithm.lam=0.95", "model.dtype=float64", "actor.kl_loss_coef=0.01")
@@ -240,6 +244,7 @@ def test_ppo_with_critic_resumes_exactly(task: Path, tmp_path: Path) -> None:
     assert _max_rel(crit(full), crit(again)) < 1e-9
 
 
+@pytest.mark.slow
 def test_dpo_from_pairs(tmp_path: Path) -> None:
     """DPO on a JSONL of pairs: no sampling; the implicit reward margin grows on pairs the policy keeps seeing."""
     pairs = tmp_path / "pairs.jsonl"
