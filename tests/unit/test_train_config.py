@@ -171,3 +171,23 @@ def test_docs_list_every_key() -> None:
     keys += [f"model.arch.{g.name}" for g in dataclasses.fields(ArchConfig)]
     missing = [k for k in keys if f"`{k}`" not in text]
     assert not missing, missing
+
+
+def test_docs_reference_is_generated() -> None:
+    """docs/training.md's config reference IS the generator's output: a changed docstring, default or type is
+    caught (fix: `python -m megatron_branch.train.reference --write`)."""
+    from megatron_branch.train import reference
+
+    text = reference.DOCS.read_text()
+    assert reference.with_reference(text) == text
+
+
+def test_reference_reads_field_docstrings() -> None:
+    """The generator finds a field's docstring, inherited ones included (ArchConfig's from ModelArch)."""
+    from megatron_branch.train import reference
+    from megatron_branch.train.config import ArchConfig
+
+    docs = reference.field_docs(ArchConfig)
+    assert docs["family"].startswith('"llama"')  # ArchConfig's own wins over ModelArch's
+    assert docs["linear_conv_kernel_dim"].startswith("Linear-attention layers")  # inherited
+    assert "| `parallel.tp` | int | `1` |" in reference.reference()
