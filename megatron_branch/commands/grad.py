@@ -59,7 +59,11 @@ def add_grad_command(sub: Any) -> None:
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (ring attention)")
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallel over the TP group")
     p.add_argument(
-        "--backend", default=None, choices=["merge", "packed", "reference"], help="attention backend override"
+        "--backend",
+        default=None,
+        choices=["merge", "packed", "reference", "flex", "repeat"],
+        help="attention executor (default merge), the same at --cp 1 and under CP; one that cannot run this step "
+        "is refused",
     )
     p.add_argument("--recompute", action="store_true", help="replay: recompute inner segments at backward")
     p.add_argument(
@@ -185,6 +189,27 @@ def _check_flags(args: argparse.Namespace) -> None:
         )
 
 
+def _check_backend(args: argparse.Namespace) -> None:
+    """The attention backend runs this step (one rank or every ring block), or the run is refused in one line."""
+    from megatron_branch.attention.dispatch import backend_problem
+
+    if args.backend is not None and args.schedule == "naive":
+        raise UserError(
+            f"--backend {args.backend} does nothing with --schedule naive (it runs megatron-core's own attention)"
+        )
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    problem = backend_problem(args.backend, cp_size=args.cp, training=True, device=device)
+    if problem is not None:
+        raise UserError(f"--backend {args.backend}: {problem}")
+
+
+def _backend_ran(args: argparse.Namespace) -> str:
+    """The attention that ran: the resolved executor, or megatron-core's own for the naive schedule."""
+    from megatron_branch.attention.dispatch import resolve_backend
+
+    return "megatron-core" if args.schedule == "naive" else resolve_backend(args.backend)
+
+
 def run_grad(args: argparse.Namespace) -> int:
     """The thin command around the update's gradient part (update.accumulate_gradients + finalize)."""
     from megatron_branch.checkpoint.hf_io import HFTensorReader, load_hf_config
@@ -207,6 +232,7 @@ def run_grad(args: argparse.Namespace) -> int:
         # Everything the user gave, before any collective or model work (on every rank, one verdict).
         pcfg = ParallelConfig(tp=args.tp, cp=args.cp, sequence_parallel=args.sequence_parallel)
         _check_flags(args)
+        _check_backend(args)
         _check_output(args.out, args.overwrite)
         _check_output(args.logprobs_out, args.overwrite)
         if pcfg.cp > 1 and args.schedule == "naive":
@@ -282,6 +308,7 @@ def run_grad(args: argparse.Namespace) -> int:
 
     summary = {
         "schedule": args.schedule,
+        "backend": _backend_ran(args),
         "loss": metrics.pop("actor/loss"),
         "positions_logical": full_tree.positions_logical,
         "positions_computed": int(metrics["tree/positions_computed"]),

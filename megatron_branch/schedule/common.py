@@ -12,7 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_branch.attention.core_attention import KV, BranchContext, attach_context
+from megatron_branch.attention.context import BranchContext, attach_context
+from megatron_branch.attention.dispatch import backend_problem
+from megatron_branch.attention.prefix_state import Handoff, Tensors
 from megatron_branch.data import PrefixTree
 from megatron_branch.losses.fused_logprobs import fused_linear_logprobs_entropy
 from megatron_branch.losses.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
@@ -32,7 +34,8 @@ class ScheduleOptions:
     vocab_size: int
     """Real (unpadded) vocabulary size; padded logits are excluded from every softmax."""
     backend: str | None = None
-    """Attention backend (attention.dispatch); None = the default chosen once for the device."""
+    """Attention backend (attention.dispatch): the executor of the visibility plan on one rank AND on every ring
+    block under CP; None = `default_backend()`. A baseline without a ring executor is refused under CP."""
     branch_micro_batch: int = 8
     """replay: how many sibling LEAF segments share one forward/backward."""
     recompute: bool = False
@@ -60,6 +63,9 @@ class ScheduleOptions:
     same way)."""
 
     def __post_init__(self) -> None:
+        problem = backend_problem(self.backend, cp_size=self.cp_size)
+        if problem is not None:
+            raise ValueError(problem)
         if self.vocab_size <= 0:
             raise ValueError(f"vocab_size must be positive, got {self.vocab_size}")
         if self.branch_micro_batch <= 0:
@@ -138,8 +144,8 @@ class ChunkOut:
     """[m] logprob of each target (for a critic: the value at its row)."""
     entropy: torch.Tensor | None
     """[m] entropy of each target's row, when the objective or the options ask for it."""
-    captured: dict[int, KV]
-    """layer -> this chunk's K/V (when captured)."""
+    captured: dict[int, Handoff]
+    """layer -> what this chunk hands its descendants (when captured; attention: its K/V)."""
 
 
 class Store:
@@ -224,18 +230,19 @@ def forward_chunk(
     objective: BoundObjective | None,
     opts: ScheduleOptions,
     *,
-    external_kv: dict[int, list[KV]] | None = None,
+    external: dict[int, list[Tensors]] | None = None,
     capture: bool = False,
     external_meta: torch.Tensor | None = None,
 ) -> ChunkOut:
-    """Forward one chunk: the objective's loss over its targets, their logprobs [m] (and entropies), and the
-    captured chunk K/V per layer. `objective=None` scores only (loss 0). Under CP only this rank's rows and
-    targets; `external_meta` [2, c] describes the rows of `external_kv`.
+    """Forward one chunk: the objective's loss over its targets, their logprobs [m] (and entropies), and what each
+    layer hands down (captured). `external`: per layer, what the cached ancestors hand this chunk
+    (schedule/prefix_cache.py). `objective=None` scores only (loss 0). Under CP only this rank's rows and targets;
+    `external_meta` [2, c] describes the rows of the handed-down K/V.
     """
     dev = model_device(model)  # chunks are built on the host; the model may live on an accelerator
     check_recompute_layers(model, opts)
     ctx = chunk.context(
-        tree, opts, external_kv=external_kv or {}, external_meta=external_meta, capture=capture, device=dev
+        tree, opts, external=external or {}, external_meta=external_meta, capture=capture, device=dev
     )
     want_entropy = opts.keep_entropy or (objective is not None and objective.needs_entropy)
     ids, pos = chunk.input_ids.to(dev)[None], chunk.position_ids.to(dev)[None]  # [1, s]
