@@ -5,9 +5,9 @@
 # Settings from the planner (docs/planner.md):
 #     megatron-branch plan --model qwen2.5-32b --prompt-length 122880 --responses 16 --response-length 8192 \
 #         --gpus 8 --gpu h20 --tp 1 --cp 8 --dp 1 --recompute full
-# -> does NOT fit on 8 x H20 in any layout: 328.6 GB per rank at CP8 even with full recompute (largest term:
+# -> does NOT fit on 8 x H20 in any layout: 302.2 GB per rank at CP8 even with full recompute (largest term:
 #    gradients, 131 GB: weights and grads are not sharded by CP). The planner's nearest: TP8 + full recompute
-#    on 8 x H200 (140.1 GB of 141), or 16 x H20 (TP8 x CP2); pipeline parallel / offload are not in the engine.
+#    on 8 x H200 (113.8 GB of 141), or 16 x H20 (TP8 x CP2); pipeline parallel / offload are not in the engine.
 #
 # Runs `megatron-branch grad` (the training command `megatron-branch train` had not landed when this was written;
 # grad computes the same exact gradient in float32, without an optimizer step). Before launching, the planner is

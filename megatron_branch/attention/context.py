@@ -26,7 +26,14 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from megatron_branch.attention.layout import AttentionLayout
-from megatron_branch.attention.prefix_state import ATTENTION_KV, ChunkTree, Handoff, StateKind, Tensors
+from megatron_branch.attention.prefix_state import (
+    ATTENTION_KV,
+    ChunkTree,
+    Handoff,
+    StateKind,
+    Tensors,
+    compact,
+)
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -105,6 +112,10 @@ class LocalContext(PrefixContext):
         """q [s,b,n,h], k/v [s,b,g,h] -> [s, b, n*h]."""
         from megatron_branch.attention.dispatch import attention
 
+        k, v = (
+            compact(k),
+            compact(v),
+        )  # V views the fused QKV output: keep (and cache) V alone, not the buffer
         self.hand_down(layer_number, ATTENTION_KV, (k, v))
         blocks = [*self.handed_down(layer_number), (k, v)]  # keys: [ancestors (c) | chunk (s)]
         num_keys = sum(kb.shape[0] for kb, _ in blocks)

@@ -34,6 +34,19 @@ import torch
 Tensors = tuple[torch.Tensor, ...]
 
 
+def compact(t: torch.Tensor) -> torch.Tensor:
+    """`t` in a storage of its own holding exactly its elements: `t` itself when it already is, else a copy.
+
+    Why: megatron's V is a VIEW of the fused QKV output ([s, b, (n + 2g) h]), so keeping V (for backward, or in
+    replay's cache) would keep every row's queries and keys alive with it: (n + 2g) d values per row instead of
+    g d. The attention contexts make K/V compact before the executor saves them and before they are handed down,
+    so a cached row costs exactly 2 g d values per layer and the QKV buffer is freed after the projection
+    (issue 19's compact prefix cache; tests/unit/test_plan.py plants the view and catches it)."""
+    if t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.contiguous() if not t.is_contiguous() else t.clone()
+
+
 @dataclass(frozen=True, kw_only=True)
 class StateKind:
     """One kind of prefix state (see the module docstring)."""
@@ -56,6 +69,8 @@ class StateKind:
                 return tuple(t.detach() for t in tensors), ()
             read = tuple(t.detach().requires_grad_() for t in tensors)
             return read, read
+        # the rows of the chunk's own (compact) K/V storage: nothing else is kept alive but, under sequence
+        # parallelism, the chunk's < tp padding rows (a copy would double the root's K/V while its graph lives)
         if not grad or frozen >= rows:
             return tuple(t[:rows].detach() for t in tensors), ()
         trainable = tuple(t[frozen:rows].detach().requires_grad_() for t in tensors)

@@ -22,7 +22,7 @@ import torch
 
 from megatron_branch.attention.context import PrefixContext
 from megatron_branch.attention.dispatch import executor
-from megatron_branch.attention.prefix_state import ATTENTION_KV
+from megatron_branch.attention.prefix_state import ATTENTION_KV, compact
 from megatron_branch.parallel.ring import RingPlans, RingStats, ring_tree_attention
 
 
@@ -50,6 +50,10 @@ class RingContext(PrefixContext):
         self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
         """q [s,b,n,h], k/v [s,b,g,h] -> [s, b, n*h]."""
+        k, v = (
+            compact(k),
+            compact(v),
+        )  # V views the fused QKV output: keep (and cache) V alone, not the buffer
         self.hand_down(layer_number, ATTENTION_KV, (k, v))
         blocks = [
             *self.handed_down(layer_number),
