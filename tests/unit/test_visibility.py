@@ -191,6 +191,7 @@ def _random_sizes(sk: int, gen: torch.Generator) -> list[int]:
     return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
+@pytest.mark.slow
 def test_layout_plans_over_any_key_blocks_cover_the_mask_once() -> None:
     """One planner for a layout, whatever the key blocks: a square cut by a block boundary becomes a square, a
     full rectangle and a square; every visible pair is still covered exactly once."""
@@ -211,6 +212,7 @@ def test_layout_plans_over_any_key_blocks_cover_the_mask_once() -> None:
     assert checked > 30
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["merge", "packed", "reference"])
 def test_executors_exact_over_random_key_blocks(backend: str) -> None:
     """Each executor on one rank over key blocks read in place, cut anywhere: float64 against the reference."""
