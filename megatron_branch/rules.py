@@ -14,6 +14,8 @@ Rules (a flag that would do nothing is refused, not ignored):
     recompute is replay's              segment recompute is a step of replay's depth-first walk
     recompute_layers needs the engine  naive runs megatron's own layers, which never checkpoint themselves
     backend needs the engine           naive runs megatron's own attention, not one of the engine's backends
+    the backend can run it             attention/dispatch.backend_problem: a baseline has no ring executor, a
+                                       backend without a CPU backward cannot train on CPU
 """
 
 from __future__ import annotations
@@ -35,9 +37,12 @@ def check_run(
     recompute: bool = False,
     recompute_layers: bool = False,
     backend: str | None = None,
+    training: bool = True,
+    device: str | None = None,
 ) -> None:
     """Refuse a schedule with settings it cannot honour (see the module doc). A SettingError, command-line
-    wording; re-spell it at entry points with other names."""
+    wording; re-spell it at entry points with other names. `training` and `device` (default: cuda when available)
+    say how and where the backend must run."""
     own = schedule in MEGATRON_ATTENTION
     if schedule in NO_RING and cp > 1:
         raise SettingError(
@@ -67,6 +72,18 @@ def check_run(
                 "schedule runs megatron's own attention, not an engine backend"
             )
         )
+    if not own:
+        from megatron_branch.attention.dispatch import (
+            backend_problem,
+        )  # lazy: rules stay importable without torch
+
+        if device is None:
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        problem = backend_problem(backend, cp_size=cp, training=training, device=device)
+        if problem is not None:
+            raise SettingError(lambda s: f"{s.value('backend', backend)}: {problem}")
 
 
 API = Spelling(

@@ -1,15 +1,21 @@
-"""Branch attention: shared-prefix (tree) attention with exact gradients, several interchangeable backends."""
+"""Branch attention: shared-prefix (tree) attention with exact gradients; one visibility plan, several executors."""
 
 from __future__ import annotations
 
+from megatron_branch.attention.context import (
+    BranchContext,
+    LocalContext,
+    PrefixContext,
+    attach_context,
+)
 from megatron_branch.attention.dispatch import (
     BACKENDS,
+    EXECUTORS,
     attention,
+    backend_problem,
     default_backend,
-    set_default_backend,
-    use_backend,
+    resolve_backend,
 )
-from megatron_branch.attention.flex import flex_attention_forward
 from megatron_branch.attention.kernels import (
     fused_attention_backward,
     fused_attention_forward,
@@ -18,26 +24,35 @@ from megatron_branch.attention.kernels import (
 )
 from megatron_branch.attention.layout import AttentionLayout, QuerySegment
 from megatron_branch.attention.merge import lse_merge, merge_parts
-from megatron_branch.attention.merge_backend import merge_attention
-from megatron_branch.attention.packed_backend import packed_attention
+from megatron_branch.attention.plan import BlockPlan
+from megatron_branch.attention.plan_sources import plan_from_layout, plan_from_meta
+from megatron_branch.attention.prefix_state import ATTENTION_KV, ChunkTree, StateKind
 from megatron_branch.attention.reference import reference_attention
 
 __all__ = [
+    "ATTENTION_KV",
     "BACKENDS",
+    "EXECUTORS",
     "AttentionLayout",
+    "BlockPlan",
+    "BranchContext",
+    "ChunkTree",
+    "LocalContext",
+    "PrefixContext",
     "QuerySegment",
+    "StateKind",
+    "attach_context",
     "attention",
+    "backend_problem",
     "default_backend",
     "fused_attention_backward",
     "fused_attention_forward",
-    "flex_attention_forward",
     "lse_merge",
     "math_attention_backward",
     "math_attention_forward",
-    "merge_attention",
     "merge_parts",
-    "packed_attention",
+    "plan_from_layout",
+    "plan_from_meta",
     "reference_attention",
-    "set_default_backend",
-    "use_backend",
+    "resolve_backend",
 ]

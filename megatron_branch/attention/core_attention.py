@@ -8,69 +8,22 @@ Shape legend (Megatron, sequence first):
 
 `Attention.forward` in megatron-core computes q [s,b,n,h], k/v [s,b,g,h] (RoPE applied) and calls
 `core_attention(q, k, v, mask, ...)`. With no `BranchContext` attached, this module is megatron's own
-`DotProductAttention` (the naive schedule's baseline runs through it). With a context attached, the context decides
-which keys each query sees (an `AttentionLayout` derived from the prefix tree), prepends the cached ancestor K/V,
-records this chunk's K/V for the schedule, and calls the attention backend chosen once in `attention.dispatch`.
+`DotProductAttention` (the naive schedule's baseline runs through it). With a context attached (attention/context.py: Local, Ring
+or Decode), the context decides which keys each query sees, reads the cached ancestor K/V in place, records this
+chunk's K/V for the schedule, and runs the executor the schedule chose (attention/dispatch.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from megatron.core.transformer.module import MegatronModule
 
-from megatron_branch.attention.layout import AttentionLayout
-
-KV = tuple[torch.Tensor, torch.Tensor]
+from megatron_branch.attention.context import BranchContext, TakesBranchContext
 
 
-@dataclass(kw_only=True)
-class BranchContext:
-    """What one forward of a chunk needs to know; built by a schedule, attached with `attach_context`."""
-
-    layout: AttentionLayout
-    """Which keys each query of the chunk may see. Keys are [external (c) | chunk (s)]."""
-    external_kv: dict[int, list[KV]] = field(default_factory=dict)
-    """layer_number -> cached ancestor K/V blocks, root first (each k, v [c_j,b,g,h]); empty for a packed tree or a
-    root segment. They are handed to the backend as blocks, never concatenated (no copy of the path's K/V)."""
-    capture: bool = False
-    """Record each layer's chunk K/V (in the autograd graph) in `captured`; the replay schedule needs them."""
-    captured: dict[int, KV] = field(default_factory=dict)
-    """layer_number -> this chunk's (k [s,b,g,h], v [s,b,g,h]), filled during forward when `capture`."""
-    backend: str | None = None
-    """Attention backend name (see attention.dispatch); None = the default chosen once for the device."""
-    recompute_layers: bool = False
-    """Run each transformer layer of this forward under activation checkpointing (models/layer_checkpoint.py):
-    only the layer inputs are kept, one layer's graph is rebuilt at a time in backward (with grad enabled only)."""
-
-    def for_recompute(self) -> BranchContext:
-        """The context a checkpointed layer's recomputation (in backward) attends with: the same layout, cached
-        K/V and metadata, but capturing nothing (the schedule's K/V come from the first forward, whose graph is
-        the one gradients are injected into; a recomputed capture would be a copy outside that graph)."""
-        return replace(self, capture=False, captured={})
-
-    def attend(
-        self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        """q [s,b,n,h], k/v [s,b,g,h] -> [s, b, n*h]."""
-        from megatron_branch.attention.dispatch import attention
-
-        if self.capture:
-            self.captured[layer_number] = (k, v)
-        blocks = [*self.external_kv.get(layer_number, []), (k, v)]  # keys: [ancestors (c) | chunk (s)]
-        num_keys = sum(kb.shape[0] for kb, _ in blocks)
-        assert num_keys == self.layout.num_keys and q.shape[0] == self.layout.num_queries, (
-            f"layout {self.layout.num_queries}x{self.layout.num_keys} vs q {q.shape[0]} k {num_keys}"
-        )
-        ks, vs = [kb for kb, _ in blocks], [vb for _, vb in blocks]
-        return attention(q, ks, vs, self.layout, backend=self.backend, scale=scale)
-
-
-class BranchCoreAttention(MegatronModule):
+class BranchCoreAttention(MegatronModule, TakesBranchContext):
     """Drop-in for megatron's DotProductAttention (same constructor), branch-aware when a context is attached."""
 
     def __init__(
@@ -132,17 +85,3 @@ class BranchCoreAttention(MegatronModule):
 
 def branch_attention_modules(model: torch.nn.Module) -> list[BranchCoreAttention]:
     return [m for m in model.modules() if isinstance(m, BranchCoreAttention)]
-
-
-@contextmanager
-def attach_context(model: torch.nn.Module, ctx: BranchContext | None) -> Iterator[BranchContext | None]:
-    """Attach `ctx` to every BranchCoreAttention of `model` for the duration of one forward."""
-    mods = branch_attention_modules(model)
-    assert mods, "the model has no BranchCoreAttention: build it with megatron_branch.models.build_model"
-    for m in mods:
-        m.context = ctx
-    try:
-        yield ctx
-    finally:
-        for m in mods:
-            m.context = None

@@ -1,77 +1,85 @@
-"""Backend choice for branch attention: one name -> one implementation, all with the same signature.
+"""Backend names -> executors of THE plan, and the one-rank entry point `attention`.
 
 SHAPE LEGEND (Megatron sequence-first):
     s  sequence (sq queries, sk keys)   b batch   n query heads   g query groups (kv heads)   h head dim
-    q [sq, b, n, h]    k, v [sk, b, g, h]    out [sq, b, n * h]
+    q [sq, b, n, h]    k, v [sk, b, g, h] (or key blocks [sk_j, b, g, h] laid end to end)    out [sq, b, n * h]
 
-Backends:
-    reference  plain masked softmax (the float64 oracle)
-    merge      fused two-part attention + lse merge with the per-part backward (default on CPU and CUDA)
-    packed     one SDPA with the dense tree mask
-    flex       FlexAttention with a BlockMask (forward-only on CPU; the GPU path for general trees)
-    repeat     the ancestors' K/V repeated per segment + masked SDPA (PrefixGrouper's method: a benchmark baseline)
-The default is "merge" on every device; tests override it with `use_backend`.
+Backends (attention/executor.py has the contract):
+    merge      fused kernels per rectangle of the plan (default on every device)
+    packed     one dense masked pass, FlashAttention-2's backward formulas
+    reference  plain masked softmax differentiated by autograd (the float64 oracle)
+    flex       FlexAttention with a mask from the plan (forward-only on CPU; the GPU path for general trees)
+    repeat     PrefixGrouper's repeated-prefix method: a ONE-RANK benchmark baseline, not an executor
+The backend is passed in (ScheduleOptions.backend -> the context), never set globally; `None` means
+`default_backend()`. Every executor serves one rank and the ring alike, so a name means the same at CP1 and under CP.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+import math
+from collections.abc import Sequence
 
 import torch
 
-from megatron_branch.attention.flex import flex_attention_forward
+from megatron_branch.attention.dense_executors import PACKED, REFERENCE
+from megatron_branch.attention.executor import Executor, PlanAttention
+from megatron_branch.attention.flex import FLEX
 from megatron_branch.attention.layout import AttentionLayout
-from megatron_branch.attention.merge_backend import merge_attention
-from megatron_branch.attention.packed_backend import packed_attention
-from megatron_branch.attention.reference import reference_attention
+from megatron_branch.attention.merge_executor import MERGE
+from megatron_branch.attention.plan_sources import plan_from_layout
+from megatron_branch.attention.reference import check_shapes
 from megatron_branch.attention.repeat_backend import repeat_prefix_attention
 
-AttentionFn = Callable[..., torch.Tensor]
-
-BACKENDS: dict[str, AttentionFn] = {
-    "reference": reference_attention,
-    "merge": merge_attention,
-    "packed": packed_attention,
-    "flex": flex_attention_forward,
-    "repeat": repeat_prefix_attention,
-}
-
-_override: str | None = None  # set by set_default_backend / use_backend
+EXECUTORS: dict[str, Executor] = {e.name: e for e in (MERGE, PACKED, REFERENCE, FLEX)}
+"""Every executor of the plan: each runs on one rank and as the ring's per-block executor under CP."""
+BASELINES = ("repeat",)
+"""One-rank benchmark baselines that are not executors (no lse, no ring)."""
+BACKENDS: tuple[str, ...] = (*EXECUTORS, *BASELINES)
 
 
-def _check_name(name: str) -> str:
+def default_backend() -> str:
+    """The backend used when none is named: "merge", exact on every device (the fused kernels of
+    attention/kernels.py are chosen by device and dtype inside it)."""
+    return "merge"
+
+
+def resolve_backend(name: str | None) -> str:
+    """The name that runs: `name`, or the default for None; ValueError for an unknown name."""
+    if name is None:
+        return default_backend()
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; valid: {', '.join(sorted(BACKENDS))}")
     return name
 
 
-def default_backend(device: torch.device | str) -> str:
-    """The backend used when none is named: an override if set, else "merge" (exact on every device; the fused
-    kernels of attention/kernels.py, chosen by device and dtype, do the heavy lifting)."""
-    return _override if _override is not None else "merge"
-
-
-def set_default_backend(name: str | None) -> None:
-    """Override the default backend for every device (None removes the override)."""
-    global _override
-    _override = None if name is None else _check_name(name)
-
-
-@contextmanager
-def use_backend(name: str) -> Iterator[None]:
-    """Temporarily override the default backend (tests)."""
-    global _override
-    previous = _override
-    _override = _check_name(name)
+def backend_problem(
+    name: str | None, *, cp_size: int = 1, training: bool = False, device: str = "cpu"
+) -> str | None:
+    """Why backend `name` cannot run a step with `cp_size` context-parallel ranks (training or scoring) on
+    `device`, in one line; None when it can. The one home of these rules: every entry point asks here."""
     try:
-        yield
-    finally:
-        _override = previous
+        resolved = resolve_backend(name)
+    except ValueError as e:
+        return str(e)
+    if resolved in BASELINES and cp_size > 1:
+        return (
+            f"attention backend {resolved!r} is a one-rank benchmark baseline (no ring executor): "
+            f"use merge, packed, reference or flex with context parallelism ({cp_size} ranks)"
+        )
+    executor = EXECUTORS.get(resolved)
+    if training and executor is not None and not executor.backward_on_cpu and device == "cpu":
+        return f"attention backend {resolved!r} has no backward on CPU (torch refuses it): use merge, packed or reference"
+    return None
 
 
-# backends that take key BLOCKS as they are (no concatenated copy); the others get one tensor
-_TAKES_BLOCKS = {"merge"}
+def executor(name: str | None) -> Executor:
+    """The executor named `name` (None: the default); ValueError for a baseline or an unknown name."""
+    resolved = resolve_backend(name)
+    if resolved not in EXECUTORS:
+        raise ValueError(
+            f"attention backend {resolved!r} is a one-rank baseline, not an executor of the plan"
+        )
+    return EXECUTORS[resolved]
 
 
 def attention(
@@ -83,9 +91,20 @@ def attention(
     backend: str | None = None,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Branch attention: q [sq, b, n, h], k/v [sk, b, g, h] (or key blocks [sk_j, b, g, h] laid end to end)
-    -> [sq, b, n*h] with the named or default backend."""
-    name = _check_name(backend) if backend is not None else default_backend(q.device)
-    if not isinstance(k, torch.Tensor) and name not in _TAKES_BLOCKS:
-        k, v = torch.cat(list(k)), torch.cat(list(v))
-    return BACKENDS[name](q, k, v, layout, scale=scale)
+    """Branch attention on one rank: q [sq,b,n,h], k/v [sk,b,g,h] or key blocks [sk_j,b,g,h] laid end to end (read
+    in place) -> [sq,b,n*h], with the named backend (None: the default)."""
+    name = resolve_backend(backend)
+    ks = [k] if isinstance(k, torch.Tensor) else list(k)
+    vs = [v] if isinstance(v, torch.Tensor) else list(v)
+    assert len(ks) == len(vs) and ks, "k and v need the same, non-zero number of blocks"
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if name in BASELINES:
+        k_all, v_all = (x[0] if len(x) == 1 else torch.cat(x) for x in (ks, vs))
+        return repeat_prefix_attention(q, k_all, v_all, layout, scale)
+    # shape-only stand-ins for the concatenated keys (meta device: nothing is allocated)
+    k_all = torch.empty((sum(x.shape[0] for x in ks), *ks[0].shape[1:]), device="meta")
+    check_shapes(q, k_all, k_all, layout)
+    ex = EXECUTORS[name]
+    ex.check_grad(q, [*ks, *vs])
+    plan = plan_from_layout(layout, [x.shape[0] for x in ks])
+    return PlanAttention.apply(q, plan, scale, ex, len(ks), *ks, *vs)

@@ -1,85 +1,89 @@
-"""The `flex` backend: FlexAttention with a BlockMask built from the layout (the GPU path for general trees).
+"""The `flex` executor: FlexAttention with a BlockMask from the plan's runs (the GPU path for general trees).
 
 SHAPE LEGEND (Megatron sequence-first at the boundary, SDPA layout inside):
-    s  sequence (sq queries, sk keys)   b batch   n query heads   g query groups (kv heads)   h head dim
-    q      [sq, b, n, h]        k, v   [sk, b, g, h]        out  [sq, b, n * h]
-    inside: [b, n, s, h] (k/v [b, g, s, h]: flex reads GQA groups itself, enable_gqa)
-    metadata (one layout, per token, never [sq, sk]):
-        q_seg [sq]  segment index of each query row      q_off [sq]  row offset inside its segment
-        k_own [sk]  segment whose own keys hold the key, -1 if none      k_off [sk]  key offset inside them
-        k_int [sk]  index of the key's interval between consecutive range boundaries
-        anc   [S, I] bool: interval I lies in an ancestor range of segment S
+    sq query rows   sk keys of the call (its key blocks end to end)   b batch   n query heads   g kv heads
+    h head dim      R_q / R_k query / key runs of the plan (attention/plan.py)
+    q [sq, b, n, h]   ks[j], vs[j] [sk_j, b, g, h]   out [sq, b, n, h] acc   lse [sq, b, n] acc
+    inside: [b, n, sq, h] and k/v [b, g, sk, h] (flex reads GQA groups itself, enable_gqa); per-token metadata:
+        q_run [sq], q_off [sq]   run of each query row (R_q = none) and its offset in its segment
+        k_run [sk], k_off [sk]   the same for the keys (R_k = none)
+        table [R_q + 1, R_k + 1] int8: 1 = the query run sees the key run in full, 2 = same segment (causal), 0 else
 
-visible(q, k) = anc[q_seg[q], k_int[k]] or (k_own[k] == q_seg[q] and k_off[k] <= q_off[q]): exactly the layout's
-visibility, evaluated per (q, k) from per-token metadata, so no dense [sq, sk] mask is ever built (a 40K-token
-chunk's dense mask would be 1.6 GB). The BlockMask skips the all-invisible blocks (sibling branches' keys), which
-is where flex's savings come from on GPU; metadata and BlockMask are built once per layout and reused by every
-layer. On CUDA flex runs compiled (its fused Triton kernel, with a backward); on CPU torch refuses flex's backward
-("FlexAttention does not support backward on CPU"), so there this backend is forward-only and says so.
+visible(q, k) = table[q_run, k_run] == 1 or (== 2 and k_off <= q_off): exactly the plan's visibility from its runs,
+per (q, k), so no dense [sq, sk] mask is ever built. The BlockMask skips the all-invisible blocks (sibling branches'
+keys), which is where flex's savings come from on GPU; metadata and BlockMask are built once per plan and device
+and reused by every layer. Flex returns the lse, so it serves the ring like any executor; its backward recomputes
+the forward under autograd and pulls the merged gradient back (executor.pull_back). On CUDA flex runs compiled (its
+fused Triton kernel, with a backward); on CPU torch refuses flex's backward ("FlexAttention does not support
+backward on CPU"), so there this executor is forward-only and says so before any work.
 UNTESTED on GPU (none was lent): tests/gpu/test_gpu_attention.py checks it there.
 """
 
 from __future__ import annotations
 
 import functools
-import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
-from megatron_branch.attention.layout import AttentionLayout
-from megatron_branch.attention.reference import check_shapes
+from megatron_branch.attention.executor import Executor, empty_result, pull_back, zero_grads
+from megatron_branch.attention.kernels import lse_dtype
+from megatron_branch.attention.plan import BlockPlan, Runs
 
 
-def visibility_metadata(layout: AttentionLayout, device: torch.device | str) -> dict[str, torch.Tensor]:
-    """Per-token metadata of the layout's visibility (see the legend); O(sq + sk + S * I) memory."""
-    sq, sk, segs = layout.num_queries, layout.num_keys, layout.segments
-    bounds = sorted({0, sk, *(x for s in segs for r in s.ancestor_ranges for x in r)})
-    q_seg, q_off = torch.empty(sq, dtype=torch.long), torch.empty(sq, dtype=torch.long)
-    k_own, k_off = torch.full((sk,), -1, dtype=torch.long), torch.zeros(sk, dtype=torch.long)
-    anc = torch.zeros(len(segs), max(1, len(bounds) - 1), dtype=torch.bool)
-    for i, s in enumerate(segs):
-        q_seg[s.q_start : s.q_end] = i
-        q_off[s.q_start : s.q_end] = torch.arange(s.length)
-        k_own[s.self_k_start : s.self_k_end] = i
-        k_off[s.self_k_start : s.self_k_end] = torch.arange(s.length)
-        for a, e in s.ancestor_ranges:
-            anc[i, bounds.index(a) : bounds.index(e)] = True
-    k_int = torch.searchsorted(torch.tensor(bounds[1:-1], dtype=torch.long), torch.arange(sk), right=True)
-    meta = dict(q_seg=q_seg, q_off=q_off, k_own=k_own, k_off=k_off, k_int=k_int, anc=anc)
-    return {name: t.to(device) for name, t in meta.items()}
+def _per_token(runs: Runs, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(run index [size] (len(runs) = none), offset inside the segment [size]) of every row."""
+    run, off = torch.full((size,), len(runs), dtype=torch.long), torch.zeros(size, dtype=torch.long)
+    for t in range(len(runs)):
+        a, n = runs.start[t], runs.length[t]
+        run[a : a + n] = t
+        off[a : a + n] = torch.arange(runs.offset[t], runs.offset[t] + n)
+    return run, off
+
+
+def visibility_metadata(plan: BlockPlan, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Per-token metadata of the plan's visibility (see the legend); O(sq + sk + R_q * R_k) memory."""
+    q, k = plan.q, plan.k
+    q_run, q_off = _per_token(q, plan.num_queries)
+    k_run, k_off = _per_token(k, plan.num_keys)
+    table = torch.zeros(len(q) + 1, len(k) + 1, dtype=torch.int8)
+    k_by_seg = k.by_segment()
+    for t, seen in enumerate(plan.sees):
+        table[t, list(seen)] = 1
+        table[t, k_by_seg.get(q.segment[t], [])] = 2
+    meta = dict(q_run=q_run, q_off=q_off, k_run=k_run, k_off=k_off, table=table)
+    return {name: x.to(device) for name, x in meta.items()}
 
 
 def _mask_mod(meta: dict[str, torch.Tensor]) -> Any:
-    q_seg, q_off, k_own, k_off, k_int, anc = (
-        meta[x] for x in ("q_seg", "q_off", "k_own", "k_off", "k_int", "anc")
-    )
+    q_run, q_off, k_run, k_off, table = (meta[x] for x in ("q_run", "q_off", "k_run", "k_off", "table"))
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        qs = q_seg[q_idx]
-        return anc[qs, k_int[kv_idx]] | ((k_own[kv_idx] == qs) & (k_off[kv_idx] <= q_off[q_idx]))
+        t = table[q_run[q_idx], k_run[kv_idx]]
+        return (t == 1) | ((t == 2) & (k_off[kv_idx] <= q_off[q_idx]))
 
     return mask_mod
 
 
-def build_block_mask(layout: AttentionLayout, device: torch.device | str) -> Any:
-    """A BlockMask (batch- and head-broadcast) of the layout, built once per layout and device."""
+def build_block_mask(plan: BlockPlan, device: torch.device | str) -> Any:
+    """A BlockMask (batch- and head-broadcast) of the plan, built once per plan and device."""
     dev = torch.device(device)
 
     def build() -> Any:
-        meta = layout.derived(("flex_meta", str(dev)), lambda: visibility_metadata(layout, dev))
+        meta = plan.derived(("flex_meta", str(dev)), lambda: visibility_metadata(plan, dev))
         return create_block_mask(
             _mask_mod(meta),
             None,
             None,
-            layout.num_queries,
-            layout.num_keys,
+            plan.num_queries,
+            plan.num_keys,
             device=dev,
             _compile=dev.type == "cuda",
         )
 
-    return layout.derived(("block_mask", str(dev)), build)
+    return plan.derived(("block_mask", str(dev)), build)
 
 
 @functools.cache
@@ -88,26 +92,53 @@ def _compiled_flex() -> Any:
     return torch.compile(flex_attention, dynamic=False)
 
 
-def flex_attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: AttentionLayout, scale: float | None = None
-) -> torch.Tensor:
-    """FlexAttention over [sq, b, n, h] x [sk, b, g, h] -> [sq, b, n*h]; forward-only on CPU."""
-    check_shapes(q, k, v, layout)
-    if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        # torch's FlexAttention refuses backward on CPU (docs/design.md, measured facts): say so up front.
-        raise RuntimeError(
-            "the 'flex' attention backend has no backward on CPU (torch refuses it); "
-            "run it under torch.no_grad() or use the 'merge' backend"
-        )
-    if not torch.is_grad_enabled():  # torch's flex checks requires_grad even under no_grad
-        q, k, v = q.detach(), k.detach(), v.detach()
-    sq, b, n, h = q.shape
-    g = k.shape[2]
-    scale = 1.0 / math.sqrt(h) if scale is None else scale
-    qb = q.permute(1, 2, 0, 3)  # [b, n, sq, h]
-    kb, vb = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, g, sk, h]
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale: float):  # noqa: ANN202
+    """q [b,n,sq,h], k/v [b,g,sk,h] -> (out [b,n,sq,h], lse [b,n,sq])."""
     fn = _compiled_flex() if q.is_cuda else flex_attention
-    out = fn(
-        qb, kb, vb, block_mask=build_block_mask(layout, q.device), scale=scale, enable_gqa=g != n
-    )  # [b, n, sq, h]
-    return out.permute(2, 0, 1, 3).reshape(sq, b, n * h)  # [sq, b, n*h]
+    out, aux = fn(
+        q,
+        k,
+        v,
+        block_mask=build_block_mask(plan, q.device),
+        scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+        return_aux=AuxRequest(lse=True),
+    )
+    return out, aux.lse
+
+
+def _inputs(q: torch.Tensor, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor]):  # noqa: ANN202
+    k = ks[0] if len(ks) == 1 else torch.cat(list(ks))  # flex takes one key tensor: the blocks end to end
+    v = vs[0] if len(vs) == 1 else torch.cat(list(vs))
+    return q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
+
+
+def flex_forward(q, ks, vs, plan: BlockPlan, scale: float):  # noqa: ANN001, ANN201
+    if plan.empty:
+        return empty_result(q)
+    acc = lse_dtype(q.dtype)
+    out, lse = _flex(*(t.detach() for t in _inputs(q, ks, vs)), plan, scale)  # flex checks requires_grad
+    return out.permute(2, 0, 1, 3).to(acc), lse.permute(2, 0, 1).to(acc)
+
+
+def flex_backward(dout, q, ks, vs, out, lse, plan: BlockPlan, scale: float):  # noqa: ANN001, ANN201
+    if plan.empty:
+        return zero_grads(q, ks)
+    acc = lse_dtype(q.dtype)
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in _inputs(q, ks, vs)]
+        o_c, lse_c = _flex(*leaves, plan, scale)
+        dq, dk, dv = pull_back(
+            (o_c.to(acc), lse_c.to(acc)),
+            leaves,
+            dout.to(acc).permute(1, 2, 0, 3),
+            out.to(acc).permute(1, 2, 0, 3),
+            lse.to(acc).permute(1, 2, 0),
+        )
+    sizes = [k.shape[0] for k in ks]
+    dks = torch.split(dk.permute(2, 0, 1, 3).to(acc), sizes)
+    dvs = torch.split(dv.permute(2, 0, 1, 3).to(acc), sizes)
+    return dq.permute(2, 0, 1, 3).to(acc), list(dks), list(dvs)
+
+
+FLEX = Executor(name="flex", forward=flex_forward, backward=flex_backward, backward_on_cpu=False)

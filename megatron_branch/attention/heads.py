@@ -1,4 +1,4 @@
-"""Head layouts in one place: GQA expansion and its gradient reduction, and the rows-first <-> kernel layout views.
+"""Head layouts in one place: THE GQA fold, and the rows-first <-> kernel layout views.
 
 SHAPE LEGEND:
     rows-first (Megatron)  x [s, b, H, t]      s rows, b batch, H heads (n query heads or g kv groups), t head dim
@@ -6,10 +6,13 @@ SHAPE LEGEND:
     folded (GQA)           f [b, g, r*m, t]    the r = n // g query heads of each kv group stacked along rows
 Megatron's grouping: query head j uses kv group j // r, so the r query heads of a group are adjacent.
 
-Folding is how a non-causal part reads a kv group's keys ONCE for all r query heads of the group, with no expanded
-(repeated) copy of the keys: softmax rows are independent, so stacking the group's query heads along the rows changes
-nothing but the GEMM shape. Causal parts cannot fold (the diagonal follows the row index), they expand their own
-keys, which are short. Every other backend uses `expand_kv`; the ring's gradient uses `reduce_kv_heads`.
+K/V are NEVER expanded (repeated per query head) anywhere in the engine. Two mechanisms cover every kernel call:
+    * non-causal parts FOLD the queries (`fold`): softmax rows are independent, so stacking a group's r query
+      heads along the rows changes nothing but the GEMM shape, and each kv group's keys are read ONCE for all of
+      them, in place, as strided views (`kv_view`) -- the merge executor and the decode step use it;
+    * causal parts (the diagonal follows the row index, so they cannot fold) and the dense math pass compact kv
+      heads to kernels that group query heads themselves (attention/kernels.py: the CPU and CUDA flash kernels and
+      flash-attn take g < n natively; the math kernels read K/V through a broadcast view).
 """
 
 from __future__ import annotations
@@ -17,20 +20,8 @@ from __future__ import annotations
 import torch
 
 
-def expand_kv(x: torch.Tensor, n: int) -> torch.Tensor:
-    """[s, b, g, h] -> [s, b, n, h]: each kv head repeated n // g times, adjacent (query head j -> group j // (n//g))."""
-    g = x.shape[2]
-    return x if g == n else x.repeat_interleave(n // g, dim=2)
-
-
-def reduce_kv_heads(d: torch.Tensor, g: int) -> torch.Tensor:
-    """Gradient of `expand_kv`: [s, b, n, h] -> [s, b, g, h], each kv head's n // g copies summed."""
-    s, b, n, h = d.shape
-    return d if g == n else d.view(s, b, g, n // g, h).sum(3)
-
-
 def to_kernel(x: torch.Tensor, runs: int) -> torch.Tensor:
-    """rows-first [runs*L, b, H, t] -> kernel [runs*b, H, L, t] (a view when runs == 1)."""
+    """rows-first [runs*L, b, H, t] -> kernel [runs*b, H, L, t] (a view when runs == 1 or b == 1)."""
     s, b, heads, t = x.shape
     length = s // runs
     y = x.view(runs, length, b, heads, t).permute(0, 2, 3, 1, 4)  # [runs, b, H, L, t]
@@ -44,8 +35,13 @@ def from_kernel(y: torch.Tensor, runs: int) -> torch.Tensor:
     return y.view(runs, b, heads, length, t).permute(0, 3, 1, 2, 4).reshape(runs * length, b, heads, t)
 
 
+def kv_view(x: torch.Tensor, a: int, e: int) -> torch.Tensor:
+    """Keys [sk, b, g, h] rows [a, e) as a kernel operand [b, g, e-a, h]: a strided view, no copy."""
+    return x[a:e].permute(1, 2, 0, 3)
+
+
 def fold(x: torch.Tensor, g: int) -> torch.Tensor:
-    """rows-first query-head tensor [m, b, n, t] -> folded [b, g, r*m, t] (r = n // g)."""
+    """THE GQA fold: rows-first query-head tensor [m, b, n, t] -> folded [b, g, r*m, t] (r = n // g)."""
     m, b, n, t = x.shape
     r = n // g
     return x.view(m, b, g, r, t).permute(1, 2, 3, 0, 4).reshape(b, g, r * m, t)

@@ -1,8 +1,9 @@
 """Per-part attention kernels that return (out, lse), with an explicit backward that takes out and lse as inputs.
 
 SHAPE LEGEND (INTERNAL SDPA layout, NOT Megatron's sequence-first one):
-    q      [b, n, sq, h]   b batch, n heads, sq query rows, h head dim
-    k, v   [b, n, sk, h]   already expanded for GQA (each kv head repeated n // g times)
+    q      [b, n, sq, h]   b batch, n query heads, sq query rows, h head dim
+    k, v   [b, g, sk, h]   g kv heads (GQA groups, g divides n; query head j uses kv head j // (n // g)), COMPACT:
+                           every kernel here groups the query heads itself, nothing is ever expanded
     mask   [sq, sk] bool   True = visible; None = all visible
     out    [b, n, sq, h]
     lse    [b, n, sq]      log-sum-exp of the scaled scores over the visible keys (FlashAttention-2's L),
@@ -14,10 +15,13 @@ dS = P * (dP - D) is exactly the slice of the full attention's dS over that part
 and scattering dk/dv gives the exact gradient of the merged attention.
 
 Which fused kernel `fused_attention_forward/backward` run (one dispatcher, chosen by device and dtype):
-    CPU                    aten._scaled_dot_product_flash_attention_for_cpu (+ _backward), any float dtype
+    CPU                    aten._scaled_dot_product_flash_attention_for_cpu (+ _backward), any float dtype; takes
+                           g < n kv heads natively (measured in torch 2.13: dk/dv come back with g heads)
     CUDA, fp16/bf16        flash_attn's kernel when that package is installed, else torch's own
                            aten._scaled_dot_product_flash_attention (+ _backward): both return and consume the lse
-    anything else          the math kernels below (exact, slow; CUDA fp32/fp64 land here)
+                           and take g < n natively (FlashAttention-2's MQA/GQA; UNTESTED here, tests/gpu checks it)
+    anything else          the math kernels below (exact, slow; CUDA fp32/fp64 land here): the query heads are
+                           viewed as [g, r] and K/V broadcast over r (no copy)
 Inputs may be strided views (e.g. [s, b, g, h] storage read as [b, g, s, h]): every kernel reads strides, so cached
 K/V are never copied to call one (only the last dim must be contiguous).
 
@@ -57,20 +61,29 @@ def _causal_mask(sq: int, sk: int, device: torch.device) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _grouped(x: torch.Tensor, g: int) -> torch.Tensor:
+    """[b, n, s, t] -> [b, g, r, s, t]: query head j = (group j // r, member j % r)."""
+    b, n, s, t = x.shape
+    return x.reshape(b, g, n // g, s, t)
+
+
 def math_attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked softmax attention; rows with no visible key get out = 0 and lse = -inf (no NaN)."""
     acc = lse_dtype(q.dtype)
-    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale  # [b, n, sq, sk]
+    b, n, sq, h = q.shape
+    g = k.shape[1]
+    qg = _grouped(q.to(acc), g)  # [b, g, r, sq, h]
+    s = torch.matmul(qg, k.to(acc).unsqueeze(2).transpose(-1, -2)) * scale  # [b, g, r, sq, sk]
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # [b, n, sq]; -inf on empty rows
+    lse = torch.logsumexp(s, dim=-1)  # [b, g, r, sq]; -inf on empty rows
     # empty rows: exp(-inf - (-inf)) would be NaN, so subtract 0 there instead; exp(-inf) = 0 gives out = 0
-    safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # [b, n, sq]
-    p = torch.exp(s - safe_lse.unsqueeze(-1))  # [b, n, sq, sk]
-    out = torch.matmul(p, v.to(acc))  # [b, n, sq, h]
-    return out.to(q.dtype), lse
+    safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    p = torch.exp(s - safe_lse.unsqueeze(-1))  # [b, g, r, sq, sk]
+    out = torch.matmul(p, v.to(acc).unsqueeze(2))  # [b, g, r, sq, h]
+    return out.reshape(b, n, sq, h).to(q.dtype), lse.reshape(b, n, sq)
 
 
 def math_attention_backward(
@@ -85,21 +98,23 @@ def math_attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashAttention-2 backward using the GIVEN out and lse (possibly merged over several parts)."""
     acc = lse_dtype(q.dtype)
-    qa, ka, va, doa, oa = (t.to(acc) for t in (q, k, v, dout, out))
-    s = torch.matmul(qa, ka.transpose(-1, -2)) * scale  # [b, n, sq, sk]
+    b, n, sq, h = q.shape
+    g = k.shape[1]
+    qa, doa, oa = (_grouped(t.to(acc), g) for t in (q, dout, out))  # [b, g, r, sq, h]
+    ka, va = k.to(acc).unsqueeze(2), v.to(acc).unsqueeze(2)  # [b, g, 1, sk, h]
+    s = torch.matmul(qa, ka.transpose(-1, -2)) * scale  # [b, g, r, sq, sk]
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
-    safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).to(acc)  # [b, n, sq]
-    p = torch.exp(
-        s - safe_lse.unsqueeze(-1)
-    )  # [b, n, sq, sk]; rows of the merged softmax, this part's columns
-    dv = torch.matmul(p.transpose(-1, -2), doa)  # [b, n, sk, h]
-    dp = torch.matmul(doa, va.transpose(-1, -2))  # [b, n, sq, sk]
-    d = (doa * oa).sum(dim=-1, keepdim=True)  # [b, n, sq, 1]; D = rowsum(dO * O) over the MERGED out
-    ds = p * (dp - d)  # [b, n, sq, sk]
-    dq = torch.matmul(ds, ka) * scale  # [b, n, sq, h]
-    dk = torch.matmul(ds.transpose(-1, -2), qa) * scale  # [b, n, sk, h]
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    lse_g = lse.to(acc).reshape(b, g, n // g, sq)
+    safe_lse = torch.where(torch.isinf(lse_g), torch.zeros_like(lse_g), lse_g)  # [b, g, r, sq]
+    p = torch.exp(s - safe_lse.unsqueeze(-1))  # rows of the merged softmax, this part's columns
+    dv = torch.matmul(p.transpose(-1, -2), doa).sum(2)  # [b, g, sk, h]: the r query heads of a group summed
+    dp = torch.matmul(doa, va.transpose(-1, -2))  # [b, g, r, sq, sk]
+    d = (doa * oa).sum(dim=-1, keepdim=True)  # [b, g, r, sq, 1]; D = rowsum(dO * O) over the MERGED out
+    ds = p * (dp - d)  # [b, g, r, sq, sk]
+    dq = torch.matmul(ds, ka) * scale  # [b, g, r, sq, h]
+    dk = (torch.matmul(ds.transpose(-1, -2), qa) * scale).sum(2)  # [b, g, sk, h]
+    return dq.reshape(b, n, sq, h).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -6,7 +6,9 @@ SHAPE LEGEND (Megatron sequence-first):
     k, v   [sk, b, g, h]      n % g == 0; query head j uses kv group j // (n // g) (Megatron's grouping)
     out    [sq, b, n * h]
 
-No tricks on purpose: every other backend is tested against this one (run it in float64).
+No tricks on purpose, and nothing shared with the engine's plan or executors: the mask is the layout's own dense
+mask (AttentionLayout.dense_mask), so every executor is tested against an independent description of the tree (run
+it in float64). The query heads are viewed as [g, r] and K/V broadcast over r (no copy).
 """
 
 from __future__ import annotations
@@ -15,10 +17,9 @@ import math
 
 import torch
 
-from megatron_branch.attention.heads import expand_kv
 from megatron_branch.attention.layout import AttentionLayout
 
-__all__ = ["check_shapes", "expand_kv", "reference_attention"]
+__all__ = ["check_shapes", "reference_attention"]
 
 
 def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: AttentionLayout) -> None:
@@ -45,12 +46,11 @@ def reference_attention(
     """Masked softmax attention in the input dtype; returns [sq, b, n*h]."""
     check_shapes(q, k, v, layout)
     sq, b, n, h = q.shape
+    g = k.shape[2]
     scale = 1.0 / math.sqrt(h) if scale is None else scale
-    qb = q.permute(1, 2, 0, 3)  # [b, n, sq, h]
-    kb = expand_kv(k, n).permute(1, 2, 0, 3)  # [b, n, sk, h]
-    vb = expand_kv(v, n).permute(1, 2, 0, 3)  # [b, n, sk, h]
-    s = torch.matmul(qb, kb.transpose(-1, -2)) * scale  # [b, n, sq, sk]
+    qg = q.reshape(sq, b, g, n // g, h)  # query head j = (group j // r, member j % r)
+    s = torch.einsum("qbgrh,kbgh->bgrqk", qg, k) * scale  # [b, g, r, sq, sk]
     s = s.masked_fill(~layout.dense_mask(q.device), float("-inf"))
-    p = torch.softmax(s, dim=-1)  # [b, n, sq, sk]; every row has >= 1 visible key (layout covers all queries)
-    out = torch.matmul(p, vb)  # [b, n, sq, h]
-    return out.permute(2, 0, 1, 3).reshape(sq, b, n * h)  # [sq, b, n*h]
+    p = torch.softmax(s, dim=-1)  # every row has >= 1 visible key (the layout covers all queries)
+    out = torch.einsum("bgrqk,kbgh->qbgrh", p, v)  # [sq, b, g, r, h]
+    return out.reshape(sq, b, n * h)  # [sq, b, n*h]

@@ -68,7 +68,11 @@ def add_grad_command(sub: Any) -> None:
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (ring attention)")
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallel over the TP group")
     p.add_argument(
-        "--backend", default=None, choices=["merge", "packed", "reference"], help="attention backend override"
+        "--backend",
+        default=None,
+        choices=["merge", "packed", "reference", "flex", "repeat"],
+        help="attention executor (default merge), the same at --cp 1 and under CP; one that cannot run this step "
+        "is refused",
     )
     p.add_argument("--recompute", action="store_true", help="replay: recompute inner segments at backward")
     p.add_argument(
@@ -189,6 +193,13 @@ def _atomic_write(path: str, write: Any, overwrite: bool) -> None:
         write(str(tmp))
 
 
+def _backend_ran(args: argparse.Namespace) -> str:
+    """The attention that ran: the resolved executor, or megatron-core's own for the naive schedule."""
+    from megatron_branch.attention.dispatch import resolve_backend
+
+    return "megatron-core" if args.schedule == "naive" else resolve_backend(args.backend)
+
+
 def run_grad(args: argparse.Namespace) -> int:
     """The thin command around the update's gradient part (update.accumulate_gradients + finalize)."""
     from megatron_branch.checkpoint.hf_io import HFTensorReader, load_hf_config
@@ -281,6 +292,7 @@ def run_grad(args: argparse.Namespace) -> int:
 
     summary = {
         "schedule": args.schedule,
+        "backend": _backend_ran(args),
         "loss": metrics.pop(f"{objective.role}/loss"),
         "positions_logical": full_tree.positions_logical,
         "positions_computed": int(metrics["tree/positions_computed"]),

@@ -28,10 +28,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_branch.attention.core_attention import BranchContext
+from megatron_branch.attention.context import BranchContext
+from megatron_branch.attention.heads import fold, unfold
 from megatron_branch.attention.kernels import fused_attention_forward, lse_dtype
-from megatron_branch.attention.layout import AttentionLayout
 from megatron_branch.attention.merge import lse_merge
+from megatron_branch.attention.prefix_state import ChunkTree, Handoff, StateKind, Tensors
 
 
 @dataclass(kw_only=True)
@@ -47,12 +48,11 @@ class PrefixKV:
     buffer_rows: int = 0
     """B."""
 
-    def add_prompts(
-        self, captured: dict[int, tuple[torch.Tensor, torch.Tensor]], spans: list[tuple[int, int]]
-    ) -> None:
+    def add_prompts(self, captured: dict[int, Handoff], spans: list[tuple[int, int]]) -> None:
         """Keep one prefill forward's captured K/V ([S,1,g,h] per layer) as one block per prompt, spans[p] =
         (start, end) rows; prompts are numbered in the order they are added. The prefill's tensors can go."""
-        for layer, (k, v) in captured.items():
+        for layer, handoff in captured.items():
+            k, v = handoff.tensors
             self.prompt_k.setdefault(layer, []).extend(_internal(k[a:b]) for a, b in spans)
             self.prompt_v.setdefault(layer, []).extend(_internal(v[a:b]) for a, b in spans)
 
@@ -113,13 +113,26 @@ class DecodeStep:
 
 
 @dataclass(kw_only=True)
-class DecodeContext(BranchContext):
-    """BranchContext of one decode step: reads the prompts' K/V in place, writes each branch's new K/V."""
+class DecodeContext:
+    """The branch context (attention/context.py) of one decode step: reads the prompts' K/V in place, writes each
+    branch's new K/V into the buffer. Forward only: it captures nothing and is never recomputed."""
 
-    layout: AttentionLayout | None = None  # type: ignore[assignment]
-    """Unused: the step's visibility is `step` (prompt + own path), cheaper than a general layout."""
     cache: PrefixKV
     step: DecodeStep
+    capture: bool = False
+    captured: dict[int, Handoff] = field(default_factory=dict)
+    recompute_layers: bool = False
+    tree: ChunkTree | None = None
+
+    def hand_down(self, layer_number: int, kind: StateKind, tensors: Tensors) -> None:
+        """Nothing to hand down: a decode step's new K/V go into the branch buffer (`attend`)."""
+
+    def handed_down(self, layer_number: int) -> list[Tensors]:
+        """Other layer kinds' decode state is not kept here yet (the hybrid models bring it)."""
+        raise NotImplementedError("decode keeps attention K/V only (PrefixKV)")
+
+    def for_recompute(self) -> BranchContext:
+        raise AssertionError("a decode step runs without grad: nothing is recomputed")
 
     def attend(
         self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
@@ -133,29 +146,27 @@ class DecodeContext(BranchContext):
         bk, bv = self.cache.buffer_k[layer_number], self.cache.buffer_v[layer_number]  # [g,B,h]
         bk[:, st.slot] = k[:a, 0].transpose(0, 1).to(bk.dtype)  # the new tokens' K/V join their branches
         bv[:, st.slot] = v[:a, 0].transpose(0, 1).to(bv.dtype)
-        qg = q[:a, 0].reshape(
-            a, g, r, h
-        )  # [A,g,r,h]; query head j uses kv group j // r (Megatron's grouping)
         acc = lse_dtype(q.dtype)
 
         # part B: each branch over its own generated tokens (path rows, itself last), masked to its length
         kp, vp = bk[:, st.path], bv[:, st.path]  # [g,A,L,h]
-        qb = qg.permute(1, 0, 2, 3).to(acc)  # [g,A,r,h]
+        qb = q[:a, 0].reshape(a, g, r, h).permute(1, 0, 2, 3).to(acc)  # [g,A,r,h]: head j = (j // r, j % r)
         scores = torch.matmul(qb, kp.to(acc).transpose(-1, -2)) * scale  # [g,A,r,L]
         valid = torch.arange(st.path.shape[1], device=q.device)[None, :] < st.path_len[:, None]  # [A,L]
         scores = scores.masked_fill(~valid[None, :, None, :], float("-inf"))
         lse_b = torch.logsumexp(scores, dim=-1)  # [g,A,r]; finite: a branch always sees itself
         out_b = torch.matmul(torch.exp(scores - lse_b[..., None]), vp.to(acc))  # [g,A,r,h]
 
-        # part A: per prompt, all of its branches at once over the prompt's K/V, read in place
+        # part A: per prompt, all of its branches at once over the prompt's K/V, read in place; the queries
+        # FOLDED (heads.fold: a group's query heads of every branch stacked as rows), so GQA copies nothing
         out_a = torch.zeros_like(out_b)
         lse_a = torch.full_like(lse_b, float("-inf"))
         for p, rows in st.groups:  # rows [a_p]
-            qa = qg[rows].permute(1, 0, 2, 3).reshape(1, g, rows.numel() * r, h).contiguous()  # [1,g,a_p*r,h]
+            qa = fold(q[rows], g)  # [1, g, r*a_p, h]
             pk, pv = self.cache.prompt_k[layer_number][p], self.cache.prompt_v[layer_number][p]  # [1,g,P,h]
-            o, lse = fused_attention_forward(qa, pk, pv, False, scale)  # [1,g,a_p*r,h], [1,g,a_p*r]
-            out_a[:, rows] = o.reshape(g, rows.numel(), r, h).to(acc)
-            lse_a[:, rows] = lse.reshape(g, rows.numel(), r).to(acc)
+            o, lse = fused_attention_forward(qa, pk, pv, False, scale)  # [1,g,r*a_p,h], [1,g,r*a_p]
+            out_a[:, rows] = unfold(o, n).reshape(-1, g, r, h).permute(1, 0, 2, 3).to(acc)  # [g,a_p,r,h]
+            lse_a[:, rows] = unfold(lse.unsqueeze(-1), n).reshape(-1, g, r).permute(1, 0, 2).to(acc)
 
         out, _ = lse_merge(out_a, lse_a, out_b, lse_b)  # [g,A,r,h]
         out = out.permute(1, 0, 2, 3).reshape(a, 1, n * h).to(q.dtype)  # [A,1,n*h]

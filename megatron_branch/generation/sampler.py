@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_branch.attention.core_attention import BranchContext, attach_context
+from megatron_branch.attention.context import BranchContext, LocalContext, attach_context
 from megatron_branch.attention.kernels import lse_dtype
 from megatron_branch.attention.layout import AttentionLayout, QuerySegment
 from megatron_branch.data.rollouts import validate_token_ids
@@ -191,7 +191,7 @@ class BranchSampler:
             pos = torch.cat(
                 [torch.arange(len(prompts[p])) for p in group] + [torch.zeros(len(pad), dtype=torch.long)]
             )
-            ctx = BranchContext(layout=layout, capture=True, backend=self.backend)
+            ctx = LocalContext(layout=layout, capture=True, backend=self.backend)
             hidden = self._forward(ids, pos, ctx)  # [s, h]
             cache.add_prompts(ctx.captured, spans)
             out.append(self._logits(hidden[torch.tensor([b - 1 for _, b in spans])]))

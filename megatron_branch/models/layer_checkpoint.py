@@ -45,7 +45,8 @@ import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch.utils.checkpoint import checkpoint
 
-from megatron_branch.attention.core_attention import BranchContext, BranchCoreAttention
+from megatron_branch.attention.context import BranchContext
+from megatron_branch.attention.core_attention import BranchCoreAttention
 from megatron_branch.memory import count_recomputed, track_extra
 
 
@@ -82,7 +83,7 @@ class _Checkpointed:
             if self.ctx.capture and core.layer_number in self.ctx.captured:
                 # the captured K/V are no longer saved by autograd (checkpoint dropped the region's saved
                 # tensors) but the schedule holds them: count them as the meter did without checkpointing
-                track_extra(self.ctx.captured[core.layer_number])
+                track_extra(self.ctx.captured[core.layer_number].tensors)
             return out
         with attached(core, self.ctx.for_recompute()), count_recomputed():
             return TransformerLayer.forward(self.layer, hidden, *self.args, **self.kwargs)

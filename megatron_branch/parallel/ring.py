@@ -1,48 +1,51 @@
-"""Context parallelism: ring attention over a tree mask (exact forward and backward, any CP size, gloo or NCCL).
+"""Context parallelism: ring attention over a tree mask, each block run by the CHOSEN executor of THE plan.
 
-SHAPE LEGEND (Megatron sequence-first at the boundary, SDPA layout inside):
-    sq  query rows held by THIS rank      sk  key rows held by THIS rank (the same on every rank of the ring)
-    b   batch   n query heads   g kv heads (GQA groups)   h head dim   W ring (CP group) size
-    q        [sq, b, n, h]           k, v     [sk, b, g, h]            out  [sq, b, n * h]
+SHAPE LEGEND (Megatron sequence-first, rows first everywhere):
+    sq  query rows held by THIS rank      sk  key rows held by THIS rank (the same on every rank of the ring),
+                                              as local key blocks sk_j (replay: this rank's shards of the cached
+                                              ancestors, then the chunk's own rows), sum_j sk_j = sk
+    b   batch   n query heads   g kv heads (GQA groups, never expanded)   h head dim   W ring (CP group) size
+    q        [sq, b, n, h]           ks[j], vs[j] [sk_j, b, g, h]         out  [sq, b, n * h]
     q_meta   [2, sq] long            k_meta   [2, sk] long: row 0 tree segment id (-1 = padding), row 1 offset of
-                                     the token inside its segment
+                                     the token inside its segment (the local blocks' rows end to end)
     related  [S, S] bool             related[qs, ks]: segment ks is an ancestor-or-self of segment qs
-    inside:  qb [b, n, sq, h], one K/V block kvb [2, sk, b, g, h] (k and v stacked, one message), lse [b, n, sq]
+    message  [2, sk, b, g, h]        this rank's K/V stacked, the ring's one K/V message (one copy of the blocks)
+    out, lse [sq, b, n, h], [sq, b, n] in fp32 (fp64 for fp64): the running merge over the ring's steps
 
-Visibility comes from the metadata alone (tokens may sit anywhere, e.g. zigzag-reordered): each (query block, key
-block) pair is cut into fully visible rectangles and causal squares (attention/visibility.py: `plan_block` over the
-blocks' runs of consecutive offsets), run through the fused kernels and merged with THE `lse_merge` in fp32 (fp64
-for fp64 inputs) by attention/rectangles.py. No tensor of [sq, sk] size exists anywhere, forward or backward: no
-mask, no scores, no probabilities outside the fused kernels' tiles. A block the tree hides entirely has an empty plan
-and is skipped without a kernel call. A block's metadata is O(sk) longs and its plan O(runs).
+Step t computes this rank's queries over the key rows of rank r - t: step 0 reads the LOCAL blocks in place (no
+concatenation of a cached path's K/V), later steps the received message. Each step's visibility is THE plan
+(attention/plan.py, built from the metadata by plan_sources.plan_from_meta), run by the executor the schedule chose
+(attention/executor.py: merge, packed, reference, flex): the same functions a single rank runs, so a backend means
+the same at CP1 and under CP. Each step's (out, lse) is merged into the running result with THE `lse_merge`; a step
+the tree hides entirely has an empty plan and computes nothing. No tensor of [sq, sk] size exists (with merge or
+flex), forward or backward.
 
-A rank keeps its own K/V and passes one K/V block (plus its metadata) to rank r+1 each step, W-1 times per layer
-(ring-flash-attention by zhuzilin: `ring_flash_attn_forward` / `_backward`, RingComm).
+A rank keeps its own K/V and passes one K/V message (plus, on a forward's first layer, its metadata) to rank r+1
+each step, W-1 times per layer (ring-flash-attention by zhuzilin: `ring_flash_attn_forward` / `_backward`,
+RingComm). The plans of every step are the same for every layer of a chunk: the context keeps them
+(`RingPlans`), so later layers send K/V only.
 
-Backward (the same ring trick as attention/merge_backend.py): each rectangle's backward runs with the MERGED out/lse,
-so P = exp(S - lse) is exactly that rectangle's columns of the full softmax. The forward's plans are kept for the
-backward (block t of the backward ring comes from the same rank as block t of the forward), so the backward ring
-sends no metadata. dQ stays local; a dK/dV accumulator (fp32) travels around the ring WITH its K/V block, every rank
-adds its contribution, and one last hop delivers it to the block's owner: W-1 K/V messages and W dK/dV messages per
-layer.
-
-Communication overlaps compute: the next block's isend/irecv is posted before the current block is computed (and a
-block's dK/dV contribution is computed before the accumulator that travels with it is waited for), so a rank holds
-its own K/V, the block it computes on and the block in flight (never the whole sequence).
+Backward (the ring trick): each step's executor backward runs with the MERGED out/lse, so dq sums over steps. A dK/dV
+accumulator (fp32) travels around the ring WITH its K/V block, every rank adds its contribution, and one last hop
+delivers it to the block's owner: W-1 K/V messages and W dK/dV messages per layer. Communication overlaps compute:
+the next block's isend/irecv is posted before the current block is computed, so a rank holds its own K/V, the block
+it computes on and the block in flight (never the whole sequence).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from megatron_branch.attention.executor import Executor, empty_result, own
 from megatron_branch.attention.kernels import lse_dtype
-from megatron_branch.attention.rectangles import plan_backward, plan_forward
-from megatron_branch.attention.reference import expand_kv
-from megatron_branch.attention.visibility import BlockPlan, ancestors_from_related, plan_block, runs_from_meta
+from megatron_branch.attention.merge import lse_merge
+from megatron_branch.attention.plan import BlockPlan, Runs, runs_from_meta
+from megatron_branch.attention.plan_sources import ancestors_from_related, plan_from_meta
 
 
 @dataclass
@@ -64,6 +67,13 @@ class RingStats:
 
     def reset(self) -> None:
         self.__init__()  # type: ignore[misc]
+
+
+@dataclass
+class RingPlans:
+    """The plan of every ring step for one chunk's forward (the same for all its layers), filled by its first."""
+
+    steps: list[BlockPlan] = field(default_factory=list)
 
 
 class _RingComm:
@@ -97,133 +107,201 @@ class _RingComm:
         self._reqs = []
 
 
-def _expand(x: torch.Tensor, n: int) -> torch.Tensor:
-    """[sk, b, g, h] -> [b, n, sk, h], kv heads repeated n // g times (THE expand_kv, Megatron's grouping)."""
-    return expand_kv(x, n).permute(1, 2, 0, 3).contiguous()
+def _message(ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Blocks [sk_j, b, g, h] as ONE contiguous message [2, sk, b, g, h] (the one copy point-to-point needs): the
+    local K/V, or a step's dK/dV."""
+    sk = sum(k.shape[0] for k in ks)
+    msg = ks[0].new_empty(2, sk, *ks[0].shape[1:])
+    start = 0
+    for k, v in zip(ks, vs):
+        msg[0, start : start + k.shape[0]] = k
+        msg[1, start : start + k.shape[0]] = v
+        start += k.shape[0]
+    return msg
 
 
-def ring_tree_attention_forward(q, k, v, q_meta, k_meta, related, scale, group, stats):  # noqa: ANN001, ANN201
-    """Forward ring; returns (out [b,n,sq,h] acc dtype, lse [b,n,sq], the W block plans in ring order)."""
+@dataclass
+class _Query:
+    """The query side of the ring, fixed over its steps: runs and ancestors computed once per call."""
+
+    meta: torch.Tensor
+    runs: Runs
+    ancestors: dict[int, tuple[int, ...]]
+
+
+def _plan(query: _Query, k_meta: torch.Tensor, related: torch.Tensor, sizes: list[int]) -> BlockPlan:
+    return plan_from_meta(query.meta, k_meta, related, sizes, q_runs=query.runs, ancestors=query.ancestors)
+
+
+def ring_forward(q, ks, vs, q_meta, k_meta, related, scale, group, executor, stats, plans):  # noqa: ANN001, ANN201
+    """Forward ring; returns (out [sq,b,n,h], lse [sq,b,n]) in the accumulation dtype, `plans` filled."""
     comm = _RingComm(group, stats)
-    sq, b, n, h = q.shape
-    acc = lse_dtype(q.dtype)
-    qb = q.permute(1, 2, 0, 3).contiguous()  # [b, n, sq, h]
-    q_runs = runs_from_meta(q_meta)
-    ancestors = ancestors_from_related(related, q_runs.segment)  # once per call: the query side is fixed
-    kvb = torch.stack([k, v]).contiguous()  # [2, sk, b, g, h]: one message for both
-    meta = k_meta.contiguous()  # [2, sk]
-    # running result; rows that never see a key end as out 0, lse -inf (padding, or queries with no visible key)
-    out = torch.zeros(b, n, sq, h, dtype=acc, device=q.device)
-    lse = torch.full((b, n, sq), float("-inf"), dtype=acc, device=q.device)
-    plans: list[BlockPlan] = []
+    sizes = [k.shape[0] for k in ks]
+    sk = sum(sizes)
+    known = bool(plans.steps)  # later layers of the chunk: the plans (hence the metadata) are known
+    query = (
+        None
+        if known
+        else _Query(q_meta, runs := runs_from_meta(q_meta), ancestors_from_related(related, runs.segment))
+    )
+    out, lse = empty_result(q)  # rows that never see a key end as out 0, lse -inf (padding)
+    msg, meta = (_message(ks, vs) if comm.world > 1 else None), k_meta.contiguous()
+    blocks: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] = (ks, vs)
     for step in range(comm.world):
         if step + 1 < comm.world:  # post the next hop BEFORE computing: communication overlaps the kernels
-            nxt = comm.send_recv([kvb, meta], tag=0)
+            nxt = comm.send_recv([msg] if known else [msg, meta], tag=0)
             stats.kv_messages += 1
             # foreign K/V alive now: the block computed on (from step 1) + the one in flight
-            stats.max_kv_rows_held = max(stats.max_kv_rows_held, (2 if step else 1) * k.shape[0])
-        plan = plan_block(q_runs, runs_from_meta(meta), ancestors)
-        plans.append(plan)
+            stats.max_kv_rows_held = max(stats.max_kv_rows_held, (2 if step else 1) * sk)
+        if not known:
+            plans.steps.append(_plan(query, meta, related, sizes if step == 0 else [sk]))
+        plan = plans.steps[step]
         if plan.empty:
             stats.blocks_skipped += 1
         else:
             stats.blocks_computed += 1
             stats.kernel_calls += plan.kernel_calls
             stats.visible_pairs += plan.visible_pairs
-            plan_forward(qb, _expand(kvb[0], n), _expand(kvb[1], n), plan, scale, out, lse)
+            o, lo = executor.forward(q, *blocks, plan, scale)  # [sq, b, n, h], [sq, b, n]
+            out, lse = (o, lo) if step == 0 else lse_merge(out, lse, o, lo)
         if step + 1 < comm.world:
             comm.wait()
-            kvb, meta = nxt
-            stats.kv_block_shapes.add(tuple(kvb.shape))
-    return out, lse, plans
+            msg = nxt[0]
+            meta = meta if known else nxt[1]
+            blocks = ([msg[0]], [msg[1]])
+            stats.kv_block_shapes.add(tuple(msg.shape))
+    return out, lse
 
 
-def ring_tree_attention_backward(dout, q, k, v, out, lse, plans, scale, group, stats):  # noqa: ANN001, ANN201
-    """Backward ring with the MERGED out/lse and the forward's plans; returns dq [sq,b,n,h], dk/dv [sk,b,g,h]."""
+def ring_backward(dout, q, ks, vs, out, lse, plans, scale, group, executor, stats):  # noqa: ANN001, ANN201
+    """Backward ring with the MERGED out/lse and the forward's plans; returns dq [sq,b,n,h] and, per local block,
+    dk_j/dv_j [sk_j,b,g,h], in the accumulation dtype."""
     comm_kv, comm_d = _RingComm(group, stats), _RingComm(group, stats)
-    sq, b, n, h = q.shape
-    acc = lse_dtype(q.dtype)
-    qb = q.permute(1, 2, 0, 3).contiguous()  # [b, n, sq, h]
-    dob = dout.permute(1, 2, 0, 3).contiguous()  # [b, n, sq, h]
-    ob = out.to(q.dtype)  # [b, n, sq, h]: the fused backward takes out in the input dtype
-    dq = torch.zeros(b, n, sq, h, dtype=acc, device=q.device)  # dQ never leaves the rank
-    kvb = torch.stack([k, v]).contiguous()  # [2, sk, b, g, h]
+    world, acc = comm_kv.world, lse_dtype(q.dtype)
+    sizes = [k.shape[0] for k in ks]
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # dQ never leaves the rank
+    if world == 1:  # one rank: the executor's own backward, nothing travels
+        dq_t, dks, dvs = executor.backward(dout, q, ks, vs, out, lse, plans.steps[0], scale)
+        return dq_t, dks, dvs
+    msg = _message(ks, vs)  # [2, sk, b, g, h]: this rank's blocks, the message of the backward ring
+    blocks: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] = (ks, vs)
     dkv_recv: list[torch.Tensor] = []
-    for step in range(comm_kv.world):
-        last = step + 1 == comm_kv.world
+    for step in range(world):
+        last = step + 1 == world
         if (
             not last
         ):  # next K/V block in flight while this one is differentiated (no metadata: plans are kept)
-            nxt = comm_kv.send_recv([kvb], tag=0)
+            nxt = comm_kv.send_recv([msg], tag=0)
             stats.kv_messages += 1
-            stats.max_kv_rows_held = max(stats.max_kv_rows_held, (2 if step else 1) * k.shape[0])
-        dkv_block = None
-        if not plans[step].empty:  # our contribution, computed while the travelling accumulator is in flight
-            dkv_block = torch.zeros(2, *k.shape, dtype=acc, device=k.device)  # [2, sk, b, g, h]
-            kb, vb = _expand(kvb[0], n), _expand(kvb[1], n)  # [b, n, sk, h]
-            plan_backward(dob, qb, kb, vb, ob, lse, plans[step], scale, dq, dkv_block)
+            stats.max_kv_rows_held = max(stats.max_kv_rows_held, (2 if step else 1) * msg.shape[1])
+        contribution = (
+            None  # our dK/dV for the block held, computed while the travelling accumulator is in flight
+        )
+        if not plans.steps[step].empty:
+            dq_t, dks_t, dvs_t = executor.backward(dout, q, *blocks, out, lse, plans.steps[step], scale)
+            dq += dq_t
+            contribution = _message(dks_t, dvs_t)  # [2, sk, b, g, h], the travelling accumulator's shape
         # The dK/dV accumulator of the block we hold travelled with it (one hop behind); add ours, pass it on.
         if step == 0:
-            dkv = torch.zeros(2, *k.shape, dtype=acc, device=k.device) if dkv_block is None else dkv_block
+            dkv = (
+                torch.zeros(2, *msg.shape[1:], dtype=acc, device=q.device)
+                if contribution is None
+                else contribution
+            )
         else:
             comm_d.wait()
-            dkv = dkv_recv[0] if dkv_block is None else dkv_recv[0].add_(dkv_block)
+            dkv = dkv_recv[0] if contribution is None else dkv_recv[0].add_(contribution)
         dkv_recv = comm_d.send_recv([dkv.contiguous()], tag=2)
         stats.grad_messages += 1
         if not last:
             comm_kv.wait()
-            (kvb,) = nxt
-            stats.kv_block_shapes.add(tuple(kvb.shape))
-    comm_d.wait()  # after W hops the accumulator of OUR block is back home
-    dk, dv = dkv_recv[0][0], dkv_recv[0][1]  # [sk, b, g, h] each
-    return dq.permute(2, 0, 1, 3).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+            msg = nxt[0]
+            blocks = ([msg[0]], [msg[1]])
+            stats.kv_block_shapes.add(tuple(msg.shape))
+    comm_d.wait()  # after W hops the accumulator of OUR blocks is back home
+    home = dkv_recv[0]  # [2, sk, b, g, h]
+    return dq, list(torch.split(home[0], sizes)), list(torch.split(home[1], sizes))
 
 
 class _RingTreeAttention(torch.autograd.Function):
+    """Inputs: q, q_meta, k_meta, related, scale, group, executor, stats, plans, the number of local blocks m,
+    then k_0.., v_0.."""
+
     @staticmethod
-    def forward(ctx: Any, q, k, v, q_meta, k_meta, related, scale, group, stats):  # noqa: ANN001, ANN205
+    def forward(ctx: Any, q, q_meta, k_meta, related, scale, group, executor, stats, plans, m, *kv):  # noqa: ANN001, ANN205
+        ks, vs = kv[:m], kv[m:]
         with torch.no_grad():
-            out, lse, plans = ring_tree_attention_forward(
-                q, k, v, q_meta, k_meta, related, scale, group, stats
-            )
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plans, ctx.scale, ctx.group, ctx.stats = plans, scale, group, stats
+            out, lse = ring_forward(q, ks, vs, q_meta, k_meta, related, scale, group, executor, stats, plans)
         sq, b, n, h = q.shape
-        return out.permute(2, 0, 1, 3).reshape(sq, b, n * h).to(q.dtype)  # [sq, b, n*h]
+        result = out.to(q.dtype).reshape(sq, b, n * h)  # [sq, b, n*h]
+        ctx.save_for_backward(q, result, lse, *ks, *vs)  # the local blocks in place: no concatenated copy
+        ctx.scale, ctx.group, ctx.executor, ctx.stats, ctx.plans, ctx.m = (
+            scale,
+            group,
+            executor,
+            stats,
+            plans,
+            m,
+        )
+        return result
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):  # noqa: ANN205
-        q, k, v, out, lse = ctx.saved_tensors
+        q, result, lse, *kv = ctx.saved_tensors
+        m = ctx.m
+        ks, vs = kv[:m], kv[m:]
         sq, b, n, h = q.shape
-        dout = grad.reshape(sq, b, n, h)  # [sq, b, n, h]
-        dq, dk, dv = ring_tree_attention_backward(
-            dout, q, k, v, out, lse, ctx.plans, ctx.scale, ctx.group, ctx.stats
+        dq, dks, dvs = ring_backward(
+            grad.reshape(sq, b, n, h),
+            q,
+            ks,
+            vs,
+            result.view(sq, b, n, h),
+            lse,
+            ctx.plans,
+            ctx.scale,
+            ctx.group,
+            ctx.executor,
+            ctx.stats,
         )
-        return dq, dk, dv, None, None, None, None, None, None
+        grads = [own(d, t) for d, t in zip([*dks, *dvs], [*ks, *vs])]
+        return (dq.to(q.dtype), None, None, None, None, None, None, None, None, None, *grads)
 
 
 def ring_tree_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | Sequence[torch.Tensor],
+    v: torch.Tensor | Sequence[torch.Tensor],
     q_meta: torch.Tensor,
     k_meta: torch.Tensor,
     related: torch.Tensor,
     scale: float,
     cp_group: Any,
     *,
+    executor: Executor | None = None,
     stats: RingStats | None = None,
+    plans: RingPlans | None = None,
 ) -> torch.Tensor:
     """Tree-masked attention of this rank's queries over the keys of every rank of `cp_group` -> [sq, b, n*h].
 
-    q [sq,b,n,h]; k, v [sk,b,g,h] (this rank's keys; sk equal on every rank); q_meta [2,sq], k_meta [2,sk] long
-    (segment id, offset in segment; segment -1 = padding); related [S,S] bool (ancestor-or-self). `stats`: counters
-    to add to (None = not counted). Collective: every rank of `cp_group` must call it, in the same order, and run
-    its backward.
+    q [sq,b,n,h]; k, v [sk,b,g,h] or local key blocks [sk_j,b,g,h] end to end (this rank's keys, read in place; sk
+    equal on every rank); q_meta [2,sq], k_meta [2,sk] long (segment id, offset in segment; segment -1 = padding);
+    related [S,S] bool (ancestor-or-self). `executor`: the plan's executor (None: merge). `stats`: counters to add
+    to. `plans`: the chunk's ring plans, shared by its layers (None: built for this call). Collective: every rank of
+    `cp_group` must call it, in the same order, and run its backward.
     """
-    assert q.dim() == 4 and k.dim() == 4 and k.shape == v.shape, (q.shape, k.shape, v.shape)
-    assert q_meta.shape == (2, q.shape[0]) and k_meta.shape == (2, k.shape[0]), (q_meta.shape, k_meta.shape)
-    assert q.shape[2] % k.shape[2] == 0, "query heads must be a multiple of kv heads"
+    from megatron_branch.attention.dispatch import executor as named_executor
+
+    ks = [k] if isinstance(k, torch.Tensor) else list(k)
+    vs = [v] if isinstance(v, torch.Tensor) else list(v)
+    sk = sum(x.shape[0] for x in ks)
+    assert q.dim() == 4 and all(x.shape == y.shape for x, y in zip(ks, vs)), (q.shape, [x.shape for x in ks])
+    assert q_meta.shape == (2, q.shape[0]) and k_meta.shape == (2, sk), (q_meta.shape, k_meta.shape)
+    assert q.shape[2] % ks[0].shape[2] == 0, "query heads must be a multiple of kv heads"
+    ex = named_executor(None) if executor is None else executor
+    ex.check_grad(q, [*ks, *vs])
+    stats = RingStats() if stats is None else stats
+    plans = RingPlans() if plans is None else plans
     return _RingTreeAttention.apply(
-        q, k, v, q_meta, k_meta, related, scale, cp_group, RingStats() if stats is None else stats
+        q, q_meta, k_meta, related, scale, cp_group, ex, stats, plans, len(ks), *ks, *vs
     )

@@ -172,13 +172,14 @@ def gdn_mixer_saved_bytes(arch: ModelArch, n: int, *, tp: int = 1, e: int = 2, k
 
 def attention_extra_saved_bytes(arch: ModelArch, r: int, *, n: int, g: int, e: int) -> int:
     """Per full-attention layer over r rows (n, g heads on this rank): what q/k norms and the output gate add to the
-    plain layer's terms (plan/memory.py): the normalised q and k (RoPE's inputs) with their rstd, the gated output
-    and sigmoid(gate) in float32."""
+    plain layer's terms (plan/memory.py): the normalised q and k (RoPE's inputs) with their rstd, and the fused
+    QKV output itself, (n + 2g) d per row, which the norms keep alive because their inputs are views of it (the
+    compact K/V of the plain layer does not free it then); the gated output and sigmoid(gate) in float32."""
     assert arch.head_dim is not None
     d, f32 = arch.head_dim, max(e, 4)
     extra = 0
     if arch.qk_norm:
-        extra += r * (n + g) * d * e + r * (n + g) * f32
+        extra += r * (n + g) * d * e + r * (n + g) * f32 + r * (n + 2 * g) * d * e
     if arch.attention_output_gate:
         extra += r * n * d * e + r * n * d * f32
     return extra

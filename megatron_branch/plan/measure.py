@@ -63,7 +63,7 @@ def measure_step(
     **parallel: Any,
 ) -> Measured:
     """One step of `schedule` over `shape`'s rollouts with the meter on (grads accumulate into `model`)."""
-    from megatron_branch.schedule import replay as replay_module
+    from megatron_branch.schedule import prefix_cache as cache_module  # where replay registers its cache
 
     rollouts = shape_rollouts(shape, vocab, seed)
     tree = PrefixTree.build(rollouts, vocab_size=vocab)
@@ -77,7 +77,7 @@ def measure_step(
     )
     cached: dict[int, int] = {}  # storage ptr -> bytes, of the cache registered so far and still alive
     peak_cached = 0
-    real_track = replay_module.track_extra
+    real_track = cache_module.track_extra
 
     def track(tensors: Any) -> None:
         nonlocal peak_cached
@@ -90,7 +90,7 @@ def measure_step(
 
     model.zero_grad(set_to_none=True)
     flops = 0
-    with mock.patch.object(replay_module, "track_extra", track), ActivationMeter(model) as meter:
+    with mock.patch.object(cache_module, "track_extra", track), ActivationMeter(model) as meter:
         if count_flops:
             from torch.utils.flop_counter import FlopCounterMode
 

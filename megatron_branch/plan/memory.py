@@ -16,15 +16,16 @@ read off megatron-core 0.16's local spec with this engine's core attention (chec
     QKV, fc1 inputs   the norm outputs                 2 * r_n h e                   (SP: saved before gather)
     RoPE              cos / sin for q and for k        4 r d e
     attention         q (rotated), out, lse            r n d e * 2 + n r f32
-    K/V               k (rotated) and v, a VIEW of the fused QKV output, so the whole QKV buffer stays alive
-                                                       r g d e + r (n + 2g) d e
+    K/V               k (rotated) and v, each in a storage of its own (the contexts copy V out of the fused
+                      QKV output, attention/prefix_state.compact)       2 r g d e
     MLP (SwiGLU)      fc1 out, silu out, product, ...  5 r f e
-Under CP (ring attention) also the ring's internal output copy r n d e and, with cached ancestors, the
-concatenated keys and values 2 (c + r) g d e. These are Korthikanti et al. (2022)'s per-layer terms for THIS
+Under CP (ring attention) the same: the ring saves the local blocks in place and nothing of its own. These are
+Korthikanti et al. (2022)'s per-layer terms for THIS
 implementation: no score matrix (fused kernels), no dropout masks (dropout is 0), SwiGLU instead of GeLU.
 
-Replay keeps, for the cached ancestors on the current root-to-leaf path, their K/V (the two storages above, not
-copied: the cache is detached views) and a dK/dV accumulator per cached row and layer (2 g d e, the leaves' .grad).
+Replay keeps, for the cached ancestors on the current root-to-leaf path, their K/V (the two compact storages above:
+the cache is detached views of them, 2 g d e per row and layer, nothing else kept alive) and a dK/dV accumulator per
+cached row and layer (2 g d e, the leaves' .grad).
 
 Family extras and hybrids (plan/layers.py has the formulas and their sources): q/k norms and the output gate add
 to a full-attention layer, partial RoPE saves cos/sin of the rotated dims only; a gated delta net layer saves its
@@ -109,8 +110,8 @@ class Dims:
 
 # --- one chunk ----------------------------------------------------------------------------------------------------
 def layer_kv_bytes(dm: Dims, r: int) -> int:
-    """Per layer: the K storage and the fused QKV storage that V views (alive while K/V are cached or saved)."""
-    return r * dm.g * dm.d * dm.e + r * (dm.n + 2 * dm.g) * dm.d * dm.e
+    """Per layer: the compact K and V storages of r rows (alive while K/V are cached or saved)."""
+    return 2 * r * dm.g * dm.d * dm.e
 
 
 def layer_other_bytes(dm: Dims, r: int, *, ext: int = 0, cp: int = 1) -> int:
@@ -122,13 +123,9 @@ def layer_other_bytes(dm: Dims, r: int, *, ext: int = 0, cp: int = 1) -> int:
     attn = 2 * r * dm.n * dm.d * dm.e + dm.n * r * dm.f32
     attn += attention_extra_saved_bytes(dm.arch, r, n=dm.n, g=dm.g, e=dm.e)
     mlp = 5 * r * dm.f * dm.e
-    ring = 0
-    if cp > 1:
-        ring = r * dm.n * dm.d * dm.e  # the ring's output before its final reshape
-        if ext:
-            ring += 2 * (ext + r) * dm.g * dm.d * dm.e  # [cached | own] keys and values, concatenated
-        ring += 2 * (r + ext + r) * INDEX_BYTES  # q / k metadata
-    return norms + linear_in + rope + attn + mlp + ring
+    # under CP the ring saves what one rank's executor saves: q, the output, lse and the local K/V blocks in place
+    # (no concatenated copy of the cached ancestors, no separate output copy, no metadata; parallel/ring.py)
+    return norms + linear_in + rope + attn + mlp
 
 
 def linear_layer_bytes(dm: Dims, r: int, sequences: list[tuple[int, int]] | None = None) -> int:

@@ -10,25 +10,23 @@ causally, wherever those ancestors live. Padding (for sequence parallel, s % tp 
 that no real query sees, so it never changes a result.
 
 Two kinds answer the same questions (`context`, `cache_rows`, `cache_meta`, targets, ids), so the schedules never
-branch on which one they hold: `Chunk` (one rank holds every row) and `CPChunk` (this rank's zigzag share under
-context parallelism, parallel/cp_layout.py; attention runs as a ring).
+branch on which one they hold: `Chunk` (one rank holds every row; a LocalContext) and `CPChunk` (this rank's zigzag
+share under context parallelism, parallel/cp_layout.py; a RingContext). Both run the executor `opts.backend` names.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_branch.attention.core_attention import KV, BranchContext
+from megatron_branch.attention.context import BranchContext, LocalContext
 from megatron_branch.attention.layout import AttentionLayout, QuerySegment
+from megatron_branch.attention.prefix_state import CACHED, ChunkSegment, ChunkTree, Tensors
 from megatron_branch.data import PrefixTree
 from megatron_branch.parallel.cp_layout import tree_related, zigzag_offsets
-
-if TYPE_CHECKING:
-    from megatron_branch.schedule.common import ScheduleOptions
+from megatron_branch.schedule.options import ScheduleOptions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,20 +68,37 @@ class Chunk:
         tree: PrefixTree,
         opts: ScheduleOptions,
         *,
-        external_kv: dict[int, list[KV]],
+        external: dict[int, list[Tensors]],
         external_meta: torch.Tensor | None,
         capture: bool,
         device: torch.device,
     ) -> BranchContext:
-        """The attention context of one forward of this chunk (dense layout, one rank)."""
+        """The context of one forward of this chunk on one rank: its layout, tree, and the chosen executor."""
         assert external_meta is None
-        return BranchContext(
+        return LocalContext(
             layout=self.layout,
-            external_kv=external_kv,
+            external=external,
             capture=capture,
             backend=opts.backend,
             recompute_layers=opts.recompute_layers,
+            tree=self.tree(tree),
         )
+
+    def tree(self, tree: PrefixTree) -> ChunkTree:
+        """The chunk's segments (rows) and their parents: in the chunk, handed down (the last cached), or none."""
+        index = {sid: i for i, sid in enumerate(self.segments)}
+        out = []
+        for i, sid in enumerate(self.segments):
+            seg, rows = tree.segments[sid], self.layout.segments[i]
+            if seg.parent in index:
+                parent: int | None = index[seg.parent]
+            elif seg.parent >= 0:
+                assert self.external and self.external[-1] == seg.parent, "a cached parent is the path's last"
+                parent = CACHED
+            else:
+                parent = None
+            out.append(ChunkSegment(rows.q_start, rows.q_end, parent))
+        return ChunkTree(segments=tuple(out))
 
 
 def make_chunk(
@@ -218,21 +233,22 @@ class CPChunk:
         tree: PrefixTree,
         opts: ScheduleOptions,
         *,
-        external_kv: dict[int, list[KV]],
+        external: dict[int, list[Tensors]],
         external_meta: torch.Tensor | None,
         capture: bool,
         device: torch.device,
     ) -> BranchContext:
-        """The ring attention context over the context-parallel group (parallel/context.py)."""
-        from megatron_branch.parallel.context import RingBranchContext  # the ring: only under CP
+        """The ring context over the context-parallel group (parallel/context.py), with the chosen executor."""
+        from megatron_branch.parallel.context import RingContext  # the ring: only under CP
 
-        return RingBranchContext(
+        return RingContext(
             q_meta=self.meta.to(device),
-            external_kv=external_kv,
+            external=external,
             external_meta=None if external_meta is None else external_meta.to(device),
             related=tree_related(tree).to(device),
             cp_group=opts.cp_group,
             capture=capture,
+            backend=opts.backend,
             stats=opts.ring_stats,
             recompute_layers=opts.recompute_layers,
         )

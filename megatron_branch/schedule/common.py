@@ -1,4 +1,5 @@
-"""What every schedule shares: the options, one chunk's forward (logprobs, entropy, loss), and the step's result.
+"""What every schedule shares: one chunk's forward (logprobs, entropy, loss), and the step's result (the options:
+schedule/options.py).
 
 Shape legend: s chunk tokens, m predicted targets, v vocabulary slice on this TP rank, b batch (1).
 """
@@ -12,85 +13,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_branch.attention.core_attention import KV, BranchContext, attach_context
+from megatron_branch.attention.context import BranchContext, attach_context
+from megatron_branch.attention.prefix_state import Handoff, Tensors
 from megatron_branch.data import PrefixTree
 from megatron_branch.losses.fused_logprobs import fused_linear_logprobs_entropy
 from megatron_branch.losses.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from megatron_branch.losses.objective import BoundObjective
 from megatron_branch.models.gpt import BranchGPTModel
 from megatron_branch.models.layer_checkpoint import uses_layer_checkpointing
-from megatron_branch.parallel.groups import ParallelGroups, comm_device
+from megatron_branch.parallel.groups import comm_device
 from megatron_branch.schedule.chunks import Chunk, CPChunk, make_chunk, split_chunk
-
-
-@dataclass(kw_only=True)
-class ScheduleOptions:
-    """How a step runs. The parallel layout comes in whole (`groups`), never read from globals inside the math."""
-
-    groups: ParallelGroups = field(default_factory=ParallelGroups.single)
-    """The process groups and sizes (parallel/groups.py); the default is one process without parallelism."""
-    vocab_size: int
-    """Real (unpadded) vocabulary size; padded logits are excluded from every softmax."""
-    backend: str | None = None
-    """Attention backend (attention.dispatch); None = the default chosen once for the device."""
-    branch_micro_batch: int = 8
-    """replay: how many sibling LEAF segments share one forward/backward."""
-    recompute: bool = False
-    """replay: keep no graph for a segment with children; recompute its forward at its backward."""
-    recompute_layers: bool = False
-    """replay, packed, naive-fused: per-layer activation checkpointing inside every chunk (torch's non-reentrant
-    checkpoint, models/layer_checkpoint.py): only each transformer layer's input is kept, one layer's graph is rebuilt
-    at a time in backward, at the price of one more forward of every layer. With `recompute` it is the planner's
-    `recompute full`. Needs a model built by models.build_model; no effect without grad (scoring)."""
-    keep_logprobs: bool = False
-    """Return every target's logprob (detached) in the result."""
-    keep_entropy: bool = False
-    """Also compute and return every target row's full-vocabulary entropy (detached)."""
-    ring_stats: Any = None
-    """Under CP: a parallel.ring.RingStats the ring attention adds its message and kernel counts to (None = not
-    counted)."""
-    fused_logprobs: bool = True
-    """Fuse the output projection with the logprob by row chunks (losses/fused_logprobs.py): a chunk's full logits
-    are never materialised. Needs a BranchGPTModel; False (or another model) = megatron's output layer + logprobs."""
-    logprob_chunk_rows: int = 256
-    """Rows of logits alive at once in the fused path. 256 keeps the transient [rows, vocab] fp32 chunk at 32 MB
-    for a 32K vocabulary (128 MB at 128K) while the chunk's GEMM stays large (256 x hidden x vocab); on the
-    2-core CPU the head ran within 2% of its time at 1024 rows (docs/performance.md). The chunk is the only head
-    term that grows with the leaf micro-batch (Liger-Kernel's fused linear cross-entropy bounds its chunks the
-    same way)."""
-
-    def __post_init__(self) -> None:
-        if self.vocab_size <= 0:
-            raise ValueError(f"vocab_size must be positive, got {self.vocab_size}")
-        if self.branch_micro_batch <= 0:
-            raise ValueError(f"branch_micro_batch must be positive, got {self.branch_micro_batch}")
-        if self.logprob_chunk_rows <= 0:
-            raise ValueError(f"logprob_chunk_rows must be positive, got {self.logprob_chunk_rows}")
-
-    # the views the math reads (one home: `groups`)
-    @property
-    def tp_group(self) -> Any:
-        return self.groups.tp
-
-    @property
-    def tp_size(self) -> int:
-        return self.groups.tp_size
-
-    @property
-    def sequence_parallel(self) -> bool:
-        return self.groups.sequence_parallel
-
-    @property
-    def cp_group(self) -> Any:
-        return self.groups.cp
-
-    @property
-    def cp_size(self) -> int:
-        return self.groups.cp_size
-
-    @property
-    def pad_to(self) -> int:
-        return self.tp_size if self.sequence_parallel else 1
+from megatron_branch.schedule.options import ScheduleOptions
 
 
 @dataclass(kw_only=True)
@@ -138,8 +71,8 @@ class ChunkOut:
     """[m] logprob of each target (for a critic: the value at its row)."""
     entropy: torch.Tensor | None
     """[m] entropy of each target's row, when the objective or the options ask for it."""
-    captured: dict[int, KV]
-    """layer -> this chunk's K/V (when captured)."""
+    captured: dict[int, Handoff]
+    """layer -> what this chunk hands its descendants (when captured; attention: its K/V)."""
 
 
 class Store:
@@ -224,18 +157,19 @@ def forward_chunk(
     objective: BoundObjective | None,
     opts: ScheduleOptions,
     *,
-    external_kv: dict[int, list[KV]] | None = None,
+    external: dict[int, list[Tensors]] | None = None,
     capture: bool = False,
     external_meta: torch.Tensor | None = None,
 ) -> ChunkOut:
-    """Forward one chunk: the objective's loss over its targets, their logprobs [m] (and entropies), and the
-    captured chunk K/V per layer. `objective=None` scores only (loss 0). Under CP only this rank's rows and
-    targets; `external_meta` [2, c] describes the rows of `external_kv`.
+    """Forward one chunk: the objective's loss over its targets, their logprobs [m] (and entropies), and what each
+    layer hands down (captured). `external`: per layer, what the cached ancestors hand this chunk
+    (schedule/prefix_cache.py). `objective=None` scores only (loss 0). Under CP only this rank's rows and targets;
+    `external_meta` [2, c] describes the rows of the handed-down K/V.
     """
     dev = model_device(model)  # chunks are built on the host; the model may live on an accelerator
     check_recompute_layers(model, opts)
     ctx = chunk.context(
-        tree, opts, external_kv=external_kv or {}, external_meta=external_meta, capture=capture, device=dev
+        tree, opts, external=external or {}, external_meta=external_meta, capture=capture, device=dev
     )
     want_entropy = opts.keep_entropy or (objective is not None and objective.needs_entropy)
     ids, pos = chunk.input_ids.to(dev)[None], chunk.position_ids.to(dev)[None]  # [1, s]

@@ -1,11 +1,12 @@
 """The replay schedule: depth-first over the prefix tree with per-layer dK/dV accumulators.
 
 For a segment X with ancestors A (cached) and children C:
-  1. forward X against A's cached K/V, capturing X's own per-layer K/V (in X's graph);
-  2. cache X's K/V as DETACHED leaves that require grad;
-  3. replay every child (recursively; sibling leaves in micro-batches): each child's backward adds its dK/dV into
-     the leaves of X and of every ancestor, because the children read them (as key blocks, in place);
-  4. backward X once with the accumulated dK/dV injected into its captured K/V
+  1. forward X against A's cached state, capturing what each layer hands down (attention: X's own K/V; another
+     layer kind: its state at the fork; attention/prefix_state.py), in X's graph;
+  2. cache it as DETACHED leaves that require grad (schedule/prefix_cache.py, the same for every layer kind);
+  3. replay every child (recursively; sibling leaves in micro-batches): each child's backward adds its gradient
+     into the leaves it read (attention: X's and every ancestor's K/V, as key blocks in place);
+  4. backward X once with the accumulated gradients injected into its captured state
      (torch.autograd.backward([loss_X, k_1, v_1, ...], [1, dk_1, dv_1, ...])), which sends X's own share on into
      A's leaves, then drop X's cache.
 So the prefix is back-propagated once with the SUM of all its branches' gradients (the technique of AReaL-DTA,
@@ -34,10 +35,10 @@ from collections.abc import Iterator
 
 import torch
 
-from megatron_branch.attention.core_attention import KV
 from megatron_branch.data import PrefixTree
+from megatron_branch.errors import SettingError
 from megatron_branch.losses.objective import BoundObjective, Objective
-from megatron_branch.memory import track_extra
+from megatron_branch.rules import API, check_run
 from megatron_branch.schedule.chunks import Chunk, CPChunk
 from megatron_branch.schedule.common import (
     ChunkOut,
@@ -47,6 +48,7 @@ from megatron_branch.schedule.common import (
     forward_chunk,
     prepare_chunk,
 )
+from megatron_branch.schedule.prefix_cache import PrefixCache
 
 
 class _Replay:
@@ -62,26 +64,12 @@ class _Replay:
         self.model, self.tree, self.objective, self.opts = model, tree, objective, opts
         self.forward_only = forward_only
         self.stop_prompt_gradient = stop_prompt_gradient  # replay-stopgrad only (inexact, a comparison)
-        self.cache: dict[int, dict[int, KV]] = {}  # segment -> layer -> (k [l,b,g,h], v) leaves
-        # segment -> metadata of this rank's cached rows, for chunks whose context needs it (CP: [2, l])
-        self.meta: dict[int, torch.Tensor] = {}
+        self.cache = PrefixCache(grad=not forward_only)  # segment -> layer -> what it hands down (leaves)
         self.path: list[int] = []  # cached ancestors of what runs next, root first
         self.forwards = 0
         self.positions = 0
         self.recomputed = 0
         self.store = Store(tree, opts)
-
-    def external_kv(self) -> dict[int, list[KV]]:
-        """layer -> the current path's cached K/V leaves, root first (blocks, not concatenated: no copy)."""
-        if not self.path:
-            return {}
-        layers = self.cache[self.path[0]].keys()
-        return {layer: [self.cache[a][layer] for a in self.path] for layer in layers}
-
-    def external_meta(self) -> torch.Tensor | None:
-        """[2, c] metadata of the current path's cached rows in external_kv's order (None: not needed)."""
-        metas = [self.meta[a] for a in self.path if a in self.meta]
-        return torch.cat(metas, dim=1) if metas else None
 
     def _forward(
         self, segments: list[int], *, capture: bool, grad: bool = True
@@ -94,9 +82,9 @@ class _Replay:
                 chunk,
                 self.objective,
                 self.opts,
-                external_kv=self.external_kv(),
+                external=self.cache.external(self.path),
                 capture=capture,
-                external_meta=self.external_meta(),
+                external_meta=self.cache.external_meta(self.path),
             )
         self.forwards += 1
         return chunk, out
@@ -117,23 +105,10 @@ class _Replay:
         chunk, out = self._forward([seg_id], capture=True, grad=keep_graph)
         self.positions += chunk.num_real
         # padded rows (sequence parallel) are never seen by descendants: cache real rows only (under CP every local
-        # row: each rank keeps ITS shard of this prefix's K/V for the whole replay of its subtree)
-        real = chunk.cache_rows
-        if chunk.cache_meta is not None:
-            self.meta[seg_id] = chunk.cache_meta
-        # rows held constant: 0 (exact) except in replay-stopgrad, where they are the segment's prompt rows
-        const = self.tree.response_starts()[seg_id] if self.stop_prompt_gradient else 0
-        leaf = (
-            (lambda t: t[:real].detach())
-            if self.forward_only or (self.stop_prompt_gradient and const >= real)
-            else (lambda t: t[const:real].detach().requires_grad_())
-        )
-        leaves = {layer: (leaf(k), leaf(v)) for layer, (k, v) in out.captured.items()}
-        self.cache[seg_id] = (
-            leaves if not 0 < const < real else self._with_constant_rows(out.captured, leaves, const)
-        )
-        # the cache is activation memory too: an active ActivationMeter counts it (a no-op otherwise)
-        track_extra(t for kv in self.cache[seg_id].values() for t in kv)
+        # row: each rank keeps ITS shard of this prefix's state for the whole replay of its subtree). Rows held
+        # constant: none (exact) except in replay-stopgrad, where they are the segment's prompt rows.
+        frozen = self.tree.response_starts()[seg_id] if self.stop_prompt_gradient else 0
+        self.cache.push(seg_id, out.captured, chunk.cache_rows, frozen=frozen, meta=chunk.cache_meta)
         self.path.append(seg_id)
         for group in self._child_groups(seg.children):
             if len(group) == 1:
@@ -141,33 +116,20 @@ class _Replay:
             else:
                 self.run_leaves(group)
         self.path.pop()
-        self.cache.pop(seg_id)
-        self.meta.pop(seg_id, None)
         if self.forward_only:  # scoring: no backward, and the first forward is the one counted
+            self.cache.drop(seg_id)
             self.store.add(chunk.targets, out)
             return
         if not keep_graph:
             chunk, out = self._forward([seg_id], capture=True, grad=True)
             self.recomputed += chunk.num_real
-        outputs, grads = [out.loss], [torch.ones_like(out.loss)]
-        for layer, (k, v) in out.captured.items():
-            k_leaf, v_leaf = leaves[layer]
-            for t, cached in ((k, k_leaf), (v, v_leaf)):
-                if cached.grad is not None:
-                    outputs.append(t[const:real])
-                    grads.append(cached.grad)
+        # ONE backward of the segment: its own loss and the SUM of its descendants' gradients into its state
+        outputs, grads = self.cache.injection(seg_id, out.captured)
+        outputs, grads = [out.loss, *outputs], [torch.ones_like(out.loss), *grads]
         if outputs[0].requires_grad or len(outputs) > 1:
             torch.autograd.backward(outputs, grads)
+        self.cache.drop(seg_id)
         self.store.add(chunk.targets, out)
-
-    @staticmethod
-    def _with_constant_rows(captured: dict[int, KV], leaves: dict[int, KV], const: int) -> dict[int, KV]:
-        """replay-stopgrad: the cached K/V with their first `const` rows as constants before the trained leaves
-        (a copy, unlike the exact path's in-place blocks: this variant is a comparison, not a fast path)."""
-        return {
-            layer: tuple(torch.cat([t[:const].detach(), lf]) for t, lf in zip(kv, leaves[layer]))  # type: ignore[misc]
-            for layer, kv in captured.items()
-        }
 
     def _child_groups(self, children: tuple[int, ...]) -> Iterator[list[int]]:
         """Inner children one at a time; leaf children in micro-batches of `branch_micro_batch`."""
@@ -221,6 +183,8 @@ def run_replay_stopgrad(
     from the branches into the prompt), what the announced stop-gradient system trains. Forward-only it is
     replay exactly (the same numbers); only the gradient differs. Tested in one process; refused under CP (a
     rank's rows are a zigzag shard there, not the prompt's first rows)."""
-    if opts.cp_size > 1:
-        raise ValueError("replay-stopgrad (a comparison baseline) does not run under context parallelism")
+    try:  # the rule every entry point checks up front (rules.py: no ring)
+        check_run("replay-stopgrad", cp=opts.cp_size)
+    except SettingError as e:
+        raise e.spelled(API) from None
     return run_replay(model, tree, objective, opts, forward_only=forward_only, stop_prompt_gradient=True)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_branch.attention.core_attention import BranchContext
+from megatron_branch.attention.context import LocalContext
 from megatron_branch.attention.layout import AttentionLayout, QuerySegment
 from megatron_branch.data import PrefixTree
 from megatron_branch.errors import SettingError
@@ -76,7 +76,7 @@ def _forward(
     dev = model_device(model)
     ids, pos, rows, tgt = ids.to(dev)[None], pos.to(dev)[None], rows.to(dev), tgt.to(dev)
     check_recompute_layers(model, opts)
-    ctx = BranchContext(layout=layout, backend=opts.backend, recompute_layers=opts.recompute_layers)
+    ctx = LocalContext(layout=layout, backend=opts.backend, recompute_layers=opts.recompute_layers)
     want_entropy = opts.keep_entropy or (bound is not None and bound.needs_entropy)
     x, ent = row_logprobs(model, ctx, ids, pos, rows, tgt, opts, entropy=want_entropy)
     total = x.new_zeros(())

@@ -154,6 +154,32 @@ def test_grad_matrix_matches_hf_float64(monkeypatch: pytest.MonkeyPatch) -> None
         assert err <= 1e-6, f"ddp vs manual {n}: {err:.2e}"
 
 
+@pytest.mark.world(2, 4)
+def test_grad_backend_means_the_same_under_cp(capsys: pytest.CaptureFixture[str]) -> None:
+    """`grad --backend X --cp N` runs executor X on every ring block (exact against the HF oracle) and says so in
+    its JSON line, as at --cp 1; a backend that cannot run is refused in one line (exit 2) before any work."""
+    rollouts = _rollouts()
+    d = _setup(rollouts)
+    ref = _oracle(d, rollouts)
+    cp = str(dist.get_world_size())
+    for backend in ("packed", "reference"):
+        capsys.readouterr()
+        rc, grads, rows = _grad(d, f"cp_{backend}", "replay", "--cp", cp, "--backend", backend)
+        out = capsys.readouterr().out.strip().splitlines()
+        assert rc == 0, backend
+        _check(f"cp{cp} {backend}", grads, rows, ref)
+        if dist.get_rank() == 0:
+            summary = json.loads(out[-1])
+            assert summary["backend"] == backend and summary["cp"] == int(cp), summary
+    for backend, words in (("repeat", "one-rank benchmark baseline"), ("flex", "no backward on CPU")):
+        capsys.readouterr()
+        rc, _, _ = _grad(d, f"cp_{backend}", "packed", "--cp", cp, "--backend", backend)
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and not (d / f"cp_{backend}.safetensors").exists()
+        if dist.get_rank() == 0:
+            assert words in err and "\n" not in err, err
+
+
 @pytest.mark.world(8)
 def test_grad_matrix_cp8() -> None:
     rollouts = _rollouts()[:3]  # prompt of 11 >= 8: every CP rank holds a real token

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_branch.attention.dispatch import EXECUTORS
 from megatron_branch.attention.reference import reference_attention
 from megatron_branch.data import PrefixTree, Rollout
 from megatron_branch.parallel.cp_layout import tree_related
@@ -130,6 +131,89 @@ def test_ring_attention_matches_reference(kind: str, external: int, dtype: torch
     assert bool((covered == 1).all())
 
 
+def _blocks(x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """Rows of x as separate leaf tensors of `sizes` (replay's cached shards, then the chunk's rows)."""
+    return [p.detach().clone().requires_grad_() for p in torch.split(x, sizes)]
+
+
+@pytest.mark.world(2, 4)
+@pytest.mark.parametrize("backend", ["merge", "packed", "reference", "flex"])
+def test_ring_runs_each_executor_exactly(backend: str) -> None:
+    """Every executor of the plan runs every ring block, the cached ancestors' shards read as separate blocks (in
+    place, never concatenated): float64 against the unsplit reference, per block gradient (flex: forward only on
+    CPU, where torch has no flex backward)."""
+    group, rank, cp = _cp()
+    tree = _tree("twolevel")
+    parent = next(s for s in tree.segments if s.depth == 1 and s.children)
+    ext, segs = parent.ancestors + (parent.id,), list(parent.children)
+    chunk = make_chunk(tree, segs, external=ext)
+    layout = chunk.layout
+    sq, sk, n, g, h = layout.num_queries, layout.num_keys, 4, 2, 8
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(sq, 1, n, h, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(sk, 1, g, h, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(sk, 1, g, h, generator=gen, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(sq, 1, n * h, generator=gen, dtype=torch.float64)
+    ref = reference_attention(q, k, v, layout, scale=h**-0.5)
+    ref.backward(dout)
+
+    part = split_chunk(tree, chunk, cp, rank)
+    k_meta, k_idx = _local_keys(tree, ext, part, cp, rank)
+    sizes = [
+        split_chunk(tree, make_chunk(tree, [a], external=tree.segments[a].ancestors), cp, rank).num_local
+        for a in ext
+    ]
+    sizes.append(part.num_local)
+    ql = _take(q.detach(), part.rows).requires_grad_()
+    ks, vs = _blocks(_take(k.detach(), k_idx), sizes), _blocks(_take(v.detach(), k_idx), sizes)
+    stats = RingStats()
+    grad = EXECUTORS[backend].backward_on_cpu
+    with torch.set_grad_enabled(grad):
+        out = ring_tree_attention(
+            ql,
+            ks,
+            vs,
+            part.meta,
+            k_meta,
+            tree_related(tree),
+            h**-0.5,
+            group,
+            executor=EXECUTORS[backend],
+            stats=stats,
+        )
+    real, kreal = part.rows >= 0, k_idx >= 0
+    torch.testing.assert_close(out[real], ref.detach()[part.rows[real]], atol=1e-10, rtol=1e-10)
+    assert stats.kv_block_shapes <= {(2, sum(sizes), 1, g, h)}  # one message: every local block, g heads
+    if not grad:
+        with pytest.raises(RuntimeError, match="no backward on CPU"):
+            ring_tree_attention(
+                ql, ks, vs, part.meta, k_meta, tree_related(tree), 0.5, group, executor=EXECUTORS[backend]
+            )
+        return
+    out.backward(_take(dout, part.rows))
+    torch.testing.assert_close(ql.grad[real], q.grad[part.rows[real]], atol=1e-10, rtol=1e-10)
+    dk, dv = torch.cat([b.grad for b in ks]), torch.cat([b.grad for b in vs])
+    torch.testing.assert_close(dk[kreal], k.grad[k_idx[kreal]], atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(dv[kreal], v.grad[k_idx[kreal]], atol=1e-10, rtol=1e-10)
+    for b in (
+        *ks,
+        *vs,
+    ):  # each block's gradient in a storage of its own (what replay keeps as a leaf's .grad)
+        assert b.grad.untyped_storage().nbytes() == b.grad.numel() * b.grad.element_size()
+
+
+@pytest.mark.world(2)
+def test_ring_refuses_a_baseline_without_ring_executor() -> None:
+    from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
+    from megatron_branch.schedule import ScheduleOptions
+
+    groups = initialize_parallel(ParallelConfig(cp=2))
+    with pytest.raises(ValueError, match="one-rank benchmark baseline"):
+        ScheduleOptions(groups=groups, vocab_size=37, backend="repeat")
+    for name in EXECUTORS:
+        assert ScheduleOptions(groups=groups, vocab_size=37, backend=name).backend == name
+
+
 @pytest.mark.world(4)
 def test_ring_skips_hidden_blocks() -> None:
     """A 2-token sequence on 4 ranks: rank r holds offsets {r, 7-r} (< 2 real), so most blocks are hidden."""
@@ -163,7 +247,14 @@ ARCH = dict(
 
 
 def _model_case(
-    schedule: str, dtype: torch.dtype, *, tp: int, cp: int, tol: float, recompute_layers: bool = False
+    schedule: str,
+    dtype: torch.dtype,
+    *,
+    tp: int,
+    cp: int,
+    tol: float,
+    recompute_layers: bool = False,
+    backend: str | None = None,
 ) -> None:
     from megatron_branch.losses import PolicyGradientObjective
     from megatron_branch.models import ModelArch, build_model
@@ -201,6 +292,7 @@ def _model_case(
         recompute_layers=recompute_layers,
         branch_micro_batch=2,
         ring_stats=stats,
+        backend=backend,
     )
     with _recomputed_layers() as order:
         res = run_schedule(name, model, tree, obj, opts)
@@ -255,6 +347,38 @@ def _recomputed_layers() -> Iterator[list[int]]:
 @pytest.mark.parametrize("schedule", ["packed", "replay", "replay-recompute"])
 def test_ring_cp_model_matches_naive(schedule: str, dtype: torch.dtype, tol: float) -> None:
     _model_case(schedule, dtype, tp=1, cp=dist.get_world_size(), tol=tol)
+
+
+@pytest.mark.world(2, 4)
+@pytest.mark.parametrize("backend", ["packed", "reference"])
+@pytest.mark.parametrize("schedule", ["packed", "replay"])
+def test_ring_cp_model_each_executor_matches_naive(schedule: str, backend: str) -> None:
+    """`backend` means the same under CP as on one rank: each executor runs every ring block, float64 per
+    parameter against the single-rank naive schedule (merge, the default, is test_ring_cp_model_matches_naive)."""
+    _model_case(schedule, torch.float64, tp=1, cp=dist.get_world_size(), tol=1e-9, backend=backend)
+
+
+@pytest.mark.world(2, 4)
+def test_ring_cp_flex_scores_match_naive() -> None:
+    """The flex executor under CP (forward-only on CPU: scoring) gives the naive schedule's logprobs."""
+    from megatron_branch.models import ModelArch, build_model
+    from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
+    from megatron_branch.schedule import ScheduleOptions, score_rollouts
+
+    cp = dist.get_world_size()
+    groups = initialize_parallel(ParallelConfig(cp=cp))
+    model = build_model(ModelArch(**ARCH), dtype=torch.float64)
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0, group=groups.cp)
+    tree = _tree("twolevel")
+    no_cp = dataclasses.replace(groups, cp=None, cp_size=1)
+    ref = score_rollouts("naive", model, tree, ScheduleOptions(groups=no_cp, vocab_size=37))
+    for schedule in ("packed", "replay"):
+        got = score_rollouts(
+            schedule, model, tree, ScheduleOptions(groups=groups, vocab_size=37, backend="flex")
+        )
+        for a, b in zip(got.logprobs, ref.logprobs, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, equal_nan=True)
 
 
 @pytest.mark.world(2)

@@ -15,12 +15,18 @@ from megatron_branch.attention import (
     QuerySegment,
     attention,
     default_backend,
-    merge_attention,
-    packed_attention,
     reference_attention,
-    set_default_backend,
-    use_backend,
 )
+from megatron_branch.attention import dispatch as dispatch_mod
+
+
+def merge_attention(q, k, v, layout, scale=None):  # noqa: ANN001, ANN201
+    return attention(q, k, v, layout, backend="merge", scale=scale)
+
+
+def packed_attention(q, k, v, layout, scale=None):  # noqa: ANN001, ANN201
+    return attention(q, k, v, layout, backend="packed", scale=scale)
+
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
@@ -256,24 +262,17 @@ def test_layout_validation(segments, sq: int, sk: int, match: str) -> None:
         AttentionLayout(num_queries=sq, num_keys=sk, segments=tuple(segments))
 
 
-def test_dispatch_defaults_and_overrides() -> None:
+def test_dispatch_defaults_and_names() -> None:
+    """The backend is passed in: no module-level override exists, the default is merge, unknown names fail."""
     assert set(BACKENDS) == {"reference", "merge", "packed", "flex", "repeat"}
-    assert default_backend("cpu") == "merge" and default_backend(torch.device("cpu")) == "merge"
-    with use_backend("packed"):
-        assert default_backend("cpu") == "packed"
-        with use_backend("reference"):
-            assert default_backend("cpu") == "reference"
-        assert default_backend("cpu") == "packed"
-    assert default_backend("cpu") == "merge"
-    set_default_backend("reference")
-    try:
-        assert default_backend("cpu") == "reference"
-    finally:
-        set_default_backend(None)
+    assert default_backend() == "merge"
+    assert not any(hasattr(dispatch_mod, x) for x in ("_override", "use_backend", "set_default_backend"))
+    layout = LAYOUTS["prefix+siblings"]
+    q, k, v = make_inputs(layout, 2, 2, torch.float64)
+    with torch.no_grad():
+        assert torch.equal(attention(q, k, v, layout), attention(q, k, v, layout, backend="merge"))
     with pytest.raises(ValueError, match="flex, merge, packed, reference, repeat"):
         attention(*make_inputs(LAYOUTS["causal"], 2, 2, torch.float32), LAYOUTS["causal"], backend="nope")
-    with pytest.raises(ValueError, match="valid"):
-        set_default_backend("nope")
 
 
 def test_scale_argument_is_used() -> None:

@@ -10,12 +10,12 @@ import torch.nn.functional as F
 
 from megatron_branch.attention import (
     AttentionLayout,
+    attention,
     fused_attention_backward,
     fused_attention_forward,
     lse_merge,
     math_attention_backward,
     math_attention_forward,
-    merge_attention,
     merge_parts,
     reference_attention,
 )
@@ -207,7 +207,7 @@ def test_trap_autograd_through_cpu_flash_lse_is_wrong_but_merge_backend_is_exact
     assert rel_err(naive_dk, ref_dk) > 1e-2
 
     # merge_attention's explicit per-part backward with the merged out/lse is exact
-    out = merge_attention(q, k, v, layout, scale)
+    out = attention(q, k, v, layout, backend="merge", scale=scale)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     assert rel_err(out, ref) < TOL[dtype]
     assert rel_err(dq, ref_dq) < TOL[dtype]

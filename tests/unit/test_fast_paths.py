@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from megatron_branch.attention import AttentionLayout, reference_attention
+from megatron_branch.attention.dispatch import attention
 from megatron_branch.attention.layout import QuerySegment
-from megatron_branch.attention.merge_backend import build_plan, merge_attention
-from megatron_branch.attention.repeat_backend import repeat_prefix_attention
+from megatron_branch.attention.plan_sources import plan_from_layout
 from megatron_branch.data import PrefixTree, Rollout
 from megatron_branch.losses import PolicyGradientObjective
 from megatron_branch.models import ModelArch, build_model
@@ -116,21 +116,25 @@ def layout_with_runs() -> AttentionLayout:
     return AttentionLayout(num_queries=start + 5, num_keys=start + 5, segments=tuple(segs))
 
 
+def merge_attention(q, k, v, layout, scale=None):  # noqa: ANN001, ANN201
+    return attention(q, k, v, layout, backend="merge", scale=scale)
+
+
 def test_merge_plan_batches_equal_length_siblings() -> None:
     layout = layout_with_runs()
-    plan = build_plan(layout, [0, layout.num_keys])
-    # group "no ancestors": prefix + the unrelated segment (not adjacent: 2 runs); group "prefix": one part-A call
-    # for all 5 siblings, one batched causal call for the 3 of length 4 and one for the 2 of length 3
-    assert plan.calls == 2 + 1 + 2
-    assert [len(g.runs) for g in plan.groups] == [2, 2]
-    assert [r.count for r in plan.groups[1].runs] == [3, 2]
+    plan = plan_from_layout(layout)
+    # causal: the prefix and the unrelated segment (not adjacent: 2 calls); full: one call over the prefix for all
+    # 5 siblings; one batched causal call for the 3 of length 4 and one for the 2 of length 3
+    assert plan.kernel_calls == 2 + 1 + 2
+    assert len(plan.full) == 1 and plan.full[0].num_rows == 18 and len(plan.full[0].pieces) == 1
+    assert [(r.size, r.count) for r in plan.causal] == [(6, 1), (4, 3), (3, 2), (5, 1)]
     # unshared packing of G equal-length rollouts: ONE causal call
     flat = AttentionLayout(
         num_queries=40,
         num_keys=40,
         segments=tuple(QuerySegment(q_start=i, q_end=i + 5, self_k_start=i) for i in range(0, 40, 5)),
     )
-    assert build_plan(flat, [0, 40]).calls == 1
+    assert plan_from_layout(flat).kernel_calls == 1
     # replay: cached prefix block + chunk block, the prefix range read from the first block
     leaf = AttentionLayout(
         num_queries=8,
@@ -140,7 +144,7 @@ def test_merge_plan_batches_equal_length_siblings() -> None:
             QuerySegment(q_start=4, q_end=8, ancestor_ranges=((0, 6),), self_k_start=10),
         ),
     )
-    assert build_plan(leaf, [0, 6, 14]).calls == 2
+    assert plan_from_layout(leaf, [6, 8]).kernel_calls == 2
 
 
 @pytest.mark.parametrize("backend", ["merge", "repeat"])
@@ -154,8 +158,7 @@ def test_backend_matches_reference_float64(backend: str, heads: tuple[int, int])
     k = torch.randn(s, 1, g, 8, generator=gen, dtype=torch.float64, requires_grad=True)
     v = torch.randn(s, 1, g, 8, generator=gen, dtype=torch.float64, requires_grad=True)
     ref = reference_attention(q, k, v, layout, 0.3)
-    fn = merge_attention if backend == "merge" else repeat_prefix_attention
-    out = fn(q, k, v, layout, 0.3)
+    out = attention(q, k, v, layout, backend=backend, scale=0.3)
     dout = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
     want = torch.autograd.grad(ref, (q, k, v), dout)
     got = torch.autograd.grad(out, (q, k, v), dout)
@@ -169,15 +172,15 @@ def test_masks_and_plans_built_once_per_layout() -> None:
     assert layout.dense_mask() is layout.dense_mask()  # every layer of a chunk reuses the first layer's mask
     q = torch.randn(layout.num_queries, 1, 2, 4, dtype=torch.float64)
     merge_attention(q, q, q, layout)
-    plans = [key for key in layout._derived if key[0] == "merge_plan"]
+    plans = [key for key in layout._derived if key[0] == "plan"]
     merge_attention(q, q, q, layout)
-    assert plans == [key for key in layout._derived if key[0] == "merge_plan"] and len(plans) == 1
+    assert plans == [key for key in layout._derived if key[0] == "plan"] and len(plans) == 1
     # equality and hashing ignore what was derived
     assert layout == layout_with_runs() and hash(layout) == hash(layout_with_runs())
 
 
 def test_flex_metadata_mask_equals_dense_mask() -> None:
-    """The flex backend's per-token metadata (no [sq, sk] tensor) gives exactly the layout's visibility."""
+    """The flex executor's per-token metadata (no [sq, sk] tensor) gives exactly the layout's visibility."""
     from megatron_branch.attention.flex import _mask_mod, visibility_metadata
     from megatron_branch.schedule.chunks import make_chunk
 
@@ -189,7 +192,7 @@ def test_flex_metadata_mask_equals_dense_mask() -> None:
         make_chunk(tree, [leaf.id], external=leaf.ancestors, pad_to_multiple=4).layout,  # replay: cached keys
     ]
     for layout in layouts:
-        mod = _mask_mod(visibility_metadata(layout, "cpu"))
+        mod = _mask_mod(visibility_metadata(plan_from_layout(layout), "cpu"))
         qi = torch.arange(layout.num_queries)[:, None]
         ki = torch.arange(layout.num_keys)[None, :]
         assert torch.equal(mod(0, 0, qi, ki), layout.dense_mask())

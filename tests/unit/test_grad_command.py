@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -62,6 +63,7 @@ def test_schedules_agree_and_match_hf_float64(workdir: Path, capsys: pytest.Capt
         assert rc == 0
         assert {"loss", "positions_logical", "positions_computed", "schedule"} <= summary.keys()
         assert summary["schedule"] == schedule
+        assert summary["backend"] == ("megatron-core" if schedule == "naive" else "merge")  # what ran
         results[schedule] = (summary, load_file(workdir / f"g_{schedule}.safetensors"))
     naive_summary, naive = results["naive"]
     assert naive_summary["positions_computed"] == naive_summary["positions_logical"]
@@ -165,6 +167,26 @@ def test_bad_options_refused_before_work(workdir: Path, capsys: pytest.CaptureFi
     assert rc == 2 and "is a folder" in err and "\n" not in err
 
 
+def test_backend_that_cannot_run_is_refused_in_one_line(
+    workdir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--backend names what runs, or the run stops before any work with one line (exit 2), writing nothing."""
+    from megatron_branch.attention.dispatch import BACKENDS
+    from megatron_branch.commands.grad import add_grad_command
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_grad_command(sub)
+    backend = next(a for a in sub.choices["grad"]._actions if a.dest == "backend")
+    assert set(backend.choices) == set(BACKENDS)  # every backend is reachable from the command
+    for extra, words in (
+        (["--backend", "flex"], "no backward on CPU"),
+        (["--schedule", "naive", "--backend", "packed"], "runs megatron's own attention"),
+    ):
+        rc, _, err = grad(workdir, capsys, *extra, out="refused.safetensors")
+        assert rc == 2 and words in err and "\n" not in err.strip(), (extra, err)
+        assert not (workdir / "refused.safetensors").exists()
+
+
 @pytest.mark.slow
 def test_replay_options_keep_parity(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--recompute, --recompute-layers and --branch-micro-batch change what is kept alive, never the gradient."""
@@ -180,6 +202,7 @@ def test_replay_options_keep_parity(workdir: Path, capsys: pytest.CaptureFixture
             workdir, capsys, "--schedule", "replay", "--dtype", "float64", *extra, out="opt.safetensors"
         )
         assert rc == 0 and summary["positions_computed"] == summary["positions_tree"]
+        assert summary["backend"] == ("packed" if "packed" in extra else "merge")
         got = load_file(workdir / "opt.safetensors")
         for name, g in want.items():
             assert ((got[name] - g).norm() / g.norm()).item() <= 1e-9, (extra, name)

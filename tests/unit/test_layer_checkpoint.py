@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
-from megatron_branch.attention.core_attention import BranchContext
+from megatron_branch.attention.context import LocalContext
 from megatron_branch.data import PrefixTree, Rollout
 from megatron_branch.losses import PolicyGradientObjective
 from megatron_branch.models import ModelArch
@@ -122,13 +122,13 @@ def test_recomputation_captures_nothing(
     """Attention inside backward (the recomputation) runs with capture off and its context re-attached."""
     model, rollouts = models[torch.float64], random_tree_rollouts(**TREE)
     seen: list[tuple[bool, bool]] = []  # (in backward, capture)
-    real = BranchContext.attend
+    real = LocalContext.attend
 
-    def attend(self: BranchContext, *a: Any) -> torch.Tensor:
+    def attend(self: LocalContext, *a: Any) -> torch.Tensor:
         seen.append((torch._C._current_graph_task_id() != -1, self.capture))
         return real(self, *a)
 
-    monkeypatch.setattr(BranchContext, "attend", attend)
+    monkeypatch.setattr(LocalContext, "attend", attend)
     step(model, rollouts, "replay", recompute_layers=True)
     in_backward = [capture for backward, capture in seen if backward]
     assert in_backward and not any(in_backward)  # recomputed (re-attached: attend ran), never captured
@@ -143,7 +143,7 @@ def test_planted_bug_capture_during_recompute_keeps_rebuilt_layers_alive(
     arch, model = tiny_arch_model(32, 2)
     shape = RolloutShape(prompt_length=64, responses=8, response_length=8)
     good = measure_step(model, shape, vocab=VOCAB, branch_micro_batch=4, recompute_layers=True).saved_peak
-    monkeypatch.setattr(BranchContext, "for_recompute", lambda self: self)
+    monkeypatch.setattr(LocalContext, "for_recompute", lambda self: self)
     bad = measure_step(model, shape, vocab=VOCAB, branch_micro_batch=4, recompute_layers=True).saved_peak
     assert bad > good
     with pytest.raises(AssertionError):

@@ -163,8 +163,9 @@ def test_planted_bug_dropping_one_branch_is_caught(monkeypatch: pytest.MonkeyPat
             for n, group in enumerate(super()._child_groups(children)):
                 yield group
                 if n == 0:
-                    for k, v in self.cache[parent].values():
-                        k.grad, v.grad = None, None
+                    for entry in self.cache.entries[parent].values():  # schedule/prefix_cache.py
+                        for leaf in entry.trainable:  # the parent's K/V leaves
+                            leaf.grad = None
 
     _, model, arch = make_pair("llama", False, torch.float64)
     rollouts = random_tree_rollouts(seed=8, prompt_len=9, branches=4, levels=1)

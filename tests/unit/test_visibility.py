@@ -1,8 +1,10 @@
-"""attention/visibility.py and attention/rectangles.py: the rectangle description of the tree mask, and its kernels.
+"""attention/plan.py and plan_sources.py: THE visibility plan of the tree mask (one planner, two sources), and an
+executor running it block by block as the ring does.
 
 The plans are checked against the dense rule (small sizes only: the dense mask is the slow reference here), every
-visible pair exactly once, for zigzag CP splits of random trees with cached ancestors; the rectangle forward and
-merged-LSE backward against float64 autograd through the reference attention.
+visible pair exactly once, for zigzag CP splits of random trees with cached ancestors and for single-rank layouts;
+the merge executor's forward over two key blocks merged by lse and its merged-LSE backward against float64 autograd
+through the reference attention.
 """
 
 from __future__ import annotations
@@ -10,16 +12,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_branch.attention.rectangles import plan_backward, plan_forward
-from megatron_branch.attention.reference import reference_attention
-from megatron_branch.attention.visibility import (
-    BlockPlan,
+from megatron_branch.attention.merge import lse_merge
+from megatron_branch.attention.merge_executor import merge_backward, merge_forward
+from megatron_branch.attention.plan import BlockPlan, plan_block, runs_from_meta
+from megatron_branch.attention.plan_sources import (
     ancestors_from_related,
-    plan_block,
+    meta_sees,
     plan_from_layout,
     plan_from_meta,
-    runs_from_meta,
 )
+from megatron_branch.attention.reference import reference_attention
 from megatron_branch.data import PrefixTree
 from megatron_branch.parallel.cp_layout import tree_related
 from megatron_branch.schedule.chunks import make_chunk, split_chunk
@@ -38,13 +40,16 @@ def _dense_rule(q_meta: torch.Tensor, k_meta: torch.Tensor, related: torch.Tenso
 def _coverage(plan: BlockPlan, sq: int, sk: int) -> torch.Tensor:
     """[sq, sk] int: how many rectangles of the plan cover each pair (must be the mask, as 0/1)."""
     cov = torch.zeros(sq, sk, dtype=torch.long)
+    starts = plan.block_starts()
     for grp in plan.full:
         for a, e in grp.rows:
-            for c, d in grp.cols:
-                cov[a:e, c:d] += 1
-    for sqr in plan.causal:
-        n = sqr.size
-        cov[sqr.row : sqr.row + n, sqr.col : sqr.col + n] += torch.ones(n, n, dtype=torch.long).tril()
+            for p in grp.pieces:
+                cov[a:e, starts[p.block] + p.start : starts[p.block] + p.end] += 1
+    for run in plan.causal:
+        n = run.size
+        for i in range(run.count):
+            r, c = run.row + i * n, starts[run.block] + run.col + i * n
+            cov[r : r + n, c : c + n] += torch.ones(n, n, dtype=torch.long).tril()
     return cov
 
 
@@ -91,8 +96,8 @@ def test_plans_cover_the_tree_mask_exactly_once(cp: int) -> None:
                     assert torch.equal(cov, want.long()), (cp, qr, kr, external, segs)
                     assert plan.empty == (not bool(want.any()))
                     assert plan.visible_pairs == int(want.sum())
-                    for sqr in plan.causal:  # the fused causal kernel needs squares
-                        assert sqr.size > 0
+                    for run in plan.causal:  # the fused causal kernel needs squares
+                        assert run.size > 0 and run.count > 0
                     checked += 1
     assert checked >= 20 * cp * cp
 
@@ -130,7 +135,7 @@ def test_runs_and_hidden_blocks_build_nothing() -> None:
     related = torch.eye(6, dtype=torch.bool)
     q = runs_from_meta(torch.tensor([[5, 5], [0, 1]]))
     k = runs_from_meta(torch.tensor([[3, 3], [0, 1]]))
-    assert plan_block(q, k, ancestors_from_related(related, q.segment)).empty
+    assert plan_block(q, k, meta_sees(q, k, ancestors_from_related(related, q.segment)), 2, [2]).empty
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
@@ -150,32 +155,85 @@ def test_rectangles_forward_backward_match_reference(dtype: torch.dtype, tol: fl
     ref = reference_attention(q, k, v, layout, scale=h**-0.5)
     ref.backward(dout)
 
-    acc = torch.float64 if dtype == torch.float64 else torch.float32
-    qb = q.detach().permute(1, 2, 0, 3).contiguous()
     cut = s // 2
-    blocks = [(slice(0, cut), meta[:, :cut]), (slice(cut, s), meta[:, cut:])]
+    blocks = [slice(0, cut), slice(cut, s)]  # one ring step each, compact kv heads read in place
+    plans = [plan_from_meta(meta, meta[:, rows], related) for rows in blocks]
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    out = lse = None
+    for rows, plan in zip(blocks, plans):
+        o, lo = merge_forward(qd, [kd[rows]], [vd[rows]], plan, h**-0.5)  # [s, b, n, h], [s, b, n]
+        out, lse = lse_merge(out, lse, o, lo)
+    torch.testing.assert_close(out.reshape(s, b, n * h).to(dtype), ref.detach(), atol=tol, rtol=tol)
 
-    def internal(x: torch.Tensor, rows: slice) -> torch.Tensor:
-        return x.detach()[rows].repeat_interleave(n // g, dim=2).permute(1, 2, 0, 3).contiguous()
-
-    out = torch.zeros(b, n, s, h, dtype=acc)
-    lse = torch.full((b, n, s), float("-inf"), dtype=acc)
-    plans = [plan_from_meta(meta, km, related) for _, km in blocks]
-    for (rows, _), plan in zip(blocks, plans):
-        plan_forward(qb, internal(k, rows), internal(v, rows), plan, h**-0.5, out, lse)
-    torch.testing.assert_close(
-        out.permute(2, 0, 1, 3).reshape(s, b, n * h).to(dtype), ref.detach(), atol=tol, rtol=tol
-    )
-
-    dob = dout.view(s, b, n, h).permute(1, 2, 0, 3).contiguous()
-    dq = torch.zeros(b, n, s, h, dtype=acc)
-    dk, dv = torch.zeros(s, b, g, h, dtype=acc), torch.zeros(s, b, g, h, dtype=acc)
-    for (rows, _), plan in zip(blocks, plans):
-        dkv = torch.zeros(2, rows.stop - rows.start, b, g, h, dtype=acc)
-        ob = out.to(dtype)
-        plan_backward(dob, qb, internal(k, rows), internal(v, rows), ob, lse, plan, h**-0.5, dq, dkv)
-        dk[rows] += dkv[0]
-        dv[rows] += dkv[1]
-    torch.testing.assert_close(dq.permute(2, 0, 1, 3).to(dtype), q.grad, atol=tol, rtol=tol)
+    dq = torch.zeros(s, b, n, h, dtype=out.dtype)
+    dk, dv = torch.zeros(s, b, g, h, dtype=out.dtype), torch.zeros(s, b, g, h, dtype=out.dtype)
+    for rows, plan in zip(blocks, plans):
+        dq_t, (dk_t,), (dv_t,) = merge_backward(
+            dout.view(s, b, n, h), qd, [kd[rows]], [vd[rows]], out, lse, plan, h**-0.5
+        )
+        dq += dq_t
+        dk[rows] += dk_t
+        dv[rows] += dv_t
+    torch.testing.assert_close(dq.to(dtype), q.grad, atol=tol, rtol=tol)
     torch.testing.assert_close(dk.to(dtype), k.grad, atol=tol, rtol=tol)
     torch.testing.assert_close(dv.to(dtype), v.grad, atol=tol, rtol=tol)
+
+
+def _random_sizes(sk: int, gen: torch.Generator) -> list[int]:
+    """A random cut of [0, sk) into 1-4 key blocks (some cut through a segment's own keys)."""
+    cuts = sorted(
+        {
+            int(x)
+            for x in torch.randint(1, sk, (int(torch.randint(0, 4, (1,), generator=gen)),), generator=gen)
+        }
+    )
+    bounds = [0, *cuts, sk]
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+@pytest.mark.slow
+def test_layout_plans_over_any_key_blocks_cover_the_mask_once() -> None:
+    """One planner for a layout, whatever the key blocks: a square cut by a block boundary becomes a square, a
+    full rectangle and a square; every visible pair is still covered exactly once."""
+    gen = torch.Generator().manual_seed(3)
+    checked = 0
+    for tree in _trees():
+        for s in tree.segments:
+            external, segs = (
+                (s.ancestors + (s.id,), list(s.children)) if s.children else (s.ancestors, [s.id])
+            )
+            layout = make_chunk(tree, segs, external=external).layout
+            for _ in range(3):
+                sizes = _random_sizes(layout.num_keys, gen) if layout.num_keys > 1 else [1]
+                plan = plan_from_layout(layout, sizes)
+                cov = _coverage(plan, layout.num_queries, layout.num_keys)
+                assert torch.equal(cov, layout.dense_mask().long()), (sizes, segs, external)
+                checked += 1
+    assert checked > 30
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["merge", "packed", "reference"])
+def test_executors_exact_over_random_key_blocks(backend: str) -> None:
+    """Each executor on one rank over key blocks read in place, cut anywhere: float64 against the reference."""
+    from megatron_branch.attention.dispatch import attention
+
+    gen = torch.Generator().manual_seed(11)
+    tree = _trees()[1]
+    for s in [x for x in tree.segments if x.children][:3]:
+        layout = make_chunk(tree, list(s.children), external=s.ancestors + (s.id,)).layout
+        sizes = _random_sizes(layout.num_keys, gen)
+        q = torch.randn(layout.num_queries, 1, 4, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        k = torch.randn(layout.num_keys, 1, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        v = torch.randn(layout.num_keys, 1, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        ref = reference_attention(q, k, v, layout)
+        dout = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+        want = torch.autograd.grad(ref, (q, k, v), dout)
+        ks = [b.detach().requires_grad_() for b in torch.split(k, sizes)]
+        vs = [b.detach().requires_grad_() for b in torch.split(v, sizes)]
+        out = attention(q, ks, vs, layout, backend=backend)
+        dq, *dkv = torch.autograd.grad(out, (q, *ks, *vs), dout)
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+        torch.testing.assert_close(dq, want[0], rtol=0, atol=1e-11)
+        torch.testing.assert_close(torch.cat(dkv[: len(ks)]), want[1], rtol=0, atol=1e-11)
+        torch.testing.assert_close(torch.cat(dkv[len(ks) :]), want[2], rtol=0, atol=1e-11)

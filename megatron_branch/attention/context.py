@@ -1,0 +1,151 @@
+"""The branch context: what one forward of a chunk tells the model's layers. A small protocol, three implementations.
+
+SHAPE LEGEND (Megatron sequence-first, this rank's rows):
+    s  chunk rows   c  rows of the cached ancestors the chunk reads (replay)   b batch (1)
+    n  query heads, g kv heads (on this TP rank)   h head dim
+    attend: q [s,b,n,h], k/v [s,b,g,h] -> [s,b,n*h];   handed-down K/V blocks [c_j,b,g,h], root first
+
+    LocalContext   one rank: an AttentionLayout, THE plan built from it, the chosen executor (this file)
+    RingContext    context parallelism: per-token metadata, the ring calling the chosen executor per block
+                   (parallel/context.py)
+    DecodeContext  one decode step of generation: each prompt's K/V in place + each branch's own path
+                   (generation/kv_cache.py)
+The schedule picks one through its chunk (`Chunk.context` / `CPChunk.context`); layers never ask which. What a
+segment hands its descendants (attention K/V, or another layer kind's state at the fork) goes through
+`hand_down` / `handed_down` (attention/prefix_state.py has the protocol); `tree` is the chunk's tree for layer kinds
+whose state flows along it. `attach_context` attaches one context to every module that reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from megatron_branch.attention.layout import AttentionLayout
+from megatron_branch.attention.prefix_state import (
+    ATTENTION_KV,
+    ChunkTree,
+    Handoff,
+    StateKind,
+    Tensors,
+    compact,
+)
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+@runtime_checkable
+class BranchContext(Protocol):
+    """What a layer may ask of the forward it runs in."""
+
+    capture: bool
+    """Record what this chunk hands its descendants (`captured`, in the autograd graph); replay needs it."""
+    captured: dict[int, Handoff]
+    """layer_number -> what the layer handed down in this forward (filled when `capture`)."""
+    recompute_layers: bool
+    """Run each transformer layer under activation checkpointing (models/layer_checkpoint.py)."""
+    tree: ChunkTree | None
+    """The tree inside the chunk (None where the context has none: CP, decode)."""
+
+    def attend(
+        self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Attention of the chunk's queries: q [s,b,n,h], k/v [s,b,g,h] -> [s,b,n*h]."""
+        ...
+
+    def hand_down(self, layer_number: int, kind: StateKind, tensors: Tensors) -> None:
+        """Record what this chunk hands its descendants for `layer_number` (a no-op unless `capture`)."""
+        ...
+
+    def handed_down(self, layer_number: int) -> list[Tensors]:
+        """What the cached ancestors handed this chunk for `layer_number` (as the layer's kind reads it)."""
+        ...
+
+    def for_recompute(self) -> BranchContext:
+        """The context a checkpointed layer's recomputation (in backward) runs with: the same, capturing nothing."""
+        ...
+
+
+@dataclass(kw_only=True)
+class PrefixContext:
+    """The prefix-state part every training context shares: handed-down states in, captured states out."""
+
+    external: dict[int, list[Tensors]] = field(default_factory=dict)
+    """layer_number -> what the cached ancestors hand this chunk, as the layer's kind reads it (attention: the
+    path's K/V blocks root first, each (k, v) [c_j,b,g,h]); empty for a packed tree or a root segment. K/V blocks
+    are handed to the executor as blocks, never concatenated (no copy of the path's K/V)."""
+    capture: bool = False
+    captured: dict[int, Handoff] = field(default_factory=dict)
+    recompute_layers: bool = False
+    tree: ChunkTree | None = None
+
+    def hand_down(self, layer_number: int, kind: StateKind, tensors: Tensors) -> None:
+        if self.capture:
+            self.captured[layer_number] = Handoff(kind, tuple(tensors))
+
+    def handed_down(self, layer_number: int) -> list[Tensors]:
+        return self.external.get(layer_number, [])
+
+    def for_recompute(self) -> PrefixContext:
+        """The same layout, handed-down states and metadata, but capturing nothing (the schedule's states come from
+        the first forward, whose graph is the one gradients are injected into; a recomputed capture would be a
+        copy outside that graph)."""
+        return replace(self, capture=False, captured={})
+
+
+@dataclass(kw_only=True)
+class LocalContext(PrefixContext):
+    """One rank: every row of the chunk is here; keys are [handed-down ancestors (c) | chunk (s)]."""
+
+    layout: AttentionLayout
+    """Which keys each query of the chunk may see. Keys are [external (c) | chunk (s)]."""
+    backend: str | None = None
+    """Attention backend name (attention.dispatch); None = `default_backend()`."""
+
+    def attend(
+        self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """q [s,b,n,h], k/v [s,b,g,h] -> [s, b, n*h]."""
+        from megatron_branch.attention.dispatch import attention
+
+        k, v = (
+            compact(k),
+            compact(v),
+        )  # V views the fused QKV output: keep (and cache) V alone, not the buffer
+        self.hand_down(layer_number, ATTENTION_KV, (k, v))
+        blocks = [*self.handed_down(layer_number), (k, v)]  # keys: [ancestors (c) | chunk (s)]
+        num_keys = sum(kb.shape[0] for kb, _ in blocks)
+        assert num_keys == self.layout.num_keys and q.shape[0] == self.layout.num_queries, (
+            f"layout {self.layout.num_queries}x{self.layout.num_keys} vs q {q.shape[0]} k {num_keys}"
+        )
+        ks, vs = [kb for kb, _ in blocks], [vb for _, vb in blocks]
+        return attention(q, ks, vs, self.layout, backend=self.backend, scale=scale)
+
+
+class TakesBranchContext:
+    """Mixin for modules that read the attached context: BranchCoreAttention, and any other layer kind's mixer.
+    `attach_context` sets `context` on every such module of a model for one forward."""
+
+    context: BranchContext | None = None
+
+
+def context_modules(model: torch.nn.Module) -> list[TakesBranchContext]:
+    return [m for m in model.modules() if isinstance(m, TakesBranchContext)]
+
+
+@contextmanager
+def attach_context(model: torch.nn.Module, ctx: BranchContext | None) -> Iterator[BranchContext | None]:
+    """Attach `ctx` to every module of `model` that reads a context, for the duration of one forward."""
+    mods = context_modules(model)
+    assert mods, "the model has no BranchCoreAttention: build it with megatron_branch.models.build_model"
+    for m in mods:
+        m.context = ctx
+    try:
+        yield ctx
+    finally:
+        for m in mods:
+            m.context = None

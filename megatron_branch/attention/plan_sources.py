@@ -1,0 +1,117 @@
+"""The two sources of the one planner's runs (attention/plan.py `plan_block`): an AttentionLayout on one rank, and
+per-token metadata under context parallelism. Both end in the same `plan_block` call.
+
+SHAPE LEGEND (positions only):
+    sq, sk_j   query rows / key rows of key block j (columns numbered over the blocks end to end)
+    meta       [2, s] long: row 0 tree segment id (-1 = padding), row 1 offset of the token inside its segment
+    related    [S, S] bool: related[a, b] iff segment b is an ancestor of a or a itself (the tree's relation)
+
+From a layout: query segment i is query run i (offsets 0..); the key axis is cut at every own-key and ancestor-range
+boundary (and at the block starts), each piece of a segment's own keys is a key run of that segment (its offset
+inside the segment), every other piece a key-only run; query run i sees in full the pieces inside its ancestor
+ranges. From metadata: the runs of consecutive offsets (also cut at block starts), query run t seeing in full the
+key runs of its segment's proper ancestors. A layout's plan is built once per layout and block sizes (every layer of
+a chunk reuses it, `AttentionLayout.derived`); the ring keeps its per-step plans for all layers of a forward.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from megatron_branch.attention.layout import AttentionLayout
+from megatron_branch.attention.plan import BlockPlan, Runs, plan_block, runs_from_meta
+
+
+def _block_cuts(block_sizes: Sequence[int]) -> list[int]:
+    cuts, start = [], 0
+    for n in block_sizes:
+        start += n
+        cuts.append(start)
+    return cuts
+
+
+def layout_runs(layout: AttentionLayout, block_sizes: Sequence[int]) -> tuple[Runs, Runs, list[list[int]]]:
+    """(query runs, key runs, sees) of a layout whose keys come as blocks of `block_sizes`."""
+    segs = layout.segments
+    assert sum(block_sizes) == layout.num_keys, (tuple(block_sizes), layout.num_keys)
+    owner: list[tuple[int, int, int]] = sorted((s.self_k_start, s.self_k_end, i) for i, s in enumerate(segs))
+    for (_, e0, i0), (a1, _, i1) in zip(owner, owner[1:]):
+        assert e0 <= a1, f"segments {i0} and {i1} own the same keys"
+    bounds = {0, layout.num_keys, *_block_cuts(block_sizes)}
+    bounds.update(x for s in segs for r in s.ancestor_ranges for x in r)
+    bounds.update(x for a, e, _ in owner for x in (a, e))
+    cuts = sorted(bounds)
+    own_starts = [a for a, _, _ in owner]
+    k_start, k_len, k_seg, k_off = [], [], [], []
+    for a, e in zip(cuts, cuts[1:]):
+        j = bisect.bisect_right(own_starts, a) - 1
+        if j >= 0 and a < owner[j][1]:  # inside segment owner[j]'s own keys
+            seg, off = owner[j][2], a - owner[j][0]
+        else:  # nobody's own keys (cached ancestors under a layout): a key-only run no query owns
+            seg, off = len(segs) + len(k_start), 0
+        k_start.append(a)
+        k_len.append(e - a)
+        k_seg.append(seg)
+        k_off.append(off)
+    sees = []
+    for s in segs:
+        mine: list[int] = []
+        for a, e in s.ancestor_ranges:  # pieces are cut at every range boundary: whole pieces inside [a, e)
+            mine += range(bisect.bisect_left(k_start, a), bisect.bisect_left(k_start, e))
+        sees.append(mine)
+    q = Runs(
+        start=tuple(s.q_start for s in segs),
+        length=tuple(s.length for s in segs),
+        segment=tuple(range(len(segs))),
+        offset=(0,) * len(segs),
+    )
+    k = Runs(start=tuple(k_start), length=tuple(k_len), segment=tuple(k_seg), offset=tuple(k_off))
+    return q, k, sees
+
+
+def plan_from_layout(layout: AttentionLayout, block_sizes: Sequence[int] | None = None) -> BlockPlan:
+    """The plan of a single-rank chunk over key blocks of `block_sizes` (None: one block), built once per layout."""
+    sizes = (layout.num_keys,) if block_sizes is None else tuple(block_sizes)
+
+    def build() -> BlockPlan:
+        q, k, sees = layout_runs(layout, sizes)
+        return plan_block(q, k, sees, layout.num_queries, sizes)
+
+    return layout.derived(("plan", sizes), build)
+
+
+def ancestors_from_related(related: torch.Tensor, segments: Iterable[int]) -> dict[int, tuple[int, ...]]:
+    """{segment: its proper ancestors} for `segments`, from the [S, S] ancestor-or-self relation of the tree."""
+    out: dict[int, tuple[int, ...]] = {}
+    for s in set(segments):
+        row = related[s].nonzero().flatten().tolist()
+        out[s] = tuple(a for a in row if a != s)
+    return out
+
+
+def meta_sees(q: Runs, k: Runs, ancestors: dict[int, tuple[int, ...]]) -> list[list[int]]:
+    """Per query run: the key runs of its segment's proper ancestors."""
+    k_by_seg = k.by_segment()
+    return [[u for a in ancestors[s] for u in k_by_seg.get(a, ())] for s in q.segment]
+
+
+def plan_from_meta(
+    q_meta: torch.Tensor,
+    k_meta: torch.Tensor,
+    related: torch.Tensor,
+    block_sizes: Sequence[int] | None = None,
+    *,
+    q_runs: Runs | None = None,
+    ancestors: dict[int, tuple[int, ...]] | None = None,
+) -> BlockPlan:
+    """The plan of query rows `q_meta` [2, sq] over key rows `k_meta` [2, sk] (blocks of `block_sizes` end to end;
+    None: one block). `q_runs`/`ancestors`: the query side, when the caller reuses it over many key blocks."""
+    sizes = (k_meta.shape[1],) if block_sizes is None else tuple(block_sizes)
+    assert sum(sizes) == k_meta.shape[1], (sizes, tuple(k_meta.shape))
+    q = runs_from_meta(q_meta) if q_runs is None else q_runs
+    k = runs_from_meta(k_meta, breaks=_block_cuts(sizes)[:-1])
+    anc = ancestors_from_related(related, q.segment) if ancestors is None else ancestors
+    return plan_block(q, k, meta_sees(q, k, anc), q_meta.shape[1], sizes)

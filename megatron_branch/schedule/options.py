@@ -1,0 +1,84 @@
+"""How a step runs: the schedule options every schedule, chunk and entry point reads (one home, no import circle:
+chunks.py and common.py both need it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_branch.attention.dispatch import backend_problem
+from megatron_branch.parallel.groups import ParallelGroups
+
+
+@dataclass(kw_only=True)
+class ScheduleOptions:
+    """How a step runs. The parallel layout comes in whole (`groups`), never read from globals inside the math."""
+
+    groups: ParallelGroups = field(default_factory=ParallelGroups.single)
+    """The process groups and sizes (parallel/groups.py); the default is one process without parallelism."""
+    vocab_size: int
+    """Real (unpadded) vocabulary size; padded logits are excluded from every softmax."""
+    backend: str | None = None
+    """Attention backend (attention.dispatch): the executor of the visibility plan on one rank AND on every ring
+    block under CP; None = `default_backend()`. A baseline without a ring executor is refused under CP."""
+    branch_micro_batch: int = 8
+    """replay: how many sibling LEAF segments share one forward/backward."""
+    recompute: bool = False
+    """replay: keep no graph for a segment with children; recompute its forward at its backward."""
+    recompute_layers: bool = False
+    """replay, packed, naive-fused: per-layer activation checkpointing inside every chunk (torch's non-reentrant
+    checkpoint, models/layer_checkpoint.py): only each transformer layer's input is kept, one layer's graph is rebuilt
+    at a time in backward, at the price of one more forward of every layer. With `recompute` it is the planner's
+    `recompute full`. Needs a model built by models.build_model; no effect without grad (scoring)."""
+    keep_logprobs: bool = False
+    """Return every target's logprob (detached) in the result."""
+    keep_entropy: bool = False
+    """Also compute and return every target row's full-vocabulary entropy (detached)."""
+    ring_stats: Any = None
+    """Under CP: a parallel.ring.RingStats the ring attention adds its message and kernel counts to (None = not
+    counted)."""
+    fused_logprobs: bool = True
+    """Fuse the output projection with the logprob by row chunks (losses/fused_logprobs.py): a chunk's full logits
+    are never materialised. Needs a BranchGPTModel; False (or another model) = megatron's output layer + logprobs."""
+    logprob_chunk_rows: int = 256
+    """Rows of logits alive at once in the fused path. 256 keeps the transient [rows, vocab] fp32 chunk at 32 MB
+    for a 32K vocabulary (128 MB at 128K) while the chunk's GEMM stays large (256 x hidden x vocab); on the
+    2-core CPU the head ran within 2% of its time at 1024 rows (docs/performance.md). The chunk is the only head
+    term that grows with the leaf micro-batch (Liger-Kernel's fused linear cross-entropy bounds its chunks the
+    same way)."""
+
+    def __post_init__(self) -> None:
+        problem = backend_problem(self.backend, cp_size=self.cp_size)
+        if problem is not None:
+            raise ValueError(problem)
+        if self.vocab_size <= 0:
+            raise ValueError(f"vocab_size must be positive, got {self.vocab_size}")
+        if self.branch_micro_batch <= 0:
+            raise ValueError(f"branch_micro_batch must be positive, got {self.branch_micro_batch}")
+        if self.logprob_chunk_rows <= 0:
+            raise ValueError(f"logprob_chunk_rows must be positive, got {self.logprob_chunk_rows}")
+
+    # the views the math reads (one home: `groups`)
+    @property
+    def tp_group(self) -> Any:
+        return self.groups.tp
+
+    @property
+    def tp_size(self) -> int:
+        return self.groups.tp_size
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.groups.sequence_parallel
+
+    @property
+    def cp_group(self) -> Any:
+        return self.groups.cp
+
+    @property
+    def cp_size(self) -> int:
+        return self.groups.cp_size
+
+    @property
+    def pad_to(self) -> int:
+        return self.tp_size if self.sequence_parallel else 1

@@ -1,0 +1,102 @@
+"""Replay's bookkeeping of prefix state, written ONCE for every layer kind (attention/prefix_state.py).
+
+Shape legend: per cached segment and layer, the tensors its layer kind hands down (attention: k, v [rows, b, g, h],
+this rank's rows; a recurrent kind: its state at the fork); `rows` the segment's cached rows on this rank.
+
+The cycle for a segment X (schedule/replay.py drives it):
+    push     X's forward captured, per layer, a Handoff (kind, tensors in X's graph); the cache keeps the
+             kind's DETACHED leaves (requiring grad when training), registered with the activation meter;
+    external a descendant's chunk reads, per layer, what its kind reads of the path (all ancestors' K/V, or the
+             direct parent's state), as leaves: its backward accumulates into their .grad, summed over every child;
+    injection  after the last child: the (outputs, grads) of X's ONE `torch.autograd.backward([loss,
+             captured...], [1, leaf.grad...])`, pairing the trainable leaves with the tensors of X's final forward
+             (the recomputed one under `recompute`) they stand for;
+    drop     after that backward, the entry goes (the leaves and their .grad live until then).
+Nothing here knows a layer kind: adding one (the gated delta net's state at the fork) needs no change here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_branch.attention.prefix_state import Handoff, StateKind, Tensors
+from megatron_branch.memory import track_extra
+
+
+@dataclass(frozen=True)
+class _Entry:
+    kind: StateKind
+    read: Tensors  # what descendants read
+    trainable: Tensors  # the leaves among them whose .grad is injected
+
+
+class PrefixCache:
+    """What the cached segments of the current path hand their descendants, per layer."""
+
+    def __init__(self, *, grad: bool) -> None:
+        self.grad = grad  # False: scoring (plain detached tensors, nothing trainable)
+        self.entries: dict[int, dict[int, _Entry]] = {}  # segment -> layer -> entry
+        self.meta: dict[int, torch.Tensor] = {}  # segment -> metadata of its cached rows (CP: [2, rows])
+        self.rows: dict[int, tuple[int, int]] = {}  # segment -> (cached rows, frozen rows)
+
+    def push(
+        self,
+        seg_id: int,
+        captured: dict[int, Handoff],
+        rows: int,
+        *,
+        frozen: int = 0,
+        meta: torch.Tensor | None,
+    ) -> None:
+        """Cache what segment `seg_id` handed down (its first `frozen` rows held constant: replay-stopgrad)."""
+        entries = {}
+        for layer, h in captured.items():
+            read, trainable = h.kind.leaves(h.tensors, rows, frozen, self.grad)
+            entries[layer] = _Entry(h.kind, read, trainable)
+        self.entries[seg_id] = entries
+        self.rows[seg_id] = (rows, frozen)
+        if meta is not None:
+            self.meta[seg_id] = meta
+        # the cache is activation memory too: an active ActivationMeter counts it (a no-op otherwise)
+        track_extra(t for e in entries.values() for t in e.read)
+
+    def external(self, path: Sequence[int]) -> dict[int, list[Tensors]]:
+        """layer -> what a chunk below `path` (cached segments, root first) reads, as each layer's kind reads it
+        (blocks in place, never concatenated)."""
+        if not path:
+            return {}
+        out = {}
+        for layer, entry in self.entries[path[0]].items():
+            states = [self.entries[a][layer].read for a in path]
+            out[layer] = entry.kind.visible(states)
+        return out
+
+    def external_meta(self, path: Sequence[int]) -> torch.Tensor | None:
+        """[2, c] metadata of the path's cached rows in `external`'s order (None: the context needs none)."""
+        metas = [self.meta[a] for a in path if a in self.meta]
+        return torch.cat(metas, dim=1) if metas else None
+
+    def injection(
+        self, seg_id: int, captured: dict[int, Handoff]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(outputs, grads) that push the descendants' summed gradient through `seg_id`'s final forward, whose
+        capture is `captured`: every trainable leaf that received a gradient, with the tensor it stands for."""
+        entries = self.entries[seg_id]
+        rows, frozen = self.rows[seg_id]
+        outputs, grads = [], []
+        for layer, h in captured.items():
+            entry = entries[layer]
+            for src, leaf in zip(h.kind.sources(h.tensors, rows, frozen), entry.trainable, strict=True):
+                if leaf.grad is not None:
+                    outputs.append(src)
+                    grads.append(leaf.grad)
+        return outputs, grads
+
+    def drop(self, seg_id: int) -> None:
+        """Forget `seg_id`'s entry (after its backward: the leaves and their .grad are held until then)."""
+        self.entries.pop(seg_id)
+        self.rows.pop(seg_id)
+        self.meta.pop(seg_id, None)
