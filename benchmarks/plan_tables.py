@@ -18,7 +18,7 @@ from megatron_branch.plan import GPU_PRESETS, MODEL_PRESETS, Layout, RolloutShap
 
 LONG_RESPONSES = RolloutShape(prompt_length=122880, responses=16, response_length=8192)
 ISSUE_TARGET = RolloutShape(prompt_length=130048, responses=16, response_length=1024)
-MODELS = ("qwen2.5-7b", "qwen2.5-32b")
+MODELS = ("qwen2.5-7b", "qwen2.5-32b", "qwen3-32b", "qwen3.6-27b")
 TERMS = ("parameters", "gradients", "optimizer_state", "activations", "cached_kv", "kv_grads", "ring_buffers",
          "logits", "allocator_margin")  # fmt: skip
 LAYOUTS = [(1, 8), (2, 4), (4, 2), (8, 1)]

@@ -57,6 +57,12 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
     return s.data_ptr(), s.nbytes()
 
 
+KINDS = ("saved", "registered", "registered_grad")
+"""What holds a counted storage: autograd (saved for backward), a registered extra (replay's prefix cache), or a
+registered leaf's `.grad` (the cache's dK/dV accumulators). A storage both saved and registered (a root's captured
+K/V, kept by its graph and cached) counts once, as "registered": the planner's cached_kv term."""
+
+
 class ActivationMeter:
     """Context manager: `with ActivationMeter(model) as m: run_schedule(...)`, then read `m.peak_bytes`.
 
@@ -71,6 +77,11 @@ class ActivationMeter:
         self._excluded: set[int] = set()
         self._refs: dict[int, int] = {}  # storage ptr -> live references (saved copies + registered tensors)
         self._sizes: dict[int, int] = {}  # storage ptr -> bytes
+        self._kinds: dict[int, str] = {}  # storage ptr -> the KINDS entry it is counted under (its first use)
+        self.current_by_kind = dict.fromkeys(KINDS, 0)
+        """`current_bytes` split by what holds the storage (see KINDS)."""
+        self.peak_by_kind = dict.fromkeys(KINDS, 0)
+        """The split of `current_bytes` at the moment of `peak_bytes` (sums to it): the planner's per-term peak."""
         self.current_bytes = 0
         """Bytes of distinct storages alive now (saved for backward or registered)."""
         self.peak_bytes = 0
@@ -84,19 +95,34 @@ class ActivationMeter:
         self._hooks: Any = None
 
     # --- accounting -------------------------------------------------------------------------------------------
-    def _acquire(self, ptr: int, nbytes: int) -> None:
+    def _acquire(self, ptr: int, nbytes: int, kind: str) -> None:
         n = self._refs.get(ptr, 0)
         if n == 0:
             self._sizes[ptr] = nbytes
+            self._kinds[ptr] = kind
             self.current_bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+            self.current_by_kind[kind] += nbytes
+            if self.current_bytes > self.peak_bytes:
+                self.peak_bytes = self.current_bytes
+                self.peak_by_kind = dict(self.current_by_kind)
+        elif kind != "saved" and self._kinds.get(ptr) == "saved":
+            # a saved storage the cache registers (a root's captured K/V, kept by its graph) is the cache's
+            self._kinds[ptr] = kind
+            self.current_by_kind["saved"] -= self._sizes[ptr]
+            self.current_by_kind[kind] += self._sizes[ptr]
+            if self.current_bytes == self.peak_bytes:
+                self.peak_by_kind = dict(self.current_by_kind)
         self._refs[ptr] = n + 1
 
     def _release(self, ptr: int) -> None:
         n = self._refs.get(ptr, 0)
         if n <= 1:
             self._refs.pop(ptr, None)
-            self.current_bytes -= self._sizes.pop(ptr, 0)
+            nbytes = self._sizes.pop(ptr, 0)
+            self.current_bytes -= nbytes
+            kind = self._kinds.pop(ptr, None)
+            if kind is not None:
+                self.current_by_kind[kind] -= nbytes
         else:
             self._refs[ptr] = n - 1
 
@@ -106,20 +132,21 @@ class ActivationMeter:
             return t
         ptr, nbytes = key
         self.saved_count += 1
-        self._acquire(ptr, nbytes)
+        self._acquire(ptr, nbytes, "saved")
         return _Saved(t, lambda: self._release(ptr))
 
     @staticmethod
     def _unpack(packed: Any) -> torch.Tensor:
         return packed.tensor if isinstance(packed, _Saved) else packed
 
-    def track(self, t: torch.Tensor) -> None:
-        """Count `t`'s storage until `t` is garbage (and its `.grad`, for a leaf that requires grad)."""
+    def track(self, t: torch.Tensor, kind: str = "registered") -> None:
+        """Count `t`'s storage until `t` is garbage (and its `.grad`, for a leaf that requires grad), under `kind`
+        (KINDS)."""
         key = _storage_key(t)
         if key is None or key[0] in self._excluded:
             return
         ptr, nbytes = key
-        self._acquire(ptr, nbytes)
+        self._acquire(ptr, nbytes, kind)
         weakref.finalize(t, self._release, ptr)
         if t.requires_grad and t.is_leaf:
             # The dK/dV accumulator of a cached leaf is as large as the leaf and lives as long: count it from
@@ -135,7 +162,7 @@ class ActivationMeter:
                 seen = True
                 gkey = _storage_key(leaf.grad)
                 if gkey is not None:
-                    m._acquire(*gkey)
+                    m._acquire(*gkey, "registered_grad")
                     # released with the leaf: nothing here replaces or drops a cached leaf's .grad before that
                     weakref.finalize(leaf, m._release, gkey[0])
 
@@ -171,13 +198,13 @@ class ActivationMeter:
         return self.peak_bytes / 2**20
 
 
-def track_extra(tensors: Iterable[torch.Tensor]) -> None:
+def track_extra(tensors: Iterable[torch.Tensor], kind: str = "registered") -> None:
     """Register tensors with every active meter (a no-op when none is active: safe to call in the schedules)."""
     if not _ACTIVE:
         return
     for t in tensors:
         for m in _ACTIVE:
-            m.track(t)
+            m.track(t, kind)
 
 
 @contextmanager
@@ -201,7 +228,7 @@ def count_recomputed() -> Iterator[None]:
 
     def pack(t: torch.Tensor) -> Any:
         alias = t.detach()  # the same storage; checkpoint keeps this very object (it needs no grad)
-        track_extra([alias])
+        track_extra([alias], kind="saved")  # rebuilt activations, not a registered cache
         return inner_pack(alias)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, inner_unpack):

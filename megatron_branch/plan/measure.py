@@ -41,6 +41,12 @@ def shape_rollouts(shape: RolloutShape, vocab: int, seed: int = 0) -> list[Rollo
 class Measured:
     saved_peak: int
     """ActivationMeter peak: bytes saved for backward + replay's cached K/V and accumulators."""
+    activations: int = 0
+    """At that peak: bytes saved for backward (the planner's `activations` term)."""
+    cached_at_peak: int = 0
+    """At that peak: the prefix cache's storages (the planner's `cached_kv`)."""
+    kv_grads: int = 0
+    """At that peak: the cache's dK/dV accumulators (the planner's `kv_grads`)."""
     cached_kv: int
     """Bytes of the distinct storages the replay cache registered over the step (one prompt group: its root
     cache; 0 for other schedules)."""
@@ -102,7 +108,20 @@ def measure_step(
     assert meter.current_bytes == 0, f"{meter.current_bytes} bytes still held after the step"
     return Measured(
         saved_peak=meter.peak_bytes,
+        activations=meter.peak_by_kind["saved"],
+        cached_at_peak=meter.peak_by_kind["registered"],
+        kv_grads=meter.peak_by_kind["registered_grad"],
         cached_kv=peak_cached,
         matmul_flops=flops,
         positions_computed=res.positions_computed,
     )
+
+
+def per_term(measured: Measured, planned: Any) -> dict[str, tuple[int, int]]:
+    """term -> (measured, planned) for the planner's saved terms (a plan.memory.Peak), from the meter's split at its
+    peak (memory.KINDS: saved -> activations, registered -> cached_kv, registered_grad -> kv_grads)."""
+    return {
+        "activations": (measured.activations, planned.activations),
+        "cached_kv": (measured.cached_at_peak, planned.cached_kv),
+        "kv_grads": (measured.kv_grads, planned.kv_grads),
+    }

@@ -183,9 +183,16 @@ def chunk_saved_bytes(
     """
     linear = linear_layer_bytes(dm, r, sequences) if dm.linear_layers else 0
     if layer_recompute:
-        inputs = dm.layers * dm.seq_rows(r) * dm.h * dm.e
-        one_layer = max(
-            layer_kv_bytes(dm, r) + layer_other_bytes(dm, r, ext=ext, cp=cp) if dm.attn_layers else 0, linear
+        layer_input = dm.seq_rows(r) * dm.h * dm.e
+        inputs = dm.layers * layer_input
+        # a rebuilt layer's first norm saves the layer's input again: the same storage as the kept input, so it
+        # is not counted twice (the meter counts storages)
+        one_layer = (
+            max(
+                layer_kv_bytes(dm, r) + layer_other_bytes(dm, r, ext=ext, cp=cp) if dm.attn_layers else 0,
+                linear,
+            )
+            - layer_input
         )
         head = head_bytes(dm, r, m)
         return {
@@ -265,7 +272,8 @@ class Peak:
     activations: int
     """Saved activations of the chunks alive at the peak (for replay: the path's graphs and the running chunk)."""
     cached_kv: int
-    """Replay: cached ancestor K/V not already counted in a live graph."""
+    """Replay: cached ancestor K/V not already counted in a live graph (with per-layer checkpointing, also a
+    recomputed segment's captured K/V, held outside autograd beside the cache until its injection)."""
     kv_grads: int
     """Replay: their dK/dV accumulators."""
     ring_buffers: int
@@ -356,9 +364,12 @@ def step_peak(
     ring = max(ring_buffer_bytes(dm, r_root, r_root, cp), ring_buffer_bytes(dm, r_leaf, r_root + r_leaf, cp))
     logits = max(logits_bytes(dm, m_root, logprob_chunk_rows), logits_bytes(dm, m_leaf, logprob_chunk_rows))
     if phase_root > phase_leaves:
+        # under per-layer checkpointing the recomputed root's captured K/V live outside autograd, beside the
+        # no-grad cache until the injection (the meter sees them registered with it): counted with cached_kv
+        outside = root_kv if lay_rc else 0
         return Peak(
-            activations=root_kv + root["other"],
-            cached_kv=cached,
+            activations=root_kv - outside + root["other"],
+            cached_kv=cached + outside,
             kv_grads=grads,
             ring_buffers=ring,
             logits=logits,

@@ -11,7 +11,7 @@ import torch
 from megatron_branch.models import ModelArch, build_model
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
 from megatron_branch.plan import Layout, RolloutShape
-from megatron_branch.plan.measure import measure_step
+from megatron_branch.plan.measure import measure_step, per_term
 from megatron_branch.plan.memory import Dims, layer_kv_bytes, local_rows, step_peak
 
 VOCAB = 37
@@ -94,3 +94,30 @@ def test_planner_matches_the_rehearsal_shape_scaled_down(kind: str) -> None:
         a, shape, layout, act_bytes=4, branch_micro_batch=8, segment_recompute=False, layer_recompute=False
     )
     assert pk.saved == pytest.approx(got.saved_peak, rel=TOL), (kind, pk, got)
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("mode", ["none", "full"])
+@pytest.mark.parametrize("kind", ["cp2", "tp2_sp"])
+def test_each_term_within_5_percent(kind: str, mode: str) -> None:
+    """Issue 19 item 5: per term (activations, cached K/V, dK/dV) within 5% of the meter's split at its peak, on
+    every rank, for a 32B TP8 rank's head layout (5 query heads, 1 KV group per rank) scaled down
+    (tests/unit/test_plan_terms.py is the one-rank version)."""
+    tp = 2 if kind == "tp2_sp" else 1
+    groups = initialize_parallel(
+        ParallelConfig(cp=2) if tp == 1 else ParallelConfig(tp=2, sequence_parallel=True)
+    )
+    a = ModelArch(family="qwen2", vocab_size=64, hidden_size=160, num_layers=1, num_attention_heads=5 * tp,
+                  num_query_groups=tp, head_dim=16, ffn_hidden_size=64 * tp, qkv_bias=True,
+                  max_position_embeddings=4096)  # fmt: skip
+    torch.manual_seed(0)
+    model = build_model(a, dtype=torch.float32, tp=groups.tp_size, sequence_parallel=groups.sequence_parallel)
+    shape = RolloutShape(prompt_length=512, responses=16, response_length=16)
+    full = mode == "full"
+    got = measure_step(model, shape, vocab=64, branch_micro_batch=8, recompute=full, recompute_layers=full,
+                       groups=groups)  # fmt: skip
+    layout = Layout(cp=2) if tp == 1 else Layout(tp=2)
+    pk = step_peak(a, shape, layout, act_bytes=4, branch_micro_batch=8, segment_recompute=full,
+                   layer_recompute=full)  # fmt: skip
+    for term, (m, p) in per_term(got, pk).items():
+        assert p == pytest.approx(m, rel=0.05), (kind, mode, term, m, p)
