@@ -17,12 +17,9 @@ against), and what is refused because this engine would not compute it exactly:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from megatron_branch.errors import UserError
-
-if TYPE_CHECKING:
-    from megatron_branch.models.arch import ModelArch
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -175,7 +172,7 @@ def _qwen3_5(d: dict[str, Any], rope: dict[str, Any], fields: dict[str, Any], wh
     )
 
 
-def hf_config_of(arch: ModelArch) -> Any:
+def hf_config_of(arch: Any) -> Any:  # arch: a models.arch.ModelArch (arch.py imports this module, not back)
     """The transformers config of `arch` (the text model for qwen3_5) that `arch_fields_from_hf` maps back."""
     import transformers
 
