@@ -29,7 +29,7 @@ EXPORTS_FILE = "exports.json"
 into place atomically; a crash between them leaves the stamp at the old step, so the next run re-exports)."""
 
 
-def layout_record(groups: Any, *, distributed_optimizer: bool) -> dict[str, Any]:
+def layout_record(groups: Any, *, distributed_optimizer: bool, padded_vocab_size: int) -> dict[str, Any]:
     """The layout a checkpoint is saved at (train_state.json "layout")."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     return {
@@ -38,6 +38,7 @@ def layout_record(groups: Any, *, distributed_optimizer: bool) -> dict[str, Any]
         "dp": groups.dp_size,
         "world": world,
         "use_distributed_optimizer": distributed_optimizer,
+        "padded_vocab_size": padded_vocab_size,
     }
 
 
@@ -57,6 +58,15 @@ def check_resharding(saved: dict[str, Any] | None, current: dict[str, Any], *, w
             f"{_spell(current)} with optim.{key}={str(current[key]).lower()}: megatron's dist checkpointing "
             "reshards the optimizer over tp/cp/dp but not between optimizer kinds; resume with the saved "
             f"optim.{key}",
+            where=where,
+        )
+    rows = saved.get("padded_vocab_size")
+    if rows is not None and rows != current["padded_vocab_size"]:
+        raise UserError(
+            f"saved at {_spell(saved)} with the vocabulary padded to {rows} rows, this run is {_spell(current)} "
+            f"which pads it to {current['padded_vocab_size']}: the padded embedding, output layer and their "
+            "optimizer state do not reshard exactly; resume at a tp that pads alike, or train with a vocabulary "
+            "(model.arch.vocab_size) that divides by every tp you use",
             where=where,
         )
     return True

@@ -422,8 +422,9 @@ class Trainer:
 
     def _layout(self) -> dict[str, Any]:
         return lifecycle.layout_record(
-            self.groups, distributed_optimizer=self.cfg.optim.use_distributed_optimizer
-        )
+            self.groups, distributed_optimizer=self.cfg.optim.use_distributed_optimizer,
+            padded_vocab_size=self.arch.padded_vocab_size(self.groups.tp_size),
+        )  # fmt: skip
 
     def _load(self, path: Path) -> None:
         saved = self.store.read_common(path).get("layout")

@@ -242,3 +242,25 @@ def test_run_failing_in_its_first_step_leaves_no_folder(tmp_path: Path, monkeypa
         tr.run()
     assert not out.exists()  # a rerun of the same command is not refused
     Trainer(cfg(out, "trainer.total_training_steps=1", "checkpoint.hf_export=false"))
+
+
+# ---- 3. resume across layouts (the exact resumes: tests/distributed/test_resume_layouts.py) ------------------
+def test_what_megatron_cannot_reshard_is_refused_naming_both_layouts() -> None:
+    from megatron_branch.train.lifecycle import check_resharding
+
+    def layout(tp: int, dp: int, *, dist_opt: bool = False, rows: int = 18) -> dict:
+        return {"tp": tp, "cp": 1, "dp": dp, "world": tp * dp, "use_distributed_optimizer": dist_opt,
+                "padded_vocab_size": rows}  # fmt: skip
+
+    assert check_resharding(layout(2, 1), layout(2, 1), where="c") is False  # same layout: RNG kept
+    assert check_resharding(None, layout(1, 1), where="c") is False  # a checkpoint without a record
+    assert check_resharding(layout(2, 1), layout(1, 1), where="c") is True  # resharded, RNG restarted
+    with pytest.raises(UserError) as e:
+        check_resharding(layout(2, 1), layout(1, 2, dist_opt=True), where="ckpt")
+    assert str(e.value).startswith(
+        "ckpt: saved at tp=2 cp=1 dp=1 with optim.use_distributed_optimizer=false, "
+    )
+    assert "this run is tp=1 cp=1 dp=2 with optim.use_distributed_optimizer=true" in str(e.value)
+    with pytest.raises(UserError, match=r"saved at tp=2 cp=1 dp=1 with the vocabulary padded to 18 rows, this run "
+                       r"is tp=1 cp=1 dp=1 which pads it to 17"):  # fmt: skip
+        check_resharding(layout(2, 1), layout(1, 1, rows=17), where="ckpt")
