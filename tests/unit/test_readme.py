@@ -101,3 +101,21 @@ def test_readme_commands_run_on_the_tiny_assets(assets: Path, capsys) -> None:
         "convert mcore-to-hf",
         "verify-conversion",
     } <= set(ran)
+
+
+def test_the_demo_prints_the_summary_the_readme_shows() -> None:
+    """The README's demo lines are what `train` prints (metrics.run_summary), figures aside."""
+    from megatron_branch.train.metrics import run_summary
+
+    text = (ROOT / "README.md").read_text()
+    shown = [ln for ln in text.splitlines() if ln.startswith(("mean reward, first", "positions per step:"))]
+    rows = [
+        {"step": k + 1, "reward_mean": 0.5, "positions_logical": 7, "positions_computed": 3}
+        for k in range(40)
+    ]
+    printed = run_summary(rows)
+
+    def shape(line: str) -> str:
+        return re.sub(r"\d+(\.\d+)?", "N", line)
+
+    assert [shape(x) for x in shown] == [shape(x) for x in printed], (shown, printed)
