@@ -1,10 +1,13 @@
 # Shared by the launchers in this folder (sourced, not run).
 # MB_DRY_RUN=1: print every command instead of running it (the CPU dry-run test parses what is printed).
 set -euo pipefail
-MB=${MB:-megatron-branch}           # the installed command (or: "python -m megatron_branch")
-TORCHRUN=${TORCHRUN:-torchrun}
-PYTHON=${PYTHON:-python}
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# The checkout's .venv (make setup) when there is one, so a fresh clone needs no PATH change; else PATH's.
+BIN=""
+if [[ -x "$HERE/../../.venv/bin/python" ]]; then BIN="$(cd "$HERE/../../.venv/bin" && pwd)/"; fi
+MB=${MB:-${BIN}megatron-branch}     # the installed command (or: "python -m megatron_branch")
+TORCHRUN=${TORCHRUN:-${BIN}torchrun}
+PYTHON=${PYTHON:-${BIN}python}
 
 run() {
     if [[ -n "${MB_DRY_RUN:-}" ]]; then

@@ -25,9 +25,8 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_branch.checkpoint.integrity import (
-    HASH,
     HashingStream,
-    file_digest,
+    complete_record,
     safe_common_strategy,
     short_reason,
     verify_checkpoint,
@@ -176,12 +175,9 @@ def save_sharded(sharded_state_dict: dict[str, Any], checkpoint_dir: str | os.Pa
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         files = {k: v for part in parts for k, v in part.items()}
-        d = Path(checkpoint_dir)
-        for p in sorted(d.rglob("*")):  # .metadata, common.pt, metadata.json: small, hashed now
-            rel = p.relative_to(d).as_posix()
-            if p.is_file() and rel not in files:
-                files[rel] = {"size": p.stat().st_size, HASH: file_digest(p)}
-        box = [dict(sorted(files.items()))]
+        box = [
+            complete_record(checkpoint_dir, files)
+        ]  # .metadata, common.pt, metadata.json: small, hashed now
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
     return box[0]

@@ -23,7 +23,11 @@ from megatron_branch.errors import UserError
 
 HF_MARKER = "config.json"  # every HF model folder has one: --overwrite replaces only such folders
 PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.bin")
-TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+)  # fmt: skip
+"""What a transformers tokenizer folder may hold (copied whole: special tokens and chat template kept)."""
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -138,20 +142,41 @@ def _first_line(e: BaseException) -> str:
 
 
 # --- writing --------------------------------------------------------------------------------------------------------
+def _is_hf_tokenizer(src: Path) -> bool:
+    """A transformers tokenizer folder: a tokenizer_config.json, or a tokenizer.json in transformers' format (a
+    sentencepiece folder's settings file is not one)."""
+    if (src / "tokenizer_config.json").is_file() or (src / "vocab.json").is_file():
+        return True
+    try:
+        body = json.loads((src / "tokenizer.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(body, dict) and "model" in body
+
+
 def check_tokenizer_dir(tokenizer_dir: str | os.PathLike) -> list[str]:
-    """The tokenizer files present in `tokenizer_dir`, refusing a folder without any."""
+    """The tokenizer files present in `tokenizer_dir` (a transformers tokenizer, or a sentencepiece
+    `tokenizer.model`, which is converted on export), refusing a folder without any."""
     src = Path(tokenizer_dir)
     if not src.is_dir():
         raise UserError(f"tokenizer folder {str(src)!r} does not exist")
     copied = [n for n in TOKENIZER_FILES if (src / n).is_file()]
-    if not copied:
+    if not copied or not (_is_hf_tokenizer(src) or (src / "tokenizer.model").is_file()):
         raise UserError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {str(src)!r}")
     return copied
 
 
 def copy_tokenizer_files(tokenizer_dir: str | os.PathLike, out: Path) -> list[str]:
+    """Put a tokenizer `transformers.AutoTokenizer` loads into `out`: a transformers tokenizer's files as they
+    are (special tokens and chat template kept); a bare sentencepiece model converted by transformers' own
+    converter (tokenizer/spm.py `save_hf`)."""
     src = Path(tokenizer_dir)
     copied = check_tokenizer_dir(src)
+    if not _is_hf_tokenizer(src):
+        from megatron_branch.tokenizer.spm import SentencePieceTokenizer
+
+        SentencePieceTokenizer(src / "tokenizer.model").save_hf(out)
+        return sorted(p.name for p in out.iterdir() if p.name in TOKENIZER_FILES)
     for n in copied:
         shutil.copyfile(src / n, out / n)
     return copied

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,13 @@ import torch.distributed as dist
 
 from megatron_branch import outputs
 from megatron_branch.checkpoint.dist_ckpt import save_sharded
-from megatron_branch.checkpoint.hf_io import TOKENIZER_FILES, HFTensorReader, load_hf_config
+from megatron_branch.checkpoint.hf_io import (
+    TOKENIZER_FILES,
+    HFTensorReader,
+    copy_tokenizer_files,
+    load_hf_config,
+)
+from megatron_branch.checkpoint.integrity import complete_record
 from megatron_branch.checkpoint.param_map import iter_hf_to_mcore, mcore_names, sharded_keys
 from megatron_branch.checkpoint.tp import load_full_tensor
 from megatron_branch.errors import UserError, launched_world_size
@@ -147,6 +152,22 @@ def save_mcore_checkpoint(
     return out
 
 
+def copy_tokenizer(tokenizer_dir: str | os.PathLike, ckpt_dir: Path) -> None:
+    """The tokenizer, in a form transformers loads, into `ckpt_dir/tokenizer/` (mcore-to-hf exports it)."""
+    (ckpt_dir / TOKENIZER_SUBDIR).mkdir()
+    copy_tokenizer_files(tokenizer_dir, ckpt_dir / TOKENIZER_SUBDIR)
+
+
+def write_description(ckpt_dir: Path, files: dict[str, Any], **description: Any) -> dict[str, Any]:
+    """Write `megatron_branch.json` LAST: the description (arch, dtype, ...) and the record of every file in the
+    checkpoint (size and SHA-256: `files` as `save_sharded` hashed the shards, the rest hashed now), which
+    loading verifies. Converted and training checkpoints share it (checkpoint/store.py). Returns it."""
+    meta = {"format": FORMAT, "version": FORMAT_VERSION, **description}
+    meta["files"] = complete_record(ckpt_dir, files)
+    (ckpt_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
 def _finish_on_rank0(
     model: torch.nn.Module,
     tmp: Path,
@@ -160,22 +181,17 @@ def _finish_on_rank0(
     files: dict[str, Any],
     overwrite: bool,
 ) -> None:
-    meta = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "arch": arch.to_dict(),
-        "dtype": dtype_name(dtype),
-        "padded_vocab_size": model.embedding.word_embeddings.weight.shape[0] * tp,
-        "saved_tensor_parallel": tp,
-        "source": source,
-        "files": files,
-    }
-    (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     if tokenizer_dir is not None and any((Path(tokenizer_dir) / n).is_file() for n in TOKENIZER_FILES):
-        (tmp / TOKENIZER_SUBDIR).mkdir()
-        for n in TOKENIZER_FILES:
-            if (Path(tokenizer_dir) / n).is_file():
-                shutil.copyfile(Path(tokenizer_dir) / n, tmp / TOKENIZER_SUBDIR / n)
+        copy_tokenizer(tokenizer_dir, tmp)
+    write_description(
+        tmp,
+        files,
+        arch=arch.to_dict(),
+        dtype=dtype_name(dtype),
+        padded_vocab_size=model.embedding.word_embeddings.weight.shape[0] * tp,
+        saved_tensor_parallel=tp,
+        source=source,
+    )
     outputs.commit_dir(tmp, out, overwrite=overwrite, marker=META_FILE)
 
 

@@ -129,6 +129,18 @@ class HashingStream(io.RawIOBase):
         super().close()
 
 
+def complete_record(ckpt: str | os.PathLike, files: Mapping[str, Any]) -> dict[str, Any]:
+    """`files` plus every other file under `ckpt` (size and SHA-256, hashed now): the checkpoint's whole record,
+    as `megatron_branch.json` stores it (the dist checkpoint's shards were hashed while written)."""
+    d = Path(ckpt)
+    out = dict(files)
+    for p in sorted(d.rglob("*")):
+        rel = p.relative_to(d).as_posix()
+        if p.is_file() and rel not in out:
+            out[rel] = {"size": p.stat().st_size, HASH: file_digest(p)}
+    return dict(sorted(out.items()))
+
+
 # --- checks -----------------------------------------------------------------------------------------------------
 def read_metadata_safely(ckpt: Path) -> Any:
     """The dist-checkpoint index, unpickled by the allow-listed unpickler (never plain pickle)."""

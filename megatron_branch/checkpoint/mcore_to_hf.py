@@ -1,5 +1,8 @@
 """megatron-core distributed checkpoint -> model at the current TP, and -> Hugging Face folder.
 
+Any checkpoint megatron-branch writes: a converted one, the trainer's final `policy_mcore/` and its
+`checkpoints/step_*` (the same description and file record; the optimizer and RNG entries are not read).
+
 A dist checkpoint saved at any TP loads at the current one: megatron-core re-shards every tensor by its global
 offsets, including the SwiGLU fc1 (saved as global [gate; up]). The one thing it cannot re-shard is the vocabulary
 PADDING, which depends on TP (37 rows pad to 38 at TP2, 40 at TP4): the two vocabulary tensors are therefore read
@@ -168,6 +171,9 @@ def load_mcore_checkpoint(
             buf = torch.empty(tuple(saved[key].global_shape), dtype=dt)
             sharded[name] = ShardedTensor.from_rank_offsets(key, buf, replica_id=replica)
     state = load_sharded(sharded, d, verify=False)  # verified above
+    # megatron merges the checkpoint's common state (a training checkpoint's optimizer groups, ...) into what it
+    # returns: only the model's own entries are loaded into the model
+    state = {k: v for k, v in state.items() if k in sharded}
     params = dict(model.named_parameters())
     for name in vocab_keys:
         p = params[name]

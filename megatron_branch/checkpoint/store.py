@@ -1,16 +1,20 @@
-"""A folder of numbered megatron-core dist checkpoints, each written atomically: the training loop's store.
+"""A folder of numbered megatron-core dist checkpoints, each written atomically and verified before it loads.
 
     store = CheckpointStore(run_dir / "checkpoints")
-    store.save(step, sharded_state_dict, common={"step": step, ...})   # every rank calls it
-    path = store.latest()                                              # newest COMPLETE checkpoint or None
-    state, common = store.load(path, sharded_state_dict)               # every rank calls it
+    store.save(step, sharded_state_dict, common={"step": step, ...}, describe={...})   # every rank calls it
+    path = store.newest_verified(notice=print)         # newest checkpoint that verifies (fallback noticed) or None
+    state, common = store.load(path, sharded_state_dict)                              # every rank calls it
 
 Layout: `ROOT/step_00000010/` = the torch_dist files of `megatron.core.dist_checkpointing` (model, optimizer,
-per-rank RNG as ShardedObjects, ...) plus `train_state.json` (the `common` dict: step, data position, scheduler
-state). Atomicity: every rank writes into one temp folder beside the target; after all ranks finished, rank 0
-writes `train_state.json` LAST and renames the folder into place. A crash at any point before the rename leaves a
-`.step_*.tmp-*` folder that `latest()` ignores (and the next save removes), so the previous checkpoint stays the
-newest usable one. `latest()` trusts only folders holding `train_state.json`.
+per-rank RNG as ShardedObjects, ...), `train_state.json` (the `common` dict: step, data position, scheduler state,
+layout), whatever `finish` adds (the tokenizer) and, written LAST, `megatron_branch.json`: the description
+converted checkpoints carry (arch, dtype, ... from `describe`, so `convert mcore-to-hf` exports any training
+checkpoint) with the record of EVERY file, train_state.json included (size and SHA-256: the converter's own
+`write_description` / `verify_checkpoint`, checkpoint/hf_to_mcore.py and integrity.py). Atomicity: every rank
+writes into one temp folder beside the target; after all ranks finished, rank 0 writes the state file and the
+description and renames the folder into place. A crash before the rename leaves a `.step_*.tmp-*` folder that the
+store ignores (and the next save removes). A folder that is damaged afterwards (a flipped byte, a deleted or
+truncated file) fails verification, named in one line; `newest_verified` then falls back to the previous one.
 
 Errors on one rank are raised on every rank (`agree_on_error`), so no rank waits forever in a collective.
 """
@@ -29,6 +33,8 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_branch.checkpoint.dist_ckpt import load_sharded, save_sharded
+from megatron_branch.checkpoint.hf_to_mcore import META_FILE, write_description
+from megatron_branch.checkpoint.integrity import verify_checkpoint
 from megatron_branch.errors import UserError
 from megatron_branch.parallel.agree import agree_on_error
 
@@ -60,20 +66,52 @@ class CheckpointStore:
         return self.root / f"step_{step:08d}"
 
     def steps(self) -> list[int]:
-        """Steps of the complete checkpoints, oldest first (this process's view of the folder)."""
+        """Steps of the checkpoint folders, complete or not, oldest first (this process's view of the folder;
+        temp folders of an unfinished save are not listed)."""
         if not self.root.is_dir():
             return []
-        out = []
-        for p in self.root.iterdir():
-            m = _STEP_DIR.match(p.name)
-            if m and (p / STATE_FILE).is_file():
-                out.append(int(m.group(1)))
+        out = [int(m.group(1)) for p in self.root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
         return sorted(out)
 
     def latest(self) -> Path | None:
-        """The newest complete checkpoint (rank 0's view, shared with every rank), or None."""
+        """The newest checkpoint folder holding its description (rank 0's view, shared), unverified, or None."""
         steps = _broadcast(self.steps() if _rank() == 0 else None)
-        return self.path(steps[-1]) if steps else None
+        done = [s for s in steps if (self.path(s) / META_FILE).is_file()]
+        return self.path(done[-1]) if done else None
+
+    def verify(self, path: str | os.PathLike) -> None:
+        """Refuse (one UserError, on every rank) a checkpoint that is incomplete, damaged or not plain data: its
+        description present and readable, then every file it records present, of its size and SHA-256."""
+        d = Path(path)
+        err, files = None, None
+        try:
+            body = json.loads((d / META_FILE).read_text())
+            files = body["files"]
+            if not isinstance(files, dict):
+                raise TypeError("not a mapping")
+        except FileNotFoundError:
+            err = f"{d}: incomplete checkpoint: {META_FILE} (its file record, written last) is missing"
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            err = f"{d / META_FILE}: unreadable file record ({type(e).__name__}: {e})"
+        agree_on_error(err, error=UserError)
+        verify_checkpoint(d, files, recorded_in=META_FILE)
+
+    def newest_verified(self, notice: Callable[[str], None]) -> Path | None:
+        """The newest checkpoint that verifies; each newer one that does not is named through `notice` (one line),
+        never skipped silently. None when there is no checkpoint; a UserError when none verifies. Collective."""
+        steps = _broadcast(self.steps() if _rank() == 0 else None)
+        first_error = None
+        for step in reversed(steps):
+            try:
+                self.verify(self.path(step))
+            except UserError as e:
+                first_error = first_error or str(e)
+                notice(f"checkpoint {self.path(step).name} is not usable ({e}); trying the one before")
+                continue
+            return self.path(step)
+        if first_error is not None:
+            raise UserError(f"no checkpoint under {str(self.root)!r} verifies (the newest: {first_error})")
+        return None
 
     # ---- save ----------------------------------------------------------------------------------------------
     def save(
@@ -82,12 +120,15 @@ class CheckpointStore:
         sharded_state_dict: dict[str, Any],
         *,
         common: dict[str, Any],
+        describe: dict[str, Any] | None = None,
         finish: Callable[[Path], None] | None = None,
     ) -> Path:
-        """Write checkpoint `step` atomically. `common` must be JSON data (rank 0's copy is written).
+        """Write checkpoint `step` atomically. `common` must be JSON data (rank 0's copy is written); `describe`
+        the description converted checkpoints carry (arch, dtype, padded_vocab_size, saved_tensor_parallel, ...),
+        which makes the checkpoint exportable by `convert mcore-to-hf`.
 
-        `finish(tmp_dir)` runs on rank 0 after the shards are written and before the state file and the rename
-        (e.g. to add a tokenizer or a description); a failure there also leaves the previous checkpoint newest.
+        `finish(tmp_dir)` runs on rank 0 after the shards are written and before the state file, the description
+        and the rename (e.g. to add a tokenizer); a failure there also leaves the previous checkpoint newest.
         """
         target = self.path(step)
         tmp, err = None, None
@@ -103,7 +144,7 @@ class CheckpointStore:
         if err:
             raise UserError(err)
         tmp_path = Path(tmp)
-        save_sharded(sharded_state_dict, tmp_path)
+        files = save_sharded(sharded_state_dict, tmp_path)
         err = None
         if _rank() == 0:
             try:
@@ -111,6 +152,7 @@ class CheckpointStore:
                     finish(tmp_path)
                 body = {"format": FORMAT, "step": step, **common}
                 (tmp_path / STATE_FILE).write_text(json.dumps(body, indent=1) + "\n")
+                write_description(tmp_path, files, **(describe or {}), kind=FORMAT, step=step)
                 if target.exists():  # a re-save of the same step (after resume): replace it
                     shutil.rmtree(target)
                 os.replace(tmp_path, target)
@@ -139,11 +181,14 @@ class CheckpointStore:
         return body
 
     def load(
-        self, path: str | os.PathLike, sharded_state_dict: dict[str, Any]
+        self, path: str | os.PathLike, sharded_state_dict: dict[str, Any], *, verified: bool = False
     ) -> tuple[dict[str, Any], dict]:
-        """Load the shards described by `sharded_state_dict` and the common state. All ranks call it."""
+        """Load the shards described by `sharded_state_dict` and the common state, after verifying the checkpoint
+        (unless the caller just did: `verified`). All ranks call it."""
+        if not verified:
+            self.verify(path)
         common = self.read_common(path)
-        state = load_sharded(sharded_state_dict, path)
+        state = load_sharded(sharded_state_dict, path, verify=False)
         return state, common
 
 

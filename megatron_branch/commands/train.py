@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 
@@ -48,14 +49,25 @@ def run_train(args: argparse.Namespace) -> int:
     cfg = check_on_every_rank(lambda: load_config(args.config, overrides))
 
     from megatron_branch.train.loop import Trainer
+    from megatron_branch.train.metrics import read_metrics, run_summary
 
-    summary = Trainer(cfg).run()
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    try:
+        trainer = Trainer(cfg)
+    except KeyboardInterrupt:
+        if main:
+            print("interrupted before the first step: nothing was written", file=sys.stderr, flush=True)
+        raise
+    summary = trainer.run()
+    if main:
         last = summary.pop("last", {})
-        print(f"metrics:    {summary['metrics']}", flush=True)
-        print(f"curves:     {summary['curves']}", flush=True)
-        print(f"checkpoint: {summary['checkpoint']}", flush=True)
-        if summary.get("hf"):
-            print(f"hf export:  {summary['hf']}", flush=True)
+        if not summary.get("nothing_to_do"):
+            for line in run_summary(read_metrics(summary["metrics"])):
+                print(line, flush=True)
+            print(f"metrics:    {summary['metrics']}", flush=True)
+            print(f"curves:     {summary['curves']}", flush=True)
+            print(f"checkpoint: {summary['checkpoint']}", flush=True)
+            if summary.get("hf"):
+                print(f"hf export:  {summary['hf']}", flush=True)
         print(json.dumps({**summary, "reward_mean": last.get("reward_mean")}), flush=True)
     return 0

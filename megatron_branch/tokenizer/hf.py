@@ -57,4 +57,10 @@ class HFTokenizer:
         return list(self._tok.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+        """Special tokens and ids past the vocabulary (a model's padded rows) decode to nothing."""
+        n = self.vocab_size
+        return self._tok.decode([int(i) for i in ids if 0 <= int(i) < n], skip_special_tokens=True)
+
+    def save_hf(self, out_dir: str | Path) -> None:
+        """Write this tokenizer as a transformers folder (its special tokens and chat template kept)."""
+        self._tok.save_pretrained(str(out_dir))

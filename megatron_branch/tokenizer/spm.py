@@ -1,7 +1,8 @@
 """A sentencepiece tokenizer trained at start-up on text the task generates, cached in a folder.
 
 `SentencePieceTokenizer.train_or_load(folder, texts, ...)` trains once (a few seconds for the embedded task) and
-writes `folder/tokenizer.model` with `folder/tokenizer.json` (the settings and a SHA-256 of the training text);
+writes `folder/tokenizer.model` with `folder/spm_settings.json` (the settings and a SHA-256 of the training text;
+not named `tokenizer.json`, which transformers would take for its own format);
 the next call with the same settings and text loads the cached model instead. Different settings or text retrain
 (into a temporary file, renamed into place, so a crash never leaves a half-written model).
 
@@ -18,10 +19,12 @@ import os
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from megatron_branch.errors import UserError
 
 UNK_ID, EOS_ID, PAD_ID = 0, 1, 2
+SETTINGS_FILE = "spm_settings.json"
 
 
 class SentencePieceTokenizer:
@@ -60,7 +63,7 @@ class SentencePieceTokenizer:
         settings = {"vocab_size": vocab_size, "model_type": model_type, "user_symbols": list(user_symbols),
                     "text_sha256": digest, "format": 1}  # fmt: skip
         folder = Path(folder)
-        model, meta = folder / "tokenizer.model", folder / "tokenizer.json"
+        model, meta = folder / "tokenizer.model", folder / SETTINGS_FILE
         if model.is_file() and meta.is_file():
             try:
                 if json.loads(meta.read_text(encoding="utf-8")) == settings:
@@ -119,5 +122,35 @@ class SentencePieceTokenizer:
         return list(self._sp.encode(text, out_type=int))
 
     def decode(self, ids: Sequence[int]) -> str:
+        """Special tokens and ids past the vocabulary (a model's padded rows) decode to nothing."""
         special = {self.eos_id, self.pad_id, int(self._sp.bos_id())}
-        return self._sp.decode([int(i) for i in ids if int(i) not in special])
+        n = self.vocab_size
+        return self._sp.decode([int(i) for i in ids if int(i) not in special and 0 <= int(i) < n])
+
+    def save_hf(self, out_dir: str | Path) -> None:
+        """Write this tokenizer as a transformers folder (tokenizer.json + tokenizer_config.json) that
+        `AutoTokenizer.from_pretrained` loads without sentencepiece: transformers' own conversion of the model
+        proto (`SpmConverter.build_tokenizer_from_spm_proto`, which follows the model's normaliser settings, so
+        ids are the same), with our unk / eos / pad as its special tokens."""
+        from transformers import PreTrainedTokenizerFast
+        from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
+
+        proto = import_protobuf().ModelProto()
+        proto.ParseFromString(self.path.read_bytes())
+        vocab: Any = [(p.piece, p.score) for p in proto.pieces]
+        if (
+            proto.trainer_spec.model_type == 2
+        ):  # BPE: the converter takes {piece: id} and ranks merges by score
+            vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
+        backend = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=False)
+        if backend is None:  # pragma: no cover - a model type transformers cannot build
+            raise UserError("transformers cannot convert this sentencepiece model", where=str(self.path))
+        sp = self._sp
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=backend,
+            unk_token=sp.id_to_piece(sp.unk_id()),
+            eos_token=sp.id_to_piece(sp.eos_id()),
+            pad_token=sp.id_to_piece(sp.pad_id()) if sp.pad_id() >= 0 else None,
+            bos_token=sp.id_to_piece(sp.bos_id()) if sp.bos_id() >= 0 else None,
+        )
+        tok.save_pretrained(str(out_dir))

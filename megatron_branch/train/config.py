@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -319,6 +320,9 @@ class TrainerConfig:
     """Run folder: config.yaml, metrics.jsonl, tensorboard/, curves.png, checkpoints/, hf/."""
     seed: int = 0
     """Seed of torch/python/numpy RNGs (checkpointed)."""
+    save_on_signal: bool = False
+    """On SIGTERM (what a cluster scheduler sends before it kills a job) finish the current step, save a
+    checkpoint and exit 0 (resume with --resume auto); false: SIGTERM ends the run at once."""
 
 
 @dataclass(kw_only=True)
@@ -561,14 +565,44 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         if loaded is not None and not isinstance(loaded, dict):
             raise UserError("the config must be a mapping of sections", where=str(path))
         raw = _fix_yaml_floats(loaded or {})
+    keys = []
     for text in overrides:
         parts, value = parse_override(text)
+        try:
+            _check_override(parts, value)
+        except UserError as e:
+            raise UserError(str(e), where=f"override {text!r}") from None
         _set_path(raw, parts, value, text)
-    where = f"{path}" if path is not None else "config"
+        keys.append((".".join(parts), text))
     try:
         return from_dict(TrainConfig, raw)
     except UserError as e:
+        # a rule between fields: blamed on the override that set one of them, else on the file
+        blamed = [t for k, t in keys if re.search(rf"(?<![\w.]){re.escape(k)}(?![\w])", str(e))]
+        where = f"override {blamed[-1]!r}" if blamed else (f"{path}" if path is not None else "config")
         raise UserError(str(e), where=where) from None
+
+
+def _check_override(parts: list[str], value: Any) -> None:
+    """One override on its own: its key exists and its value has the field's type (so a mistake in it is blamed
+    on it, not on the YAML file)."""
+    cls: Any = TrainConfig
+    for j, name in enumerate(parts):
+        key = ".".join(parts[: j + 1])
+        names = [f.name for f in dataclasses.fields(cls)]
+        if name not in names:
+            prefix = ".".join(parts[:j])
+            close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
+            hint = f" (did you mean {prefix + '.' if prefix else ''}{close[0]}?)" if close else ""
+            raise UserError(f"unknown config key {key}{hint}")
+        tp = typing.get_type_hints(cls)[name]
+        if j == len(parts) - 1:
+            _convert(value, tp, key)
+            return
+        inner = [a for a in (typing.get_args(tp) or (tp,)) if dataclasses.is_dataclass(a)]
+        if not inner:
+            raise UserError(f"{key} is not a section")
+        cls = inner[0]
 
 
 # ---- cross-field checks ---------------------------------------------------------------------------------------

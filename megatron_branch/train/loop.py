@@ -20,11 +20,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_branch import outputs
+from megatron_branch.checkpoint.hf_io import HF_MARKER
+from megatron_branch.checkpoint.hf_to_mcore import META_FILE
 from megatron_branch.checkpoint.store import CheckpointStore, rng_sharded_object
 from megatron_branch.data import PrefixTree, Rollout
 from megatron_branch.errors import SettingError, UserError
 from megatron_branch.parallel.agree import agree_on_error
 from megatron_branch.parallel.groups import init_distributed, initialize_parallel
+from megatron_branch.train import lifecycle
 from megatron_branch.train import policy as policy_ops
 from megatron_branch.train.algorithm import resolve_algorithm
 from megatron_branch.train.config import SPELLING, TrainConfig, check_fits_context, model_arch, write_resolved
@@ -32,7 +36,7 @@ from megatron_branch.train.data import load_dataset
 from megatron_branch.train.metrics import RunLogger
 from megatron_branch.train.models import DTYPES, build_policy, frozen_copy
 from megatron_branch.train.run_dir import run_folder
-from megatron_branch.train.state import PromptOrder, capture_rng, restore_rng
+from megatron_branch.train.state import PromptOrder, capture_rng, restart_rng, restore_rng
 
 
 def _gather_over(group: Any, obj: Any) -> list[Any]:
@@ -41,6 +45,10 @@ def _gather_over(group: Any, obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+HF_TOKENIZER = "hf_tokenizer"
+"""OUT/hf_tokenizer/: the run's tokenizer in transformers' format (copied into checkpoints and the HF export)."""
 
 
 class Trainer:
@@ -62,9 +70,16 @@ class Trainer:
         except SettingError as e:
             raise e.spelled(SPELLING) from None
         with run_folder(self.out, resume=resume) as setup_dir:
+            self.fresh = (
+                setup_dir != self.out
+            )  # a new run folder (removed again if the run fails before step 1)
             err = None
             try:  # every rank reads the same data: a bad file is one error, printed once
                 self._read_data(setup_dir)
+                if self.is_main:  # the outputs: checked now, not after the work (the run's own: replaced)
+                    outputs.check_output_dir(setup_dir / "policy_mcore", overwrite=True, marker=META_FILE)
+                    outputs.check_output_dir(setup_dir / "hf", overwrite=True, marker=HF_MARKER)
+                    self._save_tokenizer(setup_dir / HF_TOKENIZER)
             except UserError as e:
                 err = str(e)
             agree_on_error(err)
@@ -90,7 +105,9 @@ class Trainer:
             self.needs_reference = self.algo.requires_reference
             self.store = CheckpointStore(self.out / "checkpoints", keep_last=cfg.checkpoint.keep_last)
             self.step = 0
-            latest = self.store.latest() if resume and setup_dir == self.out else None
+            self.saved_step: int | None = None
+            notice = lambda text: lifecycle.say(text, enabled=self.is_main)  # noqa: E731
+            latest = self.store.newest_verified(notice) if resume and not self.fresh else None
             if latest is not None:
                 self._load(latest)
             else:
@@ -105,6 +122,17 @@ class Trainer:
             tensorboard=cfg.logging.tensorboard,
             progress_bar=cfg.logging.progress_bar,
         )
+
+    def _save_tokenizer(self, folder: Path) -> None:
+        """The tokenizer as transformers loads it (every checkpoint and the HF export carry it)."""
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        try:
+            self.dataset.tokenizer.save_hf(folder)
+        except Exception as e:  # transformers' conversion: one line, before any step
+            raise UserError(f"cannot save the tokenizer for transformers ({type(e).__name__}: {e})") from None
 
     def _read_data(self, setup_dir: Path) -> None:
         cfg = self.cfg
@@ -212,19 +240,42 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         cfg = self.cfg.trainer
         last: dict[str, Any] = {}
+        start = self.step
+        if start >= cfg.total_training_steps and self._exports_current():
+            lifecycle.say(
+                f"nothing to do: {self.out} is at step {start} (trainer.total_training_steps="
+                f"{cfg.total_training_steps}); raise trainer.total_training_steps to extend it",
+                enabled=self.is_main,
+            )
+            self.logger.close()
+            return self._summary(None, last, nothing_to_do=True)
         try:
-            while self.step < cfg.total_training_steps:
-                last = self.train_step()
-                self.logger.log(last)
-                if cfg.save_freq > 0 and self.step % cfg.save_freq == 0:
-                    self.save()
-            if self.store.latest() != self.store.path(self.step):  # the final state is always saved
+            with lifecycle.SignalStop(enabled=cfg.save_on_signal) as stop:
+                while self.step < cfg.total_training_steps:
+                    last = self.train_step()
+                    self.logger.log(last)
+                    if cfg.save_freq > 0 and self.step % cfg.save_freq == 0:
+                        self.save()
+                    if stop.requested():
+                        return self._stop_on_signal(last)
+            if self.saved_step != self.step:  # the final state is always saved
                 self.save()
             elif self.cfg.logging.plot:
                 self.logger.plot()
             exported = self._export()
+        except KeyboardInterrupt:
+            lifecycle.say(lifecycle.interrupted_line(self.step, self._last_checkpoint()), enabled=self.is_main,
+                          err=True)  # fmt: skip
+            self._discard_if_unstarted(start)
+            raise
+        except BaseException:
+            self._discard_if_unstarted(start)
+            raise
         finally:
             self.logger.close()
+        return self._summary(exported, last)
+
+    def _summary(self, exported: Path | None, last: dict[str, Any], **extra: Any) -> dict[str, Any]:
         return {
             "steps": self.step,
             "out": str(self.out),
@@ -233,7 +284,37 @@ class Trainer:
             "checkpoint": str(self.store.path(self.step)),
             "hf": str(exported) if exported else None,
             "last": last,
+            **extra,
         }
+
+    def _stop_on_signal(self, last: dict[str, Any]) -> dict[str, Any]:
+        if self.saved_step != self.step:
+            self.save()
+        lifecycle.say(
+            f"SIGTERM: stopped after step {self.step} with checkpoint {self.store.path(self.step)}; resume: the "
+            "same command with --resume auto",
+            enabled=self.is_main,
+            err=True,
+        )
+        return self._summary(None, last, stopped_by="SIGTERM")
+
+    def _last_checkpoint(self) -> str | None:
+        """The newest checkpoint folder this process sees complete (no collective: used while interrupted)."""
+        done = [s for s in self.store.steps() if (self.store.path(s) / META_FILE).is_file()]
+        return str(self.store.path(done[-1])) if done else None
+
+    def _discard_if_unstarted(self, start: int) -> None:
+        """A fresh run that failed before its first step leaves no run folder (a rerun is not refused)."""
+        if self.fresh and start == 0 and self.step == 0 and self.is_main:
+            import shutil
+
+            shutil.rmtree(self.out, ignore_errors=True)
+
+    def _exports_current(self) -> bool:
+        """The final exports hold this step (or none are asked for)."""
+        if not self.cfg.checkpoint.hf_export or self.dtype != torch.float32:
+            return True
+        return lifecycle.exports_step(self.out) == self.step
 
     def _export(self) -> Path | None:
         if not self.cfg.checkpoint.hf_export:
@@ -243,10 +324,12 @@ class Trainer:
             return None
         from megatron_branch.train.models import export_hf
 
-        return export_hf(
+        hf = export_hf(
             self.policy, self.out, arch=self.arch, dtype=self.dtype, groups=self.groups,
-            tokenizer_dir=self.dataset.tokenizer_dir,
+            tokenizer_dir=self.out / HF_TOKENIZER,
         )  # fmt: skip
+        lifecycle.stamp_exports(self.out, self.step, enabled=self.is_main)
+        return hf
 
     # ---- warm-up ---------------------------------------------------------------------------------------------
     def _warmup(self) -> None:
@@ -307,21 +390,63 @@ class Trainer:
         return ref
 
     def save(self) -> Path:
-        common = {"data": self.order.state_dict(), **self.actor.common_state()}
-        path = self.store.save(self.step, self._sharded_state(loading=False), common=common)
+        import shutil
+
+        from megatron_branch.checkpoint.hf_to_mcore import TOKENIZER_SUBDIR
+
+        common = {
+            "data": self.order.state_dict(),
+            **self.actor.common_state(),
+            "layout": self._layout(),
+        }
+        describe = {
+            "arch": self.arch.to_dict(),
+            "dtype": self.cfg.model.dtype,
+            "padded_vocab_size": self.arch.padded_vocab_size(self.groups.tp_size),
+            "saved_tensor_parallel": self.groups.tp_size,
+            "source": "megatron-branch train",
+        }
+        tok = self.out / HF_TOKENIZER
+
+        def finish(tmp: Path) -> None:
+            if tok.is_dir():
+                shutil.copytree(tok, tmp / TOKENIZER_SUBDIR)
+
+        path = self.store.save(
+            self.step, self._sharded_state(loading=False), common=common, describe=describe, finish=finish
+        )
+        self.saved_step = self.step
         if self.cfg.logging.plot:
             self.logger.plot()
         return path
 
+    def _layout(self) -> dict[str, Any]:
+        return lifecycle.layout_record(
+            self.groups, distributed_optimizer=self.cfg.optim.use_distributed_optimizer,
+            padded_vocab_size=self.arch.padded_vocab_size(self.groups.tp_size),
+        )  # fmt: skip
+
     def _load(self, path: Path) -> None:
-        state, common = self.store.load(path, self._sharded_state(loading=True))
+        saved = self.store.read_common(path).get("layout")
+        current = self._layout()
+        moved = lifecycle.check_resharding(saved, current, where=str(path))
+        sharded = self._sharded_state(loading=True)
+        if moved:  # per-rank RNG states belong to the old layout's ranks
+            sharded.pop("rng")
+        state, common = self.store.load(path, sharded, verified=True)
         self.actor.load_state(state, common)
         if "reference" in state:
             ref_state = {k.removeprefix("reference."): v for k, v in state["reference"].items()}
             self.reference.load_state_dict(ref_state, strict=True)  # type: ignore[union-attr]
             self.reference.eval()  # type: ignore[union-attr]
-        restore_rng(state["rng"], self.sample_rng)
         self.order.load_state_dict(common["data"])
         self.step = int(common["step"])
+        self.saved_step = self.step
+        if moved:
+            restart_rng(self.sample_rng, seed=self.cfg.trainer.seed, rollout_seed=self.cfg.rollout.seed,
+                        step=self.step, dp_rank=self.dp_rank)  # fmt: skip
+            lifecycle.say(lifecycle.reshard_notice(str(path), saved, current), enabled=self.is_main)  # type: ignore[arg-type]
+        else:
+            restore_rng(state["rng"], self.sample_rng)
         if self.is_main:
             print(f"resumed from {path} (step {self.step})", flush=True)

@@ -104,6 +104,26 @@ class RunLogger:
             self._tb.close()
 
 
+def run_summary(rows: list[dict[str, Any]]) -> list[str]:
+    """The lines `train` prints at the end (the README shows the demo's): mean reward over the first and the
+    last k steps (k = 10, or half of a shorter run) and the positions of the last step, logical vs computed."""
+    rows = [r for r in rows if isinstance(r.get("reward_mean"), (int, float))]
+    if not rows:
+        return []
+    k = min(10, max(1, len(rows) // 2))
+    first = sum(r["reward_mean"] for r in rows[:k]) / k
+    last = sum(r["reward_mean"] for r in rows[-k:]) / k
+    lines = [
+        f"mean reward, first {k} steps: {first:.3f}    last {k} steps: {last:.3f}    ({len(rows)} steps)"
+    ]
+    end = rows[-1]
+    if "positions_logical" in end and "positions_computed" in end:
+        lines.append(
+            f"positions per step: logical {end['positions_logical']}, computed {end['positions_computed']}"
+        )
+    return lines
+
+
 def _jsonable(v: Any) -> Any:
     if hasattr(v, "item"):
         v = v.item()

@@ -83,13 +83,14 @@ def export_hf(
     tokenizer_dir: Path | None,
 ) -> Path:
     """The policy as a megatron dist checkpoint (OUT/policy_mcore) and, through the converter, an HF folder
-    (OUT/hf). All ranks call it; it re-initialises megatron's parallel state (the run is over)."""
+    (OUT/hf), each replacing the previous export atomically (a resumed run re-exports its new last step). All ranks
+    call it; it re-initialises megatron's parallel state (the run is over)."""
     from megatron_branch.checkpoint.hf_to_mcore import save_mcore_checkpoint
     from megatron_branch.checkpoint.mcore_to_hf import convert_mcore_to_hf
 
     mcore = out / "policy_mcore"
     save_mcore_checkpoint(
         unwrap(model), mcore, arch=arch, dtype=dtype, tp=groups.tp_size, source="megatron-branch train",
-        tokenizer_dir=tokenizer_dir,
+        tokenizer_dir=tokenizer_dir, overwrite=True,
     )  # fmt: skip
-    return convert_mcore_to_hf(mcore, out / "hf")
+    return convert_mcore_to_hf(mcore, out / "hf", overwrite=True)

@@ -3,7 +3,8 @@
 `PromptOrder` is a pure function of (seed, epoch): the permutation of an epoch is recomputed from its seed, so
 the only state to checkpoint is the number of prompts consumed. `RngState` captures the torch CPU generator,
 Python's `random`, numpy's global generator and the sampler's own `torch.Generator` (one per rank: DP ranks sample
-different prompts with different streams).
+different prompts with different streams). A run resumed at another layout cannot take the old ranks' streams:
+`restart_rng` seeds fresh ones from the run's seeds and the step (the loop says so in one line).
 """
 
 from __future__ import annotations
@@ -73,3 +74,13 @@ def restore_rng(state: dict[str, Any], sampler: torch.Generator) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     sampler.set_state(state["sampler"])
+
+
+def restart_rng(sampler: torch.Generator, *, seed: int, rollout_seed: int, step: int, dp_rank: int) -> None:
+    """Fresh RNG streams for a run resumed at another layout (the saved ones are per rank of the old layout):
+    a pure function of the run's seeds, the step and this rank's DP replica, so every rerun draws the same."""
+    base = seed * 1_000_003 + step
+    torch.manual_seed(base)
+    random.seed(base)
+    np.random.seed(base % 2**32)
+    sampler.manual_seed((rollout_seed * 1_000_003 + dp_rank) * 1_000_033 + step)

@@ -35,7 +35,7 @@ def dry_run(script: str, work: Path) -> list[list[str]]:
 
 
 def grad_args(cmds: list[list[str]]) -> tuple[int, list[str]]:
-    (cmd,) = [c for c in cmds if c[0] == "torchrun"]
+    (cmd,) = [c for c in cmds if Path(c[0]).name == "torchrun"]
     nproc = int(cmd[cmd.index("--nproc_per_node") + 1])
     i = cmd.index("-m")
     assert cmd[i + 1 : i + 3] == ["megatron_branch", "grad"], cmd
@@ -45,6 +45,18 @@ def grad_args(cmds: list[list[str]]) -> tuple[int, list[str]]:
 def plan_json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict:
     assert main(argv) == 0
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_launchers_use_the_checkouts_venv_without_path_changes(tmp_path: Path) -> None:
+    """A fresh clone after `make setup`: PATH without .venv/bin, the launcher still runs the venv's tools."""
+    env = {"PATH": "/usr/bin:/bin", "MB_DRY_RUN": "1", "HOME": str(tmp_path)}
+    res = subprocess.run(["bash", str(LAUNCH / "cpu_world2.sh"), str(tmp_path)], env=env, capture_output=True,
+                         text=True)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    firsts = [shlex.split(line)[0] for line in res.stdout.splitlines() if line.strip()]
+    venv = (ROOT / ".venv" / "bin").resolve()
+    assert f"{venv}/python" in firsts and f"{venv}/torchrun" in firsts, firsts
+    assert all(Path(f).exists() for f in firsts if f.startswith("/")), firsts
 
 
 def test_every_launcher_is_tested() -> None:
@@ -66,7 +78,9 @@ def tiny_assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("script", [s for s in SCRIPTS if s.startswith("cpu_")])
 def test_cpu_launcher_dry_run(script: str, tiny_assets: Path) -> None:
     cmds = dry_run(script, tiny_assets)
-    assert any(c[:2] == ["python", str(LAUNCH / ".." / "make_tiny_assets.py")] for c in cmds)
+    assert any(
+        Path(c[0]).name == "python" and c[1] == str(LAUNCH / ".." / "make_tiny_assets.py") for c in cmds
+    )
     nproc, argv = grad_args(cmds)
     assert nproc == int(re.search(r"world(\d)", script).group(1))
     args = build_parser().parse_args(argv)  # argument parsing exactly as the command does it
@@ -87,7 +101,7 @@ def test_target_launcher_dry_run(script: str, tmp_path: Path, capsys: pytest.Cap
     assert nproc == 8 and args.tp * args.cp == 8  # dp 1: one prompt group
     assert args.schedule == "replay" and args.sequence_parallel == (args.tp > 1)
     # the preflight plans exactly this run
-    (pre,) = [c for c in cmds if c[:2] == ["megatron-branch", "plan"]]
+    (pre,) = [c for c in cmds if Path(c[0]).name == "megatron-branch" and c[1] == "plan"]
     run = plan_json(pre[1:], capsys)
     mode = "full" if args.recompute_layers else "selective" if args.recompute else "none"
     assert args.recompute or not args.recompute_layers  # full = segment recompute + layer checkpointing

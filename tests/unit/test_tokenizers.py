@@ -33,10 +33,10 @@ def test_sentencepiece_trains_once_then_reuses(tmp_path: Path, model_type: str) 
         assert len(tok.encode("k12:abc")) == 7
         assert tok.vocab_size == len(set("".join(text))) + 3
     # different text: retrained in place
-    sha = json.loads((tmp_path / "tokenizer.json").read_text())["text_sha256"]
+    sha = json.loads((tmp_path / "spm_settings.json").read_text())["text_sha256"]
     other = get_task("copy_span").corpus(50, seed=1)
     SentencePieceTokenizer.train_or_load(tmp_path, other, model_type=model_type, vocab_size=40)
-    assert json.loads((tmp_path / "tokenizer.json").read_text())["text_sha256"] != sha
+    assert json.loads((tmp_path / "spm_settings.json").read_text())["text_sha256"] != sha
     assert model.stat().st_mtime_ns != stamp
 
 

@@ -1,0 +1,153 @@
+"""`train --resume auto` at another layout: a TP2 and a DP2 checkpoint resume in ONE process (TP1 = DP1) and train
+exactly the run that never left that layout (float64, 1e-9 per parameter). DPO: no sampling, so the restarted RNG
+streams (train/state.py `restart_rng`) cannot change the steps; model, optimizer, scheduler, reference and data
+position are what megatron's dist checkpointing reshards. What it cannot reshard (the optimizer kind) is refused in
+one line naming both layouts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_branch.train.config import load_config
+from megatron_branch.train.loop import Trainer
+
+
+def _shared_tmp() -> Path:
+    box = [tempfile.mkdtemp(prefix="resume-layouts-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
+
+
+def _overrides(tmp: Path, out: str, *extra: str) -> list[str]:
+    return [
+        "model.arch={hidden_size: 16, num_layers: 2, num_attention_heads: 2, num_query_groups: 2, "
+        "ffn_hidden_size: 32, max_position_embeddings: 64}",
+        "model.dtype=float64",
+        "model.arch.vocab_size=18",  # padded alike at TP1 and TP2 (else refused: lifecycle.check_resharding)
+        "algorithm.name=dpo",
+        f"data.pairs_file={tmp / 'pairs.jsonl'}",
+        "data.train_batch_size=4",
+        "optim.lr=0.01",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        "logging.plot=false",
+        "checkpoint.hf_export=false",
+        f"trainer.default_local_dir={tmp / out}",
+        *extra,
+    ]
+
+
+# Rank 0 runs this in a fresh interpreter with no torchrun environment (a world of one): the run that never left
+# TP1/DP1, then both checkpoints resumed there, then a resume that must be refused.
+_ONE_PROCESS = """
+import json, sys, torch
+from pathlib import Path
+sys.path.insert(0, "tests/distributed")
+from test_resume_layouts import _overrides
+from megatron_branch.errors import UserError
+from megatron_branch.train.config import load_config
+from megatron_branch.train.loop import Trainer
+from megatron_branch.train.models import unwrap
+tmp = Path(sys.argv[1])
+def params(tr):
+    return {k: v.clone() for k, v in unwrap(tr.policy).state_dict().items() if isinstance(v, torch.Tensor)}
+def run(out, *extra):
+    tr = Trainer(load_config(None, _overrides(tmp, out, "trainer.total_training_steps=4", *extra)))
+    losses = []
+    while tr.step < 4:
+        losses.append(tr.train_step()["loss"])
+    return params(tr), losses, tr
+result = {"ref": run("ref")[:2]}
+result["world"] = torch.distributed.get_world_size()
+for name in ("tp2", "dp2"):
+    p, losses, tr = run(name, "trainer.resume_mode=auto")
+    result[name] = (p, losses)
+try:
+    Trainer(load_config(None, _overrides(tmp, "tp2", "trainer.total_training_steps=6", "trainer.resume_mode=auto",
+                                        "optim.use_distributed_optimizer=true")))
+    result["refused"] = None
+except UserError as e:
+    result["refused"] = str(e)
+torch.save(result, tmp / "one_process.pt")
+"""
+_TORCHRUN_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert sorted(a) == sorted(b)
+    return max(float((a[k] - b[k]).abs().max() / (b[k].abs().max() + 1e-30)) for k in a)
+
+
+@pytest.mark.world(2)
+def test_tp2_and_dp2_checkpoints_resume_in_one_process_exactly() -> None:
+    tmp = _shared_tmp()
+    try:
+        if dist.get_rank() == 0:
+            rows = [{"prompt": f"k{i}:ab ? k{i}:", "chosen": "ab", "rejected": "ba"} for i in range(8)]
+            (tmp / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        dist.barrier()
+        for name, layout in (("tp2", "parallel.tp=2"), ("dp2", "parallel.tp=1")):
+            tr = Trainer(load_config(None, _overrides(tmp, name, layout, "trainer.total_training_steps=2")))
+            while tr.step < 2:
+                tr.train_step()
+            tr.save()
+            assert (tr.groups.tp_size, tr.groups.dp_size) == ((2, 1) if name == "tp2" else (1, 2))
+        dist.barrier()
+        out = ""
+        if dist.get_rank() == 0:
+            env = {
+                k: v
+                for k, v in os.environ.items()
+                if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC")
+            }
+            p = subprocess.run(
+                [sys.executable, "-c", _ONE_PROCESS, str(tmp)],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            assert p.returncode == 0, p.stderr[-3000:]
+            out = p.stdout
+        if dist.get_rank() == 0:
+            got = torch.load(tmp / "one_process.pt", weights_only=False)
+            assert got["world"] == 1
+            ref_params, ref_losses = got["ref"]
+            for name, saved in (("tp2", "tp=2 cp=1 dp=1"), ("dp2", "tp=1 cp=1 dp=2")):
+                params, losses = got[name]
+                assert len(losses) == 2  # steps 3 and 4 ran at the new layout
+                for x, y in zip(losses, ref_losses[2:], strict=True):
+                    assert abs(x - y) <= 1e-9 * max(1.0, abs(y)), (name, losses, ref_losses)
+                assert _max_rel(params, ref_params) < 1e-9, name
+                notice = [
+                    ln
+                    for ln in out.splitlines()
+                    if f"{name}/checkpoints/step_00000002 (saved at {saved})" in ln
+                ]
+                assert len(notice) == 1 and "RNG streams restarted" in notice[0], out
+            refused = got["refused"]
+            assert refused is not None and "\n" not in refused
+            assert "saved at tp=2 cp=1 dp=1 with optim.use_distributed_optimizer=false" in refused
+            assert "this run is tp=1 cp=1 dp=1 with optim.use_distributed_optimizer=true" in refused
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
