@@ -25,6 +25,7 @@ from megatron_branch.data import PrefixTree, Rollout
 from megatron_branch.errors import SettingError, UserError
 from megatron_branch.parallel.agree import agree_on_error
 from megatron_branch.parallel.groups import init_distributed, initialize_parallel
+from megatron_branch.rules import UNSHARED
 from megatron_branch.train import policy as policy_ops
 from megatron_branch.train.algorithm import resolve_algorithm
 from megatron_branch.train.config import SPELLING, TrainConfig, check_fits_context, model_arch, write_resolved
@@ -179,7 +180,7 @@ class Trainer:
     def _positions(self, rollouts: list[Rollout]) -> dict[str, int]:
         """Token positions of one pass over the step's batch: naive training's count and what the schedule ran."""
         tree = PrefixTree.build(rollouts)
-        naive = self.cfg.schedule.name == "naive"
+        naive = self.cfg.schedule.name in UNSHARED
         return {
             "positions_logical": tree.positions_logical,
             "positions_computed": tree.positions_logical if naive else tree.positions_computed,

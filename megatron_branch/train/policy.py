@@ -80,7 +80,7 @@ class Actor:
         r, a = cfg.rollout, cfg.actor
         self.params = SamplingParams(
             n=r.n, max_new_tokens=r.response_length, temperature=r.temperature, top_k=max(r.top_k, 0),
-            top_p=r.top_p, branch_at=tuple(r.branch_at), branch_factor=r.branch_factor,
+            top_p=r.top_p, branch_at=tuple(r.branch_at), branch_factor=r.branch_factor, share_prefix=r.share_prefix,
         )  # fmt: skip
         self.pgc = ProcessGroupCollection.use_mpu_process_groups()
         mini = a.ppo_mini_batch_size or cfg.data.train_batch_size

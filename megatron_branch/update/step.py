@@ -44,7 +44,7 @@ class UpdatePlan:
     opts: ScheduleOptions
     """Schedule options; `opts.groups` is the parallel layout (DP rank and size come from `groups.dp`)."""
     schedule: str = "replay"
-    """naive | packed | replay."""
+    """A schedule.SCHEDULES name (rules.TRAIN_SCHEDULES in a training run)."""
     micro_batches: int = 1
     """Micro-batches of whole prompt groups per rank (gradient accumulation); capped at the groups there are."""
     pg_collection: Any = None
