@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_branch.checkpoint.store import CheckpointStore, rng_sharded_object
-from megatron_branch.data import PrefixTree, Rollout
+from megatron_branch.data import Rollout
 from megatron_branch.errors import SettingError, UserError
 from megatron_branch.parallel.agree import agree_on_error
 from megatron_branch.parallel.groups import init_distributed, initialize_parallel
@@ -179,7 +179,7 @@ class Trainer:
 
     def _positions(self, rollouts: list[Rollout]) -> dict[str, int]:
         """Token positions of one pass over the step's batch: naive training's count and what the schedule ran."""
-        tree = PrefixTree.build(rollouts)
+        tree = self.actor.plan.trees.build(rollouts, vocab_size=self.arch.vocab_size)  # the update's tree
         naive = self.cfg.schedule.name in UNSHARED
         return {
             "positions_logical": tree.positions_logical,
@@ -206,7 +206,7 @@ class Trainer:
             **metrics,
             "timing_s/update_actor": step_s,
             "timing_s/step": step_s,
-            "perf/throughput": PrefixTree.build(pairs).positions_logical / step_s,
+            "perf/throughput": self._positions(pairs)["positions_logical"] / step_s,
         }
 
     # ---- the run ---------------------------------------------------------------------------------------------

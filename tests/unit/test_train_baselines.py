@@ -87,3 +87,23 @@ def test_unshared_sampler_same_draws_n_prefills() -> None:
     assert a.stats.prompt_prefills == [1, 1] and b.stats.prompt_prefills == [4, 4]
     assert b.stats.prefill_positions == 4 * a.stats.prefill_positions == 4 * 8
     assert b.stats.num_prompts == 2 and b.stats.num_samples == 8
+
+
+def test_one_tree_per_batch(task: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """An RL step builds its batch's prefix tree ONCE (update/step.TreeCache): DP share, micro-batch, reference
+    scoring, the update of each epoch and the step's metrics reuse it."""
+    from megatron_branch.data import PrefixTree
+    from megatron_branch.train.loop import Trainer
+
+    cfg = _cfg(task, tmp_path / "run", "trainer.total_training_steps=2", "actor.kl_loss_coef=0.01",
+               "actor.ppo_epochs=2")  # fmt: skip
+    tr = Trainer(cfg)
+    built = []
+    build = PrefixTree.build
+    monkeypatch.setattr(
+        PrefixTree, "build", classmethod(lambda cls, rs, **kw: built.append(1) or build(rs, **kw))
+    )
+    for _ in range(2):
+        tr.train_step()
+    assert tr.needs_reference
+    assert len(built) == 2 == tr.actor.plan.trees.builds  # one per step's batch
