@@ -1,5 +1,6 @@
 """The demo's RL run under each schedule on the same seed: reward curves (they must coincide in float64) and the
-wall time of a whole RL step (generation + scoring + update) per schedule.
+wall time of a whole RL step (generation + scoring + update) per schedule. The fair, round-robin timing of whole
+steps by phase against `naive-fused` with unshared sampling, next to the FLOP limits: benchmarks/whole_step.py.
 
     python benchmarks/train_schedules.py [--dtype float64] [--steps 40] [--out bench-out/train_schedules]
 
@@ -28,7 +29,7 @@ from typing import Any
 
 warnings.filterwarnings("ignore")
 
-SCHEDULES = ("naive", "packed", "replay", "replay-stopgrad")
+SCHEDULES = ("naive", "naive-fused", "packed-nosharing", "packed", "replay", "replay-stopgrad")
 
 
 def first_step_gradient_error(overrides: list[str], config: str, out: Path) -> dict[str, Any]:

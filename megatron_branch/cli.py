@@ -26,31 +26,65 @@ class ArgumentParser(argparse.ArgumentParser):
         super().error(message)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from megatron_branch.commands.bench import add_bench_command
-    from megatron_branch.commands.grad import add_grad_command
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "grad": (
+        "megatron_branch.commands.grad", "add_grad_command",
+        "gradient of the GRPO loss over a rollout file (parity checks from outside)",
+    ),
+    "bench": (
+        "megatron_branch.commands.bench", "add_bench_command",
+        "fair round-robin benchmark of the schedules against unshared baselines",
+    ),
+    "plan": (
+        "megatron_branch.commands.plan", "add_plan_command",
+        "per-rank memory, FLOPs, step time and a layout for a rollout batch",
+    ),
+    "train": (
+        "megatron_branch.commands.train", "add_train_command",
+        "RL post-training (GRPO / PPO / DPO) with exact shared-prefix replay",
+    ),
+    "convert": (
+        "megatron_branch.checkpoint.cli", "add_convert_commands",
+        "convert checkpoints between Hugging Face and megatron-core",
+    ),
+    "verify-conversion": (
+        "megatron_branch.checkpoint.cli", "add_convert_commands",
+        "compare logits of a HF model and its megatron conversion",
+    ),
+}  # fmt: skip
+"""command -> (module, the function that adds its parser, its one-line help). The top-level help lists the
+one-line helps without importing any command's module (they import torch and megatron-core: seconds); only the
+command on the line is built in full. tests/unit/test_cli_startup.py checks the lines against the commands' own."""
 
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser (`command` None), or every command a stub but `command` (`main`: the one on the line)."""
     parser = ArgumentParser(
         prog="megatron-branch",
         description="Exact shared-prefix (branch replay) RL training for Megatron-Core.",
     )
     parser.add_argument("--version", action="version", version=f"megatron-branch {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    add_grad_command(sub)
-    add_bench_command(sub)
-    from megatron_branch.commands.plan import add_plan_command
+    added: set[str] = set()
+    for name, (module, adder, help_line) in COMMANDS.items():
+        if name in added:
+            continue
+        if command is None or name == command or COMMANDS.get(command, ("",))[0] == module:
+            import importlib
 
-    add_plan_command(sub)
-    from megatron_branch.commands.train import add_train_command
-
-    add_train_command(sub)
-    try:
-        from megatron_branch.checkpoint.cli import add_convert_commands
-    except ImportError:  # pragma: no cover - only while the checkpoint tools are absent
-        pass
-    else:
-        add_convert_commands(sub)
+            before = set(sub.choices)
+            getattr(importlib.import_module(module), adder)(sub)
+            added |= set(sub.choices) - before
+        else:
+            sub.add_parser(name, help=help_line)
+            added.add(name)
     return parser
+
+
+def command_on_line(argv: list[str]) -> str | None:
+    """The command `argv` names (its first word that is not an option), if it is one."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return word if word in COMMANDS else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core.*")
     warnings.filterwarnings("ignore", category=FutureWarning)
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(command_on_line(argv) or "")
     args, extra = parser.parse_known_args(argv)
     if (
         extra

@@ -16,12 +16,19 @@ Rules (a flag that would do nothing is refused, not ignored):
     backend needs the engine           naive runs megatron's own attention, not one of the engine's backends
     the backend can run it             attention/dispatch.backend_problem: a baseline has no ring executor, a
                                        backend without a CPU backward cannot train on CPU
+    independent rollouts do not fork   sampling without a shared prefix (`share_prefix` off: every rollout its
+                                       own prefill, an engine without prefix caching) has no shared response
+                                       starts to fork at (`branch_at`)
 """
 
 from __future__ import annotations
 
 from megatron_branch.errors import SettingError, Spelling
 
+TRAIN_SCHEDULES = ("replay", "packed", "naive", "naive-fused", "packed-nosharing", "replay-stopgrad")
+"""Schedules a training run (`train`'s schedule.name) can step with; all but replay-stopgrad are exact."""
+UNSHARED = ("naive", "naive-fused", "packed-nosharing")
+"""Schedules that compute every rollout's every position (nothing shared): the baselines."""
 NO_RING = ("naive", "naive-fused", "packed-nosharing", "replay-stopgrad")
 """Schedules without context parallelism."""
 REPLAY_SCHEDULES = ("replay", "replay-stopgrad")
@@ -86,6 +93,17 @@ def check_run(
             raise SettingError(lambda s: f"{s.value('backend', backend)}: {problem}")
 
 
+def check_sampling(*, share_prefix: bool, branch_at: tuple[int, ...] | list[int]) -> None:
+    """Refuse tree sampling (`branch_at`) without prefix sharing: independent rollouts share nothing to fork."""
+    if not share_prefix and branch_at:
+        raise SettingError(
+            lambda s: (
+                f"{s.value('share_prefix', 'false')} samples every rollout on its own (its own prefill); "
+                f"{s.name('branch_at')} forks rollouts that share a response start: use one or the other"
+            )
+        )
+
+
 API = Spelling(
     names={
         "schedule": "schedule",
@@ -93,6 +111,8 @@ API = Spelling(
         "recompute": "ScheduleOptions.recompute",
         "recompute_layers": "ScheduleOptions.recompute_layers",
         "backend": "ScheduleOptions.backend",
+        "share_prefix": "SamplingParams.share_prefix",
+        "branch_at": "SamplingParams.branch_at",
     },
     assign="=",
 )

@@ -59,6 +59,15 @@ def markdown(report: dict[str, Any]) -> str:
             "```",
             "",
         ]
+        if "wall_s" in prof:
+            lines += [
+                f"Where the profiled step's {prof['wall_s']:.3f} s go: ops {prof['op_s']:.3f} s (GEMMs "
+                f"{prof['gemm_s']:.3f}, fused attention forward {prof['flash_forward_s']:.3f} and backward "
+                f"{prof['flash_backward_s']:.3f}, other ops {prof['other_ops_s']:.3f}), outside any op "
+                f"{prof['outside_ops_s']:.3f} s; the analytic FLOPs at the measured GEMM rate "
+                f"({prof['gemm_gflops']:.0f} GFLOP/s) take {prof['flop_time_at_gemm_rate_s']:.3f} s.",
+                "",
+            ]
     lines.append(
         "speed-up = naive-fused median / this median; FLOP ratio = naive-fused analytic FLOPs / this variant's; "
         "of limit = speed-up / (naive-fused FLOPs / minimal tree FLOPs)."

@@ -253,16 +253,61 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def profile_step(cfg: BenchConfig, arch: ModelArch, model: torch.nn.Module, case: Case, variant: str) -> str:
-    """torch.profiler's table of the top ops (by self time) of one step of `variant`."""
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+FLASH_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_flash_attention_forward")
+FLASH_BACKWARD_OPS = (
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+    "aten::_flash_attention_backward",
+)
+
+
+def gemm_rate(cfg: BenchConfig, arch: ModelArch, reps: int = 5) -> float:
+    """The machine's measured GEMM rate (FLOP/s, best of `reps`) at the model's MLP shape, 4096 rows."""
+    dt = DTYPES[cfg.dtype]
+    a = torch.randn(4096, arch.hidden_size, dtype=dt, device=cfg.device)
+    b = torch.randn(arch.hidden_size, arch.ffn_hidden_size, dtype=dt, device=cfg.device)
+    best = float("inf")
+    for _ in range(reps):
+        _sync(cfg.device)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        _sync(cfg.device)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * a.shape[0] * a.shape[1] * b.shape[1] / best
+
+
+def profile_step(
+    cfg: BenchConfig, arch: ModelArch, model: torch.nn.Module, case: Case, variant: str
+) -> dict[str, Any]:
+    """One step of `variant` under torch.profiler: the top ops (by self time) and where the step's time goes --
+    op time (GEMMs, the fused attention forward and backward, other ops) and time outside any op (Python,
+    dispatch, per-chunk bookkeeping), next to the analytic FLOPs at the measured GEMM rate."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cfg.device == "cuda" else [])
     with profile(activities=acts) as prof:
+        _sync(cfg.device)
+        t0 = time.perf_counter()
         _step(cfg, arch, model, case, variant)
         _sync(cfg.device)
+        wall = time.perf_counter() - t0
     key = "self_cuda_time_total" if cfg.device == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=15)
+    events = prof.key_averages()
+    self_s = {e.key: getattr(e, key) / 1e6 for e in events}  # self time: nested ops are not counted twice
+    op = sum(self_s.values())
+    part = {name: sum(self_s.get(k, 0.0) for k in ops) for name, ops in
+            (("gemm", GEMM_OPS), ("flash_forward", FLASH_OPS), ("flash_backward", FLASH_BACKWARD_OPS))}  # fmt: skip
+    rate = gemm_rate(cfg, arch)
+    return dict(
+        table=events.table(sort_by=key, row_limit=15),
+        wall_s=wall,
+        op_s=op,
+        outside_ops_s=max(wall - op, 0.0),
+        **{f"{k}_s": v for k, v in part.items()},
+        other_ops_s=op - sum(part.values()),
+        gemm_gflops=rate / 1e9,
+        flop_time_at_gemm_rate_s=case.flops[variant].step / rate,
+    )
 
 
 def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
@@ -276,7 +321,7 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
             rows += summarize(cfg, case, measure(cfg, arch, model, case, log))
             if cfg.profile is not None and profiled is None:
                 profiled = dict(variant=cfg.profile, prompt=prompt, branches=branches,
-                                table=profile_step(cfg, arch, model, case, cfg.profile))  # fmt: skip
+                                **profile_step(cfg, arch, model, case, cfg.profile))  # fmt: skip
     report = dict(config=cfg.to_dict(), arch=arch.to_dict(), machine=machine(), baseline=BASELINE, rows=rows)
     if profiled is not None:
         report["profile"] = profiled

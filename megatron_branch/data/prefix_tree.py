@@ -12,6 +12,7 @@ relied on below (the causal `tril` in `attention_mask`, the ranges in `subtree_s
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -184,6 +185,17 @@ class PrefixTree:
         assert all(leaf >= 0 for leaf in leaves)
         segments = tuple(Segment(**{**spec, "children": tuple(spec["children"])}) for spec in specs)
         return cls(rollouts=rollouts, segments=segments, leaves=tuple(leaves))
+
+    def with_rollouts(self, rollouts: Sequence[Rollout]) -> PrefixTree:
+        """This tree for `rollouts` that hold the same token sequences in the same order (their advantages and
+        per-token fields may differ: old/ref logprobs attached since): the structure is reused, not rebuilt."""
+        rollouts = tuple(rollouts)
+        assert len(rollouts) == len(self.rollouts) and all(
+            a.prompt == b.prompt and a.response == b.response for a, b in zip(rollouts, self.rollouts)
+        ), "with_rollouts needs the same token sequences"
+        tree = copy.copy(self)  # segments, tensors and the structural caches are shared (they read no field)
+        tree.rollouts = rollouts
+        return tree
 
     # ---- per-rollout views -------------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ over TP); every TP rank draws the same tokens (same logits, same generator; broa
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -131,6 +132,8 @@ class BranchSampler:
             raise ValueError(
                 f"the generator is on {generator.device}, the model on {self.device}: they must match"
             )
+        if not params.share_prefix:
+            return self._generate_unshared(prompts, params, generator, t0)
         stats = GenerationStats(num_prompts=len(prompts), prompt_prefills=[0] * len(prompts))
         cache = PrefixKV()
         first_logits = self._prefill(prompts, cache, stats)  # [num_prompts, v]
@@ -164,6 +167,31 @@ class BranchSampler:
         stats.num_samples = sum(len(g) for g in samples)
         stats.response_tokens = sum(len(s.response) for g in samples for s in g)
         stats.prefill_positions_unshared = params.n * sum(len(p) for p in prompts)
+        stats.seconds = time.perf_counter() - t0
+        return GenerationOutput(samples=samples, stats=stats)
+
+    def _generate_unshared(
+        self,
+        prompts: list[tuple[int, ...]],
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        t0: float,
+    ) -> GenerationOutput:
+        """Every sample its own prefill (an engine without prefix caching): `n` copies of each prompt, one sample
+        each. The live branches keep the shared path's order (prompt-major, sample-minor), so every step draws
+        from the generator in the same order and the tokens are the same; only the work differs (n x prefill
+        positions, n copies of each prompt's K/V)."""
+        n = params.n
+        copies = [p for p in prompts for _ in range(n)]
+        out = self.generate(copies, dataclasses.replace(params, n=1, share_prefix=True), generator=generator)
+        samples = [
+            [dataclasses.replace(g[0], prompt_index=p) for g in out.samples[p * n : (p + 1) * n]]
+            for p in range(len(prompts))
+        ]
+        stats = out.stats
+        stats.num_prompts = len(prompts)
+        stats.prompt_prefills = [sum(stats.prompt_prefills[p * n : (p + 1) * n]) for p in range(len(prompts))]
+        stats.prefill_positions_unshared = stats.prefill_positions
         stats.seconds = time.perf_counter() - t0
         return GenerationOutput(samples=samples, stats=stats)
 

@@ -17,6 +17,8 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from megatron_branch.data import Rollout
+from megatron_branch.errors import SettingError
+from megatron_branch.rules import API, check_sampling
 
 
 @dataclass(kw_only=True)
@@ -40,6 +42,10 @@ class SamplingParams:
     into `branch_factor` branches that share its tokens (and their K/V). Empty = plain G-way sampling."""
     branch_factor: int = 2
     """Children per fork point; n must be divisible by branch_factor ** len(branch_at)."""
+    share_prefix: bool = True
+    """Prefill each prompt once for its n samples (True), or every sample its own prefill, as an engine without
+    prefix caching does (False: the baseline; the same draws, hence the same tokens, for the same generator).
+    False cannot fork (`branch_at`): rules.check_sampling."""
 
     def __post_init__(self) -> None:
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
@@ -65,6 +71,10 @@ class SamplingParams:
             )
         if not isinstance(self.branch_factor, int) or self.branch_factor < 1:
             raise ValueError(f"branch_factor must be a positive int, got {self.branch_factor!r}")
+        try:
+            check_sampling(share_prefix=self.share_prefix, branch_at=self.branch_at)
+        except SettingError as e:
+            raise ValueError(str(e.spelled(API))) from None
         if self.n % self.root_fanout_divisor:
             raise ValueError(
                 f"n={self.n} must be divisible by branch_factor ** len(branch_at) = {self.root_fanout_divisor}"
@@ -123,11 +133,12 @@ class GenerationStats:
     prefill_forwards: int = 0
     """Model forwards spent on prompts (all prompts of a call are packed into as few forwards as allowed)."""
     prefill_positions: int = 0
-    """Prompt token positions run through the model: the sum of the prompt lengths (each prompt ONCE)."""
+    """Prompt token positions run through the model: the sum of the prompt lengths (each prompt ONCE; n times
+    with share_prefix off)."""
     prefill_positions_unshared: int = 0
     """What prefilling every sample's prompt separately would cost: n * the sum of the prompt lengths."""
     prompt_prefills: list[int] = field(default_factory=list)
-    """Per prompt, how many times it was prefilled (always 1: the test asserts it)."""
+    """Per prompt, how many times it was prefilled (1; n with share_prefix off: the tests assert it)."""
     decode_steps: int = 0
     """Decode forwards (each feeds one token of every live branch of every prompt)."""
     decode_positions: int = 0

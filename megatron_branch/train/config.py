@@ -30,7 +30,7 @@ from megatron_branch.losses.advantages import AdvantageConfig
 from megatron_branch.losses.config import ObjectiveConfig
 from megatron_branch.models.arch import ModelArch
 from megatron_branch.parallel.layout import ParallelLayout
-from megatron_branch.rules import check_run
+from megatron_branch.rules import TRAIN_SCHEDULES, check_run, check_sampling
 from megatron_branch.train.algorithm import resolve_algorithm
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -153,6 +153,9 @@ class RolloutConfig:
     """Tree sampling: after these numbers of sampled tokens each branch forks again (shared response starts)."""
     branch_factor: int = 2
     """Tree sampling: children per fork (rollout.n must divide by branch_factor ** len(branch_at))."""
+    share_prefix: bool = True
+    """Prefill each prompt once for its n rollouts; false = every rollout its own prefill, as an engine without
+    prefix caching samples (the fair generation baseline; the same tokens for the same seed)."""
     seed: int = 2
     """Seed of the sampler's generator (checkpointed)."""
 
@@ -248,9 +251,11 @@ class OptimConfig:
 class ScheduleConfig:
     """How the engine runs a batch of rollouts (all give the same gradient)."""
 
-    name: Literal["replay", "packed", "naive", "replay-stopgrad"] = "replay"
-    """replay (DFS over the prefix tree), packed (one pass), naive (one rollout at a time); replay-stopgrad is NOT
-    exact, a comparison only: the prompt's K/V as constants (the announced stop-gradient system)."""
+    name: Literal[TRAIN_SCHEDULES] = "replay"  # rules.TRAIN_SCHEDULES
+    """replay (DFS over the prefix tree), packed (one pass), naive (one rollout at a time, megatron's own
+    attention); the baselines without sharing on the engine's kernels: naive-fused (each rollout alone) and
+    packed-nosharing (all rollouts block-diagonal in one pass); replay-stopgrad is NOT exact, a comparison only:
+    the prompt's K/V as constants (the announced stop-gradient system)."""
     backend: Literal["merge", "packed", "reference"] | None = None
     """Attention backend override."""
     branch_micro_batch: int = 8
@@ -373,6 +378,8 @@ def _config_spelling() -> Spelling:
         recompute="schedule.recompute",
         recompute_layers="schedule.enable_gradient_checkpointing",
         backend="schedule.backend",
+        share_prefix="rollout.share_prefix",
+        branch_at="rollout.branch_at",
     )
     return Spelling(names=names, assign="=")
 
@@ -650,6 +657,7 @@ def validate(cfg: TrainConfig) -> None:
     sc = cfg.schedule
     try:
         cfg.parallel.check_no_op()
+        check_sampling(share_prefix=r.share_prefix, branch_at=r.branch_at)
         check_run(sc.name, cp=cfg.parallel.cp, recompute=sc.recompute,
                   recompute_layers=sc.enable_gradient_checkpointing, backend=sc.backend)  # fmt: skip
         algo = resolve_algorithm(cfg)

@@ -24,10 +24,11 @@ from megatron_branch import outputs
 from megatron_branch.checkpoint.hf_io import HF_MARKER
 from megatron_branch.checkpoint.hf_to_mcore import META_FILE
 from megatron_branch.checkpoint.store import CheckpointStore, rng_sharded_object
-from megatron_branch.data import PrefixTree, Rollout
+from megatron_branch.data import Rollout
 from megatron_branch.errors import SettingError, UserError
 from megatron_branch.parallel.agree import agree_on_error
 from megatron_branch.parallel.groups import init_distributed, initialize_parallel
+from megatron_branch.rules import UNSHARED
 from megatron_branch.train import lifecycle
 from megatron_branch.train import policy as policy_ops
 from megatron_branch.train.algorithm import resolve_algorithm
@@ -206,8 +207,8 @@ class Trainer:
 
     def _positions(self, rollouts: list[Rollout]) -> dict[str, int]:
         """Token positions of one pass over the step's batch: naive training's count and what the schedule ran."""
-        tree = PrefixTree.build(rollouts)
-        naive = self.cfg.schedule.name == "naive"
+        tree = self.actor.plan.trees.build(rollouts, vocab_size=self.arch.vocab_size)  # the update's tree
+        naive = self.cfg.schedule.name in UNSHARED
         return {
             "positions_logical": tree.positions_logical,
             "positions_computed": tree.positions_logical if naive else tree.positions_computed,
@@ -233,7 +234,7 @@ class Trainer:
             **metrics,
             "timing_s/update_actor": step_s,
             "timing_s/step": step_s,
-            "perf/throughput": PrefixTree.build(pairs).positions_logical / step_s,
+            "perf/throughput": self._positions(pairs)["positions_logical"] / step_s,
         }
 
     # ---- the run ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ pairs) in the step's order and stay the same across epochs, so each is scored on
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import torch
@@ -80,7 +81,7 @@ class Actor:
         r, a = cfg.rollout, cfg.actor
         self.params = SamplingParams(
             n=r.n, max_new_tokens=r.response_length, temperature=r.temperature, top_k=max(r.top_k, 0),
-            top_p=r.top_p, branch_at=tuple(r.branch_at), branch_factor=r.branch_factor,
+            top_p=r.top_p, branch_at=tuple(r.branch_at), branch_factor=r.branch_factor, share_prefix=r.share_prefix,
         )  # fmt: skip
         self.pgc = ProcessGroupCollection.use_mpu_process_groups()
         mini = a.ppo_mini_batch_size or cfg.data.train_batch_size
@@ -166,13 +167,16 @@ class Actor:
         cfg, algo = self.cfg, self.algo
         group = 2 if algo.offline else cfg.rollout.n
         minis = []
+        scoring = 0.0  # seconds of forward-only scoring (values, reference logprobs): verl's timing_s/ref
         for lo, hi in self._mini_batches(batch, group):  # what the updates need, once per step
             mb = batch[lo:hi]
             if algo.estimator is not None:
                 assert rewards is not None
                 if algo.estimator.needs_values:
                     assert self.critic is not None
+                    t0 = time.perf_counter()
                     mb = self._score_all(self.critic.ddp, mb, "values")
+                    scoring += time.perf_counter() - t0
                 index = [
                     j // group for j in range(lo, hi)
                 ]  # the prompt instance of each rollout (verl's uid)
@@ -180,7 +184,9 @@ class Actor:
             objective = build_objective(algo.objective, mb)
             if objective.needs_reference:
                 assert reference is not None, "the run's objective reads ref_logprobs: a reference is built"
+                t0 = time.perf_counter()
                 mb = self._score_all(reference, mb, "ref_logprobs")
+                scoring += time.perf_counter() - t0
             minis.append((mb, objective))
         sums: dict[str, float] = {}
         count = 0
@@ -204,6 +210,7 @@ class Actor:
                 count += 1
         out = {k: v / count for k, v in sums.items()}  # means over the step's updates
         out["loss"] = out.pop(f"{objective.role}/loss")
+        out["timing_s/ref"] = scoring
         return out
 
     # ---- supervised warm-up (a separate optimizer: RL starts with fresh Adam moments) -------------------------

@@ -122,3 +122,27 @@ def test_a_variant_out_of_memory_is_reported_not_fatal(monkeypatch: pytest.Monke
     assert by["repeat-prefix"]["failed"].startswith("out of memory: planted")
     assert by["replay"]["failed"] == "" and by["replay"]["speedup"] > 0
     assert "| repeat-prefix | out of memory: planted |" in markdown(report)
+
+
+def test_profile_splits_the_step_into_ops_and_the_rest() -> None:
+    """--profile: the step's wall time split into op time (GEMMs, fused attention, other ops) and time outside
+    any op, next to the analytic FLOPs at the measured GEMM rate (the issue-24 overhead split)."""
+    from megatron_branch.bench import runner
+    from megatron_branch.bench.config import PRESETS, BenchConfig
+    from megatron_branch.bench.report import markdown
+
+    cfg = BenchConfig(**{**PRESETS["tiny"], "variants": ("naive-fused", "replay"), "meter": False,
+                         "profile": "replay"})  # fmt: skip
+    report = runner.run_bench(cfg, log=lambda *_: None)
+    prof = report["profile"]
+    assert prof["variant"] == "replay" and "aten::" in prof["table"]
+    assert (
+        0 < prof["op_s"]
+        and prof["gemm_s"] > 0
+        and prof["flash_forward_s"] > 0
+        and prof["flash_backward_s"] > 0
+    )
+    parts = prof["gemm_s"] + prof["flash_forward_s"] + prof["flash_backward_s"] + prof["other_ops_s"]
+    assert abs(parts - prof["op_s"]) < 1e-9
+    assert prof["gemm_gflops"] > 0 and prof["flop_time_at_gemm_rate_s"] > 0
+    assert "outside any op" in markdown(report)
