@@ -95,10 +95,16 @@ class BranchGatedDeltaNet(GatedDeltaNet, TakesBranchContext):
         )
         core = qkv.new_zeros(s, dims.heads_v, dims.dv)  # rows in no segment (padding) stay 0
         states: dict[int, State] = {}
+        cached = {}  # segment -> its rank among the segments whose parent is cached
+        for i, seg in enumerate(ctx.tree.segments):
+            if seg.parent == CACHED:
+                cached[i] = len(cached)
         for depth in tree_depths(ctx.tree):
             segs = [ctx.tree.segments[i] for i in depth]
             rows = Rows.of([(seg.start, seg.end) for seg in segs], qkv.device)
-            start = [self._start(seg.parent, states, qkv, dims) for seg in segs]
+            start = [
+                self._start(seg.parent, cached.get(i, 0), states, qkv, dims) for i, seg in zip(depth, segs)
+            ]
             out, (S, tail) = delta_rule_segments(
                 qkv,
                 g,
@@ -115,15 +121,20 @@ class BranchGatedDeltaNet(GatedDeltaNet, TakesBranchContext):
             core = core.index_put((rows.index[rows.valid],), out[rows.valid])
             for j, i in enumerate(depth):
                 states[i] = (S[j : j + 1], tail[j : j + 1])
-        if ctx.capture:  # replay captures chunks of one segment: its state at the fork
-            assert len(ctx.tree.segments) == 1, "a captured chunk holds one segment"
-            ctx.hand_down(self.layer_number, GDN_STATE, states[0])
+        if ctx.capture:  # each segment's state at its end, one row per segment in chunk order (replay: one)
+            n = len(ctx.tree.segments)
+            down = states[0] if n == 1 else tuple(torch.cat([states[i][j] for i in range(n)]) for j in (0, 1))
+            ctx.hand_down(self.layer_number, GDN_STATE, down)
         norm_out = self._apply_gated_norm(core, gate.reshape(s, -1, dims.dv))  # [s*H, dv]
         return self.out_proj(norm_out.reshape(s, 1, -1))
 
-    def _start(self, parent: int | None, states: dict[int, State], qkv: torch.Tensor, dims: GDNDims) -> State:
+    def _start(
+        self, parent: int | None, cached: int, states: dict[int, State], qkv: torch.Tensor, dims: GDNDims
+    ) -> State:
         """(S [1, H, dk, dv] float32, tail [1, cd, K-1]) a segment starts from: zeros for a root, its parent's
-        final state in this chunk, or the state its cached parent handed down (replay)."""
+        final state in this chunk, or the state its cached parent handed down: one row that every segment with a
+        cached parent shares (replay: siblings), or one row per such segment (decode: row `cached`, the
+        segment's rank among them)."""
         zero_s = qkv.new_zeros(1, dims.heads_v, dims.dk, dims.dv, dtype=torch.float32)
         zero_tail = qkv.new_zeros(1, 2 * dims.qk + dims.v, dims.kernel - 1)
         if parent is None:
@@ -131,6 +142,8 @@ class BranchGatedDeltaNet(GatedDeltaNet, TakesBranchContext):
         if parent == CACHED:
             assert self.context is not None
             ((S, tail),) = self.context.handed_down(self.layer_number)  # the DIRECT parent's state
+            if S.shape[0] > 1:  # one row per segment with a cached parent, in chunk order (a decode step)
+                S, tail = S[cached : cached + 1], tail[cached : cached + 1]
         else:
             S, tail = states[parent]
         if self.zero_parent_state:

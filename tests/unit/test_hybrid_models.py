@@ -181,14 +181,6 @@ def test_planted_in_proj_layout_bug_is_caught(monkeypatch: pytest.MonkeyPatch) -
     assert (logits(model, ids)[:, :37] - ref).abs().max() > 1e-2
 
 
-def test_the_sampler_refuses_a_hybrid() -> None:
-    from megatron_branch.generation import BranchSampler
-
-    _, model = megatron_of(hybrid())
-    with pytest.raises(ValueError, match="cannot sample a hybrid model yet"):
-        BranchSampler(model, vocab_size=37)
-
-
 def test_megatrons_te_hybrid_spec_puts_the_norms_where_the_map_says(monkeypatch: pytest.MonkeyPatch) -> None:
     """megatron's own hybrid block spec (TE only; built here with the named stand-ins of test_param_map_te.py):
     GDN layers fuse the input norm into in_proj, attention layers into linear_qkv, the MLP's into fc1; GDN's
