@@ -369,13 +369,14 @@ def test_grad_command_naive_and_refusals(tmp_path: Path, capsys: pytest.CaptureF
         assert got.keys() == want.keys() and max(_rel(got[n], want[n]) for n in want) <= BOUND
 
 
-def test_train_refuses_a_hybrid_policy_in_one_line(tmp_path: Path) -> None:
-    from megatron_branch.train.config import load_config
+def test_train_config_takes_a_hybrid_policy_from_its_hf_folder(tmp_path: Path) -> None:
+    from megatron_branch.train.config import load_config, model_arch
 
     hybrid().save_pretrained(tmp_path / "hf")
     (tmp_path / "c.yaml").write_text(
         f"model:\n  hf_path: {tmp_path / 'hf'}\ndata:\n  task: kv_retrieval\ntokenizer:\n  type: hf\n"
     )
-    with pytest.raises(UserError, match="hybrid .* training needs sampling") as e:
-        load_config(tmp_path / "c.yaml", [])
+    assert model_arch(load_config(tmp_path / "c.yaml", [])).num_linear_layers == 3
+    with pytest.raises(UserError, match="schedule.name replay-stopgrad cannot run a hybrid model") as e:
+        load_config(tmp_path / "c.yaml", ["schedule.name=replay-stopgrad"])
     assert "\n" not in str(e.value)
