@@ -20,6 +20,12 @@ engine's one log-sum-exp merge (attention/merge.py):
             masked matmul over [A, L] for all branches (a tree-sampled shared response prefix is gathered per
             branch here; it is short, the prompt is not).
 RoPE is applied by the model at each token's true position (the position ids of the step), before K/V are cached.
+
+A hybrid's gated delta net layers keep no K/V: they keep a STATE TABLE per layer (`PrefixKV.states`: the recurrent
+state S [R, H, dk, dv] and conv tail [R, cd, K-1], one row per prompt after prefill, one row per fed branch after
+a decode step). A decode step is a 1-token segment per branch continuing from its row of the table
+(`DecodeStep.state_rows`; the model's BranchGatedDeltaNet reads it through `handed_down`): each prompt's state is
+computed once by prefill, and a fork just points its children at the same row.
 """
 
 from __future__ import annotations
@@ -32,7 +38,15 @@ from megatron_branch.attention.context import BranchContext
 from megatron_branch.attention.heads import fold, unfold
 from megatron_branch.attention.kernels import fused_attention_forward, lse_dtype
 from megatron_branch.attention.merge import lse_merge
-from megatron_branch.attention.prefix_state import ChunkTree, Handoff, StateKind, Tensors
+from megatron_branch.attention.prefix_state import (
+    ATTENTION_KV,
+    CACHED,
+    ChunkSegment,
+    ChunkTree,
+    Handoff,
+    StateKind,
+    Tensors,
+)
 
 
 @dataclass(kw_only=True)
@@ -47,11 +61,19 @@ class PrefixKV:
     buffer_v: dict[int, torch.Tensor] = field(default_factory=dict)
     buffer_rows: int = 0
     """B."""
+    states: dict[int, Tensors] = field(default_factory=dict)
+    """layer -> a recurrent layer's state table (gated delta net: S [R,H,dk,dv], tail [R,cd,K-1]): one row per
+    prompt after prefill, then one row per branch fed by the last decode step."""
 
     def add_prompts(self, captured: dict[int, Handoff], spans: list[tuple[int, int]]) -> None:
         """Keep one prefill forward's captured K/V ([S,1,g,h] per layer) as one block per prompt, spans[p] =
-        (start, end) rows; prompts are numbered in the order they are added. The prefill's tensors can go."""
+        (start, end) rows, and a recurrent layer's state after each prompt (one row per prompt); prompts are
+        numbered in the order they are added. The prefill's tensors can go."""
         for layer, handoff in captured.items():
+            if handoff.kind is not ATTENTION_KV:  # the state at each prompt's end, one row per prompt
+                new, held = handoff.tensors, self.states.get(layer)
+                self.states[layer] = new if held is None else tuple(torch.cat(p) for p in zip(held, new))
+                continue
             k, v = handoff.tensors
             self.prompt_k.setdefault(layer, []).extend(_internal(k[a:b]) for a, b in spans)
             self.prompt_v.setdefault(layer, []).extend(_internal(v[a:b]) for a, b in spans)
@@ -86,6 +108,8 @@ class DecodeStep:
     """[A, L] buffer rows of each branch's generated tokens, root first, ending with `slot` (padded with 0)."""
     path_len: torch.Tensor
     """[A] valid entries of `path`."""
+    state_rows: torch.Tensor | None = None
+    """[A] row of the state table (PrefixKV.states) each branch continues from (hybrids; None without)."""
     padded_rows: int = 0
     """Extra query rows (sequence parallel needs s % tp == 0); they attend to nothing and return 0."""
     groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
@@ -108,6 +132,7 @@ class DecodeStep:
             slot=self.slot.to(device),
             path=self.path.to(device),
             path_len=self.path_len.to(device),
+            state_rows=None if self.state_rows is None else self.state_rows.to(device),
             padded_rows=self.padded_rows,
         )
 
@@ -119,17 +144,28 @@ class DecodeContext:
 
     cache: PrefixKV
     step: DecodeStep
-    capture: bool = False
+    capture: bool = True  # a recurrent layer hands each branch's new state down (`next_states`)
     captured: dict[int, Handoff] = field(default_factory=dict)
     recompute_layers: bool = False
     tree: ChunkTree | None = None
+    """Each branch a 1-row segment continuing from a cached parent (its row of the state table)."""
+    next_states: dict[int, Tensors] = field(default_factory=dict)
+    """layer -> the state table after this step (one row per branch fed), for a recurrent layer."""
+
+    def __post_init__(self) -> None:
+        if self.tree is None:
+            a = self.step.num_branches
+            self.tree = ChunkTree(segments=tuple(ChunkSegment(i, i + 1, CACHED) for i in range(a)))
 
     def hand_down(self, layer_number: int, kind: StateKind, tensors: Tensors) -> None:
-        """Nothing to hand down: a decode step's new K/V go into the branch buffer (`attend`)."""
+        """A recurrent layer's state after this step's token, one row per branch (attention's new K/V go into the
+        branch buffer in `attend` instead)."""
+        self.next_states[layer_number] = tuple(tensors)
 
     def handed_down(self, layer_number: int) -> list[Tensors]:
-        """Other layer kinds' decode state is not kept here yet (the hybrid models bring it)."""
-        raise NotImplementedError("decode keeps attention K/V only (PrefixKV)")
+        """A recurrent layer's state each branch continues from: its row of the state table."""
+        assert self.step.state_rows is not None, "a recurrent layer in decode needs DecodeStep.state_rows"
+        return [tuple(t[self.step.state_rows] for t in self.cache.states[layer_number])]
 
     def for_recompute(self) -> BranchContext:
         raise AssertionError("a decode step runs without grad: nothing is recomputed")

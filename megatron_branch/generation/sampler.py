@@ -30,6 +30,7 @@ import torch.distributed as dist
 from megatron_branch.attention.context import BranchContext, LocalContext, attach_context
 from megatron_branch.attention.kernels import lse_dtype
 from megatron_branch.attention.layout import AttentionLayout, QuerySegment
+from megatron_branch.attention.prefix_state import ChunkSegment, ChunkTree
 from megatron_branch.data.rollouts import validate_token_ids
 from megatron_branch.errors import UserError
 from megatron_branch.generation.kv_cache import DecodeContext, DecodeStep, PrefixKV
@@ -49,6 +50,9 @@ class _Branch:
     sampling_logprobs: list[float] = field(default_factory=list)
     path: list[int] = field(default_factory=list)
     """Buffer slots of its FED tokens (K/V cached), root first; shared with its ancestors' slots."""
+    state_row: int = 0
+    """Its row of a recurrent layer's state table (hybrids, kv_cache.PrefixKV.states): the state after its last
+    fed token, shared with the branch it forked from until it feeds its own."""
     done: str = ""
     """"" while live, else the finish reason."""
     children: list[_Branch] = field(default_factory=list)
@@ -60,6 +64,7 @@ class _Branch:
             logprobs=list(self.logprobs),
             sampling_logprobs=list(self.sampling_logprobs),
             path=list(self.path),
+            state_row=self.state_row,
         )
 
 
@@ -88,12 +93,6 @@ class BranchSampler:
         base = getattr(model, "module", model)  # megatron DDP wraps the GPTModel
         if not isinstance(base, BranchGPTModel):
             raise TypeError("BranchSampler needs a BranchGPTModel (megatron_branch.models.build_model)")
-        arch = getattr(base, "arch", None)
-        if arch is not None and arch.is_hybrid:  # decoding would restart every GDN layer from a zero state
-            raise ValueError(
-                f"BranchSampler cannot sample a hybrid model yet ({arch.family}: gated delta net layers need their "
-                "recurrent state carried through prefill and decode, issue #18 item 4)"
-            )
         if vocab_size <= 0:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         if max_prefill_tokens is not None and max_prefill_tokens <= 0:
@@ -139,7 +138,10 @@ class BranchSampler:
         first_logits = self._prefill(prompts, cache, stats)  # [num_prompts, v]
         cache.allocate_buffer(self._buffer_rows(len(prompts), params))
 
-        roots = [[_Branch(prompt=p) for _ in range(params.root_fanout)] for p in range(len(prompts))]
+        # every root branch starts from its prompt's state (row p of the table after prefill)
+        roots = [
+            [_Branch(prompt=p, state_row=p) for _ in range(params.root_fanout)] for p in range(len(prompts))
+        ]
         live = [b for group in roots for b in group]
         self._extend(live, first_logits[torch.tensor([b.prompt for b in live])], params, generator, stats)
         next_slot = 0
@@ -219,7 +221,9 @@ class BranchSampler:
             pos = torch.cat(
                 [torch.arange(len(prompts[p])) for p in group] + [torch.zeros(len(pad), dtype=torch.long)]
             )
-            ctx = LocalContext(layout=layout, capture=True, backend=self.backend)
+            # each prompt a root of the chunk's tree: a recurrent layer hands down its state at each prompt's end
+            tree = ChunkTree(segments=tuple(ChunkSegment(a, b, None) for a, b in spans))
+            ctx = LocalContext(layout=layout, capture=True, backend=self.backend, tree=tree)
             hidden = self._forward(ids, pos, ctx)  # [s, h]
             cache.add_prompts(ctx.captured, spans)
             out.append(self._logits(hidden[torch.tensor([b - 1 for _, b in spans])]))
@@ -242,12 +246,18 @@ class BranchSampler:
             slot=torch.tensor([b.path[-1] for b in feed]),
             path=path,
             path_len=torch.tensor([len(b.path) for b in feed]),
+            state_rows=torch.tensor([b.state_row for b in feed]),
             padded_rows=s - a,
         )
         ids = torch.tensor([b.tokens[-1] for b in feed] + [0] * (s - a), dtype=torch.long)
         # the fed token is response token t-1 (0-based): its true position is P + t - 1
         pos = torch.tensor([len(prompts[b.prompt]) + len(b.tokens) - 1 for b in feed] + [0] * (s - a))
-        hidden = self._forward(ids, pos, DecodeContext(cache=cache, step=step.to(self.device)))  # [s, h]
+        ctx = DecodeContext(cache=cache, step=step.to(self.device))
+        hidden = self._forward(ids, pos, ctx)  # [s, h]
+        if ctx.next_states:  # a hybrid: the state table is now one row per branch fed (forks share a row)
+            cache.states = ctx.next_states
+            for i, b in enumerate(feed):
+                b.state_row = i
         stats.decode_steps += 1
         stats.decode_positions += a
         return self._logits(hidden[:a])

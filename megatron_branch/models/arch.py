@@ -311,17 +311,24 @@ class ModelArch:
         return TransformerConfig(**kwargs)
 
 
-HYBRID_SCHEDULES = ("naive", "naive-fused")
-"""Schedules that run a hybrid (gated delta net) model exactly today: each rollout alone, one causal sequence per
-forward, through megatron's own GatedDeltaNet. The tree schedules (packed, replay) and the packed or cached
-baselines would carry a recurrent state across rollouts or lose it at a fork: refused (issue #18 item 2)."""
+HYBRID_SCHEDULES = ("naive", "naive-fused", "packed", "replay", "packed-nosharing")
+"""Schedules that run a hybrid (gated delta net) model exactly: naive through megatron's own GatedDeltaNet, the
+others through models/gdn.py's BranchGatedDeltaNet, every tree segment from its parent's state at the fork (replay
+hands that state down through its prefix cache). replay-stopgrad (a comparison that holds the prompt's attention
+K/V constant) has no meaning defined for a recurrent state: refused."""
 
 
-def check_schedule_supports(arch: ModelArch, schedule: str, *, flag: str = "--schedule") -> None:
-    """Refuse, in one line, a schedule that cannot run `arch` exactly (before any work)."""
-    if arch.is_hybrid and schedule not in HYBRID_SCHEDULES:
+def check_schedule_supports(arch: ModelArch, schedule: str, *, flag: str = "--schedule", cp: int = 1) -> None:
+    """Refuse, in one line, a schedule or layout that cannot run `arch` exactly (before any work)."""
+    if not arch.is_hybrid:
+        return
+    if schedule not in HYBRID_SCHEDULES:
         raise UserError(
-            f"{flag} {schedule} cannot run a hybrid model yet ({arch.family}, {arch.num_linear_layers} of "
-            f"{arch.num_layers} layers gated delta net): branch replay through the recurrent state is not "
-            f"implemented (issue #18 item 2); use {flag} {' or '.join(HYBRID_SCHEDULES)}"
+            f"{flag} {schedule} cannot run a hybrid model ({arch.family}, {arch.num_linear_layers} of "
+            f"{arch.num_layers} layers gated delta net); use {flag} {', '.join(HYBRID_SCHEDULES)}"
+        )
+    if cp > 1:
+        raise UserError(
+            f"context parallelism (cp {cp}) cannot run a hybrid model yet ({arch.family}): a gated delta net layer "
+            "needs the state of every earlier position, passed between CP ranks (issue #18 item 3); use cp 1"
         )

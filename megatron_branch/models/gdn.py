@@ -14,19 +14,27 @@ layer's own `input_layernorm` (TorchNorm, zero-centred for Qwen3.5) and in_proj 
 `sharded_state_dict_keys_map` names that norm `self_attention.in_proj.layer_norm_weight` in dist checkpoints, as
 the TE layer spec names it, so one checkpoint serves both specs (checkpoint/param_map.py).
 
-Phase 2 of branch replay (a segment starting from its parent's recurrent state and conv inputs) will subclass
-GatedDeltaNet in this slot; with no branch context attached it must stay megatron's forward.
+Branch replay (a segment starting from its parent's recurrent state and conv inputs) is `BranchGatedDeltaNet`, the
+GatedDeltaNet of this slot: with no branch context attached it IS megatron's forward (the naive schedule's
+reference); with one, the chunk's tree decides where each segment starts (models/gdn_tree.py).
 """
 
 from __future__ import annotations
 
 import copy
+from typing import Any
 
+import torch
+import torch.nn.functional as F
+from megatron.core.ssm import gated_delta_net as _mgdn
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_branch.attention.context import TakesBranchContext
+from megatron_branch.attention.prefix_state import CACHED
 from megatron_branch.compat.norm import GatedOutputNorm
+from megatron_branch.models.gdn_tree import GDN_STATE, GDNDims, Rows, State, delta_rule_segments, tree_depths
 
 TE_KEYS_MAP = {
     "input_layernorm.": "self_attention.in_proj.layer_norm_",
@@ -35,12 +43,122 @@ TE_KEYS_MAP = {
 """Dist-checkpoint names of a GDN layer's norms under megatron's TE hybrid spec (fused into in_proj / fc1)."""
 
 
+class BranchGatedDeltaNet(GatedDeltaNet, TakesBranchContext):
+    """megatron's GatedDeltaNet (same constructor, parameters and state dict), branch-aware when a context is
+    attached: every segment of the chunk's tree runs from its parent's state at the fork (in the chunk, or handed
+    down by replay's prefix cache) and hands its own state down when the context captures."""
+
+    zero_parent_state = (
+        False  # planted bugs (tests): a child from a zero state / without its parent's conv tail
+    )
+    drop_parent_tail = False
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.context is None:
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        return self._tree_forward(hidden_states)
+
+    def _dims(self) -> GDNDims:
+        tp = self.tp_size
+        return GDNDims(
+            qk=self.qk_dim // tp,
+            v=self.v_dim // tp,
+            heads_k=self.num_key_heads // tp,
+            heads_v=self.num_value_heads // tp,
+            dk=self.key_head_dim,
+            dv=self.value_head_dim,
+            kernel=self.conv_kernel_dim,
+        )
+
+    def _tree_forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden_states [s(/tp under SP), 1, h] -> (out [s(/tp), 1, h], bias): megatron's forward (in_proj, conv,
+        L2 norm, g and beta, delta rule, gated norm, out_proj), the conv and rule run per segment of the tree."""
+        ctx = self.context
+        assert ctx is not None
+        if ctx.tree is None:
+            raise AssertionError(
+                "a gated delta net layer needs the chunk's tree (context parallel: issue #18)"
+            )
+        dims = self._dims()
+        qkvzba, _ = self.in_proj(hidden_states)  # [s, 1, (2qk + 2v + 2H)/tp]; sequence gathered under SP
+        s, b, _ = qkvzba.shape
+        assert b == 1, "a chunk is one packed sequence"
+        qkv, gate, beta, alpha = torch.split(
+            qkvzba[:, 0], [2 * dims.qk + dims.v, dims.v, dims.heads_v, dims.heads_v], dim=-1
+        )
+        g = -self.A_log.exp() * F.softplus(alpha.float() + self.dt_bias)  # [s, H] in fp32, as megatron
+        beta = beta.sigmoid()  # [s, H]
+        rule = (
+            _mgdn.torch_chunk_gated_delta_rule
+            if self.config.deterministic_mode
+            else _mgdn.chunk_gated_delta_rule
+        )
+        core = qkv.new_zeros(s, dims.heads_v, dims.dv)  # rows in no segment (padding) stay 0
+        states: dict[int, State] = {}
+        cached = {}  # segment -> its rank among the segments whose parent is cached
+        for i, seg in enumerate(ctx.tree.segments):
+            if seg.parent == CACHED:
+                cached[i] = len(cached)
+        for depth in tree_depths(ctx.tree):
+            segs = [ctx.tree.segments[i] for i in depth]
+            rows = Rows.of([(seg.start, seg.end) for seg in segs], qkv.device)
+            start = [
+                self._start(seg.parent, cached.get(i, 0), states, qkv, dims) for i, seg in zip(depth, segs)
+            ]
+            out, (S, tail) = delta_rule_segments(
+                qkv,
+                g,
+                beta,
+                rows,
+                (torch.cat([st[0] for st in start]), torch.cat([st[1] for st in start])),
+                dims=dims,
+                conv_weight=self.conv1d.weight,
+                conv_bias=self.conv1d.bias,
+                act=self.act_fn,
+                l2norm=_mgdn.l2norm if self.use_qk_l2norm else None,
+                rule=rule,
+            )  # [n, L, H, dv]
+            core = core.index_put((rows.index[rows.valid],), out[rows.valid])
+            for j, i in enumerate(depth):
+                states[i] = (S[j : j + 1], tail[j : j + 1])
+        if ctx.capture:  # each segment's state at its end, one row per segment in chunk order (replay: one)
+            n = len(ctx.tree.segments)
+            down = states[0] if n == 1 else tuple(torch.cat([states[i][j] for i in range(n)]) for j in (0, 1))
+            ctx.hand_down(self.layer_number, GDN_STATE, down)
+        norm_out = self._apply_gated_norm(core, gate.reshape(s, -1, dims.dv))  # [s*H, dv]
+        return self.out_proj(norm_out.reshape(s, 1, -1))
+
+    def _start(
+        self, parent: int | None, cached: int, states: dict[int, State], qkv: torch.Tensor, dims: GDNDims
+    ) -> State:
+        """(S [1, H, dk, dv] float32, tail [1, cd, K-1]) a segment starts from: zeros for a root, its parent's
+        final state in this chunk, or the state its cached parent handed down: one row that every segment with a
+        cached parent shares (replay: siblings), or one row per such segment (decode: row `cached`, the
+        segment's rank among them)."""
+        zero_s = qkv.new_zeros(1, dims.heads_v, dims.dk, dims.dv, dtype=torch.float32)
+        zero_tail = qkv.new_zeros(1, 2 * dims.qk + dims.v, dims.kernel - 1)
+        if parent is None:
+            return zero_s, zero_tail
+        if parent == CACHED:
+            assert self.context is not None
+            ((S, tail),) = self.context.handed_down(self.layer_number)  # the DIRECT parent's state
+            if S.shape[0] > 1:  # one row per segment with a cached parent, in chunk order (a decode step)
+                S, tail = S[cached : cached + 1], tail[cached : cached + 1]
+        else:
+            S, tail = states[parent]
+        if self.zero_parent_state:
+            S = zero_s
+        if self.drop_parent_tail:
+            tail = zero_tail
+        return S, tail
+
+
 def gdn_layer_spec(attention_layer_spec: ModuleSpec) -> ModuleSpec:
     """`attention_layer_spec` (the model's full-attention layer: same norms, MLP and layer class) with megatron's
     GatedDeltaNet in the self_attention slot."""
     spec = copy.deepcopy(attention_layer_spec)
     spec.submodules.self_attention = ModuleSpec(
-        module=GatedDeltaNet,
+        module=BranchGatedDeltaNet,
         submodules=GatedDeltaNetSubmodules(
             in_proj=ColumnParallelLinear, out_norm=GatedOutputNorm, out_proj=RowParallelLinear
         ),

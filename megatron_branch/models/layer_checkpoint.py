@@ -45,7 +45,7 @@ import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch.utils.checkpoint import checkpoint
 
-from megatron_branch.attention.context import BranchContext
+from megatron_branch.attention.context import BranchContext, TakesBranchContext
 from megatron_branch.attention.core_attention import BranchCoreAttention
 from megatron_branch.memory import count_recomputed, track_extra
 
@@ -63,9 +63,18 @@ class BranchTransformerLayer(TransformerLayer):
         return checkpoint(run, hidden, use_reentrant=False)
 
     def branch_context(self) -> BranchContext | None:
-        """The BranchContext attached to this layer's core attention (None: none, or not our attention)."""
-        core = getattr(self.self_attention, "core_attention", None)
-        return core.context if isinstance(core, BranchCoreAttention) else None
+        """The BranchContext attached to this layer's token mixer (None: none, or not ours)."""
+        mixer = context_reader(self)
+        return None if mixer is None else mixer.context
+
+
+def context_reader(layer: TransformerLayer) -> Any:
+    """The module of `layer` that reads the context: its core attention, or a mixer that takes the context
+    whole (the hybrids' BranchGatedDeltaNet); None when neither is ours."""
+    core = getattr(layer.self_attention, "core_attention", None)
+    if isinstance(core, BranchCoreAttention):
+        return core
+    return layer.self_attention if isinstance(layer.self_attention, TakesBranchContext) else None
 
 
 class _Checkpointed:
@@ -77,7 +86,7 @@ class _Checkpointed:
 
     def __call__(self, hidden: torch.Tensor) -> Any:
         self.calls += 1
-        core = self.layer.self_attention.core_attention
+        core = context_reader(self.layer)
         if self.calls == 1:  # the forward, with the schedule's context attached
             out = TransformerLayer.forward(self.layer, hidden, *self.args, **self.kwargs)
             if self.ctx.capture and core.layer_number in self.ctx.captured:
@@ -90,7 +99,7 @@ class _Checkpointed:
 
 
 @contextmanager
-def attached(core: BranchCoreAttention, ctx: BranchContext) -> Iterator[None]:
+def attached(core: Any, ctx: BranchContext) -> Iterator[None]:
     """`ctx` attached to one core attention for a recomputation, then whatever was attached before (None: the
     recomputation runs in backward, after the schedule's `attach_context` has exited)."""
     held, core.context = core.context, ctx

@@ -14,8 +14,7 @@ megatron's full recompute one more forward of every layer.
 Hybrid models (Qwen3.5): attention pairs only in the full-attention layers; a gated delta net layer's projections
 are dense FLOPs per token, its convolution and chunked delta rule `linear_attention` FLOPs per sequence
 (plan/layers.py, exact counts of the kernel's matmuls). naive runs each rollout as one sequence; the tree
-schedules would run each segment as one sequence from its parent's state (issue #18 item 2: planned, refused by the
-engine today).
+schedules run each segment as one sequence from its parent's state (models/gdn.py BranchGatedDeltaNet).
 """
 
 from __future__ import annotations

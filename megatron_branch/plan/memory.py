@@ -32,8 +32,9 @@ to a full-attention layer, partial RoPE saves cos/sin of the rotated dims only; 
 two norms, in_proj's and fc1's inputs and the MLP like an attention layer, and instead of RoPE, attention and K/V
 its mixer's tensors per sequence (`gdn_kernel`: "torch", megatron's torch_chunk_gated_delta_rule, measured here;
 "fla" on GPU, from fla's source). No K/V: a GDN layer's prefix is a fixed-size state, H dk dv float32 plus the
-convolution's last K - 1 inputs (cd e), which replay would hand down at each fork with a gradient accumulator of
-the same size (issue #18 item 2: planned; the engine runs hybrids only with naive today).
+convolution's last K - 1 inputs (cd e), which replay hands down at each fork (models/gdn.py, the GDN_STATE kind of
+the prefix cache) with a gradient accumulator of the same size (tests/unit/test_plan_hybrid.py: the replay step
+against the meter, the cache's bytes exactly).
 """
 
 from __future__ import annotations

@@ -359,8 +359,9 @@ def evaluate(
     if arch.is_hybrid:
         notes.append(
             f"hybrid ({arch.num_linear_layers} gated delta net + {arch.num_full_layers} full-attention layers): GDN "
-            "layers planned with fla's kernel (plan/layers.py), no K/V and no ring; the engine runs hybrids with "
-            "--schedule naive only today (replay/packed through the recurrent state, and GDN under CP: issue #18)"
+            "layers planned with fla's kernel (plan/layers.py), no K/V and no ring; replay hands each GDN layer's "
+            "state at the fork down (S + conv tail, with its gradient accumulator); the engine does not yet run "
+            "GDN layers under CP (issue #18 item 3)"
         )
     return Plan(
         model=model,

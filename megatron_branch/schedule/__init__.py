@@ -50,10 +50,12 @@ def run_schedule(
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     arch = getattr(getattr(model, "module", model), "arch", None)
-    if arch is not None:  # a hybrid runs only where each rollout is one sequence through megatron's GDN
+    if (
+        arch is not None
+    ):  # a hybrid: the schedules whose GDN layers carry each segment's state (models/arch.py)
         from megatron_branch.models.arch import check_schedule_supports
 
-        check_schedule_supports(arch, name, flag="schedule")
+        check_schedule_supports(arch, name, flag="schedule", cp=opts.cp_size)
     if objective is None and not forward_only:
         raise ValueError("a training step needs an objective (objective=None only with forward_only=True)")
     return SCHEDULES[name](model, tree, objective, opts, forward_only=forward_only)

@@ -22,6 +22,7 @@ import torch
 
 from megatron_branch.attention.context import LocalContext
 from megatron_branch.attention.layout import AttentionLayout, QuerySegment
+from megatron_branch.attention.prefix_state import ChunkSegment, ChunkTree
 from megatron_branch.data import PrefixTree
 from megatron_branch.errors import SettingError
 from megatron_branch.losses.objective import BoundObjective, Objective
@@ -60,7 +61,19 @@ def _pack(tree: PrefixTree, rollouts: Sequence[int], pad_to: int) -> tuple[torch
         ids.append(torch.zeros(s - start, dtype=torch.long))
         pos.append(torch.zeros(s - start, dtype=torch.long))
     layout = AttentionLayout(num_queries=s, num_keys=s, segments=tuple(segs))
-    return torch.cat(ids), torch.cat(pos), torch.cat(rows), torch.cat(tgt), layout
+    return (
+        torch.cat(ids),
+        torch.cat(pos),
+        torch.cat(rows),
+        torch.cat(tgt),
+        layout,
+        _roots(segs[: len(rollouts)]),
+    )
+
+
+def _roots(segs: Sequence[QuerySegment]) -> ChunkTree:
+    """Every rollout a root of its own: what a recurrent layer (the hybrids' gated delta net) reads."""
+    return ChunkTree(segments=tuple(ChunkSegment(q.q_start, q.q_end, None) for q in segs))
 
 
 def _forward(
@@ -72,11 +85,13 @@ def _forward(
     store: Store,
 ) -> torch.Tensor:
     """One forward of `rollouts` packed without sharing; records their results, returns the sum of their losses."""
-    ids, pos, rows, tgt, layout = _pack(tree, rollouts, opts.pad_to)
+    ids, pos, rows, tgt, layout, roots = _pack(tree, rollouts, opts.pad_to)
     dev = model_device(model)
     ids, pos, rows, tgt = ids.to(dev)[None], pos.to(dev)[None], rows.to(dev), tgt.to(dev)
     check_recompute_layers(model, opts)
-    ctx = LocalContext(layout=layout, backend=opts.backend, recompute_layers=opts.recompute_layers)
+    ctx = LocalContext(
+        layout=layout, backend=opts.backend, recompute_layers=opts.recompute_layers, tree=roots
+    )
     want_entropy = opts.keep_entropy or (bound is not None and bound.needs_entropy)
     x, ent = row_logprobs(model, ctx, ids, pos, rows, tgt, opts, entropy=want_entropy)
     total = x.new_zeros(())

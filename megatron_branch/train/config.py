@@ -28,7 +28,7 @@ from typing import Any, Literal
 from megatron_branch.errors import SettingError, Spelling, UserError
 from megatron_branch.losses.advantages import AdvantageConfig
 from megatron_branch.losses.config import ObjectiveConfig
-from megatron_branch.models.arch import ModelArch
+from megatron_branch.models.arch import ModelArch, check_schedule_supports
 from megatron_branch.parallel.layout import ParallelLayout
 from megatron_branch.rules import TRAIN_SCHEDULES, check_run, check_sampling
 from megatron_branch.train.algorithm import resolve_algorithm
@@ -42,7 +42,8 @@ class ArchConfig(ModelArch):
     every field is a key; the fields below are the ones whose default differs. `resolve` is the validated arch."""
 
     family: str = "llama"
-    """"llama" (no QKV bias), "qwen2" (QKV bias) or "qwen3" (q/k norms)."""
+    """"llama" (no QKV bias), "qwen2" (QKV bias), "qwen3" (q/k norms) or "qwen3_5" (a hybrid: set layer_types
+    and the linear_* widths; q/k norms, zero-centred norms and the attention output gate by default)."""
     vocab_size: int | None = None  # type: ignore[assignment]
     """None = the tokenizer's vocabulary size."""
     hidden_size: int = 64
@@ -60,7 +61,11 @@ class ArchConfig(ModelArch):
     qkv_bias: bool | None = None  # type: ignore[assignment]
     """Bias on the Q/K/V projections; None = the family's (qwen2: true)."""
     qk_norm: bool | None = None  # type: ignore[assignment]
-    """RMSNorm on each head's query and key; None = the family's (qwen3: true)."""
+    """RMSNorm on each head's query and key; None = the family's (qwen3, qwen3_5: true)."""
+    zero_centered_norm: bool | None = None  # type: ignore[assignment]
+    """RMSNorm weights stored as offsets from one; None = the family's (qwen3_5: true)."""
+    attention_output_gate: bool | None = None  # type: ignore[assignment]
+    """Gated full attention (sigmoid gate from q_proj); None = the family's (qwen3_5: true)."""
 
     def __post_init__(self) -> None:
         self.resolve(1)  # ModelArch's own checks, before the tokenizer gives the vocabulary
@@ -72,7 +77,10 @@ class ArchConfig(ModelArch):
         if kw["qkv_bias"] is None:
             kw["qkv_bias"] = self.family == "qwen2"
         if kw["qk_norm"] is None:
-            kw["qk_norm"] = self.family == "qwen3"
+            kw["qk_norm"] = self.family in ("qwen3", "qwen3_5")
+        for name in ("zero_centered_norm", "attention_output_gate"):
+            if kw[name] is None:
+                kw[name] = self.family == "qwen3_5"
         return ModelArch(**kw)
 
 
@@ -81,8 +89,8 @@ class ModelConfig:
     """The policy (and, by default, the reference and the critic's trunk)."""
 
     hf_path: str | None = None
-    """Hugging Face folder (config.json + safetensors: Llama, Qwen2, Qwen3) to start from; loaded through the
-    converter. A Qwen3.5 hybrid is refused here for now (its sampler and tree schedules are issue #18)."""
+    """Hugging Face folder (config.json + safetensors: Llama, Qwen2, Qwen3, Qwen3.5/3.6 hybrids) to start from;
+    loaded through the converter."""
     arch: ArchConfig | None = None
     """A config-defined architecture with random weights (used when hf_path is not given)."""
     dtype: Literal["float32", "float64"] = "float32"
@@ -755,12 +763,7 @@ def model_arch(cfg: TrainConfig, vocab_size: int | None = None) -> ModelArch:
 def check_model(cfg: TrainConfig) -> None:
     """The architecture exists and splits over parallel.tp (reads only config.json)."""
     arch = model_arch(cfg)
-    if arch.is_hybrid:
-        raise UserError(
-            f"model.hf_path: {arch.family} is a hybrid ({arch.num_linear_layers} of {arch.num_layers} layers gated "
-            "delta net); training needs sampling and branch replay through the recurrent state (issue #18 items "
-            "2 and 4), not implemented yet; `megatron-branch grad --schedule naive` computes its exact gradient"
-        )
+    check_schedule_supports(arch, cfg.schedule.name, flag="schedule.name", cp=cfg.parallel.cp)
     try:
         arch.check_tensor_parallel(cfg.parallel.tp)
     except UserError as e:

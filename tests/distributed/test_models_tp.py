@@ -1,6 +1,6 @@
 """Qwen3 dense and the Qwen3.5 hybrid under torchrun: conversion bit-exact at TP2 (tensors, files, a dist checkpoint
 saved at TP2 loading at TP1), and `megatron-branch grad` against the HF oracle under TP2+SP, TP2 without SP and
-(Qwen3, every schedule that has CP) CP2.
+(Qwen3, every schedule that has CP) CP2; the hybrid with naive, replay and packed (its GDN state handed down).
 
     python tests/distributed/launch.py 2 -k models_tp
 
@@ -174,15 +174,22 @@ def test_grad_qwen3_every_layout_float64() -> None:
             _check(f"qwen3 {tag} {schedule}", got, want, 1e-9)
 
 
+QWEN3_5_RUNS = [
+    ("tp2sp", ["--tp", "2", "--sequence-parallel"], ("naive", "replay", "packed")),
+    ("tp2", ["--tp", "2"], ("naive", "replay")),
+    ("tp2_manual", ["--tp", "2", "--grad-sync", "manual"], ("naive", "packed")),
+    ("tp2sp_fp64", ["--tp", "2", "--sequence-parallel", "--dtype", "float64"], ("replay",)),
+]
+
+
 @pytest.mark.world(2)
-def test_grad_qwen3_5_naive_under_tp2() -> None:
-    """The GDN out_norm sees one rank's value heads: its gradient is summed over TP by the norm itself
-    (compat/norm.py GatedOutputNorm), under SP and without, with megatron's DDP and with the manual reduction."""
+def test_grad_qwen3_5_under_tp2() -> None:
+    """naive, and the tree schedules through the GDN state (each rank its share of the value heads and conv
+    channels, the sequence gathered by in_proj under SP). The GDN out_norm sees one rank's value heads: its gradient
+    is summed over TP by the norm itself (compat/norm.py GatedOutputNorm), under SP and without, with megatron's
+    DDP and with the manual reduction."""
     d, want = _setup("qwen3_5")
-    for tag, layout in [
-        ("tp2sp", ["--tp", "2", "--sequence-parallel"]),
-        ("tp2", ["--tp", "2"]),
-        ("tp2_manual", ["--tp", "2", "--grad-sync", "manual"]),
-        ("tp2sp_fp64", ["--tp", "2", "--sequence-parallel", "--dtype", "float64"]),
-    ]:
-        _check(f"qwen3_5 {tag}", _grad(d, tag, "--schedule", "naive", *layout), want, 1e-5)
+    for tag, layout, schedules in QWEN3_5_RUNS:
+        for schedule in schedules:
+            got = _grad(d, f"{tag}_{schedule}", "--schedule", schedule, *layout)
+            _check(f"qwen3_5 {tag} {schedule}", got, want, 1e-5)

@@ -181,14 +181,6 @@ def test_planted_in_proj_layout_bug_is_caught(monkeypatch: pytest.MonkeyPatch) -
     assert (logits(model, ids)[:, :37] - ref).abs().max() > 1e-2
 
 
-def test_the_sampler_refuses_a_hybrid() -> None:
-    from megatron_branch.generation import BranchSampler
-
-    _, model = megatron_of(hybrid())
-    with pytest.raises(ValueError, match="cannot sample a hybrid model yet"):
-        BranchSampler(model, vocab_size=37)
-
-
 def test_megatrons_te_hybrid_spec_puts_the_norms_where_the_map_says(monkeypatch: pytest.MonkeyPatch) -> None:
     """megatron's own hybrid block spec (TE only; built here with the named stand-ins of test_param_map_te.py):
     GDN layers fuse the input norm into in_proj, attention layers into linear_qkv, the MLP's into fc1; GDN's
@@ -338,16 +330,20 @@ def test_naive_and_naive_fused_match_hf_per_parameter(dtype: torch.dtype) -> Non
     )
 
 
-@pytest.mark.parametrize("schedule", ["packed", "replay", "packed-nosharing", "replay-stopgrad"])
-def test_tree_schedules_refuse_a_hybrid_before_any_work(schedule: str) -> None:
+def test_what_a_hybrid_cannot_run_is_refused_before_any_work() -> None:
+    from megatron_branch.models.arch import check_schedule_supports
+
     hf = hybrid()
     arch, model = megatron_of(hf)
     tree = PrefixTree.build(_rollouts()[:3], vocab_size=arch.vocab_size)
     obj = PolicyGradientObjective.grpo([1.0, -1.0, 0.5], tree.num_response_tokens_logical())
-    with pytest.raises(UserError, match=f"schedule {schedule} cannot run a hybrid model yet") as e:
-        run_schedule(schedule, model, tree, obj, ScheduleOptions(vocab_size=arch.vocab_size))
+    with pytest.raises(UserError, match="schedule replay-stopgrad cannot run a hybrid model") as e:
+        run_schedule("replay-stopgrad", model, tree, obj, ScheduleOptions(vocab_size=arch.vocab_size))
     assert "\n" not in str(e.value)
     assert all(p.grad is None for p in model.parameters())  # nothing ran
+    with pytest.raises(UserError, match=r"context parallelism \(cp 2\) cannot run a hybrid model yet") as e:
+        check_schedule_supports(arch, "replay", cp=2)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.slow
@@ -362,20 +358,25 @@ def test_grad_command_naive_and_refusals(tmp_path: Path, capsys: pytest.CaptureF
     got = load_file(tmp_path / "g.safetensors")
     assert got.keys() == want.keys() and max(_rel(got[n], want[n]) for n in want) <= BOUND
     capsys.readouterr()
-    for schedule in ("packed", "replay"):
-        assert main([*base, "--out", str(tmp_path / f"{schedule}.safetensors"), "--schedule", schedule]) == 2
-        err = capsys.readouterr().err.strip()
-        assert "cannot run a hybrid model yet" in err and "\n" not in err and "issue #18" in err
-        assert not (tmp_path / f"{schedule}.safetensors").exists()
+    assert main([*base, "--out", str(tmp_path / "bad.safetensors"), "--schedule", "replay", "--cp", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "context parallelism (cp 2) cannot run a hybrid model yet" in err and "\n" not in err
+    assert not (tmp_path / "bad.safetensors").exists()
+    for schedule in ("replay",):  # the tree schedule through the GDN state, from the HF folder
+        out = tmp_path / f"{schedule}.safetensors"
+        assert main([*base, "--out", str(out), "--schedule", schedule]) == 0
+        got = load_file(out)
+        assert got.keys() == want.keys() and max(_rel(got[n], want[n]) for n in want) <= BOUND
 
 
-def test_train_refuses_a_hybrid_policy_in_one_line(tmp_path: Path) -> None:
-    from megatron_branch.train.config import load_config
+def test_train_config_takes_a_hybrid_policy_from_its_hf_folder(tmp_path: Path) -> None:
+    from megatron_branch.train.config import load_config, model_arch
 
     hybrid().save_pretrained(tmp_path / "hf")
     (tmp_path / "c.yaml").write_text(
         f"model:\n  hf_path: {tmp_path / 'hf'}\ndata:\n  task: kv_retrieval\ntokenizer:\n  type: hf\n"
     )
-    with pytest.raises(UserError, match="hybrid .* training needs sampling") as e:
-        load_config(tmp_path / "c.yaml", [])
+    assert model_arch(load_config(tmp_path / "c.yaml", [])).num_linear_layers == 3
+    with pytest.raises(UserError, match="schedule.name replay-stopgrad cannot run a hybrid model") as e:
+        load_config(tmp_path / "c.yaml", ["schedule.name=replay-stopgrad"])
     assert "\n" not in str(e.value)

@@ -18,7 +18,7 @@ from megatron_branch.plan import MODEL_PRESETS, Layout, RolloutShape
 from megatron_branch.plan.flops import step_flops
 from megatron_branch.plan.layers import gdn_mixer_flops, gdn_mixer_saved_bytes
 from megatron_branch.plan.measure import measure_step
-from megatron_branch.plan.memory import step_peak
+from megatron_branch.plan.memory import Dims, layer_kv_bytes, linear_state_bytes, step_peak
 from megatron_branch.plan.model import parameter_count
 from megatron_branch.testing import tiny_hf_config, tiny_hf_model
 
@@ -177,3 +177,30 @@ def test_plan_command_for_the_announced_model(capsys: pytest.CaptureFixture[str]
     mem = d["memory_bytes_per_rank"]
     assert mem["ring_buffers"] == 0 or d["layout"]["cp"] > 1
     assert d["flops"]["naive"] > d["flops"]["replay"]
+    # exact replay of all 16 branches fits on 8 x H20 (TP8, no CP: the engine runs GDN layers without CP), the
+    # cache holding the attention layers' K/V and every GDN layer's fork state, with their accumulators
+    assert d["fits"] and d["layout"]["cp"] == 1 and d["schedule"] == "replay"
+    arch, lay = MODEL_PRESETS["qwen3.6-27b"], d["layout"]
+    dm = Dims.of(arch, Layout(tp=lay["tp"]), 2)
+    kv = arch.num_full_layers * layer_kv_bytes(dm, 122880) + arch.num_linear_layers * linear_state_bytes(dm)
+    assert mem["cached_kv"] == mem["kv_grads"] == kv
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "segment_recompute"])
+def test_hybrid_replay_step_matches_the_meter(recompute: bool) -> None:
+    """Replay through the GDN state: the root's K/V (attention layers) and its GDN state at the fork (S and the
+    conv tail per GDN layer, plus their gradient accumulators) cached, the leaves batched from it."""
+    arch = _arch("qwen3_5", num_layers=4, hidden_size=32, ffn=64)
+    torch.manual_seed(0)
+    model = build_model(arch)
+    shape = RolloutShape(prompt_length=96, responses=4, response_length=12)
+    got = measure_step(model, shape, vocab=VOCAB, branch_micro_batch=4, recompute=recompute)
+    pk = step_peak(
+        arch, shape, Layout(), act_bytes=4, branch_micro_batch=4, segment_recompute=recompute,
+        layer_recompute=False, gdn_kernel="torch",
+    )  # fmt: skip
+    assert pk.saved == pytest.approx(got.saved_peak, rel=TOL), (pk, got)
+    dm = Dims.of(arch, Layout(), 4, gdn_kernel="torch")
+    state = arch.num_linear_layers * linear_state_bytes(dm)
+    assert got.cached_kv == arch.num_full_layers * layer_kv_bytes(dm, 96) + state  # K/V rows + the fork state
