@@ -69,7 +69,11 @@ def _hf_reference(cfg: Any, weights: dict[str, torch.Tensor], *, where: str) -> 
     torch.manual_seed(
         0
     )  # every weight is overwritten below; the seed only makes the (unused) init repeatable
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
+    from megatron_branch.testing import hf_experts_kwargs
+
+    model = AutoModelForCausalLM.from_config(
+        cfg, dtype=torch.float32, attn_implementation="eager", **hf_experts_kwargs(cfg)
+    )
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = {"lm_head.weight"} if getattr(cfg, "tie_word_embeddings", False) else set()
     missing = [n for n in missing if n not in tied and not n.endswith(IGNORED_HF_SUFFIXES)]
