@@ -19,8 +19,10 @@ from megatron_branch.losses.logprobs import vocab_parallel_entropy, vocab_parall
 from megatron_branch.losses.objective import BoundObjective
 from megatron_branch.models.gpt import BranchGPTModel
 from megatron_branch.models.layer_checkpoint import uses_layer_checkpointing
+from megatron_branch.models.moe import attach_router_context
 from megatron_branch.parallel.groups import ParallelGroups, comm_device
 from megatron_branch.schedule.chunks import Chunk, CPChunk, make_chunk, split_chunk
+from megatron_branch.schedule.moe import router_context
 
 
 @dataclass(kw_only=True)
@@ -52,6 +54,11 @@ class ScheduleOptions:
     fused_logprobs: bool = True
     """Fuse the output projection with the logprob by row chunks (losses/fused_logprobs.py): a chunk's full logits
     are never materialised. Needs a BranchGPTModel; False (or another model) = megatron's output layer + logprobs."""
+    moe: Any = None
+    """A MoE policy's router options (losses/router.py MoEOptions: router losses, routing replay); None = megatron's
+    routing, no router losses. Ignored for a dense model."""
+    router_plan: Any = None
+    """Set by run_schedule for a MoE policy (the bound losses/router.py RouterPlan); not a user option."""
     logprob_chunk_rows: int = 256
     """Rows of logits alive at once in the fused path. 256 keeps the transient [rows, vocab] fp32 chunk at 32 MB
     for a 32K vocabulary (128 MB at 128K) while the chunk's GEMM stays large (256 x hidden x vocab); on the
@@ -240,7 +247,10 @@ def forward_chunk(
     want_entropy = opts.keep_entropy or (objective is not None and objective.needs_entropy)
     ids, pos = chunk.input_ids.to(dev)[None], chunk.position_ids.to(dev)[None]  # [1, s]
     target_rows, target_ids = chunk.target_rows.to(dev), tree.tokens[chunk.targets].to(dev)  # [m]
-    logp, ent = row_logprobs(model, ctx, ids, pos, target_rows, target_ids, opts, entropy=want_entropy)
+    rows = torch.full((ids.shape[1],), -1, dtype=torch.long)  # packed index per row, -1 = padding
+    rows[: chunk.token_index.numel()] = chunk.token_index
+    with attach_router_context(model, router_context(opts, token_index=rows)):
+        logp, ent = row_logprobs(model, ctx, ids, pos, target_rows, target_ids, opts, entropy=want_entropy)
     if objective is None:
         loss, stats = logp.new_zeros(()), torch.zeros(0, dtype=torch.float64)
     else:

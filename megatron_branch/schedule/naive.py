@@ -13,6 +13,7 @@ from megatron_branch.data import PrefixTree
 from megatron_branch.losses.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from megatron_branch.losses.objective import Objective
 from megatron_branch.models.gpt import BranchGPTModel
+from megatron_branch.models.moe import attach_router_context
 from megatron_branch.schedule.common import (
     ChunkOut,
     ScheduleOptions,
@@ -21,6 +22,7 @@ from megatron_branch.schedule.common import (
     _to_replicated_region,
     model_device,
 )
+from megatron_branch.schedule.moe import router_context
 
 
 def run_naive(
@@ -56,7 +58,8 @@ def run_naive(
             None, None
         ]  # True = masked
         ent = None
-        with torch.set_grad_enabled(not forward_only and torch.is_grad_enabled()):
+        router = attach_router_context(model, router_context(opts, rollouts=[i], rows=s))  # MoE: its rows
+        with torch.set_grad_enabled(not forward_only and torch.is_grad_enabled()), router:
             if isinstance(base, BranchGPTModel) and base.is_critic:
                 with base.hidden_states_only():
                     hidden = model(ids[None], pos[None], mask)  # [s (/tp), 1, h]

@@ -24,6 +24,7 @@ from megatron_branch.attention.core_attention import BranchContext
 from megatron_branch.attention.layout import AttentionLayout, QuerySegment
 from megatron_branch.data import PrefixTree
 from megatron_branch.losses.objective import BoundObjective, Objective
+from megatron_branch.models.moe import attach_router_context
 from megatron_branch.schedule.common import (
     ChunkOut,
     ScheduleOptions,
@@ -33,6 +34,7 @@ from megatron_branch.schedule.common import (
     model_device,
     row_logprobs,
 )
+from megatron_branch.schedule.moe import router_context
 
 
 def _pack(tree: PrefixTree, rollouts: Sequence[int], pad_to: int) -> tuple[torch.Tensor, ...]:
@@ -76,7 +78,8 @@ def _forward(
     check_recompute_layers(model, opts)
     ctx = BranchContext(layout=layout, backend=opts.backend, recompute_layers=opts.recompute_layers)
     want_entropy = opts.keep_entropy or (bound is not None and bound.needs_entropy)
-    x, ent = row_logprobs(model, ctx, ids, pos, rows, tgt, opts, entropy=want_entropy)
+    with attach_router_context(model, router_context(opts, rollouts=rollouts, rows=ids.shape[1])):
+        x, ent = row_logprobs(model, ctx, ids, pos, rows, tgt, opts, entropy=want_entropy)
     total = x.new_zeros(())
     offset = 0
     for i in rollouts:
