@@ -75,7 +75,8 @@ def tiny_hf_config(
         )
     moe_kw: dict[str, Any] = dict(num_experts_per_tok=2)
     if family == "qwen3_moe":
-        moe_kw.update(num_experts=4, moe_intermediate_size=16, norm_topk_prob=True, **(moe or {}))
+        moe_kw.update(num_experts=4, moe_intermediate_size=16, norm_topk_prob=True)
+        moe_kw.update(moe or {})
         return transformers.Qwen3MoeConfig(
             architectures=["Qwen3MoeForCausalLM"], head_dim=head_dim or 16, **moe_kw, **kw
         )
@@ -86,7 +87,8 @@ def tiny_hf_config(
         moe_kw.update(moe or {})
         return transformers.Qwen2MoeConfig(architectures=["Qwen2MoeForCausalLM"], **moe_kw, **kw)
     if family == "mixtral":
-        moe_kw.update(num_local_experts=4, **(moe or {}))
+        moe_kw.update(num_local_experts=4)
+        moe_kw.update(moe or {})
         return transformers.MixtralConfig(architectures=["MixtralForCausalLM"], **moe_kw, **kw)
     raise ValueError(family)
 

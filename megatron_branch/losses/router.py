@@ -473,6 +473,19 @@ class RowContext:
             fused=False,
             router_replay=replay,
         )
+        if (
+            cfg.moe_expert_capacity_factor is not None
+        ):  # naive only (check_dropless): megatron's token dropping
+            from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping
+
+            probs, routing_map = apply_router_token_dropping(
+                probs,
+                routing_map,
+                router_topk=router.topk,
+                capacity_factor=cfg.moe_expert_capacity_factor,
+                drop_policy=cfg.moe_token_drop_policy,
+                pad_to_capacity=cfg.moe_pad_expert_input_to_capacity,
+            )
         if plan.needs_counts and (plan.counting or train):
             aux_map, scores = compute_routing_scores_for_aux_loss(logits, router.topk, router.score_function)
             if record:
@@ -483,11 +496,43 @@ class RowContext:
             if train:
                 loss = plan.balancing_loss(layer, scores, groups, w, record=record)
                 probs = MoEAuxLossAutoScaler.apply(probs, loss)
-        if not plan.counting and record:
+        if train and record:  # the forward whose graph is back-propagated (replay's recompute: the second)
             routed = routing_map[real].to(torch.float64)  # [n_real, E]
             add = torch.stack([routed.sum(dim=0), (routed * w[real, None]).sum(dim=0)])  # [2, E]
             plan.tokens[layer] = plan.tokens[layer] + add if layer in plan.tokens else add
         return probs, routing_map
+
+
+class RoutingRecorder:
+    """Records the experts megatron's router picks for every row of a forward (the sampler, routing replay): the
+    routing is megatron's own (the stock TopKRouter.routing), each router keeps its rows' top-k map."""
+
+    def __init__(self) -> None:
+        self.maps: dict[int, torch.Tensor] = {}  # 0-based layer -> [n, E] bool (this rank's rows)
+        self.tp_group: Any = None
+
+    def route(self, router: BranchRouter, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        probs, routing_map = TopKRouter.routing(router, logits)
+        self.maps[router.layer_number - 1] = routing_map.detach()
+        if router.config.sequence_parallel:
+            self.tp_group = router.tp_group
+        return probs, routing_map
+
+    def experts(self, layers: Sequence[int], top_k: int) -> torch.Tensor:
+        """[s, len(layers), k] int32: each row's experts per MoE layer (ascending), rows gathered over TP under
+        sequence parallel (a collective over the TP group then)."""
+        out = []
+        for layer in layers:
+            m = self.maps[layer]  # [n, E]
+            if self.tp_group is not None and self.tp_group.size() > 1:
+                from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+                m = gather_from_sequence_parallel_region(m.to(torch.uint8), group=self.tp_group).bool()
+            ids = m.nonzero()[:, 1].view(m.shape[0], top_k)  # row-major: each row's experts ascending
+            out.append(ids)
+        return torch.stack(out, dim=1).to(torch.int32).cpu()
 
 
 @contextmanager
