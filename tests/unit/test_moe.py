@@ -187,8 +187,8 @@ def routed_experts(model: torch.nn.Module, tree: PrefixTree) -> dict[int, torch.
     """layer -> [N, E] bool: the experts every packed token routes to (one packed forward, megatron's routing)."""
     from megatron_branch.losses.router import RoutingRecorder
     from megatron_branch.models.moe import attach_router_context
-    from megatron_branch.schedule.common import forward_chunk
     from megatron_branch.schedule.chunks import make_chunk
+    from megatron_branch.schedule.common import forward_chunk
 
     rec = RoutingRecorder()
     chunk = make_chunk(tree, range(len(tree.segments)))
@@ -259,7 +259,7 @@ def test_metrics_count_tokens_per_expert_logical_and_computed() -> None:
     k, E = arch.moe_top_k, arch.num_experts
     for layer in arch.moe_layers:
 
-        def counts(s: dict, kind: str) -> list[float]:
+        def counts(s: dict, kind: str, layer: int = layer) -> list[float]:
             return [s[f"moe/tokens_per_expert/{kind}/layer_{layer}/expert_{e}"] for e in range(E)]
 
         assert sum(counts(stats["packed"], "computed")) == k * tree.positions_computed
