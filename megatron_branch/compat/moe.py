@@ -20,6 +20,12 @@ the same computation to the CPU.
    import's try (NameError). The shim binds it to None, the value megatron's fallback branch expects.
 4. `moe_utils.torch` (no CUDA): `track_moe_metrics(force_initialize=True)` allocates its tracker on
    device="cuda"; the module sees compat/cpu.py's view of torch whose factories map "cuda" to the CPU.
+6. `tensor_parallel.mappings._gather_along_first_dim` / `_reduce_scatter_along_first_dim` with split sizes (no
+   CUDA): under TP x EP the dispatcher gathers a variable number of tokens per TP rank (`output_splits_tp`) with
+   torch.distributed.all_gather / reduce_scatter over lists of unequal tensors, which gloo refuses (all_gather:
+   "invalid tensor size"; reduce_scatter: not implemented). The shim does the same exchange with equal-sized
+   collectives: every rank's rows zero-padded to the largest split, then the padding cut (a sum of zero rows for
+   the reduce-scatter), so the result is the same tensor bit for bit. Without split sizes megatron's own path runs.
 5. `moe_utils.torch` softmax (everywhere): megatron computes the router's scores with
    `torch.softmax(..., dtype=torch.float32)` (top-k and aux-loss scores), an up-cast for bf16/fp16 but a DOWN-cast
    for a float64 run, which would bound float64 exactness at float32's 1e-7. The view computes such a softmax in
@@ -177,6 +183,51 @@ def _shim_float64_softmax() -> None:
         mod.torch = _Float64SoftmaxView(real)
 
 
+# --- 6. variable-size TP collectives on gloo -----------------------------------------------------------------------
+_MAPPINGS = "megatron.core.tensor_parallel.mappings"
+
+
+def _shim_uneven_tp_collectives() -> None:
+    import torch.distributed as dist
+
+    mod, gather = _resolve(_MAPPINGS, "_gather_along_first_dim")
+    _, scatter = _resolve(_MAPPINGS, "_reduce_scatter_along_first_dim")
+    if getattr(gather, "_megatron_branch_shim", False):
+        return
+
+    def _gather_along_first_dim(
+        input_: Any, group: Any, output_split_sizes: Any = None, *args: Any, **kw: Any
+    ) -> Any:
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, *args, **kw)
+        sizes = [int(n) for n in output_split_sizes]
+        rows = max(sizes)
+        padded = input_.new_zeros(rows, *input_.shape[1:])
+        padded[: input_.shape[0]] = input_
+        out = input_.new_empty(group.size() * rows, *input_.shape[1:])
+        dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
+        return torch.cat([out[r * rows : r * rows + n] for r, n in enumerate(sizes)])
+
+    def _reduce_scatter_along_first_dim(
+        input_: Any, group: Any, input_split_sizes: Any = None, *args: Any, **kw: Any
+    ) -> Any:
+        if input_split_sizes is None or group.size() == 1:
+            return scatter(input_, group, input_split_sizes, *args, **kw)
+        sizes = [int(n) for n in input_split_sizes]
+        rows = max(sizes)
+        parts = input_.split(sizes, dim=0)
+        padded = input_.new_zeros(group.size() * rows, *input_.shape[1:])
+        for r, part in enumerate(parts):
+            padded[r * rows : r * rows + sizes[r]] = part
+        out = input_.new_empty(rows, *input_.shape[1:])
+        dist.reduce_scatter_tensor(out, padded, group=group)
+        return out[: sizes[group.rank()]]
+
+    _gather_along_first_dim._megatron_branch_shim = True  # type: ignore[attr-defined]
+    mod._gather_along_first_dim = _gather_along_first_dim
+    mod._reduce_scatter_along_first_dim = _reduce_scatter_along_first_dim
+
+
 def apply_moe_shims(*, force: bool = False) -> list[str]:
     """Apply the MoE shims this machine needs (all of them with `force`). Returns the names applied by this call."""
     shims: dict[str, Callable[[], None]] = {}
@@ -184,6 +235,7 @@ def apply_moe_shims(*, force: bool = False) -> list[str]:
         shims["moe_dispatcher_streams"] = _shim_dispatcher_streams
         shims["moe_split_sizes"] = _shim_split_sizes
         shims["moe_utils_factories"] = _shim_utils_factories
+        shims["moe_uneven_tp_collectives"] = _shim_uneven_tp_collectives
     if force or needs_te_shim():
         shims["moe_te_gemm"] = _shim_te_gemm
     shims["moe_float64_softmax"] = _shim_float64_softmax

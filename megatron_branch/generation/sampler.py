@@ -37,6 +37,7 @@ from megatron_branch.generation.types import GenerationOutput, GenerationStats, 
 from megatron_branch.losses.router import RoutingRecorder
 from megatron_branch.models.gpt import BranchGPTModel
 from megatron_branch.models.moe import attach_router_context
+from megatron_branch.parallel import lockstep
 from megatron_branch.parallel.groups import ParallelGroups, comm_device
 
 
@@ -135,6 +136,18 @@ class BranchSampler:
             raise ValueError(
                 f"the generator is on {generator.device}, the model on {self.device}: they must match"
             )
+        with lockstep.region(
+            self.model
+        ):  # EP across DP replicas: their forwards pair up (parallel/lockstep.py)
+            return self._generate(prompts, params, generator, t0)
+
+    def _generate(
+        self,
+        prompts: list[tuple[int, ...]],
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        t0: float,
+    ) -> GenerationOutput:
         stats = GenerationStats(num_prompts=len(prompts), prompt_prefills=[0] * len(prompts))
         self._prompt_routes: dict[int, torch.Tensor] = {}
         cache = PrefixKV()

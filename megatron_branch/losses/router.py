@@ -535,6 +535,22 @@ class RoutingRecorder:
         return torch.stack(out, dim=1).to(torch.int32).cpu()
 
 
+def fold_expert_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The `moe/tokens_per_expert/{kind}/layer_{i}/expert_{e}` floats (what adds over micro-batches and ranks)
+    folded into one list per layer and kind, `moe/tokens_per_expert/{kind}/layer_{i}` (a metrics.jsonl line)."""
+    out: dict[str, Any] = {}
+    lists: dict[str, dict[int, float]] = {}
+    for k, v in metrics.items():
+        head, sep, tail = k.rpartition("/expert_")
+        if sep and head.startswith("moe/tokens_per_expert/") and tail.isdigit():
+            lists.setdefault(head, {})[int(tail)] = v
+        else:
+            out[k] = v
+    for head, by_e in lists.items():
+        out[head] = [by_e[e] for e in range(len(by_e))]
+    return out
+
+
 @contextmanager
 def pinned_aux_scale() -> Iterator[None]:
     """megatron's MoEAuxLossAutoScaler multiplies every attached loss's gradient by a class-wide scale that its

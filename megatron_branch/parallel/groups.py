@@ -30,9 +30,12 @@ class ParallelConfig:
     """Context-parallel size (tokens are split over it; ring attention)."""
     sequence_parallel: bool = False
     """Shard activations outside attention/MLP along the sequence over the TP group (needs tp > 1 to matter)."""
+    ep: int = 1
+    """Expert-parallel size (a MoE model's experts split over it), laid inside dp x cp as megatron lays it
+    (parallel_state expert_model_parallel_size; experts also split over TP: expert TP = TP)."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "cp"):
+        for name in ("tp", "cp", "ep"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise UserError(f"--{name} must be a positive integer, got {v!r}")
@@ -42,6 +45,11 @@ class ParallelConfig:
         if world_size % mp:
             raise UserError(
                 f"world size {world_size} is not a multiple of tp*cp = {self.tp}*{self.cp} = {mp}"
+            )
+        if (world_size // self.tp) % self.ep:
+            raise UserError(
+                f"--ep {self.ep} must divide cp*dp = {world_size // self.tp} (megatron lays the expert-parallel "
+                "group inside the data- and context-parallel ranks)"
             )
         return world_size // mp
 
@@ -59,6 +67,12 @@ class ParallelGroups:
     cp_size: int
     dp_size: int
     sequence_parallel: bool
+    ep: Any = None
+    """The expert-parallel group (MoE models; None: no expert parallelism)."""
+    ep_size: int = 1
+    ep_spans_dp: bool = False
+    """Some EP group holds ranks of different data-parallel replicas: their model calls must pair up
+    (parallel/lockstep.py)."""
 
     @classmethod
     def single(cls) -> ParallelGroups:
@@ -105,7 +119,9 @@ def initialize_parallel(cfg: ParallelConfig, *, seed: int = 1234) -> ParallelGro
     _, world = init_distributed()
     dp = cfg.data_parallel_size(world)
     destroy_parallel()  # frees the previous layout's groups too
-    ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tp, context_parallel_size=cfg.cp)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tp, context_parallel_size=cfg.cp, expert_model_parallel_size=cfg.ep
+    )
     # torch 2.13 starts each process from a different CPU seed: seed explicitly so replicas agree.
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -118,7 +134,20 @@ def initialize_parallel(cfg: ParallelConfig, *, seed: int = 1234) -> ParallelGro
         cp_size=cfg.cp,
         dp_size=dp,
         sequence_parallel=cfg.sequence_parallel and cfg.tp > 1,
+        ep=ps.get_expert_model_parallel_group() if cfg.ep > 1 else None,
+        ep_size=cfg.ep,
+        ep_spans_dp=cfg.ep > 1 and _ep_spans_replicas(ps),
     )
+
+
+def _ep_spans_replicas(ps: Any) -> bool:
+    """Whether any rank's EP group reaches outside its data-parallel replica (its TP x CP ranks); every rank
+    learns the same answer (a MAX all-reduce over the world)."""
+    ep = set(dist.get_process_group_ranks(ps.get_expert_model_parallel_group()))
+    replica = set(dist.get_process_group_ranks(ps.get_tensor_and_context_parallel_group()))
+    flag = torch.tensor([int(not ep <= replica)], device=comm_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def comm_device(group: Any = None) -> torch.device:

@@ -14,6 +14,7 @@ from megatron_branch.losses.logprobs import vocab_parallel_entropy, vocab_parall
 from megatron_branch.losses.objective import Objective
 from megatron_branch.models.gpt import BranchGPTModel
 from megatron_branch.models.moe import attach_router_context
+from megatron_branch.parallel.lockstep import backward
 from megatron_branch.schedule.common import (
     ChunkOut,
     ScheduleOptions,
@@ -78,7 +79,7 @@ def run_naive(
             else:
                 loss, stats = x.new_zeros(()), torch.zeros(0, dtype=torch.float64)
         if not forward_only:
-            loss.backward()
+            backward(model, [loss])  # plain autograd; paired across replicas under EP (parallel/lockstep.py)
         # keep the response tokens' results, as the tree schedules do (prompt rows carry no loss; the first
         # response token is predicted by the last prompt row)
         first = max(len(r.prompt) - 1, 0)

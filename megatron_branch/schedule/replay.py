@@ -38,6 +38,7 @@ from megatron_branch.attention.core_attention import KV
 from megatron_branch.data import PrefixTree
 from megatron_branch.losses.objective import BoundObjective, Objective
 from megatron_branch.memory import track_extra
+from megatron_branch.parallel.lockstep import backward
 from megatron_branch.schedule.chunks import Chunk, CPChunk
 from megatron_branch.schedule.common import (
     ChunkOut,
@@ -104,7 +105,7 @@ class _Replay:
     def run_leaves(self, leaves: list[int]) -> None:
         chunk, out = self._forward(leaves, capture=False)
         if not self.forward_only:
-            out.loss.backward()
+            backward(self.model, [out.loss])
         self.positions += chunk.num_real
         self.store.add(chunk.targets, out)
 
@@ -156,8 +157,7 @@ class _Replay:
                 if cached.grad is not None:
                     outputs.append(t[const:real])
                     grads.append(cached.grad)
-        if outputs[0].requires_grad or len(outputs) > 1:
-            torch.autograd.backward(outputs, grads)
+        backward(self.model, outputs, grads)  # plain autograd; paired across replicas under EP (lockstep)
         self.store.add(chunk.targets, out)
 
     @staticmethod

@@ -25,6 +25,7 @@ from megatron_branch.attention.layout import AttentionLayout, QuerySegment
 from megatron_branch.data import PrefixTree
 from megatron_branch.losses.objective import BoundObjective, Objective
 from megatron_branch.models.moe import attach_router_context
+from megatron_branch.parallel.lockstep import backward
 from megatron_branch.schedule.common import (
     ChunkOut,
     ScheduleOptions,
@@ -119,7 +120,7 @@ def _run(
         with torch.set_grad_enabled(not forward_only and torch.is_grad_enabled()):
             loss = _forward(model, tree, group, bound, opts, store)
         if not forward_only:
-            loss.backward()
+            backward(model, [loss])  # plain autograd; paired across replicas under EP (parallel/lockstep.py)
     return store.result(
         name, tree, bound, opts, positions_computed=tree.positions_logical, forwards=len(groups)
     )

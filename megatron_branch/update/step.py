@@ -28,6 +28,7 @@ from megatron_branch.data import PrefixTree, Rollout
 from megatron_branch.losses.dpo import DPOObjective
 from megatron_branch.losses.objective import Objective
 from megatron_branch.losses.value import ValueObjective
+from megatron_branch.parallel import lockstep
 from megatron_branch.parallel.data import assign_groups
 from megatron_branch.parallel.groups import comm_device
 from megatron_branch.schedule import ScheduleOptions, run_schedule, score_rollouts
@@ -97,11 +98,12 @@ def attach_scores(
     mine = _my_share(rollouts, plan)
     todo = [i for i in mine if not (only_missing and rollouts[i].field(name) is not None)]
     scored: dict[int, tuple[float, ...]] = {}
-    for chunk in split_micro_batches(rollouts, todo, plan.micro_batches):
-        tree = PrefixTree.build([rollouts[i] for i in chunk], vocab_size=plan.opts.vocab_size)
-        scores = score_rollouts(plan.schedule, model, tree, plan.opts)
-        for j, i in enumerate(chunk):
-            scored[i] = tuple(scores.logprobs[j].nan_to_num(0.0).tolist())
+    with lockstep.region(model):  # EP across DP replicas: their forwards pair up (parallel/lockstep.py)
+        for chunk in split_micro_batches(rollouts, todo, plan.micro_batches):
+            tree = PrefixTree.build([rollouts[i] for i in chunk], vocab_size=plan.opts.vocab_size)
+            scores = score_rollouts(plan.schedule, model, tree, plan.opts)
+            for j, i in enumerate(chunk):
+                scored[i] = tuple(scores.logprobs[j].nan_to_num(0.0).tolist())
     groups = plan.opts.groups
     if groups.dp is not None and groups.dp_size > 1:
         parts: list[Any] = [None] * groups.dp_size
@@ -145,7 +147,24 @@ def accumulate_gradients(
     """Forward/backward this rank's share of the global `batch`, micro-batch by micro-batch; gradients accumulate
     in the model (not finalised). The gradient part of `update_step`, and all of `megatron-branch grad`."""
     opts = dataclasses.replace(plan.opts, keep_logprobs=keep_logprobs or plan.opts.keep_logprobs)
+    opts = moe_options_for_update(
+        opts, batch, plan
+    )  # MoE: router-loss scale, global-aux state (once per update)
     acc = Accumulated()
+    with lockstep.region(model):  # EP across DP replicas: their forwards and backwards pair up
+        _accumulate(model, batch, objective, plan, opts, acc, keep_logprobs)
+    return acc
+
+
+def _accumulate(
+    model: torch.nn.Module,
+    batch: Sequence[Rollout],
+    objective: Objective | DPOObjective,
+    plan: UpdatePlan,
+    opts: ScheduleOptions,
+    acc: Accumulated,
+    keep_logprobs: bool,
+) -> None:
     for chunk in split_micro_batches(batch, _my_share(batch, plan), plan.micro_batches):
         tree = PrefixTree.build([batch[i] for i in chunk], vocab_size=opts.vocab_size)
         run_obj: Objective = objective  # type: ignore[assignment]
@@ -156,7 +175,7 @@ def accumulate_gradients(
             run_obj, dpo_loss, dpo_stats = objective.linearise(tree, pi)
         res = run_schedule(plan.schedule, model, tree, run_obj, opts)
         if isinstance(objective, DPOObjective):
-            res.loss, res.stats = dpo_loss, dpo_stats
+            res.loss, res.stats = dpo_loss, {**res.stats, **dpo_stats}  # res.stats: routing metrics only
         acc.loss += res.loss
         for k, v in res.stats.items():
             acc.stats[k] = acc.stats.get(k, 0.0) + v
@@ -165,12 +184,42 @@ def accumulate_gradients(
         if keep_logprobs:
             for j, i in enumerate(chunk):
                 acc.logprobs[i] = res.rollout_logprobs(tree, j).tolist()
-    return acc
+
+
+def moe_options_for_update(
+    opts: ScheduleOptions, batch: Sequence[Rollout], plan: UpdatePlan
+) -> ScheduleOptions:
+    """A MoE policy's router losses over this update: each micro-batch's losses weighted 1 / (micro-batches of
+    all DP ranks) (megatron: 1/num_microbatches, then DDP's mean over DP), one global_aux_loss running state."""
+    if opts.moe is None or not opts.moe.losses.enabled:
+        return opts
+    from megatron_branch.losses.router import GlobalAuxState
+
+    groups = opts.groups
+    full = PrefixTree.build(list(batch))
+    shares = assign_groups(full, groups.dp_size)
+    counts = [len(split_micro_batches(batch, share, plan.micro_batches)) for share in shares]
+    total = sum(counts)
+    if opts.moe.losses.global_aux_loss_coeff and len(set(counts)) > 1:
+        from megatron_branch.errors import UserError
+
+        raise UserError(
+            f"global_aux_loss sums its counts over DP each micro-batch, but the DP ranks get {counts} micro-batches "
+            "of this batch: give every rank as many prompt groups (or fewer micro-batches)"
+        )
+    moe = dataclasses.replace(
+        opts.moe, loss_scale=1.0 / max(total, 1), global_state=GlobalAuxState(), dp_group=groups.dp
+    )
+    return dataclasses.replace(opts, moe=moe)
 
 
 def reduce_metrics(acc: Accumulated, objective: Any, groups: Any, role: str) -> dict[str, float]:
     """The global metrics of an accumulation (a SUM over DP ranks; a collective over `groups.dp`)."""
     names = sorted(acc.stats) if acc.stats else _stat_names(objective)
+    if groups.dp is not None and groups.dp_size > 1:  # a rank without rollouts has no routing metrics
+        parts: list[Any] = [None] * groups.dp_size
+        dist.all_gather_object(parts, names, group=groups.dp)
+        names = sorted(set().union(*parts))
     local = [acc.loss, acc.positions_logical, acc.positions_computed, *[acc.stats.get(k, 0.0) for k in names]]
     total = _sum_over_dp(torch.tensor(local, dtype=torch.float64), groups)
     metrics = {f"{role}/loss": float(total[0])}
