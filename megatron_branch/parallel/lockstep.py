@@ -56,7 +56,9 @@ class Lockstep:
         self._inner = False  # inside a dummy call (hooks pass through)
         self._pending_real_f = False
         self.dummies = {N: 0, F: 0, B: 0}
-        model.register_forward_pre_hook(self._pre_forward)
+        # first among the model's pre-hooks: a dummy forward runs before the real forward's own hooks (RoPE's
+        # position ids) have set anything up
+        model.register_forward_pre_hook(self._pre_forward, prepend=True)
         model.register_forward_hook(self._post_forward)
 
     # ---- hooks and the schedules' backward ---------------------------------------------------------------------
@@ -133,7 +135,7 @@ class Lockstep:
         return F
 
     def _dummy_forward(self, *, grad: bool) -> None:
-        from megatron_branch.attention.core_attention import BranchContext, attach_context
+        from megatron_branch.attention.core_attention import BranchContext
         from megatron_branch.attention.layout import AttentionLayout, QuerySegment
 
         base = getattr(self.model, "module", self.model)
@@ -145,11 +147,8 @@ class Lockstep:
         ids = torch.zeros(1, s, dtype=torch.long, device=dev)
         self._inner = True
         try:
-            with (
-                torch.set_grad_enabled(grad),
-                attach_context(base, BranchContext(layout=layout)),
-                base.hidden_states_only(),
-            ):
+            # the real forward this dummy runs before may have its contexts attached already: swap them out
+            with torch.set_grad_enabled(grad), _swapped(base, BranchContext(layout=layout)):
                 out = base(ids, torch.zeros_like(ids), None)  # [s(/tp), 1, h]
         finally:
             self._inner = False
@@ -166,6 +165,29 @@ class Lockstep:
         finally:
             self._inner = False
         self.dummies[B] += 1
+
+
+@contextmanager
+def _swapped(base: torch.nn.Module, ctx: Any) -> Iterator[None]:
+    """`ctx` on every core attention, no router context, hidden states out; whatever was there restored after."""
+    from megatron_branch.attention.core_attention import branch_attention_modules
+    from megatron_branch.models.moe import branch_routers
+
+    attns, routers = branch_attention_modules(base), branch_routers(base)
+    held = [m.context for m in attns], [r.context for r in routers], base._hidden_only
+    for m in attns:
+        m.context = ctx
+    for r in routers:
+        r.context = None
+    base._hidden_only = True
+    try:
+        yield
+    finally:
+        for m, c in zip(attns, held[0], strict=True):
+            m.context = c
+        for r, c in zip(routers, held[1], strict=True):
+            r.context = c
+        base._hidden_only = held[2]
 
 
 def _first_tensor(output: Any) -> torch.Tensor | None:
