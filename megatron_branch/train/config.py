@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from megatron_branch.errors import UserError
+from megatron_branch.train.moe import MoEConfig, check_moe
 
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -28,8 +29,9 @@ from megatron_branch.errors import UserError
 class ArchConfig:
     """A Llama-style architecture defined in the config (random init): the demo's tiny policy."""
 
-    family: Literal["llama", "qwen2", "qwen3"] = "llama"
-    """"llama" (no QKV bias), "qwen2" (QKV bias) or "qwen3" (q/k norms)."""
+    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = "llama"
+    """"llama" (no QKV bias), "qwen2" (QKV bias), "qwen3" (q/k norms) or "qwen3_moe" (q/k norms, every MLP a
+    mixture of experts: megatron's MoELayer)."""
     vocab_size: int | None = None
     """None = the tokenizer's vocabulary size."""
     hidden_size: int = 64
@@ -48,6 +50,14 @@ class ArchConfig:
     """RoPE base."""
     tie_word_embeddings: bool = False
     """Share the input embedding with the output layer."""
+    num_experts: int = 0
+    """qwen3_moe: routed experts per layer."""
+    num_experts_per_tok: int = 2
+    """qwen3_moe: experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 0
+    """qwen3_moe: each expert's SwiGLU width."""
+    norm_topk_prob: bool = True
+    """qwen3_moe: renormalise the top-k probabilities."""
 
 
 @dataclass(kw_only=True)
@@ -226,6 +236,8 @@ class ParallelConfigSection:
     every CP rank samples the same rollouts redundantly."""
     sequence_parallel: bool = False
     """Sequence parallel over the TP group."""
+    ep: int = 1
+    """Expert-parallel size of a MoE policy, inside dp x cp as megatron lays it out (world = tp * cp * dp)."""
 
 
 @dataclass(kw_only=True)
@@ -338,6 +350,8 @@ class TrainConfig:
     """Checkpoint contents."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Steps, saving, resuming, run folder."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """A mixture-of-experts policy's router losses and routing replay (train/moe.py)."""
 
     def __post_init__(self) -> None:
         validate(self)
@@ -540,6 +554,7 @@ def validate(cfg: TrainConfig) -> None:
         ("optim.lr", cfg.optim.lr),
         ("parallel.tp", cfg.parallel.tp),
         ("parallel.cp", cfg.parallel.cp),
+        ("parallel.ep", cfg.parallel.ep),
         ("schedule.branch_micro_batch", cfg.schedule.branch_micro_batch),
         ("tokenizer.vocab_size", cfg.tokenizer.vocab_size),
         ("data.max_prompt_length", d.max_prompt_length),
@@ -644,12 +659,28 @@ def model_arch(cfg: TrainConfig, vocab_size: int | None = None) -> Any:
             ffn_hidden_size=a.ffn_hidden_size,
             rope_theta=a.rope_theta,
             qkv_bias=a.family == "qwen2",
-            qk_norm=a.family == "qwen3",
+            qk_norm=a.family in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=a.tie_word_embeddings,
             max_position_embeddings=a.max_position_embeddings,
+            **_moe_fields(a),
         )
     except ValueError as e:
         raise UserError(f"model.arch: {e}") from None
+
+
+def _moe_fields(a: ArchConfig) -> dict[str, Any]:
+    if a.family != "qwen3_moe":
+        if a.num_experts or a.moe_intermediate_size:
+            raise UserError(
+                f"model.arch.num_experts / moe_intermediate_size need family qwen3_moe, not {a.family}"
+            )
+        return {}
+    return dict(
+        num_experts=a.num_experts,
+        moe_top_k=a.num_experts_per_tok,
+        moe_ffn_hidden_size=a.moe_intermediate_size,
+        moe_norm_topk_prob=a.norm_topk_prob,
+    )
 
 
 def check_model(cfg: TrainConfig) -> None:
@@ -665,6 +696,7 @@ def check_model(cfg: TrainConfig) -> None:
         arch.check_tensor_parallel(cfg.parallel.tp)
     except UserError as e:
         raise UserError(f"parallel.tp: {e}") from None
+    check_moe(cfg, arch)
     if cfg.data.max_prompt_length is not None:
         check_fits_context(
             cfg,

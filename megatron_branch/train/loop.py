@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megatron_branch.checkpoint.store import CheckpointStore, rng_sharded_object
 from megatron_branch.data import PrefixTree, Rollout
 from megatron_branch.errors import UserError
+from megatron_branch.losses.router import fold_expert_metrics
 from megatron_branch.parallel.groups import (
     ParallelConfig,
     agree_on_error,
@@ -33,7 +34,7 @@ from megatron_branch.train import policy as policy_ops
 from megatron_branch.train.config import TrainConfig, check_fits_context, model_arch, write_resolved
 from megatron_branch.train.data import load_dataset
 from megatron_branch.train.metrics import RunLogger
-from megatron_branch.train.models import DTYPES, build_policy, frozen_copy
+from megatron_branch.train.models import DTYPES, build_policy, frozen_copy, prepare_for_layout
 from megatron_branch.train.run_dir import run_folder
 from megatron_branch.train.state import PromptOrder, capture_rng, restore_rng
 
@@ -59,8 +60,9 @@ class Trainer:
         self.dtype = DTYPES[cfg.model.dtype]
         # Everything the user gave is read and checked before anything is written (one line on failure).
         pcfg = ParallelConfig(
-            tp=cfg.parallel.tp, cp=cfg.parallel.cp, sequence_parallel=cfg.parallel.sequence_parallel
-        )
+            tp=cfg.parallel.tp, cp=cfg.parallel.cp, sequence_parallel=cfg.parallel.sequence_parallel,
+            ep=cfg.parallel.ep,
+        )  # fmt: skip
         pcfg.data_parallel_size(self.world)
         with run_folder(self.out, resume=resume) as setup_dir:
             err = None
@@ -130,11 +132,14 @@ class Trainer:
         for k, group in zip(slots, out.samples):
             for s in group:
                 reward = self.dataset.reward(indices[k], s.response)
-                local.append((k, s.prompt, s.response, s.logprobs, reward))
+                local.append((k, s.prompt, s.response, s.logprobs, reward, s.routed_experts))
         rows = [r for part in _gather_over(self.groups.dp, local) for r in part]
         rows.sort(key=lambda r: r[0])  # the global batch in the step's prompt order (stable within a group)
         rewards = [r[4] for r in rows]
-        rollouts = [Rollout(prompt=r[1], response=r[2], token_fields={"old_logprobs": r[3]}) for r in rows]
+        rollouts = [
+            Rollout(prompt=r[1], response=r[2], token_fields={"old_logprobs": r[3]}, routed_experts=r[5])
+            for r in rows
+        ]  # routed_experts: MoE routing replay's records (moe.router_replay: R3), else None
         stats = {
             "gen/prefill_positions": out.stats.prefill_positions,
             "gen/decode_steps": out.stats.decode_steps,
@@ -168,7 +173,7 @@ class Trainer:
             "critic/score/max": max(rewards),
             "critic/score/min": min(rewards),
             "response_length/mean": sum(resp) / len(resp),
-            **metrics,
+            **fold_expert_metrics(metrics),  # MoE: tokens per expert as one list per layer
             **gen_stats,
             "timing_s/gen": t_gen - t0,
             "timing_s/update_actor": t_upd - t_gen,
@@ -203,7 +208,7 @@ class Trainer:
             "loss": metrics.pop("loss"),
             **self._positions(pairs),
             "response_length/mean": sum(len(r.response) for r in pairs) / len(pairs),
-            **metrics,
+            **fold_expert_metrics(metrics),
             "timing_s/update_actor": step_s,
             "timing_s/step": step_s,
             "perf/throughput": PrefixTree.build(pairs).positions_logical / step_s,
@@ -302,10 +307,10 @@ class Trainer:
 
         ref = build_model(
             self.arch, dtype=self.dtype, tp=self.groups.tp_size,
-            sequence_parallel=self.groups.sequence_parallel, init_weights=False,
+            sequence_parallel=self.groups.sequence_parallel, init_weights=False, ep=self.groups.ep_size,
         )  # fmt: skip
         ref.requires_grad_(False)
-        return ref
+        return prepare_for_layout(ref, self.groups)
 
     def save(self) -> Path:
         common = {"data": self.order.state_dict(), **self.actor.common_state()}

@@ -21,7 +21,13 @@ def build_policy(
     the CPU from the default generator, seeded here identically on every rank, then slices it)."""
     if hf_path is None:
         torch.manual_seed(init_seed)
-        model = build_model(arch, dtype=dtype, tp=groups.tp_size, sequence_parallel=groups.sequence_parallel)
+        model = build_model(
+            arch,
+            dtype=dtype,
+            tp=groups.tp_size,
+            sequence_parallel=groups.sequence_parallel,
+            ep=groups.ep_size,
+        )
     else:
         from megatron_branch.checkpoint.hf_io import HFTensorReader
         from megatron_branch.checkpoint.param_map import iter_hf_to_mcore
@@ -34,9 +40,9 @@ def build_policy(
             tp=groups.tp_size,
             sequence_parallel=groups.sequence_parallel,
             init_weights=False,
+            ep=groups.ep_size,
         )
         params = dict(model.named_parameters())
-        loaded = set()
         with torch.no_grad():
             for name, full in iter_hf_to_mcore(
                 reader.keys(),
@@ -45,11 +51,19 @@ def build_policy(
                 padded_vocab=arch.padded_vocab_size(groups.tp_size),
                 where=hf_path,
             ):
-                load_full_tensor(model, name, full.to(dtype), groups.tp, params=params)
-                loaded.add(name)
-        assert loaded == set(params), sorted(set(params) ^ loaded)
+                load_full_tensor(model, name, full.to(dtype), groups.tp, params=params, ep_group=groups.ep)
     if torch.cuda.is_available():
         model.cuda()
+    return prepare_for_layout(model, groups)
+
+
+def prepare_for_layout(model: torch.nn.Module, groups: ParallelGroups) -> torch.nn.Module:
+    """Under expert parallelism across DP replicas, the model's calls pair up between replicas
+    (parallel/lockstep.py); otherwise nothing to do."""
+    if groups.ep_spans_dp:
+        from megatron_branch.parallel import lockstep
+
+        lockstep.install(model, rows=groups.tp_size if groups.sequence_parallel else 1)
     return model
 
 
@@ -58,14 +72,19 @@ def frozen_copy(
 ) -> Any:
     """A reference model: same shards, no gradients, never stepped."""
     ref = build_model(
-        arch, dtype=dtype, tp=groups.tp_size, sequence_parallel=groups.sequence_parallel, init_weights=False
+        arch,
+        dtype=dtype,
+        tp=groups.tp_size,
+        sequence_parallel=groups.sequence_parallel,
+        init_weights=False,
+        ep=groups.ep_size,
     )
     ref.load_state_dict(unwrap(model).state_dict(), strict=True)
     ref.requires_grad_(False)
     ref.eval()
     if torch.cuda.is_available():
         ref.cuda()
-    return ref
+    return prepare_for_layout(ref, groups)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
