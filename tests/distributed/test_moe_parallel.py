@@ -133,7 +133,9 @@ def test_moe_router_losses_are_layout_and_schedule_invariant(setup) -> None:
         layout = LAYOUTS[2][name]
         schedules = ("replay", "packed") if "--cp" in layout else ("replay", "packed", "naive")
         for schedule in schedules:
-            rc, grads, _ = _grad(d, f"aux_{name}_{schedule}", schedule, "--dtype", "float64", *losses, *layout)
+            rc, grads, _ = _grad(
+                d, f"aux_{name}_{schedule}", schedule, "--dtype", "float64", *losses, *layout
+            )
             assert rc == 0, (name, schedule)
             runs[name, schedule] = grads
         for schedule in schedules[1:]:
@@ -151,7 +153,9 @@ def test_moe_conversion_round_trips_bit_exact_at_tp_and_ep(setup) -> None:
 
     d, _ = setup
     world = dist.get_world_size()
-    layouts = {"tp2": ["--tp", "2"], "ep2": ["--ep", "2"]} if world == 2 else {"tp2ep2": ["--tp", "2", "--ep", "2"]}
+    layouts = (
+        {"tp2": ["--tp", "2"], "ep2": ["--ep", "2"]} if world == 2 else {"tp2ep2": ["--tp", "2", "--ep", "2"]}
+    )
     src = HFTensorReader(d / "hf")
     for name, layout in layouts.items():
         mc, back = d / f"mc_{name}", d / f"hf_{name}"

@@ -60,7 +60,11 @@ def _run(cfg) -> tuple[Trainer, list[dict]]:  # noqa: ANN001
 
 
 def _params(tr: Trainer) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in unwrap(tr.policy).state_dict().items() if isinstance(v, torch.Tensor)}
+    return {
+        k: v.detach().clone()
+        for k, v in unwrap(tr.policy).state_dict().items()
+        if isinstance(v, torch.Tensor)
+    }
 
 
 def _max_rel(a: dict, b: dict) -> float:
@@ -94,7 +98,9 @@ def test_resume_equals_uninterrupted_with_replay(tmp_path: Path) -> None:
     full, mfull = _run(_cfg(tmp_path / "full", "trainer.total_training_steps=3", *extra))
     first, m1 = _run(_cfg(tmp_path / "part", "trainer.total_training_steps=2", *extra))
     first.save()
-    again, m2 = _run(_cfg(tmp_path / "part", "trainer.total_training_steps=3", "trainer.resume_mode=auto", *extra))
+    again, m2 = _run(
+        _cfg(tmp_path / "part", "trainer.total_training_steps=3", "trainer.resume_mode=auto", *extra)
+    )
     assert again.step == 3 and len(m2) == 1
     for x, y in zip(mfull, m1 + m2, strict=True):
         assert x["_tokens"] == y["_tokens"]
