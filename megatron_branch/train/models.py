@@ -28,6 +28,8 @@ def build_policy(
             sequence_parallel=groups.sequence_parallel,
             ep=groups.ep_size,
         )
+        if arch.is_moe:
+            init_experts(model, arch, groups, seed=init_seed)
     else:
         from megatron_branch.checkpoint.hf_io import HFTensorReader
         from megatron_branch.checkpoint.param_map import iter_hf_to_mcore
@@ -55,6 +57,32 @@ def build_policy(
     if torch.cuda.is_available():
         model.cuda()
     return prepare_for_layout(model, groups)
+
+
+def init_experts(model: torch.nn.Module, arch: ModelArch, groups: ParallelGroups, *, seed: int) -> None:
+    """Re-draw every routed expert's weights from its own generator (layer, global expert, tensor), with megatron's
+    init methods on the full tensor, so that a random init is the same whatever the EP (and TP) layout: megatron's
+    CPU init draws each rank's LOCAL experts from one stream, so under EP2 global experts 0 and 2 would start
+    equal, and an EP2 run would not be an EP1 run."""
+    from megatron_branch.checkpoint.experts import expert_index, global_name, local_experts, rank_size
+    from megatron_branch.checkpoint.tp import full_shape, load_full_tensor
+
+    params = dict(model.named_parameters())
+    ep_rank, _ = rank_size(groups.ep)
+    n_local = local_experts(list(params))
+    cfg = model.config
+    for name, p in params.items():
+        if expert_index(name) is None:
+            continue
+        full_name = global_name(name, ep_rank, n_local)
+        layer = int(name.split(".")[2])
+        j = expert_index(full_name)[1]  # type: ignore[index]
+        which = 1 if name.endswith("linear_fc1.weight") else 2
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(((seed * 1_000_003 + layer) * 4099 + j) * 3 + which)
+            full = torch.empty(full_shape(p, groups.tp_size), dtype=torch.float32)
+            (cfg.init_method if which == 1 else cfg.output_layer_init_method)(full)
+        load_full_tensor(model, full_name, full, groups.tp, params=params, ep_group=groups.ep)
 
 
 def prepare_for_layout(model: torch.nn.Module, groups: ParallelGroups) -> torch.nn.Module:
