@@ -114,6 +114,24 @@ def moe_layer_spec(dense_layer_spec: ModuleSpec) -> ModuleSpec:
     return spec
 
 
+DISPATCHER_STATE = ("probs", "routing_map", "reversed_local_input_permutation_mapping", "tokens_per_expert")
+"""What megatron's all-to-all dispatcher keeps of its last forward as attributes (dispatch_preprocess), until its
+next forward: tensors of a graph that has been back-propagated already."""
+
+
+def release_dispatcher_state(model: torch.nn.Module) -> None:
+    """Drop the dispatchers' references to the last forward's routing (after a schedule call: nothing reads them
+    any more, and the activation meter would count them as held)."""
+    from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+    for m in model.modules():
+        dispatcher = getattr(m, "token_dispatcher", None)
+        if isinstance(dispatcher, MoETokenDispatcher):
+            for name in DISPATCHER_STATE:
+                if getattr(dispatcher, name, None) is not None:
+                    setattr(dispatcher, name, None)
+
+
 def branch_routers(model: torch.nn.Module) -> list[BranchRouter]:
     """The model's routers in layer order."""
     return [m for m in model.modules() if isinstance(m, BranchRouter)]

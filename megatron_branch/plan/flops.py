@@ -1,6 +1,7 @@
 """FLOPs of one training step (all ranks together) for naive, packed and replay, counted from the rollout shape.
 
-2 FLOPs per multiply-add. Forward per token position: the layer matmuls (QKV, output projection, SwiGLU's three);
+2 FLOPs per multiply-add. Forward per token position: the layer matmuls (QKV, output projection, SwiGLU's three;
+a MoE layer's router and its top-k experts' SwiGLUs, plus a shared expert);
 per (query, visible key) pair and layer: q.k and p.v (4 * heads * head_dim). Backward = 2 x forward for matmuls
 and attention (as benchmarks/schedule_speed.py counts). The output projection runs only on rows that predict a
 token (the fused logprob path, losses/fused_logprobs.py) and, as implemented, costs 4 matmuls per row instead of 3:
@@ -24,12 +25,23 @@ LOGITS_MATMULS = 4
 
 
 def layer_matmul_flops_per_token(arch: ModelArch) -> int:
-    """Forward FLOPs of one token through every layer's matmuls (no attention scores, no output projection)."""
+    """Forward FLOPs of one token through every layer's matmuls (no attention scores, no output projection). A MoE
+    layer: the router (h x E), the token's top-k experts (each a SwiGLU of width I) and the shared expert with its
+    gate, instead of the dense SwiGLU."""
     h, d = arch.hidden_size, arch.head_dim
     assert d is not None
     nq, g, f = arch.num_attention_heads, arch.num_query_groups, arch.ffn_hidden_size
-    per_layer = 2 * h * (nq + 2 * g) * d + 2 * nq * d * h + 2 * 3 * h * f
-    return arch.num_layers * per_layer
+    attention = 2 * h * (nq + 2 * g) * d + 2 * nq * d * h
+    dense = 2 * 3 * h * f
+    sh = arch.shared_expert_ffn_hidden_size
+    moe = (
+        2 * h * arch.num_experts
+        + arch.moe_top_k * 2 * 3 * h * arch.moe_ffn_hidden_size
+        + 2 * 3 * h * sh
+        + (2 * h if arch.shared_expert_gate else 0)
+    )
+    n_moe = len(arch.moe_layers)
+    return arch.num_layers * attention + (arch.num_layers - n_moe) * dense + n_moe * moe
 
 
 def attention_flops_per_pair(arch: ModelArch) -> int:

@@ -22,6 +22,17 @@ Under CP (ring attention) also the ring's internal output copy r n d e and, with
 concatenated keys and values 2 (c + r) g d e. These are Korthikanti et al. (2022)'s per-layer terms for THIS
 implementation: no score matrix (fused kernels), no dropout masks (dropout is 0), SwiGLU instead of GeLU.
 
+A MoE layer (megatron's MoELayer, alltoall dispatcher; E experts, top-k, expert width i = I/t, shared expert
+width s_h = S/t; balanced routing assumed) saves instead of the dense MLP's 5 r f e, for r_n router rows:
+    router            its input, fp32 scores, probs      r_n h e + r_n E f32 + r_n E e
+    permute           the permuted copies and indices    r_n k h e + r_n k INDEX
+    experts           the r k rows this rank's experts run after the all-to-all and the TP gather (SwiGLU's
+                      fc1 input and its 5 intermediates)                            r k h e + 5 r k i e
+    combine           unpermute's probs and indices      r_n k (e + INDEX)
+    shared expert     a SwiGLU of width s_h (+ its gate)  5 r s_h e + r_n e
+and the dispatcher's transient buffers (not saved; the largest layer's): the all-to-all's send and receive copies
+and the TP-gathered rows, 2 r_n k h e + r k h e.
+
 Replay keeps, for the cached ancestors on the current root-to-leaf path, their K/V (the two storages above, not
 copied: the cache is detached views) and a dK/dV accumulator per cached row and layer (2 g d e, the leaves' .grad).
 """
@@ -60,12 +71,22 @@ class Dims:
     sp: bool
     e: int  # activation bytes
     f32: int  # statistics bytes (max(e, 4))
+    moe_layers: int = 0  # MoE layers (the rest are dense)
+    experts: int = 0  # E
+    top_k: int = 0
+    i: int = 0  # routed expert width on this TP rank (expert TP = TP)
+    shared: int = 0  # shared expert width on this TP rank
 
     @classmethod
     def of(cls, arch: ModelArch, layout: Layout, act_bytes: int) -> Dims:
         t = layout.tp
         assert arch.head_dim is not None
         return cls(
+            moe_layers=len(arch.moe_layers),
+            experts=arch.num_experts,
+            top_k=arch.moe_top_k,
+            i=arch.moe_ffn_hidden_size // t,
+            shared=arch.shared_expert_ffn_hidden_size // t,
             h=arch.hidden_size,
             d=arch.head_dim,
             n=arch.num_attention_heads // t,
@@ -90,14 +111,43 @@ def layer_kv_bytes(dm: Dims, r: int) -> int:
     return r * dm.g * dm.d * dm.e + r * (dm.n + 2 * dm.g) * dm.d * dm.e
 
 
-def layer_other_bytes(dm: Dims, r: int, *, ext: int = 0, cp: int = 1) -> int:
-    """Per layer: everything else a layer saves for backward over r rows (ext cached rows it attends to)."""
+def moe_mlp_bytes(dm: Dims, r: int) -> int:
+    """What a MoE layer's MLP slot saves for backward over r rows (the module docstring's MoE terms)."""
+    rn, k = dm.seq_rows(r), dm.top_k
+    router = rn * dm.h * dm.e + rn * dm.experts * (dm.f32 + dm.e)
+    permute = rn * k * (dm.h * dm.e + INDEX_BYTES)
+    experts = r * k * dm.h * dm.e + 5 * r * k * dm.i * dm.e
+    combine = rn * k * (dm.e + INDEX_BYTES)
+    shared = (5 * r * dm.shared * dm.e + rn * dm.e) if dm.shared else 0
+    return router + permute + experts + combine + shared
+
+
+def dispatcher_bytes(dm: Dims, r: int) -> int:
+    """Transient all-to-all / TP-gather buffers of one MoE layer over r rows (0 for a dense model)."""
+    if not dm.moe_layers:
+        return 0
+    rn = dm.seq_rows(r)
+    return 2 * rn * dm.top_k * dm.h * dm.e + r * dm.top_k * dm.h * dm.e
+
+
+def stack_other_bytes(dm: Dims, r: int, *, ext: int = 0, cp: int = 1) -> int:
+    """`layer_other_bytes` over every layer: the dense ones and the MoE ones."""
+    dense = dm.layers - dm.moe_layers
+    out = dense * layer_other_bytes(dm, r, ext=ext, cp=cp)
+    if dm.moe_layers:
+        out += dm.moe_layers * layer_other_bytes(dm, r, ext=ext, cp=cp, moe=True)
+    return out
+
+
+def layer_other_bytes(dm: Dims, r: int, *, ext: int = 0, cp: int = 1, moe: bool = False) -> int:
+    """Per layer: everything else a layer saves for backward over r rows (ext cached rows it attends to); `moe`:
+    a MoE layer (its MLP slot: `moe_mlp_bytes`)."""
     rn = dm.seq_rows(r)
     norms = 2 * (2 * rn * dm.h * dm.e + rn * dm.f32)
     linear_in = 2 * rn * dm.h * dm.e
     rope = 4 * r * dm.d * dm.e
     attn = 2 * r * dm.n * dm.d * dm.e + dm.n * r * dm.f32
-    mlp = 5 * r * dm.f * dm.e
+    mlp = moe_mlp_bytes(dm, r) if moe else 5 * r * dm.f * dm.e
     ring = 0
     if cp > 1:
         ring = r * dm.n * dm.d * dm.e  # the ring's output before its final reshape
@@ -138,14 +188,14 @@ def chunk_saved_bytes(
     """
     if layer_recompute:
         inputs = dm.layers * dm.seq_rows(r) * dm.h * dm.e
-        one_layer = layer_kv_bytes(dm, r) + layer_other_bytes(dm, r, ext=ext, cp=cp)
+        one_layer = layer_kv_bytes(dm, r) + layer_other_bytes(dm, r, ext=ext, cp=cp, moe=dm.moe_layers > 0)
         head = head_bytes(dm, r, m)
         return {
             "kv": dm.layers * layer_kv_bytes(dm, r) if capture else 0,
             "other": inputs + max(head, one_layer),
             "held": inputs + head,
         }
-    other = dm.layers * layer_other_bytes(dm, r, ext=ext, cp=cp) + head_bytes(dm, r, m)
+    other = stack_other_bytes(dm, r, ext=ext, cp=cp) + head_bytes(dm, r, m)
     return {"kv": dm.layers * layer_kv_bytes(dm, r), "other": other, "held": other}
 
 
@@ -177,18 +227,24 @@ def logits_bytes(dm: Dims, m: int, chunk_rows: int) -> int:
 def static_bytes(
     arch: ModelArch, layout: Layout, *, distributed_optimizer: bool = True, param_bytes: int = 2
 ) -> dict[str, int]:
-    """Weights (bf16: 2 B), gradients (fp32 main grads), optimizer state (fp32 master + Adam m, v) on one rank."""
+    """Weights (bf16: 2 B), gradients (fp32 main grads), optimizer state (fp32 master + Adam m, v) on one rank.
+    A MoE model's routed experts are split over EP x TP (expert TP = TP) and their optimizer state over the
+    expert data-parallel group (cp * dp / ep); everything else over TP, its optimizer state over DP x CP."""
     pc = parameter_count(arch)
     replicated = arch.num_layers * 2 * arch.hidden_size + pc["final_norm"]  # norms are not TP-sharded
-    per_rank = (pc["total"] - replicated) // layout.tp + replicated
+    dense = (pc["total"] - pc["experts"] - replicated) // layout.tp + replicated
+    experts = pc["experts"] // (layout.tp * layout.ep)
+    per_rank = dense + experts
     shard = layout.dp * layout.cp  # megatron's distributed optimizer shards over DP x CP
+    state = 12 * dense // shard + 12 * experts // layout.expert_dp
     return {
         "parameters": param_bytes * per_rank,
         "gradients": 4 * per_rank,
-        "optimizer_state": (12 * per_rank) // (shard if distributed_optimizer else 1),
+        "optimizer_state": state if distributed_optimizer else 12 * per_rank,
         "optimizer_state_no_distributed": 12 * per_rank,
-        "optimizer_state_distributed": (12 * per_rank) // shard,
+        "optimizer_state_distributed": state,
         "parameters_per_rank": per_rank,
+        "expert_parameters_per_rank": experts,
     }
 
 
@@ -215,6 +271,8 @@ class Peak:
     """Replay: their dK/dV accumulators."""
     ring_buffers: int
     logits: int
+    dispatcher: int = 0
+    """MoE: the all-to-all dispatcher's transient buffers of the largest chunk's layer."""
 
     @property
     def saved(self) -> int:
@@ -253,6 +311,7 @@ def step_peak(
             kv_grads=0,
             ring_buffers=ring_buffer_bytes(dm, r, r, cp),
             logits=logits_bytes(dm, m, logprob_chunk_rows),
+            dispatcher=dispatcher_bytes(dm, r),
         )
     groups = cdiv(shape.prompts, layout.dp)  # prompt groups on this DP rank
     if schedule == "packed":  # every group of this DP rank in one chunk
@@ -266,6 +325,7 @@ def step_peak(
             kv_grads=0,
             ring_buffers=ring_buffer_bytes(dm, r, r, cp),
             logits=logits_bytes(dm, m, logprob_chunk_rows),
+            dispatcher=dispatcher_bytes(dm, r),
         )
     assert schedule == "replay", schedule
     r_root = local_rows(R, 1, layout)
@@ -290,6 +350,7 @@ def step_peak(
     phase_root = cached + root_kv + root["other"] + grads
     ring = max(ring_buffer_bytes(dm, r_root, r_root, cp), ring_buffer_bytes(dm, r_leaf, r_root + r_leaf, cp))
     logits = max(logits_bytes(dm, m_root, logprob_chunk_rows), logits_bytes(dm, m_leaf, logprob_chunk_rows))
+    dispatch = max(dispatcher_bytes(dm, r_root), dispatcher_bytes(dm, r_leaf))
     if phase_root > phase_leaves:
         return Peak(
             activations=root_kv + root["other"],
@@ -297,6 +358,7 @@ def step_peak(
             kv_grads=grads,
             ring_buffers=ring,
             logits=logits,
+            dispatcher=dispatch,
         )
     return Peak(
         activations=root_graph + leaf["kv"] + leaf["other"],
@@ -304,6 +366,7 @@ def step_peak(
         kv_grads=grads,
         ring_buffers=ring,
         logits=logits,
+        dispatcher=dispatch,
     )
 
 

@@ -41,6 +41,24 @@ MODEL_PRESETS: dict[str, ModelArch] = {
         rope_theta=5e5,
         max_position_embeddings=131072,
     ),
+    # Qwen/Qwen3-30B-A3B config.json: 48 MoE layers of 128 experts (width 768), top-8, norm_topk_prob
+    "qwen3-30b-a3b": ModelArch(
+        family="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        num_layers=48,
+        num_attention_heads=32,
+        num_query_groups=4,
+        head_dim=128,
+        ffn_hidden_size=6144,
+        rope_theta=1e6,
+        qk_norm=True,
+        max_position_embeddings=40960,
+        num_experts=128,
+        moe_top_k=8,
+        moe_ffn_hidden_size=768,
+        moe_norm_topk_prob=True,
+    ),
     # Qwen/Qwen2.5-32B config.json
     "qwen2.5-32b": ModelArch(
         family="qwen2",
@@ -169,11 +187,15 @@ class Layout:
     recompute: str = "none"
     sequence_parallel: bool = True
     """With tp > 1 (megatron's SP: norms and the MLP/attention inputs sharded over the sequence)."""
+    ep: int = 1
+    """Expert parallelism of a MoE model, inside cp x dp (megatron's layout; expert TP = tp)."""
 
     def __post_init__(self) -> None:
-        for f in ("tp", "cp", "dp"):
+        for f in ("tp", "cp", "dp", "ep"):
             if getattr(self, f) <= 0:
                 raise UserError(f"--{f} must be positive, got {getattr(self, f)}")
+        if (self.cp * self.dp) % self.ep:
+            raise UserError(f"--ep {self.ep} must divide cp * dp = {self.cp * self.dp}")
         if self.recompute not in RECOMPUTE:
             raise UserError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
 
@@ -184,6 +206,11 @@ class Layout:
     @property
     def sp(self) -> bool:
         return self.sequence_parallel and self.tp > 1
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks holding the same experts (megatron's expert data-parallel group: cp * dp / ep)."""
+        return self.cp * self.dp // self.ep
 
     def as_dict(self) -> dict[str, Any]:
         return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "recompute": self.recompute}
@@ -210,16 +237,27 @@ def load_model(spec: str) -> tuple[str, ModelArch]:
 
 
 def parameter_count(arch: ModelArch) -> dict[str, int]:
-    """Parameters by part: embedding, output layer (0 when tied), per transformer layer, final norm."""
+    """Parameters by part: embedding, output layer (0 when tied), per dense transformer layer, final norm; a MoE
+    model's routed experts of all layers ("experts", split over EP x TP) and its per-layer router and shared
+    expert (in "moe_layer", with attention and norms)."""
     h, d = arch.hidden_size, arch.head_dim
     assert d is not None
     nq, g, f = arch.num_attention_heads, arch.num_query_groups, arch.ffn_hidden_size
     qkv = h * (nq + 2 * g) * d + ((nq + 2 * g) * d if arch.qkv_bias else 0)
-    layer = qkv + nq * d * h + 2 * h + h * 2 * f + f * h  # QKV, proj, 2 norms, fc1 (gate+up), fc2
+    attention = qkv + nq * d * h + 2 * h + (2 * d if arch.qk_norm else 0)  # QKV, proj, 2 norms (+ q/k norms)
+    layer = attention + h * 2 * f + f * h  # fc1 (gate+up), fc2
+    n_moe = len(arch.moe_layers)
+    sh = arch.shared_expert_ffn_hidden_size
+    moe_layer = attention + arch.num_experts * h + 3 * h * sh + (h if arch.shared_expert_gate else 0)
+    experts = n_moe * arch.num_experts * 3 * h * arch.moe_ffn_hidden_size
+    embed = arch.vocab_size * h * (1 if arch.tie_word_embeddings else 2)
     return {
         "embedding": arch.vocab_size * h,
         "output": 0 if arch.tie_word_embeddings else arch.vocab_size * h,
         "layer": layer,
+        "moe_layer": moe_layer if n_moe else 0,
+        "experts": experts,
+        "active_experts": n_moe * arch.moe_top_k * 3 * h * arch.moe_ffn_hidden_size,
         "final_norm": h,
-        "total": arch.vocab_size * h * (1 if arch.tie_word_embeddings else 2) + arch.num_layers * layer + h,
+        "total": embed + (arch.num_layers - n_moe) * layer + n_moe * moe_layer + experts + h,
     }

@@ -9,7 +9,11 @@ Step-time model (stated assumptions, not measurements):
   * tensor + sequence parallel: per layer 2 all-gathers and 2 reduce-scatters of [s, h] forward and again
     backward, not overlapped;
   * gradient reduction over DP x CP (reduce-scatter + all-gather of fp32 grads with the distributed optimizer),
-    counted as exposed (conservative: megatron can overlap it with backward).
+    counted as exposed (conservative: megatron can overlap it with backward); a MoE model's expert grads over
+    the expert data-parallel group (cp * dp / ep);
+  * expert parallelism (MoE, alltoall dispatcher): per MoE layer and token, its k copies of [h] go out and come
+    back (dispatch + combine) forward and again backward, (ep - 1)/ep of them to another rank, not overlapped;
+    routing assumed balanced (the load-balancing losses' aim).
 All links at the GPU's stated bandwidth (one NVLink node).
 """
 
@@ -76,7 +80,7 @@ class Plan:
             },
             "schedule": self.schedule,
             "dtype": self.dtype,
-            "layout": self.layout.as_dict(),
+            "layout": {**self.layout.as_dict(), **({"ep": self.layout.ep} if self.arch.is_moe else {})},
             "memory_bytes_per_rank": dict(self.memory),
             "gpu_memory_bytes": self.gpu.memory_bytes,
             "largest_term": self.largest_term,
@@ -96,6 +100,7 @@ TERMS_IN_TOTAL = (
     "kv_grads",
     "ring_buffers",
     "logits",
+    "dispatcher",
     "allocator_margin",
 )
 
@@ -121,7 +126,10 @@ def memory_terms(
         "kv_grads": pk.kv_grads,
         "ring_buffers": pk.ring_buffers,
         "logits": pk.logits,
+        "dispatcher": pk.dispatcher,
     }
+    if arch.is_moe:
+        mem["expert_parameters"] = st["expert_parameters_per_rank"] * e
     counted = sum(mem[k] for k in TERMS_IN_TOTAL if k != "allocator_margin")
     mem["allocator_margin"] = margin_bytes(counted)
     mem["total"] = counted + mem["allocator_margin"]
@@ -182,11 +190,23 @@ def step_time(
         )
     shard = layout.dp * layout.cp
     grads = 0.0
+    st = static_bytes(arch, layout)
+    dense_params = st["parameters_per_rank"] - st["expert_parameters_per_rank"]
     if shard > 1:
-        per_rank = static_bytes(arch, layout)["parameters_per_rank"]
-        grads = 2 * (shard - 1) / shard * per_rank * 4 / link
+        grads = 2 * (shard - 1) / shard * dense_params * 4 / link
+    if layout.expert_dp > 1:
+        edp = layout.expert_dp
+        grads += 2 * (edp - 1) / edp * st["expert_parameters_per_rank"] * 4 / link
+    a2a = 0.0
+    if arch.is_moe and layout.ep > 1:
+        rows = (fl.positions + fl.recomputed_positions) / layout.world  # tokens routed per rank (SP rows)
+        per_token = 4 * arch.moe_top_k * arch.hidden_size * DTYPE_BYTES[dtype] * (layout.ep - 1) / layout.ep
+        a2a = (
+            1.5 * rows * per_token * len(arch.moe_layers) / link
+        )  # forward x1 (+ recompute), backward x2 -> 3/2
     return {
-        "total": compute + exposed_ring + tp + grads,
+        "total": compute + exposed_ring + tp + grads + a2a,
+        "expert_alltoall": a2a,
         "compute": compute,
         "attention_compute": attention,
         "ring": ring,
@@ -213,6 +233,7 @@ def evaluate(
     if layout.world != gpus:
         raise UserError(f"tp * cp * dp = {layout.world} must equal --gpus {gpus}")
     arch.check_tensor_parallel(layout.tp)
+    arch.check_expert_parallel(layout.ep, tp=layout.tp)
     if layout.dp > shape.prompts:
         raise UserError(
             f"--dp {layout.dp} needs at least as many prompt groups (--prompts {shape.prompts}): "
@@ -238,6 +259,11 @@ def evaluate(
         "per_rank": mine.total / layout.world,
     }
     notes = []
+    if arch.is_moe:
+        notes.append(
+            f"MoE: {arch.num_experts} experts, top-{arch.moe_top_k}, EP {layout.ep} (expert TP = TP); routing assumed "
+            "balanced; with a load-balancing loss the tree schedules add one forward-only counting pass of the step"
+        )
     if layout.recompute == "selective":
         notes.append(
             "selective = the engine's segment recompute (replay keeps no graph for a segment with children); "
@@ -276,6 +302,7 @@ def candidate_layouts(
     dp: int | None,
     recompute: str | None,
     schedule: str,
+    ep: int | None = None,
 ) -> list[Layout]:
     out = []
     for t in (tp,) if tp else (1, 2, 4, 8):
@@ -291,8 +318,26 @@ def candidate_layouts(
             d = gpus // (t * c)
             if (dp and d != dp) or d > shape.prompts:
                 continue
-            for rc in (recompute,) if recompute else RECOMPUTE:
-                out.append(Layout(tp=t, cp=c, dp=d, recompute=rc))
+            for e in _expert_parallel_sizes(arch, t, c * d, ep):
+                for rc in (recompute,) if recompute else RECOMPUTE:
+                    out.append(Layout(tp=t, cp=c, dp=d, recompute=rc, ep=e))
+    return out
+
+
+def _expert_parallel_sizes(arch: ModelArch, tp: int, cp_dp: int, ep: int | None) -> list[int]:
+    """EP sizes to try: the fixed one, else (MoE) every divisor of cp * dp that splits the experts."""
+    if ep:
+        return [ep] if cp_dp % ep == 0 else []
+    if not arch.is_moe:
+        return [1]
+    out = []
+    for e in range(1, cp_dp + 1):
+        if cp_dp % e == 0:
+            try:
+                arch.check_expert_parallel(e, tp=tp)
+            except UserError:
+                continue
+            out.append(e)
     return out
 
 
@@ -308,6 +353,7 @@ def plan(
     dp: int | None = None,
     recompute: str | None = None,
     schedule: str = "replay",
+    ep: int | None = None,
     **kw: Any,
 ) -> Plan:
     """The recommended plan: among the layouts that fit (fixed fields kept), the fastest (full recompute costs one
@@ -317,12 +363,11 @@ def plan(
         raise UserError(f"--gpus must be positive, got {gpus}")
     if schedule not in SCHEDULES:
         raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}")
-    if tp and cp and dp and recompute:
-        return evaluate(
-            model, arch, shape, gpu, gpus, Layout(tp=tp, cp=cp, dp=dp, recompute=recompute), schedule, **kw
-        )
+    if tp and cp and dp and recompute and (ep or not arch.is_moe):
+        layout = Layout(tp=tp, cp=cp, dp=dp, recompute=recompute, ep=ep or 1)
+        return evaluate(model, arch, shape, gpu, gpus, layout, schedule, **kw)
     layouts = candidate_layouts(
-        arch, shape, gpus, tp=tp, cp=cp, dp=dp, recompute=recompute, schedule=schedule
+        arch, shape, gpus, tp=tp, cp=cp, dp=dp, recompute=recompute, schedule=schedule, ep=ep
     )
     if not layouts:
         raise UserError(
@@ -345,8 +390,9 @@ def what_would_fit(p: Plan, **kw: Any) -> list[str]:
         q = plan(p.model, p.arch, p.shape, p.gpu, n, schedule=p.schedule, **kw)
         if q.fits:
             lay = q.layout
+            ep = f", ep {lay.ep}" if p.arch.is_moe else ""
             out.append(
-                f"{n} x {p.gpu.name} (tp {lay.tp}, cp {lay.cp}, dp {lay.dp}, recompute {lay.recompute})"
+                f"{n} x {p.gpu.name} (tp {lay.tp}, cp {lay.cp}, dp {lay.dp}{ep}, recompute {lay.recompute})"
             )
             break
     need = p.memory["total"] / 1e9
@@ -358,7 +404,7 @@ def what_would_fit(p: Plan, **kw: Any) -> list[str]:
             p.shape,
             p.gpu,
             p.gpus,
-            Layout(tp=p.layout.tp, cp=p.layout.cp, dp=p.layout.dp, recompute="full"),
+            Layout(tp=p.layout.tp, cp=p.layout.cp, dp=p.layout.dp, recompute="full", ep=p.layout.ep),
             p.schedule,
             **kw,
         )

@@ -20,6 +20,7 @@ import torch
 
 from megatron_branch.data import PrefixTree
 from megatron_branch.losses.router import MoEOptions, RouterPlan, RowContext, check_dropless, pinned_aux_scale
+from megatron_branch.models.moe import release_dispatcher_state
 
 ROLLOUT_SCHEDULES = ("naive", "naive-fused", "packed-nosharing")
 """Schedules whose rows are whole rollouts (a rollout's tokens are its own group)."""
@@ -59,12 +60,17 @@ def run_with_router(
     metrics are added to the result's stats (summed over TP x CP: they add over micro-batches and DP ranks)."""
     plan = bind_router_plan(name, model, tree, opts)
     bound = dataclasses.replace(opts, router_plan=plan)
-    with pinned_aux_scale():
-        if plan.needs_counts and not forward_only:
-            counting = dataclasses.replace(bound, keep_logprobs=False, keep_entropy=False, ring_stats=None)
-            with plan.counting_pass(), torch.no_grad():
-                fn(model, tree, None, counting, forward_only=True)
-        result = fn(model, tree, objective, bound, forward_only=forward_only)
+    try:
+        with pinned_aux_scale():
+            if plan.needs_counts and not forward_only:
+                counting = dataclasses.replace(
+                    bound, keep_logprobs=False, keep_entropy=False, ring_stats=None
+                )
+                with plan.counting_pass(), torch.no_grad():
+                    fn(model, tree, None, counting, forward_only=True)
+            result = fn(model, tree, objective, bound, forward_only=forward_only)
+    finally:
+        release_dispatcher_state(model)
     metrics = plan.finish()
     if not forward_only:
         result.stats.update(metrics)
