@@ -61,8 +61,16 @@ class ModelShape:
     """Vocabulary size."""
     tie: bool = False
     """Tie the input embedding and the output layer."""
+    experts: int = 0
+    """Routed experts per layer (a Qwen3-MoE-style model: megatron's MoELayer in every MLP slot); 0 = dense."""
+    top_k: int = 2
+    """Experts per token (MoE)."""
+    expert_ffn: int = 0
+    """Each expert's SwiGLU width (MoE); 0 = hidden."""
 
     def __post_init__(self) -> None:
+        if self.experts < 0 or (self.experts and not 0 < self.top_k <= self.experts):
+            raise UserError(f"--experts {self.experts} / --top-k {self.top_k}: need 0 < top-k <= experts")
         for name in ("layers", "hidden", "heads", "kv_heads", "vocab"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
@@ -72,8 +80,17 @@ class ModelShape:
             raise UserError(f"--hidden {self.hidden} must be a multiple of --heads {self.heads}")
 
     def arch(self, max_len: int) -> ModelArch:
+        moe: dict[str, Any] = {}
+        if self.experts:  # Qwen3-MoE: q/k norms, every layer a MoELayer
+            moe = dict(
+                family="qwen3_moe",
+                qk_norm=True,
+                num_experts=self.experts,
+                moe_top_k=self.top_k,
+                moe_ffn_hidden_size=self.expert_ffn or self.hidden,
+            )
         return ModelArch(
-            family="llama",
+            **{"family": "llama", **moe},
             vocab_size=self.vocab,
             hidden_size=self.hidden,
             num_layers=self.layers,
@@ -160,6 +177,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "memory-G": dict(model=_m(layers=4, hidden=512, heads=8, kv_heads=2, vocab=32000), prompts=(4096,),
                      branches=(4, 8, 16, 32), response=128, variants=("naive-fused", "packed", "replay",
                                                                        "replay+recompute")),
+    # a mixture of experts (Qwen3-MoE-style: 8 experts of width 256, top-2, megatron's MoELayer) on the CPU
+    "moe": dict(model=_m(layers=2, hidden=256, heads=4, kv_heads=2, vocab=32000, experts=8, top_k=2, expert_ffn=256),
+                prompts=(2048,), branches=(8,), response=128,
+                variants=("naive-fused", "packed-nosharing", "packed", "replay", "replay+recompute")),
     # seconds on a laptop: the smoke test and a first look
     "tiny": dict(model=_m(layers=2, hidden=32, heads=4, kv_heads=2, vocab=64), prompts=(48,), branches=(4,),
                  response=8, rounds=1),

@@ -17,7 +17,12 @@ def markdown(report: dict[str, Any]) -> str:
     model = cfg["model"]
     head = (
         f"Model: {model['layers']} layers, hidden {model['hidden']}, {model['heads']} heads / {model['kv_heads']} "
-        f"kv, ffn {model['ffn'] or 3 * model['hidden']}, vocab {model['vocab']}, {cfg['dtype']} on {cfg['device']}; "
+        + (
+            f"kv, {model['experts']} experts (top-{model['top_k']}, width {model.get('expert_ffn') or model['hidden']})"
+            if model.get("experts")
+            else f"kv, ffn {model['ffn'] or 3 * model['hidden']}"
+        )
+        + f", vocab {model['vocab']}, {cfg['dtype']} on {cfg['device']}; "
         f"S={cfg['response']}, levels {cfg['levels']}, branch_micro_batch {cfg['micro']}; {cfg['rounds']} rounds "
         f"after 1 warm-up, round-robin, order rotated. Machine: "
         + ", ".join(f"{k} {v}" for k, v in report["machine"].items())

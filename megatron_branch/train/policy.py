@@ -266,6 +266,10 @@ class Actor:
             if self.plan.schedule == "replay-stopgrad"
             else self.plan
         )
+        if plan.opts.moe is not None and plan.opts.moe.routing_replay:
+            # the reference answers were never sampled, so no routing was recorded: the warm-up routes freshly
+            moe = dataclasses.replace(plan.opts.moe, routing_replay=False)
+            plan = dataclasses.replace(plan, opts=dataclasses.replace(plan.opts, moe=moe))
         for k, batch in enumerate(batches):
             # advantage 1 on the answer tokens, token-mean: the loss is the answers' mean NLL (SFT)
             obj = AdvantagePolicyGradient(num_response_tokens=sum(len(r.response) for r in batch))

@@ -155,3 +155,34 @@ def test_installed_command_exits_2_with_one_line(workdir: Path) -> None:
     assert p.returncode == 2, err
     assert err.startswith("megatron-branch: error:") and "token dropping" in err and "\n" not in err, err
     assert "Traceback" not in p.stderr
+
+
+def test_bench_runs_a_mixture_of_experts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`bench --experts N` (the `moe` preset's model kind): the same rollouts through the baseline and replay on
+    megatron's MoELayer, FLOPs counting the top-k experts."""
+    md = tmp_path / "moe.md"
+    argv = ["bench", "--preset", "tiny", "--experts", "4", "--top-k", "2", "--rounds", "1", "--no-meter",
+            "--variants", "naive-fused,replay", "--markdown", str(md)]  # fmt: skip
+    assert main(argv) == 0
+    capsys.readouterr()
+    text = md.read_text()
+    assert "4 experts (top-2" in text and "| replay |" in text
+
+
+def test_bench_moe_preset_counts_the_router_and_top_k_experts() -> None:
+    """The `moe` preset's FLOPs per position: attention projections + the router (h x E) + k experts' SwiGLU, not
+    all E experts nor a dense MLP (the planner's formula, itself checked against FlopCounterMode in
+    test_plan_moe.py)."""
+    from megatron_branch.bench.config import PRESETS
+    from megatron_branch.bench.flops import per_position_flops
+
+    arch = PRESETS["moe"]["model"].arch(2048 + 128)
+    assert arch.family == "qwen3_moe" and (arch.num_experts, arch.moe_top_k, arch.moe_ffn_hidden_size) == (
+        8,
+        2,
+        256,
+    )
+    h, d = 256, 64
+    attention = 2 * h * (4 + 2 * 2) * d + 2 * 4 * d * h
+    moe = 2 * h * 8 + 2 * (2 * 3 * h * 256)
+    assert per_position_flops(arch) == 2 * (attention + moe)

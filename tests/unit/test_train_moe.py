@@ -130,3 +130,24 @@ def test_moe_keys_refused_for_a_dense_policy(tmp_path: Path) -> None:
     for extra in ("moe.router_replay=R3", "parallel.ep=2"):
         with pytest.raises(UserError, match="need a mixture-of-experts policy"):
             load_config(None, [dense, "data.task=needles", extra])
+
+
+def test_example_config_trains_with_a_warm_up_under_routing_replay(tmp_path: Path) -> None:
+    """examples/configs/moe.yaml (R3 + router losses) with a supervised warm-up: the reference answers were never
+    sampled, so the warm-up routes freshly (it used to refuse: 'no routed_experts'); RL then replays records."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "configs" / "moe.yaml"
+    cfg = load_config(
+        example,
+        [
+            "warmup={steps: 2, batch_size: 2}", "data.task_args={length: 8, num_needles: 1}", "data.num_prompts=8",
+            "trainer.total_training_steps=1", f"trainer.default_local_dir={tmp_path}", "logging.progress_bar=false",
+            "logging.tensorboard=false", "logging.plot=false", "checkpoint.hf_export=false",
+        ],
+    )  # fmt: skip
+    assert cfg.moe.router_replay == "R3" and cfg.moe.aux_loss_coeff > 0
+    tr = Trainer(cfg)
+    tr._warmup()
+    assert tr.warmup_steps_run == 2
+    m = tr.train_step()
+    assert all(r.routed_experts is not None for r in tr.last_batch)
+    assert m["load_balancing_loss"] > 0 and m["z_loss"] > 0
