@@ -10,7 +10,7 @@ sequence-dependent tensor (activations, K/V cache, ring blocks) has the target's
 
 Each layout runs in its own launch (the CP1 reference as one process, the others under torchrun with 8 processes),
 so each process's peak RSS is its own. Every layout's loss and gradients are compared with the CP1 reference (same
-batch, same weights: megatron_branch.parallel.rehearsal.layout_free_state). Reported per rank: peak RSS (whole
+batch, same weights: megatron_branch.bench.rehearsal.layout_free_state). Reported per rank: peak RSS (whole
 process), RSS before the step, the activation meter's peak (saved-for-backward tensors and replay's K/V cache), the
 largest tensor any op created, the ring's message counts and bytes, and the step's wall time. Wall times are only
 meaningful on a quiet machine.
@@ -49,7 +49,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _batch_and_arch(args: argparse.Namespace):  # noqa: ANN202
-    from megatron_branch.parallel.rehearsal import RehearsalBatch, rehearsal_arch
+    from megatron_branch.bench.rehearsal import RehearsalBatch, rehearsal_arch
 
     batch = RehearsalBatch(rollouts=args.rollouts, prompt=args.prompt, response=args.response)
     arch = rehearsal_arch(
@@ -62,8 +62,8 @@ def worker(args: argparse.Namespace) -> None:
     """One layout, in this (torchrun) process: run the step; rank 0 saves (cp1) or compares (others) and writes."""
     import torch
 
+    from megatron_branch.bench.rehearsal import max_relative_error, run_step
     from megatron_branch.parallel.groups import ParallelConfig, init_distributed, initialize_parallel
-    from megatron_branch.parallel.rehearsal import max_relative_error, run_step
 
     tp, cp, sp = LAYOUTS[args.worker]
     rank, _ = init_distributed(timeout_s=args.timeout)

@@ -35,7 +35,7 @@ def first_step_gradient_error(overrides: list[str], config: str, out: Path) -> d
     """Per-parameter relative Frobenius error of replay-stopgrad's gradient against exact replay's, on the first
     RL step's first mini-batch (the rollouts both runs sample first, the objective their update uses, without a
     KL term: the demo has none)."""
-    from megatron_branch.losses import Aggregation, PolicyObjective, with_group_advantages
+    from megatron_branch.losses import build_objective
     from megatron_branch.parallel.grads import param_grad
     from megatron_branch.train.config import load_config
     from megatron_branch.train.loop import Trainer
@@ -45,13 +45,10 @@ def first_step_gradient_error(overrides: list[str], config: str, out: Path) -> d
     cfg = load_config(config, [*overrides, "schedule.name=replay", f"trainer.default_local_dir={out}"])
     tr = Trainer(cfg)
     rollouts, rewards, _ = tr._sample(tr.order.next_batch())
-    batch = with_group_advantages(rollouts, rewards, norm_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)
-    batch = tr.actor._mini_batches(batch, cfg.rollout.n)[0]
-    a = cfg.actor
-    obj = PolicyObjective(
-        agg=Aggregation.of_batch(batch, a.loss_agg_mode, a.loss_agg_norm), clip_low=a.clip_ratio_low,
-        clip_high=a.clip_ratio_high, clip_c=a.clip_ratio_c, kl_coef=0.0, entropy_coef=a.entropy_coeff,
-    )  # fmt: skip
+    lo, hi = tr.actor._mini_batches(rollouts, cfg.rollout.n)[0]
+    index = [j // cfg.rollout.n for j in range(lo, hi)]  # each rollout's prompt instance
+    batch = tr.algo.estimator.compute(rollouts[lo:hi], rewards[lo:hi], index, cfg.algorithm)
+    obj = build_objective(dataclasses.replace(tr.algo.objective, kl_loss_coef=0.0), batch)
     ddp = tr.actor.policy.ddp
     grads: dict[str, dict[str, Any]] = {}
     for sched in ("replay", "replay-stopgrad"):

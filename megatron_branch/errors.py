@@ -5,22 +5,16 @@ checkpoint, an existing output without `--overwrite`). The command-line entry po
 line and exits with status 2, without a traceback; under torchrun rank 0 prints it once (see docs/errors.md).
 Internal invariants use `assert` instead: their failure is our bug, and the traceback is wanted.
 
-Under torchrun an error must reach every rank the same way, or the ranks that did not see it wait in the next
-collective until the process-group timeout. Two ways give that:
-- `agree_on_error` (megatron_branch.parallel.groups) after distributed set-up: every rank passes its own verdict,
-  every rank raises the same error, marked `all_ranks`;
-- `check_on_every_rank(check)` for the validation a command runs before any work: each rank runs the same checks,
-  then the verdicts are shared (a world of one just raises).
-An error marked `all_ranks` is printed by rank 0 only; any other error is printed by the rank that raised it.
+Under torchrun every rank must raise the same error (megatron_branch/parallel/agree.py: `agree_on_error`,
+`check_on_every_rank`); an error marked `all_ranks` is printed by rank 0 only. This module imports nothing of the
+package: every floor may raise a UserError.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import TypeVar
-
-T = TypeVar("T")
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 
 class UserError(ValueError):
@@ -34,33 +28,49 @@ class UserError(ValueError):
         super().__init__(f"{where}: {message}" if where else message)
 
 
+@dataclass(frozen=True)
+class Spelling:
+    """How one entry point names settings in its messages: `--cp 2` on a command line, `parallel.cp=2` in a config.
+
+    `names` maps a setting (the field name every layer uses: `cp`, `recompute_layers`, `clip_ratio_c`) to how the
+    user writes it; a setting not listed is written as its flag (`--recompute-layers`)."""
+
+    names: Mapping[str, str] = field(default_factory=dict)
+    """setting -> its spelling at this entry point."""
+    assign: str = " "
+    """Between a setting and its value: " " for flags (`--cp 2`), "=" for config keys (`parallel.cp=2`)."""
+
+    def name(self, setting: str) -> str:
+        return self.names.get(setting) or "--" + setting.replace("_", "-")
+
+    def value(self, setting: str, value: object) -> str:
+        return f"{self.name(setting)}{self.assign}{value}"
+
+
+FLAGS = Spelling()
+"""The command-line spelling (`--tp 2`): what a SettingError says unless an entry point re-spells it."""
+
+
+class SettingError(UserError):
+    """A UserError about settings, worded once for every entry point: `say(spelling)` writes the message.
+
+    The rule that raises it does not know whether the user typed `--cp 2` or `parallel.cp=2`; str() is the
+    command-line wording, and an entry point with other names re-raises `e.spelled(its_spelling)`."""
+
+    def __init__(self, say: Callable[[Spelling], str]) -> None:
+        self.say = say
+        super().__init__(say(FLAGS))
+
+    def spelled(self, spelling: Spelling) -> UserError:
+        return UserError(self.say(spelling))
+
+
 def launched_world_size() -> int:
     """The world size torchrun announced (1 when not launched by torchrun). Reads no process group."""
     try:
         return int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
         return 1
-
-
-def check_on_every_rank(check: Callable[[], T]) -> T:
-    """Run a command's up-front validation on every rank and share the verdict.
-
-    Single process: `check()` as is. Under torchrun: every rank runs `check()`, the process group is set up and
-    the verdicts are exchanged, so a failure on any rank is the same `UserError` (marked `all_ranks`) on every
-    rank, printed once by rank 0, and no rank walks on into a collective that the others never reach.
-    """
-    if launched_world_size() <= 1:
-        return check()
-    from megatron_branch.parallel.groups import agree_on_error, init_distributed
-
-    result, err = None, None
-    try:
-        result = check()
-    except UserError as e:
-        err = str(e)
-    init_distributed()
-    agree_on_error(err, error=UserError)
-    return result  # type: ignore[return-value]
 
 
 def one_line(message: object) -> str:

@@ -249,7 +249,7 @@ def write_on_rank0(write: Callable[[], T]) -> T | None:
     """
     import torch.distributed as dist
 
-    from megatron_branch.parallel.groups import agree_on_error
+    from megatron_branch.parallel.agree import agree_on_error
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     out: Any = None

@@ -1,17 +1,30 @@
 """Helpers for tests, examples and the demo: tiny random models, rollout sets with sharing, and the HF oracle.
 
-Nothing here downloads anything: models are built from configs with random weights, data is generated.
+Nothing here downloads anything: models are built from configs with random weights, data is generated. The package
+itself never imports this module (test-only code stays out of what a run loads); `random_tree_rollouts`, which the
+bench uses too, lives in megatron_branch/data/random_trees.py and is re-exported here.
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from megatron_branch.data import Rollout
+from megatron_branch.data.random_trees import random_tree_rollouts
+
+__all__ = [
+    "exact_hf_norms",
+    "hf_policy_gradient",
+    "random_tree_rollouts",
+    "rollout_set_strategy",
+    "tiny_branch_model",
+    "tiny_hf_config",
+    "tiny_hf_model",
+    "tiny_qwen2",
+]
 
 
 def tiny_hf_config(
@@ -260,40 +273,6 @@ def tiny_qwen2(
         qkv_bias=True,
     )
     return arch, build_model(arch, dtype=dtype)
-
-
-def random_tree_rollouts(
-    *,
-    vocab_size: int = 37,
-    groups: int = 1,
-    prompt_len: int = 9,
-    branches: int = 4,
-    levels: int = 1,
-    seg_len: tuple[int, int] = (1, 5),
-    seed: int = 0,
-) -> list[Rollout]:
-    """Rollouts sharing a prompt per group and, with levels > 1, shared response beginnings (a tree of depth
-    `levels` below the prompt, `branches` children at the last level and 2 at inner levels)."""
-    rng = random.Random(seed)
-
-    def toks(n: int) -> list[int]:
-        return [rng.randrange(vocab_size) for _ in range(n)]
-
-    out: list[Rollout] = []
-    for _ in range(groups):
-        prompt = toks(prompt_len)
-        frontier: list[list[int]] = [[]]
-        for level in range(levels):
-            fan = branches if level == levels - 1 else 2
-            nxt = []
-            for pre in frontier:
-                firsts = rng.sample(range(vocab_size), fan)  # distinct first tokens: real branching
-                for f in firsts:
-                    nxt.append(pre + [f] + toks(rng.randint(*seg_len) - 1))
-            frontier = nxt
-        for resp in frontier:
-            out.append(Rollout(prompt=prompt, response=resp, advantage=rng.uniform(-1.5, 1.5)))
-    return out
 
 
 def rollout_set_strategy(vocab: int = 6) -> Any:

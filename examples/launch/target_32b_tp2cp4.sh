@@ -4,10 +4,11 @@
 #
 # Settings from the planner (docs/planner.md):
 #     megatron-branch plan --model qwen2.5-32b --prompt-length 122880 --responses 16 --response-length 8192 \
-#         --gpus 8 --gpu h20 --tp 2 --cp 4 --dp 1 --recompute full
+#         --gpus 8 --gpu h20 --tp 2 --cp 4 --dp 1 --recompute full --branch-micro-batch 8 --optimizer distributed --offload-fraction 0
 # -> does NOT fit on 8 x H20: 220.8 GB per rank at TP2 x CP4 even with full recompute (largest term:
 #    gradients, 65.5 GB). The planner's nearest: TP8 + full recompute on 8 x H200 (140.1 GB of 141), or 16 x H20
-#    (TP8 x CP2); pipeline parallel / offload are not in the engine.
+#    (TP8 x CP2); with the optimizer state offloaded to the host (a training run), TP8 +
+#    full recompute fits on 8 x H20 (docs/planner.md); pipeline parallel is not in the engine.
 #
 # Runs `megatron-branch grad` (the training command `megatron-branch train` had not landed when this was written;
 # grad computes the same exact gradient in float32, without an optimizer step). Before launching, the planner is
@@ -22,7 +23,8 @@ OUT=${OUT:-grads.safetensors}
 GPU=${GPU:-h20}
 RECOMPUTE=${RECOMPUTE:-full}
 preflight --model qwen2.5-32b --prompt-length 122880 --responses 16 --response-length 8192 --gpus 8 --gpu "$GPU" \
-    --tp 2 --cp 4 --dp 1 --recompute "$RECOMPUTE" --dtype float32
+    --tp 2 --cp 4 --dp 1 --recompute "$RECOMPUTE" --dtype float32 \
+    --branch-micro-batch 8 --optimizer distributed --offload-fraction 0
 flags=()
 [[ "$RECOMPUTE" != none ]] && flags+=(--recompute)
 [[ "$RECOMPUTE" == full ]] && flags+=(--recompute-layers)

@@ -4,11 +4,11 @@
 #
 # Settings from the planner (docs/planner.md):
 #     megatron-branch plan --model qwen2.5-7b --prompt-length 122880 --responses 16 --response-length 8192 \
-#         --gpus 8 --gpu h20 --tp 1 --cp 8 --dp 1 --recompute full
+#         --gpus 8 --gpu h20 --tp 1 --cp 8 --dp 1 --recompute full --branch-micro-batch 8 --optimizer distributed --offload-fraction 0
 # -> fits: 85.3 GB per rank of 96 (bf16, full recompute), step ~108 s on H20, 4.51x fewer FLOPs than naive.
-#    With segment recompute only (selective): does NOT fit (196.3 GB bf16, 342.0 GB float32; largest term:
+#    With segment recompute only (selective): does NOT fit (196.3 GB bf16, 337.9 GB float32; largest term:
 #    activations of the 15,360-row prompt shard). In float32 (what grad computes in) full does not fit at CP8
-#    either (120.0 GB: float32 weights and grads, which CP does not shard): the preflight stops this script;
+#    either (115.9 GB: float32 weights and grads, which CP does not shard): the preflight stops this script;
 #    target_7b_tp2cp4.sh fits in float32.
 #
 # Runs `megatron-branch grad` (the training command `megatron-branch train` had not landed when this was written;
@@ -24,7 +24,8 @@ OUT=${OUT:-grads.safetensors}
 GPU=${GPU:-h20}
 RECOMPUTE=${RECOMPUTE:-full}
 preflight --model qwen2.5-7b --prompt-length 122880 --responses 16 --response-length 8192 --gpus 8 --gpu "$GPU" \
-    --tp 1 --cp 8 --dp 1 --recompute "$RECOMPUTE" --dtype float32
+    --tp 1 --cp 8 --dp 1 --recompute "$RECOMPUTE" --dtype float32 \
+    --branch-micro-batch 8 --optimizer distributed --offload-fraction 0
 flags=()
 [[ "$RECOMPUTE" != none ]] && flags+=(--recompute)
 [[ "$RECOMPUTE" == full ]] && flags+=(--recompute-layers)

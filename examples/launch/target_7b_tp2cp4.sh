@@ -4,10 +4,10 @@
 #
 # Settings from the planner (docs/planner.md):
 #     megatron-branch plan --model qwen2.5-7b --prompt-length 122880 --responses 16 --response-length 8192 \
-#         --gpus 8 --gpu h20 --tp 2 --cp 4 --dp 1 --recompute full
+#         --gpus 8 --gpu h20 --tp 2 --cp 4 --dp 1 --recompute full --branch-micro-batch 8 --optimizer distributed --offload-fraction 0
 # -> fits: 59.4 GB per rank of 96 (bf16, full recompute), step ~108 s on H20, 4.51x fewer FLOPs than naive,
-#    and in float32 (what grad computes in) too: 86.0 GB. With segment recompute only (selective): does NOT fit
-#    (170.9 GB bf16, 308.8 GB float32; largest term: activations).
+#    and in float32 (what grad computes in) too: 81.8 GB. With segment recompute only (selective): does NOT fit
+#    (170.9 GB bf16, 304.7 GB float32; largest term: activations).
 #
 # Runs `megatron-branch grad` (the training command `megatron-branch train` had not landed when this was written;
 # grad computes the same exact gradient in float32, without an optimizer step). Before launching, the planner is
@@ -22,7 +22,8 @@ OUT=${OUT:-grads.safetensors}
 GPU=${GPU:-h20}
 RECOMPUTE=${RECOMPUTE:-full}
 preflight --model qwen2.5-7b --prompt-length 122880 --responses 16 --response-length 8192 --gpus 8 --gpu "$GPU" \
-    --tp 2 --cp 4 --dp 1 --recompute "$RECOMPUTE" --dtype float32
+    --tp 2 --cp 4 --dp 1 --recompute "$RECOMPUTE" --dtype float32 \
+    --branch-micro-batch 8 --optimizer distributed --offload-fraction 0
 flags=()
 [[ "$RECOMPUTE" != none ]] && flags+=(--recompute)
 [[ "$RECOMPUTE" == full ]] && flags+=(--recompute-layers)

@@ -43,71 +43,87 @@ DTYPES = {
 }
 
 
-@dataclass(kw_only=True)
-class ModelShape:
-    """A Llama-style model with random weights (only its shape matters for speed and memory)."""
+MODEL_FLAGS: dict[str, str] = {
+    "layers": "num_layers",
+    "hidden": "hidden_size",
+    "heads": "num_attention_heads",
+    "kv_heads": "num_query_groups",
+    "ffn": "ffn_hidden_size",
+    "vocab": "vocab_size",
+    "tie": "tie_word_embeddings",
+    "experts": "num_experts",
+    "top_k": "moe_top_k",
+    "expert_ffn": "moe_ffn_hidden_size",
+}
+"""The bench's short model flags (--layers, --kv-heads, ...) -> the ModelArch fields they set: the bench's model is
+a ModelArch (models/arch.py; a Llama with random weights: only its shape matters for speed and memory)."""
 
-    layers: int = 2
-    """Transformer layers."""
-    hidden: int = 128
-    """Model width."""
-    heads: int = 4
-    """Query heads."""
-    kv_heads: int = 2
-    """Key/value heads (GQA groups)."""
-    ffn: int = 0
-    """SwiGLU inner width; 0 = 3 x hidden."""
-    vocab: int = 1024
-    """Vocabulary size."""
-    tie: bool = False
-    """Tie the input embedding and the output layer."""
-    experts: int = 0
-    """Routed experts per layer (a Qwen3-MoE-style model: megatron's MoELayer in every MLP slot); 0 = dense."""
-    top_k: int = 2
-    """Experts per token (MoE)."""
-    expert_ffn: int = 0
-    """Each expert's SwiGLU width (MoE); 0 = hidden."""
 
-    def __post_init__(self) -> None:
-        if self.experts < 0 or (self.experts and not 0 < self.top_k <= self.experts):
-            raise UserError(f"--experts {self.experts} / --top-k {self.top_k}: need 0 < top-k <= experts")
-        for name in ("layers", "hidden", "heads", "kv_heads", "vocab"):
-            if getattr(self, name) <= 0:
-                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.heads % self.kv_heads:
-            raise UserError(f"--heads {self.heads} must be a multiple of --kv-heads {self.kv_heads}")
-        if self.hidden % self.heads:
-            raise UserError(f"--hidden {self.hidden} must be a multiple of --heads {self.heads}")
+def bench_model(
+    *,
+    layers: int = 2,
+    hidden: int = 128,
+    heads: int = 4,
+    kv_heads: int = 2,
+    ffn: int = 0,
+    vocab: int = 1024,
+    tie: bool = False,
+    experts: int = 0,
+    top_k: int = 2,
+    expert_ffn: int = 0,
+) -> ModelArch:
+    """The ModelArch the bench flags describe (ffn 0 = 3 x hidden); a bad flag is refused by its name. experts > 0:
+    a Qwen3-MoE-style model (q/k norms, megatron's MoELayer in every MLP slot, top_k experts of width expert_ffn,
+    0 = hidden)."""
+    for name, v in (("layers", layers), ("hidden", hidden), ("heads", heads), ("kv_heads", kv_heads),
+                    ("vocab", vocab)):  # fmt: skip
+        if v <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive, got {v}")
+    if heads % kv_heads:
+        raise UserError(f"--heads {heads} must be a multiple of --kv-heads {kv_heads}")
+    if hidden % heads:
+        raise UserError(f"--hidden {hidden} must be a multiple of --heads {heads}")
+    if experts < 0 or (experts and not 0 < top_k <= experts):
+        raise UserError(f"--experts {experts} / --top-k {top_k}: need 0 < top-k <= experts")
+    moe: dict[str, Any] = {"family": "llama"}
+    if experts:
+        moe = dict(family="qwen3_moe", qk_norm=True, num_experts=experts, moe_top_k=top_k,
+                   moe_ffn_hidden_size=expert_ffn or hidden)  # fmt: skip
+    return ModelArch(
+        **moe,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_attention_heads=heads,
+        num_query_groups=kv_heads,
+        ffn_hidden_size=ffn or 3 * hidden,
+        tie_word_embeddings=tie,
+    )
 
-    def arch(self, max_len: int) -> ModelArch:
-        moe: dict[str, Any] = {}
-        if self.experts:  # Qwen3-MoE: q/k norms, every layer a MoELayer
-            moe = dict(
-                family="qwen3_moe",
-                qk_norm=True,
-                num_experts=self.experts,
-                moe_top_k=self.top_k,
-                moe_ffn_hidden_size=self.expert_ffn or self.hidden,
-            )
-        return ModelArch(
-            **{"family": "llama", **moe},
-            vocab_size=self.vocab,
-            hidden_size=self.hidden,
-            num_layers=self.layers,
-            num_attention_heads=self.heads,
-            num_query_groups=self.kv_heads,
-            ffn_hidden_size=self.ffn or 3 * self.hidden,
-            tie_word_embeddings=self.tie,
-            max_position_embeddings=max(4096, max_len),
-        )
+
+def model_flags(arch: ModelArch) -> dict[str, Any]:
+    """The bench flags of `arch` (bench_model's inverse; ffn 0 where it is the default 3 x hidden)."""
+    flags = {flag: getattr(arch, name) for flag, name in MODEL_FLAGS.items()}
+    if flags["ffn"] == 3 * flags["hidden"]:
+        flags["ffn"] = 0  # follows --hidden when that is overridden
+    if not flags["experts"]:
+        flags["top_k"] = 2  # a dense model: --experts alone gives top-2
+    if flags["expert_ffn"] == flags["hidden"]:
+        flags["expert_ffn"] = 0
+    return flags
+
+
+def with_context(arch: ModelArch, max_len: int) -> ModelArch:
+    """`arch` with a RoPE table covering `max_len` positions (at least 4096)."""
+    return dataclasses.replace(arch, max_position_embeddings=max(4096, max_len))
 
 
 @dataclass(kw_only=True)
 class BenchConfig:
     """One benchmark run: a model, a grid of tree shapes, the variants and how to time them."""
 
-    model: ModelShape = field(default_factory=ModelShape)
-    """The model every variant runs."""
+    model: ModelArch = field(default_factory=bench_model)
+    """The model every variant runs (bench_model: the --layers/--hidden/... flags)."""
     prompts: tuple[int, ...] = (1024,)
     """Prompt lengths P (a sweep when several)."""
     branches: tuple[int, ...] = (8,)
@@ -154,15 +170,14 @@ class BenchConfig:
                 raise UserError(f"--{name} must be positive, got {getattr(self, name)}")
         if not self.prompts or not self.branches or min(self.prompts) < 1 or min(self.branches) < 1:
             raise UserError("--prompt and --branches need positive values")
-        if self.levels > 1 and max(self.branches) > self.model.vocab:
-            raise UserError(f"--branches {max(self.branches)} exceeds --vocab {self.model.vocab}")
+        if self.levels > 1 and max(self.branches) > self.model.vocab_size:
+            raise UserError(f"--branches {max(self.branches)} exceeds --vocab {self.model.vocab_size}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def _m(**kw: Any) -> ModelShape:
-    return ModelShape(**kw)
+_m = bench_model
 
 
 PRESETS: dict[str, dict[str, Any]] = {

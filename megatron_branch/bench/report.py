@@ -16,13 +16,14 @@ def markdown(report: dict[str, Any]) -> str:
     cfg = report["config"]
     model = cfg["model"]
     head = (
-        f"Model: {model['layers']} layers, hidden {model['hidden']}, {model['heads']} heads / {model['kv_heads']} "
+        f"Model: {model['num_layers']} layers, hidden {model['hidden_size']}, {model['num_attention_heads']} heads / "
+        f"{model['num_query_groups']} kv, "
         + (
-            f"kv, {model['experts']} experts (top-{model['top_k']}, width {model.get('expert_ffn') or model['hidden']})"
-            if model.get("experts")
-            else f"kv, ffn {model['ffn'] or 3 * model['hidden']}"
+            f"{model['num_experts']} experts (top-{model['moe_top_k']}, width {model['moe_ffn_hidden_size']})"
+            if model.get("num_experts")
+            else f"ffn {model['ffn_hidden_size']}"
         )
-        + f", vocab {model['vocab']}, {cfg['dtype']} on {cfg['device']}; "
+        + f", vocab {model['vocab_size']}, {cfg['dtype']} on {cfg['device']}; "
         f"S={cfg['response']}, levels {cfg['levels']}, branch_micro_batch {cfg['micro']}; {cfg['rounds']} rounds "
         f"after 1 warm-up, round-robin, order rotated. Machine: "
         + ", ".join(f"{k} {v}" for k, v in report["machine"].items())

@@ -24,15 +24,15 @@ from typing import Any
 
 import torch
 
-from megatron_branch.bench.config import BASELINE, DTYPES, VARIANTS, BenchConfig
+from megatron_branch.bench.config import BASELINE, DTYPES, VARIANTS, BenchConfig, with_context
 from megatron_branch.bench.flops import Flops, variant_flops
 from megatron_branch.data import PrefixTree
+from megatron_branch.data.random_trees import random_tree_rollouts
 from megatron_branch.errors import UserError
 from megatron_branch.losses import PolicyGradientObjective
 from megatron_branch.memory import ActivationMeter
 from megatron_branch.models import ModelArch, build_model
 from megatron_branch.schedule import ScheduleOptions, StepResult, run_schedule
-from megatron_branch.testing import random_tree_rollouts
 
 
 def _rss_bytes() -> int:
@@ -108,14 +108,14 @@ class Case:
 
 def make_case(cfg: BenchConfig, arch: ModelArch, prompt: int, branches: int) -> Case:
     rollouts = random_tree_rollouts(
-        vocab_size=cfg.model.vocab,
+        vocab_size=cfg.model.vocab_size,
         prompt_len=prompt,
         branches=branches,
         levels=cfg.levels,
         seg_len=(cfg.response, cfg.response),
         seed=cfg.seed,
     )
-    tree = PrefixTree.build(rollouts, vocab_size=cfg.model.vocab)
+    tree = PrefixTree.build(rollouts, vocab_size=cfg.model.vocab_size)
     obj = PolicyGradientObjective.grpo([r.advantage for r in rollouts], tree.num_response_tokens_logical())
     return Case(prompt=prompt, branches=branches, tree=tree, objective=obj, flops=variant_flops(arch, tree))
 
@@ -125,7 +125,7 @@ def build_bench_model(cfg: BenchConfig) -> tuple[ModelArch, torch.nn.Module]:
 
     initialize_parallel(ParallelConfig())
     torch.manual_seed(cfg.seed)
-    arch = cfg.model.arch(max(cfg.prompts) + cfg.levels * cfg.response + 1)
+    arch = with_context(cfg.model, max(cfg.prompts) + cfg.levels * cfg.response + 1)
     model = build_model(arch, dtype=DTYPES[cfg.dtype])
     return arch, model.to(cfg.device)
 

@@ -1,4 +1,4 @@
-"""Checkpoint conversion: Hugging Face (Llama/Qwen2) <-> megatron-core distributed checkpoints, and TP gathering."""
+"""Checkpoint conversion: Hugging Face (Llama, Qwen2, Qwen3, Qwen3.5) <-> megatron-core distributed checkpoints, and TP gathering."""
 
 from megatron_branch.checkpoint.hf_io import HFTensorReader, load_hf_config, write_hf_folder
 from megatron_branch.checkpoint.hf_to_mcore import convert_hf_to_mcore, save_mcore_checkpoint

@@ -34,7 +34,7 @@ from megatron_branch.checkpoint.integrity import (
 )
 from megatron_branch.compat.cpu import CompatError
 from megatron_branch.errors import UserError
-from megatron_branch.parallel.groups import agree_on_error
+from megatron_branch.parallel.agree import agree_on_error
 
 __all__ = [
     "CheckpointError",

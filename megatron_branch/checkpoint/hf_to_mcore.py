@@ -25,9 +25,9 @@ from megatron_branch.checkpoint.dist_ckpt import save_sharded
 from megatron_branch.checkpoint.hf_io import TOKENIZER_FILES, HFTensorReader, load_hf_config
 from megatron_branch.checkpoint.param_map import iter_hf_to_mcore, mcore_names, sharded_keys
 from megatron_branch.checkpoint.tp import load_full_tensor
-from megatron_branch.errors import UserError, check_on_every_rank, launched_world_size
+from megatron_branch.errors import UserError, launched_world_size
 from megatron_branch.models.arch import ModelArch
-from megatron_branch.parallel.groups import agree_on_error
+from megatron_branch.parallel.agree import agree_on_error, check_on_every_rank
 
 META_FILE = "megatron_branch.json"
 FORMAT = "megatron-branch/mcore-checkpoint"

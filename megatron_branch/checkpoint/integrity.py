@@ -261,7 +261,7 @@ def verify_checkpoint(ckpt: str | os.PathLike, files: Mapping[str, Any] | None, 
     """
     import torch.distributed as dist
 
-    from megatron_branch.parallel.groups import agree_on_error
+    from megatron_branch.parallel.agree import agree_on_error
 
     d = Path(ckpt)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)

@@ -40,8 +40,9 @@ from megatron_branch.checkpoint.tp import (
     repad_vocab,
     shard_full_tensor,
 )
-from megatron_branch.errors import UserError, check_on_every_rank
+from megatron_branch.errors import UserError
 from megatron_branch.models.arch import ModelArch
+from megatron_branch.parallel.agree import check_on_every_rank
 
 
 def read_meta(mcore_dir: str | os.PathLike) -> dict[str, Any]:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from megatron_branch.checkpoint.dist_ckpt import load_sharded, save_sharded
 from megatron_branch.errors import UserError
-from megatron_branch.parallel.groups import agree_on_error
+from megatron_branch.parallel.agree import agree_on_error
 
 STATE_FILE = "train_state.json"
 FORMAT = "megatron-branch/train-checkpoint"

@@ -77,25 +77,10 @@ def add_bench_command(sub: Any) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
-    from megatron_branch.bench.config import PRESETS, BenchConfig, ModelShape
+    from megatron_branch.bench.config import PRESETS, BenchConfig, bench_model, model_flags
 
     fields: dict[str, Any] = dict(PRESETS[args.preset]) if args.preset else {}
-    model = fields.pop("model", ModelShape())
-    model_kw = {
-        k: getattr(model, k)
-        for k in (
-            "layers",
-            "hidden",
-            "heads",
-            "kv_heads",
-            "ffn",
-            "vocab",
-            "tie",
-            "experts",
-            "top_k",
-            "expert_ffn",
-        )
-    }
+    model_kw = model_flags(fields.pop("model", bench_model()))
     for k in model_kw:
         if getattr(args, k, None) is not None:
             model_kw[k] = getattr(args, k)
@@ -109,7 +94,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         fields["variants"] = tuple(v.strip() for v in args.variants.split(",") if v.strip())
     if args.no_meter:
         fields["meter"] = False
-    return BenchConfig(model=ModelShape(**model_kw), **fields)
+    return BenchConfig(model=bench_model(**model_kw), **fields)
 
 
 def run_bench_command(args: argparse.Namespace) -> int:

@@ -6,11 +6,16 @@ Contract (stable; other tools rely on it):
         [--logprobs-out LP.jsonl] [--grad-sync ddp|manual]
 Loss (--objective pg, the default; on-policy GRPO form): L = -(1/T) sum_i sum_{t in response_i} A_i logp(i,t),
 T = all response tokens.
-Additions (other objectives, docs/design.md "Objectives"):
-    --objective pg|grpo|dpo      grpo = clipped surrogate + KL + entropy; dpo = DPO / IPO on preference pairs
-    --clip-low 0.2 --clip-high 0.2 [--clip-c C] --kl-coef 0.0 --kl-type k1|k2|k3 --entropy-coef 0.0
-    --loss-agg token-mean|seq-mean-token-mean|seq-mean-token-sum|seq-mean-token-sum-norm [--loss-agg-norm L]
-    --beta 0.1 --dpo-loss sigmoid|ipo
+Additions (other objectives, docs/design.md "Objectives"; verl's names, the older flags kept as aliases):
+    --objective pg|grpo|dpo|NAME   pg = the loss above; grpo (= vanilla) = clipped surrogate + KL + entropy;
+                                   dpo = DPO / IPO on preference pairs; NAME = one a --plugin registers
+    --plugin MODULE                import MODULE (dotted, or a .py file) first; its @register_policy_loss
+                                   objectives become --objective names (repeatable)
+    --clip-ratio-low 0.2 --clip-ratio-high 0.2 [--clip-ratio-c C]       (aliases --clip-low --clip-high --clip-c)
+    --kl-loss-coef 0.0 --kl-loss-type k1|k2|k3 --entropy-coeff 0.0      (aliases --kl-coef --kl-type --entropy-coef)
+    --loss-agg-mode token-mean|seq-mean-token-mean|seq-mean-token-sum|seq-mean-token-sum-norm [--loss-agg-norm L]
+                                                                        (alias --loss-agg)
+    --dpo-beta 0.1 --dpo-loss sigmoid|ipo                               (alias --beta)
     Rollout fields: advantage (float) or advantages (one per response token); old_logprobs, ref_logprobs (one per
     response token; old_logprobs absent = on-policy); DPO: pair (a JSON scalar shared by the pair), chosen (bool),
     ref_logprobs required. A missing field or a malformed pair: a one-line error naming file:line.
@@ -29,6 +34,7 @@ finalize_model_grads (--grad-sync ddp, the default) or by megatron_branch.parall
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from typing import Any
@@ -38,7 +44,8 @@ import torch.distributed as dist
 
 from megatron_branch import outputs
 from megatron_branch.data.rollouts import CONTEXT_OVERRIDE_FLAG
-from megatron_branch.errors import UserError, check_on_every_rank
+from megatron_branch.errors import SettingError, Spelling, UserError
+from megatron_branch.parallel.agree import check_on_every_rank
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -86,19 +93,38 @@ def add_grad_command(sub: Any) -> None:
         "--branch-micro-batch", type=_positive_int, default=8, help="replay: sibling leaves per forward"
     )
     p.add_argument("--logprobs-out", default=None, help="write each rollout's response logprobs (JSONL)")
-    o = p.add_argument_group("objective (additions to the contract)")
-    o.add_argument("--objective", default="pg", choices=["pg", "grpo", "dpo"], help="the loss (default pg)")
-    o.add_argument("--clip-low", type=float, default=0.2, help="grpo: ratio clipped below at 1 - clip_low")
-    o.add_argument("--clip-high", type=float, default=0.2, help="grpo: ratio clipped above at 1 + clip_high")
+    o = p.add_argument_group("objective (additions to the contract; verl's names, older flags as aliases)")
     o.add_argument(
-        "--clip-c", type=float, default=None, help="grpo: dual-clip bound for A < 0 (> 1; verl: 3)"
+        "--objective",
+        dest="policy_loss",
+        default="pg",
+        metavar="NAME",
+        help="registered objective: pg (default), grpo (= vanilla), dpo, or one a --plugin registers",
     )
-    o.add_argument("--kl-coef", type=float, default=0.0, help="grpo: coefficient of the KL to ref_logprobs")
-    o.add_argument("--kl-type", default="k1", choices=["k1", "k2", "k3", "kl", "mse", "low_var_kl"])
-    o.add_argument("--entropy-coef", type=float, default=0.0, help="grpo: entropy bonus coefficient")
-    o.add_argument("--loss-agg", default="token-mean", choices=list(_agg_modes()), help="grpo: aggregation")
+    o.add_argument(
+        "--plugin",
+        dest="plugins",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE (dotted, or a .py file) before the objective is looked up (repeatable)",
+    )
+    o.add_argument("--clip-ratio-low", "--clip-low", dest="clip_ratio_low", type=float, default=0.2,
+                   help="grpo: ratio clipped below at 1 - clip_ratio_low")  # fmt: skip
+    o.add_argument("--clip-ratio-high", "--clip-high", dest="clip_ratio_high", type=float, default=0.2,
+                   help="grpo: ratio clipped above at 1 + clip_ratio_high")  # fmt: skip
+    o.add_argument("--clip-ratio-c", "--clip-c", dest="clip_ratio_c", type=float, default=None,
+                   help="grpo: dual-clip bound for A < 0 (> 1; verl: 3)")  # fmt: skip
+    o.add_argument("--kl-loss-coef", "--kl-coef", dest="kl_loss_coef", type=float, default=0.0,
+                   help="grpo: coefficient of the KL to ref_logprobs")  # fmt: skip
+    o.add_argument("--kl-loss-type", "--kl-type", dest="kl_loss_type", default="k1",
+                   choices=["k1", "k2", "k3", "kl", "mse", "low_var_kl"])  # fmt: skip
+    o.add_argument("--entropy-coeff", "--entropy-coef", dest="entropy_coeff", type=float, default=0.0,
+                   help="grpo: entropy bonus coefficient")  # fmt: skip
+    o.add_argument("--loss-agg-mode", "--loss-agg", dest="loss_agg_mode", default="token-mean",
+                   choices=list(_agg_modes()), help="grpo: aggregation")  # fmt: skip
     o.add_argument("--loss-agg-norm", type=float, default=None, help="L_norm of seq-mean-token-sum-norm")
-    o.add_argument("--beta", type=float, default=0.1, help="dpo: beta")
+    o.add_argument("--dpo-beta", "--beta", dest="dpo_beta", type=float, default=0.1, help="dpo: beta")
     o.add_argument("--dpo-loss", default="sigmoid", choices=["sigmoid", "ipo"], help="dpo: loss form")
     m = p.add_argument_group("mixture of experts (additions to the contract)")
     for name, what in (
@@ -140,46 +166,46 @@ def _agg_modes() -> tuple[str, ...]:
     return AGG_MODES
 
 
-def make_objective(args: argparse.Namespace, rollouts: list[Any], full_tree: Any) -> Any:
-    """The objective the flags describe, normalised on the whole batch, validated on every rollout (UserError
-    naming file:line for a missing field or a malformed pair) before any collective."""
-    from megatron_branch.losses import (
-        AdvantagePolicyGradient,
-        Aggregation,
-        DPOObjective,
-        PolicyObjective,
-        preference_pairs,
+SPELLING = Spelling(
+    names={
+        "policy_loss": "--objective",
+        "plugins": "--plugin",
+        "moe": "--moe-* / --routing-replay",
+        "capacity_factor": "--moe-expert-capacity-factor",
+    }
+)
+"""How grad's messages name a setting: its flag (the objective's fields by their verl-named flags)."""
+
+
+def objective_config(args: argparse.Namespace) -> Any:
+    """The one objective config (losses/config.py) from the flags: each objective flag's dest is its field."""
+    from megatron_branch.losses import ObjectiveConfig
+
+    return ObjectiveConfig(
+        **{
+            f.name: getattr(args, f.name)
+            for f in dataclasses.fields(ObjectiveConfig)
+            if hasattr(args, f.name)
+        }
     )
-    from megatron_branch.losses.dpo import reference_sums
+
+
+def make_objective(args: argparse.Namespace, rollouts: list[Any], full_tree: Any) -> Any:
+    """The objective the flags describe (the registry's builder, as `train` uses), normalised on the whole batch,
+    validated on every rollout (UserError naming file:line for a missing field or a malformed pair) before any
+    collective."""
+    from megatron_branch.losses import build_objective, load_plugins
 
     try:
-        if args.objective == "pg":
-            objective: Any = AdvantagePolicyGradient(
-                num_response_tokens=full_tree.num_response_tokens_logical()
-            )
-        elif args.objective == "grpo":
-            agg = Aggregation.of_batch(rollouts, args.loss_agg, norm=args.loss_agg_norm)
-            objective = PolicyObjective(
-                agg=agg,
-                clip_low=args.clip_low,
-                clip_high=args.clip_high,
-                clip_c=args.clip_c,
-                kl_coef=args.kl_coef,
-                kl_type=args.kl_type,
-                entropy_coef=args.entropy_coef,
-            )
-        else:
-            objective = DPOObjective(
-                num_pairs=len(preference_pairs(rollouts)), beta=args.beta, loss_type=args.dpo_loss
-            )
+        load_plugins(args.plugins)
+        objective = build_objective(objective_config(args), rollouts)
+    except SettingError as e:
+        raise e.spelled(SPELLING) from None
     except UserError:
         raise
-    except ValueError as e:  # a bad flag value (clip_c <= 1, a missing --loss-agg-norm, ...)
+    except ValueError as e:  # a bad value the objective itself refuses
         raise UserError(str(e)) from None
-    if args.objective == "dpo":
-        reference_sums(full_tree)  # every rollout has ref_logprobs
-    else:
-        objective.bind(full_tree)  # every rollout has the fields the objective reads
+    objective.check(full_tree)  # every rollout has the fields the objective reads
     return objective
 
 
@@ -193,29 +219,19 @@ def moe_options(args: argparse.Namespace, arch: Any) -> Any:
         "global_aux_loss_coeff": args.moe_global_aux_loss_coeff,
         "z_loss_coeff": args.moe_z_loss_coeff,
     }
-    moe_flags = any(coeffs.values()) or args.routing_replay or args.moe_expert_capacity_factor is not None
+    from megatron_branch.rules import check_moe_run
+
+    try:
+        check_moe_run(
+            args.schedule, moe=arch.is_moe, tp=args.tp, sequence_parallel=args.sequence_parallel, ep=args.ep,
+            router_settings=any(coeffs.values()) or args.routing_replay,
+            capacity_factor=args.moe_expert_capacity_factor,
+        )  # fmt: skip
+    except SettingError as e:
+        raise e.spelled(SPELLING) from None
     if not arch.is_moe:
-        if moe_flags or args.ep > 1:
-            raise UserError(
-                f"--ep / --moe-* / --routing-replay need a mixture-of-experts model ({arch.family})"
-            )
         return None
     arch.check_expert_parallel(args.ep, tp=args.tp)
-    if args.tp > 1 and not args.sequence_parallel:
-        raise UserError(
-            f"a mixture-of-experts model at --tp {args.tp} needs --sequence-parallel (megatron's MoELayer trains "
-            "tensor-parallel experts only with sequence parallelism)"
-        )
-    if args.moe_expert_capacity_factor is not None:
-        if not args.moe_expert_capacity_factor > 0:
-            raise UserError(
-                f"--moe-expert-capacity-factor must be positive, got {args.moe_expert_capacity_factor}"
-            )
-        if args.schedule != "naive":
-            raise UserError(
-                f"--moe-expert-capacity-factor: token dropping is not exact under sharing (an expert's capacity "
-                f"depends on which tokens share its batch); --schedule {args.schedule} refuses it, use naive"
-            )
     try:
         return MoEOptions(losses=RouterLossConfig(**coeffs), routing_replay=args.routing_replay)
     except ValueError as e:
@@ -261,28 +277,6 @@ def _atomic_write(path: str, write: Any, overwrite: bool) -> None:
         write(str(tmp))
 
 
-def _check_flags(args: argparse.Namespace) -> None:
-    """Refuse flags that would do nothing in this run (a silent no-op hides a mistake)."""
-    if args.sequence_parallel and args.tp == 1:
-        raise UserError(
-            "--sequence-parallel does nothing at --tp 1 (it splits activations over the TP group)"
-        )
-    if args.recompute and args.schedule != "replay":
-        raise UserError(
-            f"--recompute applies to --schedule replay only; --schedule {args.schedule} ignores it"
-        )
-    if args.ep > 1 and args.grad_sync == "manual":
-        raise UserError(
-            "--grad-sync manual does not reduce expert-parallel gradients (over the expert data-parallel group); "
-            "use --grad-sync ddp with --ep"
-        )
-    if args.recompute_layers and args.schedule == "naive":
-        raise UserError(
-            "--recompute-layers applies to --schedule replay or packed; --schedule naive runs megatron's own "
-            "attention without the engine's layer checkpointing"
-        )
-
-
 def run_grad(args: argparse.Namespace) -> int:
     """The thin command around the update's gradient part (update.accumulate_gradients + finalize)."""
     from megatron_branch.checkpoint.hf_io import HFTensorReader, load_hf_config
@@ -293,11 +287,9 @@ def run_grad(args: argparse.Namespace) -> int:
     from megatron_branch.models import ModelArch
     from megatron_branch.models.arch import check_schedule_supports
     from megatron_branch.parallel.data import assign_groups
-    from megatron_branch.parallel.groups import (
-        ParallelConfig,
-        init_distributed,
-        initialize_parallel,
-    )
+    from megatron_branch.parallel.groups import init_distributed, initialize_parallel
+    from megatron_branch.parallel.layout import ParallelLayout
+    from megatron_branch.rules import check_run
     from megatron_branch.schedule import ScheduleOptions
     from megatron_branch.update import UpdatePlan, accumulate_gradients, finalize, reduce_metrics
 
@@ -305,17 +297,17 @@ def run_grad(args: argparse.Namespace) -> int:
 
     def validate() -> tuple[Any, ...]:
         # Everything the user gave, before any collective or model work (on every rank, one verdict).
-        pcfg = ParallelConfig(tp=args.tp, cp=args.cp, sequence_parallel=args.sequence_parallel, ep=args.ep)
-        _check_flags(args)
+        pcfg = ParallelLayout(tp=args.tp, cp=args.cp, sequence_parallel=args.sequence_parallel, ep=args.ep)
+        pcfg.check_no_op()
+        check_run(args.schedule, cp=pcfg.cp, recompute=args.recompute, recompute_layers=args.recompute_layers,
+                  backend=args.backend)  # fmt: skip
+        if args.ep > 1 and args.grad_sync == "manual":
+            raise UserError(
+                "--grad-sync manual does not reduce expert-parallel gradients (over the expert data-parallel "
+                "group); use --grad-sync ddp with --ep"
+            )
         _check_output(args.out, args.overwrite)
         _check_output(args.logprobs_out, args.overwrite)
-        if pcfg.cp > 1 and args.schedule == "naive":
-            # naive runs every rollout whole through megatron's own attention: it has no ring, so under CP every
-            # CP rank would compute the whole batch and the CP sum would count it cp times.
-            raise UserError(
-                f"--schedule naive has no context parallelism (it is the unsplit baseline); "
-                f"use --schedule packed or replay with --cp {pcfg.cp}"
-            )
         arch = ModelArch.from_hf_config(load_hf_config(args.hf), where=os.path.join(args.hf, "config.json"))
         arch.check_tensor_parallel(pcfg.tp)
         check_schedule_supports(arch, args.schedule)
@@ -380,7 +372,7 @@ def run_grad(args: argparse.Namespace) -> int:
         keep_logprobs=args.logprobs_out is not None,
     )
     finalize(ddp if ddp is not None else model, plan)
-    metrics = reduce_metrics(acc, objective, groups, "actor")
+    metrics = reduce_metrics(acc, objective, groups)
     grads = mcore_to_hf_state(gather_full_grads(model, groups.tp, groups.ep), arch)
 
     lp_rows: list[tuple[int, list[float]]] = sorted(acc.logprobs.items())
@@ -391,7 +383,7 @@ def run_grad(args: argparse.Namespace) -> int:
 
     summary = {
         "schedule": args.schedule,
-        "loss": metrics.pop("actor/loss"),
+        "loss": metrics.pop(f"{objective.role}/loss"),
         "positions_logical": full_tree.positions_logical,
         "positions_computed": int(metrics["tree/positions_computed"]),
         "positions_tree": full_tree.positions_computed,
@@ -404,7 +396,7 @@ def run_grad(args: argparse.Namespace) -> int:
         "sequence_parallel": groups.sequence_parallel,
         "ep": groups.ep_size,
         "out": args.out,
-        "objective": args.objective,
+        "objective": args.policy_loss,
         "metrics": fold_expert_metrics(metrics),  # MoE: tokens per expert as one list per layer
     }
     # rank 0 writes; a failure there must reach every rank, which would otherwise wait forever

@@ -2,15 +2,19 @@
 
     megatron-branch plan --model PRESET|CONFIG.json --prompt-length P --responses G --response-length S
         [--prompts N] [--shared-response-length K] --gpus N --gpu h20|h100|h200
-        [--gpu-memory-gb M --gpu-tflops T --link-gbps B] [--tp N --cp N --dp N --recompute none|selective|full]
-        [--ep N] [--schedule replay|packed|naive] [--json]
+        [--gpu-memory-gb M --gpu-tflops T --link-gbps B] [--host-memory-gb H --host-link-gbps L]
+        [--tp N --cp N --dp N --recompute none|selective|full] [--ep N] [--optimizer plain|distributed]
+        [--offload-fraction F] [--branch-micro-batch B] [--schedule replay|packed|naive] [--json]
 
 A mixture-of-experts model (qwen3-30b-a3b, or a Qwen3-MoE / Mixtral / Qwen2-MoE config.json) adds expert
 parallelism (--ep, searched when not given), its expert parameters per EP rank, the dispatcher's buffers and the
 top-k experts' FLOPs.
-With --json the last stdout line is one JSON object: fits, layout {tp, cp, dp, recompute} (+ ep for MoE), memory_bytes_per_rank
-(one key per term and total), flops {naive, replay, ratio, ...}, step_time_s, and more. The command line and these
-keys are a stable contract. Exit status 0 whether or not it fits (read `fits`); 2 on bad input.
+With --json the last stdout line is one JSON object: fits, layout {tp, cp, dp, recompute} (+ ep for MoE),
+memory_bytes_per_rank (one key per term and total), flops {naive, replay, ratio, ...}, step_time_s, optimizer
+{name, use_distributed_optimizer, optimizer_cpu_offload, optimizer_offload_fraction}, host_memory_bytes_per_node,
+host_memory_bytes_per_rank (by term), branch_micro_batch, rejected (per other layout: its best choice and why it
+does not fit), and more. The command line and these keys are a stable contract. Exit status 0 whether or not it
+fits (read `fits`); 2 on bad input.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import json
 from typing import Any
 
 from megatron_branch.plan.model import GPU_PRESETS, MODEL_PRESETS, RECOMPUTE, RolloutShape, load_model
-from megatron_branch.plan.search import SCHEDULES, TERMS_IN_TOTAL, Plan, plan, what_would_fit
+from megatron_branch.plan.search import HOST_TERMS, SCHEDULES, TERMS_IN_TOTAL, Plan, plan, what_would_fit
 
 
 def add_plan_command(sub: Any) -> None:
@@ -37,13 +41,31 @@ def add_plan_command(sub: Any) -> None:
     p.add_argument("--gpu-memory-gb", type=float, help="override the preset's memory (GB)")
     p.add_argument("--gpu-tflops", type=float, help="override the preset's dense bf16 TFLOP/s")
     p.add_argument("--link-gbps", type=float, help="override the preset's link bandwidth (GB/s)")
+    p.add_argument("--host-memory-gb", type=float, help="host memory per node (GB; default 1024)")
+    p.add_argument("--host-link-gbps", type=float, help="host<->GPU GB/s per GPU, all copying (default 25)")
+    p.add_argument(
+        "--host-adam-gbps", type=float, help="host memory GB/s one rank's CPU Adam gets (default 25)"
+    )
+    p.add_argument("--gpus-per-node", type=int, help="GPUs sharing one host's memory (default 8)")
     p.add_argument("--tp", type=int)
     p.add_argument("--cp", type=int)
     p.add_argument("--dp", type=int)
     p.add_argument("--recompute", choices=RECOMPUTE)
     p.add_argument("--ep", type=int, help="expert-parallel size of a MoE model (inside cp x dp)")
     p.add_argument("--schedule", choices=SCHEDULES, default="replay")
-    p.add_argument("--branch-micro-batch", type=int, default=8, help="replay: sibling leaves per forward")
+    p.add_argument(
+        "--optimizer",
+        choices=["plain", "distributed"],
+        help="megatron's plain or distributed optimizer (default: searched)",
+    )
+    p.add_argument(
+        "--offload-fraction",
+        type=float,
+        help="optimizer state kept in host memory, 0..1 (megatron's CPU offload; default: searched)",
+    )
+    p.add_argument(
+        "--branch-micro-batch", type=int, help="replay: sibling leaves per forward (default: searched 8..1)"
+    )
     p.add_argument(
         "--dtype",
         choices=["bf16", "float32"],
@@ -63,6 +85,10 @@ def run_plan(args: argparse.Namespace) -> int:
             ("memory_gb", args.gpu_memory_gb),
             ("tflops", args.gpu_tflops),
             ("link_gbps", args.link_gbps),
+            ("host_memory_gb", args.host_memory_gb),
+            ("host_link_gbps", args.host_link_gbps),
+            ("host_adam_gbps", args.host_adam_gbps),
+            ("gpus_per_node", args.gpus_per_node),
         )
         if v is not None
     }
@@ -75,11 +101,12 @@ def run_plan(args: argparse.Namespace) -> int:
         prompts=args.prompts,
         shared_response_length=args.shared_response_length,
     )
-    if args.branch_micro_batch <= 0:
-        from megatron_branch.errors import UserError
-
-        raise UserError(f"--branch-micro-batch must be positive, got {args.branch_micro_batch}")
-    kw = {"branch_micro_batch": args.branch_micro_batch, "dtype": args.dtype}
+    kw = {
+        "branch_micro_batch": args.branch_micro_batch,
+        "dtype": args.dtype,
+        "distributed_optimizer": None if args.optimizer is None else args.optimizer == "distributed",
+        "offload_fraction": args.offload_fraction,
+    }
     p = plan(
         name,
         arch,
@@ -117,7 +144,8 @@ def render(p: Plan, fixes: list[str]) -> str:
         f"({p.gpu.memory_gb:g} GB, {p.gpu.tflops:g} TFLOP/s, {p.gpu.link_gbps:g} GB/s)",
         f"layout: tp {lay.tp} x cp {lay.cp} x dp {lay.dp}"
         + (f" (ep {lay.ep})" if p.arch.is_moe else "")
-        + f", recompute {lay.recompute}, schedule {p.schedule}, {p.dtype}",
+        + f", recompute {lay.recompute}, schedule {p.schedule}, {p.dtype}, optimizer {p.optimizer.name}, "
+        f"branch micro-batch {p.branch_micro_batch}",
         "memory per rank (GB):",
     ]
     for k in TERMS_IN_TOTAL:
@@ -130,6 +158,13 @@ def render(p: Plan, fixes: list[str]) -> str:
         lines.append(
             f"  (of the parameters, routed experts on this EP rank: {mem['expert_parameters'] / 1e9:.2f})"
         )
+    host = p.host_memory
+    lines.append(
+        f"optimizer: {p.optimizer.name}; host memory per rank (GB): "
+        + ", ".join(f"{k.removeprefix('host_')} {host[k] / 1e9:.2f}" for k in HOST_TERMS)
+        + f"; per node ({min(p.gpu.gpus_per_node, p.gpus)} ranks) {host['per_node'] / 1e9:.1f} of "
+        f"{p.gpu.host_memory_gb:g}"
+    )
     lines.append(
         f"FLOPs per step: naive {fl['naive']:.3e}, packed {fl['packed']:.3e}, replay {fl['replay']:.3e}; "
         f"naive / {p.schedule} = {fl['ratio']:.2f}x; stop-gradient (prompt state not trained, inexact) "
@@ -141,14 +176,28 @@ def render(p: Plan, fixes: list[str]) -> str:
         f"{t['ring']:.2f} s ({ring}), "
         f"TP comm {t['tensor_parallel_comm']:.2f} s, grad reduce {t['grad_reduce']:.2f} s"
         + (f", expert all-to-all {t['expert_alltoall']:.2f} s" if p.arch.is_moe else "")
+        + f", offload copies {t['offload_transfer']:.2f} s, host Adam {t['host_optimizer_step']:.2f} s"
     )
     for n in p.notes:
         lines.append(f"note: {n}")
+    if p.rejected:
+        lines.append("the other layouts (each with its best optimizer choice and branch micro-batch):")
+        for r in p.rejected:
+            lay_r = r["layout"]
+            lines.append(
+                f"  tp {lay_r['tp']} x cp {lay_r['cp']} x dp {lay_r['dp']}"
+                + (f" (ep {lay_r['ep']})" if "ep" in lay_r else "")
+                + f", {lay_r['recompute']:<9} "
+                f"{r['optimizer']}, bmb {r['branch_micro_batch']}: {r['reason']}"
+            )
     if p.fits:
         lines.append("fits")
     else:
-        lines.append(
-            f"does not fit: needs {mem['total'] / 1e9:.1f} GB per rank, {p.gpu.memory_gb:g} GB available; largest term "
-            f"{p.largest_term} ({mem[p.largest_term] / 1e9:.1f} GB). Would fit with: " + "; ".join(fixes)
+        where = (
+            f"needs {mem['total'] / 1e9:.1f} GB per rank, {p.gpu.memory_gb:g} GB available; largest term "
+            f"{p.largest_term} ({mem[p.largest_term] / 1e9:.1f} GB)"
+            if not p.fits_device
+            else f"needs {host['per_node'] / 1e9:.0f} GB of host memory per node, {p.gpu.host_memory_gb:g} GB available"
         )
+        lines.append(f"does not fit: {where}. Would fit with: " + "; ".join(fixes))
     return "\n".join(lines)

@@ -42,7 +42,7 @@ def run_train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.resume is not None:
         overrides.append(f"trainer.resume_mode={args.resume}")
-    from megatron_branch.errors import check_on_every_rank
+    from megatron_branch.parallel.agree import check_on_every_rank
 
     # all checks that need no data, before any work; under torchrun the verdict is shared (printed once)
     cfg = check_on_every_rank(lambda: load_config(args.config, overrides))

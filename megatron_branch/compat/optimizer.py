@@ -15,8 +15,9 @@ tests/unit/test_update.py guards them. On a GPU nothing here runs: megatron's ow
 3. `optimizer.clip_grad_by_total_norm_fp32`: the same scaling (max_norm / (total + 1e-6) when below 1, in
    place) without the CUDA-type assertion, which also refuses float64 gradients.
 
-The distributed optimizer is not shimmed: it asserts CUDA parameter types in its buffer setup and keeps float16 /
-float32 shards only, so on CPU (gloo) the update uses the non-distributed optimizer over megatron DDP.
+The distributed optimizer's two CPU assumptions (CUDA parameter types, float32-only main gradients) are shimmed in
+compat/distrib_optimizer.py, the CPU-offload optimizer's (CUDA streams, pinned memory, `is_cuda` as the device
+split) in compat/offload.py; `apply_optimizer_shims` applies them all.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from typing import Any
 import torch
 
 from megatron_branch.compat.cpu import _CpuTorchView, _resolve, apply_shims
+from megatron_branch.compat.distrib_optimizer import distrib_optimizer_shims
+from megatron_branch.compat.offload import offload_shims
 
 __all__ = ["apply_optimizer_shims"]
 
@@ -84,6 +87,8 @@ _SHIMS = {
     "optimizer_factories": _shim_factories,
     "optimizer_l2_norm": _shim_l2_norm,
     "optimizer_clip": _shim_clip,
+    **distrib_optimizer_shims(),
+    **offload_shims(),
 }
 
 

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 from megatron_branch.data.prefix_tree import PrefixTree, Segment
-from megatron_branch.data.reference import attention_mask_from_rollouts
 from megatron_branch.data.rollouts import Rollout, read_rollouts_jsonl, write_rollouts_jsonl
 
 __all__ = [
     "PrefixTree",
     "Rollout",
     "Segment",
-    "attention_mask_from_rollouts",
     "read_rollouts_jsonl",
     "write_rollouts_jsonl",
 ]

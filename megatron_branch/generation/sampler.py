@@ -94,6 +94,12 @@ class BranchSampler:
         base = getattr(model, "module", model)  # megatron DDP wraps the GPTModel
         if not isinstance(base, BranchGPTModel):
             raise TypeError("BranchSampler needs a BranchGPTModel (megatron_branch.models.build_model)")
+        arch = getattr(base, "arch", None)
+        if arch is not None and arch.is_hybrid:  # decoding would restart every GDN layer from a zero state
+            raise ValueError(
+                f"BranchSampler cannot sample a hybrid model yet ({arch.family}: gated delta net layers need their "
+                "recurrent state carried through prefill and decode, issue #18 item 4)"
+            )
         if vocab_size <= 0:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         if max_prefill_tokens is not None and max_prefill_tokens <= 0:

@@ -8,17 +8,41 @@ A group of one rollout, or one whose rewards are all equal, gets 0.
 GAE (Schulman et al. 2016; verl `compute_gae_advantage_return`), per rollout over its response tokens t = 0..n-1:
     delta_t = r_t + gamma V_{t+1} - V_t      (V_n = 0)
     A_t = delta_t + gamma lambda A_{t+1},    R_t = A_t + V_t
+
+Both are registered estimators (losses/registry.py, verl's `register_adv_est`): `grpo` groups by the prompt
+instance (`index`, verl's uid), `gae` puts the outcome score on the last response token and needs the critic's
+`values` (the loop scores them first).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from megatron_branch.data import Rollout
-from megatron_branch.errors import UserError
+from megatron_branch.errors import SettingError, UserError
+from megatron_branch.losses.registry import register_adv_est
+
+
+@dataclass(kw_only=True)
+class AdvantageConfig:
+    """What the advantage estimators read (verl's algorithm keys)."""
+
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide by the group's standard deviation (False = Dr. GRPO)."""
+    gamma: float = 1.0
+    """GAE discount."""
+    lam: float = 1.0
+    """GAE lambda."""
+
+    def __post_init__(self) -> None:
+        for name in ("gamma", "lam"):
+            v = getattr(self, name)
+            if not 0 <= v <= 1:
+                raise SettingError(lambda s, n=name, v=v: f"{s.name(n)} must be in [0, 1], got {v}")
 
 
 def prompt_groups(rollouts: Sequence[Rollout]) -> list[list[int]]:
@@ -99,3 +123,26 @@ def with_gae(rollouts: Sequence[Rollout], *, gamma: float = 1.0, lam: float = 1.
         fields = {**r.token_fields, "advantages": tuple(adv.tolist()), "returns": tuple(ret.tolist())}
         out.append(dataclasses.replace(r, token_fields=fields))
     return out
+
+
+@register_adv_est("grpo", group_relative=True)
+def grpo_advantages(
+    rollouts: Sequence[Rollout], rewards: Sequence[float], index: Sequence[Hashable], cfg: AdvantageConfig
+) -> list[Rollout]:
+    """Group-relative advantages over the rollouts of each prompt instance (`index`)."""
+    adv = group_advantages(rewards, list(index), norm_by_std=cfg.norm_adv_by_std_in_grpo)
+    return [dataclasses.replace(r, advantage=a) for r, a in zip(rollouts, adv)]
+
+
+@register_adv_est("gae", needs_values=True)
+def gae_advantages(
+    rollouts: Sequence[Rollout], rewards: Sequence[float], index: Sequence[Hashable], cfg: AdvantageConfig
+) -> list[Rollout]:
+    """PPO: the outcome score on the last response token, the critic's `values`, GAE per rollout."""
+    scored = [
+        dataclasses.replace(
+            r, token_fields={**r.token_fields, "rewards": (0.0,) * (len(r.response) - 1) + (float(s),)}
+        )
+        for r, s in zip(rollouts, rewards)
+    ]
+    return with_gae(scored, gamma=cfg.gamma, lam=cfg.lam)

@@ -20,14 +20,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from megatron_branch.data import PrefixTree, Rollout
 from megatron_branch.errors import UserError
-from megatron_branch.losses.objective import PolicyGradientObjective
+from megatron_branch.losses.config import DPO_LOSSES
+from megatron_branch.losses.objective import ObjectiveBase, PolicyGradientObjective, Prepared, SequenceScores
+from megatron_branch.losses.registry import register_policy_loss
 
-DPO_LOSSES = ("sigmoid", "ipo")
+METRICS = ("dpo/loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 
 
 def preference_pairs(rollouts: Sequence[Rollout]) -> list[tuple[int, int]]:
@@ -69,9 +72,13 @@ def reference_sums(tree: PrefixTree) -> torch.Tensor:
     return out
 
 
+@register_policy_loss("dpo")
 @dataclass(kw_only=True)
-class DPOObjective:
-    """DPO / IPO loss; `linearise` turns it into the gradient pass's objective."""
+class DPOObjective(ObjectiveBase):
+    """DPO / IPO loss, sequence-level: `prepare` (through `linearise`) turns it into the gradient pass's linear
+    objective at the policy sums a forward-only pass scored."""
+
+    needs_scores = True
 
     num_pairs: int
     """P: pairs in the GLOBAL batch (every micro-batch and DP rank)."""
@@ -87,6 +94,30 @@ class DPOObjective:
             raise ValueError(f"beta must be positive, got {self.beta}")
         if self.num_pairs <= 0:
             raise ValueError("the batch has no preference pairs")
+
+    @classmethod
+    def from_config(cls, cfg: Any, batch: Sequence[Rollout]) -> DPOObjective:
+        return cls(num_pairs=len(preference_pairs(batch)), beta=cfg.dpo_beta, loss_type=cfg.dpo_loss)
+
+    @classmethod
+    def requires_reference(cls, cfg: Any) -> bool:
+        return True
+
+    @property
+    def needs_reference(self) -> bool:
+        return True
+
+    def metric_names(self) -> tuple[str, ...]:
+        return METRICS
+
+    def check(self, tree: PrefixTree) -> None:
+        preference_pairs(tree.rollouts)
+        reference_sums(tree)  # every rollout has ref_logprobs
+
+    def prepare(self, tree: PrefixTree, scores: SequenceScores | None) -> Prepared:
+        assert scores is not None, "DPO needs the forward-only pass's policy sums (needs_scores)"
+        linear, loss, stats = self.linearise(tree, scores.sums())
+        return Prepared(objective=linear, loss=loss, stats=stats)
 
     def loss(self, tree: PrefixTree, pi: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         """(loss of this tree's pairs as a differentiable function of pi [R], metric contributions)."""

@@ -21,17 +21,20 @@ bound is taken) and actor/ppo_kl (mean of old - logp) are token means over the g
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from megatron_branch.data import PrefixTree
+from megatron_branch.data import Rollout
 from megatron_branch.losses.aggregation import Aggregation
-from megatron_branch.losses.pairs import PairBound, TokenPairs
+from megatron_branch.losses.config import KL_ALIASES, KL_TYPES
+from megatron_branch.losses.pairs import TokenPairs
+from megatron_branch.losses.registry import register_policy_loss
+from megatron_branch.losses.token import TokenObjective
 
-KL_TYPES = ("k1", "k2", "k3")
-KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
-"""verl's names for the same estimators."""
+__all__ = ["KL_ALIASES", "KL_TYPES", "PolicyObjective", "kl_penalty"]
 
 
 def kl_penalty(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tensor:
@@ -47,13 +50,12 @@ def kl_penalty(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tensor
     raise ValueError(f"unknown KL type {kind!r}; choose one of {', '.join(KL_TYPES + tuple(KL_ALIASES))}")
 
 
+@register_policy_loss("vanilla", "grpo")
 @dataclass(kw_only=True)
-class PolicyObjective:
-    """GRPO / PPO actor loss. Per-rollout data comes from the rollouts of the bound tree (advantage or
-    advantages, old_logprobs, ref_logprobs)."""
+class PolicyObjective(TokenObjective):
+    """GRPO / PPO actor loss (verl's `vanilla`). Per-rollout data comes from the rollouts of the bound tree
+    (advantage or advantages, old_logprobs, ref_logprobs)."""
 
-    agg: Aggregation
-    """Aggregation mode and the GLOBAL batch counts."""
     clip_low: float | None = 0.2
     """epsilon_low: r is clipped below at 1 - clip_low (None with clip_high None: no clipping)."""
     clip_high: float | None = 0.2
@@ -84,46 +86,52 @@ class PolicyObjective:
         if self.kl_type not in KL_TYPES:
             raise ValueError(f"unknown KL type {self.kl_type!r}; choose k1, k2, k3 (or kl, mse, low_var_kl)")
 
+    @classmethod
+    def from_config(cls, cfg: Any, batch: Sequence[Rollout]) -> PolicyObjective:
+        """verl's actor keys (losses.config.ObjectiveConfig) onto the loss's own parameters: the one mapping."""
+        return cls(
+            agg=Aggregation.of_batch(batch, cfg.loss_agg_mode, cfg.loss_agg_norm),
+            clip_low=cfg.clip_ratio_low,
+            clip_high=cfg.clip_ratio_high,
+            clip_c=cfg.clip_ratio_c,
+            kl_coef=cfg.kl_loss_coef,
+            kl_type=cfg.kl_loss_type,
+            entropy_coef=cfg.entropy_coeff,
+            entropy_metric=cfg.entropy_metric,
+        )
+
+    @classmethod
+    def requires_reference(cls, cfg: Any) -> bool:
+        return cfg.kl_loss_coef != 0
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl_coef != 0
+
     @property
     def needs_entropy(self) -> bool:
         return self.entropy_coef != 0 or self.entropy_metric
 
-    def stat_names(self) -> tuple[tuple[str, str], ...]:
+    def stats(self) -> tuple[tuple[str, str], ...]:
         names = [
             ("actor/pg_loss", "agg"),
             ("actor/pg_clipfrac", "token"),
             ("actor/pg_clipfrac_lower", "token"),
+            ("actor/ppo_kl", "token"),
         ]
-        names.append(("actor/ppo_kl", "token"))
         if self.kl_coef != 0:
             names.append(("actor/kl_loss", "agg"))
         if self.needs_entropy:
             names.append(("actor/entropy", "agg"))
         return tuple(names)
 
-    def bind(self, tree: PrefixTree) -> PairBound:
-        pairs = TokenPairs(tree)
+    def pair_data(self, pairs: TokenPairs) -> dict[str, torch.Tensor]:
         adv, _ = pairs.field("advantages", scalar="advantage")
         old, has_old = pairs.field("old_logprobs", required=False)
         data = {"adv": adv, "old": old, "has_old": has_old}
         if self.kl_coef != 0:
             data["ref"], _ = pairs.field("ref_logprobs")
-        weight = pairs.rollout_values(
-            torch.tensor(
-                [self.agg.rollout_weight(len(r.response)) for r in tree.rollouts], dtype=torch.float64
-            )
-        )
-        names = self.stat_names()
-        return PairBound(
-            pairs,
-            data=data,
-            weight=weight,
-            token_weight=self.agg.token_weight,
-            terms=self.terms,
-            needs_entropy=self.needs_entropy,
-            stat_names=tuple(n for n, _ in names),
-            stat_kinds=tuple(k for _, k in names),
-        )
+        return data
 
     def terms(
         self, logp: torch.Tensor, entropy: torch.Tensor | None, d: dict[str, torch.Tensor]

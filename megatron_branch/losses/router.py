@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from megatron_branch.errors import UserError
+from megatron_branch.errors import SettingError, UserError
 
 if TYPE_CHECKING:
     from megatron_branch.data import PrefixTree
@@ -130,17 +130,14 @@ class MoEOptions:
             raise ValueError(f"loss_scale must be a positive number, got {self.loss_scale}")
 
 
-def check_dropless(config: Any, schedule: str, *, flag: str = "schedule") -> None:
-    """Refuse token dropping (a capacity factor) in a schedule that shares tokens: which tokens an expert drops
-    depends on which other tokens are in its batch, so a prefix computed once would not be dropped as each
-    rollout's own batch drops it. The naive schedule (every rollout alone) may run it."""
-    factor = getattr(config, "moe_expert_capacity_factor", None)
-    if factor is not None and schedule != "naive":
-        raise UserError(
-            f"{flag} {schedule}: token dropping (moe_expert_capacity_factor={factor}) is not exact under "
-            "sharing (an expert's capacity depends on which tokens share its batch); use dropless routing, or "
-            "the naive schedule"
-        )
+def check_dropless(config: Any, schedule: str) -> None:
+    """Refuse token dropping (a capacity factor) in a schedule that shares tokens (rules.check_moe_run)."""
+    from megatron_branch.rules import API, check_moe_run
+
+    try:
+        check_moe_run(schedule, moe=True, capacity_factor=getattr(config, "moe_expert_capacity_factor", None))
+    except SettingError as e:
+        raise e.spelled(API) from None
 
 
 def token_multiplicity(member: torch.Tensor) -> torch.Tensor:

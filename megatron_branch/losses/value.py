@@ -17,17 +17,16 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_branch.data import PrefixTree
-from megatron_branch.losses.aggregation import Aggregation
-from megatron_branch.losses.pairs import PairBound, TokenPairs
+from megatron_branch.losses.pairs import TokenPairs
+from megatron_branch.losses.token import TokenObjective
 
 
 @dataclass(kw_only=True)
-class ValueObjective:
-    """The critic's loss; bind it to a tree and run a schedule on a critic model (models/critic.py)."""
+class ValueObjective(TokenObjective):
+    """The critic's loss; bind it to a tree and run a schedule on a critic model (models/critic.py). Not a policy
+    loss (verl keeps its value loss apart too): the loop builds it for the critic, with `critic.cliprange_value`."""
 
-    agg: Aggregation
-    """Aggregation mode and the GLOBAL batch counts."""
+    role = "critic"
     clip: float | None = 0.5
     """Value clipping range around V_old (verl's cliprange_value); None = unclipped (needs no `values`)."""
 
@@ -35,26 +34,14 @@ class ValueObjective:
         if self.clip is not None and not self.clip > 0:
             raise ValueError(f"the value clip range must be positive, got {self.clip}")
 
-    def bind(self, tree: PrefixTree) -> PairBound:
-        pairs = TokenPairs(tree)
+    def stats(self) -> tuple[tuple[str, str], ...]:
+        return (("critic/vf_loss", "agg"), ("critic/vf_clipfrac", "token"))
+
+    def pair_data(self, pairs: TokenPairs) -> dict[str, torch.Tensor]:
         data = {"ret": pairs.field("returns")[0]}
         if self.clip is not None:
             data["old"] = pairs.field("values")[0]
-        weight = pairs.rollout_values(
-            torch.tensor(
-                [self.agg.rollout_weight(len(r.response)) for r in tree.rollouts], dtype=torch.float64
-            )
-        )
-        return PairBound(
-            pairs,
-            data=data,
-            weight=weight,
-            token_weight=self.agg.token_weight,
-            terms=self.terms,
-            needs_entropy=False,
-            stat_names=("critic/vf_loss", "critic/vf_clipfrac"),
-            stat_kinds=("agg", "token"),
-        )
+        return data
 
     def terms(
         self, v: torch.Tensor, entropy: torch.Tensor | None, d: dict[str, torch.Tensor]

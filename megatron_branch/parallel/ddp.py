@@ -28,7 +28,12 @@ import torch
 
 
 def wrap_megatron_ddp(
-    model: torch.nn.Module, *, dtype: torch.dtype, pg_collection: Any, use_distributed_optimizer: bool = False
+    model: torch.nn.Module,
+    *,
+    dtype: torch.dtype,
+    pg_collection: Any,
+    use_distributed_optimizer: bool = False,
+    grad_reduce_in_fp32: bool | None = None,
 ) -> torch.nn.Module:
     """`model` inside megatron-core's DDP, reducing to a SUM in the parameters' own dtype (see the module doc).
 
@@ -36,13 +41,15 @@ def wrap_megatron_ddp(
     tp, pp, ep and expt_dp from it (without expt_dp it would call `new_group` for this rank alone, a collective
     the other ranks do not join), finalize_model_grads tp, pp, embd, pos_embd, dp_cp. Grads are reduced in `dtype` itself: `grad_reduce_in_fp32` would turn
     a float64 run's `main_grad` into float32, and for float32 it changes nothing.
-    `use_distributed_optimizer` lays the grad buffers out for megatron's DistributedOptimizer (CUDA only, see
-    update/optimizer.py; untested here: no GPU was lent); it must match the optimizer's setting.
+    `use_distributed_optimizer` lays the buffers out for megatron's DistributedOptimizer (the gradient buffer is
+    reduce-scattered over dp x cp, the parameter buffer all-gathered after the step); it must match the
+    optimizer's setting (`OptimizerSettings.ddp_options`). `grad_reduce_in_fp32` (None: for float32 only) keeps
+    bf16 parameters' gradients in fp32 (megatron's default for bf16 training; False = bf16 main gradients).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=dtype == torch.float32,
+        grad_reduce_in_fp32=dtype == torch.float32 if grad_reduce_in_fp32 is None else grad_reduce_in_fp32,
         overlap_grad_reduce=False,
         use_distributed_optimizer=use_distributed_optimizer,
         average_in_collective=False,

@@ -2,7 +2,8 @@
 
 megatron-core's `parallel_state` owns the groups (tensor, context, data parallel) so that its layers, DDP and
 checkpointing see the same layout. Everything in megatron_branch's math takes the groups it needs as arguments
-(`ParallelGroups`); nothing below the entry points reads parallel_state or the environment.
+(`ParallelGroups`); nothing below the entry points reads parallel_state or the environment. The groups are laid out
+from a ParallelLayout (parallel/layout.py, the one layout type) and report it back (`ParallelGroups.layout`).
 """
 
 from __future__ import annotations
@@ -17,41 +18,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_branch.compat.cpu import apply_cpu_shims
-from megatron_branch.errors import UserError
+from megatron_branch.parallel.layout import ParallelLayout
 
-
-@dataclass(kw_only=True)
-class ParallelConfig:
-    """How the ranks are laid out."""
-
-    tp: int = 1
-    """Tensor-parallel size (heads and MLP columns are split over it)."""
-    cp: int = 1
-    """Context-parallel size (tokens are split over it; ring attention)."""
-    sequence_parallel: bool = False
-    """Shard activations outside attention/MLP along the sequence over the TP group (needs tp > 1 to matter)."""
-    ep: int = 1
-    """Expert-parallel size (a MoE model's experts split over it), laid inside dp x cp as megatron lays it
-    (parallel_state expert_model_parallel_size; experts also split over TP: expert TP = TP)."""
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "cp", "ep"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise UserError(f"--{name} must be a positive integer, got {v!r}")
-
-    def data_parallel_size(self, world_size: int) -> int:
-        mp = self.tp * self.cp
-        if world_size % mp:
-            raise UserError(
-                f"world size {world_size} is not a multiple of tp*cp = {self.tp}*{self.cp} = {mp}"
-            )
-        if (world_size // self.tp) % self.ep:
-            raise UserError(
-                f"--ep {self.ep} must divide cp*dp = {world_size // self.tp} (megatron lays the expert-parallel "
-                "group inside the data- and context-parallel ranks)"
-            )
-        return world_size // mp
+ParallelConfig = ParallelLayout
+"""The layout's former name here (one type: parallel/layout.py)."""
 
 
 @dataclass(kw_only=True)
@@ -73,6 +43,14 @@ class ParallelGroups:
     ep_spans_dp: bool = False
     """Some EP group holds ranks of different data-parallel replicas: their model calls must pair up
     (parallel/lockstep.py)."""
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The layout these groups realise."""
+        return ParallelLayout(
+            tp=self.tp_size, cp=self.cp_size, dp=self.dp_size, ep=self.ep_size,
+            sequence_parallel=self.sequence_parallel,
+        )  # fmt: skip
 
     @classmethod
     def single(cls) -> ParallelGroups:
@@ -108,10 +86,10 @@ def init_distributed(*, timeout_s: int = 300) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def initialize_parallel(cfg: ParallelConfig, *, seed: int = 1234) -> ParallelGroups:
-    """Initialise megatron's parallel_state for `cfg` on the current world and return the groups.
+def initialize_parallel(cfg: ParallelLayout, *, seed: int = 1234) -> ParallelGroups:
+    """Initialise megatron's parallel_state for layout `cfg` on the current world and return the groups.
 
-    Refuses an impossible layout before any work starts.
+    Refuses a layout the world does not fit before any work starts.
     """
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -133,7 +111,7 @@ def initialize_parallel(cfg: ParallelConfig, *, seed: int = 1234) -> ParallelGro
         tp_size=cfg.tp,
         cp_size=cfg.cp,
         dp_size=dp,
-        sequence_parallel=cfg.sequence_parallel and cfg.tp > 1,
+        sequence_parallel=cfg.sp,
         ep=ps.get_expert_model_parallel_group() if cfg.ep > 1 else None,
         ep_size=cfg.ep,
         ep_spans_dp=cfg.ep > 1 and _ep_spans_replicas(ps),
@@ -155,26 +133,6 @@ def comm_device(group: Any = None) -> torch.device:
     if dist.is_initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def agree_on_error(err: str | None, *, error: type[Exception] = UserError) -> None:
-    """Every rank passes its own error (or None); if any rank has one, every rank raises the first of them
-    (as `error`, marked `all_ranks` so that the CLI prints it on rank 0 only). A collective: all ranks of the
-    world must call it.
-    """
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        errs: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(errs, err)
-        bad = [(r, e) for r, e in enumerate(errs) if e]
-        if bad:
-            rank, msg = bad[0]
-            exc = error(f"rank {rank}: {msg}" if len(bad) < len(errs) else msg)
-            exc.all_ranks = True  # type: ignore[attr-defined]  # every rank raises it: rank 0 alone prints it
-            raise exc
-    elif err:
-        exc = error(err)
-        exc.all_ranks = True  # type: ignore[attr-defined]
-        raise exc
 
 
 def shutdown_distributed() -> None:

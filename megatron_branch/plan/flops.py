@@ -11,6 +11,12 @@ the two gradient matmuls.
 Recompute adds forwards: the engine's segment recompute one more forward (with its fused logprob
 forward) of every segment that has children;
 megatron's full recompute one more forward of every layer.
+
+Hybrid models (Qwen3.5): attention pairs only in the full-attention layers; a gated delta net layer's projections
+are dense FLOPs per token, its convolution and chunked delta rule `linear_attention` FLOPs per sequence
+(plan/layers.py, exact counts of the kernel's matmuls). naive runs each rollout as one sequence; the tree
+schedules would run each segment as one sequence from its parent's state (issue #18 item 2: planned, refused by the
+engine today).
 """
 
 from __future__ import annotations
@@ -18,6 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_branch.models.arch import ModelArch
+from megatron_branch.plan.layers import (
+    attention_matmul_flops_per_token,
+    gdn_matmul_flops_per_token,
+    gdn_mixer_flops,
+)
 from megatron_branch.plan.model import Layout, RolloutShape
 
 LOGITS_MATMULS = 4
@@ -26,28 +37,40 @@ LOGITS_MATMULS = 4
 
 def layer_matmul_flops_per_token(arch: ModelArch) -> int:
     """Forward FLOPs of one token through every layer's matmuls (no attention scores, no output projection). A MoE
-    layer: the router (h x E), the token's top-k experts (each a SwiGLU of width I) and the shared expert with its
-    gate, instead of the dense SwiGLU."""
-    h, d = arch.hidden_size, arch.head_dim
-    assert d is not None
-    nq, g, f = arch.num_attention_heads, arch.num_query_groups, arch.ffn_hidden_size
-    attention = 2 * h * (nq + 2 * g) * d + 2 * nq * d * h
-    dense = 2 * 3 * h * f
-    sh = arch.shared_expert_ffn_hidden_size
-    moe = (
-        2 * h * arch.num_experts
-        + arch.moe_top_k * 2 * 3 * h * arch.moe_ffn_hidden_size
-        + 2 * 3 * h * sh
-        + (2 * h if arch.shared_expert_gate else 0)
-    )
-    n_moe = len(arch.moe_layers)
-    return arch.num_layers * attention + (arch.num_layers - n_moe) * dense + n_moe * moe
+    layer's MLP slot: the router (h x E), the token's top-k experts (each a SwiGLU of width I) and the shared expert
+    with its gate, instead of the dense SwiGLU."""
+    full = arch.num_full_layers * attention_matmul_flops_per_token(arch)
+    total = full + (arch.num_linear_layers * gdn_matmul_flops_per_token(arch) if arch.is_hybrid else 0)
+    if arch.is_moe:
+        h = arch.hidden_size
+        moe = (
+            2 * h * arch.num_experts
+            + arch.moe_top_k * 2 * 3 * h * arch.moe_ffn_hidden_size
+            + 2 * 3 * h * arch.shared_expert_ffn_hidden_size
+            + (2 * h if arch.shared_expert_gate else 0)
+        )
+        total += len(arch.moe_layers) * (moe - 2 * 3 * h * arch.ffn_hidden_size)
+    return total
 
 
 def attention_flops_per_pair(arch: ModelArch) -> int:
-    """Forward FLOPs of one (query, visible key) pair over all layers."""
+    """Forward FLOPs of one (query, visible key) pair over all full-attention layers."""
     assert arch.head_dim is not None
-    return arch.num_layers * 4 * arch.num_attention_heads * arch.head_dim
+    return arch.num_full_layers * 4 * arch.num_attention_heads * arch.head_dim
+
+
+def linear_attention_flops(
+    arch: ModelArch, sequences: list[tuple[int, int]], *, backward: bool = True
+) -> float:
+    """Convolution + delta-rule FLOPs of every GDN layer over `sequences` ((length, count) pairs); forward and
+    backward, or forward only."""
+    if not arch.is_hybrid:
+        return 0.0
+    total = 0
+    for length, count in sequences:
+        fwd, bwd = gdn_mixer_flops(arch, length)
+        total += count * (fwd + (bwd if backward else 0))
+    return float(arch.num_linear_layers * total)
 
 
 def logits_flops_per_row(arch: ModelArch) -> int:
@@ -73,10 +96,12 @@ class StepFlops:
     positions: int
     """Token positions run forward once."""
     recomputed_positions: int
+    linear_attention: float = 0.0
+    """Gated delta net layers' convolution and chunked delta rule (hybrids; 0 otherwise)."""
 
     @property
     def total(self) -> float:
-        return self.dense + self.attention + self.logits
+        return self.dense + self.attention + self.logits + self.linear_attention
 
 
 def step_flops(
@@ -100,16 +125,21 @@ def step_flops(
             logits=row * LOGITS_MATMULS * N * G * L,  # each response token, the first predicted by the root
             positions=shape.positions_computed,
             recomputed_positions=0,
+            linear_attention=linear_attention_flops(arch, [(R, N)], backward=False)
+            + linear_attention_flops(arch, [(L, N * G)]),
         )
     # naive (megatron's output layer) computes every row's logits; the tree schedules send only the rows that
     # predict a response token through the output projection (schedule/chunks.py make_chunk, targets="loss")
     if schedule == "naive":
+        sequences = [(shape.rollout_length, N * G)]
         positions = shape.positions_logical
         pairs = N * G * causal_pairs(shape.rollout_length)
         fwd_again, pairs_again = 0, 0
         rows_again = 0
         target_rows = N * G * (shape.rollout_length - 1)
+        sequences_again: list[tuple[int, int]] = []
     else:
+        sequences = [(R, N), (L, N * G)] if G > 1 else [(shape.rollout_length, N)]
         positions = shape.positions_computed
         pairs = N * (causal_pairs(R) + G * causal_pairs(L, R))
         # tree targets: every response token once (the first one predicted by the last prompt row, fork tokens by
@@ -117,16 +147,21 @@ def step_flops(
         target_rows = N * (shape.response_length if G == 1 else shape.shared_response_length + G * L)
         fwd_again, pairs_again = 0, 0
         rows_again = 0
+        sequences_again = []
         if schedule == "replay" and layout.recompute in ("selective", "full") and G > 1:
             fwd_again, pairs_again = N * R, N * causal_pairs(R)  # the root is recomputed at its backward
+            sequences_again = [(R, N)]
             # with its fused logprob forward (1 pass over its target rows: the shared response tokens and the forks)
             rows_again = N * (shape.shared_response_length + G)
     if layout.recompute == "full":  # per-layer checkpointing: every layer's forward once more
         fwd_again, pairs_again = fwd_again + positions, pairs_again + pairs
+        sequences_again = sequences_again + sequences
     return StepFlops(
         dense=tok * (3 * positions + fwd_again),
         attention=pair * (3 * pairs + pairs_again),
         logits=row * (LOGITS_MATMULS * target_rows + rows_again),
         positions=positions,
         recomputed_positions=fwd_again,
+        linear_attention=linear_attention_flops(arch, sequences)
+        + linear_attention_flops(arch, sequences_again, backward=False),
     )

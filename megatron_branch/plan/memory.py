@@ -3,7 +3,8 @@
 Two kinds of terms:
   * static: weights, gradients, optimizer state (Megatron-LM's `theoretical_memory_usage`: bf16 weights 2 B,
     fp32 main grads 4 B, fp32 master copy + Adam moments 12 B = 18 B/param; the distributed optimizer shards the
-    12 B over the data-parallel x context-parallel group, which is megatron's optimizer sharding group);
+    12 B over the data-parallel x context-parallel group, which is megatron's optimizer sharding group; float32
+    weights are their own master: 8 B; the offload's host terms: plan/optimizer.py);
   * per chunk: the tensors autograd saves for backward, one storage counted once, exactly as the activation meter
     (megatron_branch/memory.py) counts them, plus transient buffers the meter does not see (ring blocks, logits
     chunks) and a stated allocator margin.
@@ -35,6 +36,14 @@ and the TP-gathered rows, 2 r_n k h e + r k h e.
 
 Replay keeps, for the cached ancestors on the current root-to-leaf path, their K/V (the two storages above, not
 copied: the cache is detached views) and a dK/dV accumulator per cached row and layer (2 g d e, the leaves' .grad).
+
+Family extras and hybrids (plan/layers.py has the formulas and their sources): q/k norms and the output gate add
+to a full-attention layer, partial RoPE saves cos/sin of the rotated dims only; a gated delta net layer saves its
+two norms, in_proj's and fc1's inputs and the MLP like an attention layer, and instead of RoPE, attention and K/V
+its mixer's tensors per sequence (`gdn_kernel`: "torch", megatron's torch_chunk_gated_delta_rule, measured here;
+"fla" on GPU, from fla's source). No K/V: a GDN layer's prefix is a fixed-size state, H dk dv float32 plus the
+convolution's last K - 1 inputs (cd e), which replay would hand down at each fork with a gradient accumulator of
+the same size (issue #18 item 2: planned; the engine runs hybrids only with naive today).
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_branch.models.arch import ModelArch
+from megatron_branch.plan.layers import attention_extra_saved_bytes, gdn_mixer_saved_bytes
 from megatron_branch.plan.model import Layout, RolloutShape, parameter_count
 
 INDEX_BYTES = 8  # int64 token ids / indices
@@ -71,6 +81,18 @@ class Dims:
     sp: bool
     e: int  # activation bytes
     f32: int  # statistics bytes (max(e, 4))
+    arch: ModelArch  # the family's extras and a hybrid's layer kinds (plan/layers.py)
+    gdn_kernel: str = "fla"  # a GDN layer's delta-rule kernel: "fla" (GPU) or "torch"
+
+    @property
+    def attn_layers(self) -> int:
+        """Full-attention layers (all of them unless hybrid): the ones with K/V, RoPE and a ring under CP."""
+        return self.arch.num_full_layers
+
+    @property
+    def linear_layers(self) -> int:
+        return self.arch.num_linear_layers
+
     moe_layers: int = 0  # MoE layers (the rest are dense)
     experts: int = 0  # E
     top_k: int = 0
@@ -78,7 +100,7 @@ class Dims:
     shared: int = 0  # shared expert width on this TP rank
 
     @classmethod
-    def of(cls, arch: ModelArch, layout: Layout, act_bytes: int) -> Dims:
+    def of(cls, arch: ModelArch, layout: Layout, act_bytes: int, *, gdn_kernel: str = "fla") -> Dims:
         t = layout.tp
         assert arch.head_dim is not None
         return cls(
@@ -98,6 +120,8 @@ class Dims:
             sp=layout.sp,
             e=act_bytes,
             f32=max(act_bytes, 4),
+            arch=arch,
+            gdn_kernel=gdn_kernel,
         )
 
     def seq_rows(self, r: int) -> int:
@@ -131,8 +155,8 @@ def dispatcher_bytes(dm: Dims, r: int) -> int:
 
 
 def stack_other_bytes(dm: Dims, r: int, *, ext: int = 0, cp: int = 1) -> int:
-    """`layer_other_bytes` over every layer: the dense ones and the MoE ones."""
-    dense = dm.layers - dm.moe_layers
+    """`layer_other_bytes` over every full-attention layer: the dense ones and the MoE ones."""
+    dense = dm.attn_layers - dm.moe_layers
     out = dense * layer_other_bytes(dm, r, ext=ext, cp=cp)
     if dm.moe_layers:
         out += dm.moe_layers * layer_other_bytes(dm, r, ext=ext, cp=cp, moe=True)
@@ -145,8 +169,9 @@ def layer_other_bytes(dm: Dims, r: int, *, ext: int = 0, cp: int = 1, moe: bool 
     rn = dm.seq_rows(r)
     norms = 2 * (2 * rn * dm.h * dm.e + rn * dm.f32)
     linear_in = 2 * rn * dm.h * dm.e
-    rope = 4 * r * dm.d * dm.e
+    rope = 4 * r * dm.arch.rotary_dim * dm.e
     attn = 2 * r * dm.n * dm.d * dm.e + dm.n * r * dm.f32
+    attn += attention_extra_saved_bytes(dm.arch, r, n=dm.n, g=dm.g, e=dm.e)
     mlp = moe_mlp_bytes(dm, r) if moe else 5 * r * dm.f * dm.e
     ring = 0
     if cp > 1:
@@ -155,6 +180,29 @@ def layer_other_bytes(dm: Dims, r: int, *, ext: int = 0, cp: int = 1, moe: bool 
             ring += 2 * (ext + r) * dm.g * dm.d * dm.e  # [cached | own] keys and values, concatenated
         ring += 2 * (r + ext + r) * INDEX_BYTES  # q / k metadata
     return norms + linear_in + rope + attn + mlp + ring
+
+
+def linear_layer_bytes(dm: Dims, r: int, sequences: list[tuple[int, int]] | None = None) -> int:
+    """Per GDN layer over r rows made of `sequences` ((length, count); default one sequence of r): the attention
+    layer's norms, linear inputs and MLP, and the mixer's tensors per sequence (plan/layers.py)."""
+    rn = dm.seq_rows(r)
+    norms_in_mlp = 2 * (2 * rn * dm.h * dm.e + rn * dm.f32) + 2 * rn * dm.h * dm.e + 5 * r * dm.f * dm.e
+    mixer = sum(
+        count * gdn_mixer_saved_bytes(dm.arch, length, tp=dm.tp, e=dm.e, kernel=dm.gdn_kernel)
+        for length, count in (sequences or [(r, 1)])
+    )
+    return norms_in_mlp + mixer
+
+
+def linear_state_bytes(dm: Dims) -> int:
+    """Per GDN layer: the prefix state a fork hands down, H dk dv float32 + the last K - 1 conv inputs."""
+    a = dm.arch
+    cd = (2 * a.linear_qk_dim + a.linear_v_dim) // dm.tp
+    heads = a.linear_num_value_heads // dm.tp
+    return (
+        heads * a.linear_key_head_dim * a.linear_value_head_dim * 4
+        + (a.linear_conv_kernel_dim - 1) * cd * dm.e
+    )
 
 
 def head_bytes(dm: Dims, r: int, m: int) -> int:
@@ -177,6 +225,7 @@ def chunk_saved_bytes(
     cp: int = 1,
     layer_recompute: bool = False,
     capture: bool = False,
+    sequences: list[tuple[int, int]] | None = None,
 ) -> dict[str, int]:
     """Bytes a chunk of r local rows (m local targets) holds for backward: its own K/V part and the rest.
 
@@ -186,22 +235,28 @@ def chunk_saved_bytes(
     it waits for its backward (inputs + head); "kv" the K/V a capturing chunk (replay's inner segment) keeps
     outside autograd for its backward, whose gradient the children send (0 for a chunk that captures nothing).
     """
+    linear = linear_layer_bytes(dm, r, sequences) if dm.linear_layers else 0
     if layer_recompute:
         inputs = dm.layers * dm.seq_rows(r) * dm.h * dm.e
-        one_layer = layer_kv_bytes(dm, r) + layer_other_bytes(dm, r, ext=ext, cp=cp, moe=dm.moe_layers > 0)
+        one_layer = max(
+            layer_kv_bytes(dm, r) + layer_other_bytes(dm, r, ext=ext, cp=cp, moe=dm.moe_layers > 0)
+            if dm.attn_layers
+            else 0,
+            linear,
+        )
         head = head_bytes(dm, r, m)
         return {
-            "kv": dm.layers * layer_kv_bytes(dm, r) if capture else 0,
+            "kv": dm.attn_layers * layer_kv_bytes(dm, r) if capture else 0,
             "other": inputs + max(head, one_layer),
             "held": inputs + head,
         }
-    other = stack_other_bytes(dm, r, ext=ext, cp=cp) + head_bytes(dm, r, m)
-    return {"kv": dm.layers * layer_kv_bytes(dm, r), "other": other, "held": other}
+    other = stack_other_bytes(dm, r, ext=ext, cp=cp) + dm.linear_layers * linear + head_bytes(dm, r, m)
+    return {"kv": dm.attn_layers * layer_kv_bytes(dm, r), "other": other, "held": other}
 
 
 def kv_grad_bytes(dm: Dims, rows: int) -> int:
     """dK/dV accumulators (the cached leaves' .grad, in the leaves' dtype) for `rows` cached rows, all layers."""
-    return dm.layers * 2 * rows * dm.g * dm.d * dm.e
+    return dm.attn_layers * 2 * rows * dm.g * dm.d * dm.e
 
 
 def ring_buffer_bytes(dm: Dims, rows: int, keys: int, cp: int) -> int:
@@ -231,18 +286,21 @@ def static_bytes(
     A MoE model's routed experts are split over EP x TP (expert TP = TP) and their optimizer state over the
     expert data-parallel group (cp * dp / ep); everything else over TP, its optimizer state over DP x CP."""
     pc = parameter_count(arch)
-    replicated = arch.num_layers * 2 * arch.hidden_size + pc["final_norm"]  # norms are not TP-sharded
-    dense = (pc["total"] - pc["experts"] - replicated) // layout.tp + replicated
+    replicated = pc["replicated"]  # norms are not TP-sharded
     experts = pc["experts"] // (layout.tp * layout.ep)
+    dense = (pc["total"] - pc["experts"] - replicated) // layout.tp + replicated
     per_rank = dense + experts
     shard = layout.dp * layout.cp  # megatron's distributed optimizer shards over DP x CP
-    state = 12 * dense // shard + 12 * experts // layout.expert_dp
+    state = (
+        4 if param_bytes < 4 else 0
+    ) + 8  # fp32 master (bf16 parameters only) + Adam m, v: plan/optimizer.py
+    distributed = (state * dense) // shard + (state * experts) // layout.expert_dp
     return {
         "parameters": param_bytes * per_rank,
         "gradients": 4 * per_rank,
-        "optimizer_state": state if distributed_optimizer else 12 * per_rank,
-        "optimizer_state_no_distributed": 12 * per_rank,
-        "optimizer_state_distributed": state,
+        "optimizer_state": distributed if distributed_optimizer else state * per_rank,
+        "optimizer_state_no_distributed": state * per_rank,
+        "optimizer_state_distributed": distributed,
         "parameters_per_rank": per_rank,
         "expert_parameters_per_rank": experts,
     }
@@ -291,10 +349,12 @@ def step_peak(
     logprob_chunk_rows: int = 256,
     segment_recompute: bool | None = None,
     layer_recompute: bool | None = None,
+    gdn_kernel: str = "fla",
 ) -> Peak:
     """Peak per-rank memory of one step. Prompt groups run one after another (replay runs root by root; packed
-    and naive see one group's rollouts at a time per DP rank only for naive, whole tree for packed)."""
-    dm = Dims.of(arch, layout, act_bytes)
+    and naive see one group's rollouts at a time per DP rank only for naive, whole tree for packed).
+    `gdn_kernel`: a hybrid's delta-rule kernel ("fla" on GPU, "torch" where it runs megatron's torch path)."""
+    dm = Dims.of(arch, layout, act_bytes, gdn_kernel=gdn_kernel)
     cp = layout.cp
     seg_rc = layout.recompute in ("selective", "full") if segment_recompute is None else segment_recompute
     lay_rc = layout.recompute == "full" if layer_recompute is None else layer_recompute
@@ -318,7 +378,11 @@ def step_peak(
         r = groups * (local_rows(R, 1, layout) + local_rows(L, G, layout))
         r = local_rows(r, 1, Layout(tp=layout.tp, sequence_parallel=layout.sequence_parallel))
         m = cdiv(groups * (shape.shared_response_length + G * L), cp)  # every response token once
-        c = chunk_saved_bytes(dm, r, m, cp=cp, layer_recompute=lay_rc)
+        seqs = [
+            (cdiv(R, cp), groups),
+            (cdiv(L, cp), groups * G),
+        ]  # a GDN layer: each segment its own sequence
+        c = chunk_saved_bytes(dm, r, m, cp=cp, layer_recompute=lay_rc, sequences=seqs)
         return Peak(
             activations=c["kv"] + c["other"],
             cached_kv=0,
@@ -336,9 +400,13 @@ def step_peak(
     r_leaf = local_rows(L, b, layout)
     m_leaf = cdiv(b * (L - 1), cp)
     root = chunk_saved_bytes(dm, r_root, m_root, cp=cp, layer_recompute=lay_rc, capture=True)
-    leaf = chunk_saved_bytes(dm, r_leaf, m_leaf, ext=r_root, cp=cp, layer_recompute=lay_rc)
-    cached = dm.layers * layer_kv_bytes(dm, r_root)
-    grads = kv_grad_bytes(dm, r_root)
+    leaf = chunk_saved_bytes(
+        dm, r_leaf, m_leaf, ext=r_root, cp=cp, layer_recompute=lay_rc, sequences=[(cdiv(L, cp), b)]
+    )
+    # the root's K/V (full-attention layers) and, for a hybrid, the GDN states its children start from
+    state = dm.linear_layers * linear_state_bytes(dm) if dm.linear_layers else 0
+    cached = dm.attn_layers * layer_kv_bytes(dm, r_root) + state
+    grads = kv_grad_bytes(dm, r_root) + state
     # phase 1, the last leaf micro-batch before its backward: root graph (unless recomputed) + cache + grads + leaf
     # (the root's captured K/V, when its graph is kept, are the cache's storage: counted once)
     root_graph = 0 if seg_rc else root["held"]

@@ -14,6 +14,7 @@ from typing import Any
 
 from megatron_branch.errors import UserError
 from megatron_branch.models.arch import ModelArch
+from megatron_branch.parallel.layout import ParallelLayout
 
 MODEL_PRESETS: dict[str, ModelArch] = {
     # Qwen/Qwen2.5-7B config.json
@@ -74,6 +75,40 @@ MODEL_PRESETS: dict[str, ModelArch] = {
     ),
 }
 
+# The config.json fields of the published checkpoints, mapped by the same code as any HF folder
+# (models/hf_families.py): Qwen/Qwen3-8B and Qwen/Qwen3-32B config.json; Qwen/Qwen3.6-27B config.json's
+# text_config (revision 6a9e13bd; model card: hidden 5120, 64 layers = 16 x (3 x (Gated DeltaNet -> FFN) + 1 x
+# (Gated Attention -> FFN)), GDN 16 QK / 48 V heads of 128, attention 24 Q / 4 KV heads of 256, RoPE dim 64, FFN
+# 17408, vocabulary 248320). The multimodal checkpoint's vision tower and MTP head are not part of the policy.
+_QWEN3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, head_dim=128,
+              max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000, tie_word_embeddings=False,
+              hidden_act="silu", attention_bias=False)  # fmt: skip
+_QWEN3_6_27B_TEXT = dict(
+    model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"], vocab_size=248320, hidden_size=5120,
+    intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 16,
+    full_attention_interval=4, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_num_key_heads=16, linear_num_value_heads=48, attn_output_gate=True, output_gate_type="swish",
+    max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu",
+    attention_bias=False, partial_rotary_factor=0.25,
+    rope_parameters={"mrope_interleaved": True, "mrope_section": [11, 11, 10], "partial_rotary_factor": 0.25,
+                     "rope_theta": 10000000, "rope_type": "default"},
+)  # fmt: skip
+MODEL_PRESETS.update(
+    {
+        "qwen3-8b": ModelArch.from_hf_config(
+            dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                 num_key_value_heads=8), where="preset qwen3-8b"
+        ),
+        "qwen3-32b": ModelArch.from_hf_config(
+            dict(_QWEN3, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                 num_key_value_heads=8), where="preset qwen3-32b"
+        ),
+        "qwen3.6-27b": ModelArch.from_hf_config(_QWEN3_6_27B_TEXT, where="preset qwen3.6-27b"),
+    }
+)  # fmt: skip
+# A 35B-A3B-class MoE hybrid (Qwen3.5/3.6-35B-A3B) needs MoE layers in the planner: left to the MoE work.
+
 
 @dataclass(frozen=True, kw_only=True)
 class GPU:
@@ -87,12 +122,25 @@ class GPU:
     """Peak dense bf16 TFLOP/s (no sparsity)."""
     link_gbps: float
     """Per-GPU interconnect bandwidth in GB/s (NVLink, one direction) used for ring, TP and DP traffic."""
+    host_memory_gb: float = 1024
+    """Host memory per node in GB (a stated assumption: DGX H100 / H200 ship 2 TB, H20 servers 1-2 TB)."""
+    host_link_gbps: float = 25
+    """Host<->GPU bandwidth per GPU in GB/s while all GPUs of the node copy at once (PCIe Gen5 x16, two GPUs per
+    switch: an assumption), for the offloaded optimizer's gradients and parameters."""
+    host_adam_gbps: float = 25
+    """Host memory bandwidth one rank's CPU Adam gets, GB/s (a node's ~300 GB/s effective over 8 ranks)."""
+    gpus_per_node: int = 8
+    """GPUs per node (the host memory is shared by their ranks)."""
 
     def __post_init__(self) -> None:
         for flag, value in (
             ("--gpu-memory-gb", self.memory_gb),
             ("--gpu-tflops", self.tflops),
             ("--link-gbps", self.link_gbps),
+            ("--host-memory-gb", self.host_memory_gb),
+            ("--host-link-gbps", self.host_link_gbps),
+            ("--host-adam-gbps", self.host_adam_gbps),
+            ("--gpus-per-node", self.gpus_per_node),
         ):
             if value <= 0:
                 raise UserError(f"{flag} must be positive, got {value}")
@@ -100,6 +148,10 @@ class GPU:
     @property
     def memory_bytes(self) -> int:
         return int(self.memory_gb * 1e9)
+
+    @property
+    def host_memory_bytes(self) -> int:
+        return int(self.host_memory_gb * 1e9)
 
 
 GPU_PRESETS: dict[str, GPU] = {
@@ -170,8 +222,9 @@ RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True, kw_only=True)
-class Layout:
-    """A parallel layout (world = tp * cp * dp) and an activation-recompute mode.
+class Layout(ParallelLayout):
+    """A parallel layout (parallel/layout.py; the planner plans a whole world: dp is given) and an activation-
+    recompute mode.
 
     recompute: "none" keeps every activation; "selective" is megatron's default selective recompute (core
     attention only; with a fused attention kernel it stores no score matrix, so it saves nothing here and the
@@ -181,36 +234,17 @@ class Layout:
     segment recompute (replay keeps no graph for a segment with children, only its cached K/V).
     """
 
-    tp: int = 1
-    cp: int = 1
     dp: int = 1
-    recompute: str = "none"
+    """Data-parallel size (the planner's layouts cover the whole world)."""
     sequence_parallel: bool = True
     """With tp > 1 (megatron's SP: norms and the MLP/attention inputs sharded over the sequence)."""
-    ep: int = 1
-    """Expert parallelism of a MoE model, inside cp x dp (megatron's layout; expert TP = tp)."""
+    recompute: str = "none"
+    """none | selective | full (above)."""
 
     def __post_init__(self) -> None:
-        for f in ("tp", "cp", "dp", "ep"):
-            if getattr(self, f) <= 0:
-                raise UserError(f"--{f} must be positive, got {getattr(self, f)}")
-        if (self.cp * self.dp) % self.ep:
-            raise UserError(f"--ep {self.ep} must divide cp * dp = {self.cp * self.dp}")
+        super().__post_init__()
         if self.recompute not in RECOMPUTE:
             raise UserError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.cp * self.dp
-
-    @property
-    def sp(self) -> bool:
-        return self.sequence_parallel and self.tp > 1
-
-    @property
-    def expert_dp(self) -> int:
-        """Ranks holding the same experts (megatron's expert data-parallel group: cp * dp / ep)."""
-        return self.cp * self.dp // self.ep
 
     def as_dict(self) -> dict[str, Any]:
         return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "recompute": self.recompute}
@@ -232,25 +266,32 @@ def load_model(spec: str) -> tuple[str, ModelArch]:
         raise UserError(f"cannot read it as JSON: {e}", where=str(path)) from None
     if not isinstance(d, dict):
         raise UserError("expected a JSON object", where=str(path))
+    rope = d.get("rope_parameters") or {}
+    partial = d.get(
+        "partial_rotary_factor", rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+    )
     d = {k: v for k, v in d.items() if k not in ("rope_scaling", "rope_parameters")}  # sizes only
+    if partial is not None:  # the one RoPE field that changes a size (the rotated dims' cos / sin)
+        d["partial_rotary_factor"] = partial
     return path.parent.name or str(path), ModelArch.from_hf_config(d, where=str(path))
 
 
 def parameter_count(arch: ModelArch) -> dict[str, int]:
-    """Parameters by part: embedding, output layer (0 when tied), per dense transformer layer, final norm; a MoE
-    model's routed experts of all layers ("experts", split over EP x TP) and its per-layer router and shared
-    expert (in "moe_layer", with attention and norms)."""
-    h, d = arch.hidden_size, arch.head_dim
-    assert d is not None
-    nq, g, f = arch.num_attention_heads, arch.num_query_groups, arch.ffn_hidden_size
-    qkv = h * (nq + 2 * g) * d + ((nq + 2 * g) * d if arch.qkv_bias else 0)
-    attention = qkv + nq * d * h + 2 * h + (2 * d if arch.qk_norm else 0)  # QKV, proj, 2 norms (+ q/k norms)
-    layer = attention + h * 2 * f + f * h  # fc1 (gate+up), fc2
+    """Parameters by part: embedding, output layer (0 when tied), per full-attention layer, per linear-attention
+    (gated delta net) layer, final norm, the total, and those every TP rank holds whole (norms). A MoE model: per
+    MoE layer its attention, norms, router and shared expert ("moe_layer"), the routed experts of all layers
+    ("experts", split over EP x TP) and those a token passes ("active_experts")."""
+    from megatron_branch.plan.layers import attention_layer_params, gdn_layer_params, replicated_layer_params
+
+    h = arch.hidden_size
+    full, linear = arch.num_full_layers, arch.num_linear_layers
+    layer = attention_layer_params(arch)
+    linear_layer = gdn_layer_params(arch) if linear else 0
     n_moe = len(arch.moe_layers)
     sh = arch.shared_expert_ffn_hidden_size
-    moe_layer = attention + arch.num_experts * h + 3 * h * sh + (h if arch.shared_expert_gate else 0)
+    dense_mlp = 3 * h * arch.ffn_hidden_size
+    moe_layer = layer - dense_mlp + arch.num_experts * h + 3 * h * sh + (h if arch.shared_expert_gate else 0)
     experts = n_moe * arch.num_experts * 3 * h * arch.moe_ffn_hidden_size
-    embed = arch.vocab_size * h * (1 if arch.tie_word_embeddings else 2)
     return {
         "embedding": arch.vocab_size * h,
         "output": 0 if arch.tie_word_embeddings else arch.vocab_size * h,
@@ -258,6 +299,15 @@ def parameter_count(arch: ModelArch) -> dict[str, int]:
         "moe_layer": moe_layer if n_moe else 0,
         "experts": experts,
         "active_experts": n_moe * arch.moe_top_k * 3 * h * arch.moe_ffn_hidden_size,
+        "linear_layer": linear_layer,
         "final_norm": h,
-        "total": embed + (arch.num_layers - n_moe) * layer + n_moe * moe_layer + experts + h,
+        "total": arch.vocab_size * h * (1 if arch.tie_word_embeddings else 2)
+        + (full - n_moe) * layer
+        + n_moe * moe_layer
+        + experts
+        + linear * linear_layer
+        + h,
+        "replicated": full * replicated_layer_params(arch, False)
+        + linear * replicated_layer_params(arch, True)
+        + h,
     }

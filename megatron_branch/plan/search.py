@@ -8,17 +8,27 @@ Step-time model (stated assumptions, not measurements):
     excess is exposed;
   * tensor + sequence parallel: per layer 2 all-gathers and 2 reduce-scatters of [s, h] forward and again
     backward, not overlapped;
-  * gradient reduction over DP x CP (reduce-scatter + all-gather of fp32 grads with the distributed optimizer),
-    counted as exposed (conservative: megatron can overlap it with backward); a MoE model's expert grads over
-    the expert data-parallel group (cp * dp / ep);
+  * gradient reduction over DP x CP (all-reduce of the fp32 grads; with the distributed optimizer a
+    reduce-scatter of them and an all-gather of the parameters), counted as exposed (conservative: megatron can
+    overlap it with backward); a MoE model's expert grads (and their optimizer shards) over the expert
+    data-parallel group (cp * dp / ep);
+  * the optimizer offload: host<->device copies of the offloaded shards' gradients and parameters and the host
+    Adam step, counted as exposed (plan/optimizer.py);
   * expert parallelism (MoE, alltoall dispatcher): per MoE layer and token, its k copies of [h] go out and come
     back (dispatch + combine) forward and again backward, (ep - 1)/ep of them to another rank, not overlapped;
     routing assumed balanced (the load-balancing losses' aim).
-All links at the GPU's stated bandwidth (one NVLink node).
+All GPU links at the GPU's stated bandwidth (one NVLink node), host links at `host_link_gbps`.
+
+The search (`plan`) tries every layout (TP dividing the heads, CP, DP <= prompt groups, EP for MoE, recompute),
+every optimizer choice (plain, distributed, distributed + offload of 1/4 .. all of the state) and branch
+micro-batches (8, 4, 2, 1, at most G) that are not fixed, and returns the fastest that fits on the device AND in
+the node's host memory (ties: the larger branch micro-batch, then the least memory, then the plain optimizer);
+`rejected` says for every layout why its best choice does not fit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +37,14 @@ from megatron_branch.models.arch import ModelArch
 from megatron_branch.plan.flops import StepFlops, attention_flops_per_pair, causal_pairs, step_flops
 from megatron_branch.plan.memory import Dims, Peak, cdiv, local_rows, margin_bytes, static_bytes, step_peak
 from megatron_branch.plan.model import GPU, RECOMPUTE, Layout, RolloutShape
+from megatron_branch.plan.optimizer import (
+    OptimizerChoice,
+    choices,
+    grad_reduce_bytes,
+    offload_seconds,
+    optimizer_bytes,
+)
+from megatron_branch.rules import check_run
 
 MFU = 0.45
 """Assumed fraction of peak FLOP/s a kernel reaches (dense and attention alike)."""
@@ -52,6 +70,36 @@ class Plan:
     fits: bool
     dtype: str = "bf16"
     notes: list[str] = field(default_factory=list)
+    optimizer: OptimizerChoice = field(default_factory=OptimizerChoice)
+    """Where the optimizer state lives (megatron's distributed optimizer / offload)."""
+    host_memory: dict[str, int] = field(default_factory=dict)
+    """Host bytes per rank by term, "total" per rank and "per_node" (every rank of a node)."""
+    branch_micro_batch: int = 8
+    """Replay: sibling leaves per forward."""
+    rejected: list[dict[str, Any]] = field(default_factory=list)
+    """The search: for every other layout, its best choice and why it does not fit (empty for a fixed plan)."""
+
+    @property
+    def fits_device(self) -> bool:
+        return self.memory["total"] <= self.gpu.memory_bytes
+
+    @property
+    def fits_host(self) -> bool:
+        return self.host_memory.get("per_node", 0) <= self.gpu.host_memory_bytes
+
+    def why_not(self) -> str:
+        """One line: which memory does not fit, by how much, and its largest term."""
+        out = []
+        if not self.fits_device:
+            out.append(
+                f"device {self.memory['total'] / 1e9:.1f} GB > {self.gpu.memory_gb:g} GB (largest "
+                f"{self.largest_term} {self.memory[self.largest_term] / 1e9:.1f} GB)"
+            )
+        if not self.fits_host:
+            out.append(
+                f"host {self.host_memory['per_node'] / 1e9:.0f} GB per node > {self.gpu.host_memory_gb:g} GB"
+            )
+        return "; ".join(out) or "fits"
 
     @property
     def largest_term(self) -> str:
@@ -68,6 +116,9 @@ class Plan:
                 "memory_gb": self.gpu.memory_gb,
                 "tflops": self.gpu.tflops,
                 "link_gbps": self.gpu.link_gbps,
+                "host_memory_gb": self.gpu.host_memory_gb,
+                "host_link_gbps": self.gpu.host_link_gbps,
+                "gpus_per_node": self.gpu.gpus_per_node,
             },
             "shape": {
                 "prompt_length": self.shape.prompt_length,
@@ -88,6 +139,14 @@ class Plan:
             "step_time_s": self.step_time["total"],
             "step_time": dict(self.step_time),
             "notes": list(self.notes),
+            "optimizer": self.optimizer.as_dict(),
+            "branch_micro_batch": self.branch_micro_batch,
+            "fits_device": self.fits_device,
+            "fits_host": self.fits_host,
+            "host_memory_bytes_per_node": self.host_memory.get("per_node", 0),
+            "host_memory_bytes_per_rank": {k: v for k, v in self.host_memory.items() if k != "per_node"},
+            "host_memory_bytes": self.gpu.host_memory_bytes,
+            "rejected": list(self.rejected),
         }
 
 
@@ -109,17 +168,30 @@ DTYPE_BYTES = {"bf16": 2, "float32": 4}
 """--dtype: the model's parameter and activation dtype (bf16 training; float32 as `megatron-branch grad` runs)."""
 
 
+HOST_TERMS = ("host_master_params", "host_optimizer_state", "host_grad_staging", "host_runtime")
+
+
 def memory_terms(
-    arch: ModelArch, shape: RolloutShape, layout: Layout, schedule: str, *, dtype: str = "bf16", **kw: Any
+    arch: ModelArch,
+    shape: RolloutShape,
+    layout: Layout,
+    schedule: str,
+    *,
+    dtype: str = "bf16",
+    optimizer: OptimizerChoice | None = None,
+    peak: Peak | None = None,
+    **kw: Any,
 ) -> dict[str, int]:
-    """Per-rank bytes by term and the total (distributed optimizer)."""
+    """Per-rank device bytes by term and the total (default: the distributed optimizer, no offload; `peak`: the
+    step's peak when already computed)."""
     e = DTYPE_BYTES[dtype]
     st = static_bytes(arch, layout, param_bytes=e)
-    pk: Peak = step_peak(arch, shape, layout, schedule=schedule, act_bytes=e, **kw)
+    opt = sharded_optimizer_bytes(arch, layout, optimizer or OptimizerChoice(), param_bytes=e)
+    pk: Peak = peak or step_peak(arch, shape, layout, schedule=schedule, act_bytes=e, **kw)
     mem = {
         "parameters": st["parameters"],
         "gradients": st["gradients"],
-        "optimizer_state": st["optimizer_state"],
+        "optimizer_state": opt["device"],
         "optimizer_state_no_distributed": st["optimizer_state_no_distributed"],
         "activations": pk.activations,
         "cached_kv": pk.cached_kv,
@@ -134,6 +206,39 @@ def memory_terms(
     mem["allocator_margin"] = margin_bytes(counted)
     mem["total"] = counted + mem["allocator_margin"]
     return mem
+
+
+def param_shards(arch: ModelArch, layout: Layout) -> list[tuple[int, int]]:
+    """(parameters on one rank, ranks their optimizer state and gradients are reduced over): the dense ones over
+    DP x CP; a MoE model's routed experts over the expert data-parallel group (cp * dp / ep)."""
+    st = static_bytes(arch, layout)
+    experts = st["expert_parameters_per_rank"]
+    out = [(st["parameters_per_rank"] - experts, layout.dp * layout.cp)]
+    return out + ([(experts, layout.expert_dp)] if experts else [])
+
+
+def sharded_optimizer_bytes(
+    arch: ModelArch, layout: Layout, choice: OptimizerChoice, *, param_bytes: int
+) -> dict[str, int]:
+    """plan/optimizer.py's optimizer_bytes summed over `param_shards` (the host runtime counted once)."""
+    parts = [
+        optimizer_bytes(n, over, choice, param_bytes=param_bytes) for n, over in param_shards(arch, layout)
+    ]
+    out = {k: sum(p[k] for p in parts) for k in parts[0]}
+    out["host_runtime"] = parts[0]["host_runtime"]
+    return out
+
+
+def host_terms(
+    arch: ModelArch, layout: Layout, gpu: GPU, optimizer: OptimizerChoice, *, dtype: str
+) -> dict[str, int]:
+    """Host bytes per rank by term, their total, and per node (gpu.gpus_per_node ranks, or the world if fewer)."""
+    e = DTYPE_BYTES[dtype]
+    opt = sharded_optimizer_bytes(arch, layout, optimizer, param_bytes=e)
+    out = {k: opt[k] for k in HOST_TERMS}
+    out["total"] = sum(out.values())
+    out["per_node"] = out["total"] * min(gpu.gpus_per_node, layout.world)
+    return out
 
 
 def _ring_bytes_per_rank(arch: ModelArch, shape: RolloutShape, layout: Layout, schedule: str) -> float:
@@ -156,7 +261,7 @@ def _ring_bytes_per_rank(arch: ModelArch, shape: RolloutShape, layout: Layout, s
     for keys in chunks:
         kv = keys * per_row * dm.e
         total += (cp - 1) * kv * 2 + cp * keys * per_row * 4  # K/V forward + backward, dK/dV in fp32
-    return groups * dm.layers * total
+    return groups * dm.attn_layers * total  # GDN layers of a hybrid have no ring
 
 
 def step_time(
@@ -167,6 +272,7 @@ def step_time(
     schedule: str,
     fl: StepFlops,
     dtype: str = "bf16",
+    optimizer: OptimizerChoice | None = None,
 ) -> dict[str, Any]:
     world = layout.world
     rate = gpu.tflops * 1e12 * MFU
@@ -188,15 +294,12 @@ def step_time(
             * arch.num_layers
             / link
         )
-    shard = layout.dp * layout.cp
-    grads = 0.0
-    st = static_bytes(arch, layout)
-    dense_params = st["parameters_per_rank"] - st["expert_parameters_per_rank"]
-    if shard > 1:
-        grads = 2 * (shard - 1) / shard * dense_params * 4 / link
-    if layout.expert_dp > 1:
-        edp = layout.expert_dp
-        grads += 2 * (edp - 1) / edp * st["expert_parameters_per_rank"] * 4 / link
+    opt = optimizer or OptimizerChoice()
+    grads, host = 0.0, {"offload_transfer": 0.0, "host_optimizer_step": 0.0}
+    for n, over in param_shards(arch, layout):
+        grads += grad_reduce_bytes(n, over, opt, param_bytes=DTYPE_BYTES[dtype]) / link
+        part = offload_seconds(n, over, opt, link_gbps=gpu.host_link_gbps, adam_gbps=gpu.host_adam_gbps)
+        host = {k: host[k] + part[k] for k in host}
     a2a = 0.0
     if arch.is_moe and layout.ep > 1:
         rows = (fl.positions + fl.recomputed_positions) / layout.world  # tokens routed per rank (SP rows)
@@ -205,7 +308,14 @@ def step_time(
             1.5 * rows * per_token * len(arch.moe_layers) / link
         )  # forward x1 (+ recompute), backward x2 -> 3/2
     return {
-        "total": compute + exposed_ring + tp + grads + a2a,
+        "total": compute
+        + exposed_ring
+        + tp
+        + grads
+        + a2a
+        + host["offload_transfer"]
+        + host["host_optimizer_step"],
+        **host,
         "expert_alltoall": a2a,
         "compute": compute,
         "attention_compute": attention,
@@ -227,9 +337,15 @@ def evaluate(
     layout: Layout,
     schedule: str = "replay",
     dtype: str = "bf16",
+    optimizer: OptimizerChoice | None = None,
+    memo: dict[Any, Any] | None = None,
     **kw: Any,
 ) -> Plan:
-    """The plan of one fixed layout."""
+    """The plan of one fixed layout and optimizer choice (default: the distributed optimizer, no offload). `memo`:
+    a dict the search shares between the evaluations of one layout (its FLOPs and peaks do not depend on the
+    optimizer choice)."""
+    memo = {} if memo is None else memo
+    optimizer = optimizer or OptimizerChoice()
     if layout.world != gpus:
         raise UserError(f"tp * cp * dp = {layout.world} must equal --gpus {gpus}")
     arch.check_tensor_parallel(layout.tp)
@@ -239,20 +355,25 @@ def evaluate(
             f"--dp {layout.dp} needs at least as many prompt groups (--prompts {shape.prompts}): "
             "whole prefix groups go to DP ranks"
         )
-    if schedule == "naive" and layout.cp > 1:
-        raise UserError(
-            "the naive schedule has no context parallelism; use --cp 1 or --schedule replay|packed"
-        )
+    check_run(schedule, cp=layout.cp)
     if dtype not in DTYPE_BYTES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
-    mem = memory_terms(arch, shape, layout, schedule, dtype=dtype, **kw)
-    fl = {s: step_flops(arch, shape, s, layout if s == schedule else Layout()) for s in SCHEDULES}
+    pkey = ("peak", layout, schedule, dtype, tuple(sorted(kw.items())))
+    if pkey not in memo:
+        memo[pkey] = step_peak(arch, shape, layout, schedule=schedule, act_bytes=DTYPE_BYTES[dtype], **kw)
+    mem = memory_terms(arch, shape, layout, schedule, dtype=dtype, optimizer=optimizer, peak=memo[pkey])
+    host = host_terms(arch, layout, gpu, optimizer, dtype=dtype)
+    fkey = ("flops", layout, schedule)
+    if fkey not in memo:
+        fl = {s: step_flops(arch, shape, s, layout if s == schedule else Layout()) for s in SCHEDULES}
+        memo[fkey] = fl, step_flops(arch, shape, "stop_gradient").total
+    fl, stop_gradient = memo[fkey]
     mine = fl[schedule]
     flops = {
         "naive": fl["naive"].total,
         "packed": fl["packed"].total,
         "replay": fl["replay"].total,
-        "stop_gradient": step_flops(arch, shape, "stop_gradient").total,
+        "stop_gradient": stop_gradient,
         "this_schedule": mine.total,
         "ratio": fl["naive"].total / mine.total,
         "attention_fraction": mine.attention / mine.total,
@@ -269,11 +390,24 @@ def evaluate(
             "selective = the engine's segment recompute (replay keeps no graph for a segment with children); "
             "megatron's core-attention recompute saves nothing here (fused attention stores no score matrix)"
         )
+    if optimizer.offload_fraction:
+        notes.append(
+            f"offload {optimizer.offload_fraction:g}: that fraction of the optimizer state and its fp32 master "
+            "copy in host memory, stepped by the host (megatron's HybridDeviceOptimizer; optim."
+            "optimizer_cpu_offload + optimizer_offload_fraction, with use_distributed_optimizer and "
+            "use_precision_aware_optimizer)"
+        )
     if layout.recompute == "full":
         notes.append(
             "full = segment recompute + per-layer activation checkpointing inside every chunk (grad "
             "--recompute --recompute-layers): each layer keeps its input, one layer is rebuilt at a time "
             "in backward, one more forward of every layer"
+        )
+    if arch.is_hybrid:
+        notes.append(
+            f"hybrid ({arch.num_linear_layers} gated delta net + {arch.num_full_layers} full-attention layers): GDN "
+            "layers planned with fla's kernel (plan/layers.py), no K/V and no ring; the engine runs hybrids with "
+            "--schedule naive only today (replay/packed through the recurrent state, and GDN under CP: issue #18)"
         )
     return Plan(
         model=model,
@@ -285,10 +419,13 @@ def evaluate(
         schedule=schedule,
         memory=mem,
         flops=flops,
-        step_time=step_time(arch, shape, layout, gpu, schedule, mine, dtype),
-        fits=mem["total"] <= gpu.memory_bytes,
+        step_time=step_time(arch, shape, layout, gpu, schedule, mine, dtype, optimizer),
+        fits=mem["total"] <= gpu.memory_bytes and host["per_node"] <= gpu.host_memory_bytes,
         dtype=dtype,
         notes=notes,
+        optimizer=optimizer,
+        host_memory=host,
+        branch_micro_batch=kw.get("branch_micro_batch", 8),
     )
 
 
@@ -313,7 +450,7 @@ def candidate_layouts(
         except UserError:
             continue
         for c in (cp,) if cp else [c for c in range(1, gpus // t + 1) if (gpus // t) % c == 0]:
-            if (gpus // t) % c or (schedule == "naive" and c > 1):
+            if (gpus // t) % c or not _runs(schedule, c):
                 continue
             d = gpus // (t * c)
             if (dp and d != dp) or d > shape.prompts:
@@ -341,6 +478,15 @@ def _expert_parallel_sizes(arch: ModelArch, tp: int, cp_dp: int, ep: int | None)
     return out
 
 
+def _runs(schedule: str, cp: int) -> bool:
+    """The schedule can run at this CP size (rules.check_run: naive has no CP)."""
+    try:
+        check_run(schedule, cp=cp)
+    except UserError:
+        return False
+    return True
+
+
 def plan(
     model: str,
     arch: ModelArch,
@@ -354,31 +500,91 @@ def plan(
     recompute: str | None = None,
     schedule: str = "replay",
     ep: int | None = None,
+    distributed_optimizer: bool | None = None,
+    offload_fraction: float | None = None,
+    branch_micro_batch: int | None = None,
     **kw: Any,
 ) -> Plan:
-    """The recommended plan: among the layouts that fit (fixed fields kept), the fastest (full recompute costs one
-    more forward of every layer, so it wins only where nothing lighter fits); if none fits, the one needing least
-    memory."""
+    """The recommended plan: among the layouts x optimizer choices x branch micro-batches that fit on the device
+    and in host memory (fixed fields kept), the fastest (full recompute costs one more forward of every layer and
+    offload its copies and host step, so they win only where nothing lighter fits); if none fits, the one needing
+    least device memory. `rejected` lists, per other layout, its best choice and why it does not fit."""
     if gpus <= 0:
         raise UserError(f"--gpus must be positive, got {gpus}")
     if schedule not in SCHEDULES:
         raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}")
+    if branch_micro_batch is not None and branch_micro_batch <= 0:
+        raise UserError(f"--branch-micro-batch must be positive, got {branch_micro_batch}")
     if tp and cp and dp and recompute and (ep or not arch.is_moe):
-        layout = Layout(tp=tp, cp=cp, dp=dp, recompute=recompute, ep=ep or 1)
-        return evaluate(model, arch, shape, gpu, gpus, layout, schedule, **kw)
-    layouts = candidate_layouts(
-        arch, shape, gpus, tp=tp, cp=cp, dp=dp, recompute=recompute, schedule=schedule, ep=ep
-    )
+        layouts = [Layout(tp=tp, cp=cp, dp=dp, recompute=recompute, ep=ep or 1)]
+        layout_given = True
+    else:
+        layouts = candidate_layouts(
+            arch, shape, gpus, tp=tp, cp=cp, dp=dp, recompute=recompute, schedule=schedule, ep=ep
+        )
+        layout_given = False
     if not layouts:
         raise UserError(
             f"no layout of {gpus} GPUs satisfies the fixed --tp/--cp/--dp (dp <= --prompts {shape.prompts}, "
             f"tp dividing the heads)"
         )
-    plans = [evaluate(model, arch, shape, gpu, gpus, lay, schedule, **kw) for lay in layouts]
-    fitting = [p for p in plans if p.fits]
-    if fitting:
-        return min(fitting, key=lambda p: (p.step_time["total"], p.memory["total"]))
-    return min(plans, key=lambda p: p.memory["total"])
+    opts = choices(distributed_optimizer, offload_fraction)
+    bmbs = (branch_micro_batch,) if branch_micro_batch else micro_batches(shape, schedule)
+    best_per_layout = []
+    memo: dict[Any, Any] = {}  # FLOPs per layout, peaks per layout and micro-batch: computed once
+    for lay in layouts:
+        plans = [
+            evaluate(
+                model,
+                arch,
+                shape,
+                gpu,
+                gpus,
+                lay,
+                schedule,
+                optimizer=o,
+                memo=memo,
+                branch_micro_batch=b,
+                **kw,
+            )
+            for o in opts
+            for b in bmbs
+        ]
+        fitting = [p for p in plans if p.fits]
+        best_per_layout.append(min(fitting, key=_speed) if fitting else min(plans, key=_need))
+    fitting = [p for p in best_per_layout if p.fits]
+    best = min(fitting, key=_speed) if fitting else min(best_per_layout, key=_need)
+    if layout_given:
+        return best
+    rejected = [_rejection(p) for p in best_per_layout if p is not best and not p.fits]
+    return dataclasses.replace(best, rejected=rejected)
+
+
+def micro_batches(shape: RolloutShape, schedule: str) -> tuple[int, ...]:
+    """Branch micro-batches the search tries: 8, 4, 2, 1 (at most G; replay only, the others ignore it)."""
+    if schedule != "replay":
+        return (8,)
+    return tuple(b for b in (8, 4, 2, 1) if b <= max(shape.responses, 1)) or (1,)
+
+
+def _speed(p: Plan) -> tuple:
+    return (round(p.step_time["total"], 6), -p.branch_micro_batch, p.memory["total"], p.optimizer.distributed)
+
+
+def _need(p: Plan) -> tuple:
+    return (p.memory["total"], p.host_memory.get("per_node", 0), p.step_time["total"])
+
+
+def _rejection(p: Plan) -> dict[str, Any]:
+    return {
+        "layout": {**p.layout.as_dict(), **({"ep": p.layout.ep} if p.arch.is_moe else {})},
+        "optimizer": p.optimizer.name,
+        "branch_micro_batch": p.branch_micro_batch,
+        "memory_bytes_per_rank": p.memory["total"],
+        "host_memory_bytes_per_node": p.host_memory.get("per_node", 0),
+        "largest_term": p.largest_term,
+        "reason": p.why_not(),
+    }
 
 
 def what_would_fit(p: Plan, **kw: Any) -> list[str]:
@@ -397,20 +603,18 @@ def what_would_fit(p: Plan, **kw: Any) -> list[str]:
             break
     need = p.memory["total"] / 1e9
     out.append(f"a GPU with at least {need:.0f} GB at this layout")
+    same = {"dtype": p.dtype, "branch_micro_batch": p.branch_micro_batch}
     if p.layout.recompute != "full":
-        q = evaluate(
-            p.model,
-            p.arch,
-            p.shape,
-            p.gpu,
-            p.gpus,
-            Layout(tp=p.layout.tp, cp=p.layout.cp, dp=p.layout.dp, recompute="full", ep=p.layout.ep),
-            p.schedule,
-            **kw,
-        )
+        full = dataclasses.replace(p.layout, recompute="full")
+        q = evaluate(p.model, p.arch, p.shape, p.gpu, p.gpus, full, p.schedule, optimizer=p.optimizer, **same)
         if q.fits:
             out.append("per-layer activation checkpointing inside chunks (recompute full)")
-    out.append("pipeline parallelism or optimizer/activation offload (not in the engine yet)")
+    if p.optimizer.offload_fraction < 1:
+        host = OptimizerChoice(distributed=True, offload_fraction=1.0)
+        q = evaluate(p.model, p.arch, p.shape, p.gpu, p.gpus, p.layout, p.schedule, optimizer=host, **same)
+        if q.fits:
+            out.append("the optimizer state on the host (optim.optimizer_cpu_offload, fraction 1)")
+    out.append("pipeline parallelism or activation offload (not in the engine yet)")
     return out
 
 
@@ -422,4 +626,12 @@ def attention_pairs(shape: RolloutShape, schedule: str) -> int:
     return N * (causal_pairs(R) + G * causal_pairs(L, R))
 
 
-__all__ = ["Plan", "attention_flops_per_pair", "attention_pairs", "evaluate", "plan", "what_would_fit"]
+__all__ = [
+    "OptimizerChoice",
+    "Plan",
+    "attention_flops_per_pair",
+    "attention_pairs",
+    "evaluate",
+    "plan",
+    "what_would_fit",
+]

@@ -10,11 +10,13 @@ from __future__ import annotations
 import torch
 
 from megatron_branch.data import PrefixTree
+from megatron_branch.errors import SettingError
 from megatron_branch.losses.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from megatron_branch.losses.objective import Objective
 from megatron_branch.models.gpt import BranchGPTModel
 from megatron_branch.models.moe import attach_router_context
 from megatron_branch.parallel.lockstep import backward
+from megatron_branch.rules import API, check_run
 from megatron_branch.schedule.common import (
     ChunkOut,
     ScheduleOptions,
@@ -34,16 +36,10 @@ def run_naive(
     *,
     forward_only: bool = False,
 ) -> StepResult:
-    # Under CP every CP rank would run every rollout whole, and the CP grad sum would count it cp times.
-    if opts.cp_size > 1:
-        raise ValueError(
-            "the naive schedule has no context parallelism (cp_size must be 1); use packed or replay"
-        )
-    if opts.recompute_layers:  # refuse rather than silently keep every activation
-        raise ValueError(
-            "the naive schedule runs megatron's own attention without a BranchContext: recompute_layers applies "
-            "to packed, replay and naive-fused"
-        )
+    try:  # the same rules every entry point checks up front (rules.py), for library callers
+        check_run("naive", cp=opts.cp_size, recompute_layers=opts.recompute_layers)
+    except SettingError as e:
+        raise e.spelled(API) from None
     bound = objective.bind(tree) if objective is not None else None
     want_entropy = opts.keep_entropy or (bound is not None and bound.needs_entropy)
     store = Store(tree, opts)

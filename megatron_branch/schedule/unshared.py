@@ -23,9 +23,11 @@ import torch
 from megatron_branch.attention.core_attention import BranchContext
 from megatron_branch.attention.layout import AttentionLayout, QuerySegment
 from megatron_branch.data import PrefixTree
+from megatron_branch.errors import SettingError
 from megatron_branch.losses.objective import BoundObjective, Objective
 from megatron_branch.models.moe import attach_router_context
 from megatron_branch.parallel.lockstep import backward
+from megatron_branch.rules import API, check_run
 from megatron_branch.schedule.common import (
     ChunkOut,
     ScheduleOptions,
@@ -112,8 +114,10 @@ def _run(
     opts: ScheduleOptions,
     forward_only: bool,
 ) -> StepResult:
-    if opts.cp_size > 1:
-        raise ValueError(f"the {name} schedule has no context parallelism (cp_size must be 1)")
+    try:  # the rule every entry point checks up front (rules.py)
+        check_run(name, cp=opts.cp_size, recompute_layers=opts.recompute_layers)
+    except SettingError as e:
+        raise e.spelled(API) from None
     bound = objective.bind(tree) if objective is not None else None
     store = Store(tree, opts)
     for group in groups:

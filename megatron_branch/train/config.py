@@ -7,6 +7,11 @@ Key names follow verl where verl has one (`rollout.n`, `actor.clip_ratio_low`, `
 `trainer.total_training_steps`, `trainer.save_freq`, `trainer.resume_mode`). Every field has a docstring
 (docs/training.md is the reference). A mistake (unknown key, wrong type, impossible combination) is one
 `UserError` line naming the key, raised before any work is done.
+
+Sections that describe something the engine has one type for ARE that type (derived, not mirrored): `parallel` is
+the ParallelLayout (parallel/layout.py), `actor` the ObjectiveConfig (losses/config.py) plus the update split,
+`algorithm` the estimators' AdvantageConfig plus the recipe, `model.arch` a ModelArch (models/arch.py). Their
+rules are checked where they live; refusals name the config key (`SPELLING`).
 """
 
 from __future__ import annotations
@@ -19,20 +24,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from megatron_branch.errors import UserError
+from megatron_branch.errors import SettingError, Spelling, UserError
+from megatron_branch.losses.advantages import AdvantageConfig
+from megatron_branch.losses.config import ObjectiveConfig
+from megatron_branch.models.arch import ModelArch
+from megatron_branch.parallel.layout import ParallelLayout
+from megatron_branch.rules import check_run
+from megatron_branch.train.algorithm import resolve_algorithm
 from megatron_branch.train.moe import MoEConfig, check_moe
 
 # ---------------------------------------------------------------------------------------------------------------
 
 
 @dataclass(kw_only=True)
-class ArchConfig:
-    """A Llama-style architecture defined in the config (random init): the demo's tiny policy."""
+class ArchConfig(ModelArch):
+    """A config-defined architecture (random init), the demo's tiny policy: a ModelArch (models/arch.py) whose
+    every field is a key; the fields below are the ones whose default differs. `resolve` is the validated arch."""
 
-    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = "llama"
-    """"llama" (no QKV bias), "qwen2" (QKV bias), "qwen3" (q/k norms) or "qwen3_moe" (q/k norms, every MLP a
-    mixture of experts: megatron's MoELayer)."""
-    vocab_size: int | None = None
+    family: str = "llama"
+    """"llama" (no QKV bias), "qwen2" (QKV bias), "qwen3" (q/k norms), or a mixture of experts on megatron's
+    MoELayer: "qwen3_moe" (q/k norms), "mixtral", "qwen2_moe" (QKV bias; a shared expert with
+    shared_expert_ffn_hidden_size); MoE needs num_experts, moe_top_k and moe_ffn_hidden_size."""
+    vocab_size: int | None = None  # type: ignore[assignment]
     """None = the tokenizer's vocabulary size."""
     hidden_size: int = 64
     """Model width."""
@@ -46,18 +59,23 @@ class ArchConfig:
     """SwiGLU inner width."""
     max_position_embeddings: int = 1024
     """The model's context: prompt + response must fit."""
-    rope_theta: float = 10000.0
-    """RoPE base."""
-    tie_word_embeddings: bool = False
-    """Share the input embedding with the output layer."""
-    num_experts: int = 0
-    """qwen3_moe: routed experts per layer."""
-    num_experts_per_tok: int = 2
-    """qwen3_moe: experts each token is routed to (top-k)."""
-    moe_intermediate_size: int = 0
-    """qwen3_moe: each expert's SwiGLU width."""
-    norm_topk_prob: bool = True
-    """qwen3_moe: renormalise the top-k probabilities."""
+    qkv_bias: bool | None = None  # type: ignore[assignment]
+    """Bias on the Q/K/V projections; None = the family's (qwen2, qwen2_moe: true)."""
+    qk_norm: bool | None = None  # type: ignore[assignment]
+    """RMSNorm on each head's query and key; None = the family's (qwen3, qwen3_moe: true)."""
+
+    def __post_init__(self) -> None:
+        self.resolve(1)  # ModelArch's own checks, before the tokenizer gives the vocabulary
+
+    def resolve(self, vocab_size: int) -> ModelArch:
+        """The ModelArch this section describes, its vocabulary `vocab_size` unless the config gives one."""
+        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(ModelArch)}
+        kw["vocab_size"] = self.vocab_size or vocab_size
+        if kw["qkv_bias"] is None:
+            kw["qkv_bias"] = self.family in ("qwen2", "qwen2_moe")
+        if kw["qk_norm"] is None:
+            kw["qk_norm"] = self.family in ("qwen3", "qwen3_moe")
+        return ModelArch(**kw)
 
 
 @dataclass(kw_only=True)
@@ -142,45 +160,30 @@ class RolloutConfig:
 
 
 @dataclass(kw_only=True)
-class AlgorithmConfig:
-    """Which objective trains the policy, and its advantage estimator."""
+class AlgorithmConfig(AdvantageConfig):
+    """Which algorithm trains the policy (a recipe: objective, advantage estimator, data), and the estimators'
+    settings (losses/advantages.py). Resolved once: train/algorithm.py."""
 
     name: Literal["grpo", "ppo", "dpo"] = "grpo"
     """grpo: group-relative advantages; ppo: critic + GAE; dpo: offline preference pairs (no sampling)."""
-    norm_adv_by_std_in_grpo: bool = True
-    """GRPO: divide by the group's standard deviation (False = Dr. GRPO)."""
-    gamma: float = 1.0
-    """PPO: GAE discount."""
-    lam: float = 1.0
-    """PPO: GAE lambda."""
-    dpo_beta: float = 0.1
-    """DPO: beta."""
-    dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"
-    """DPO: loss form."""
+    adv_estimator: str | None = None
+    """A registered advantage estimator (grpo, gae, or a plugin's); None = the algorithm's (grpo: grpo, ppo: gae).
+    One that needs values trains a critic."""
+    plugins: list[str] = field(default_factory=list)
+    """Modules imported before any name is looked up (a dotted module or a .py file): they register their own
+    objectives (@register_policy_loss, for actor.policy_loss) and estimators (@register_adv_est)."""
 
 
 @dataclass(kw_only=True)
-class ActorConfig:
-    """The policy loss (clipped surrogate + KL + entropy) and how the batch is split into updates."""
+class ActorConfig(ObjectiveConfig):
+    """The policy loss (losses/config.py: verl's keys, clipped surrogate + KL + entropy, DPO's beta) and how the
+    batch is split into updates."""
 
-    clip_ratio_low: float = 0.2
-    """Lower clip of the importance ratio: 1 - clip_ratio_low."""
-    clip_ratio_high: float = 0.2
-    """Upper clip: 1 + clip_ratio_high."""
-    clip_ratio_c: float | None = None
-    """Dual clip for negative advantages (verl applies 3.0); None = off; must be > 1."""
-    kl_loss_coef: float = 0.0
-    """KL-to-reference coefficient; > 0 scores a frozen reference model each step."""
-    kl_loss_type: Literal["k1", "k2", "k3", "kl", "mse", "low_var_kl"] = "low_var_kl"
-    """KL estimator (verl's names are aliases: kl = k1, mse = k2, low_var_kl = k3)."""
-    entropy_coeff: float = 0.0
-    """Entropy bonus coefficient."""
-    loss_agg_mode: Literal[
-        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
-    ] = "token-mean"
-    """How per-token losses aggregate over the global batch."""
-    loss_agg_norm: float | None = None
-    """L_norm of seq-mean-token-sum-norm (required there)."""
+    policy_loss: str | None = None  # type: ignore[assignment]
+    """A registered objective (vanilla = grpo, pg, dpo, or a plugin's); None = the algorithm's (grpo, ppo:
+    vanilla; dpo: dpo)."""
+    entropy_metric: bool = True
+    """Report actor/entropy even when entropy_coeff is 0."""
     ppo_epochs: int = 1
     """Passes over each step's rollouts."""
     ppo_mini_batch_size: int | None = None
@@ -223,21 +226,24 @@ class OptimConfig:
     """Linear warm-up optimizer steps."""
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     """Decay after warm-up (to min_lr at the last optimizer step)."""
-
-
-@dataclass(kw_only=True)
-class ParallelConfigSection:
-    """The rank layout under torchrun (world = tp * cp * dp)."""
-
-    tp: int = 1
-    """Tensor-parallel size (must divide the heads)."""
-    cp: int = 1
-    """Context-parallel size: ring attention for the update and scoring (packed or replay; naive is refused);
-    every CP rank samples the same rollouts redundantly."""
-    sequence_parallel: bool = False
-    """Sequence parallel over the TP group."""
-    ep: int = 1
-    """Expert-parallel size of a MoE policy, inside dp x cp as megatron lays it out (world = tp * cp * dp)."""
+    use_distributed_optimizer: bool = False
+    """megatron's distributed optimizer: the fp32 master copy and Adam's moments sharded over DP x CP (exact)."""
+    optimizer_cpu_offload: bool = False
+    """megatron's CPU-offload optimizer: optimizer_offload_fraction of the (sharded) optimizer state and master
+    copy in host memory, stepped there (exact); needs use_distributed_optimizer and use_precision_aware_optimizer."""
+    optimizer_offload_fraction: float = 1.0
+    """With optimizer_cpu_offload: the fraction of the optimizer state (by elements) kept on the host."""
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    """With optimizer_cpu_offload on a GPU: overlap the host step with the host<->device copies."""
+    use_precision_aware_optimizer: bool = False
+    """megatron's precision-aware optimizer (the dtypes below; exact while they are fp32); needs
+    use_distributed_optimizer."""
+    main_grads_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Gradients reduced and stepped in this dtype (bf16: NOT exact, needs bf16 parameters)."""
+    exp_avg_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Adam's first moment (not fp32: NOT exact; TransformerEngine's FusedAdam on a GPU only)."""
+    exp_avg_sq_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Adam's second moment (as exp_avg_dtype)."""
 
 
 @dataclass(kw_only=True)
@@ -338,8 +344,9 @@ class TrainConfig:
     """PPO value model."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and scheduler."""
-    parallel: ParallelConfigSection = field(default_factory=ParallelConfigSection)
-    """TP / CP (DP = the rest of the world)."""
+    parallel: ParallelLayout = field(default_factory=ParallelLayout)
+    """The rank layout under torchrun (parallel/layout.py; world = tp * cp * dp, dp = the rest by default); every
+    CP rank samples the same rollouts redundantly."""
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     """Engine schedule."""
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
@@ -355,6 +362,26 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         validate(self)
+
+
+def _config_spelling() -> Spelling:
+    names = {f.name: f"actor.{f.name}" for f in dataclasses.fields(ObjectiveConfig)}
+    names.update({f.name: f"algorithm.{f.name}" for f in dataclasses.fields(AlgorithmConfig)})
+    names.update({f.name: f"parallel.{f.name}" for f in dataclasses.fields(ParallelLayout)})
+    names.update(
+        algorithm="algorithm.name",
+        schedule="schedule.name",
+        recompute="schedule.recompute",
+        recompute_layers="schedule.enable_gradient_checkpointing",
+        backend="schedule.backend",
+        moe="moe.*",
+        capacity_factor="moe.expert_capacity_factor",
+    )
+    return Spelling(names=names, assign="=")
+
+
+SPELLING = _config_spelling()
+"""How the config names a setting in a refusal: `parallel.cp`, `schedule.name=naive`, `actor.clip_ratio_c`."""
 
 
 # ---- building from dicts, with one-line errors ----------------------------------------------------------------
@@ -405,6 +432,14 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             raise UserError(f"{key} must be a list, got {value!r}")
         (item,) = typing.get_args(tp)
         return [_convert(v, item, f"{key}[{j}]") for j, v in enumerate(value)]
+    if origin is tuple:  # a shared type's field (ModelArch's, say): a YAML list
+        if not isinstance(value, (list, tuple)):
+            raise UserError(f"{key} must be a list, got {value!r}")
+        args = typing.get_args(tp)
+        items = [args[0]] * len(value) if len(args) == 2 and args[1] is Ellipsis else list(args)
+        if len(items) != len(value):
+            raise UserError(f"{key} must be a list of {len(items)}, got {value!r}")
+        return tuple(_convert(v, a, f"{key}[{j}]") for j, (v, a) in enumerate(zip(value, items)))
     if origin is dict:
         if not isinstance(value, dict):
             raise UserError(f"{key} must be a mapping, got {value!r}")
@@ -441,6 +476,10 @@ def from_dict(cls: Any, raw: dict[str, Any], *, prefix: str = "") -> Any:
         kwargs[key] = _convert(value, hints[key], prefix + key)
     try:
         return cls(**kwargs)
+    except (
+        SettingError
+    ) as e:  # a rule of a shared type (layout, objective, estimators), in the config's names
+        raise e.spelled(SPELLING) from None
     except (TypeError, ValueError) as e:
         if isinstance(e, UserError):
             raise
@@ -448,8 +487,16 @@ def from_dict(cls: Any, raw: dict[str, Any], *, prefix: str = "") -> Any:
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
-    """The resolved config as plain data (what config.yaml in the run folder holds)."""
-    return dataclasses.asdict(cfg)
+    """The resolved config as plain data (what config.yaml in the run folder holds; tuples as lists, as YAML)."""
+
+    def plain(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        return x
+
+    return plain(dataclasses.asdict(cfg))
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -552,9 +599,6 @@ def validate(cfg: TrainConfig) -> None:
         ("actor.ppo_micro_batch_size", act.ppo_micro_batch_size),
         ("trainer.total_training_steps", t.total_training_steps),
         ("optim.lr", cfg.optim.lr),
-        ("parallel.tp", cfg.parallel.tp),
-        ("parallel.cp", cfg.parallel.cp),
-        ("parallel.ep", cfg.parallel.ep),
         ("schedule.branch_micro_batch", cfg.schedule.branch_micro_batch),
         ("tokenizer.vocab_size", cfg.tokenizer.vocab_size),
         ("data.max_prompt_length", d.max_prompt_length),
@@ -576,27 +620,22 @@ def validate(cfg: TrainConfig) -> None:
             f"rollout.n={r.n} must be divisible by rollout.branch_factor ** len(rollout.branch_at) = "
             f"{r.branch_factor ** len(r.branch_at)}"
         )
-    if cfg.schedule.enable_gradient_checkpointing and cfg.schedule.name == "naive":
-        raise UserError(
-            "schedule.enable_gradient_checkpointing applies to schedule.name replay or packed; naive runs "
-            "megatron's own attention without the engine's layer checkpointing"
+    sc = cfg.schedule
+    try:
+        cfg.parallel.check_no_op()
+        check_run(sc.name, cp=cfg.parallel.cp, recompute=sc.recompute,
+                  recompute_layers=sc.enable_gradient_checkpointing, backend=sc.backend)  # fmt: skip
+        algo = resolve_algorithm(cfg)
+    except SettingError as e:
+        raise e.spelled(SPELLING) from None
+    if algo.estimator is not None and algo.estimator.group_relative and r.n == 1:
+        chosen = (
+            f"algorithm.adv_estimator={a.adv_estimator}" if a.adv_estimator else f"algorithm.name={a.name}"
         )
-    if a.name == "grpo" and r.n == 1:
         raise UserError(
-            "rollout.n=1 with algorithm.name=grpo: a group of one has a zero group-relative advantage, "
+            f"rollout.n=1 with {chosen}: a group of one has a zero group-relative advantage, "
             "so nothing would be learned; use rollout.n >= 2"
         )
-    if act.clip_ratio_c is not None and act.clip_ratio_c <= 1:
-        raise UserError(f"actor.clip_ratio_c must be > 1 (verl uses 3.0), got {act.clip_ratio_c}")
-    if not 0 <= act.clip_ratio_low < 1 or act.clip_ratio_high < 0:
-        raise UserError(
-            f"actor.clip_ratio_low must be in [0, 1) and clip_ratio_high >= 0, "
-            f"got {act.clip_ratio_low}, {act.clip_ratio_high}"
-        )
-    if act.kl_loss_coef < 0 or act.entropy_coeff < 0:
-        raise UserError("actor.kl_loss_coef and actor.entropy_coeff must be >= 0")
-    if act.loss_agg_mode == "seq-mean-token-sum-norm" and act.loss_agg_norm is None:
-        raise UserError("actor.loss_agg_mode=seq-mean-token-sum-norm needs actor.loss_agg_norm (L_norm)")
     mini = act.ppo_mini_batch_size or d.train_batch_size
     if mini > d.train_batch_size or d.train_batch_size % mini:
         raise UserError(
@@ -606,9 +645,11 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(
             f"actor.ppo_micro_batch_size={act.ppo_micro_batch_size} must divide the mini-batch ({mini} prompts)"
         )
-    if a.name == "dpo":
+    if algo.offline:
         if d.pairs_file is None:
-            raise UserError("algorithm.name=dpo needs data.pairs_file (JSONL of prompt/chosen/rejected)")
+            raise UserError(
+                f"algorithm.name={a.name} needs data.pairs_file (JSONL of prompt/chosen/rejected)"
+            )
     elif d.task is None and d.train_files is None:
         raise UserError(f"algorithm.name={a.name} needs data.task or data.train_files")
     elif d.task is None and d.reward is None:
@@ -619,13 +660,8 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError("model: give model.hf_path (an HF folder) or model.arch (a config-defined model)")
     if cfg.tokenizer.type == "hf" and cfg.tokenizer.path is None and cfg.model.hf_path is None:
         raise UserError("tokenizer.type=hf needs tokenizer.path or model.hf_path")
-    if cfg.schedule.name == "naive" and cfg.parallel.cp > 1:
-        # naive runs each rollout whole through megatron's own attention (no ring): every CP rank would compute
-        # the whole batch and the dp x cp gradient SUM would count it cp times.
-        raise UserError(
-            "schedule.name=naive has no context parallelism; use packed or replay with parallel.cp > 1"
-        )
     check_model(cfg)
+    check_optimizer(cfg)
     w = cfg.warmup
     if w.steps < 0 or w.batch_size <= 0 or w.eval_every <= 0 or w.eval_prompts <= 0:
         raise UserError("warmup: steps >= 0, batch_size, eval_every and eval_prompts > 0")
@@ -635,10 +671,40 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"checkpoint.keep_last must be positive, got {cfg.checkpoint.keep_last}")
 
 
-def model_arch(cfg: TrainConfig, vocab_size: int | None = None) -> Any:
-    """The policy's ModelArch: from model.hf_path's config.json, or from model.arch (vocab from the tokenizer)."""
-    from megatron_branch.models.arch import ModelArch
+def optimizer_settings(cfg: TrainConfig, *, lr: float, decay_steps: int | None = None) -> Any:
+    """The update's OptimizerSettings from the optim section (its rules: update/optimizer.py)."""
+    from megatron_branch.update.optimizer import OptimizerSettings
 
+    o = cfg.optim
+    try:
+        return OptimizerSettings(
+            lr=lr, min_lr=min(o.min_lr, lr), weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
+            eps=o.adam_eps, clip_grad=o.clip_grad, warmup_steps=o.lr_warmup_steps, decay_steps=decay_steps,
+            decay_style=o.lr_decay_style, use_distributed_optimizer=o.use_distributed_optimizer,
+            optimizer_cpu_offload=o.optimizer_cpu_offload, optimizer_offload_fraction=o.optimizer_offload_fraction,
+            overlap_cpu_optimizer_d2h_h2d=o.overlap_cpu_optimizer_d2h_h2d,
+            use_precision_aware_optimizer=o.use_precision_aware_optimizer, main_grads_dtype=o.main_grads_dtype,
+            exp_avg_dtype=o.exp_avg_dtype, exp_avg_sq_dtype=o.exp_avg_sq_dtype,
+        )  # fmt: skip
+    except ValueError as e:
+        raise UserError(f"optim: {e}") from None
+
+
+def check_optimizer(cfg: TrainConfig) -> None:
+    """The optim section is one megatron can run for model.dtype on this machine."""
+    import torch
+
+    from megatron_branch.update.optimizer import check_supported
+
+    settings = optimizer_settings(cfg, lr=cfg.optim.lr)
+    try:
+        check_supported(settings, getattr(torch, cfg.model.dtype))
+    except ValueError as e:
+        raise UserError(f"optim: {e}") from None
+
+
+def model_arch(cfg: TrainConfig, vocab_size: int | None = None) -> ModelArch:
+    """The policy's ModelArch: from model.hf_path's config.json, or from model.arch (vocab from the tokenizer)."""
     if cfg.model.hf_path is not None:
         from megatron_branch.checkpoint.hf_io import load_hf_config
 
@@ -648,39 +714,7 @@ def model_arch(cfg: TrainConfig, vocab_size: int | None = None) -> Any:
         return ModelArch.from_hf_config(load_hf_config(cfg.model.hf_path), where=where)
     a = cfg.model.arch
     assert a is not None
-    try:
-        return ModelArch(
-            family=a.family,
-            vocab_size=a.vocab_size or vocab_size or 1,
-            hidden_size=a.hidden_size,
-            num_layers=a.num_layers,
-            num_attention_heads=a.num_attention_heads,
-            num_query_groups=a.num_query_groups,
-            ffn_hidden_size=a.ffn_hidden_size,
-            rope_theta=a.rope_theta,
-            qkv_bias=a.family == "qwen2",
-            qk_norm=a.family in ("qwen3", "qwen3_moe"),
-            tie_word_embeddings=a.tie_word_embeddings,
-            max_position_embeddings=a.max_position_embeddings,
-            **_moe_fields(a),
-        )
-    except ValueError as e:
-        raise UserError(f"model.arch: {e}") from None
-
-
-def _moe_fields(a: ArchConfig) -> dict[str, Any]:
-    if a.family != "qwen3_moe":
-        if a.num_experts or a.moe_intermediate_size:
-            raise UserError(
-                f"model.arch.num_experts / moe_intermediate_size need family qwen3_moe, not {a.family}"
-            )
-        return {}
-    return dict(
-        num_experts=a.num_experts,
-        moe_top_k=a.num_experts_per_tok,
-        moe_ffn_hidden_size=a.moe_intermediate_size,
-        moe_norm_topk_prob=a.norm_topk_prob,
-    )
+    return a.resolve(vocab_size or 1)
 
 
 def check_model(cfg: TrainConfig) -> None:

@@ -1,4 +1,5 @@
-"""The loop's data: the tokenizer, the prompts (a built-in task or a JSONL file) with their reward, DPO pairs.
+"""The loop's data: the tokenizer, the prompts (a built-in task or a JSONL file) with their reward, or preference
+pairs (an offline algorithm: DPO).
 
 Everything is read and checked at start-up, before the run folder exists (a bad file is one line naming it);
 the sentencepiece tokenizer is trained into the (temporary) run folder's `tokenizer/`.
@@ -107,9 +108,11 @@ def _tokenizer(cfg: TrainConfig, run_dir: Path, corpus: Callable[[], list[str]])
     ), None
 
 
-def load_dataset(cfg: TrainConfig, run_dir: Path) -> Dataset:
+def load_dataset(cfg: TrainConfig, run_dir: Path, *, pairs: bool = False) -> Dataset:
+    """The prompts and reward (a task or data.train_files), or with `pairs` (an offline algorithm: DPO) the
+    preference pairs of data.pairs_file."""
     d = cfg.data
-    if cfg.algorithm.name == "dpo":
+    if pairs:
         rows = _read_jsonl(d.pairs_file, ("prompt", "chosen", "rejected"))  # type: ignore[arg-type]
         tok, tok_dir = _tokenizer(
             cfg,

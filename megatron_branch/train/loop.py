@@ -22,16 +22,13 @@ import torch.distributed as dist
 
 from megatron_branch.checkpoint.store import CheckpointStore, rng_sharded_object
 from megatron_branch.data import PrefixTree, Rollout
-from megatron_branch.errors import UserError
+from megatron_branch.errors import SettingError, UserError
 from megatron_branch.losses.router import fold_expert_metrics
-from megatron_branch.parallel.groups import (
-    ParallelConfig,
-    agree_on_error,
-    init_distributed,
-    initialize_parallel,
-)
+from megatron_branch.parallel.agree import agree_on_error
+from megatron_branch.parallel.groups import init_distributed, initialize_parallel
 from megatron_branch.train import policy as policy_ops
-from megatron_branch.train.config import TrainConfig, check_fits_context, model_arch, write_resolved
+from megatron_branch.train.algorithm import resolve_algorithm
+from megatron_branch.train.config import SPELLING, TrainConfig, check_fits_context, model_arch, write_resolved
 from megatron_branch.train.data import load_dataset
 from megatron_branch.train.metrics import RunLogger
 from megatron_branch.train.models import DTYPES, build_policy, frozen_copy, prepare_for_layout
@@ -59,11 +56,12 @@ class Trainer:
         resume = t.resume_mode == "auto"
         self.dtype = DTYPES[cfg.model.dtype]
         # Everything the user gave is read and checked before anything is written (one line on failure).
-        pcfg = ParallelConfig(
-            tp=cfg.parallel.tp, cp=cfg.parallel.cp, sequence_parallel=cfg.parallel.sequence_parallel,
-            ep=cfg.parallel.ep,
-        )  # fmt: skip
-        pcfg.data_parallel_size(self.world)
+        self.algo = resolve_algorithm(cfg)  # validated with the config: here it cannot fail
+        layout = cfg.parallel
+        try:
+            layout.data_parallel_size(self.world)
+        except SettingError as e:
+            raise e.spelled(SPELLING) from None
         with run_folder(self.out, resume=resume) as setup_dir:
             err = None
             try:  # every rank reads the same data: a bad file is one error, printed once
@@ -73,14 +71,14 @@ class Trainer:
             agree_on_error(err)
             if self.is_main:
                 write_resolved(cfg, setup_dir / "config.yaml")
-            self.groups = initialize_parallel(pcfg, seed=t.seed)
+            self.groups = initialize_parallel(layout, seed=t.seed)
             self.dp_rank = dist.get_rank(self.groups.dp)
             self.policy = build_policy(
                 self.arch, hf_path=cfg.model.hf_path, dtype=self.dtype, groups=self.groups,
                 init_seed=cfg.model.init_seed,
             )  # fmt: skip
             self.actor = policy_ops.Actor(
-                cfg, self.policy, arch=self.arch, groups=self.groups, dtype=self.dtype
+                cfg, self.policy, algo=self.algo, arch=self.arch, groups=self.groups, dtype=self.dtype
             )
             self.actor.set_stop_tokens(self.dataset.stop_token_ids(cfg.rollout.stop))
             self.order = PromptOrder(
@@ -90,7 +88,7 @@ class Trainer:
             # One stream per DP replica: its TP and CP ranks must draw the same tokens (groups.dp excludes CP).
             self.sample_rng = torch.Generator().manual_seed(cfg.rollout.seed * 1_000_003 + self.dp_rank)
             self.reference: torch.nn.Module | None = None
-            self.needs_reference = cfg.algorithm.name == "dpo" or cfg.actor.kl_loss_coef > 0
+            self.needs_reference = self.algo.requires_reference
             self.store = CheckpointStore(self.out / "checkpoints", keep_last=cfg.checkpoint.keep_last)
             self.step = 0
             latest = self.store.latest() if resume and setup_dir == self.out else None
@@ -111,7 +109,7 @@ class Trainer:
 
     def _read_data(self, setup_dir: Path) -> None:
         cfg = self.cfg
-        self.dataset = load_dataset(cfg, setup_dir)
+        self.dataset = load_dataset(cfg, setup_dir, pairs=self.algo.offline)
         self.arch = model_arch(cfg, vocab_size=self.dataset.tokenizer.vocab_size)
         if self.arch.vocab_size < self.dataset.tokenizer.vocab_size:
             raise UserError(
@@ -148,9 +146,9 @@ class Trainer:
         return rollouts, rewards, stats
 
     def train_step(self) -> dict[str, Any]:
-        """One RL step (DPO: one pass over a batch of pairs); returns its metrics line."""
-        if self.cfg.algorithm.name == "dpo":
-            return self._dpo_step()
+        """One RL step (offline: one pass over a batch of pairs); returns its metrics line."""
+        if self.algo.offline:
+            return self._pairs_step()
         cfg = self.cfg
         t0 = time.perf_counter()
         indices = self.order.next_batch()
@@ -191,14 +189,14 @@ class Trainer:
             "positions_computed": tree.positions_logical if naive else tree.positions_computed,
         }
 
-    def _dpo_step(self) -> dict[str, Any]:
+    def _pairs_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         pairs = []
         for j in self.order.next_batch():
             p = self.dataset.pairs[j]  # type: ignore[index]
             pairs.append(Rollout(prompt=p["prompt"], response=p["chosen"], pair=j, chosen=True))
             pairs.append(Rollout(prompt=p["prompt"], response=p["rejected"], pair=j, chosen=False))
-        metrics = self.actor.update_dpo(pairs, reference=self.reference)
+        metrics = self.actor.update(pairs, None, reference=self.reference)
         self.last_batch, self.last_rewards = pairs, []
         self.step += 1
         step_s = time.perf_counter() - t0

@@ -58,31 +58,35 @@ class MoEConfig:
 
 
 def check_moe(cfg: Any, arch: Any) -> None:
-    """The moe section and parallel.ep against the architecture (one line each, in config keys)."""
-    m = cfg.moe
-    if not arch.is_moe:
-        if m.active or cfg.parallel.ep > 1:
-            raise UserError(
-                f"moe.* / parallel.ep need a mixture-of-experts policy (the model is {arch.family}, dense)"
-            )
-        return
-    if m.expert_capacity_factor is not None:
+    """The moe section and parallel.ep against the architecture (one line each, in config keys; the rules:
+    rules.check_moe_run)."""
+    from megatron_branch.errors import SettingError
+    from megatron_branch.rules import check_moe_run
+    from megatron_branch.train.config import SPELLING
+
+    m, p = cfg.moe, cfg.parallel
+    if arch.is_moe and m.expert_capacity_factor is not None:
+        # train runs no schedule that drops tokens per rollout (the sampler and the update share prefixes)
         raise UserError(
             "moe.expert_capacity_factor: token dropping is not exact under sharing (an expert's capacity depends "
             "on which tokens share its batch); train dropless (null)"
         )
     try:
+        check_moe_run(
+            cfg.schedule.name, moe=arch.is_moe, tp=p.tp, sequence_parallel=p.sequence_parallel, ep=p.ep,
+            router_settings=m.active, capacity_factor=m.expert_capacity_factor,
+        )  # fmt: skip
+    except SettingError as e:
+        raise e.spelled(SPELLING) from None
+    if not arch.is_moe:
+        return
+    try:
         options(cfg)
-        arch.check_expert_parallel(cfg.parallel.ep, tp=cfg.parallel.tp)
+        arch.check_expert_parallel(p.ep, tp=p.tp)
     except UserError as e:
         raise UserError(f"parallel.ep: {e}") from None
     except ValueError as e:
         raise UserError(f"moe.{e}") from None
-    if cfg.parallel.tp > 1 and not cfg.parallel.sequence_parallel:
-        raise UserError(
-            f"parallel.tp={cfg.parallel.tp} with a mixture-of-experts policy needs parallel.sequence_parallel: true "
-            "(megatron's MoELayer trains tensor-parallel experts only with sequence parallelism)"
-        )
 
 
 def options(cfg: Any) -> Any:

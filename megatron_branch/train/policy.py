@@ -1,16 +1,17 @@
 """The actor (and PPO's critic) of the loop: sampling, advantages, reference scores, and the updates of a step.
 
-Built on the objectives issue's pieces: megatron DDP + megatron's optimizer and scheduler (`update.build_optimizer`),
-`update.update_step` (one optimizer step over a GLOBAL mini-batch, DP split and micro-batches inside), the
-objectives (`PolicyObjective`, `ValueObjective`, `DPOObjective`, `AdvantagePolicyGradient` for the warm-up) and
-`update.attach_scores` (forward-only values / reference logprobs). Per RL step:
+Built on: megatron DDP + megatron's optimizer and scheduler (`update.build_optimizer`), `update.update_step` (one
+optimizer step over a GLOBAL mini-batch, DP split and micro-batches inside), the registries (the run's objective
+and advantage estimator, resolved once: train/algorithm.py), `ValueObjective` for the critic,
+`AdvantagePolicyGradient` for the warm-up, and `update.attach_scores` (forward-only values / reference logprobs).
+One path for every algorithm; per RL step and mini-batch:
 
-    GRPO  advantages from the group's rewards                        -> ppo_epochs x mini-batches of actor steps
-    PPO   values by the critic, per-token rewards (the score on the last token), GAE  -> actor and critic steps
-    DPO   pairs (chosen, rejected) with the frozen reference's scores -> one step per mini-batch of pairs
-
-Mini-batches are whole prompt groups in the step's order and stay the same across epochs, so each rollout's
-reference logprobs / old values are scored once per step.
+    values       the critic scores them when the estimator needs them (PPO's gae)
+    advantages   the estimator, from the rewards and each rollout's prompt instance (none for DPO's pairs)
+    objective    built from the actor config on the mini-batch (build_objective); ref_logprobs scored by the
+                 frozen reference when it reads them (KL, DPO)
+then ppo_epochs x mini-batches of actor steps (and critic steps). Mini-batches are whole prompt groups (DPO: whole
+pairs) in the step's order and stay the same across epochs, so each is scored once per step.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import torch
 from megatron_branch.data import Rollout
 from megatron_branch.models import ModelArch
 from megatron_branch.parallel.groups import ParallelGroups
-from megatron_branch.train.config import TrainConfig
+from megatron_branch.train.algorithm import Algorithm
+from megatron_branch.train.config import TrainConfig, optimizer_settings
 
 
 def _policy_only(key: str) -> bool:
@@ -35,15 +37,9 @@ def _policy_only(key: str) -> bool:
 
 
 def _settings(cfg: TrainConfig, lr: float, total_updates: int) -> Any:
-    from megatron_branch.update import OptimizerSettings
-
     o = cfg.optim
     decay = max(total_updates - o.lr_warmup_steps, 1) if o.lr_decay_style != "constant" else None
-    return OptimizerSettings(
-        lr=lr, min_lr=min(o.min_lr, lr), weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
-        eps=o.adam_eps, clip_grad=o.clip_grad, warmup_steps=o.lr_warmup_steps, decay_steps=decay,
-        decay_style=o.lr_decay_style,
-    )  # fmt: skip
+    return optimizer_settings(cfg, lr=lr, decay_steps=decay)
 
 
 class Trainee:
@@ -54,28 +50,32 @@ class Trainee:
         from megatron_branch.update import build_optimizer
 
         self.model = model
-        self.ddp = wrap_megatron_ddp(model, dtype=dtype, pg_collection=pgc)
+        self.ddp = wrap_megatron_ddp(model, dtype=dtype, pg_collection=pgc, **settings.ddp_options(dtype))
         self.optimizer, self.scheduler = build_optimizer(self.ddp, settings, dtype=dtype)
 
     def sharded_state(self, prefix: str, *, loading: bool) -> dict[str, Any]:
+        from megatron_branch.update.optimizer import optimizer_sharded_state
+
         model_sd = self.model.sharded_state_dict(prefix=prefix)
         return {
             "model": model_sd,
-            "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=loading),
+            "optimizer": optimizer_sharded_state(self.optimizer, model_sd, loading=loading),
         }
 
     def load(self, state: dict[str, Any], prefix: str) -> None:
         self.model.load_state_dict(
             {k.removeprefix(prefix): v for k, v in state["model"].items()}, strict=True
         )
-        self.optimizer.load_state_dict(state["optimizer"])
+        from megatron_branch.update.optimizer import load_optimizer_state
+
+        load_optimizer_state(self.optimizer, state["optimizer"])
 
 
 class Actor:
     """Everything of a step that touches the policy (and the critic, for PPO)."""
 
     def __init__(
-        self, cfg: TrainConfig, model: torch.nn.Module, *, arch: ModelArch, groups: ParallelGroups,
+        self, cfg: TrainConfig, model: torch.nn.Module, *, algo: Algorithm, arch: ModelArch, groups: ParallelGroups,
         dtype: torch.dtype,
     ) -> None:  # fmt: skip
         from megatron.core.process_groups_config import ProcessGroupCollection
@@ -84,7 +84,7 @@ class Actor:
         from megatron_branch.schedule import ScheduleOptions
         from megatron_branch.update import UpdatePlan
 
-        self.cfg, self.arch, self.groups, self.dtype = cfg, arch, groups, dtype
+        self.cfg, self.algo, self.arch, self.groups, self.dtype = cfg, algo, arch, groups, dtype
         r, a = cfg.rollout, cfg.actor
         self.params = SamplingParams(
             n=r.n, max_new_tokens=r.response_length, temperature=r.temperature, top_k=max(r.top_k, 0),
@@ -114,7 +114,7 @@ class Actor:
             opts=opts, schedule=cfg.schedule.name, micro_batches=micro, pg_collection=self.pgc
         )
         self.critic: Trainee | None = None
-        if cfg.algorithm.name == "ppo":
+        if algo.trains_critic:
             self.critic = self._build_critic(model, updates)
 
     def _build_critic(self, policy: torch.nn.Module, updates: int) -> Trainee:
@@ -144,10 +144,11 @@ class Actor:
         return self.sampler.generate(prompts, self.params, generator=rng)
 
     # ---- one RL step -----------------------------------------------------------------------------------------
-    def _mini_batches(self, batch: list[Rollout], group_size: int) -> list[list[Rollout]]:
+    def _mini_batches(self, batch: list[Rollout], group_size: int) -> list[tuple[int, int]]:
+        """[start, end) of each mini-batch of `batch` (whole groups of `group_size` rollouts)."""
         per = len(batch) // self.num_mini
         assert per % group_size == 0, (per, group_size)
-        return [batch[k : k + per] for k in range(0, len(batch), per)]
+        return [(k, k + per) for k in range(0, len(batch), per)]
 
     def _score_all(self, model: torch.nn.Module, batch: list[Rollout], name: str) -> list[Rollout]:
         """Per-token field `name` scored forward-only for EVERY rollout of `batch`: each DP rank scores its
@@ -169,52 +170,45 @@ class Actor:
             for i, r in enumerate(batch)
         ]
 
-    def update(self, rollouts: list[Rollout], rewards: list[float], *, reference: Any) -> dict[str, float]:
-        """All updates of one RL step on the global batch `rollouts` (n per prompt, prompt-major)."""
-        from megatron_branch.losses import (
-            Aggregation,
-            PolicyObjective,
-            ValueObjective,
-            with_gae,
-            with_group_advantages,
-        )
+    def update(
+        self, batch: list[Rollout], rewards: list[float] | None, *, reference: Any
+    ) -> dict[str, float]:
+        """All updates of one RL step on the global `batch`: rollout.n rollouts per prompt, prompt-major, with
+        their `rewards`; offline (DPO): chosen/rejected pairs, no rewards."""
+        from megatron_branch.losses import Aggregation, ValueObjective, build_objective
         from megatron_branch.update import update_step
 
-        cfg, a = self.cfg, self.cfg.actor
-        if self.critic is None:
-            batch = with_group_advantages(
-                rollouts, rewards, norm_by_std=cfg.algorithm.norm_adv_by_std_in_grpo
-            )
-        else:  # PPO: the outcome score on the last response token, the critic's values, GAE
-            batch = [
-                dataclasses.replace(r, token_fields={**r.token_fields, "rewards": (0.0,) * (len(r.response) - 1) + (s,)})
-                for r, s in zip(rollouts, rewards)
-            ]  # fmt: skip
-        minis = self._mini_batches(batch, cfg.rollout.n)
-        for k, mb in enumerate(minis):  # scores the updates need, once per step
-            if self.critic is not None:
-                mb = self._score_all(self.critic.ddp, mb, "values")
-                mb = with_gae(mb, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam)
-            if reference is not None and a.kl_loss_coef > 0:
+        cfg, algo = self.cfg, self.algo
+        group = 2 if algo.offline else cfg.rollout.n
+        minis = []
+        for lo, hi in self._mini_batches(batch, group):  # what the updates need, once per step
+            mb = batch[lo:hi]
+            if algo.estimator is not None:
+                assert rewards is not None
+                if algo.estimator.needs_values:
+                    assert self.critic is not None
+                    mb = self._score_all(self.critic.ddp, mb, "values")
+                index = [
+                    j // group for j in range(lo, hi)
+                ]  # the prompt instance of each rollout (verl's uid)
+                mb = algo.estimator.compute(mb, rewards[lo:hi], index, cfg.algorithm)
+            objective = build_objective(algo.objective, mb)
+            if objective.needs_reference:
+                assert reference is not None, "the run's objective reads ref_logprobs: a reference is built"
                 mb = self._score_all(reference, mb, "ref_logprobs")
-            minis[k] = mb
+            minis.append((mb, objective))
         sums: dict[str, float] = {}
         count = 0
-        for _ in range(a.ppo_epochs):
-            for mb in minis:
-                agg = Aggregation.of_batch(mb, a.loss_agg_mode, a.loss_agg_norm)
-                actor = PolicyObjective(
-                    agg=agg, clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high, clip_c=a.clip_ratio_c,
-                    kl_coef=a.kl_loss_coef, kl_type=a.kl_loss_type, entropy_coef=a.entropy_coeff,
-                    entropy_metric=True,
-                )  # fmt: skip
+        for _ in range(cfg.actor.ppo_epochs):
+            for mb, objective in minis:
                 self.policy.model.train()
                 res = update_step(
-                    self.policy.ddp, mb, actor, self.plan, optimizer=self.policy.optimizer,
+                    self.policy.ddp, mb, objective, self.plan, optimizer=self.policy.optimizer,
                     scheduler=self.policy.scheduler,
                 )  # fmt: skip
                 metrics = dict(res.metrics)
                 if self.critic is not None:
+                    agg = Aggregation.of_batch(mb, cfg.actor.loss_agg_mode, cfg.actor.loss_agg_norm)
                     crit = update_step(
                         self.critic.ddp, mb, ValueObjective(agg=agg, clip=cfg.critic.cliprange_value), self.plan,
                         optimizer=self.critic.optimizer, scheduler=self.critic.scheduler,
@@ -224,30 +218,7 @@ class Actor:
                     sums[key] = sums.get(key, 0.0) + v
                 count += 1
         out = {k: v / count for k, v in sums.items()}  # means over the step's updates
-        out["loss"] = out.pop("actor/loss")
-        return out
-
-    def update_dpo(self, pairs: list[Rollout], *, reference: Any) -> dict[str, float]:
-        """DPO: one optimizer step per mini-batch of pairs (chosen/rejected rollouts), reference scored."""
-        from megatron_branch.losses import DPOObjective
-        from megatron_branch.update import update_step
-
-        al = self.cfg.algorithm
-        sums: dict[str, float] = {}
-        count = 0
-        for mb in self._mini_batches(pairs, 2):
-            mb = self._score_all(reference, mb, "ref_logprobs")
-            for _ in range(self.cfg.actor.ppo_epochs):
-                obj = DPOObjective(num_pairs=len(mb) // 2, beta=al.dpo_beta, loss_type=al.dpo_loss)
-                res = update_step(
-                    self.policy.ddp, mb, obj, self.plan, optimizer=self.policy.optimizer,
-                    scheduler=self.policy.scheduler,
-                )  # fmt: skip
-                for key, v in res.metrics.items():
-                    sums[key] = sums.get(key, 0.0) + v
-                count += 1
-        out = {k: v / count for k, v in sums.items()}
-        out["loss"] = out.pop("actor/loss")
+        out["loss"] = out.pop(f"{objective.role}/loss")
         return out
 
     # ---- supervised warm-up (a separate optimizer: RL starts with fresh Adam moments) -------------------------

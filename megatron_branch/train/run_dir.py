@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from megatron_branch.errors import UserError
 from megatron_branch.outputs import apply_umask, check_parent, temp_path_beside
-from megatron_branch.parallel.groups import agree_on_error
+from megatron_branch.parallel.agree import agree_on_error
 
 
 def _broadcast(value: object) -> object:

@@ -9,7 +9,12 @@ count), so the sum over micro-batches and ranks is the one-big-batch gradient ex
 DP1 or DP2 give the same parameters after the step. Gradients are reduced by megatron DDP's finalize_model_grads
 (a SUM over dp x cp, parallel/ddp.py), then megatron's optimizer steps and the scheduler advances.
 
-Metrics (verl's names, `actor/` or `critic/` by objective): the objective's stats summed over micro-batches and
+Every objective is driven through the same hooks (losses/objective.py, `ObjectiveBase`): per micro-batch a
+forward-only pass when it `needs_scores` (sequence-level objectives: DPO), then `prepare(tree, scores)` says what
+the schedule runs; `role` names the metrics and `needs_reference` asks `ref_model` for `ref_logprobs`. No objective
+kind is special-cased here.
+
+Metrics (verl's names, `<role>/` = `actor/` or `critic/`): the objective's stats summed over micro-batches and
 DP (each already a global mean: a shared token counts once per rollout), `<role>/loss`, `<role>/grad_norm`,
 `<role>/lr`, `tree/positions_logical`, `tree/positions_computed` and `tree/token_ratio` (logical / computed).
 """
@@ -25,9 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_branch.data import PrefixTree, Rollout
-from megatron_branch.losses.dpo import DPOObjective
-from megatron_branch.losses.objective import Objective
-from megatron_branch.losses.value import ValueObjective
+from megatron_branch.losses.objective import ObjectiveBase
 from megatron_branch.parallel import lockstep
 from megatron_branch.parallel.data import assign_groups
 from megatron_branch.parallel.groups import comm_device
@@ -139,7 +142,7 @@ class Accumulated:
 def accumulate_gradients(
     model: torch.nn.Module,
     batch: Sequence[Rollout],
-    objective: Objective | DPOObjective,
+    objective: ObjectiveBase,
     plan: UpdatePlan,
     *,
     keep_logprobs: bool = False,
@@ -159,7 +162,7 @@ def accumulate_gradients(
 def _accumulate(
     model: torch.nn.Module,
     batch: Sequence[Rollout],
-    objective: Objective | DPOObjective,
+    objective: ObjectiveBase,
     plan: UpdatePlan,
     opts: ScheduleOptions,
     acc: Accumulated,
@@ -167,17 +170,14 @@ def _accumulate(
 ) -> None:
     for chunk in split_micro_batches(batch, _my_share(batch, plan), plan.micro_batches):
         tree = PrefixTree.build([batch[i] for i in chunk], vocab_size=opts.vocab_size)
-        run_obj: Objective = objective  # type: ignore[assignment]
-        if isinstance(
-            objective, DPOObjective
-        ):  # sequence-level: a forward-only pass fixes dL/dpi (losses/dpo.py)
-            pi = score_rollouts(plan.schedule, model, tree, opts).sums()
-            run_obj, dpo_loss, dpo_stats = objective.linearise(tree, pi)
-        res = run_schedule(plan.schedule, model, tree, run_obj, opts)
-        if isinstance(objective, DPOObjective):
-            res.loss, res.stats = dpo_loss, {**res.stats, **dpo_stats}  # res.stats: routing metrics only
-        acc.loss += res.loss
-        for k, v in res.stats.items():
+        scores = score_rollouts(plan.schedule, model, tree, opts) if objective.needs_scores else None
+        prepared = objective.prepare(tree, scores)
+        res = run_schedule(plan.schedule, model, tree, prepared.objective, opts)
+        acc.loss += res.loss if prepared.loss is None else prepared.loss
+        # a surrogate's (DPO's linear pass) own stats replace the schedule's; the routing metrics a MoE schedule
+        # adds (schedule/moe.py) are kept either way
+        stats = res.stats if prepared.stats is None else {**res.stats, **prepared.stats}
+        for k, v in stats.items():
             acc.stats[k] = acc.stats.get(k, 0.0) + v
         acc.positions_logical += res.positions_logical
         acc.positions_computed += res.positions_computed
@@ -213,10 +213,16 @@ def moe_options_for_update(
     return dataclasses.replace(opts, moe=moe)
 
 
-def reduce_metrics(acc: Accumulated, objective: Any, groups: Any, role: str) -> dict[str, float]:
-    """The global metrics of an accumulation (a SUM over DP ranks; a collective over `groups.dp`)."""
-    names = sorted(acc.stats) if acc.stats else _stat_names(objective)
-    if groups.dp is not None and groups.dp_size > 1:  # a rank without rollouts has no routing metrics
+def reduce_metrics(
+    acc: Accumulated, objective: ObjectiveBase, groups: Any, role: str | None = None
+) -> dict[str, float]:
+    """The global metrics of an accumulation (a SUM over DP ranks; a collective over `groups.dp`); `role`
+    defaults to the objective's."""
+    role = role or objective.role
+    # a rank with no rollouts has no stats but must join the sum: the objective names them; a rank without
+    # rollouts has no routing metrics either (MoE): the names are unioned over DP
+    names = sorted(acc.stats) if acc.stats else sorted(objective.metric_names())
+    if groups.dp is not None and groups.dp_size > 1:
         parts: list[Any] = [None] * groups.dp_size
         dist.all_gather_object(parts, names, group=groups.dp)
         names = sorted(set().union(*parts))
@@ -233,7 +239,7 @@ def reduce_metrics(acc: Accumulated, objective: Any, groups: Any, role: str) -> 
 def update_step(
     model: torch.nn.Module,
     batch: Sequence[Rollout],
-    objective: Objective | DPOObjective,
+    objective: ObjectiveBase,
     plan: UpdatePlan,
     *,
     optimizer: Any,
@@ -244,9 +250,8 @@ def update_step(
 
     `ref_model`: scores `ref_logprobs` forward-only where the objective needs them and the rollouts lack them.
     """
-    role = "critic" if isinstance(objective, ValueObjective) else "actor"
-    needs_ref = isinstance(objective, DPOObjective) or getattr(objective, "kl_coef", 0) != 0
-    if ref_model is not None and needs_ref:
+    role = objective.role
+    if ref_model is not None and objective.needs_reference:
         batch = attach_scores(ref_model, batch, "ref_logprobs", plan)
     _zero_grads(model, optimizer)
     acc = accumulate_gradients(model, batch, objective, plan)
@@ -259,19 +264,6 @@ def update_step(
     metrics[f"{role}/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     metrics[f"{role}/lr"] = lr
     return UpdateResult(metrics=metrics, stepped=bool(stepped))
-
-
-def _stat_names(objective: Any) -> list[str]:
-    """The objective's metric names for a rank with no rollouts (it must still join the DP sum)."""
-    if hasattr(objective, "stat_names") and callable(objective.stat_names):
-        return sorted(n for n, _ in objective.stat_names())
-    if isinstance(objective, ValueObjective):
-        return sorted(("critic/vf_loss", "critic/vf_clipfrac"))
-    if isinstance(objective, DPOObjective):
-        return sorted(
-            ("dpo/loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
-        )
-    return []
 
 
 def _zero_grads(model: torch.nn.Module, optimizer: Any) -> None:

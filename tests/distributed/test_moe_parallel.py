@@ -177,7 +177,7 @@ def _train_cfg(hf: Path | None, out: Path, *overrides: str):  # noqa: ANN202
         f"model.hf_path={hf}"  # the same weights under every layout (a random init draws per EP rank)
         if hf is not None
         else "model.arch={family: qwen3_moe, hidden_size: 16, num_layers: 2, num_attention_heads: 2, "
-        "num_query_groups: 2, ffn_hidden_size: 32, num_experts: 4, moe_intermediate_size: 8}"
+        "num_query_groups: 2, ffn_hidden_size: 32, num_experts: 4, moe_top_k: 2, moe_ffn_hidden_size: 8}"
     )
     base = [
         model,
@@ -225,7 +225,6 @@ def test_moe_training_under_ep_equals_dp_and_resumes_exactly() -> None:
     (lockstep sampling, scoring and updates) trains the same run as DP2 without EP, float64; an EP2 run stopped
     after one step and resumed (experts sharded in the dist checkpoint) equals the uninterrupted one."""
     from megatron_branch.testing import tiny_hf_config, tiny_hf_model
-
     from megatron_branch.train.loop import Trainer
 
     d = _shared_dir()

@@ -7,7 +7,7 @@
 A torch dispatch mode (`LargestTensorMode`) sees every op, inside the ring's autograd Function and the backward
 too, and records the largest storage created. The sequences are long enough that any [sq, sk] tensor would exceed
 the O(s * h) bound many times over (asserted, and a dense block is shown to be caught). The rehearsal test runs
-benchmarks/scale_rehearsal.py's code path (megatron_branch.parallel.rehearsal.run_step) on a batch of the target's
+benchmarks/scale_rehearsal.py's code path (megatron_branch.bench.rehearsal.run_step) on a batch of the target's
 shape with a short prompt and compares it with the CP1 step of the same batch and weights.
 """
 
@@ -18,9 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_branch.attention.kernels import math_attention_forward
-from megatron_branch.data import PrefixTree, Rollout
-from megatron_branch.parallel.cp_layout import tree_related
-from megatron_branch.parallel.rehearsal import (
+from megatron_branch.bench.rehearsal import (
     LargestTensorMode,
     RehearsalBatch,
     StepReport,
@@ -28,6 +26,8 @@ from megatron_branch.parallel.rehearsal import (
     rehearsal_arch,
     run_step,
 )
+from megatron_branch.data import PrefixTree, Rollout
+from megatron_branch.parallel.cp_layout import tree_related
 from megatron_branch.parallel.ring import RingStats, ring_tree_attention
 from megatron_branch.schedule.chunks import make_chunk, split_chunk
 

@@ -126,6 +126,7 @@ def test_backend_forward_backward_vs_reference(
         assert rel_err(got, want) < TOL[dtype]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("layout_name", list(LAYOUTS))
 def test_flex_forward_vs_reference(dtype: torch.dtype, layout_name: str) -> None:
@@ -208,6 +209,7 @@ def random_tree(draw):
     return tree_layout(lengths, parents, external)
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None)
 @given(layout=random_tree(), seed=st.integers(0, 1000))
 def test_merge_backend_random_trees(layout: AttentionLayout, seed: int) -> None:

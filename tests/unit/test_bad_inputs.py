@@ -24,6 +24,9 @@ from megatron_branch.cli import main
 from megatron_branch.data import Rollout, write_rollouts_jsonl
 from megatron_branch.testing import random_tree_rollouts, tiny_hf_config, tiny_hf_model
 
+# a module fixture converts a tiny model to every format (~10 s): the whole file is slow
+pytestmark = pytest.mark.slow
+
 
 def tree(d: Path) -> dict[str, tuple[int, int, int]]:
     return {

@@ -44,6 +44,7 @@ def test_flops_of_one_prompt_with_g_responses() -> None:
     assert f["naive-fused"].step == 3 * f["naive-fused"].forward
 
 
+@pytest.mark.slow
 def test_bench_runs_every_variant_and_writes_json_and_plots(tmp_path, capsys) -> None:  # noqa: ANN001
     out = tmp_path / "b.json"
     rc = main(

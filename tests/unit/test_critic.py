@@ -65,6 +65,7 @@ def grads(model, tree, obj, schedule, **kw):  # noqa: ANN001, ANN201
     return res, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_value_loss_exact_under_sharing_and_plain_formula(groups, mode: str) -> None:  # noqa: ANN001
     model = critic()
@@ -99,6 +100,7 @@ def test_value_loss_exact_under_sharing_and_plain_formula(groups, mode: str) -> 
     assert 0 < clipped < 1
 
 
+@pytest.mark.slow
 def test_critic_update_is_micro_batch_invariant(groups) -> None:  # noqa: ANN001
     from megatron.core.process_groups_config import ProcessGroupCollection
 

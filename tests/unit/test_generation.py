@@ -65,6 +65,7 @@ def cache_free_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], 
     return seq[len(prompt) :], lps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "dtype,tie", [(torch.float64, False), (torch.float32, True)], ids=["fp64", "fp32_tied"]
 )
@@ -299,6 +300,7 @@ class _Oracle:
         return GenerationOutput(samples=samples, stats=GenerationStats())
 
 
+@pytest.mark.slow
 def test_on_policy_grpo_through_the_sampler_raises_a_simple_reward() -> None:
     """Samples (tree-sampled) -> rollouts with their old_logprobs -> replay update: a reward for emitting token 5
     rises quickly, and the batch's shared positions grow as the responses converge. Guards the sample order and

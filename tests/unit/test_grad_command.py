@@ -44,6 +44,7 @@ def grad(
     return rc, (json.loads(lines[-1]) if rc == 0 else {}), cap.err
 
 
+@pytest.mark.slow
 def test_schedules_agree_and_match_hf_float64(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     results = {}
     for schedule in ("naive", "packed", "replay"):
@@ -125,6 +126,7 @@ def test_bad_configuration_refused_before_work(workdir: Path, capsys: pytest.Cap
     assert rc == 2 and "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_module_entry_point_has_no_traceback(workdir: Path) -> None:
     bad = workdir / "bad.jsonl"
     bad.write_text('{"prompt": [1], "response": [2], "advantage": "high"}\n')
@@ -163,6 +165,7 @@ def test_bad_options_refused_before_work(workdir: Path, capsys: pytest.CaptureFi
     assert rc == 2 and "is a folder" in err and "\n" not in err
 
 
+@pytest.mark.slow
 def test_replay_options_keep_parity(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--recompute, --recompute-layers and --branch-micro-batch change what is kept alive, never the gradient."""
     rc, _, _ = grad(workdir, capsys, "--schedule", "naive", "--dtype", "float64", out="opt_naive.safetensors")

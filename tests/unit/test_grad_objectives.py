@@ -80,6 +80,7 @@ def close(a: dict, b: dict, tol: float) -> None:
         assert ((a[n] - g).norm() / g.norm()).item() <= tol, n
 
 
+@pytest.mark.slow
 def test_grpo_on_policy_equals_pg(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, _, _ = grad(workdir, capsys, "plain.jsonl", "pg.st")
     assert rc == 0
@@ -102,6 +103,7 @@ GRPO = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
     [

@@ -62,6 +62,7 @@ def tiny_assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return work
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", [s for s in SCRIPTS if s.startswith("cpu_")])
 def test_cpu_launcher_dry_run(script: str, tiny_assets: Path) -> None:
     cmds = dry_run(script, tiny_assets)

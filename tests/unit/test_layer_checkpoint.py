@@ -189,6 +189,7 @@ def tiny_arch_model(hidden: int, layers: int) -> tuple[ModelArch, torch.nn.Modul
     return tiny_qwen2(hidden, layers, torch.float32, vocab_size=VOCAB)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("segment_recompute", [False, True])
 def test_meter_peak_drops_as_the_planner_predicts(
     segment_recompute: bool, monkeypatch: pytest.MonkeyPatch

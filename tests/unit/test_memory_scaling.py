@@ -119,6 +119,7 @@ def test_meter_excludes_parameters_and_tracks_extras() -> None:
         assert m.current_bytes == 0
 
 
+@pytest.mark.slow
 def test_replay_flat_packed_linear_naive_flat(model: torch.nn.Module) -> None:
     peaks: dict[str, dict[int, int]] = {"naive": {}, "packed": {}, "replay": {}}
     for g in GS:
@@ -136,6 +137,7 @@ def test_replay_flat_packed_linear_naive_flat(model: torch.nn.Module) -> None:
     assert replay[hi] < 0.5 * packed[hi]
 
 
+@pytest.mark.slow
 def test_recompute_lowers_replay_peak_on_three_levels(model: torch.nn.Module) -> None:
     rollouts = three_levels()
     tree = PrefixTree.build(rollouts)

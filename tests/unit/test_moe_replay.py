@@ -27,7 +27,13 @@ from megatron_branch.models import ModelArch, build_model
 from megatron_branch.models.moe import attach_router_context
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
 from megatron_branch.schedule import ScheduleOptions, run_schedule
-from megatron_branch.testing import exact_hf_norms, hf_checkpoint_names, hf_state, tiny_hf_config, tiny_hf_model
+from megatron_branch.testing import (
+    exact_hf_norms,
+    hf_checkpoint_names,
+    hf_state,
+    tiny_hf_config,
+    tiny_hf_model,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -132,7 +138,7 @@ def hf_forced_gradient(hf, rollouts: list[Rollout], arch: ModelArch) -> dict[str
     for r in rollouts:
         for li, m in enumerate(routers):
 
-            def route(self, hidden, rec=r.routed_experts[:, li].long()):  # noqa: ANN001, ANN202
+            def route(self, hidden, rec=r.routed_experts[:, li].long()):  # noqa: ANN001, ANN202, B008
                 logits = torch.nn.functional.linear(hidden.reshape(-1, self.hidden_dim), self.weight)
                 probs = torch.softmax(logits, dim=-1)
                 idx = torch.where((rec >= 0).all(-1, keepdim=True), rec, probs.topk(self.top_k).indices)
@@ -187,7 +193,9 @@ def test_replay_with_router_losses_is_exact_under_sharing(sampled) -> None:
 
 
 def test_records_are_part_of_a_tokens_identity_in_the_tree() -> None:
-    a = torch.tensor([[[0, 1]], [[2, 3]], [[1, 2]], [[-1, -1]]], dtype=torch.int32)  # [4 tokens, 1 layer, k=2]
+    a = torch.tensor(
+        [[[0, 1]], [[2, 3]], [[1, 2]], [[-1, -1]]], dtype=torch.int32
+    )  # [4 tokens, 1 layer, k=2]
     b = a.clone()
     b[2, 0] = torch.tensor([0, 3])  # the third token routed elsewhere
     same = [Rollout(prompt=[1, 2], response=[3, 4], advantage=1.0, routed_experts=a) for _ in range(2)]

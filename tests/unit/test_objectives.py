@@ -95,6 +95,7 @@ def make_policy(rollouts: list[Rollout], case: dict) -> PolicyObjective:
     return PolicyObjective(agg=agg, **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(POLICY_CASES))
 def test_policy_packed_and_replay_equal_naive_float64(case: str) -> None:
     model = tiny_branch_model(torch.float64, seed=1)
@@ -116,6 +117,7 @@ def test_policy_packed_and_replay_equal_naive_float64(case: str) -> None:
             assert res.stats[k] == pytest.approx(v, rel=1e-10, abs=1e-14), k
 
 
+@pytest.mark.slow
 def test_policy_float32_packed_and_replay_equal_naive() -> None:
     model = tiny_branch_model(torch.float32, seed=2)
     rollouts = policy_data(model, rollouts_for(8), seed=9)
@@ -314,6 +316,7 @@ def dpo_grads(model, tree, dpo, schedule, **kw):  # noqa: ANN001, ANN201
     return loss, grads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sigmoid", "ipo"])
 def test_dpo_exact_under_sharing_and_plain_formula(kind: str) -> None:
     model = tiny_branch_model(torch.float64, seed=5)

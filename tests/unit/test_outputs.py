@@ -10,8 +10,9 @@ import pytest
 
 from megatron_branch import outputs
 from megatron_branch.cli import report_user_error
-from megatron_branch.errors import UserError, check_on_every_rank
+from megatron_branch.errors import UserError
 from megatron_branch.launch import _DropUserErrorNotes
+from megatron_branch.parallel.agree import check_on_every_rank
 
 
 def tree(d: Path) -> dict[str, tuple[int, int, int]]:

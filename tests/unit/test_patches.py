@@ -22,6 +22,7 @@ def run_script(path: Path, args: list[str], monkeypatch: pytest.MonkeyPatch) -> 
     runpy.run_path(str(path), run_name="__main__")
 
 
+@pytest.mark.slow
 def test_patch_applies_and_matches_plain_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "examples").mkdir()
     shutil.copy(ROOT / "examples" / "plain_grpo_step.py", tmp_path / "examples" / "plain_grpo_step.py")

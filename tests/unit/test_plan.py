@@ -132,6 +132,13 @@ def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
 def test_plan_json_contract(capsys: pytest.CaptureFixture[str]) -> None:
     d = run_json(capsys, "--model", "qwen2.5-7b", *TARGET, "--gpu", "h20")
     assert set(d) >= {"fits", "layout", "memory_bytes_per_rank", "flops", "step_time_s"}
+    assert set(d) >= {
+        "optimizer",
+        "host_memory_bytes_per_node",
+        "host_memory_bytes_per_rank",
+        "branch_micro_batch",
+    }
+    assert set(d["optimizer"]) >= {"use_distributed_optimizer", "optimizer_offload_fraction"}
     assert set(d["layout"]) == {"tp", "cp", "dp", "recompute"}
     mem = d["memory_bytes_per_rank"]
     terms = ("parameters", "gradients", "optimizer_state", "activations", "cached_kv", "kv_grads")

@@ -63,7 +63,9 @@ def test_planted_error_in_the_expert_terms_is_caught() -> None:
     got = measure_step(model, SHAPE, vocab=37, branch_micro_batch=4)
     wrong = ModelArch(**{**arch.to_dict(), "moe_top_k": 1})
     pk = step_peak(wrong, SHAPE, Layout(), act_bytes=4, branch_micro_batch=4)
-    assert abs(pk.saved - got.saved_peak) > TOL * got.saved_peak
+    right = step_peak(arch, SHAPE, Layout(), act_bytes=4, branch_micro_batch=4)
+    err, err_right = abs(pk.saved - got.saved_peak), abs(right.saved - got.saved_peak)
+    assert err > 0.08 * got.saved_peak and err > 2 * err_right, (err, err_right, got.saved_peak)  # 10% vs 4%
 
 
 def test_experts_split_over_ep_and_their_state_over_expert_dp() -> None:

@@ -6,9 +6,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tree_reference import attention_mask_from_rollouts, prefix_index_map, token_weights_from_rollouts
 
-from megatron_branch.data import PrefixTree, Rollout, attention_mask_from_rollouts
-from megatron_branch.data.reference import prefix_index_map, token_weights_from_rollouts
+from megatron_branch.data import PrefixTree, Rollout
 from megatron_branch.errors import UserError
 from megatron_branch.testing import rollout_set_strategy
 

@@ -133,6 +133,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_every_exact_schedule_matches_hf(dtype: torch.dtype, tie: bool) -> None:
@@ -174,3 +175,42 @@ def test_grad_command_float64(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         assert got.keys() == want.keys()
         assert max(_rel(got[n], want[n]) for n in want) <= 1e-9, schedule
     capsys.readouterr()
+
+
+def test_sampler_greedy_equals_hf_generate_and_training_logprobs() -> None:
+    """Qwen3 through the engine's sampler (prompt prefilled once, branches decoded against its cached K/V, q/k
+    norms before the cache): greedy == transformers' generate; recorded logprobs == the training forward."""
+    from megatron_branch.generation import BranchSampler, SamplingParams
+
+    hf = qwen3(seed=4)
+    arch = ModelArch.from_hf_config(hf.config)
+    model = build_model(arch)
+    load_full_state(model, hf_to_mcore_state(hf.state_dict(), arch, padded_vocab=37), None)
+    prompts = [
+        [int(x) for x in torch.randint(0, 37, (n,), generator=torch.Generator().manual_seed(n))]
+        for n in (9, 4)
+    ]
+    out = BranchSampler(model.eval(), vocab_size=37).generate(
+        prompts, SamplingParams(n=2, max_new_tokens=6, temperature=0)
+    )
+    samples = []
+    for p, prompt in enumerate(prompts):
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6)
+        for s in out.samples[p]:
+            assert list(s.response) == want[0, len(prompt) :].tolist()
+            samples.append(s)
+    rollouts = [s.to_rollout(advantage=1.0) for s in samples]
+    tree = PrefixTree.build(rollouts, vocab_size=37)
+    obj = PolicyGradientObjective.grpo([1.0] * len(rollouts), tree.num_response_tokens_logical())
+    res = run_schedule("replay", model, tree, obj, ScheduleOptions(vocab_size=37, keep_logprobs=True))
+    for i, s in enumerate(samples):
+        got, want_lp = res.rollout_logprobs(tree, i).double(), torch.tensor(s.logprobs, dtype=torch.float64)
+        torch.testing.assert_close(got, want_lp, rtol=1e-5, atol=1e-5)
+
+
+def test_config_defined_qwen3_policy() -> None:
+    from megatron_branch.train.config import load_config, model_arch
+
+    cfg = load_config(None, ["model.arch.family=qwen3", "data.task=kv_retrieval"])
+    arch = model_arch(cfg, vocab_size=50)
+    assert arch.family == "qwen3" and arch.qk_norm and not arch.qkv_bias

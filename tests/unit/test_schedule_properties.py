@@ -54,6 +54,7 @@ def step(model: torch.nn.Module, rollouts: list[Rollout], schedule: str, **kw: o
     return res, grads
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(rollouts=rollout_set_strategy(vocab=VOCAB), micro=st.integers(1, 3), recompute=st.booleans())
 def test_replay_and_packed_equal_naive(

@@ -71,6 +71,7 @@ TREES = {  # explicit seeds: a failure reproduces in any process (hash() of a st
 MODELS = {"llama_gqa": ("llama", False), "qwen2_bias": ("qwen2", False), "llama_tied": ("llama", True)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_name", list(MODELS))
 @pytest.mark.parametrize("tree_name", list(TREES))
 def test_float64_parity_with_naive_and_hf(model_name: str, tree_name: str) -> None:

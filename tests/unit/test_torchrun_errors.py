@@ -27,6 +27,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 
 from megatron_branch import launch
 
+# each test launches torchrun: the whole file is slow
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 GRAD = ["-m", "megatron_branch", "grad", "--hf", "HF", "--rollouts", "r.jsonl", "--out", "out/g.safetensors"]
 

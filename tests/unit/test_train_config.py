@@ -61,6 +61,9 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
     assert to_dict(again) == to_dict(cfg)
 
 
+OFFLOAD = ("use_distributed_optimizer", "use_precision_aware_optimizer", "optimizer_cpu_offload")
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -87,6 +90,20 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
         (
             ["schedule.name=naive", "schedule.enable_gradient_checkpointing=true"],
             r"enable_gradient_checkpointing applies to schedule\.name replay or packed",
+        ),
+        (
+            ["optim.optimizer_cpu_offload=true"],
+            r"optim: optimizer_cpu_offload needs use_distributed_optimizer",
+        ),
+        (["optim.optimizer_offload_fraction=2"], r"optim: optimizer_offload_fraction must be in \[0, 1\]"),
+        (["optim.exp_avg_dtype=bf16"], r"optim: exp_avg_dtype=bf16 needs use_precision_aware_optimizer"),
+        (
+            [f"optim.{k}=true" for k in OFFLOAD] + ["optim.main_grads_dtype=bf16"],
+            r"optim: main_grads_dtype=bf16 needs bf16 parameters .* the parameters are float32",
+        ),
+        (
+            [f"optim.{k}=true" for k in OFFLOAD] + ["optim.exp_avg_sq_dtype=bf16"],
+            r"optim: exp_avg_sq_dtype=bf16 with optimizer_cpu_offload: .* keeps Adam's moments in fp32",
         ),
     ],
 )
@@ -154,3 +171,23 @@ def test_docs_list_every_key() -> None:
     keys += [f"model.arch.{g.name}" for g in dataclasses.fields(ArchConfig)]
     missing = [k for k in keys if f"`{k}`" not in text]
     assert not missing, missing
+
+
+def test_docs_reference_is_generated() -> None:
+    """docs/training.md's config reference IS the generator's output: a changed docstring, default or type is
+    caught (fix: `python -m megatron_branch.train.reference --write`)."""
+    from megatron_branch.train import reference
+
+    text = reference.DOCS.read_text()
+    assert reference.with_reference(text) == text
+
+
+def test_reference_reads_field_docstrings() -> None:
+    """The generator finds a field's docstring, inherited ones included (ArchConfig's from ModelArch)."""
+    from megatron_branch.train import reference
+    from megatron_branch.train.config import ArchConfig
+
+    docs = reference.field_docs(ArchConfig)
+    assert docs["family"].startswith('"llama"')  # ArchConfig's own wins over ModelArch's
+    assert docs["linear_conv_kernel_dim"].startswith("Linear-attention layers")  # inherited
+    assert "| `parallel.tp` | int | `1` |" in reference.reference()

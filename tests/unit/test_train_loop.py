@@ -87,6 +87,7 @@ def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max() / (a[k].abs().max() + 1e-30)) for k in a)
 
 
+@pytest.mark.slow
 def test_naive_and_replay_same_run_float64(task: Path, tmp_path: Path) -> None:
     runs = {}
     full = ("schedule.recompute=true", "schedule.enable_gradient_checkpointing=true")  # the planner's `full`
@@ -114,6 +115,7 @@ def test_naive_and_replay_losses_float32(task: Path, tmp_path: Path) -> None:
         assert abs(x - y) <= 1e-5 * max(1.0, abs(x))
 
 
+@pytest.mark.slow
 def test_resume_equals_uninterrupted(task: Path, tmp_path: Path) -> None:
     full, mfull = _run(_cfg(task, tmp_path / "full", "model.dtype=float64", "trainer.total_training_steps=4"))
     first, m1 = _run(_cfg(task, tmp_path / "part", "model.dtype=float64", "trainer.total_training_steps=2"))
@@ -128,6 +130,35 @@ def test_resume_equals_uninterrupted(task: Path, tmp_path: Path) -> None:
         for k in ("reward_mean", "loss"):
             assert abs(x[k] - y[k]) <= 1e-6, (x["step"], k)
     assert _max_rel(_params(full), _params(again)) < 1e-9
+
+
+@pytest.mark.slow
+def test_distributed_and_offloaded_optimizer_train_the_same_run(task: Path, tmp_path: Path) -> None:
+    """optim.use_distributed_optimizer and optim.optimizer_cpu_offload (half the state on the host; a world of
+    one, so the shards are whole) train the plain optimizer's run, through a checkpoint and resume."""
+    f64 = "model.dtype=float64"
+    plain, mplain = _run(_cfg(task, tmp_path / "plain", f64, "trainer.total_training_steps=3"))
+    offload = [f"optim.{k}=true" for k in ("use_distributed_optimizer", "use_precision_aware_optimizer",
+                                           "optimizer_cpu_offload")] + ["optim.optimizer_offload_fraction=0.5"]  # fmt: skip
+    part, m1 = _run(_cfg(task, tmp_path / "off", f64, "trainer.total_training_steps=2", *offload))
+    part.save()
+    again, m2 = _run(
+        _cfg(
+            task,
+            tmp_path / "off",
+            f64,
+            "trainer.total_training_steps=3",
+            "trainer.resume_mode=auto",
+            *offload,
+        )
+    )
+    assert (
+        again.step == 3
+        and type(again.actor.policy.optimizer.chained_optimizers[0]).__name__ == "DistributedOptimizer"
+    )
+    for x, y in zip(mplain, m1 + m2, strict=True):
+        assert x["_tokens"] == y["_tokens"], x["step"]
+    assert _max_rel(_params(plain), _params(again)) < 1e-9
 
 
 def test_crash_mid_save_keeps_previous_checkpoint(task: Path, tmp_path: Path, monkeypatch) -> None:
@@ -177,6 +208,7 @@ def test_bad_data_leaves_no_run_folder(task: Path, tmp_path: Path, mutate, messa
     assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
 
 
+@pytest.mark.slow
 def test_command_line_error_is_one_line(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text("model: {arch: {}}\ndata: {task: x}\nrollout: {nn: 3}\n")
@@ -191,6 +223,7 @@ def test_command_line_error_is_one_line(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.slow
 def test_ppo_with_critic_resumes_exactly(task: Path, tmp_path: Path) -> None:
     """PPO: the critic (weights, optimizer, scheduler) is checkpointed too, so 2 + resume + 1 == 3 steps."""
     ppo = ("algorithm.name=ppo", "algorithm.lam=0.95", "model.dtype=float64", "actor.kl_loss_coef=0.01")
@@ -211,6 +244,7 @@ def test_ppo_with_critic_resumes_exactly(task: Path, tmp_path: Path) -> None:
     assert _max_rel(crit(full), crit(again)) < 1e-9
 
 
+@pytest.mark.slow
 def test_dpo_from_pairs(tmp_path: Path) -> None:
     """DPO on a JSONL of pairs: no sampling; the implicit reward margin grows on pairs the policy keeps seeing."""
     pairs = tmp_path / "pairs.jsonl"

@@ -58,6 +58,7 @@ def losses(text: str) -> list[float]:
     return [float(line.split()[-1]) for line in text.splitlines() if line.startswith("step ")]
 
 
+@pytest.mark.slow
 def test_patched_loop_matches_plain_tp1(
     scripts: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -19,7 +19,7 @@ from megatron_branch.train.models import unwrap
 
 MOE = (
     "model.arch={family: qwen3_moe, hidden_size: 16, num_layers: 2, num_attention_heads: 2, num_query_groups: 1, "
-    "ffn_hidden_size: 32, num_experts: 4, num_experts_per_tok: 2, moe_intermediate_size: 8, "
+    "ffn_hidden_size: 32, num_experts: 4, moe_top_k: 2, moe_ffn_hidden_size: 8, "
     "max_position_embeddings: 64}"
 )
 LOSSES = ("moe.aux_loss_coeff=0.01", "moe.seq_aux_loss_coeff=0.01", "moe.z_loss_coeff=0.001")
@@ -114,7 +114,7 @@ def test_resume_equals_uninterrupted_with_replay(tmp_path: Path) -> None:
         (("moe.expert_capacity_factor=1.0",), "moe.expert_capacity_factor: token dropping is not exact"),
         (("moe.aux_loss_coeff=-1",), "aux_loss_coeff must be a finite number >= 0"),
         (("parallel.ep=3",), "parallel.ep: expert parallel size 3 does not divide num_experts=4"),
-        (("parallel.tp=2",), "parallel.sequence_parallel: true"),
+        (("parallel.tp=2",), "at parallel.tp=2 needs parallel.sequence_parallel"),
         (("moe.router_replay=R2",), "moe.router_replay must be one of"),
     ],
 )
@@ -128,7 +128,7 @@ def test_moe_keys_refused_for_a_dense_policy(tmp_path: Path) -> None:
     dense = ("model.arch={hidden_size: 16, num_layers: 2, num_attention_heads: 2, num_query_groups: 1, "
              "ffn_hidden_size: 32, max_position_embeddings: 64}")  # fmt: skip
     for extra in ("moe.router_replay=R3", "parallel.ep=2"):
-        with pytest.raises(UserError, match="need a mixture-of-experts policy"):
+        with pytest.raises(UserError, match="need a mixture-of-experts model"):
             load_config(None, [dense, "data.task=needles", extra])
 
 

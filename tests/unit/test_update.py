@@ -135,6 +135,7 @@ OBJECTIVES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(OBJECTIVES))
 def test_micro_batches_give_the_same_update(groups, name: str) -> None:  # noqa: ANN001
     rollouts = with_old_and_ref(groups, batch(2), torch.float64)
@@ -159,6 +160,7 @@ def test_micro_batches_give_the_same_update(groups, name: str) -> None:  # noqa:
     assert metrics[1]["tree/token_ratio"] > 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_five_updates_naive_equal_replay(groups, dtype: torch.dtype) -> None:  # noqa: ANN001
     rollouts = with_old_and_ref(groups, batch(3), dtype)

@@ -1,4 +1,4 @@
-"""Slow reference derivations from unpacked rollouts, for tests only.
+"""Slow reference derivations from unpacked rollouts, for tests only (the package never imports this file).
 
 Each function here restates a `PrefixTree` quantity the naive way, rollout by rollout, using nothing of the
 tree but each rollout's packed index list (`rollout_indices`), which tests check separately against the
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_branch.data.prefix_tree import PrefixTree
+from megatron_branch.data import PrefixTree
 
 __all__ = ["attention_mask_from_rollouts", "prefix_index_map", "token_weights_from_rollouts"]
 

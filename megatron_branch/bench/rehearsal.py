@@ -8,7 +8,9 @@ tensor per parameter, sharded for this TP rank), runs one schedule step (replay 
 (tp, cp, sequence parallel) on the CURRENT process group, reduces the gradients and returns the full gradients on
 every rank with per-rank measurements: process peak RSS, the activation meter (megatron_branch/memory.py), the
 largest tensor any op created (`LargestTensorMode`), the ring's message counts and the wall time. The same function
-runs the CP1 reference in one process, so the comparison is "same batch, same weights, different layout".
+runs the CP1 reference in one process, so the comparison is "same batch, same weights, different layout" (the
+layout: parallel/layout.py's ParallelLayout, the one layout type). A measurement harness, so it lives with the
+bench, above the engine it measures (parallel/ imports no checkpoint, loss or schedule).
 Used by benchmarks/scale_rehearsal.py (the 2,097,152-position batch) and tests/distributed/test_ring_memory.py (a
 scaled-down batch, same code path).
 """
@@ -28,6 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron_branch.data import PrefixTree, Rollout
 from megatron_branch.models import ModelArch
 from megatron_branch.parallel.groups import ParallelGroups
+from megatron_branch.parallel.layout import ParallelLayout
+from megatron_branch.rules import check_run
 
 
 @dataclass(kw_only=True)
@@ -165,14 +169,28 @@ class StepReport:
     grads: dict[str, torch.Tensor] = field(repr=False)
     """Full (TP-gathered, CP/DP-reduced) gradients, vocabulary rows trimmed to the real vocabulary."""
     ranks: list[RankReport]
-    tp: int
-    cp: int
-    sequence_parallel: bool
+    layout: ParallelLayout
+    """The layout the step ran under (dp 1)."""
     positions_logical: int
     positions_computed: int
 
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def cp(self) -> int:
+        return self.layout.cp
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.layout.sp
+
     def summary(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k != "grads"}
+        """The report as plain data (tp, cp, sequence_parallel at the top, as benchmarks/plan_vs_measured.py reads
+        them)."""
+        out = {k: v for k, v in asdict(self).items() if k not in ("grads", "layout")}
+        return {"tp": self.tp, "cp": self.cp, "sequence_parallel": self.sequence_parallel, **out}
 
 
 def run_step(
@@ -198,9 +216,10 @@ def run_step(
     from megatron_branch.parallel.ring import RingStats
     from megatron_branch.schedule import ScheduleOptions, run_schedule
 
-    tp, cp = (groups.tp_size, groups.cp_size) if groups is not None else (1, 1)
-    sp = groups is not None and groups.sequence_parallel
-    assert groups is None or groups.dp_size == 1, "the rehearsal runs on tp * cp = world ranks (dp 1)"
+    layout = groups.layout if groups is not None else ParallelLayout(dp=1)
+    tp, cp, sp = layout.tp, layout.cp, layout.sp
+    assert layout.dp == 1, "the rehearsal runs on tp * cp = world ranks (dp 1)"
+    check_run(schedule, cp=cp)
     rollouts = batch.build()
     tree = PrefixTree.build(rollouts, vocab_size=arch.vocab_size)
     check_cp_fits(tree, cp)
@@ -260,9 +279,7 @@ def run_step(
         loss=result.loss,
         grads=grads,
         ranks=ranks,
-        tp=tp,
-        cp=cp,
-        sequence_parallel=sp,
+        layout=layout,
         positions_logical=tree.positions_logical,
         positions_computed=result.positions_computed,
     )

@@ -1,0 +1,323 @@
+"""Running verl's MegatronEngine on a CPU (gloo): the harness the verl parity tests use.
+
+verl 0.9.1 assumes an accelerator in three places this module replaces, each scoped to the process that asks:
+
+1. the platform: `verl.utils.device` resolves CUDA even on a CPU-only machine and `get_device_id()` then raises.
+   `use_cpu_platform()` registers `CpuPlatform` through verl's own hook, `verl.plugin.platform.set_platform`
+   (device "cpu", backend gloo, no memory statistics), and applies megatron-branch's megatron-core CPU shims
+   (compat/cpu.py, compat/optimizer.py);
+2. the attention kernel: verl packs every micro-batch to THD (`preprocess_thd_engine`) and hands megatron
+   `packed_seq_params`, which on a GPU TransformerEngine's attention consumes; megatron's local
+   `DotProductAttention` refuses them. `CpuVarlenAttention` is the CPU stand-in: causal attention inside each
+   packed sequence of `cu_seqlens_q_padded`, in the slot TE's attention occupies;
+3. the model build: verl builds its GPTModel through mbridge / Megatron-Bridge, which choose TransformerEngine's
+   layer spec and call `.cuda()`. `CpuModelBuild` (a mixin ahead of verl's engine class) replaces only
+   `_build_tf_config` and `_build_megatron_module`: a megatron-core GPTModel of the same HF config (local spec,
+   torch RMSNorm, `CpuVarlenAttention`), the HF weights loaded by megatron-branch's parameter map, wrapped in
+   megatron DDP with verl's DDP settings. Everything else in `initialize()` is verl's: megatron's optimizer,
+   the LR scheduler, the training hooks, the checkpoint manager.
+
+Nothing here is used on a GPU; `megatron_branch.integration.verl` does not import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+
+# --- 1. the platform -----------------------------------------------------------------------------------------
+
+
+def _cpu_device_module() -> SimpleNamespace:
+    """What verl calls on `get_torch_device()`, on the host (memory statistics are 0: there is no device)."""
+    return SimpleNamespace(
+        synchronize=lambda *a, **k: None,
+        empty_cache=lambda: None,
+        max_memory_allocated=lambda *a, **k: 0,
+        max_memory_reserved=lambda *a, **k: 0,
+        memory_allocated=lambda *a, **k: 0,
+        memory_reserved=lambda *a, **k: 0,
+        reset_peak_memory_stats=lambda *a, **k: None,
+        mem_get_info=lambda *a, **k: (0, 0),
+        device_count=lambda: 1,
+        get_device_name=lambda *a, **k: "CPU",
+        current_device=lambda: "cpu",
+        set_device=lambda *a, **k: None,
+        is_available=lambda: True,
+        manual_seed=torch.manual_seed,
+        manual_seed_all=torch.manual_seed,
+        get_rng_state=torch.get_rng_state,
+        set_rng_state=torch.set_rng_state,
+    )
+
+
+def make_cpu_platform() -> Any:
+    """An instance of verl's PlatformBase for the host CPU (gloo)."""
+    from verl.plugin.platform.platform_base import PlatformBase
+
+    class CpuPlatform(PlatformBase):
+        """verl's platform interface on a CPU-only machine: device "cpu", gloo, no memory statistics."""
+
+        device_name = "cpu"  # type: ignore[assignment]
+        vendor_name = "cpu"  # type: ignore[assignment]
+
+        def __init__(self) -> None:
+            self._module = _cpu_device_module()
+
+        @property
+        def device_module(self) -> Any:  # type: ignore[override]
+            return self._module
+
+        def is_available(self) -> bool:
+            return True
+
+        def is_platform_available(self, use_smi_check: bool = False) -> bool:
+            return True
+
+        def current_device(self) -> Any:  # type: ignore[override]
+            return "cpu"
+
+        def device_count(self) -> int:
+            return 1
+
+        def set_device(self, device_index: int) -> None:
+            pass
+
+        def synchronize(self, device_index: int | None = None) -> None:
+            pass
+
+        def manual_seed(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def manual_seed_all(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def set_allocator_settings(self, settings: str) -> None:
+            pass
+
+        def empty_cache(self) -> None:
+            pass
+
+        def get_device_capability(self, device_index: int = 0) -> tuple[int | None, int | None]:
+            return None, None
+
+        def communication_backend_name(self) -> str:
+            return "gloo"
+
+        def visible_devices_envvar(self) -> str:
+            return "CPU_VISIBLE_DEVICES"
+
+        @contextlib.contextmanager
+        def nvtx_range(self, msg: str) -> Iterator[None]:
+            yield
+
+        def profiler_start(self) -> None:
+            pass
+
+        def profiler_stop(self) -> None:
+            pass
+
+        def ray_resource_name(self) -> str:
+            return "CPU"
+
+        def ray_noset_envvars(self) -> list[str]:
+            return []
+
+        def is_ipc_supported(self) -> bool:
+            return False
+
+        def cudart(self) -> Any:
+            return None
+
+    return CpuPlatform()
+
+
+def use_cpu_platform() -> None:
+    """Register the CPU platform with verl (before verl resolves one) and apply the megatron-core CPU shims."""
+    from verl.plugin.platform import platform_manager
+
+    from megatron_branch.compat.cpu import apply_cpu_shims
+    from megatron_branch.compat.optimizer import apply_optimizer_shims
+
+    current = platform_manager._current_platform  # verl's singleton: set it once, keep it afterwards
+    if current is None or current.device_name != "cpu":
+        platform_manager.set_platform(make_cpu_platform())
+    apply_cpu_shims()
+    apply_optimizer_shims()
+
+
+# --- 2. the attention kernel ---------------------------------------------------------------------------------
+
+
+class CpuVarlenAttention(MegatronModule):
+    """Causal attention inside each packed sequence (THD), the CPU stand-in for TEDotProductAttention.
+
+    q [t, 1, n, h], k/v [t, 1, g, h] -> [t, 1, n*h]; sequence i owns rows cu_seqlens_q_padded[i:i+2] (verl pads
+    each sequence to the TP alignment; a pad row sees its sequence, and nothing reads it). Without
+    `packed_seq_params` (one sequence, BSHD with b = 1) it is plain causal attention.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int,
+        attn_mask_type: Any,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+    ) -> None:
+        super().__init__(config=config)
+        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: Any = None,
+        attention_bias: Any = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        thd = query.dim() == 3  # megatron drops the batch dim for THD input: [t, n, h]
+        if thd:
+            query, key, value = query[:, None], key[:, None], value[:, None]
+        assert attention_bias is None and query.shape[1] == 1, (
+            f"THD / batch-1 input expected, got {query.shape}"
+        )
+        t, _, n, h = query.shape
+        rep = n // key.shape[2]
+        q = query[:, 0].transpose(0, 1)  # [n, t, h]
+        k = key[:, 0].repeat_interleave(rep, dim=1).transpose(0, 1)
+        v = value[:, 0].repeat_interleave(rep, dim=1).transpose(0, 1)
+        if packed_seq_params is None:
+            bounds = [0, t]
+        else:
+            cu = packed_seq_params.cu_seqlens_q_padded
+            cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+            bounds = [int(x) for x in cu.tolist()]
+        out = torch.empty_like(q)
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if b > a:
+                out[:, a:b] = torch.nn.functional.scaled_dot_product_attention(
+                    q[:, a:b], k[:, a:b], v[:, a:b], is_causal=True, scale=self.softmax_scale
+                )
+        out = out.transpose(0, 1).reshape(t, 1, n * h)
+        return out[:, 0] if thd else out
+
+
+# --- 3. the model build --------------------------------------------------------------------------------------
+
+
+def cpu_layer_spec() -> Any:
+    """megatron-core's local GPT layer spec with torch RMSNorm and the THD-capable CPU attention."""
+    import copy
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_branch.compat.norm import TorchNorm
+
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    spec.submodules.self_attention.submodules.core_attention = CpuVarlenAttention
+    spec.submodules.input_layernorm = TorchNorm
+    spec.submodules.pre_mlp_layernorm = TorchNorm
+    return spec
+
+
+def build_cpu_gpt_model(hf_dir: str, hf_config: Any, *, dtype: torch.dtype) -> torch.nn.Module:
+    """The megatron-core GPTModel verl's bridge would build for `hf_config`, on the host, with the weights of
+    `hf_dir` (this rank's tensor-parallel shards)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from megatron_branch.checkpoint.hf_io import HFTensorReader
+    from megatron_branch.checkpoint.param_map import iter_hf_to_mcore
+    from megatron_branch.checkpoint.tp import load_full_tensor
+    from megatron_branch.compat.norm import TorchNorm
+    from megatron_branch.models import ModelArch
+
+    arch = ModelArch.from_hf_config(hf_config, where=f"{hf_dir}/config.json")
+    tp = ps.get_tensor_model_parallel_world_size()
+    config = arch.to_transformer_config(dtype=dtype, tp=tp, sequence_parallel=tp > 1)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=TransformerBlockSubmodules(
+            layer_specs=[cpu_layer_spec()] * arch.num_layers, layer_norm=TorchNorm
+        ),
+        vocab_size=arch.padded_vocab_size(tp),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
+    )
+    reader = HFTensorReader(hf_dir)
+    params = dict(model.named_parameters())
+    group = ps.get_tensor_model_parallel_group()
+    with torch.no_grad():
+        for name, full in iter_hf_to_mcore(
+            reader.keys(), reader.get, arch, padded_vocab=arch.padded_vocab_size(tp), where=hf_dir
+        ):
+            load_full_tensor(model, name, full.to(dtype), group, params=params)
+    return model
+
+
+class CpuModelBuild:
+    """Mixin placed before a verl MegatronEngine class: the model is built on the host (see the module doc)."""
+
+    def _build_tf_config(self) -> None:
+        from verl.utils.torch_dtypes import PrecisionType
+
+        self.is_value_model = self.model_config.model_type == "value_model"
+        self.share_embeddings_and_output_weights = self.model_config.share_embeddings_and_output_weights
+        self.param_dtype = PrecisionType.to_dtype(self.engine_config.dtype)
+        self.dtype = self.param_dtype
+        self.provider = None
+        self.vanilla_bridge = True
+        self.bridge = None
+        self.weight_converter = None
+        self.peft_cls = None
+        self.tf_config = None  # set from the built model
+
+    def _build_megatron_module(self) -> list[torch.nn.Module]:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        if self.is_value_model:
+            raise NotImplementedError("the CPU harness builds language models only")
+        model = build_cpu_gpt_model(
+            self.model_config.local_path, self.model_config.hf_config, dtype=self.param_dtype
+        )
+        self.tf_config = model.config
+        if self.engine_config.forward_only:
+            return [model]
+        ddp_overrides = self._resolve_override_ddp_config()
+        ddp_config = DistributedDataParallelConfig(
+            use_distributed_optimizer=self.engine_config.use_distributed_optimizer, **ddp_overrides
+        )
+        ddp = DistributedDataParallel(
+            model.config, ddp_config, model, pg_collection=ProcessGroupCollection.use_mpu_process_groups()
+        )
+        return [ddp]
+
+
+def register_cpu_engine() -> type:
+    """verl's MegatronEngineWithLMHead with the host model build, registered as verl's Megatron language-model
+    engine for device "cpu" (what verl itself registers for "cuda"); idempotent. Returns the class."""
+    from verl.workers.engine import EngineRegistry
+    from verl.workers.engine.megatron import MegatronEngineWithLMHead
+
+    registry = EngineRegistry._engines.setdefault("language_model", {}).setdefault("megatron", {})
+    if "cpu" not in registry:
+        registry["cpu"] = type("CpuMegatronEngineWithLMHead", (CpuModelBuild, MegatronEngineWithLMHead), {})
+    return registry["cpu"]

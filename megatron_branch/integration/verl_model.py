@@ -1,0 +1,71 @@
+"""The model-side patch of a GPTModel verl has already built (by mbridge / Megatron-Bridge, any layer spec).
+
+verl builds its model itself, so the layer spec cannot be patched before construction (integration/spec.py does
+that for scripts that build their own). After construction, two things change, both reversible in effect:
+
+* every layer's `self_attention.core_attention` (TEDotProductAttention on a GPU, or any other) is wrapped in
+  `BranchFallbackAttention`: with a BranchContext attached (our schedules) it attends over the tree; without one it
+  calls the ORIGINAL module with every argument, packed_seq_params included, so verl's own forward paths run as
+  before. Core attention holds no parameters in megatron-core's specs, so the parameter names, the optimizer and
+  checkpoints are untouched (tests/unit/test_verl_engine.py checks the names);
+* RoPE follows explicit position ids (`enable_position_rope`); without position ids it is megatron's table.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+
+from megatron_branch.attention.core_attention import BranchCoreAttention
+from megatron_branch.models.rotary import enable_position_rope
+
+
+class BranchFallbackAttention(BranchCoreAttention):
+    """BranchCoreAttention around an existing core attention `stock` (its no-context path, unchanged)."""
+
+    def __init__(self, stock: torch.nn.Module, layer_number: int) -> None:
+        MegatronModule.__init__(self, config=stock.config)
+        self.layer_number = max(1, layer_number)
+        scale = getattr(stock, "softmax_scale", None)
+        self.softmax_scale = scale if scale is not None else stock.config.kv_channels**-0.5
+        self.context = None
+        self.stock = stock
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: Any = None,
+        attention_bias: Any = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        if self.context is None:
+            return self.stock(
+                query,
+                key,
+                value,
+                attention_mask,
+                attn_mask_type=attn_mask_type,
+                attention_bias=attention_bias,
+                packed_seq_params=packed_seq_params,
+            )
+        return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, None)
+
+
+def patch_verl_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Wrap every core attention of the GPTModel `model` (unwrapped from DDP/Float16Module) and enable position
+    RoPE; idempotent. Refuses a model without a rope position embedding or without self-attention layers."""
+    layers = [m for m in model.modules() if hasattr(m, "self_attention")]
+    if not layers:
+        raise ValueError("this model has no self-attention layers to patch for branch replay")
+    for layer in layers:
+        attn = layer.self_attention
+        core = attn.core_attention
+        if not isinstance(core, BranchCoreAttention):
+            attn.core_attention = BranchFallbackAttention(core, getattr(layer, "layer_number", 1))
+    enable_position_rope(model)
+    return model

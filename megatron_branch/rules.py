@@ -1,0 +1,133 @@
+"""Which run settings go together: every refusal rule between a schedule, its options and the layout, written once.
+
+Every entry point calls `check_run` with what it was given, BEFORE any work: `megatron-branch grad` (flags),
+`train`'s config validation (config keys), the planner, the long-context rehearsal, and the naive schedule itself
+(library callers). Each refusal is a SettingError, worded in the entry point's own names (errors.Spelling:
+`--schedule naive` / `schedule.name=naive`). The layout's own rules (positive sizes, the world, sequence parallel
+at tp 1) live with it: parallel/layout.py.
+
+Rules (a flag that would do nothing is refused, not ignored):
+    naive has no context parallelism   naive runs each rollout whole through megatron's own attention (no ring):
+                                       every CP rank would compute the whole batch and the dp x cp gradient SUM
+                                       would count it cp times; so do the unshared baselines (naive-fused,
+                                       packed-nosharing) and the stop-gradient comparison (replay-stopgrad)
+    recompute is replay's              segment recompute is a step of replay's depth-first walk
+    recompute_layers needs the engine  naive runs megatron's own layers, which never checkpoint themselves
+    backend needs the engine           naive runs megatron's own attention, not one of the engine's backends
+    MoE settings need a MoE model      ep > 1, router losses, routing replay, a capacity factor: a dense model has
+                                       no router (a silent no-op)
+    MoE at tp > 1 needs SP             megatron's MoELayer trains tensor-parallel experts only with sequence
+                                       parallelism
+    token dropping is naive's          a capacity factor drops tokens by which tokens share an expert's batch, so
+                                       a prefix computed once is not dropped as each rollout's own batch drops it
+                                       (check_moe_run)
+"""
+
+from __future__ import annotations
+
+from megatron_branch.errors import SettingError, Spelling
+
+NO_RING = ("naive", "naive-fused", "packed-nosharing", "replay-stopgrad")
+"""Schedules without context parallelism."""
+REPLAY_SCHEDULES = ("replay", "replay-stopgrad")
+"""Schedules with segment recompute (replay's depth-first walk)."""
+MEGATRON_ATTENTION = ("naive",)
+"""Schedules that run megatron-core's own attention: no ring, no engine backend, no engine layer checkpointing."""
+
+
+def check_run(
+    schedule: str,
+    *,
+    cp: int = 1,
+    recompute: bool = False,
+    recompute_layers: bool = False,
+    backend: str | None = None,
+) -> None:
+    """Refuse a schedule with settings it cannot honour (see the module doc). A SettingError, command-line
+    wording; re-spell it at entry points with other names."""
+    own = schedule in MEGATRON_ATTENTION
+    if schedule in NO_RING and cp > 1:
+        raise SettingError(
+            lambda s: (
+                f"{s.value('schedule', schedule)} has no context parallelism (it has no ring: every CP rank "
+                f"would compute the whole batch); use packed or replay with {s.name('cp')} > 1"
+            )
+        )
+    if recompute and schedule not in REPLAY_SCHEDULES:
+        raise SettingError(
+            lambda s: (
+                f"{s.name('recompute')} applies to {s.name('schedule')} replay only; "
+                f"{s.value('schedule', schedule)} ignores it"
+            )
+        )
+    if own and recompute_layers:
+        raise SettingError(
+            lambda s: (
+                f"{s.name('recompute_layers')} applies to {s.name('schedule')} replay or packed; the "
+                f"{schedule} schedule runs megatron's own attention without the engine's layer checkpointing"
+            )
+        )
+    if own and backend is not None:
+        raise SettingError(
+            lambda s: (
+                f"{s.name('backend')} applies to {s.name('schedule')} replay or packed; the {schedule} "
+                "schedule runs megatron's own attention, not an engine backend"
+            )
+        )
+
+
+def check_moe_run(
+    schedule: str,
+    *,
+    moe: bool,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    ep: int = 1,
+    router_settings: bool = False,
+    capacity_factor: float | None = None,
+) -> None:
+    """The mixture-of-experts rules (see the module doc). `moe`: the model has MoE layers; `router_settings`:
+    router losses or routing replay were asked for. A SettingError, command-line wording."""
+    if not moe:
+        if ep > 1 or router_settings or capacity_factor is not None:
+            raise SettingError(
+                lambda s: (
+                    f"{s.name('ep')} / {s.name('moe')} need a mixture-of-experts model (this one is dense: it has "
+                    "no router)"
+                )
+            )
+        return
+    if tp > 1 and not sequence_parallel:
+        raise SettingError(
+            lambda s: (
+                f"a mixture-of-experts model at {s.value('tp', tp)} needs {s.name('sequence_parallel')} (megatron's "
+                "MoELayer trains tensor-parallel experts only with sequence parallelism)"
+            )
+        )
+    if capacity_factor is not None:
+        if not capacity_factor > 0:
+            raise SettingError(
+                lambda s: f"{s.name('capacity_factor')} must be positive, got {capacity_factor}"
+            )
+        if schedule != "naive":
+            raise SettingError(
+                lambda s: (
+                    f"{s.value('capacity_factor', capacity_factor)}: token dropping is not exact under sharing (an "
+                    f"expert's capacity depends on which tokens share its batch); {s.value('schedule', schedule)} "
+                    "refuses it, use dropless routing or the naive schedule"
+                )
+            )
+
+
+API = Spelling(
+    names={
+        "schedule": "schedule",
+        "cp": "cp_size",
+        "recompute": "ScheduleOptions.recompute",
+        "recompute_layers": "ScheduleOptions.recompute_layers",
+        "backend": "ScheduleOptions.backend",
+        "capacity_factor": "TransformerConfig.moe_expert_capacity_factor",
+    },
+    assign="=",
+)
+"""How a library caller names the settings (run_schedule's name, ScheduleOptions): the schedules' own checks."""

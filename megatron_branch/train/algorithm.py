@@ -1,0 +1,83 @@
+"""The algorithm of a run, resolved once from the config: its objective, its advantage estimator, its data.
+
+    algo = resolve_algorithm(cfg)      # imports algorithm.plugins, looks every name up in the registries
+
+`algorithm.name` picks a recipe (the switch lives here and nowhere else; the loop, the data, the actor and the
+config's checks ask `algo`):
+
+    grpo   prompts sampled rollout.n times, group-relative advantages (estimator grpo), the clipped surrogate
+    ppo    the same with GAE on a critic's values (estimator gae: it needs values, so a critic is trained)
+    dpo    offline preference pairs (data.pairs_file; no sampling, no advantages), the dpo objective
+
+`actor.policy_loss` and `algorithm.adv_estimator` replace the recipe's choices with any registered name
+(losses/registry.py), a plugin's included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_branch.errors import SettingError
+from megatron_branch.losses.registry import (
+    AdvantageEstimator,
+    get_adv_estimator,
+    load_plugins,
+    objective_class,
+)
+
+RECIPES: dict[str, tuple[str, str | None]] = {
+    "grpo": ("vanilla", "grpo"),
+    "ppo": ("vanilla", "gae"),
+    "dpo": ("dpo", None),
+}
+"""algorithm.name -> (policy loss, advantage estimator; None = offline preference pairs)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Algorithm:
+    """What the loop needs to know about the algorithm."""
+
+    name: str
+    """algorithm.name (the recipe)."""
+    objective: Any
+    """The actor's ObjectiveConfig with its policy_loss resolved (build_objective's input)."""
+    estimator: AdvantageEstimator | None
+    """None: offline preference pairs, nothing sampled, no advantages (DPO)."""
+    requires_reference: bool
+    """The objective reads ref_logprobs: a frozen copy of the initial policy scores them."""
+
+    @property
+    def offline(self) -> bool:
+        """Trains on preference pairs read from data.pairs_file instead of sampled rollouts."""
+        return self.estimator is None
+
+    @property
+    def trains_critic(self) -> bool:
+        """The estimator reads a critic's values, so a critic is trained alongside (PPO)."""
+        return self.estimator is not None and self.estimator.needs_values
+
+
+def resolve_algorithm(cfg: Any) -> Algorithm:
+    """The run's algorithm (plugins imported first). A SettingError (config spelling: train.config.SPELLING)
+    for an unknown name or a setting the recipe would ignore."""
+    al = cfg.algorithm
+    load_plugins(al.plugins)
+    loss, est_name = RECIPES[al.name]
+    if est_name is None and al.adv_estimator is not None:
+        raise SettingError(
+            lambda s: (
+                f"{s.name('adv_estimator')} does nothing with {s.value('algorithm', al.name)} (offline "
+                "preference pairs have no advantages)"
+            )
+        )
+    policy_loss = cfg.actor.policy_loss or loss
+    cls = objective_class(policy_loss)
+    estimator = get_adv_estimator(al.adv_estimator or est_name) if est_name is not None else None
+    return Algorithm(
+        name=al.name,
+        objective=dataclasses.replace(cfg.actor, policy_loss=policy_loss),
+        estimator=estimator,
+        requires_reference=cls.requires_reference(cfg.actor),
+    )

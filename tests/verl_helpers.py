@@ -1,0 +1,237 @@
+"""verl's TrainingWorker on CPU, with and without the branch-replay switch, on GRPO-shaped batches.
+
+Used by tests/unit/test_verl_engine.py (one process) and tests/distributed/test_verl_engine_parallel.py (DP2, TP2).
+The entry is the one verl's trainer calls through Ray: `TrainingWorker.infer_batch` (compute_log_prob) and
+`TrainingWorker.train_mini_batch` (update_actor), on the no-padding TensorDict `left_right_2_no_padding` makes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB = 64
+
+
+def write_tiny_policy(out: Path, *, family: str = "qwen2") -> str:
+    """A tiny random HF policy and a word-level tokenizer (verl's model config loads both); returns the path."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from megatron_branch.testing import tiny_hf_config, tiny_hf_model
+
+    if not (out / "config.json").exists():
+        tiny_hf_model(tiny_hf_config(family, vocab_size=VOCAB), seed=0).save_pretrained(out)
+        tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+        PreTrainedTokenizerFast(
+            tokenizer_object=tok, pad_token="t0", eos_token="t1", bos_token="t2"
+        ).save_pretrained(out)
+    return str(out)
+
+
+def grpo_batch(
+    *,
+    seed: int = 0,
+    groups: int = 2,
+    n: int = 4,
+    prompt_len: int = 12,
+    response_len: int = 8,
+    shared: int = 3,
+    temperature: float = 1.0,
+) -> Any:
+    """`groups` prompts x `n` rollouts (consecutive, as verl's `repeat(interleave=True)`), prompts of different
+    lengths left-padded, responses of different lengths right-padded; the first half of each group shares its
+    first `shared` response tokens. Advantages per token, old logprobs near the policy's. verl's no-padding form."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    g = torch.Generator().manual_seed(seed)
+    P, R = prompt_len, response_len
+    prompts, responses, pmask, rmask = [], [], [], []
+    for gi in range(groups):
+        plen = P - (gi % 3) * 2
+        prompt = torch.randint(3, VOCAB, (plen,), generator=g)
+        start = torch.randint(3, VOCAB, (shared,), generator=g)
+        for j in range(n):
+            rlen = R - (j % 3)
+            resp = torch.randint(3, VOCAB, (rlen,), generator=g)
+            if j < n // 2:
+                resp[:shared] = start
+            prompts.append(torch.cat([torch.zeros(P - plen, dtype=torch.long), prompt]))
+            pmask.append(torch.cat([torch.zeros(P - plen), torch.ones(plen)]))
+            responses.append(torch.cat([resp, torch.zeros(R - rlen, dtype=torch.long)]))
+            rmask.append(torch.cat([torch.ones(rlen), torch.zeros(R - rlen)]))
+    prompts_t, responses_t = torch.stack(prompts), torch.stack(responses)
+    mask = torch.cat([torch.stack(pmask), torch.stack(rmask)], 1).long()
+    B = prompts_t.shape[0]
+    td = TensorDict(
+        {
+            "prompts": prompts_t,
+            "responses": responses_t,
+            "input_ids": torch.cat([prompts_t, responses_t], 1),
+            "attention_mask": mask,
+            "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+            "response_mask": torch.stack(rmask).long(),
+            "advantages": torch.randn(B, R, generator=g),
+            "old_log_probs": -4.0 + 0.2 * torch.randn(B, R, generator=g),
+            "ref_log_prob": -4.0 + 0.2 * torch.randn(B, R, generator=g),
+        },
+        batch_size=[B],
+    )
+    td = left_right_2_no_padding(td)
+    tu.assign_non_tensor(td, temperature=temperature)  # the rollout's sampling temperature (verl's meta_info)
+    return td
+
+
+def dp_share(td: Any, dp_rank: int, dp_size: int) -> Any:
+    """What verl's dispatch hands DP rank `dp_rank`: the `dp_rank`-th contiguous chunk of the batch."""
+    from verl.utils import tensordict_utils as tu
+
+    return tu.chunk_tensordict(td, dp_size)[dp_rank]
+
+
+@dataclass
+class StepOut:
+    engine: str
+    log_probs: (
+        torch.Tensor | None
+    )  # [B, R] compute_log_prob's, verl's padded response layout (None: not collected)
+    entropy: torch.Tensor | None  # [B, R]
+    metrics: dict[str, Any]  # train_mini_batch's metrics
+    grads: dict[str, torch.Tensor]  # this rank's main_grad per parameter, before the optimizer step
+
+
+def make_worker(hf_dir: str, *, tp: int = 1, dynamic_bsz: bool = False, forward_only: bool = False) -> Any:
+    """verl's TrainingWorker for a Megatron language model (float32 on CPU), built through verl's EngineRegistry."""
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import (
+        HFModelConfig,
+        McoreEngineConfig,
+        McoreOptimizerConfig,
+        TrainingWorkerConfig,
+    )
+    from verl.workers.engine_workers import TrainingWorker
+
+    from megatron_branch.integration.verl_cpu import register_cpu_engine, use_cpu_platform
+
+    use_cpu_platform()
+    register_cpu_engine()
+    engine = McoreEngineConfig(
+        tensor_model_parallel_size=tp,
+        use_distributed_optimizer=False,  # megatron's distributed optimizer needs CUDA
+        use_dynamic_bsz=dynamic_bsz,
+        micro_batch_size_per_gpu=4,
+        infer_micro_batch_size_per_gpu=4,
+        max_token_len_per_gpu=96,
+        infer_max_token_len_per_gpu=96,
+        use_dist_checkpointing=True,  # the checkpoint manager needs a bridge otherwise (none on CPU)
+        dist_checkpointing_path=os.devnull,
+        seed=7,
+        forward_only=forward_only,  # the reference policy's engine
+    )
+    object.__setattr__(engine, "dtype", "fp32")  # verl's config allows bf16/fp16 only; the CPU test runs fp32
+    config = TrainingWorkerConfig(
+        model_type="language_model",
+        model_config=HFModelConfig(path=hf_dir, override_config={"attn_implementation": "sdpa"}),
+        engine_config=engine,
+        optimizer_config=McoreOptimizerConfig(lr=1e-3, total_training_steps=10),
+        checkpoint_config=CheckpointConfig(),
+    )
+    worker = TrainingWorker(config)
+    worker.reset()
+    return worker
+
+
+def actor_config(**overrides: Any) -> Any:
+    from verl.workers.config import ActorConfig
+
+    kw = dict(
+        strategy="megatron",
+        ppo_mini_batch_size=8,
+        ppo_micro_batch_size_per_gpu=4,
+        use_dynamic_bsz=False,
+        rollout_n=4,
+        entropy_coeff=0.01,
+        use_kl_loss=True,
+        kl_loss_coef=0.05,
+        kl_loss_type="low_var_kl",
+        clip_ratio_c=3.0,
+    )
+    kw.update(overrides)
+    return ActorConfig(**kw)
+
+
+def infer(worker: Any, td: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """compute_log_prob / compute_ref_log_prob through the worker: (log_probs, entropy) [B, R]."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    tu.assign_non_tensor(td, calculate_entropy=True, compute_loss=False)
+    out = worker.infer_batch(td)
+    return no_padding_2_padding(tu.get(out, "log_probs"), td), no_padding_2_padding(
+        tu.get(out, "entropy"), td
+    )
+
+
+def run_step(worker: Any, td_fn: Any, *, actor: Any = None) -> StepOut:
+    """compute_log_prob then one update_actor mini-batch through the worker, as verl's trainer calls them."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    worker.set_loss_fn(partial(ppo_loss, config=actor or actor_config()))
+    engine = worker.engine
+    grads: dict[str, torch.Tensor] = {}
+    step = engine.optimizer_step
+
+    def snapshot_then_step() -> Any:  # the gradient megatron's optimizer is about to apply
+        grads.update({n: p.main_grad.detach().clone() for n, p in engine.module[0].named_parameters()})
+        return step()
+
+    engine.optimizer_step = snapshot_then_step
+    td = td_fn()
+    tu.assign_non_tensor(td, calculate_entropy=True, compute_loss=False)
+    inferred = worker.infer_batch(td)  # None on ranks that do not collect outputs (tp rank > 0)
+    lp = ent = None
+    if inferred is not None:
+        lp = no_padding_2_padding(tu.get(inferred, "log_probs"), td)
+        ent = no_padding_2_padding(tu.get(inferred, "entropy"), td)
+    td = td_fn()
+    tu.assign_non_tensor(
+        td,
+        calculate_entropy=True,
+        global_batch_size=len(td),
+        mini_batch_size=len(td),
+        epochs=1,
+        seed=1,
+        dataloader_kwargs={"shuffle": False},
+        compute_loss=True,
+    )
+    out = worker.train_mini_batch(td)
+    metrics = tu.get(out, "metrics") if out is not None else {}
+    return StepOut(type(engine).__name__, lp, ent, metrics, grads)
+
+
+def set_switch(on: bool) -> None:
+    """The user's switch (importing megatron_branch.integration.verl_enable registers the engine), or off."""
+    from megatron_branch.integration import verl as integration
+
+    if on:
+        import megatron_branch.integration.verl_enable  # noqa: F401  (the switch itself)
+
+        integration.register()  # a second test in this process: the import above ran only once
+    else:
+        integration.unregister()
+
+
+def max_rel_grad_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
+    assert a.keys() == b.keys() and a
+    worst = max(((b[k] - a[k]).norm() / a[k].norm().clamp_min(1e-30)).item() for k in a)
+    name = max(a, key=lambda k: ((b[k] - a[k]).norm() / a[k].norm().clamp_min(1e-30)).item())
+    return worst, name
