@@ -81,7 +81,10 @@ class Lockstep:
         top = self.stack.pop()
         assert not top.dummy, "a real backward closes its own forward's graph"
         grads = list(grads) if grads is not None else [None] * len(outputs)
-        roots = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad]
+        # all outputs or none: a tensor that should carry a gradient but has no graph must fail loudly in autograd
+        # (a dropped dK/dV would be a silently wrong gradient), not be filtered out
+        live = any(o.requires_grad for o in outputs)
+        roots = list(zip(outputs, grads, strict=True)) if live else []
         if top.anchor is not None and top.anchor.requires_grad:
             roots.append((top.anchor, torch.zeros_like(top.anchor)))
         if roots:
@@ -232,7 +235,5 @@ def backward(
     if ls is not None and ls.depth:
         ls.backward(outputs, grads)
         return
-    live = [(o, g) for o, g in zip(outputs, grads if grads is not None else [None] * len(outputs), strict=True)
-            if o.requires_grad]  # fmt: skip
-    if live:
-        torch.autograd.backward([o for o, _ in live], [g for _, g in live] if grads is not None else None)
+    if any(o.requires_grad for o in outputs):  # all or none (see Lockstep.backward): never drop one silently
+        torch.autograd.backward(list(outputs), list(grads) if grads is not None else None)
