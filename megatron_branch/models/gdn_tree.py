@@ -86,19 +86,23 @@ class GDNDims:
 
 
 def conv_with_tail(
-    x: torch.Tensor,
-    tail: torch.Tensor,
-    lengths: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
+    x: torch.Tensor, tail: torch.Tensor, lengths: torch.Tensor, conv: torch.nn.Conv1d, *, roots: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal depthwise conv of x [n, cd, L] continuing inputs `tail` [n, cd, K-1] (megatron's conv1d with its
-    K-1 zero padding is the case tail = 0) -> (pre-activation out [n, cd, L], new tail [n, cd, K-1]: the last K-1
-    inputs before each row's length)."""
-    n, cd, _ = x.shape
+    """Causal depthwise conv of x [n, cd, L] continuing inputs `tail` [n, cd, K-1] -> (pre-activation out
+    [n, cd, L], new tail [n, cd, K-1]: the last K-1 inputs before each row's length).
+
+    The conv is megatron's own call, `conv1d(x)[..., :L]` (its K-1 zero padding: the zero tail of a root), plus,
+    unless every row is a root (`roots`), the tail's share of the first K-1 outputs (the conv is linear: the inputs
+    before the segment only reach its first K-1 outputs). So a root segment's conv is megatron's bit for bit, with
+    megatron's shapes and FLOPs (plan/layers.py counts them; tests/unit/test_plan_hybrid.py checks the count)."""
+    n, cd, L = x.shape
     k1 = tail.shape[-1]
-    full = torch.cat([tail.to(x.dtype), x], dim=-1)  # [n, cd, K-1+L]
-    out = F.conv1d(full, weight, bias, groups=cd)  # [n, cd, L]
+    out = conv(x)[..., :L]  # [n, cd, L]
+    if not roots:  # the first K-1 outputs also see the tail: conv(cat(tail, 0)) without bias, its K-1 outputs
+        head = F.conv1d(torch.cat([tail, torch.zeros_like(tail)], dim=-1), conv.weight, None, groups=cd)
+        m = min(k1, L)
+        out = torch.cat([out[..., :m] + head[..., :m], out[..., m:]], dim=-1)
+    full = torch.cat([tail.to(x.dtype), x], dim=-1)  # [n, cd, K-1+L]: the inputs along the path
     idx = (lengths[:, None] + torch.arange(k1, device=x.device)[None, :])[:, None, :].expand(n, cd, k1)
     return out, full.gather(2, idx)
 
@@ -111,20 +115,21 @@ def delta_rule_segments(
     start: State,
     *,
     dims: GDNDims,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor | None,
+    conv: torch.nn.Conv1d,
+    roots: bool,
     act: Callable[[torch.Tensor], torch.Tensor],
     l2norm: Callable[[torch.Tensor], torch.Tensor] | None,
     rule: Callable[..., tuple[torch.Tensor, torch.Tensor]],
 ) -> tuple[torch.Tensor, State]:
     """n segments of one depth, each from its start state: qkv [s, cd] (pre-conv), g/beta [s, H] of the chunk,
-    start (S [n,H,dk,dv], tail [n,cd,K-1]) -> (core output [n, L, H, dv], final (S, tail))."""
+    start (S [n,H,dk,dv], tail [n,cd,K-1]; `roots`: every row is a root, its tail zero) -> (core output
+    [n, L, H, dv], final (S, tail))."""
     n, L = rows.index.shape
     x = qkv[rows.index]  # [n, L, cd]
     keep = rows.valid[..., None]  # [n, L, 1]
     g_r = torch.where(keep, g[rows.index], torch.zeros((), dtype=g.dtype, device=g.device))  # [n, L, H]
     beta_r = torch.where(keep, beta[rows.index], torch.zeros((), dtype=beta.dtype, device=beta.device))
-    pre, tail = conv_with_tail(x.transpose(1, 2), start[1], rows.lengths, conv_weight, conv_bias)
+    pre, tail = conv_with_tail(x.transpose(1, 2), start[1], rows.lengths, conv, roots=roots)
     y = act(pre).transpose(1, 2)  # [n, L, cd]
     q, k, v = torch.split(y, [dims.qk, dims.qk, dims.v], dim=-1)
     q = q.reshape(n, L, -1, dims.dk)

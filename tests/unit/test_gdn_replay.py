@@ -3,9 +3,10 @@ state and conv tail (models/gdn.py BranchGatedDeltaNet, models/gdn_tree.py), pac
 
 Precision: megatron's torch_chunk_gated_delta_rule computes in float32 whatever the model dtype, in chunks of 64
 positions that start at each segment's first token in a tree schedule and at the rollout's first token in naive:
-the same math in a different float32 rounding. Measured on these trees, per parameter gradient relative to naive:
-float32 <= 4.2e-6, float64 <= 1.2e-6 (the unshared baselines, chunked as naive, are float64-exact: <= 1e-15); vs HF
-<= 3.5e-6. Tested at BOUND = 1e-5 for both dtypes, as tests/unit/test_hybrid_models.py tests naive against HF.
+the same math in a different float32 rounding. Measured on `rollouts()` (tree vs naive, worst parameter, relative):
+float32 replay 4.1e-6, packed 5.6e-6 (naive vs HF: 3.9e-6); float64 replay = packed 8.1e-7 (vs HF 1.5e-6); the
+unshared baselines, chunked as naive, are float64-exact (<= 1e-15). Logprobs: float32 <= 2.4e-6, float64 1.2e-7.
+Tested at BOUND = 1e-5 for both dtypes, as tests/unit/test_hybrid_models.py tests naive against HF.
 """
 
 from __future__ import annotations
@@ -95,18 +96,20 @@ def fp32():  # noqa: ANN201
 def test_conv_tail_is_the_last_inputs_along_the_path() -> None:
     g = torch.Generator().manual_seed(0)
     x, tail = torch.randn(2, 3, 5, generator=g), torch.randn(2, 3, 3, generator=g)
-    w = torch.randn(3, 1, 4, generator=g)
-    out, new = conv_with_tail(x, tail, torch.tensor([5, 1]), w, None)
+    conv = torch.nn.Conv1d(3, 3, 4, groups=3, padding=3, bias=True)  # megatron's GatedDeltaNet.conv1d
+    out, new = conv_with_tail(x, tail, torch.tensor([5, 1]), conv, roots=False)
     full = torch.cat([tail, x], -1)
     torch.testing.assert_close(new[0], x[0, :, 2:5], rtol=0, atol=0)
     torch.testing.assert_close(
         new[1], full[1, :, 1:4], rtol=0, atol=0
     )  # 1 input: 2 of the parent's tail kept
-    # megatron's conv (K-1 zero padding, first s outputs) is the zero-tail case
-    ref = torch.nn.functional.conv1d(x, w, None, padding=3, groups=3)[..., :5]
-    torch.testing.assert_close(
-        conv_with_tail(x, torch.zeros_like(tail), torch.tensor([5, 5]), w, None)[0], ref
-    )
+    # the conv over the path's inputs: every output sees the K-1 inputs before it
+    with torch.no_grad():
+        want = torch.nn.functional.conv1d(full, conv.weight, conv.bias, groups=3)
+        torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
+        # a root: megatron's own call, bit for bit
+        root, _ = conv_with_tail(x, torch.zeros_like(tail), torch.tensor([5, 5]), conv, roots=True)
+        assert torch.equal(root, conv(x)[..., :5])
 
 
 def test_padded_siblings_equal_each_alone() -> None:
@@ -120,10 +123,13 @@ def test_padded_siblings_equal_each_alone() -> None:
     s, cd = 80, 32
     qkv, beta = torch.randn(s, cd, generator=g0), torch.rand(s, 2, generator=g0)
     g = -torch.rand(s, 2, generator=g0)
-    w, b = torch.randn(cd, 1, 4, generator=g0), torch.randn(cd, generator=g0)
+    conv = torch.nn.Conv1d(cd, cd, 4, groups=cd, padding=3)
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(cd, 1, 4, generator=g0))
+        conv.bias.copy_(torch.randn(cd, generator=g0))
     spans = [(0, 1), (1, 3), (3, 73), (73, 80)]
     start = (torch.randn(4, 2, 8, 8, generator=g0) * 0.1, torch.randn(4, cd, 3, generator=g0))
-    kw = dict(dims=dims, conv_weight=w, conv_bias=b, act=torch.nn.functional.silu, l2norm=l2norm)
+    kw = dict(dims=dims, conv=conv, roots=False, act=torch.nn.functional.silu, l2norm=l2norm)
     out, (S, tail) = delta_rule_segments(
         qkv, g, beta, Rows.of(spans, qkv.device), start, rule=torch_chunk_gated_delta_rule, **kw
     )
