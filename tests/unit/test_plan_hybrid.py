@@ -183,7 +183,11 @@ def test_plan_command_for_the_announced_model(capsys: pytest.CaptureFixture[str]
     arch, lay = MODEL_PRESETS["qwen3.6-27b"], d["layout"]
     dm = Dims.of(arch, Layout(tp=lay["tp"]), 2)
     kv = arch.num_full_layers * layer_kv_bytes(dm, 122880) + arch.num_linear_layers * linear_state_bytes(dm)
-    assert mem["cached_kv"] == mem["kv_grads"] == kv
+    assert mem["kv_grads"] == kv
+    # at the root's own backward under full recompute its recomputed K/V sit beside the cache, outside autograd
+    # (counted with cached_kv, as the meter sees them: tests/unit/test_plan_terms.py)
+    recomputed = arch.num_full_layers * layer_kv_bytes(dm, 122880) if lay["recompute"] == "full" else 0
+    assert mem["cached_kv"] == kv + recomputed
 
 
 @pytest.mark.slow

@@ -20,7 +20,10 @@ def _start(tmp_path: Path, out: Path, *extra: str) -> subprocess.Popen:
     empty.write_text("{}\n")
     cmd = [sys.executable, "-m", "megatron_branch", "train", str(empty),
            *overrides(out, "trainer.total_training_steps=100000", "checkpoint.hf_export=false", *extra)]  # fmt: skip
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT back to its default in the child: a test run started in the background (`make test &`) inherits SIGINT
+    # ignored (POSIX shells ignore it for background jobs), and Python then never raises KeyboardInterrupt
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
 
 
 def _wait_for_steps(proc: subprocess.Popen, out: Path, n: int, timeout: float = 240) -> None:
