@@ -19,6 +19,9 @@ Rules (a flag that would do nothing is refused, not ignored):
     independent rollouts do not fork   sampling without a shared prefix (`share_prefix` off: every rollout its
                                        own prefill, an engine without prefix caching) has no shared response
                                        starts to fork at (`branch_at`)
+    half precision sums in fp32        bf16 / fp16 parameters accumulate their gradients in megatron DDP's fp32
+                                       main gradients; grad's plain reduction (`--grad-sync manual`) would sum
+                                       them in bf16
 """
 
 from __future__ import annotations
@@ -100,6 +103,20 @@ def check_sampling(*, share_prefix: bool, branch_at: tuple[int, ...] | list[int]
             lambda s: (
                 f"{s.value('share_prefix', 'false')} samples every rollout on its own (its own prefill); "
                 f"{s.name('branch_at')} forks rollouts that share a response start: use one or the other"
+            )
+        )
+
+
+def check_precision(dtype: str, *, grad_sync: str = "ddp") -> None:
+    """Refuse a half-precision run whose gradients would be summed in that precision: bf16 / fp16 parameters train
+    with megatron DDP's fp32 main gradients (precision.py); the plain reduction sums `param.grad` in its dtype."""
+    from megatron_branch.precision import HALF_NAMES
+
+    if dtype in HALF_NAMES and grad_sync != "ddp":
+        raise SettingError(
+            lambda s: (
+                f"{s.value('dtype', dtype)} accumulates gradients in megatron DDP's fp32 main gradients; "
+                f"{s.value('grad_sync', grad_sync)} would sum them in {dtype}: use {s.value('grad_sync', 'ddp')}"
             )
         )
 

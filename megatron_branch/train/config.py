@@ -30,6 +30,7 @@ from megatron_branch.losses.advantages import AdvantageConfig
 from megatron_branch.losses.config import ObjectiveConfig
 from megatron_branch.models.arch import ModelArch, check_schedule_supports
 from megatron_branch.parallel.layout import ParallelLayout
+from megatron_branch.precision import DtypeName
 from megatron_branch.rules import TRAIN_SCHEDULES, check_run, check_sampling
 from megatron_branch.train.algorithm import resolve_algorithm
 
@@ -93,8 +94,10 @@ class ModelConfig:
     loaded through the converter."""
     arch: ArchConfig | None = None
     """A config-defined architecture with random weights (used when hf_path is not given)."""
-    dtype: Literal["float32", "float64"] = "float32"
-    """Parameter and compute dtype (float64 for exactness checks)."""
+    dtype: DtypeName = "float32"
+    """Parameter and compute dtype: float32; float64 (exactness checks); bfloat16 / float16: megatron's mixed
+    precision (fp32 main gradients, main parameters and Adam moments; fp16 with a dynamic loss scale; softmax,
+    logprobs and replay's dK/dV sums in fp32; exact to the bf16 bound of docs/design.md, not bitwise)."""
     init_seed: int = 0
     """Seed of the random init of a config-defined model."""
 
