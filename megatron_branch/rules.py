@@ -22,6 +22,8 @@ Rules (a flag that would do nothing is refused, not ignored):
     half precision sums in fp32        bf16 / fp16 parameters accumulate their gradients in megatron DDP's fp32
                                        main gradients; grad's plain reduction (`--grad-sync manual`) would sum
                                        them in bf16
+    fp16 does not train                megatron's fp16 needs its loss scale in every backward; the schedules do
+                                       not apply it (grad's fp16 gradients need none: no optimizer steps)
 """
 
 from __future__ import annotations
@@ -107,9 +109,12 @@ def check_sampling(*, share_prefix: bool, branch_at: tuple[int, ...] | list[int]
         )
 
 
-def check_precision(dtype: str, *, grad_sync: str = "ddp") -> None:
-    """Refuse a half-precision run whose gradients would be summed in that precision: bf16 / fp16 parameters train
-    with megatron DDP's fp32 main gradients (precision.py); the plain reduction sums `param.grad` in its dtype."""
+def check_precision(dtype: str, *, grad_sync: str = "ddp", training: bool = False) -> None:
+    """Refuse a half-precision run whose gradients would be summed in that precision (bf16 / fp16 parameters
+    accumulate in megatron DDP's fp32 main gradients, precision.py; the plain reduction sums `param.grad` in its
+    dtype), and fp16 training (`training`: an optimizer steps on the gradients): megatron's fp16 needs its dynamic
+    loss scale multiplied into every backward, and the schedules' backward calls (replay's injections included) do
+    not apply it, so the scaler would unscale gradients that were never scaled."""
     from megatron_branch.precision import HALF_NAMES
 
     if dtype in HALF_NAMES and grad_sync != "ddp":
@@ -117,6 +122,13 @@ def check_precision(dtype: str, *, grad_sync: str = "ddp") -> None:
             lambda s: (
                 f"{s.value('dtype', dtype)} accumulates gradients in megatron DDP's fp32 main gradients; "
                 f"{s.value('grad_sync', grad_sync)} would sum them in {dtype}: use {s.value('grad_sync', 'ddp')}"
+            )
+        )
+    if dtype == "float16" and training:
+        raise SettingError(
+            lambda s: (
+                f"{s.value('dtype', dtype)}: training in fp16 needs megatron's dynamic loss scale in every backward, "
+                "which the engine's schedules do not apply yet; use bfloat16 (megatron's bf16 needs no loss scale)"
             )
         )
 

@@ -31,7 +31,7 @@ from megatron_branch.losses.config import ObjectiveConfig
 from megatron_branch.models.arch import ModelArch, check_schedule_supports
 from megatron_branch.parallel.layout import ParallelLayout
 from megatron_branch.precision import DtypeName
-from megatron_branch.rules import TRAIN_SCHEDULES, check_run, check_sampling
+from megatron_branch.rules import TRAIN_SCHEDULES, check_precision, check_run, check_sampling
 from megatron_branch.train.algorithm import resolve_algorithm
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -95,9 +95,9 @@ class ModelConfig:
     arch: ArchConfig | None = None
     """A config-defined architecture with random weights (used when hf_path is not given)."""
     dtype: DtypeName = "float32"
-    """Parameter and compute dtype: float32; float64 (exactness checks); bfloat16 / float16: megatron's mixed
-    precision (fp32 main gradients, main parameters and Adam moments; fp16 with a dynamic loss scale; softmax,
-    logprobs and replay's dK/dV sums in fp32; exact to the bf16 bound of docs/design.md, not bitwise)."""
+    """Parameter and compute dtype: float32; float64 (exactness checks); bfloat16: megatron's mixed precision (fp32
+    main gradients, main parameters and Adam moments; softmax, logprobs and replay's dK/dV sums in fp32; exact to
+    the bf16 bound of docs/design.md, not bitwise); float16 is refused (it needs a loss scale in every backward)."""
     init_seed: int = 0
     """Seed of the random init of a config-defined model."""
 
@@ -391,6 +391,7 @@ def _config_spelling() -> Spelling:
         backend="schedule.backend",
         share_prefix="rollout.share_prefix",
         branch_at="rollout.branch_at",
+        dtype="model.dtype",
     )
     return Spelling(names=names, assign="=")
 
@@ -669,6 +670,7 @@ def validate(cfg: TrainConfig) -> None:
     try:
         cfg.parallel.check_no_op()
         check_sampling(share_prefix=r.share_prefix, branch_at=r.branch_at)
+        check_precision(cfg.model.dtype, training=True)
         check_run(sc.name, cp=cfg.parallel.cp, recompute=sc.recompute,
                   recompute_layers=sc.enable_gradient_checkpointing, backend=sc.backend)  # fmt: skip
         algo = resolve_algorithm(cfg)

@@ -7,6 +7,7 @@
 - The final export and `convert mcore-to-hf` of an intermediate checkpoint are bf16 HF folders holding the run's
   bf16 weights exactly.
 - `grad --dtype bfloat16` writes the fp32 main gradients, within the bf16 bound of float64 (tests/unit/test_bf16.py);
+  model.dtype=float16 is refused in one line (no loss scale in the schedules' backward);
   `--grad-sync manual` (gradients summed in bf16) is refused in one line.
 """
 
@@ -209,3 +210,13 @@ def test_grad_bf16_with_gradients_summed_in_bf16_is_refused(assets: Path, tmp_pa
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "\n" not in err and not out.exists()
     assert "--dtype bfloat16 accumulates gradients in megatron DDP's fp32 main gradients" in err, err
+
+
+def test_train_refuses_fp16_in_one_line(tmp_path: Path) -> None:
+    """fp16 would need megatron's loss scale in every backward of the schedules: refused, not silently unscaled."""
+    from megatron_branch.errors import UserError
+
+    with pytest.raises(UserError) as e:
+        _cfg(tmp_path / "run", "model.dtype=float16")
+    assert "model.dtype=float16: training in fp16 needs megatron's dynamic loss scale" in str(e.value)
+    assert "\n" not in str(e.value) and not (tmp_path / "run").exists()
