@@ -136,13 +136,19 @@ def errors(run: Run, ref: Run) -> dict[str, Any]:
 
 
 def measure(
-    seed: int, *, groups: Any, schedules: Sequence[str] = SCHEDULES, **batch_kw: Any
+    seed: int,
+    *,
+    groups: Any,
+    schedules: Sequence[str] = SCHEDULES,
+    branch_micro_batch: int = 8,
+    **batch_kw: Any,
 ) -> dict[str, dict[str, Any]]:
     """Errors of each schedule in bf16 against float64 naive, for one seed (weights and batch)."""
     weights = bf16_weights(seed)
     rollouts = tree_batch(seed, **batch_kw)
     ref = gradients(weights, torch.float64, "naive", rollouts, groups=groups)
-    return {s: errors(gradients(weights, torch.bfloat16, s, rollouts, groups=groups), ref) for s in schedules}
+    kw = {"groups": groups, "branch_micro_batch": branch_micro_batch}
+    return {s: errors(gradients(weights, torch.bfloat16, s, rollouts, **kw), ref) for s in schedules}
 
 
 def ratios(errs: dict[str, dict[str, Any]], schedule: str) -> dict[str, float]:
