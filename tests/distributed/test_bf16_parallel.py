@@ -12,6 +12,10 @@ children, its injection), DP2 sums each rank's terms first and megatron's reduct
 parameters then agree to fp32 rounding (REPLAY_BOUND), far inside the bf16 bound (tests/unit/test_bf16.py). The
 CPU offload's host AdamW is torch's fused CPU kernel where device shards step with the for-loop one, and DP2
 offloads other shards than DP1: OFFLOAD_BOUND.
+
+Resume at another layout, in bf16: the DP2 checkpoint of the offload run (the 32B target's optimizer: distributed,
+half offloaded) loads into DP1 and, saved again there, holds bitwise the same tensors: the bf16 weights, the fp32
+main parameters and both moments (megatron's fully_reshardable format).
 """
 
 from __future__ import annotations
@@ -50,22 +54,31 @@ def _rollouts():  # noqa: ANN202
     return tree_batch(7, groups=2, branches=3)  # two prompt groups of equal size: one per DP rank
 
 
-def run(name: str, groups) -> tuple[dict[str, tuple[int, torch.Tensor]], dict[str, torch.Tensor]]:  # noqa: ANN001
-    """Two optimizer steps of run `name` on the current layout (DP1: two micro-batches, one group each).
-    Returns (this rank's fp32 main parameters: name -> (offset in the flat parameter, values), bf16 parameters)."""
+def trainee(name: str):  # noqa: ANN201
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from megatron_branch.bench import precision as bp
+    from megatron_branch.train.policy import Trainee
+    from megatron_branch.update import OptimizerSettings
+
+    settings = OptimizerSettings(lr=1e-3, weight_decay=0.1, **RUNS[name][1])  # type: ignore[arg-type]
+    pgc = ProcessGroupCollection.use_mpu_process_groups()
+    model = bp.model_with(bp.bf16_weights(7), torch.bfloat16)
+    return Trainee(model, dtype=torch.bfloat16, settings=settings, pgc=pgc), pgc
+
+
+def run(name: str, groups, save: Path | None = None):  # noqa: ANN001, ANN201
+    """Two optimizer steps of run `name` on the current layout (DP1: two micro-batches, one group each), saved as
+    a dist checkpoint under `save` if given. Returns (this rank's fp32 main parameters: name -> (offset in the flat
+    parameter, values), bf16 parameters)."""
+    from megatron_branch.bench import precision as bp
+    from megatron_branch.checkpoint.store import CheckpointStore
     from megatron_branch.losses import build_objective
     from megatron_branch.schedule import ScheduleOptions
-    from megatron_branch.train.policy import Trainee
-    from megatron_branch.update import OptimizerSettings, UpdatePlan, update_step
+    from megatron_branch.update import UpdatePlan, update_step
 
-    schedule, kw = RUNS[name]
-    settings = OptimizerSettings(lr=1e-3, weight_decay=0.1, **kw)  # type: ignore[arg-type]
-    pgc = ProcessGroupCollection.use_mpu_process_groups()
-    tr = Trainee(bp.model_with(bp.bf16_weights(7), torch.bfloat16), dtype=torch.bfloat16, settings=settings,
-                 pgc=pgc)  # fmt: skip
+    schedule = RUNS[name][0]
+    tr, pgc = trainee(name)
     rollouts = _rollouts()
     objective = build_objective(bp.objective_config(), rollouts)
     opts = ScheduleOptions(groups=groups, vocab_size=bp.VOCAB, branch_micro_batch=2)
@@ -75,7 +88,36 @@ def run(name: str, groups) -> tuple[dict[str, tuple[int, torch.Tensor]], dict[st
             tr.ddp, rollouts, objective, plan, optimizer=tr.optimizer, scheduler=tr.scheduler
         ).stepped
     params = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+    if save is not None:
+        CheckpointStore(save).save(2, {"policy": tr.sharded_state("", loading=False)}, common={})
     return main_shards(tr), params
+
+
+def reload_and_resave(name: str, src: Path, dst: Path) -> None:
+    """A fresh trainee of run `name` on the current layout loads checkpoint `src` and saves it again under `dst`."""
+    from megatron_branch.checkpoint.store import CheckpointStore
+
+    tr, _ = trainee(name)
+    state, _ = CheckpointStore(src.parent).load(src, {"policy": tr.sharded_state("", loading=True)})
+    tr.load(state["policy"], "")
+    CheckpointStore(dst).save(2, {"policy": tr.sharded_state("", loading=False)}, common={})
+
+
+def plain_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint, whole."""
+    from megatron.core.dist_checkpointing import load_plain_tensors
+
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, d: object) -> None:
+        if isinstance(d, dict):
+            for k, v in d.items():
+                walk(f"{prefix}{k}.", v)
+        elif isinstance(d, torch.Tensor):
+            flat[prefix[:-1]] = d
+
+    walk("", load_plain_tensors(str(path)))
+    return flat
 
 
 def main_shards(trainee) -> dict[str, tuple[int, torch.Tensor]]:  # noqa: ANN001
@@ -110,13 +152,17 @@ sys.path.insert(0, "tests/distributed")
 import test_bf16_parallel as t
 from megatron_branch.parallel.groups import ParallelConfig, destroy_parallel, initialize_parallel
 torch.set_num_threads(1)
+from pathlib import Path
+tmp = Path(sys.argv[1])
 out = {"world": None}
 for name in t.RUNS:
     groups = initialize_parallel(ParallelConfig())
     out["world"] = torch.distributed.get_world_size()
     out[name] = t.run(name, groups)
     destroy_parallel()
-torch.save(out, sys.argv[1])
+initialize_parallel(ParallelConfig())
+t.reload_and_resave("packed-offload", tmp / "dp2" / "step_00000002", tmp / "resaved")
+torch.save(out, tmp / "dp1.pt")
 """
 _TORCHRUN_ENV = (
     "RANK",
@@ -135,11 +181,7 @@ def _dp1(tmp: Path) -> dict:
         env = {
             k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC")
         }
-        rc = [
-            subprocess.call(
-                [sys.executable, "-c", _DP1, str(tmp / "dp1.pt")], env={**env, "OMP_NUM_THREADS": "1"}
-            )
-        ]
+        rc = [subprocess.call([sys.executable, "-c", _DP1, str(tmp)], env={**env, "OMP_NUM_THREADS": "1"})]
     dist.broadcast_object_list(rc, src=0)
     assert rc == [0], "the DP1 run ran into an error"
     return torch.load(tmp / "dp1.pt", weights_only=True)
@@ -151,12 +193,20 @@ def test_bf16_main_parameters_dp2_equal_dp1() -> None:
     dist.broadcast_object_list(box, src=0)
     tmp = Path(box[0])
     try:
-        one = _dp1(tmp)
-        assert one["world"] == 1
-        for name in RUNS:
+        dp2 = {}
+        for name in RUNS:  # DP2 first: the DP1 process reloads the offload run's checkpoint
             groups = initialize_parallel(ParallelConfig())
             assert groups.dp_size == 2
-            mains, params = run(name, groups)
+            dp2[name] = run(name, groups, save=tmp / "dp2" if name == "packed-offload" else None)
+        one = _dp1(tmp)
+        assert one["world"] == 1
+        saved = plain_tensors(tmp / "dp2" / "step_00000002")
+        resaved = plain_tensors(tmp / "resaved" / "step_00000002")
+        assert sorted(saved) == sorted(resaved) and any(".exp_avg_sq." in k for k in saved)
+        assert {v.dtype for k, v in saved.items() if k.startswith("optimizer.")} == {torch.float32}
+        assert all(torch.equal(saved[k], resaved[k]) for k in saved)  # DP2 -> DP1 and back: bitwise
+        for name in RUNS:
+            mains, params = dp2[name]
             ref_mains, ref_params = one[name]
             worst = 0.0
             for n, (start, got) in mains.items():
