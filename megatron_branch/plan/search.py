@@ -261,11 +261,14 @@ def _exchange_bytes_per_rank(arch: ModelArch, shape: RolloutShape, layout: Layou
         return 0.0
     groups = cdiv(shape.prompts, layout.dp)
     passes = 3 if layout.recompute == "full" else 2  # forward, backward (and the recomputed forward)
-    per_layer = sum(
+    sent = [
         gdn_exchange_bytes(arch, r, tp=layout.tp, cp=layout.cp, e=2)
         for r in _chunk_rows(shape, layout, schedule)
-    )
-    return float(groups * arch.num_linear_layers * passes * per_layer)
+    ]
+    per_layer = passes * sum(sent)
+    if schedule == "replay" and shape.responses > 1 and layout.recompute in ("selective", "full"):
+        per_layer -= (passes - 1) * sent[0]  # the root's first forward keeps no graph: no backward of its own
+    return float(groups * arch.num_linear_layers * per_layer)
 
 
 def step_time(

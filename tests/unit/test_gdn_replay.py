@@ -130,7 +130,9 @@ def test_padded_siblings_equal_each_alone() -> None:
         conv.bias.copy_(torch.randn(cd, generator=g0))
     spans = [(0, 1), (1, 3), (3, 73), (73, 80)]
     start = (torch.randn(4, 2, 8, 8, generator=g0) * 0.1, torch.randn(4, cd, 3, generator=g0))
-    kw = dict(dims=dims, conv=(conv.weight, conv.bias), roots=False, act=torch.nn.functional.silu, l2norm=l2norm)
+    kw = dict(
+        dims=dims, conv=(conv.weight, conv.bias), roots=False, act=torch.nn.functional.silu, l2norm=l2norm
+    )
     out, (S, tail) = delta_rule_segments(
         qkv, g, beta, Rows.of(spans, qkv.device), start, rule=torch_chunk_gated_delta_rule, **kw
     )
