@@ -9,7 +9,7 @@ and Hugging Face rollout by rollout), and compares the gradient of every paramet
 over CP, at the float32 delta rule's bound: BOUND = 1e-5 relative per parameter, as tests/unit/test_gdn_replay.py
 states it (megatron's rule computes in float32 and chunks from each segment's first token; measured there <= 5.6e-6).
 Measured here (worst parameter, relative): against CP1 naive <= 5.1e-6, against the same schedule at CP1 <= 3.1e-6,
-against HF <= 5.3e-6 (CP2, CP4, TP2 x CP2 + SP); the planted bugs give 1.3 to 3.6.
+against HF <= 5.3e-6 (CP2, CP4, TP2 x CP2 + SP); the planted exchange bugs give 1.3 to 3.6.
 The tiny model has 2 key / 4 value GDN heads: CP2 gives each rank one whole key head and its two value heads; CP4
 and TP2 x CP2 give each rank one value head, its key head shared by two ranks (the replicated-group case).
 """
@@ -28,11 +28,13 @@ from megatron_branch.checkpoint.tp import gather_full_grads
 from megatron_branch.data import PrefixTree, Rollout
 from megatron_branch.losses import PolicyGradientObjective
 from megatron_branch.models import ModelArch, build_model
+from megatron_branch.models.gdn_tree import GDN_STATE
 from megatron_branch.parallel import head_exchange
 from megatron_branch.parallel.grads import finalize_grads
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
 from megatron_branch.parallel.ring import RingStats
 from megatron_branch.schedule import ScheduleOptions, run_schedule, score_rollouts
+from megatron_branch.schedule.prefix_cache import PrefixCache
 from megatron_branch.testing import exact_hf_norms, hf_policy_gradient, tiny_hf_config, tiny_hf_model
 
 BOUND = 1e-5
@@ -180,14 +182,31 @@ def _rank_major(self: head_exchange.CPHeadExchange) -> torch.Tensor:
     )  # the received rows as they arrive: rank by rank, not in tree order
 
 
+_EXTERNAL = PrefixCache.external
+
+
+def _forgetful_external(self: PrefixCache, path: Any) -> Any:
+    """Each rank's cache forgets the gradient earlier siblings sent into its heads' GDN state at the fork."""
+    if path:
+        for entry in self.entries[path[-1]].values():
+            if entry.kind is GDN_STATE:
+                for leaf in entry.trainable:
+                    leaf.grad = None
+    return _EXTERNAL(self, path)
+
+
 @pytest.mark.world(2, 4)
-@pytest.mark.parametrize("bug", ["backward_not_transposed", "zigzag_not_undone"])
+@pytest.mark.parametrize(
+    "bug", ["backward_not_transposed", "zigzag_not_undone", "state_grad_not_accumulated"]
+)
 def test_planted_exchange_bugs_fail(bug: str, monkeypatch: pytest.MonkeyPatch) -> None:
     s = _Setup(tp=1, cp=dist.get_world_size())
     if bug == "backward_not_transposed":
         monkeypatch.setattr(head_exchange, "all_to_all_backward", _transposed_nothing)
-    else:
+    elif bug == "zigzag_not_undone":
         monkeypatch.setattr(head_exchange.CPHeadExchange, "_tree_order", _rank_major)
-    _, grads = s.run("replay", s.groups)
+    else:  # the fork state's dS/dtail must reach the parent's backward summed over every sibling chunk
+        monkeypatch.setattr(PrefixCache, "external", _forgetful_external)
+    _, grads = s.run("replay", s.groups, branch_micro_batch=1)
     err, param = _worst(grads, s.naive_grads)
     assert err > 100 * BOUND, (bug, err, param)  # not a rounding-level difference
