@@ -184,6 +184,10 @@ def make_objective(args: argparse.Namespace, rollouts: list[Any], full_tree: Any
     return objective
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -311,9 +315,7 @@ def run_grad(args: argparse.Namespace) -> int:
         "rollouts": len(rollouts),
         "response_tokens": full_tree.num_response_tokens_logical(),
         "dtype": args.dtype,
-        "grad_dtype": str(accumulation_dtype(dtype)).removeprefix(
-            "torch."
-        ),  # bf16 / fp16: the fp32 main grads
+        "grad_dtype": _name(accumulation_dtype(dtype)),  # what GRADS holds (bf16 / fp16: the fp32 main grads)
         "tp": groups.tp_size,
         "cp": groups.cp_size,
         "dp": groups.dp_size,
