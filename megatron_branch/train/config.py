@@ -30,7 +30,7 @@ from megatron_branch.losses.advantages import AdvantageConfig
 from megatron_branch.losses.config import ObjectiveConfig
 from megatron_branch.models.arch import ModelArch, check_schedule_supports
 from megatron_branch.parallel.layout import ParallelLayout
-from megatron_branch.rules import TRAIN_SCHEDULES, check_run, check_sampling
+from megatron_branch.rules import TRAIN_SCHEDULES, check_pipeline, check_run, check_sampling
 from megatron_branch.train.algorithm import resolve_algorithm
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -669,6 +669,7 @@ def validate(cfg: TrainConfig) -> None:
         check_run(sc.name, cp=cfg.parallel.cp, recompute=sc.recompute,
                   recompute_layers=sc.enable_gradient_checkpointing, backend=sc.backend)  # fmt: skip
         algo = resolve_algorithm(cfg)
+        check_pipeline(sc.name, pp=cfg.parallel.pp, critic=algo.trains_critic)
     except SettingError as e:
         raise e.spelled(SPELLING) from None
     if algo.estimator is not None and algo.estimator.group_relative and r.n == 1:
@@ -761,9 +762,15 @@ def model_arch(cfg: TrainConfig, vocab_size: int | None = None) -> ModelArch:
 
 
 def check_model(cfg: TrainConfig) -> None:
-    """The architecture exists and splits over parallel.tp (reads only config.json)."""
+    """The architecture exists and splits over parallel.tp and parallel.pp (reads only config.json)."""
     arch = model_arch(cfg)
     check_schedule_supports(arch, cfg.schedule.name, flag="schedule.name", cp=cfg.parallel.cp)
+    try:
+        check_pipeline(
+            cfg.schedule.name, pp=cfg.parallel.pp, num_layers=arch.num_layers, hybrid=arch.is_hybrid
+        )
+    except SettingError as e:
+        raise e.spelled(SPELLING) from None
     try:
         arch.check_tensor_parallel(cfg.parallel.tp)
     except UserError as e:
