@@ -385,7 +385,8 @@ class Trainer:
 
         ref = build_model(
             self.arch, dtype=self.dtype, tp=self.groups.tp_size,
-            sequence_parallel=self.groups.sequence_parallel, init_weights=False,
+            sequence_parallel=self.groups.sequence_parallel, init_weights=False, pp=self.groups.pp_size,
+            pp_rank=self.groups.pp_rank,
         )  # fmt: skip
         ref.requires_grad_(False)
         return ref
