@@ -65,8 +65,14 @@ def bench_model(
     ffn: int = 0,
     vocab: int = 1024,
     tie: bool = False,
+    full_attention_interval: int = 0,
 ) -> ModelArch:
-    """The ModelArch the bench flags describe (ffn 0 = 3 x hidden); a bad flag is refused by its name."""
+    """The ModelArch the bench flags describe (ffn 0 = 3 x hidden); a bad flag is refused by its name.
+
+    `full_attention_interval` k > 0 makes a Qwen3.5-style hybrid (HF's name for it): every k-th layer gated full
+    attention, the others gated delta net (k = 4: Qwen3.5's 3 linear : 1 full), with the family's q/k norms,
+    output gate, zero-centred norms and partial RoPE (0.25), GDN value heads = --heads and key heads = half of
+    them, every head --hidden / --heads wide, conv kernel 4."""
     for name, v in (("layers", layers), ("hidden", hidden), ("heads", heads), ("kv_heads", kv_heads),
                     ("vocab", vocab)):  # fmt: skip
         if v <= 0:
@@ -75,8 +81,9 @@ def bench_model(
         raise UserError(f"--heads {heads} must be a multiple of --kv-heads {kv_heads}")
     if hidden % heads:
         raise UserError(f"--hidden {hidden} must be a multiple of --heads {heads}")
-    return ModelArch(
-        family="llama",
+    if full_attention_interval < 0:
+        raise UserError(f"--full-attention-interval must be >= 0, got {full_attention_interval}")
+    common = dict(
         vocab_size=vocab,
         hidden_size=hidden,
         num_layers=layers,
@@ -85,6 +92,18 @@ def bench_model(
         ffn_hidden_size=ffn or 3 * hidden,
         tie_word_embeddings=tie,
     )
+    if not full_attention_interval:
+        return ModelArch(family="llama", **common)
+    d = hidden // heads
+    types = tuple(
+        "full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
+        for i in range(layers)
+    )
+    return ModelArch(
+        family="qwen3_5", qk_norm=True, zero_centered_norm=True, attention_output_gate=True, rotary_percent=0.25,
+        layer_types=types, linear_conv_kernel_dim=4, linear_key_head_dim=d, linear_value_head_dim=d,
+        linear_num_key_heads=max(1, heads // 2), linear_num_value_heads=heads, **common,
+    )  # fmt: skip
 
 
 def model_flags(arch: ModelArch) -> dict[str, Any]:
@@ -92,6 +111,9 @@ def model_flags(arch: ModelArch) -> dict[str, Any]:
     flags = {flag: getattr(arch, name) for flag, name in MODEL_FLAGS.items()}
     if flags["ffn"] == 3 * flags["hidden"]:
         flags["ffn"] = 0  # follows --hidden when that is overridden
+    types = arch.layer_types or ()
+    flags["full_attention_interval"] = (types.index("full_attention") + 1) if arch.is_hybrid else 0
+    assert bench_model(**flags) == arch, "not a bench model: its flags do not describe it"
     return flags
 
 
@@ -174,6 +196,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "memory-G": dict(model=_m(layers=4, hidden=512, heads=8, kv_heads=2, vocab=32000), prompts=(4096,),
                      branches=(4, 8, 16, 32), response=128, variants=("naive-fused", "packed", "replay",
                                                                        "replay+recompute")),
+    # a Qwen3.5-style hybrid (3 gated delta net : 1 gated attention layers) under a long prompt: GDN layers keep
+    # their state at the fork instead of K/V (models/gdn.py); float32 on the 2-core CPU like A/B/C
+    "hybrid": dict(model=_m(layers=4, hidden=512, heads=8, kv_heads=2, vocab=32000, full_attention_interval=4),
+                   prompts=(4096,), branches=(8,), response=128,
+                   variants=("naive-fused", "packed-nosharing", "packed", "replay")),
     # seconds on a laptop: the smoke test and a first look
     "tiny": dict(model=_m(layers=2, hidden=32, heads=4, kv_heads=2, vocab=64), prompts=(48,), branches=(4,),
                  response=8, rounds=1),

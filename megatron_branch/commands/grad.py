@@ -235,7 +235,7 @@ def run_grad(args: argparse.Namespace) -> int:
         arch = ModelArch.from_hf_config(load_hf_config(args.hf), where=os.path.join(args.hf, "config.json"))
         arch.check_tensor_parallel(pcfg.tp)
         check_pipeline(args.schedule, pp=pcfg.pp, num_layers=arch.num_layers, hybrid=arch.is_hybrid)
-        check_schedule_supports(arch, args.schedule, cp=pcfg.cp)
+        check_schedule_supports(arch, args.schedule, cp=pcfg.cp, tp=pcfg.tp)
         HFTensorReader(args.hf)  # every shard's header is read now: a broken file fails before any work
         max_positions = None if args.allow_longer_context else arch.max_position_embeddings
         rollouts = read_rollouts_jsonl(args.rollouts, vocab_size=arch.vocab_size, max_positions=max_positions)

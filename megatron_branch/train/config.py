@@ -764,7 +764,6 @@ def model_arch(cfg: TrainConfig, vocab_size: int | None = None) -> ModelArch:
 def check_model(cfg: TrainConfig) -> None:
     """The architecture exists and splits over parallel.tp and parallel.pp (reads only config.json)."""
     arch = model_arch(cfg)
-    check_schedule_supports(arch, cfg.schedule.name, flag="schedule.name", cp=cfg.parallel.cp)
     try:
         check_pipeline(
             cfg.schedule.name, pp=cfg.parallel.pp, num_layers=arch.num_layers, hybrid=arch.is_hybrid
@@ -775,6 +774,12 @@ def check_model(cfg: TrainConfig) -> None:
         arch.check_tensor_parallel(cfg.parallel.tp)
     except UserError as e:
         raise UserError(f"parallel.tp: {e}") from None
+    try:
+        check_schedule_supports(
+            arch, cfg.schedule.name, flag="schedule.name", cp=cfg.parallel.cp, tp=cfg.parallel.tp
+        )
+    except SettingError as e:
+        raise e.spelled(SPELLING) from None
     if cfg.data.max_prompt_length is not None:
         check_fits_context(
             cfg,
