@@ -17,8 +17,8 @@ Rules (a flag that would do nothing is refused, not ignored):
     the backend can run it             attention/dispatch.backend_problem: a baseline has no ring executor, a
                                        backend without a CPU backward cannot train on CPU
     the pipeline runs the tree         under pipeline parallelism (pp > 1) the stages run replay's or packed's
-                                       walk (schedule/pipeline.py); the unshared baselines, naive and the
-                                       stop-gradient comparison are not pipelined
+                                       walk (schedule/pipeline.py) or naive-fused's rollouts; naive,
+                                       packed-nosharing and the stop-gradient comparison are not pipelined
     stages split the layers            each stage holds num_layers / pp consecutive layers (megatron's even
                                        split)
     what the pipeline does not run     interleaved (virtual) stages, hybrid (gated delta net) models, the PPO
@@ -104,8 +104,9 @@ def check_run(
             raise SettingError(lambda s: f"{s.value('backend', backend)}: {problem}")
 
 
-PIPELINE_SCHEDULES = ("replay", "packed")
-"""Schedules that run under pipeline parallelism (schedule/pipeline.py)."""
+PIPELINE_SCHEDULES = ("replay", "packed", "naive-fused")
+"""Schedules that run under pipeline parallelism (schedule/pipeline.py; naive-fused: the benchmark's fair
+baseline)."""
 
 
 def check_pipeline(
@@ -132,7 +133,7 @@ def check_pipeline(
         raise SettingError(
             lambda s: (
                 f"{s.value('schedule', schedule)} has no pipeline parallelism; use {s.name('schedule')} replay or "
-                f"packed with {s.value('pp', pp)}"
+                f"packed (or naive-fused, the baseline) with {s.value('pp', pp)}"
             )
         )
     if num_layers is not None and num_layers % pp:

@@ -30,6 +30,10 @@ Independent roots run one after another; consecutive childless roots form one wa
 packed: the tree split at its group boundaries (each root's subtree: one chunk, exactly run_packed's math for that
 group, as groups share nothing), the groups as one wave of micro-batches in the same 1F1B order.
 
+naive-fused (the unshared baseline, schedule/unshared.py): every rollout its own micro-batch, nothing shared, one
+wave; the last stage runs unshared.py's own per-rollout head and loss. It is here so that the benchmark can compare
+replay's pipeline with the fair baseline's under the same PP (benchmarks/pipeline_bubble.py).
+
 The loss is computed on the last stage only; at the end the last stage's loss, metric statistics and kept
 logprobs/entropies are broadcast over the pipeline group, so every stage returns the same StepResult (as every TP
 rank does). Parameter gradients stay on the stage that owns the parameter; the tied embedding's two copies are
@@ -45,14 +49,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_branch.attention.context import attach_context
-from megatron_branch.attention.prefix_state import Handoff, Tensors
+from megatron_branch.attention.context import LocalContext, attach_context
+from megatron_branch.attention.layout import AttentionLayout
+from megatron_branch.attention.prefix_state import ChunkTree, Handoff, Tensors
 from megatron_branch.data import PrefixTree
 from megatron_branch.errors import SettingError
 from megatron_branch.losses.objective import BoundObjective, Objective
 from megatron_branch.parallel.groups import comm_device
 from megatron_branch.parallel.pipeline import Shape, StageLink, broadcast_from_last
-from megatron_branch.rules import API, check_pipeline
+from megatron_branch.rules import API, check_pipeline, check_run
+from megatron_branch.schedule import unshared
 from megatron_branch.schedule.chunks import Chunk, CPChunk
 from megatron_branch.schedule.common import (
     ChunkOut,
@@ -67,14 +73,39 @@ from megatron_branch.schedule.common import (
 from megatron_branch.schedule.prefix_cache import PrefixCache
 from megatron_branch.schedule.replay import child_groups
 
-PIPELINE_SCHEDULES = ("replay", "packed")
+
+@dataclass(frozen=True)
+class _RolloutChunk:
+    """naive-fused's micro-batch: rollouts laid end to end without sharing (unshared.py's packing), one rank."""
+
+    rollouts: tuple[int, ...]
+    input_ids: torch.Tensor
+    """[s] token ids (padding to a multiple of TP under SP: 0)."""
+    position_ids: torch.Tensor
+    layout: AttentionLayout
+    roots: ChunkTree
+    num_real: int
+
+    @classmethod
+    def of(cls, tree: PrefixTree, rollouts: Sequence[int], opts: ScheduleOptions) -> _RolloutChunk:
+        ids, pos, _, _, layout, roots = unshared._pack(tree, rollouts, opts.pad_to)
+        real = sum(len(tree.rollouts[i].prompt) + len(tree.rollouts[i].response) for i in rollouts)
+        return cls(tuple(rollouts), ids, pos, layout, roots, real)
+
+    def context(self, tree: PrefixTree, opts: ScheduleOptions, **_: object) -> LocalContext:
+        return LocalContext(
+            layout=self.layout, backend=opts.backend, recompute_layers=opts.recompute_layers, tree=self.roots
+        )
+
+
+AnyChunk = Chunk | CPChunk | _RolloutChunk
 
 
 @dataclass
 class _Run:
     """One forward of one chunk on this stage, kept until its backward."""
 
-    chunk: Chunk | CPChunk
+    chunk: AnyChunk
     input: torch.Tensor | None
     """[rows, 1, h] what the previous stage sent (a fresh leaf: its .grad goes back), None on the first stage."""
     output: torch.Tensor
@@ -95,12 +126,14 @@ class _Stage:
         objective: BoundObjective | None,
         opts: ScheduleOptions,
         link: StageLink,
+        store: Store,
     ) -> None:
         self.model, self.tree, self.objective, self.opts, self.link = model, tree, objective, opts, link
+        self.store = store  # naive-fused's head records its rollouts' results itself (unshared.py)
         self.base = _unwrap(model)
         self.device = model_device(model)
 
-    def shape(self, chunk: Chunk | CPChunk) -> Shape:
+    def shape(self, chunk: AnyChunk) -> Shape:
         """The chunk's message on this rank: its (CP-local, padded) rows, split over TP under SP."""
         rows = int(chunk.input_ids.numel())
         if self.opts.sequence_parallel:
@@ -109,7 +142,7 @@ class _Stage:
 
     def forward(
         self,
-        chunk: Chunk | CPChunk,
+        chunk: AnyChunk,
         received: torch.Tensor | None,
         *,
         external: dict[int, list[Tensors]],
@@ -121,6 +154,10 @@ class _Stage:
         with torch.set_grad_enabled(grad):
             self.base.set_input_tensor(x)
             try:
+                if self.link.last and isinstance(chunk, _RolloutChunk):  # naive-fused's own head and loss
+                    loss = unshared._forward(self.model, self.tree, chunk.rollouts, self.objective, self.opts,
+                                             self.store)  # fmt: skip
+                    return _Run(chunk, x, loss, {}, None)
                 if self.link.last:
                     out = forward_chunk(
                         self.model, self.tree, chunk, self.objective, self.opts,
@@ -174,19 +211,17 @@ class _Pipeline:
         self.tree, self.opts, self.forward_only = tree, opts, forward_only
         self.grad = not forward_only and torch.is_grad_enabled()
         self.link = StageLink(opts.groups, _unwrap(model).config)
-        self.stage = _Stage(model, tree, objective, opts, self.link)
+        self.store = Store(tree, opts)
+        self.stage = _Stage(model, tree, objective, opts, self.link, self.store)
         self.cache = PrefixCache(grad=self.grad)
         self.path: list[int] = []
-        self.store = Store(tree, opts)
         self.forwards = self.positions = self.recomputed = 0
 
     # ---- one chunk ---------------------------------------------------------------------------------------------
     def _chunk(self, segments: Sequence[int]) -> Chunk | CPChunk:
         return prepare_chunk(self.tree, segments, self.opts, external=self.path)
 
-    def _forward(
-        self, chunk: Chunk | CPChunk, received: torch.Tensor | None, *, capture: bool, grad: bool
-    ) -> _Run:
+    def _forward(self, chunk: AnyChunk, received: torch.Tensor | None, *, capture: bool, grad: bool) -> _Run:
         self.forwards += 1
         return self.stage.forward(
             chunk, received, external=self.cache.external(self.path),
@@ -237,9 +272,11 @@ class _Pipeline:
 
     # ---- a wave of independent micro-batches -------------------------------------------------------------------
     def _wave(self, groups: list[list[int]]) -> None:
-        if not groups:
-            return
-        chunks = [self._chunk(g) for g in groups]
+        if groups:
+            self.wave([self._chunk(g) for g in groups])
+
+    def wave(self, chunks: Sequence[AnyChunk]) -> None:
+        """Independent micro-batches through the pipeline: forward-only in order, or megatron's 1F1B."""
         self.positions += sum(c.num_real for c in chunks)
         if not self.grad:
             for c in chunks:
@@ -250,7 +287,7 @@ class _Pipeline:
         for run in self._one_f_one_b(chunks):
             self._record(run)
 
-    def _one_f_one_b(self, chunks: list[Chunk | CPChunk]) -> Iterator[_Run]:
+    def _one_f_one_b(self, chunks: Sequence[AnyChunk]) -> Iterator[_Run]:
         """megatron's non-interleaved schedule (schedules.forward_backward_pipelining_without_interleaving) over
         `chunks`, each with its own message shape; yields every run after its backward, in order."""
         link, stage, m = self.link, self.stage, len(chunks)
@@ -309,7 +346,8 @@ def run_pipeline(
     """Schedule `name` (replay or packed) on this rank's pipeline stage; gradients accumulate in the stage's
     parameters, every stage returns the same StepResult. Collective over the pipeline group (and TP/CP)."""
     arch = getattr(_unwrap(model), "arch", None)
-    try:  # the rule every entry point checks up front (rules.py)
+    try:  # the rules every entry point checks up front (rules.py)
+        check_run(name, cp=opts.cp_size, recompute=opts.recompute, recompute_layers=opts.recompute_layers)
         check_pipeline(
             name,
             pp=opts.pp_size,
@@ -325,6 +363,9 @@ def run_pipeline(
     if name == "packed":
         p._wave([list(tree.subtree_segments(r)) for r in tree.roots])
         return p.result("packed", bound, positions_computed=p.positions, forwards=p.forwards)
+    if name == "naive-fused":
+        p.wave([_RolloutChunk.of(tree, [i], opts) for i in range(len(tree.rollouts))])
+        return p.result("naive-fused", bound, positions_computed=p.positions, forwards=p.forwards)
     p.run_children(tree.roots)  # inner roots walked one by one, childless roots as waves
     assert p.positions == tree.positions_computed, (p.positions, tree.positions_computed)
     return p.result(

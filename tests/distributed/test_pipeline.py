@@ -95,8 +95,12 @@ def _policy_case(layout: str, dtype: torch.dtype, *, tie: bool = False) -> None:
     model = _stage_policy(hf, groups, dtype)
     tol = 1e-9 if dtype == torch.float64 else 1e-5
     runs: list[tuple[str, dict[str, Any]]] = [("replay", {}), ("packed", {})]
-    if layout == "pp2":  # the other order and segment recompute, once
-        runs += [("replay", {"pipeline_order": "gpipe"}), ("replay", {"recompute": True})]
+    if layout == "pp2":  # the other order, segment recompute and the unshared baseline, once
+        runs += [
+            ("replay", {"pipeline_order": "gpipe"}),
+            ("replay", {"recompute": True}),
+            ("naive-fused", {}),
+        ]
     for schedule, options in runs:
         metrics, grads = _pp_grads(hf, model, rollouts, objective, groups, schedule, **options)
         assert metrics["actor/loss"] == pytest.approx(want_loss, rel=tol), (schedule, options)

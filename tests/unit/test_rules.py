@@ -70,9 +70,11 @@ RULES = {
     ),
     "the pipeline runs the tree": (
         ["--schedule", "naive", "--pp", "2"],
-        "--schedule naive has no pipeline parallelism; use --schedule replay or packed with --pp 2",
+        "--schedule naive has no pipeline parallelism; use --schedule replay or packed (or naive-fused, the baseline) "
+        "with --pp 2",
         ["schedule.name=naive", "parallel.pp=2"],
-        "schedule.name=naive has no pipeline parallelism; use schedule.name replay or packed with parallel.pp=2",
+        "schedule.name=naive has no pipeline parallelism; use schedule.name replay or packed (or naive-fused, the "
+        "baseline) with parallel.pp=2",
     ),
     "stages split the layers": (
         ["--pp", "3"],
