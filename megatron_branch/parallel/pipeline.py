@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_branch.data import PrefixTree
 from megatron_branch.parallel.groups import ParallelGroups, comm_device
 
 Shape = tuple[int, int, int]
@@ -85,6 +86,30 @@ def broadcast_from_last(t: torch.Tensor, groups: ParallelGroups) -> torch.Tensor
     buf = t.to(dev).contiguous()
     dist.broadcast(buf, src=dist.get_global_rank(groups.pp, groups.pp_size - 1), group=groups.pp)
     return buf.to(t.device)
+
+
+def check_same_tree(tree: PrefixTree, groups: ParallelGroups) -> None:
+    """Every stage must walk the same tree (one program, matching messages): a fingerprint of its tokens, positions
+    and segment lengths, gathered over the pipeline group (an invariant: each stage built it from the same
+    rollouts)."""
+    lengths = torch.tensor([s.length for s in tree.segments], dtype=torch.long)
+    weights = torch.arange(
+        1, tree.num_tokens + 1, dtype=torch.long
+    )  # an int64 sum may wrap: still a fingerprint
+    mine = torch.tensor(
+        [
+            tree.num_tokens,
+            len(tree.segments),
+            int(((tree.tokens + 1) * weights).sum()),
+            int(((tree.position_ids + 1) * weights).sum()),
+            int((lengths * torch.arange(1, len(lengths) + 1)).sum()),
+        ],
+        dtype=torch.long,
+        device=comm_device(groups.pp),
+    )
+    every = [torch.empty_like(mine) for _ in range(groups.pp_size)]
+    dist.all_gather(every, mine, group=groups.pp)
+    assert all(torch.equal(e, mine) for e in every), "pipeline stages hold different prefix trees"
 
 
 # ---- the stage's parameters in the whole model's names -----------------------------------------------------------

@@ -47,7 +47,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from megatron_branch.attention.context import LocalContext, attach_context
 from megatron_branch.attention.layout import AttentionLayout
@@ -55,8 +54,7 @@ from megatron_branch.attention.prefix_state import ChunkTree, Handoff, Tensors
 from megatron_branch.data import PrefixTree
 from megatron_branch.errors import SettingError
 from megatron_branch.losses.objective import BoundObjective, Objective
-from megatron_branch.parallel.groups import comm_device
-from megatron_branch.parallel.pipeline import Shape, StageLink, broadcast_from_last
+from megatron_branch.parallel.pipeline import Shape, StageLink, broadcast_from_last, check_same_tree
 from megatron_branch.rules import API, check_pipeline, check_run
 from megatron_branch.schedule import unshared
 from megatron_branch.schedule.chunks import Chunk, CPChunk
@@ -357,7 +355,7 @@ def run_pipeline(
         )
     except SettingError as e:
         raise e.spelled(API) from None
-    check_same_tree(tree, opts)
+    check_same_tree(tree, opts.groups)
     bound = objective.bind(tree) if objective is not None else None
     p = _Pipeline(model, tree, bound, opts, forward_only=forward_only)
     if name == "packed":
@@ -375,30 +373,6 @@ def run_pipeline(
         positions_recomputed=p.recomputed,
         forwards=p.forwards,
     )
-
-
-def check_same_tree(tree: PrefixTree, opts: ScheduleOptions) -> None:
-    """Every stage must walk the same tree (one program, matching messages): a fingerprint of its tokens, positions
-    and segment lengths, gathered over the pipeline group (an invariant: each stage built it from the same
-    rollouts)."""
-    lengths = torch.tensor([s.length for s in tree.segments], dtype=torch.long)
-    weights = torch.arange(
-        1, tree.num_tokens + 1, dtype=torch.long
-    )  # int64 sums may wrap: still a fingerprint
-    mine = torch.tensor(
-        [
-            tree.num_tokens,
-            len(tree.segments),
-            int(((tree.tokens + 1) * weights).sum()),
-            int(((tree.position_ids + 1) * weights).sum()),
-            int((lengths * torch.arange(1, len(lengths) + 1)).sum()),
-        ],
-        dtype=torch.long,
-        device=comm_device(opts.pp_group),
-    )
-    every = [torch.empty_like(mine) for _ in range(opts.pp_size)]
-    dist.all_gather(every, mine, group=opts.pp_group)
-    assert all(torch.equal(e, mine) for e in every), "pipeline stages hold different prefix trees"
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
