@@ -82,7 +82,7 @@ def _make_tmp_dir(out_dir: Path, *, overwrite: bool) -> Path:
     return Path(path)
 
 
-def check_sharded_keys(sharded: dict[str, Any], arch: ModelArch, *, stage: bool = False) -> None:
+def check_sharded_keys(sharded: dict[str, Any], arch: ModelArch, stage: bool = False) -> None:
     """The model's checkpoint keys are those of megatron's TE layer spec (param_map.sharded_keys), so the
     checkpoint loads under either spec; a megatron-core that names them otherwise is refused, in one line.
     `stage`: the model is one pipeline stage, whose keys are some of them (the stages together save all)."""
@@ -120,9 +120,9 @@ def save_mcore_checkpoint(
     """
     out = Path(out_dir)
     sharded = model.sharded_state_dict()
-    stage = getattr(model.config, "pipeline_model_parallel_size", 1) > 1
+    stage = getattr(model.config, "pipeline_model_parallel_size", 1) > 1  # a pipeline stage: some of the keys
     check_sharded_keys(
-        sharded, arch, stage=stage
+        sharded, arch, stage
     )  # the same on every rank: raised everywhere, before anything is written
     tmp = _make_tmp_dir(out, overwrite=overwrite)
     rank, _ = _rank_world()
