@@ -51,6 +51,9 @@ MODEL_FLAGS: dict[str, str] = {
     "ffn": "ffn_hidden_size",
     "vocab": "vocab_size",
     "tie": "tie_word_embeddings",
+    "experts": "num_experts",
+    "top_k": "moe_top_k",
+    "expert_ffn": "moe_ffn_hidden_size",
 }
 """The bench's short model flags (--layers, --kv-heads, ...) -> the ModelArch fields they set: the bench's model is
 a ModelArch (models/arch.py; a Llama with random weights: only its shape matters for speed and memory)."""
@@ -65,8 +68,13 @@ def bench_model(
     ffn: int = 0,
     vocab: int = 1024,
     tie: bool = False,
+    experts: int = 0,
+    top_k: int = 2,
+    expert_ffn: int = 0,
 ) -> ModelArch:
-    """The ModelArch the bench flags describe (ffn 0 = 3 x hidden); a bad flag is refused by its name."""
+    """The ModelArch the bench flags describe (ffn 0 = 3 x hidden); a bad flag is refused by its name. experts > 0:
+    a Qwen3-MoE-style model (q/k norms, megatron's MoELayer in every MLP slot, top_k experts of width expert_ffn,
+    0 = hidden)."""
     for name, v in (("layers", layers), ("hidden", hidden), ("heads", heads), ("kv_heads", kv_heads),
                     ("vocab", vocab)):  # fmt: skip
         if v <= 0:
@@ -75,8 +83,14 @@ def bench_model(
         raise UserError(f"--heads {heads} must be a multiple of --kv-heads {kv_heads}")
     if hidden % heads:
         raise UserError(f"--hidden {hidden} must be a multiple of --heads {heads}")
+    if experts < 0 or (experts and not 0 < top_k <= experts):
+        raise UserError(f"--experts {experts} / --top-k {top_k}: need 0 < top-k <= experts")
+    moe: dict[str, Any] = {"family": "llama"}
+    if experts:
+        moe = dict(family="qwen3_moe", qk_norm=True, num_experts=experts, moe_top_k=top_k,
+                   moe_ffn_hidden_size=expert_ffn or hidden)  # fmt: skip
     return ModelArch(
-        family="llama",
+        **moe,
         vocab_size=vocab,
         hidden_size=hidden,
         num_layers=layers,
@@ -92,6 +106,10 @@ def model_flags(arch: ModelArch) -> dict[str, Any]:
     flags = {flag: getattr(arch, name) for flag, name in MODEL_FLAGS.items()}
     if flags["ffn"] == 3 * flags["hidden"]:
         flags["ffn"] = 0  # follows --hidden when that is overridden
+    if not flags["experts"]:
+        flags["top_k"] = 2  # a dense model: --experts alone gives top-2
+    if flags["expert_ffn"] == flags["hidden"]:
+        flags["expert_ffn"] = 0
     return flags
 
 
@@ -174,6 +192,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "memory-G": dict(model=_m(layers=4, hidden=512, heads=8, kv_heads=2, vocab=32000), prompts=(4096,),
                      branches=(4, 8, 16, 32), response=128, variants=("naive-fused", "packed", "replay",
                                                                        "replay+recompute")),
+    # a mixture of experts (Qwen3-MoE-style: 8 experts of width 256, top-2, megatron's MoELayer) on the CPU
+    "moe": dict(model=_m(layers=2, hidden=256, heads=4, kv_heads=2, vocab=32000, experts=8, top_k=2, expert_ffn=256),
+                prompts=(2048,), branches=(8,), response=128,
+                variants=("naive-fused", "packed-nosharing", "packed", "replay", "replay+recompute")),
     # seconds on a laptop: the smoke test and a first look
     "tiny": dict(model=_m(layers=2, hidden=32, heads=4, kv_heads=2, vocab=64), prompts=(48,), branches=(4,),
                  response=8, rounds=1),

@@ -42,11 +42,11 @@ class Flops:
 
 
 def per_position_flops(arch: ModelArch) -> float:
-    """Forward layer matmul FLOPs of one token position (output projection excluded)."""
-    h, hd = arch.hidden_size, arch.head_dim or arch.hidden_size // arch.num_attention_heads
-    q, kv = arch.num_attention_heads * hd, arch.num_query_groups * hd
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * arch.ffn_hidden_size
-    return 2.0 * arch.num_layers * per_layer
+    """Forward layer matmul FLOPs of one token position (output projection excluded; a MoE layer: its router and
+    top-k experts): the planner's count (plan/flops.py), one formula."""
+    from megatron_branch.plan.flops import layer_matmul_flops_per_token
+
+    return float(layer_matmul_flops_per_token(arch))
 
 
 def per_row_head_flops(arch: ModelArch) -> float:

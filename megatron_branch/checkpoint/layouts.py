@@ -60,9 +60,27 @@ def hf_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
         ("up_proj.weight", (f, h)),
         ("down_proj.weight", (h, f)),
     )
+    moe = _moe_shape(name, arch)
+    if moe is not None:
+        return moe
     shape = next((s for suffix, s in table if name.endswith(suffix)), None)
     assert shape is not None, f"no shape rule for {name}"
     return shape
+
+
+def _moe_shape(name: str, arch: ModelArch) -> tuple[int, ...] | None:
+    """Shapes of a MoE layer's HF tensors (router, routed expert j, shared expert and its gate), else None."""
+    h, e = arch.hidden_size, arch.moe_ffn_hidden_size
+    if ".experts." in name:  # routed expert j: gate/up (Mixtral w1/w3) [e, h], down (w2) [h, e]
+        return (h, e) if name.endswith(("down_proj.weight", ".w2.weight")) else (e, h)
+    if ".shared_expert." in name:
+        sh = arch.shared_expert_ffn_hidden_size
+        return (h, sh) if name.endswith("down_proj.weight") else (sh, h)
+    if name.endswith("shared_expert_gate.weight"):
+        return (1, h)
+    if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+        return (arch.num_experts, h)
+    return None
 
 
 def mcore_rows(parts: Sequence[tuple[int, ...]]) -> tuple[int, ...]:

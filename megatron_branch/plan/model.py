@@ -42,6 +42,24 @@ MODEL_PRESETS: dict[str, ModelArch] = {
         rope_theta=5e5,
         max_position_embeddings=131072,
     ),
+    # Qwen/Qwen3-30B-A3B config.json: 48 MoE layers of 128 experts (width 768), top-8, norm_topk_prob
+    "qwen3-30b-a3b": ModelArch(
+        family="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        num_layers=48,
+        num_attention_heads=32,
+        num_query_groups=4,
+        head_dim=128,
+        ffn_hidden_size=6144,
+        rope_theta=1e6,
+        qk_norm=True,
+        max_position_embeddings=40960,
+        num_experts=128,
+        moe_top_k=8,
+        moe_ffn_hidden_size=768,
+        moe_norm_topk_prob=True,
+    ),
     # Qwen/Qwen2.5-32B config.json
     "qwen2.5-32b": ModelArch(
         family="qwen2",
@@ -260,21 +278,33 @@ def load_model(spec: str) -> tuple[str, ModelArch]:
 
 def parameter_count(arch: ModelArch) -> dict[str, int]:
     """Parameters by part: embedding, output layer (0 when tied), per full-attention layer, per linear-attention
-    (gated delta net) layer, final norm, the total, and those every TP rank holds whole (norms)."""
+    (gated delta net) layer, final norm, the total, and those every TP rank holds whole (norms). A MoE model: per
+    MoE layer its attention, norms, router and shared expert ("moe_layer"), the routed experts of all layers
+    ("experts", split over EP x TP) and those a token passes ("active_experts")."""
     from megatron_branch.plan.layers import attention_layer_params, gdn_layer_params, replicated_layer_params
 
     h = arch.hidden_size
     full, linear = arch.num_full_layers, arch.num_linear_layers
     layer = attention_layer_params(arch)
     linear_layer = gdn_layer_params(arch) if linear else 0
+    n_moe = len(arch.moe_layers)
+    sh = arch.shared_expert_ffn_hidden_size
+    dense_mlp = 3 * h * arch.ffn_hidden_size
+    moe_layer = layer - dense_mlp + arch.num_experts * h + 3 * h * sh + (h if arch.shared_expert_gate else 0)
+    experts = n_moe * arch.num_experts * 3 * h * arch.moe_ffn_hidden_size
     return {
         "embedding": arch.vocab_size * h,
         "output": 0 if arch.tie_word_embeddings else arch.vocab_size * h,
         "layer": layer,
+        "moe_layer": moe_layer if n_moe else 0,
+        "experts": experts,
+        "active_experts": n_moe * arch.moe_top_k * 3 * h * arch.moe_ffn_hidden_size,
         "linear_layer": linear_layer,
         "final_norm": h,
         "total": arch.vocab_size * h * (1 if arch.tie_word_embeddings else 2)
-        + full * layer
+        + (full - n_moe) * layer
+        + n_moe * moe_layer
+        + experts
         + linear * linear_layer
         + h,
         "replicated": full * replicated_layer_params(arch, False)

@@ -32,6 +32,7 @@ from megatron_branch.models.arch import ModelArch, check_schedule_supports
 from megatron_branch.parallel.layout import ParallelLayout
 from megatron_branch.rules import TRAIN_SCHEDULES, check_run, check_sampling
 from megatron_branch.train.algorithm import resolve_algorithm
+from megatron_branch.train.moe import MoEConfig, check_moe
 
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -42,8 +43,10 @@ class ArchConfig(ModelArch):
     every field is a key; the fields below are the ones whose default differs. `resolve` is the validated arch."""
 
     family: str = "llama"
-    """"llama" (no QKV bias), "qwen2" (QKV bias), "qwen3" (q/k norms) or "qwen3_5" (a hybrid: set layer_types
-    and the linear_* widths; q/k norms, zero-centred norms and the attention output gate by default)."""
+    """"llama" (no QKV bias), "qwen2" (QKV bias), "qwen3" (q/k norms), "qwen3_5" (a hybrid: set layer_types
+    and the linear_* widths; q/k norms, zero-centred norms and the attention output gate by default), or a mixture of
+    experts on megatron's MoELayer: "qwen3_moe" (q/k norms), "mixtral", "qwen2_moe" (QKV bias; a shared expert with
+    shared_expert_ffn_hidden_size); MoE needs num_experts, moe_top_k and moe_ffn_hidden_size."""
     vocab_size: int | None = None  # type: ignore[assignment]
     """None = the tokenizer's vocabulary size."""
     hidden_size: int = 64
@@ -59,9 +62,9 @@ class ArchConfig(ModelArch):
     max_position_embeddings: int = 1024
     """The model's context: prompt + response must fit."""
     qkv_bias: bool | None = None  # type: ignore[assignment]
-    """Bias on the Q/K/V projections; None = the family's (qwen2: true)."""
+    """Bias on the Q/K/V projections; None = the family's (qwen2, qwen2_moe: true)."""
     qk_norm: bool | None = None  # type: ignore[assignment]
-    """RMSNorm on each head's query and key; None = the family's (qwen3, qwen3_5: true)."""
+    """RMSNorm on each head's query and key; None = the family's (qwen3, qwen3_5, qwen3_moe: true)."""
     zero_centered_norm: bool | None = None  # type: ignore[assignment]
     """RMSNorm weights stored as offsets from one; None = the family's (qwen3_5: true)."""
     attention_output_gate: bool | None = None  # type: ignore[assignment]
@@ -75,9 +78,9 @@ class ArchConfig(ModelArch):
         kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(ModelArch)}
         kw["vocab_size"] = self.vocab_size or vocab_size
         if kw["qkv_bias"] is None:
-            kw["qkv_bias"] = self.family == "qwen2"
+            kw["qkv_bias"] = self.family in ("qwen2", "qwen2_moe")
         if kw["qk_norm"] is None:
-            kw["qk_norm"] = self.family in ("qwen3", "qwen3_5")
+            kw["qk_norm"] = self.family in ("qwen3", "qwen3_5", "qwen3_moe")
         for name in ("zero_centered_norm", "attention_output_gate"):
             if kw[name] is None:
                 kw[name] = self.family == "qwen3_5"
@@ -371,6 +374,8 @@ class TrainConfig:
     """Checkpoint contents."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Steps, saving, resuming, run folder."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """A mixture-of-experts policy's router losses and routing replay (train/moe.py)."""
 
     def __post_init__(self) -> None:
         validate(self)
@@ -388,6 +393,8 @@ def _config_spelling() -> Spelling:
         backend="schedule.backend",
         share_prefix="rollout.share_prefix",
         branch_at="rollout.branch_at",
+        moe="moe.*",
+        capacity_factor="moe.expert_capacity_factor",
     )
     return Spelling(names=names, assign="=")
 
@@ -768,6 +775,7 @@ def check_model(cfg: TrainConfig) -> None:
         arch.check_tensor_parallel(cfg.parallel.tp)
     except UserError as e:
         raise UserError(f"parallel.tp: {e}") from None
+    check_moe(cfg, arch)
     if cfg.data.max_prompt_length is not None:
         check_fits_context(
             cfg,
