@@ -123,35 +123,37 @@ class Lockstep:
             self._dummy_forward(grad=decision == F)
 
     def _decide(self, mine: int, top_dummy: bool) -> int:
-        mine_t = torch.tensor([mine, int(top_dummy), len(self.stack)], dtype=torch.long)
+        props, tops, depths = zip(*self._gather([mine, int(top_dummy), len(self.stack)]), strict=True)
+        return decision(props, tops, depths)
+
+    def _gather(self, state: list[int]) -> list[list[int]]:
+        """Every rank's (proposal, top is a dummy, stack depth), in rank order: one all-gather over the group."""
+        mine_t = torch.tensor(state, dtype=torch.long)
         parts = [torch.zeros_like(mine_t) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(parts, mine_t, group=self.group)
-        props, tops, depths = zip(*(p.tolist() for p in parts), strict=True)
-        assert len(set(depths)) == 1, f"lockstep stacks diverged: {depths}"
-        if all(p == DONE for p in props) and depths[0] == 0:
-            return END
-        if depths[0] > 0 and all(p == B or t for p, t in zip(props, tops, strict=True)):
-            return B
-        if N in props:
-            return N
-        assert F in props, props
-        return F
+        return [p.tolist() for p in parts]
 
     def _dummy_forward(self, *, grad: bool) -> None:
-        from megatron_branch.attention.core_attention import BranchContext
+        from megatron_branch.attention.context import LocalContext
         from megatron_branch.attention.layout import AttentionLayout, QuerySegment
+        from megatron_branch.attention.prefix_state import ChunkSegment, ChunkTree
 
         base = getattr(self.model, "module", self.model)
         dev = next(base.parameters()).device
         s = self.rows
-        layout = AttentionLayout(
-            num_queries=s, num_keys=s, segments=(QuerySegment(q_start=0, q_end=s, self_k_start=0),)
+        # one causal root segment of s rows, for every layer kind that reads the context (attention: the layout;
+        # a recurrent mixer: the tree, a root starting from the zero state)
+        ctx = LocalContext(
+            layout=AttentionLayout(
+                num_queries=s, num_keys=s, segments=(QuerySegment(q_start=0, q_end=s, self_k_start=0),)
+            ),
+            tree=ChunkTree(segments=(ChunkSegment(0, s, None),)),
         )
         ids = torch.zeros(1, s, dtype=torch.long, device=dev)
         self._inner = True
         try:
             # the real forward this dummy runs before may have its contexts attached already: swap them out
-            with torch.set_grad_enabled(grad), _swapped(base, BranchContext(layout=layout)):
+            with torch.set_grad_enabled(grad), _swapped(base, ctx):
                 out = base(ids, torch.zeros_like(ids), None)  # [s(/tp), 1, h]
         finally:
             self._inner = False
@@ -172,13 +174,14 @@ class Lockstep:
 
 @contextmanager
 def _swapped(base: torch.nn.Module, ctx: Any) -> Iterator[None]:
-    """`ctx` on every core attention, no router context, hidden states out; whatever was there restored after."""
-    from megatron_branch.attention.core_attention import branch_attention_modules
+    """`ctx` on every module that reads a branch context (attention, a recurrent mixer), no router context, hidden
+    states out; whatever was there restored after."""
+    from megatron_branch.attention.context import context_modules
     from megatron_branch.models.moe import branch_routers
 
-    attns, routers = branch_attention_modules(base), branch_routers(base)
-    held = [m.context for m in attns], [r.context for r in routers], base._hidden_only
-    for m in attns:
+    mods, routers = context_modules(base), branch_routers(base)
+    held = [m.context for m in mods], [r.context for r in routers], base._hidden_only
+    for m in mods:
         m.context = ctx
     for r in routers:
         r.context = None
@@ -186,11 +189,26 @@ def _swapped(base: torch.nn.Module, ctx: Any) -> Iterator[None]:
     try:
         yield
     finally:
-        for m, c in zip(attns, held[0], strict=True):
+        for m, c in zip(mods, held[0], strict=True):
             m.context = c
         for r, c in zip(routers, held[1], strict=True):
             r.context = c
         base._hidden_only = held[2]
+
+
+def decision(props: Sequence[int], tops: Sequence[int], depths: Sequence[int]) -> int:
+    """The event every rank runs next, from every rank's proposal, whether its top graph is a dummy, and its stack
+    depth (the same on all ranks): END when all are DONE with nothing open; B when no rank would have to close a
+    real graph it is not ready to close; else N before F (a no-graph forward opens nothing)."""
+    assert len(set(depths)) == 1, f"lockstep stacks diverged: {depths}"
+    if all(p == DONE for p in props) and depths[0] == 0:
+        return END
+    if depths[0] > 0 and all(p == B or t for p, t in zip(props, tops, strict=True)):
+        return B
+    if N in props:
+        return N
+    assert F in props, props
+    return F
 
 
 def _first_tensor(output: Any) -> torch.Tensor | None:
