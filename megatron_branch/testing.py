@@ -46,7 +46,10 @@ def tiny_hf_config(
     hidden/heads) or Qwen3.5 text model ("qwen3_5": 3 linear-attention layers to 1 full by default, head_dim 16,
     partial RoPE 0.5 so that 8 of 16 dims rotate, multimodal RoPE sections, 2 key / 4 value GDN heads of 8), or a
     mixture of experts: "qwen3_moe" (4 experts of width 16, top-2, norm_topk_prob), "mixtral" (4 experts of width
-    `ffn`, top-2), "qwen2_moe" (as qwen3_moe plus a shared expert of width 24); `moe` overrides their fields."""
+    `ffn`, top-2), "qwen2_moe" (as qwen3_moe plus a shared expert of width 24), or a MoE hybrid: "qwen3_5_moe"
+    (qwen3_5's layers, every one with qwen2_moe's experts; no dense MLP) or "qwen3_next" (the same, text-only RoPE,
+    its GDN projections fused per key head; MoE layers by decoder_sparse_step / mlp_only_layers); `moe` overrides
+    their fields."""
     import transformers
 
     kw: dict[str, Any] = dict(
@@ -67,16 +70,14 @@ def tiny_hf_config(
         return transformers.Qwen2Config(architectures=["Qwen2ForCausalLM"], **kw)
     if family == "qwen3":
         return transformers.Qwen3Config(architectures=["Qwen3ForCausalLM"], head_dim=head_dim or 16, **kw)
-    if family == "qwen3_5":
-        from transformers.models.qwen3_5 import Qwen3_5TextConfig
-
-        kw["rope_parameters"].update(
-            partial_rotary_factor=0.5, mrope_section=[2, 1, 1], mrope_interleaved=True
-        )
+    moe_kw: dict[str, Any] = dict(num_experts_per_tok=2)
+    if family in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        kw["rope_parameters"]["partial_rotary_factor"] = 0.5
+        if family != "qwen3_next":
+            kw["rope_parameters"].update(mrope_section=[2, 1, 1], mrope_interleaved=True)
         if layer_types is None:
             layer_types = ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(num_layers)]
-        return Qwen3_5TextConfig(
-            architectures=["Qwen3_5ForCausalLM"],
+        kw.update(
             head_dim=head_dim or 16,
             layer_types=list(layer_types),
             linear_conv_kernel_dim=4,
@@ -84,9 +85,20 @@ def tiny_hf_config(
             linear_value_head_dim=8,
             linear_num_key_heads=2,
             linear_num_value_heads=4,
-            **kw,
         )
-    moe_kw: dict[str, Any] = dict(num_experts_per_tok=2)
+        if family == "qwen3_5":
+            from transformers.models.qwen3_5 import Qwen3_5TextConfig
+
+            return Qwen3_5TextConfig(architectures=["Qwen3_5ForCausalLM"], **kw)
+        moe_kw.update(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+        if family == "qwen3_next":
+            moe_kw.update(norm_topk_prob=True, **(moe or {}))
+            return transformers.Qwen3NextConfig(architectures=["Qwen3NextForCausalLM"], **moe_kw, **kw)
+        from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
+
+        del kw["intermediate_size"]  # no dense MLP
+        moe_kw.update(moe or {})
+        return Qwen3_5MoeTextConfig(architectures=["Qwen3_5MoeForCausalLM"], **moe_kw, **kw)
     if family == "qwen3_moe":
         moe_kw.update(num_experts=4, moe_intermediate_size=16, norm_topk_prob=True)
         moe_kw.update(moe or {})
@@ -169,7 +181,7 @@ def tiny_hf_model(config: Any, *, seed: int = 0, dtype: torch.dtype = torch.floa
     return model.to(dtype)
 
 
-ZERO_CENTERED_HF_NORMS = ("Qwen3_5RMSNorm", "Qwen3NextRMSNorm")
+ZERO_CENTERED_HF_NORMS = ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3NextRMSNorm")
 """transformers' RMSNorms whose weight is an offset from one: x / rms(x) * (1 + w)."""
 
 

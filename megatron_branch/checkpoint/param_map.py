@@ -32,9 +32,15 @@ Layouts (verified against megatron-core 0.16.1 source; checkpoint/layouts.py doe
   checkpoint every expert of a layer is one key (`mlp.experts.experts.linear_fc1.weight`, the global expert
   index an axis: megatron's SequentialMLP.sharded_state_dict), and a MoE layer's pre-MLP norm is
   `pre_mlp_layernorm.weight` under both specs (the TE MoE spec keeps that norm apart: nothing to fuse it into).
-- HF containers: a qwen3_5 checkpoint may be the multimodal Qwen3_5ForConditionalGeneration, whose text model is
-  under `model.language_model.`; its vision tower (`model.visual.`) and MTP head (`mtp.`) are not part of the
-  policy and are not converted (transformers' Qwen3_5ForCausalLM drops them on load the same way).
+- HF containers: a qwen3_5 / qwen3_5_moe checkpoint may be the multimodal ...ForConditionalGeneration, whose text
+  model is under `model.language_model.`; its vision tower (`model.visual.`) and MTP head (`mtp.`, Qwen3-Next's
+  too) are not part of the policy and are not converted (transformers' ...ForCausalLM drops them on load the same
+  way).
+- MoE hybrids (qwen3_5_moe, qwen3_next): the hybrid's attention and GDN rules with the MoE rules in the MLP slot.
+  Qwen3-Next's GDN projections are HF's in_proj_qkvz / in_proj_ba, rows grouped per key head
+  (`gdn_in_proj_grouped`, layouts.py); the published Qwen3.5-MoE checkpoints store each layer's experts as two 3-D
+  tensors (`mlp.experts.gate_up_proj` [E, 2e, h], `mlp.experts.down_proj` [E, h, e]), read as the per-expert
+  tensors save_pretrained writes (hf_io.py `split_fused_experts`).
 
 Streaming: `iter_hf_to_mcore` / `iter_mcore_to_hf` ask for the source tensors of one rule at a time, so a caller
 that reads lazily (hf_io) holds about one layer in memory.
@@ -54,9 +60,16 @@ from megatron_branch.models.arch import ModelArch
 
 # Buffers some older HF checkpoints carry; recomputed from the config, never converted.
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
-HF_TEXT_PREFIXES: dict[str, tuple[tuple[str, str], ...]] = {"qwen3_5": (("model.language_model.", "model."),)}
+HF_TEXT_PREFIXES: dict[str, tuple[tuple[str, str], ...]] = {
+    "qwen3_5": (("model.language_model.", "model."),),
+    "qwen3_5_moe": (("model.language_model.", "model."),),
+}
 """family -> (stored prefix, canonical prefix): an HF container's text model under the names the rules use."""
-HF_NOT_CONVERTED: dict[str, tuple[str, ...]] = {"qwen3_5": ("model.visual.", "mtp.")}
+HF_NOT_CONVERTED: dict[str, tuple[str, ...]] = {
+    "qwen3_5": ("model.visual.", "mtp."),
+    "qwen3_5_moe": ("model.visual.", "mtp."),
+    "qwen3_next": ("mtp.",),
+}
 """family -> HF tensor prefixes that are not part of the policy (vision tower, multi-token-prediction head)."""
 TRANSFORM_NAMES = tuple(TRANSFORMS)
 SPECS = ("local", "te")
@@ -311,6 +324,36 @@ HYBRID_RULES: tuple[Rule, ...] = (
     *MLP,
     *HEAD,
 )
+# Qwen3-Next stores each GDN layer's projections fused per key head: in_proj_qkvz, in_proj_ba (layouts.py)
+GATED_DELTA_NET_GROUPED = tuple(
+    dataclasses.replace(
+        r,
+        hf=(_L + _LIN + "in_proj_qkvz.weight", _L + _LIN + "in_proj_ba.weight"),
+        transform="gdn_in_proj_grouped",
+    )
+    if r.transform == "gdn_in_proj"
+    else r
+    for r in GATED_DELTA_NET
+)
+# The MoE hybrids: Qwen3.5-MoE (every layer MoE) and Qwen3-Next (dense layers where its config says), the gated
+# attention and delta net of the hybrids, the experts of Qwen2-MoE (shared expert and its gate)
+QWEN3_5_MOE_RULES: tuple[Rule, ...] = (
+    EMBEDDING,
+    *_attention("qkv_gate_interleave", "full"),
+    *GATED_DELTA_NET,
+    *_moe("mlp.", "gate_proj", "up_proj", "down_proj"),
+    *SHARED_EXPERT,
+    *HEAD,
+)
+QWEN3_NEXT_RULES: tuple[Rule, ...] = (
+    EMBEDDING,
+    *_attention("qkv_gate_interleave", "full"),
+    *GATED_DELTA_NET_GROUPED,
+    *_mlp("dense"),
+    *_moe("mlp.", "gate_proj", "up_proj", "down_proj"),
+    *SHARED_EXPERT,
+    *HEAD,
+)
 # Qwen3-MoE and Qwen2-MoE share names (Qwen2-MoE adds the QKV bias and the shared expert); Mixtral is Llama's
 # attention with the experts under block_sparse_moe and w1 / w3 / w2.
 QWEN_MOE_RULES: tuple[Rule, ...] = (
@@ -335,6 +378,8 @@ PARAM_MAPS: dict[str, tuple[Rule, ...]] = {
     "qwen3_moe": QWEN_MOE_RULES,
     "qwen2_moe": QWEN_MOE_RULES,
     "mixtral": MIXTRAL_RULES,
+    "qwen3_5_moe": QWEN3_5_MOE_RULES,
+    "qwen3_next": QWEN3_NEXT_RULES,
 }
 
 

@@ -18,6 +18,11 @@ Mixture-of-experts families (megatron's MoELayer: top-k router, SequentialMLP ex
     mixtral   MixtralForCausalLM: Llama attention; every layer MoE, top-k renormalised
     qwen2_moe Qwen2MoeForCausalLM: Qwen2 attention (QKV bias); routed experts plus a shared expert with its
               sigmoid gate (megatron's SharedExpertMLP, moe_shared_expert_gate)
+Mixture-of-experts hybrids (both of the above in one model: a gated delta net or gated attention, then a MoELayer):
+    qwen3_5_moe  Qwen3_5MoeForCausalLM / Qwen3_5MoeForConditionalGeneration (Qwen3.5 / Qwen3.6 MoE text models):
+              qwen3_5's layers with a MoE block (top-k renormalised, gated shared expert) in every layer
+    qwen3_next   Qwen3NextForCausalLM: the same layers (its GDN projections stored fused per key head), MoE layers
+              as qwen3_moe's rule decides, gated shared expert
 """
 
 from __future__ import annotations
@@ -30,8 +35,18 @@ import torch
 
 from megatron_branch.errors import UserError
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_5", "qwen3_moe", "mixtral", "qwen2_moe")
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
+FAMILIES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_5",
+    "qwen3_moe",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_5_moe",
+    "qwen3_next",
+)
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "qwen3_5_moe", "qwen3_next")
 LAYER_TYPES = ("full_attention", "linear_attention")
 """HF's names for the two kinds of token mixer (Qwen3.5 `layer_types`)."""
 

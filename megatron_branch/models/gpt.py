@@ -55,19 +55,20 @@ def branch_layer_spec(*, use_apex_or_te_norm: bool = False, qk_norm: bool = Fals
 
 
 def layer_specs(arch: ModelArch) -> list[ModuleSpec]:
-    """One spec per layer: the full-attention layer, or (hybrids) megatron's GatedDeltaNet layer."""
+    """One spec per layer: its token mixer (full attention, or megatron's GatedDeltaNet in a hybrid's linear
+    layers), then its MLP slot (the dense SwiGLU, or megatron's MoELayer in a MoE layer: models/moe.py)."""
     attention = branch_layer_spec(qk_norm=arch.qk_norm)
-    if arch.is_moe:  # megatron's MoELayer in the MLP slot of the MoE layers (models/moe.py)
+    mixers = {False: attention}
+    if arch.is_hybrid:
+        from megatron_branch.models.gdn import gdn_layer_spec
+
+        mixers[True] = gdn_layer_spec(attention)
+    specs = {(lin, False): spec for lin, spec in mixers.items()}
+    if arch.is_moe:
         from megatron_branch.models.moe import moe_layer_spec
 
-        moe = moe_layer_spec(attention)
-        return [moe if arch.is_moe_layer(i) else attention for i in range(arch.num_layers)]
-    if not arch.is_hybrid:
-        return [attention] * arch.num_layers
-    from megatron_branch.models.gdn import gdn_layer_spec
-
-    linear = gdn_layer_spec(attention)
-    return [linear if arch.is_linear(i) else attention for i in range(arch.num_layers)]
+        specs.update({(lin, True): moe_layer_spec(spec) for lin, spec in mixers.items()})
+    return [specs[arch.is_linear(i), arch.is_moe_layer(i)] for i in range(arch.num_layers)]
 
 
 class BranchGPTModel(GPTModel):

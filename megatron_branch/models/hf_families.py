@@ -20,6 +20,14 @@ against), and what is refused because this engine would not compute it exactly:
               (random) and sliding_window refused
     qwen2_moe Qwen2 attention (qkv_bias, default true) + experts as qwen3_moe + the shared expert
               (shared_expert_intermediate_size) with its sigmoid gate
+    qwen3_5_moe  Qwen3_5MoeTextConfig, or the multimodal Qwen3_5MoeConfig (text_config): the qwen3_5 hybrid with a
+              MoE block in EVERY layer (transformers' Qwen3_5MoeDecoderLayer builds no dense MLP, so
+              mlp_only_layers / decoder_sparse_step mean nothing), top-k always renormalised (its router has no
+              norm_topk_prob switch), a shared expert with its sigmoid gate
+    qwen3_next   Qwen3NextConfig: the same hybrid (gated attention, zero-centred norms, partial RoPE; text only, no
+              multimodal RoPE) with the gated delta net's projections fused per key head (in_proj_qkvz, in_proj_ba:
+              checkpoint/layouts.py), MoE layers as qwen3_moe (decoder_sparse_step, mlp_only_layers,
+              norm_topk_prob, default true) plus the gated shared expert
     router_aux_loss_coef / output_router_logits are HF's training switches, not architecture: the router losses a run
     uses are its own settings (train config `actor.moe`, grad's --moe-* flags).
 """
@@ -39,6 +47,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 """HF class -> family."""
 MODEL_TYPES = {
@@ -50,6 +61,9 @@ MODEL_TYPES = {
     "qwen3_moe": "qwen3_moe",
     "mixtral": "mixtral",
     "qwen2_moe": "qwen2_moe",
+    "qwen3_5_moe": "qwen3_5_moe",
+    "qwen3_5_moe_text": "qwen3_5_moe",
+    "qwen3_next": "qwen3_next",
 }
 """config.json model_type -> family."""
 EXPORT_CLASS = {
@@ -60,9 +74,17 @@ EXPORT_CLASS = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",  # the text model
+    "qwen3_next": "Qwen3NextForCausalLM",
 }
 """family -> the HF class written on export."""
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "qwen3_5_moe", "qwen3_next")
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+"""Families whose layers are gated delta net or gated attention (`_qwen3_5`)."""
+CONTAINER_FAMILIES = ("qwen3_5", "qwen3_5_moe")
+"""Families whose multimodal config holds the text model's fields under `text_config`."""
+GATED_SHARED_EXPERT_FAMILIES = ("qwen2_moe", "qwen3_5_moe", "qwen3_next")
+"""Families whose MoE block adds a shared expert scaled by sigmoid(x . w) (Qwen2MoeSparseMoeBlock and its heirs)."""
 QKV_BIAS_FAMILIES = ("qwen2", "qwen2_moe")
 QWEN3_5_GATED_NORM_GATES = (None, "swish")
 """Qwen3.5's `output_gate_type`: HF gates the linear-attention output norm with silu (= swish), whatever it says."""
@@ -112,7 +134,7 @@ def arch_fields_from_hf(cfg: Any, *, where: str = "config.json") -> dict[str, An
     top = _as_dict(cfg)
     family = check_supported_architecture(top.get("model_type"), top.get("architectures"), where=where)
     d = top
-    if family == "qwen3_5" and isinstance(top.get("text_config"), dict):
+    if family in CONTAINER_FAMILIES and isinstance(top.get("text_config"), dict):
         d = {**top["text_config"]}  # the multimodal container: its text model is the policy
         d.setdefault("tie_word_embeddings", top.get("tie_word_embeddings", False))
     if d.get("hidden_act", "silu") != "silu":
@@ -136,7 +158,8 @@ def arch_fields_from_hf(cfg: Any, *, where: str = "config.json") -> dict[str, An
             num_layers=d["num_hidden_layers"],
             num_attention_heads=n_heads,
             num_query_groups=d.get("num_key_value_heads") or n_heads,
-            ffn_hidden_size=d["intermediate_size"],  # mixtral: every layer MoE, this is the expert width
+            # mixtral: every layer MoE, this is the expert width; qwen3_5_moe has no dense MLP and no such field
+            ffn_hidden_size=d["moe_intermediate_size" if family == "qwen3_5_moe" else "intermediate_size"],
             head_dim=d.get("head_dim"),
             rope_theta=theta,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
@@ -146,7 +169,7 @@ def arch_fields_from_hf(cfg: Any, *, where: str = "config.json") -> dict[str, An
         )
         if family in ("qwen3", "qwen3_moe"):
             _qwen3(d, fields, where)
-        elif family == "qwen3_5":
+        elif family in HYBRID_FAMILIES:
             _qwen3_5(d, rope, fields, where)
         if family in MOE_FAMILIES:
             _moe(family, d, fields, where)
@@ -165,7 +188,7 @@ def _qwen3(d: dict[str, Any], fields: dict[str, Any], where: str) -> None:
 
 
 def _moe(family: str, d: dict[str, Any], fields: dict[str, Any], where: str) -> None:
-    """The experts of qwen3_moe, mixtral and qwen2_moe (megatron's MoELayer, models/moe.py)."""
+    """The experts of the MoE families (megatron's MoELayer, models/moe.py)."""
     n = fields["num_layers"]
     if family == "mixtral":
         if float(d.get("router_jitter_noise") or 0.0) > 0:
@@ -184,6 +207,8 @@ def _moe(family: str, d: dict[str, Any], fields: dict[str, Any], where: str) -> 
     num = int(d["num_experts"] if "num_experts" in d else d["num_local_experts"])
     step = int(d.get("decoder_sparse_step", 1) or 1)
     dense = set(d.get("mlp_only_layers") or [])
+    if family == "qwen3_5_moe":  # Qwen3_5MoeDecoderLayer: a sparse block in every layer, whatever these say
+        step, dense = 1, set()
     bad = sorted(i for i in dense if not (isinstance(i, int) and 0 <= i < n))
     if bad:
         raise UserError(f"mlp_only_layers lists layer {bad[0]!r}, not one of 0..{n - 1}", where=where)
@@ -198,14 +223,21 @@ def _moe(family: str, d: dict[str, Any], fields: dict[str, Any], where: str) -> 
         num_experts=num,
         moe_top_k=int(d["num_experts_per_tok"]),
         moe_ffn_hidden_size=int(d["moe_intermediate_size"]),
-        moe_norm_topk_prob=bool(d.get("norm_topk_prob", False)),  # HF's default for both families
+        moe_norm_topk_prob=_norm_topk_prob(family, d),
         moe_layer_pattern=None if all(pattern) else pattern,
     )
-    if family == "qwen2_moe":
+    if family in GATED_SHARED_EXPERT_FAMILIES:
         fields.update(
             shared_expert_ffn_hidden_size=int(d["shared_expert_intermediate_size"]),
-            shared_expert_gate=True,  # Qwen2MoeSparseMoeBlock always gates its shared expert
+            shared_expert_gate=True,  # Qwen2MoeSparseMoeBlock and its heirs always gate their shared expert
         )
+
+
+def _norm_topk_prob(family: str, d: dict[str, Any]) -> bool:
+    """Whether the family's router renormalises the top-k probabilities, as transformers computes it."""
+    if family == "qwen3_5_moe":
+        return True  # Qwen3_5MoeTopKRouter always renormalises (it reads no norm_topk_prob)
+    return bool(d.get("norm_topk_prob", family == "qwen3_next"))  # HF's defaults: Qwen3-Next true, else false
 
 
 def _moe_hf_fields(arch: Any) -> dict[str, Any]:  # arch: a models.arch.ModelArch
@@ -222,8 +254,11 @@ def _moe_hf_fields(arch: Any) -> dict[str, Any]:  # arch: a models.arch.ModelArc
         mlp_only_layers=dense,
         output_router_logits=False,
     )
-    if arch.family == "qwen2_moe":
+    if arch.family in GATED_SHARED_EXPERT_FAMILIES:
         out["shared_expert_intermediate_size"] = arch.shared_expert_ffn_hidden_size
+    if arch.family == "qwen3_5_moe":  # its config has no such fields (every layer MoE, always renormalised)
+        for name in ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):
+            del out[name]
     return out
 
 
@@ -300,14 +335,13 @@ def hf_config_of(arch: Any) -> Any:  # arch: a models.arch.ModelArch (arch.py im
             output_router_logits=False,
             **{**common, "intermediate_size": arch.moe_ffn_hidden_size},
         )
-    assert arch.family == "qwen3_5", arch.family
+    assert arch.family in HYBRID_FAMILIES, arch.family
     rope["partial_rotary_factor"] = arch.rotary_percent
     if arch.mrope_section is not None:
         rope["mrope_section"] = list(arch.mrope_section)
-    rope["mrope_interleaved"] = arch.mrope_interleaved
-    from transformers.models.qwen3_5 import Qwen3_5TextConfig
-
-    return Qwen3_5TextConfig(
+    if arch.family != "qwen3_next":  # text only: no multimodal RoPE fields
+        rope["mrope_interleaved"] = arch.mrope_interleaved
+    hybrid: dict[str, Any] = dict(
         rope_parameters=rope,
         attention_bias=False,
         layer_types=list(arch.layer_types or ["full_attention"] * arch.num_layers),
@@ -318,3 +352,13 @@ def hf_config_of(arch: Any) -> Any:  # arch: a models.arch.ModelArch (arch.py im
         linear_num_value_heads=arch.linear_num_value_heads,
         **common,
     )
+    if arch.family == "qwen3_5":
+        from transformers.models.qwen3_5 import Qwen3_5TextConfig
+
+        return Qwen3_5TextConfig(**hybrid)
+    if arch.family == "qwen3_next":
+        return transformers.Qwen3NextConfig(**_moe_hf_fields(arch), **hybrid)
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
+
+    del hybrid["intermediate_size"]  # no dense MLP in any layer
+    return Qwen3_5MoeTextConfig(**_moe_hf_fields(arch), **hybrid)

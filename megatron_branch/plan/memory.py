@@ -95,7 +95,7 @@ class Dims:
     def linear_layers(self) -> int:
         return self.arch.num_linear_layers
 
-    moe_layers: int = 0  # MoE layers (the rest are dense)
+    moe_layers: int = 0  # MoE layers (the rest are dense), of either mixer kind
     experts: int = 0  # E
     top_k: int = 0
     i: int = 0  # routed expert width on this TP rank (expert TP = TP)
@@ -125,6 +125,16 @@ class Dims:
             arch=arch,
             gdn_kernel=gdn_kernel,
         )
+
+    @property
+    def moe_attn_layers(self) -> int:
+        """MoE layers among the full-attention ones (a MoE hybrid has MoE blocks after GDN layers too)."""
+        return sum(1 for i in self.arch.moe_layers if not self.arch.is_linear(i)) if self.moe_layers else 0
+
+    @property
+    def moe_linear_layers(self) -> int:
+        """MoE layers among the GDN ones."""
+        return self.moe_layers - self.moe_attn_layers
 
     def seq_rows(self, r: int) -> int:
         """Rows of a sequence-sharded tensor (SP shards the norms and linear inputs over TP)."""
@@ -158,10 +168,10 @@ def dispatcher_bytes(dm: Dims, r: int) -> int:
 
 def stack_other_bytes(dm: Dims, r: int, *, ext: int = 0, cp: int = 1) -> int:
     """`layer_other_bytes` over every full-attention layer: the dense ones and the MoE ones."""
-    dense = dm.attn_layers - dm.moe_layers
+    dense = dm.attn_layers - dm.moe_attn_layers
     out = dense * layer_other_bytes(dm, r, ext=ext, cp=cp)
-    if dm.moe_layers:
-        out += dm.moe_layers * layer_other_bytes(dm, r, ext=ext, cp=cp, moe=True)
+    if dm.moe_attn_layers:
+        out += dm.moe_attn_layers * layer_other_bytes(dm, r, ext=ext, cp=cp, moe=True)
     return out
 
 
@@ -180,11 +190,15 @@ def layer_other_bytes(dm: Dims, r: int, *, ext: int = 0, cp: int = 1, moe: bool 
     return norms + linear_in + rope + attn + mlp
 
 
-def linear_layer_bytes(dm: Dims, r: int, sequences: list[tuple[int, int]] | None = None) -> int:
+def linear_layer_bytes(
+    dm: Dims, r: int, sequences: list[tuple[int, int]] | None = None, *, moe: bool = False
+) -> int:
     """Per GDN layer over r rows made of `sequences` ((length, count); default one sequence of r): the attention
-    layer's norms, linear inputs and MLP, and the mixer's tensors per sequence (plan/layers.py)."""
+    layer's norms, linear inputs and MLP (`moe`: a MoE layer's, `moe_mlp_bytes`), and the mixer's tensors per
+    sequence (plan/layers.py)."""
     rn = dm.seq_rows(r)
-    norms_in_mlp = 2 * (2 * rn * dm.h * dm.e + rn * dm.f32) + 2 * rn * dm.h * dm.e + 5 * r * dm.f * dm.e
+    mlp = moe_mlp_bytes(dm, r) if moe else 5 * r * dm.f * dm.e
+    norms_in_mlp = 2 * (2 * rn * dm.h * dm.e + rn * dm.f32) + 2 * rn * dm.h * dm.e + mlp
     mixer = sum(
         count * gdn_mixer_saved_bytes(dm.arch, length, tp=dm.tp, e=dm.e, kernel=dm.gdn_kernel)
         for length, count in (sequences or [(r, 1)])
@@ -233,7 +247,9 @@ def chunk_saved_bytes(
     it waits for its backward (inputs + head); "kv" the K/V a capturing chunk (replay's inner segment) keeps
     outside autograd for its backward, whose gradient the children send (0 for a chunk that captures nothing).
     """
-    linear = linear_layer_bytes(dm, r, sequences) if dm.linear_layers else 0
+    dense_linear = dm.linear_layers - dm.moe_linear_layers
+    linear = linear_layer_bytes(dm, r, sequences) if dense_linear else 0
+    moe_linear = linear_layer_bytes(dm, r, sequences, moe=True) if dm.moe_linear_layers else 0
     if layer_recompute:
         layer_input = dm.seq_rows(r) * dm.h * dm.e
         inputs = dm.layers * layer_input
@@ -241,10 +257,11 @@ def chunk_saved_bytes(
         # is not counted twice (the meter counts storages)
         one_layer = (
             max(
-                layer_kv_bytes(dm, r) + layer_other_bytes(dm, r, ext=ext, cp=cp, moe=dm.moe_layers > 0)
+                layer_kv_bytes(dm, r) + layer_other_bytes(dm, r, ext=ext, cp=cp, moe=dm.moe_attn_layers > 0)
                 if dm.attn_layers
                 else 0,
                 linear,
+                moe_linear,
             )
             - layer_input
         )
@@ -254,7 +271,12 @@ def chunk_saved_bytes(
             "other": inputs + max(head, one_layer),
             "held": inputs + head,
         }
-    other = stack_other_bytes(dm, r, ext=ext, cp=cp) + dm.linear_layers * linear + head_bytes(dm, r, m)
+    other = (
+        stack_other_bytes(dm, r, ext=ext, cp=cp)
+        + dense_linear * linear
+        + dm.moe_linear_layers * moe_linear
+        + head_bytes(dm, r, m)
+    )
     return {"kv": dm.attn_layers * layer_kv_bytes(dm, r), "other": other, "held": other}
 
 

@@ -29,6 +29,7 @@ from megatron_branch.errors import SettingError, Spelling, UserError
 from megatron_branch.losses.advantages import AdvantageConfig
 from megatron_branch.losses.config import ObjectiveConfig
 from megatron_branch.models.arch import ModelArch, check_schedule_supports
+from megatron_branch.models.hf_families import HYBRID_FAMILIES
 from megatron_branch.parallel.layout import ParallelLayout
 from megatron_branch.rules import TRAIN_SCHEDULES, check_run, check_sampling
 from megatron_branch.train.algorithm import resolve_algorithm
@@ -46,7 +47,8 @@ class ArchConfig(ModelArch):
     """"llama" (no QKV bias), "qwen2" (QKV bias), "qwen3" (q/k norms), "qwen3_5" (a hybrid: set layer_types
     and the linear_* widths; q/k norms, zero-centred norms and the attention output gate by default), or a mixture of
     experts on megatron's MoELayer: "qwen3_moe" (q/k norms), "mixtral", "qwen2_moe" (QKV bias; a shared expert with
-    shared_expert_ffn_hidden_size); MoE needs num_experts, moe_top_k and moe_ffn_hidden_size."""
+    shared_expert_ffn_hidden_size), or a MoE hybrid: "qwen3_5_moe", "qwen3_next" (as qwen3_5, with experts); MoE
+    needs num_experts, moe_top_k and moe_ffn_hidden_size."""
     vocab_size: int | None = None  # type: ignore[assignment]
     """None = the tokenizer's vocabulary size."""
     hidden_size: int = 64
@@ -64,11 +66,11 @@ class ArchConfig(ModelArch):
     qkv_bias: bool | None = None  # type: ignore[assignment]
     """Bias on the Q/K/V projections; None = the family's (qwen2, qwen2_moe: true)."""
     qk_norm: bool | None = None  # type: ignore[assignment]
-    """RMSNorm on each head's query and key; None = the family's (qwen3, qwen3_5, qwen3_moe: true)."""
+    """RMSNorm on each head's query and key; None = the family's (qwen3, qwen3_moe and the hybrids: true)."""
     zero_centered_norm: bool | None = None  # type: ignore[assignment]
-    """RMSNorm weights stored as offsets from one; None = the family's (qwen3_5: true)."""
+    """RMSNorm weights stored as offsets from one; None = the family's (the hybrids: true)."""
     attention_output_gate: bool | None = None  # type: ignore[assignment]
-    """Gated full attention (sigmoid gate from q_proj); None = the family's (qwen3_5: true)."""
+    """Gated full attention (sigmoid gate from q_proj); None = the family's (the hybrids: true)."""
 
     def __post_init__(self) -> None:
         self.resolve(1)  # ModelArch's own checks, before the tokenizer gives the vocabulary
@@ -80,10 +82,10 @@ class ArchConfig(ModelArch):
         if kw["qkv_bias"] is None:
             kw["qkv_bias"] = self.family in ("qwen2", "qwen2_moe")
         if kw["qk_norm"] is None:
-            kw["qk_norm"] = self.family in ("qwen3", "qwen3_5", "qwen3_moe")
+            kw["qk_norm"] = self.family in ("qwen3", "qwen3_moe", *HYBRID_FAMILIES)
         for name in ("zero_centered_norm", "attention_output_gate"):
             if kw[name] is None:
-                kw[name] = self.family == "qwen3_5"
+                kw[name] = self.family in HYBRID_FAMILIES
         return ModelArch(**kw)
 
 

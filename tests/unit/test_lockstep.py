@@ -60,8 +60,10 @@ class ScriptedPeer:
         return rows
 
 
-def _moe_model() -> tuple[ModelArch, torch.nn.Module]:
-    arch = ModelArch.from_hf_config(tiny_hf_config("qwen3_moe", ffn=48))
+def _moe_model(family: str = "qwen3_moe") -> tuple[ModelArch, torch.nn.Module]:
+    """A tiny MoE policy; "qwen3_5_moe": a MoE hybrid (a GDN layer, then a gated-attention layer)."""
+    kinds = ("linear_attention", "full_attention") if family == "qwen3_5_moe" else None
+    arch = ModelArch.from_hf_config(tiny_hf_config(family, ffn=48, layer_types=kinds))
     torch.manual_seed(3)
     return arch, build_model(arch, dtype=torch.float64)
 
@@ -102,12 +104,14 @@ def test_dummy_events_leave_the_gradient_exact(schedule: str, peer_name: str) ->
         assert ls.dummies[N] > 0 and ls.dummies[F] > 0 and ls.dummies[B] == ls.dummies[F], ls.dummies
 
 
-def test_a_dummy_forward_runs_under_whatever_context_is_attached() -> None:
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
+def test_a_dummy_forward_runs_under_whatever_context_is_attached(family: str) -> None:
     """A dummy runs inside the real forward's pre-hook, where the schedule has attached its contexts already: it
-    swaps in its own (one causal root segment), and the real forward's contexts are back after it."""
+    swaps in its own (one causal root segment, for attention and for a GDN mixer alike), and the real forward's
+    contexts are back after it."""
     from megatron_branch.attention.context import context_modules
 
-    _, model = _moe_model()
+    _, model = _moe_model(family)
     ls = lockstep.install(model, rows=1)
     sentinel = object()
     mods = context_modules(model)
