@@ -60,7 +60,8 @@ def add_grad_command(sub: Any) -> None:
     p.add_argument(
         "--hf",
         required=True,
-        help="Hugging Face folder (config.json + safetensors): Llama, Qwen2, Qwen3 or Qwen3.5 (naive only)",
+        help="Hugging Face folder (config.json + safetensors): Llama, Qwen2, Qwen3, Qwen3.5/3.6, or a mixture of "
+        "experts (Qwen3-MoE, Mixtral, Qwen2-MoE, Qwen3.5-MoE, Qwen3-Next)",
     )
     p.add_argument(
         "--rollouts", required=True, help='JSONL: {"prompt": [ids], "response": [ids], "advantage": x}'

@@ -94,8 +94,8 @@ class ModelConfig:
     """The policy (and, by default, the reference and the critic's trunk)."""
 
     hf_path: str | None = None
-    """Hugging Face folder (config.json + safetensors: Llama, Qwen2, Qwen3, Qwen3.5/3.6 hybrids) to start from;
-    loaded through the converter."""
+    """Hugging Face folder (config.json + safetensors: Llama, Qwen2, Qwen3, Qwen3.5/3.6 hybrids, the mixtures of
+    experts Qwen3-MoE, Mixtral, Qwen2-MoE, Qwen3.5-MoE, Qwen3-Next) to start from; loaded through the converter."""
     arch: ArchConfig | None = None
     """A config-defined architecture with random weights (used when hf_path is not given)."""
     dtype: Literal["float32", "float64"] = "float32"

@@ -7,7 +7,8 @@ Router losses off: the gradient against Hugging Face's (float64, exact norms and
 --dtype float64 <= 1e-9 and float32 <= 1e-5. Router losses on: within a layout replay == packed == naive, and every
 layout with one data-parallel replica equals the others (float64 1e-9; the losses' scope is a replica's
 micro-batch, as megatron's). Expert parallelism across replicas runs the lockstep (parallel/lockstep.py); its
-dummy chunks must leave the gradient exact. Conversion: HF -> dist checkpoint at TP2 / EP2 -> HF, bit-exact.
+dummy chunks must leave the gradient exact. Conversion: HF -> dist checkpoint at TP2 / EP2 -> HF, bit-exact. The
+MoE hybrids (Qwen3.5-MoE, Qwen3-Next) under TP2+SP and EP2 at the gated delta rule's float32 bound (1e-5).
 """
 
 from __future__ import annotations

@@ -146,3 +146,14 @@ def test_profile_splits_the_step_into_ops_and_the_rest() -> None:
     assert abs(parts - prof["op_s"]) < 1e-9
     assert prof["gemm_gflops"] > 0 and prof["flop_time_at_gemm_rate_s"] > 0
     assert "outside any op" in markdown(report)
+
+
+def test_moe_preset_runs_megatrons_moe_layer(tmp_path, capsys) -> None:  # noqa: ANN001
+    """`bench --preset moe` (the README's MoE row) at a smoke size: a Qwen3-MoE model through every variant."""
+    out = tmp_path / "moe.json"
+    argv = ["bench", "--preset", "moe", "--prompt", "32", "--branches", "2", "--response", "4", "--rounds", "1",
+            "--no-meter", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    d = json.loads(out.read_text())
+    assert d["config"]["model"]["family"] == "qwen3_moe" and d["config"]["model"]["num_experts"] == 8
+    assert {r["variant"] for r in d["rows"]} >= {"naive-fused", "packed", "replay"}

@@ -23,11 +23,18 @@ MOE = (
     "max_position_embeddings: 64}"
 )
 LOSSES = ("moe.aux_loss_coeff=0.01", "moe.seq_aux_loss_coeff=0.01", "moe.z_loss_coeff=0.001")
+HYBRID = (  # a MoE hybrid (Qwen3.5-MoE): a gated delta net layer, then gated attention, each with a MoE block
+    "model.arch={family: qwen3_5_moe, hidden_size: 16, num_layers: 2, num_attention_heads: 2, num_query_groups: 1, "
+    "head_dim: 8, ffn_hidden_size: 8, num_experts: 4, moe_top_k: 2, moe_ffn_hidden_size: 8, "
+    "shared_expert_ffn_hidden_size: 8, shared_expert_gate: true, layer_types: [linear_attention, full_attention], "
+    "linear_key_head_dim: 8, linear_value_head_dim: 8, linear_num_key_heads: 1, linear_num_value_heads: 2, "
+    "rotary_percent: 0.5, max_position_embeddings: 64}"
+)
 
 
-def _cfg(out: Path, *overrides: str):  # noqa: ANN202
+def _cfg(out: Path, *overrides: str, model: str = MOE):  # noqa: ANN202
     base = [
-        MOE,
+        model,
         "data.task=needles",
         "data.task_args={length: 8, num_needles: 1}",
         "data.num_prompts=16",
@@ -91,6 +98,28 @@ def test_naive_and_replay_same_run_with_router_losses(tmp_path: Path, replay: st
     counts = line["moe/tokens_per_expert/logical/layer_0"]
     assert len(counts) == 4 and sum(counts) == 2 * line["positions_logical"]  # top-2 of every logical token
     assert sum(line["moe/tokens_per_expert/computed/layer_0"]) == 2 * line["positions_computed"]
+
+
+def test_moe_hybrid_trains_and_resumes_exactly(tmp_path: Path) -> None:
+    """A MoE hybrid (GDN state handed down at each fork, routing replay, router losses) trains with replay: the first
+    step's losses equal naive's at the float32 delta rule's bound (later steps differ through Adam, which normalises
+    each gradient element: its rounding-level differences become update-level ones), and a resumed run equals the
+    uninterrupted one exactly."""
+    extra = ("moe.router_replay=R3", *LOSSES)
+    naive, mn = _run(_cfg(tmp_path / "naive", "trainer.total_training_steps=1", "schedule.name=naive", *extra,
+                          model=HYBRID))  # fmt: skip
+    full, mfull = _run(_cfg(tmp_path / "full", "trainer.total_training_steps=2", *extra, model=HYBRID))
+    assert mn[0]["_tokens"] == mfull[0]["_tokens"]
+    for k in ("loss", "load_balancing_loss", "seq_load_balancing_loss", "z_loss"):
+        assert mn[0][k] == pytest.approx(mfull[0][k], rel=1e-5, abs=1e-9), k
+    assert mfull[-1]["positions_computed"] < mfull[-1]["positions_logical"]
+    first, m1 = _run(_cfg(tmp_path / "part", "trainer.total_training_steps=1", *extra, model=HYBRID))
+    first.save()
+    again, m2 = _run(_cfg(tmp_path / "part", "trainer.total_training_steps=2", "trainer.resume_mode=auto", *extra,
+                          model=HYBRID))  # fmt: skip
+    for x, y in zip(mfull, m1 + m2, strict=True):
+        assert x["_tokens"] == y["_tokens"] and abs(x["loss"] - y["loss"]) <= 1e-9
+    assert _max_rel(_params(full), _params(again)) < 1e-9
 
 
 def test_resume_equals_uninterrupted_with_replay(tmp_path: Path) -> None:
