@@ -16,6 +16,10 @@ Rules (a flag that would do nothing is refused, not ignored):
     backend needs the engine           naive runs megatron's own attention, not one of the engine's backends
     the backend can run it             attention/dispatch.backend_problem: a baseline has no ring executor, a
                                        backend without a CPU backward cannot train on CPU
+    GDN heads split over CP            a hybrid's gated delta net layer runs under CP by the head exchange (each CP
+                                       rank runs a block of a TP rank's heads over the whole chunk,
+                                       models/gdn_heads.py): the value heads per TP rank must divide by cp and the
+                                       key heads divide by cp or divide it
     independent rollouts do not fork   sampling without a shared prefix (`share_prefix` off: every rollout its
                                        own prefill, an engine without prefix caching) has no shared response
                                        starts to fork at (`branch_at`)
@@ -100,6 +104,32 @@ def check_run(
             raise SettingError(lambda s: f"{s.value('backend', backend)}: {problem}")
 
 
+def gdn_context_parallel_sizes(*, key_heads: int, value_heads: int, tp: int) -> list[int]:
+    """CP sizes whose head blocks split a gated delta net layer on a TP rank (the rule below)."""
+    nk, nv = key_heads // tp, value_heads // tp
+    return [c for c in range(1, nv + 1) if nv % c == 0 and (nk % c == 0 or c % nk == 0)]
+
+
+def check_gdn_context_parallel(*, key_heads: int, value_heads: int, tp: int, cp: int) -> None:
+    """Refuse a CP size the head exchange cannot split a hybrid's gated delta net layers over: each CP rank runs a
+    block of value heads with the key heads they read (whole key heads, or one key head shared by cp / key heads
+    ranks), as megatron-core's Mamba context parallelism splits Mamba heads and groups."""
+    if cp <= 1 or tp <= 0 or key_heads % tp or value_heads % tp:
+        return  # the TP split itself is the model's rule (ModelArch.check_tensor_parallel)
+    ok = gdn_context_parallel_sizes(key_heads=key_heads, value_heads=value_heads, tp=tp)
+    if cp in ok:
+        return
+    nk, nv = key_heads // tp, value_heads // tp
+    raise SettingError(
+        lambda s: (
+            f"{s.value('cp', cp)} cannot split the hybrid's gated delta net heads: a TP rank holds {nk} key / {nv} "
+            f"value heads ({s.value('tp', tp)}) and each CP rank runs a block of them over the whole chunk, which "
+            f"needs the value heads divisible by the CP size and the key heads divisible by it or dividing it; use "
+            f"{s.name('cp')} in {', '.join(map(str, ok))}"
+        )
+    )
+
+
 def check_sampling(*, share_prefix: bool, branch_at: tuple[int, ...] | list[int]) -> None:
     """Refuse tree sampling (`branch_at`) without prefix sharing: independent rollouts share nothing to fork."""
     if not share_prefix and branch_at:
@@ -158,6 +188,7 @@ API = Spelling(
     names={
         "schedule": "schedule",
         "cp": "cp_size",
+        "tp": "tp_size",
         "recompute": "ScheduleOptions.recompute",
         "recompute_layers": "ScheduleOptions.recompute_layers",
         "backend": "ScheduleOptions.backend",

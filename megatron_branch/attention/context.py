@@ -7,7 +7,8 @@ SHAPE LEGEND (Megatron sequence-first, this rank's rows):
 
     LocalContext   one rank: an AttentionLayout, THE plan built from it, the chosen executor (this file)
     RingContext    context parallelism: per-token metadata, the ring calling the chosen executor per block
-                   (parallel/context.py)
+                   (parallel/context.py); for a recurrent layer the chunk's tree and the head exchange
+                   (parallel/head_exchange.py)
     DecodeContext  one decode step of generation: each prompt's K/V in place + each branch's own path
                    (generation/kv_cache.py)
 The schedule picks one through its chunk (`Chunk.context` / `CPChunk.context`); layers never ask which. What a
@@ -38,6 +39,25 @@ from megatron_branch.attention.prefix_state import (
 KV = tuple[torch.Tensor, torch.Tensor]
 
 
+class HeadExchange(Protocol):
+    """Context parallelism for a layer whose heads are independent along the whole sequence: the CP group's ranks
+    each run a block of the heads over every row of the chunk (parallel/head_exchange.py CPHeadExchange; the gated
+    delta net, models/gdn.py). Shapes: s_loc this rank's rows, W blocks (CP ranks), s the unsplit chunk's rows."""
+
+    size: int
+    """W: the CP group's size (the number of head blocks)."""
+    rank: int
+    """This rank's block."""
+
+    def to_tree(self, x: torch.Tensor) -> torch.Tensor:
+        """x [s_loc, W, c] (this rank's rows, block j for rank j) -> [s, c] (every row in tree order, this block)."""
+        ...
+
+    def to_ranks(self, y: torch.Tensor) -> torch.Tensor:
+        """y [s, c] (every row, this block) -> [s_loc, W, c] (this rank's rows, block j from rank j)."""
+        ...
+
+
 @runtime_checkable
 class BranchContext(Protocol):
     """What a layer may ask of the forward it runs in."""
@@ -49,7 +69,10 @@ class BranchContext(Protocol):
     recompute_layers: bool
     """Run each transformer layer under activation checkpointing (models/layer_checkpoint.py)."""
     tree: ChunkTree | None
-    """The tree inside the chunk (None where the context has none: CP, decode)."""
+    """The tree inside the chunk, in the rows of the UNSPLIT chunk (None where the context has none)."""
+    exchange: HeadExchange | None
+    """Context parallelism for a layer whose heads are independent (a gated delta net): trades this rank's rows of
+    all heads for every row of the chunk of a block of heads, and back (None: every row is here)."""
 
     def attend(
         self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
@@ -82,6 +105,7 @@ class PrefixContext:
     captured: dict[int, Handoff] = field(default_factory=dict)
     recompute_layers: bool = False
     tree: ChunkTree | None = None
+    exchange: HeadExchange | None = None
 
     def hand_down(self, layer_number: int, kind: StateKind, tensors: Tensors) -> None:
         if self.capture:

@@ -71,10 +71,15 @@ def bench_model(
     experts: int = 0,
     top_k: int = 2,
     expert_ffn: int = 0,
+    full_attention_interval: int = 0,
 ) -> ModelArch:
-    """The ModelArch the bench flags describe (ffn 0 = 3 x hidden); a bad flag is refused by its name. experts > 0:
-    a Qwen3-MoE-style model (q/k norms, megatron's MoELayer in every MLP slot, top_k experts of width expert_ffn,
-    0 = hidden)."""
+    """The ModelArch the bench flags describe (ffn 0 = 3 x hidden); a bad flag is refused by its name.
+
+    experts > 0: a Qwen3-MoE-style model (q/k norms, megatron's MoELayer in every MLP slot, top_k experts of width
+    expert_ffn, 0 = hidden). `full_attention_interval` k > 0 makes a Qwen3.5-style hybrid (HF's name for it): every
+    k-th layer gated full attention, the others gated delta net (k = 4: Qwen3.5's 3 linear : 1 full), with the
+    family's q/k norms, output gate, zero-centred norms and partial RoPE (0.25), GDN value heads = --heads and key
+    heads = half of them, every head --hidden / --heads wide, conv kernel 4. Both: a Qwen3.5-MoE-style hybrid."""
     for name, v in (("layers", layers), ("hidden", hidden), ("heads", heads), ("kv_heads", kv_heads),
                     ("vocab", vocab)):  # fmt: skip
         if v <= 0:
@@ -85,12 +90,12 @@ def bench_model(
         raise UserError(f"--hidden {hidden} must be a multiple of --heads {heads}")
     if experts < 0 or (experts and not 0 < top_k <= experts):
         raise UserError(f"--experts {experts} / --top-k {top_k}: need 0 < top-k <= experts")
-    moe: dict[str, Any] = {"family": "llama"}
+    if full_attention_interval < 0:
+        raise UserError(f"--full-attention-interval must be >= 0, got {full_attention_interval}")
+    moe: dict[str, Any] = {}
     if experts:
-        moe = dict(family="qwen3_moe", qk_norm=True, num_experts=experts, moe_top_k=top_k,
-                   moe_ffn_hidden_size=expert_ffn or hidden)  # fmt: skip
-    return ModelArch(
-        **moe,
+        moe = dict(num_experts=experts, moe_top_k=top_k, moe_ffn_hidden_size=expert_ffn or hidden)
+    common = dict(
         vocab_size=vocab,
         hidden_size=hidden,
         num_layers=layers,
@@ -99,6 +104,20 @@ def bench_model(
         ffn_hidden_size=ffn or 3 * hidden,
         tie_word_embeddings=tie,
     )
+    if not full_attention_interval:
+        if experts:
+            return ModelArch(family="qwen3_moe", qk_norm=True, **moe, **common)
+        return ModelArch(family="llama", **common)
+    d = hidden // heads
+    types = tuple(
+        "full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
+        for i in range(layers)
+    )
+    return ModelArch(
+        family="qwen3_5_moe" if experts else "qwen3_5", qk_norm=True, zero_centered_norm=True, attention_output_gate=True, rotary_percent=0.25,
+        layer_types=types, linear_conv_kernel_dim=4, linear_key_head_dim=d, linear_value_head_dim=d,
+        linear_num_key_heads=max(1, heads // 2), linear_num_value_heads=heads, **moe, **common,
+    )  # fmt: skip
 
 
 def model_flags(arch: ModelArch) -> dict[str, Any]:
@@ -110,6 +129,9 @@ def model_flags(arch: ModelArch) -> dict[str, Any]:
         flags["top_k"] = 2  # a dense model: --experts alone gives top-2
     if flags["expert_ffn"] == flags["hidden"]:
         flags["expert_ffn"] = 0
+    types = arch.layer_types or ()
+    flags["full_attention_interval"] = (types.index("full_attention") + 1) if arch.is_hybrid else 0
+    assert bench_model(**flags) == arch, "not a bench model: its flags do not describe it"
     return flags
 
 
@@ -196,6 +218,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "moe": dict(model=_m(layers=2, hidden=256, heads=4, kv_heads=2, vocab=32000, experts=8, top_k=2, expert_ffn=256),
                 prompts=(2048,), branches=(8,), response=128,
                 variants=("naive-fused", "packed-nosharing", "packed", "replay", "replay+recompute")),
+    # a Qwen3.5-style hybrid (3 gated delta net : 1 gated attention layers) under a long prompt: GDN layers keep
+    # their state at the fork instead of K/V (models/gdn.py); float32 on the 2-core CPU like A/B/C
+    "hybrid": dict(model=_m(layers=4, hidden=512, heads=8, kv_heads=2, vocab=32000, full_attention_interval=4),
+                   prompts=(4096,), branches=(8,), response=128,
+                   variants=("naive-fused", "packed-nosharing", "packed", "replay")),
     # seconds on a laptop: the smoke test and a first look
     "tiny": dict(model=_m(layers=2, hidden=32, heads=4, kv_heads=2, vocab=64), prompts=(48,), branches=(4,),
                  response=8, rounds=1),

@@ -142,6 +142,26 @@ def _step(cfg: BenchConfig, arch: ModelArch, model: torch.nn.Module, case: Case,
     return run_schedule(schedule, model, case.tree, case.objective, opts)
 
 
+def _peak_memory(
+    cfg: BenchConfig, arch: ModelArch, model: torch.nn.Module, case: Case, v: str
+) -> tuple[int, int]:
+    """Peak RSS (and CUDA memory) of one step above its start. The heap is trimmed first so that the RSS delta is
+    the step's own; that trim hands every freed page back to the OS and makes the next step fault its working set
+    in again, which a training loop never pays, so this step is not timed (the timed rounds trim nothing)."""
+    _trim_heap()
+    base = 0
+    if cfg.device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    _sync(cfg.device)
+    with PeakRss() as rss:
+        _step(cfg, arch, model, case, v)
+        _sync(cfg.device)
+    cuda = torch.cuda.max_memory_allocated() - base if cfg.device == "cuda" else 0
+    return rss.peak, cuda
+
+
 def measure(
     cfg: BenchConfig, arch: ModelArch, model: torch.nn.Module, case: Case, log: Any = print
 ) -> list[Measurement]:
@@ -161,24 +181,16 @@ def measure(
     if out[BASELINE].failed:
         raise UserError(f"the baseline {BASELINE} ran out of memory at P={case.prompt}, G={case.branches}")
     labels = [v for v in labels if not out[v].failed]
-    for r in range(cfg.rounds):
+    for r in range(cfg.rounds):  # timed as a training loop runs: no heap trim, no RSS sampler thread
         for v in labels[r % len(labels) :] + labels[: r % len(labels)]:
-            _trim_heap()
-            if cfg.device == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
             _sync(cfg.device)
-            with PeakRss() as rss:
-                t0 = time.perf_counter()
-                _step(cfg, arch, model, case, v)
-                _sync(cfg.device)
-                dt = time.perf_counter() - t0
-            out[v].times.append(dt)
-            out[v].rss_peak = max(out[v].rss_peak, rss.peak)
-            if cfg.device == "cuda":
-                out[v].cuda_peak = max(out[v].cuda_peak, torch.cuda.max_memory_allocated() - base)
+            t0 = time.perf_counter()
+            _step(cfg, arch, model, case, v)
+            _sync(cfg.device)
+            out[v].times.append(time.perf_counter() - t0)
         log(f"  P={case.prompt} G={case.branches}: round {r + 1}/{cfg.rounds} done")
+    for v in labels:  # peak memory in an untimed step of its own
+        out[v].rss_peak, out[v].cuda_peak = _peak_memory(cfg, arch, model, case, v)
     if cfg.meter:
         for v in labels:
             with ActivationMeter(model) as meter:

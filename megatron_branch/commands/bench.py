@@ -8,7 +8,8 @@ Variants (--variants, comma separated; naive-fused, the baseline, is always run)
     naive-fused, packed-nosharing, repeat-prefix, naive, packed, replay, replay+recompute, replay+recompute-full
 Every speed-up is quoted against naive-fused (each rollout alone on the same model, fused attention kernel and
 fused logprob as replay: what a user runs today), next to the analytic limit (naive-fused FLOPs / the tree's
-minimal FLOPs, causal attention counted as causal). Presets: A, B, C, memory-G, moe, tiny, gpu-1b; flags override them.
+minimal FLOPs, causal attention counted as causal). Presets: A, B, C, memory-G, hybrid, moe, tiny, gpu-1b; flags
+override them.
 Timings on a shared machine are only comparable within one run.
 """
 
@@ -56,6 +57,13 @@ def add_bench_command(sub: Any) -> None:
     for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "experts", "top-k", "expert-ffn"):
         p.add_argument(f"--{name}", type=int, default=None, help=f"model {name}")
     p.add_argument("--tie", action="store_true", default=None, help="tie embedding and output layer")
+    p.add_argument(
+        "--full-attention-interval",
+        type=int,
+        default=None,
+        metavar="K",
+        help="a Qwen3.5-style hybrid: every K-th layer full attention, the others gated delta net (0: none)",
+    )
     p.add_argument("--variants", default=None, help="comma-separated variants (default: all)")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds after the warm-up (default 3)")
     p.add_argument("--micro", type=int, default=None, help="replay's branch_micro_batch (default 8)")

@@ -322,7 +322,7 @@ def run_grad(args: argparse.Namespace) -> int:
         _check_output(args.logprobs_out, args.overwrite)
         arch = ModelArch.from_hf_config(load_hf_config(args.hf), where=os.path.join(args.hf, "config.json"))
         arch.check_tensor_parallel(pcfg.tp)
-        check_schedule_supports(arch, args.schedule, cp=pcfg.cp)
+        check_schedule_supports(arch, args.schedule, cp=pcfg.cp, tp=pcfg.tp)
         moe = moe_options(args, arch)
         HFTensorReader(args.hf)  # every shard's header is read now: a broken file fails before any work
         max_positions = None if args.allow_longer_context else arch.max_position_embeddings

@@ -174,7 +174,8 @@ def render(p: Plan, fixes: list[str]) -> str:
     lines.append(
         f"step time ~ {t['total']:.1f} s: compute {t['compute']:.1f} s (MFU {t['mfu_assumed']:g}), ring "
         f"{t['ring']:.2f} s ({ring}), "
-        f"TP comm {t['tensor_parallel_comm']:.2f} s, grad reduce {t['grad_reduce']:.2f} s"
+        + (f"GDN head exchange {t['head_exchange']:.2f} s, " if t["head_exchange"] else "")
+        + f"TP comm {t['tensor_parallel_comm']:.2f} s, grad reduce {t['grad_reduce']:.2f} s"
         + (f", expert all-to-all {t['expert_alltoall']:.2f} s" if p.arch.is_moe else "")
         + f", offload copies {t['offload_transfer']:.2f} s, host Adam {t['host_optimizer_step']:.2f} s"
     )

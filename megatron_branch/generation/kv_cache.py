@@ -149,6 +149,8 @@ class DecodeContext:
     recompute_layers: bool = False
     tree: ChunkTree | None = None
     """Each branch a 1-row segment continuing from a cached parent (its row of the state table)."""
+    exchange: None = None
+    """Decoding runs on one rank: no head exchange."""
     next_states: dict[int, Tensors] = field(default_factory=dict)
     """layer -> the state table after this step (one row per branch fed), for a recurrent layer."""
 

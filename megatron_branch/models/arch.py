@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from megatron_branch.errors import UserError
+from megatron_branch.rules import check_gdn_context_parallel
 
 FAMILIES = (
     "llama",
@@ -422,6 +423,16 @@ class ModelArch:
         return TransformerConfig(**kwargs)
 
 
+def gdn_block_heads(key_heads: int, value_heads: int, cp: int) -> tuple[int, int]:
+    """(key heads, value heads) of ONE context-parallel rank's block of a gated delta net layer whose TP rank holds
+    `key_heads` / `value_heads`: the value heads split evenly, the key heads with them when cp divides their count,
+    else one key head shared by cp / key_heads ranks (models/gdn_heads.py; which sizes: rules.py
+    check_gdn_context_parallel). The planner's per-rank GDN terms use the same widths (plan/layers.py)."""
+    splits = value_heads % cp == 0 and (key_heads % cp == 0 or cp % key_heads == 0)
+    assert splits, (key_heads, value_heads, cp)
+    return (key_heads // cp if key_heads % cp == 0 else 1), value_heads // cp
+
+
 HYBRID_SCHEDULES = ("naive", "naive-fused", "packed", "replay", "packed-nosharing")
 """Schedules that run a hybrid (gated delta net) model exactly: naive through megatron's own GatedDeltaNet, the
 others through models/gdn.py's BranchGatedDeltaNet, every tree segment from its parent's state at the fork (replay
@@ -429,8 +440,11 @@ hands that state down through its prefix cache). replay-stopgrad (a comparison t
 K/V constant) has no meaning defined for a recurrent state: refused."""
 
 
-def check_schedule_supports(arch: ModelArch, schedule: str, *, flag: str = "--schedule", cp: int = 1) -> None:
-    """Refuse, in one line, a schedule or layout that cannot run `arch` exactly (before any work)."""
+def check_schedule_supports(
+    arch: ModelArch, schedule: str, *, flag: str = "--schedule", cp: int = 1, tp: int = 1
+) -> None:
+    """Refuse, in one line, a schedule or layout that cannot run `arch` exactly (before any work). The CP rule is
+    rules.check_gdn_context_parallel (a SettingError: re-spell it at entry points with other names)."""
     if not arch.is_hybrid:
         return
     if schedule not in HYBRID_SCHEDULES:
@@ -438,8 +452,6 @@ def check_schedule_supports(arch: ModelArch, schedule: str, *, flag: str = "--sc
             f"{flag} {schedule} cannot run a hybrid model ({arch.family}, {arch.num_linear_layers} of "
             f"{arch.num_layers} layers gated delta net); use {flag} {', '.join(HYBRID_SCHEDULES)}"
         )
-    if cp > 1:
-        raise UserError(
-            f"context parallelism (cp {cp}) cannot run a hybrid model yet ({arch.family}): a gated delta net layer "
-            "needs the state of every earlier position, passed between CP ranks (issue #18 item 3); use cp 1"
-        )
+    check_gdn_context_parallel(
+        key_heads=arch.linear_num_key_heads, value_heads=arch.linear_num_value_heads, tp=tp, cp=cp
+    )

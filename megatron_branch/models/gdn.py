@@ -17,6 +17,12 @@ the TE layer spec names it, so one checkpoint serves both specs (checkpoint/para
 Branch replay (a segment starting from its parent's recurrent state and conv inputs) is `BranchGatedDeltaNet`, the
 GatedDeltaNet of this slot: with no branch context attached it IS megatron's forward (the naive schedule's
 reference); with one, the chunk's tree decides where each segment starts (models/gdn_tree.py).
+
+Context parallelism (the context's `exchange`): in_proj runs on this rank's zigzag rows; the head exchange
+(parallel/head_exchange.py) trades them for every row of the chunk of one block of the heads (models/gdn_heads.py:
+its q/k/v channels, beta and alpha; the output gate z stays home), the conv and rule run over the whole tree for
+that block exactly as on one rank (its slice of conv1d, A_log and dt_bias), and the exchange trades the core
+output back for the gated norm and out_proj. Each rank hands down (and replay caches) the state of ITS heads.
 """
 
 from __future__ import annotations
@@ -34,7 +40,16 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron_branch.attention.context import TakesBranchContext
 from megatron_branch.attention.prefix_state import CACHED
 from megatron_branch.compat.norm import GatedOutputNorm
-from megatron_branch.models.gdn_tree import GDN_STATE, GDNDims, Rows, State, delta_rule_segments, tree_depths
+from megatron_branch.models.gdn_heads import HeadBlocks
+from megatron_branch.models.gdn_tree import (
+    GDN_STATE,
+    Conv,
+    GDNDims,
+    Rows,
+    State,
+    delta_rule_segments,
+    tree_depths,
+)
 
 TE_KEYS_MAP = {
     "input_layernorm.": "self_attention.in_proj.layer_norm_",
@@ -72,21 +87,56 @@ class BranchGatedDeltaNet(GatedDeltaNet, TakesBranchContext):
 
     def _tree_forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden_states [s(/tp under SP), 1, h] -> (out [s(/tp), 1, h], bias): megatron's forward (in_proj, conv,
-        L2 norm, g and beta, delta rule, gated norm, out_proj), the conv and rule run per segment of the tree."""
+        L2 norm, g and beta, delta rule, gated norm, out_proj), the conv and rule run per segment of the tree.
+        Under context parallelism the conv and rule run over the whole chunk for a block of the heads: the head
+        exchange moves their inputs there and the output back (models/gdn_heads.py, parallel/head_exchange.py)."""
         ctx = self.context
         assert ctx is not None
         if ctx.tree is None:
-            raise AssertionError(
-                "a gated delta net layer needs the chunk's tree (context parallel: issue #18)"
-            )
+            raise AssertionError("a gated delta net layer needs the chunk's tree")
         dims = self._dims()
         qkvzba, _ = self.in_proj(hidden_states)  # [s, 1, (2qk + 2v + 2H)/tp]; sequence gathered under SP
         s, b, _ = qkvzba.shape
         assert b == 1, "a chunk is one packed sequence"
-        qkv, gate, beta, alpha = torch.split(
-            qkvzba[:, 0], [2 * dims.qk + dims.v, dims.v, dims.heads_v, dims.heads_v], dim=-1
-        )
-        g = -self.A_log.exp() * F.softplus(alpha.float() + self.dt_bias)  # [s, H] in fp32, as megatron
+        x = qkvzba[:, 0]
+        gate = x[:, 2 * dims.qk + dims.v : 2 * dims.qk + 2 * dims.v]  # [s, v]: the output gate stays home
+        ex = ctx.exchange
+        if ex is None:  # every row here: all of this TP rank's heads
+            qkv, _, beta, alpha = torch.split(
+                x, [2 * dims.qk + dims.v, dims.v, dims.heads_v, dims.heads_v], -1
+            )
+            conv = (self.conv1d.weight, self.conv1d.bias)
+            core = self._tree_core(qkv, beta, alpha, dims, self.A_log, self.dt_bias, conv)  # [s, H, dv]
+        else:  # CP: every row of the chunk, this rank's block of the heads, and back
+            blocks = HeadBlocks.of(dims, ex.size, x.device)
+            sub, mine = blocks.dims, ex.rank
+            qkv, beta, alpha = torch.split(
+                ex.to_tree(x[:, blocks.index]), [2 * sub.qk + sub.v, sub.heads_v, sub.heads_v], -1
+            )  # x[:, index] [s_loc, W, c] -> [s_tree, c]
+            heads, channels = blocks.value_heads[mine], blocks.conv[mine]
+            bias = self.conv1d.bias
+            conv = (self.conv1d.weight[channels], None if bias is None else bias[channels])
+            core = self._tree_core(qkv, beta, alpha, sub, self.A_log[heads], self.dt_bias[heads], conv)
+            core = ex.to_ranks(core.reshape(core.shape[0], -1)).reshape(s, dims.heads_v, dims.dv)
+        norm_out = self._apply_gated_norm(core, gate.reshape(s, -1, dims.dv))  # [s*H, dv]
+        return self.out_proj(norm_out.reshape(s, 1, -1))
+
+    def _tree_core(
+        self,
+        qkv: torch.Tensor,
+        beta: torch.Tensor,
+        alpha: torch.Tensor,
+        dims: GDNDims,
+        A_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        conv: Conv,
+    ) -> torch.Tensor:
+        """The conv and delta rule over the chunk's tree for the heads `dims` describes: qkv [s, cd] (pre-conv),
+        beta / alpha [s, H] (pre-activation) -> core [s, H, dv]; hands each segment's state down when capturing."""
+        ctx = self.context
+        assert ctx is not None and ctx.tree is not None
+        s = qkv.shape[0]
+        g = -A_log.exp() * F.softplus(alpha.float() + dt_bias)  # [s, H] in fp32, as megatron
         beta = beta.sigmoid()  # [s, H]
         rule = (
             _mgdn.torch_chunk_gated_delta_rule
@@ -112,7 +162,7 @@ class BranchGatedDeltaNet(GatedDeltaNet, TakesBranchContext):
                 rows,
                 (torch.cat([st[0] for st in start]), torch.cat([st[1] for st in start])),
                 dims=dims,
-                conv=self.conv1d,
+                conv=conv,
                 roots=all(seg.parent is None for seg in segs),
                 act=self.act_fn,
                 l2norm=_mgdn.l2norm if self.use_qk_l2norm else None,
@@ -125,8 +175,7 @@ class BranchGatedDeltaNet(GatedDeltaNet, TakesBranchContext):
             n = len(ctx.tree.segments)
             down = states[0] if n == 1 else tuple(torch.cat([states[i][j] for i in range(n)]) for j in (0, 1))
             ctx.hand_down(self.layer_number, GDN_STATE, down)
-        norm_out = self._apply_gated_norm(core, gate.reshape(s, -1, dims.dv))  # [s*H, dv]
-        return self.out_proj(norm_out.reshape(s, 1, -1))
+        return core
 
     def _start(
         self, parent: int | None, cached: int, states: dict[int, State], qkv: torch.Tensor, dims: GDNDims

@@ -39,6 +39,8 @@ GDN_STATE = StateKind(name="gdn-state", reads="parent", per_row=False)
 """A gated-delta-net layer's state at the fork (S, tail): read by the DIRECT children only, handed down whole."""
 
 State = tuple[torch.Tensor, torch.Tensor]  # (S [n, H, dk, dv] float32, tail [n, cd, K-1])
+Conv = tuple[torch.Tensor, torch.Tensor | None]
+"""The depthwise causal conv's (weight [cd, 1, K], bias [cd] or None): megatron's conv1d, or a CP head block of it."""
 
 
 def tree_depths(tree: ChunkTree) -> list[list[int]]:
@@ -86,20 +88,22 @@ class GDNDims:
 
 
 def conv_with_tail(
-    x: torch.Tensor, tail: torch.Tensor, lengths: torch.Tensor, conv: torch.nn.Conv1d, *, roots: bool
+    x: torch.Tensor, tail: torch.Tensor, lengths: torch.Tensor, conv: Conv, *, roots: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal depthwise conv of x [n, cd, L] continuing inputs `tail` [n, cd, K-1] -> (pre-activation out
     [n, cd, L], new tail [n, cd, K-1]: the last K-1 inputs before each row's length).
 
-    The conv is megatron's own call, `conv1d(x)[..., :L]` (its K-1 zero padding: the zero tail of a root), plus,
-    unless every row is a root (`roots`), the tail's share of the first K-1 outputs (the conv is linear: the inputs
-    before the segment only reach its first K-1 outputs). So a root segment's conv is megatron's bit for bit, with
-    megatron's shapes and FLOPs (plan/layers.py counts them; tests/unit/test_plan_hybrid.py checks the count)."""
+    The conv is megatron's own call, `conv1d(x)[..., :L]` (nn.Conv1d's F.conv1d with padding K-1, groups cd: its
+    K-1 zero padding is the zero tail of a root), plus, unless every row is a root (`roots`), the tail's share of the
+    first K-1 outputs (the conv is linear: the inputs before the segment only reach its first K-1 outputs). So a
+    root segment's conv is megatron's bit for bit, with megatron's shapes and FLOPs (plan/layers.py counts them;
+    tests/unit/test_plan_hybrid.py checks the count)."""
     n, cd, L = x.shape
     k1 = tail.shape[-1]
-    out = conv(x)[..., :L]  # [n, cd, L]
+    weight, bias = conv
+    out = F.conv1d(x, weight, bias, padding=k1, groups=cd)[..., :L]  # [n, cd, L]
     if not roots:  # the first K-1 outputs also see the tail: conv(cat(tail, 0)) without bias, its K-1 outputs
-        head = F.conv1d(torch.cat([tail, torch.zeros_like(tail)], dim=-1), conv.weight, None, groups=cd)
+        head = F.conv1d(torch.cat([tail, torch.zeros_like(tail)], dim=-1), weight, None, groups=cd)
         m = min(k1, L)
         out = torch.cat([out[..., :m] + head[..., :m], out[..., m:]], dim=-1)
     full = torch.cat([tail.to(x.dtype), x], dim=-1)  # [n, cd, K-1+L]: the inputs along the path
@@ -115,7 +119,7 @@ def delta_rule_segments(
     start: State,
     *,
     dims: GDNDims,
-    conv: torch.nn.Conv1d,
+    conv: Conv,
     roots: bool,
     act: Callable[[torch.Tensor], torch.Tensor],
     l2norm: Callable[[torch.Tensor], torch.Tensor] | None,

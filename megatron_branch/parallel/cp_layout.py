@@ -19,6 +19,8 @@ A fork token (first token of a child segment) is therefore handled where the par
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from megatron_branch.data import PrefixTree
@@ -40,6 +42,23 @@ def zigzag_offsets(length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     second = torch.arange((2 * cp_size - 1 - cp_rank) * piece, (2 * cp_size - cp_rank) * piece)
     offs = torch.cat([first, second])  # [2 * piece]
     return torch.where(offs < length, offs, torch.full_like(offs, -1))
+
+
+def zigzag_rows(
+    lengths: Sequence[int], cp_size: int, cp_rank: int, *, pad_to_multiple: int = 1
+) -> torch.Tensor:
+    """[s_loc] row of the UNSPLIT chunk (segments of `lengths` end to end, no padding) that each of rank
+    `cp_rank`'s local rows holds, -1 = padding: each segment's zigzag pieces in chunk order, then the padding that
+    makes s_loc a multiple of `pad_to_multiple` (the same on every rank). schedule/chunks.py `split_chunk` cuts a
+    chunk by it, and the head exchange of a gated delta net layer (parallel/head_exchange.py) reads every rank's."""
+    parts, start = [], 0
+    for length in lengths:
+        offs = zigzag_offsets(length, cp_size, cp_rank)
+        parts.append(torch.where(offs >= 0, offs + start, offs))
+        start += length
+    rows = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    extra = -rows.numel() % pad_to_multiple
+    return torch.cat([rows, torch.full((extra,), -1, dtype=torch.long)])
 
 
 def check_cp_fits(tree: PrefixTree, cp_size: int) -> None:

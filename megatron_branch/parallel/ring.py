@@ -50,7 +50,8 @@ from megatron_branch.attention.plan_sources import ancestors_from_related, plan_
 
 @dataclass
 class RingStats:
-    """Counters the tests and benchmarks read to prove the ring is real; pass one in (`stats=`), read it after.
+    """Counters the tests and benchmarks read to prove the ring (and the head exchange of a gated delta net layer)
+    is real; pass one in (`stats=`), read it after.
 
     Counted per process; all counts are deterministic for a given tree, layout and model.
     """
@@ -64,6 +65,9 @@ class RingStats:
     visible_pairs: int = 0  # visible (query, key) pairs computed, forward (causal counted as causal)
     max_kv_rows_held: int = 0  # largest number of FOREIGN K/V rows alive at once on this rank
     kv_block_shapes: set[tuple[int, ...]] = field(default_factory=set)  # shapes of every received K/V block
+    # the head exchange of a gated delta net layer (parallel/head_exchange.py), forward; backward sends as much
+    exchange_messages: int = 0  # blocks sent to other ranks
+    exchange_bytes: int = 0  # their bytes
 
     def reset(self) -> None:
         self.__init__()  # type: ignore[misc]

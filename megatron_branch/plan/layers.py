@@ -27,11 +27,18 @@ norms, in_proj's and fc1's inputs and the MLP, which are the attention layer's t
     path's dominant term), the chunk loop's q.k^T and masked copy 2 H C^2, v_new, q*exp(g), states and decays.
 On GPU with fla's chunk_gated_delta_rule the kernel saves instead q, k, v, beta (e), g (f) and the [n, 64] WY
 matrix A per head (fla's ChunkGatedDeltaRuleFunction.save_for_backward; from its source, not measured here).
+
+Under context parallelism (the head exchange, parallel/head_exchange.py) a rank runs the per-head part (conv, q/k,
+g, beta, the rule) for its head block (nk / W or one shared key head, H / W value heads: `gdn_block`) over WHOLE
+sequences, and the per-row part (the output gate, gated norm, out_proj's input) over its own rows for all its heads;
+the exchange saves a few index tensors and sends (W - 1) blocks of its rows each way per layer (forward; backward
+the same): `gdn_exchange_*`, checked against the meter and the exchange's own byte count under CP2
+(tests/distributed/test_plan_parallel.py).
 """
 
 from __future__ import annotations
 
-from megatron_branch.models.arch import ModelArch
+from megatron_branch.models.arch import ModelArch, gdn_block_heads
 
 CHUNK = 64
 """The delta rule's chunk (torch_chunk_gated_delta_rule's and fla's default)."""
@@ -126,29 +133,38 @@ def gdn_mixer_flops(arch: ModelArch, n: int, *, tp: int = 1) -> tuple[int, int]:
 
 
 # --- saved activations ----------------------------------------------------------------------------------------------
+def gdn_block(arch: ModelArch, *, tp: int = 1, cp: int = 1) -> tuple[int, int]:
+    """(key heads, value heads) one rank runs the conv and rule for: its TP share, and under CP its head block
+    (models/arch.py gdn_block_heads, the engine's split)."""
+    return gdn_block_heads(arch.linear_num_key_heads // tp, arch.linear_num_value_heads // tp, cp)
+
+
 def gdn_mixer_saved_bytes(arch: ModelArch, n: int, *, tp: int = 1, e: int = 2, kernel: str = "torch") -> int:
     """Bytes a GDN mixer (megatron's GatedDeltaNet between in_proj's output and out_proj's input, both projections'
     saved inputs included) saves for backward over one sequence of n tokens on one TP rank (module docstring)."""
+    return gdn_heads_saved_bytes(arch, n, tp=tp, e=e, kernel=kernel) + gdn_rows_saved_bytes(
+        arch, n, tp=tp, e=e
+    )
+
+
+def gdn_heads_saved_bytes(
+    arch: ModelArch, n: int, *, tp: int = 1, cp: int = 1, e: int = 2, kernel: str = "torch"
+) -> int:
+    """The part of `gdn_mixer_saved_bytes` that runs per head along the whole sequence (conv, q/k and their L2
+    norm, g, beta, the delta rule): under CP one rank's head block over every position (the head exchange)."""
     assert kernel in GDN_KERNELS, kernel
     if n <= 0:
         return 0
-    H, nk = arch.linear_num_value_heads // tp, arch.linear_num_key_heads // tp
+    nk, H = gdn_block(arch, tp=tp, cp=cp)
     dk, dv, K = arch.linear_key_head_dim, arch.linear_value_head_dim, arch.linear_conv_kernel_dim
     qk, vd = nk * dk, H * dv
     cd, f, p = 2 * qk + vd, 4, max(e, 4)
-    widened = e != 4  # gate.float() / silu in float32 make copies unless the model is float32
     outside = (
         cd * n * e  # conv1d input
         + cd * (n + K - 1) * e  # silu input (the padded conv output)
         + 2 * (n * qk * e + n * nk * e)  # q, k contiguous copies and their L2 rstd
         + 2 * n * H * p  # softplus input and output (g in float32, or the model dtype if wider)
         + n * H * e  # sigmoid(beta)
-        + n * vd * e
-        + (n * vd * f if widened else 0)  # the output gate (and its float32 copy)
-        + 3 * n * vd * e
-        + n * H * f
-        + (n * vd * f if widened else 0)  # gated norm: input, rstd, y, silu(gate)
-        + n * vd * e  # out_proj's input
     )
     if kernel == "fla":
         return outside + n * H * ((2 * dk + dv + 1 + CHUNK) * e + f)
@@ -168,6 +184,59 @@ def gdn_mixer_saved_bytes(arch: ModelArch, n: int, *, tp: int = 1, e: int = 2, k
         + (c - 1) * (H + H * C + H * C * dk) * f  # state updates that a later chunk reads
     )
     return outside + rule
+
+
+def gdn_rows_saved_bytes(arch: ModelArch, r: int, *, tp: int = 1, e: int = 2) -> int:
+    """The part of `gdn_mixer_saved_bytes` that runs per row over all of a TP rank's heads (the output gate, the
+    gated norm, out_proj's input): under CP this rank's r rows."""
+    H = arch.linear_num_value_heads // tp
+    vd, f = H * arch.linear_value_head_dim, 4
+    widened = e != 4  # gate.float() / silu in float32 make copies unless the model is float32
+    return (
+        r * vd * e
+        + (r * vd * f if widened else 0)  # the output gate (and its float32 copy)
+        + 3 * r * vd * e
+        + r * H * f
+        + (r * vd * f if widened else 0)  # gated norm: input, rstd, y, silu(gate)
+        + r * vd * e  # out_proj's input
+    )
+
+
+def gdn_exchange_widths(arch: ModelArch, *, tp: int, cp: int) -> tuple[int, int, int]:
+    """(in, out, conv) channels of one head block: what the head exchange carries to the tree ([q|k|v] of the
+    block, beta, alpha) and back (the core output, H dv), and the block's conv channels."""
+    nk, H = gdn_block(arch, tp=tp, cp=cp)
+    conv = 2 * nk * arch.linear_key_head_dim + H * arch.linear_value_head_dim
+    return conv + 2 * H, H * arch.linear_value_head_dim, conv
+
+
+def gdn_exchange_saved_bytes(arch: ModelArch, r: int, *, tp: int, cp: int) -> int:
+    """Indices the head exchange's gathers save per GDN layer and chunk of r local rows (models/gdn.py): the
+    block channel map [W, in], the conv channels [W, conv], the value heads [W, H] (long), and the way back's
+    row index [W, r] (long) and padding mask [W, r] (bool)."""
+    if cp <= 1:
+        return 0
+    c_in, _, conv = gdn_exchange_widths(arch, tp=tp, cp=cp)
+    _, H = gdn_block(arch, tp=tp, cp=cp)
+    return 8 * cp * (c_in + conv + H) + 9 * cp * r
+
+
+def gdn_exchange_buffer_bytes(arch: ModelArch, r: int, *, tp: int, cp: int, e: int) -> int:
+    """Transient buffers of one GDN layer's head exchange (not saved, so the meter does not see them): the blocks
+    sent, the blocks received and their tree-ordered copy, W r in-channels each."""
+    if cp <= 1:
+        return 0
+    c_in, _, _ = gdn_exchange_widths(arch, tp=tp, cp=cp)
+    return 3 * cp * r * c_in * e
+
+
+def gdn_exchange_bytes(arch: ModelArch, r: int, *, tp: int, cp: int, e: int) -> int:
+    """Bytes one rank sends in ONE GDN layer's forward over a chunk of r local rows per rank: (W - 1) blocks of
+    r rows each way (parallel/head_exchange.py; backward sends as much again)."""
+    if cp <= 1:
+        return 0
+    c_in, c_out, _ = gdn_exchange_widths(arch, tp=tp, cp=cp)
+    return (cp - 1) * r * (c_in + c_out) * e
 
 
 def attention_extra_saved_bytes(arch: ModelArch, r: int, *, n: int, g: int, e: int) -> int:

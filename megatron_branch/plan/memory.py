@@ -53,7 +53,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_branch.models.arch import ModelArch
-from megatron_branch.plan.layers import attention_extra_saved_bytes, gdn_mixer_saved_bytes
+from megatron_branch.plan.layers import (
+    attention_extra_saved_bytes,
+    gdn_block,
+    gdn_exchange_buffer_bytes,
+    gdn_exchange_saved_bytes,
+    gdn_exchange_widths,
+    gdn_heads_saved_bytes,
+    gdn_rows_saved_bytes,
+)
 from megatron_branch.plan.model import Layout, RolloutShape, parameter_count
 
 INDEX_BYTES = 8  # int64 token ids / indices
@@ -85,6 +93,7 @@ class Dims:
     f32: int  # statistics bytes (max(e, 4))
     arch: ModelArch  # the family's extras and a hybrid's layer kinds (plan/layers.py)
     gdn_kernel: str = "fla"  # a GDN layer's delta-rule kernel: "fla" (GPU) or "torch"
+    cp: int = 1  # context parallel size: a GDN layer runs its head block over whole sequences
 
     @property
     def attn_layers(self) -> int:
@@ -124,6 +133,7 @@ class Dims:
             f32=max(act_bytes, 4),
             arch=arch,
             gdn_kernel=gdn_kernel,
+            cp=layout.cp,
         )
 
     @property
@@ -193,28 +203,38 @@ def layer_other_bytes(dm: Dims, r: int, *, ext: int = 0, cp: int = 1, moe: bool 
 def linear_layer_bytes(
     dm: Dims, r: int, sequences: list[tuple[int, int]] | None = None, *, moe: bool = False
 ) -> int:
-    """Per GDN layer over r rows made of `sequences` ((length, count); default one sequence of r): the attention
-    layer's norms, linear inputs and MLP (`moe`: a MoE layer's, `moe_mlp_bytes`), and the mixer's tensors per
-    sequence (plan/layers.py)."""
+    """Per GDN layer over r local rows made of `sequences` ((length, count) of the WHOLE segments; default one
+    sequence of r): the attention layer's norms, linear inputs and MLP (`moe`: a MoE layer's, `moe_mlp_bytes`), and
+    the mixer's tensors (plan/layers.py): its per-head part per sequence, for this rank's head block under CP (the
+    head exchange runs it over every position), its per-row part over the r rows, and the exchange's indices."""
     rn = dm.seq_rows(r)
     mlp = moe_mlp_bytes(dm, r) if moe else 5 * r * dm.f * dm.e
     norms_in_mlp = 2 * (2 * rn * dm.h * dm.e + rn * dm.f32) + 2 * rn * dm.h * dm.e + mlp
-    mixer = sum(
-        count * gdn_mixer_saved_bytes(dm.arch, length, tp=dm.tp, e=dm.e, kernel=dm.gdn_kernel)
+    heads = sum(
+        count * gdn_heads_saved_bytes(dm.arch, length, tp=dm.tp, cp=dm.cp, e=dm.e, kernel=dm.gdn_kernel)
         for length, count in (sequences or [(r, 1)])
     )
-    return norms_in_mlp + mixer
+    rows = gdn_rows_saved_bytes(dm.arch, r, tp=dm.tp, e=dm.e)
+    return norms_in_mlp + heads + rows + gdn_exchange_saved_bytes(dm.arch, r, tp=dm.tp, cp=dm.cp)
 
 
 def linear_state_bytes(dm: Dims) -> int:
-    """Per GDN layer: the prefix state a fork hands down, H dk dv float32 + the last K - 1 conv inputs."""
+    """Per GDN layer: the prefix state a fork hands down, H dk dv float32 + the last K - 1 conv inputs (under CP
+    this rank's head block: each rank caches the state of its heads)."""
     a = dm.arch
-    cd = (2 * a.linear_qk_dim + a.linear_v_dim) // dm.tp
-    heads = a.linear_num_value_heads // dm.tp
+    _, heads = gdn_block(a, tp=dm.tp, cp=dm.cp)
+    _, _, cd = gdn_exchange_widths(a, tp=dm.tp, cp=dm.cp)
     return (
         heads * a.linear_key_head_dim * a.linear_value_head_dim * 4
         + (a.linear_conv_kernel_dim - 1) * cd * dm.e
     )
+
+
+def exchange_buffer_bytes(dm: Dims, rows: int) -> int:
+    """Transient head-exchange buffers of one GDN layer over `rows` local rows (0 without GDN layers or CP)."""
+    if not dm.linear_layers:
+        return 0
+    return gdn_exchange_buffer_bytes(dm.arch, rows, tp=dm.tp, cp=dm.cp, e=dm.e)
 
 
 def head_bytes(dm: Dims, r: int, m: int) -> int:
@@ -391,12 +411,12 @@ def step_peak(
         r = local_rows(n, 1, layout)
         # naive (megatron's output layer) scores every row; a one-response tree only its response tokens
         m = cdiv(n - 1 if schedule == "naive" else shape.response_length, cp)
-        c = chunk_saved_bytes(dm, r, m, cp=cp, layer_recompute=lay_rc)
+        c = chunk_saved_bytes(dm, r, m, cp=cp, layer_recompute=lay_rc, sequences=[(n, 1)])
         return Peak(
             activations=c["kv"] + c["other"],
             cached_kv=0,
             kv_grads=0,
-            ring_buffers=ring_buffer_bytes(dm, r, r, cp),
+            ring_buffers=max(ring_buffer_bytes(dm, r, r, cp), exchange_buffer_bytes(dm, r)),
             logits=logits_bytes(dm, m, logprob_chunk_rows),
             dispatcher=dispatcher_bytes(dm, r),
         )
@@ -405,16 +425,13 @@ def step_peak(
         r = groups * (local_rows(R, 1, layout) + local_rows(L, G, layout))
         r = local_rows(r, 1, Layout(tp=layout.tp, sequence_parallel=layout.sequence_parallel))
         m = cdiv(groups * (shape.shared_response_length + G * L), cp)  # every response token once
-        seqs = [
-            (cdiv(R, cp), groups),
-            (cdiv(L, cp), groups * G),
-        ]  # a GDN layer: each segment its own sequence
+        seqs = [(R, groups), (L, groups * G)]  # a GDN layer: each whole segment its own sequence
         c = chunk_saved_bytes(dm, r, m, cp=cp, layer_recompute=lay_rc, sequences=seqs)
         return Peak(
             activations=c["kv"] + c["other"],
             cached_kv=0,
             kv_grads=0,
-            ring_buffers=ring_buffer_bytes(dm, r, r, cp),
+            ring_buffers=max(ring_buffer_bytes(dm, r, r, cp), exchange_buffer_bytes(dm, r)),
             logits=logits_bytes(dm, m, logprob_chunk_rows),
             dispatcher=dispatcher_bytes(dm, r),
         )
@@ -426,9 +443,11 @@ def step_peak(
     b = min(branch_micro_batch, G)
     r_leaf = local_rows(L, b, layout)
     m_leaf = cdiv(b * (L - 1), cp)
-    root = chunk_saved_bytes(dm, r_root, m_root, cp=cp, layer_recompute=lay_rc, capture=True)
+    root = chunk_saved_bytes(
+        dm, r_root, m_root, cp=cp, layer_recompute=lay_rc, capture=True, sequences=[(R, 1)]
+    )
     leaf = chunk_saved_bytes(
-        dm, r_leaf, m_leaf, ext=r_root, cp=cp, layer_recompute=lay_rc, sequences=[(cdiv(L, cp), b)]
+        dm, r_leaf, m_leaf, ext=r_root, cp=cp, layer_recompute=lay_rc, sequences=[(L, b)]
     )
     # the root's K/V (full-attention layers) and, for a hybrid, the GDN states its children start from
     state = dm.linear_layers * linear_state_bytes(dm) if dm.linear_layers else 0
@@ -443,7 +462,11 @@ def step_peak(
     # grads are injected). Without any recompute this never exceeds phase 1 (which holds the same graph).
     root_kv = root["kv"] if seg_rc else 0
     phase_root = cached + root_kv + root["other"] + grads
-    ring = max(ring_buffer_bytes(dm, r_root, r_root, cp), ring_buffer_bytes(dm, r_leaf, r_root + r_leaf, cp))
+    ring = max(
+        ring_buffer_bytes(dm, r_root, r_root, cp),
+        ring_buffer_bytes(dm, r_leaf, r_root + r_leaf, cp),
+        exchange_buffer_bytes(dm, max(r_root, r_leaf)),
+    )
     logits = max(logits_bytes(dm, m_root, logprob_chunk_rows), logits_bytes(dm, m_leaf, logprob_chunk_rows))
     dispatch = max(dispatcher_bytes(dm, r_root), dispatcher_bytes(dm, r_leaf))
     if phase_root > phase_leaves:

@@ -6,6 +6,9 @@ Step-time model (stated assumptions, not measurements):
     once more) and W dK/dV hops in fp32 (parallel/ring.py); each hop is posted before the block is computed, so
     the transfer hides behind the attention compute when the ring's time is at most the attention time; only the
     excess is exposed;
+  * the head exchange (CP, a hybrid's gated delta net layers, parallel/head_exchange.py): per GDN layer and chunk
+    two all-to-alls forward and two backward, each rank sending (W-1) blocks of its rows; counted as exposed (the
+    layer waits for them);
   * tensor + sequence parallel: per layer 2 all-gathers and 2 reduce-scatters of [s, h] forward and again
     backward, not overlapped;
   * gradient reduction over DP x CP (all-reduce of the fp32 grads; with the distributed optimizer a
@@ -35,6 +38,7 @@ from typing import Any
 from megatron_branch.errors import UserError
 from megatron_branch.models.arch import ModelArch
 from megatron_branch.plan.flops import StepFlops, attention_flops_per_pair, causal_pairs, step_flops
+from megatron_branch.plan.layers import gdn_exchange_bytes
 from megatron_branch.plan.memory import Dims, Peak, cdiv, local_rows, margin_bytes, static_bytes, step_peak
 from megatron_branch.plan.model import GPU, RECOMPUTE, Layout, RolloutShape
 from megatron_branch.plan.optimizer import (
@@ -44,7 +48,7 @@ from megatron_branch.plan.optimizer import (
     offload_seconds,
     optimizer_bytes,
 )
-from megatron_branch.rules import check_run
+from megatron_branch.rules import check_gdn_context_parallel, check_run, gdn_context_parallel_sizes
 
 MFU = 0.45
 """Assumed fraction of peak FLOP/s a kernel reaches (dense and attention alike)."""
@@ -264,6 +268,35 @@ def _ring_bytes_per_rank(arch: ModelArch, shape: RolloutShape, layout: Layout, s
     return groups * dm.attn_layers * total  # GDN layers of a hybrid have no ring
 
 
+def _chunk_rows(shape: RolloutShape, layout: Layout, schedule: str) -> list[int]:
+    """Local rows of every chunk one rank runs per prompt group (and again for a recomputed root), as the head
+    exchange sees them: packed one chunk; replay the root, each response's leaf rows, the recomputed root."""
+    if schedule == "packed" or shape.responses == 1:
+        return [local_rows(shape.positions_computed // shape.prompts, 1, layout)]
+    r_root = local_rows(shape.root_length, 1, layout)
+    chunks = [r_root] + [local_rows(shape.leaf_length, 1, layout)] * shape.responses
+    if layout.recompute in ("selective", "full"):
+        chunks.append(r_root)
+    return chunks
+
+
+def _exchange_bytes_per_rank(arch: ModelArch, shape: RolloutShape, layout: Layout, schedule: str) -> float:
+    """Bytes one rank sends in head exchanges over the step (a hybrid's GDN layers under CP; forward + backward,
+    plus per-layer recompute's second forward), at 2-byte activations."""
+    if layout.cp == 1 or schedule == "naive" or not arch.is_hybrid:
+        return 0.0
+    groups = cdiv(shape.prompts, layout.dp)
+    passes = 3 if layout.recompute == "full" else 2  # forward, backward (and the recomputed forward)
+    sent = [
+        gdn_exchange_bytes(arch, r, tp=layout.tp, cp=layout.cp, e=2)
+        for r in _chunk_rows(shape, layout, schedule)
+    ]
+    per_layer = passes * sum(sent)
+    if schedule == "replay" and shape.responses > 1 and layout.recompute in ("selective", "full"):
+        per_layer -= (passes - 1) * sent[0]  # the root's first forward keeps no graph: no backward of its own
+    return float(groups * arch.num_linear_layers * per_layer)
+
+
 def step_time(
     arch: ModelArch,
     shape: RolloutShape,
@@ -281,6 +314,7 @@ def step_time(
     attention = fl.attention / world / rate
     ring = _ring_bytes_per_rank(arch, shape, layout, schedule) * DTYPE_BYTES[dtype] / 2 / link
     exposed_ring = max(0.0, ring - attention)
+    exchange = _exchange_bytes_per_rank(arch, shape, layout, schedule) * DTYPE_BYTES[dtype] / 2 / link
     tp = 0.0
     if layout.tp > 1:
         rows = fl.positions / (layout.cp * layout.dp) + fl.recomputed_positions / (layout.cp * layout.dp)
@@ -310,6 +344,7 @@ def step_time(
     return {
         "total": compute
         + exposed_ring
+        + exchange
         + tp
         + grads
         + a2a
@@ -322,6 +357,7 @@ def step_time(
         "ring": ring,
         "ring_exposed": exposed_ring,
         "ring_hidden": ring <= attention,
+        "head_exchange": exchange,
         "tensor_parallel_comm": tp,
         "grad_reduce": grads,
         "mfu_assumed": MFU,
@@ -356,6 +392,13 @@ def evaluate(
             "whole prefix groups go to DP ranks"
         )
     check_run(schedule, cp=layout.cp)
+    if arch.is_hybrid:
+        check_gdn_context_parallel(
+            key_heads=arch.linear_num_key_heads,
+            value_heads=arch.linear_num_value_heads,
+            tp=layout.tp,
+            cp=layout.cp,
+        )
     if dtype not in DTYPE_BYTES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
     pkey = ("peak", layout, schedule, dtype, tuple(sorted(kw.items())))
@@ -407,8 +450,8 @@ def evaluate(
         notes.append(
             f"hybrid ({arch.num_linear_layers} gated delta net + {arch.num_full_layers} full-attention layers): GDN "
             "layers planned with fla's kernel (plan/layers.py), no K/V and no ring; replay hands each GDN layer's "
-            "state at the fork down (S + conv tail, with its gradient accumulator); the engine does not yet run "
-            "GDN layers under CP (issue #18 item 3)"
+            "state at the fork down (S + conv tail, with its gradient accumulator); under CP each rank runs a block "
+            "of the GDN heads over whole sequences (the head exchange: two all-to-alls per layer each way)"
         )
     return Plan(
         model=model,
@@ -451,7 +494,7 @@ def candidate_layouts(
         except UserError:
             continue
         for c in (cp,) if cp else [c for c in range(1, gpus // t + 1) if (gpus // t) % c == 0]:
-            if (gpus // t) % c or not _runs(schedule, c):
+            if (gpus // t) % c or not _runs(schedule, c) or not _splits_gdn_heads(arch, t, c):
                 continue
             d = gpus // (t * c)
             if (dp and d != dp) or d > shape.prompts:
@@ -486,6 +529,16 @@ def _runs(schedule: str, cp: int) -> bool:
     except UserError:
         return False
     return True
+
+
+def _splits_gdn_heads(arch: ModelArch, tp: int, cp: int) -> bool:
+    """A hybrid's GDN heads split into cp head blocks on a TP rank (rules.check_gdn_context_parallel)."""
+    if not arch.is_hybrid:
+        return True
+    sizes = gdn_context_parallel_sizes(
+        key_heads=arch.linear_num_key_heads, value_heads=arch.linear_num_value_heads, tp=tp
+    )
+    return cp in sizes
 
 
 def plan(

@@ -14,7 +14,9 @@ from collections.abc import Callable
 import torch
 
 from megatron_branch.data import PrefixTree
+from megatron_branch.errors import SettingError
 from megatron_branch.losses.objective import Objective
+from megatron_branch.rules import API
 from megatron_branch.schedule.common import ScheduleOptions, StepResult
 from megatron_branch.schedule.moe import moe_arch, run_with_router
 from megatron_branch.schedule.naive import run_naive
@@ -56,7 +58,10 @@ def run_schedule(
     ):  # a hybrid: the schedules whose GDN layers carry each segment's state (models/arch.py)
         from megatron_branch.models.arch import check_schedule_supports
 
-        check_schedule_supports(arch, name, flag="schedule", cp=opts.cp_size)
+        try:
+            check_schedule_supports(arch, name, flag="schedule", cp=opts.cp_size, tp=opts.tp_size)
+        except SettingError as e:
+            raise e.spelled(API) from None
     if objective is None and not forward_only:
         raise ValueError("a training step needs an objective (objective=None only with forward_only=True)")
     if (

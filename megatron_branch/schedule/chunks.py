@@ -25,7 +25,7 @@ from megatron_branch.attention.context import BranchContext, LocalContext
 from megatron_branch.attention.layout import AttentionLayout, QuerySegment
 from megatron_branch.attention.prefix_state import CACHED, ChunkSegment, ChunkTree, Tensors
 from megatron_branch.data import PrefixTree
-from megatron_branch.parallel.cp_layout import tree_related, zigzag_offsets
+from megatron_branch.parallel.cp_layout import tree_related, zigzag_offsets, zigzag_rows
 from megatron_branch.schedule.options import ScheduleOptions
 
 
@@ -238,8 +238,10 @@ class CPChunk:
         capture: bool,
         device: torch.device,
     ) -> BranchContext:
-        """The ring context over the context-parallel group (parallel/context.py), with the chosen executor."""
+        """The ring context over the context-parallel group (parallel/context.py), with the chosen executor; for a
+        recurrent layer (a gated delta net) the unsplit chunk's tree and the head exchange over the same group."""
         from megatron_branch.parallel.context import RingContext  # the ring: only under CP
+        from megatron_branch.parallel.head_exchange import CPHeadExchange
 
         return RingContext(
             q_meta=self.meta.to(device),
@@ -251,7 +253,27 @@ class CPChunk:
             backend=opts.backend,
             stats=opts.ring_stats,
             recompute_layers=opts.recompute_layers,
+            tree=self.chunk.tree(tree),
+            exchange=CPHeadExchange(
+                group=opts.cp_group,
+                size=self.cp_size,
+                rank=self.cp_rank,
+                num_rows=self.chunk.num_real,
+                rows=lambda: self.all_rows(tree),
+                device=device,
+                stats=opts.ring_stats,
+            ),
         )
+
+    def all_rows(self, tree: PrefixTree) -> torch.Tensor:
+        """[cp, s_loc] the unsplit chunk row of every CP rank's local rows (-1 = padding): `rows` of each rank."""
+        lengths = chunk_lengths(tree, self.chunk)
+        out = []
+        for r in range(self.cp_size):
+            # every rank has the same count before the final padding
+            rows = zigzag_rows(lengths, self.cp_size, r)
+            out.append(torch.cat([rows, rows.new_full((self.num_local - rows.numel(),), -1)]))
+        return torch.stack(out)
 
 
 def split_chunk(
@@ -275,9 +297,11 @@ def split_chunk(
     seg_offset = torch.tensor([s.offset for s in tree.segments], dtype=torch.long)  # [S]
     token_index = torch.where(real, seg_offset[seg.clamp(min=0)] + off, torch.full_like(seg, -1))  # [s_loc]
 
-    # unsplit chunk row of every packed index (chunk rows follow chunk.token_index)
-    rows = torch.where(real, lookup(chunk.token_index, token_index), torch.full_like(seg, -1))  # [s_loc]
-    assert bool((rows[real] >= 0).all()), "a local token is not in the chunk"
+    # the unsplit chunk row of every local row (chunk rows follow chunk.token_index): THE zigzag row map, which a
+    # gated delta net layer's head exchange also reads for every rank (parallel/cp_layout.py)
+    lengths = chunk_lengths(tree, chunk)
+    rows = zigzag_rows(lengths, cp_size, cp_rank, pad_to_multiple=pad_to_multiple)  # [s_loc]
+    assert torch.equal(rows >= 0, real) and torch.equal(chunk.token_index[rows[real]], token_index[real])
 
     safe = token_index.clamp(min=0)
     input_ids = torch.where(real, tree.tokens[safe], torch.zeros_like(seg))
@@ -301,6 +325,11 @@ def split_chunk(
         targets=chunk.targets[mine],
         target_rows=pred_row[mine],
     )
+
+
+def chunk_lengths(tree: PrefixTree, chunk: Chunk) -> list[int]:
+    """Token counts of the chunk's segments, in chunk order (the unsplit chunk's rows: these end to end)."""
+    return [tree.segments[sid].length for sid in chunk.segments]
 
 
 def lookup(index: torch.Tensor, query: torch.Tensor) -> torch.Tensor:

@@ -772,11 +772,16 @@ def model_arch(cfg: TrainConfig, vocab_size: int | None = None) -> ModelArch:
 def check_model(cfg: TrainConfig) -> None:
     """The architecture exists and splits over parallel.tp (reads only config.json)."""
     arch = model_arch(cfg)
-    check_schedule_supports(arch, cfg.schedule.name, flag="schedule.name", cp=cfg.parallel.cp)
     try:
         arch.check_tensor_parallel(cfg.parallel.tp)
     except UserError as e:
         raise UserError(f"parallel.tp: {e}") from None
+    try:
+        check_schedule_supports(
+            arch, cfg.schedule.name, flag="schedule.name", cp=cfg.parallel.cp, tp=cfg.parallel.tp
+        )
+    except SettingError as e:
+        raise e.spelled(SPELLING) from None
     check_moe(cfg, arch)
     if cfg.data.max_prompt_length is not None:
         check_fits_context(

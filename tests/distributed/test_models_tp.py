@@ -1,6 +1,6 @@
 """Qwen3 dense and the Qwen3.5 hybrid under torchrun: conversion bit-exact at TP2 (tensors, files, a dist checkpoint
 saved at TP2 loading at TP1), and `megatron-branch grad` against the HF oracle under TP2+SP, TP2 without SP and
-(Qwen3, every schedule that has CP) CP2; the hybrid with naive, replay and packed (its GDN state handed down).
+(every schedule that has CP) CP2; the hybrid with naive, replay and packed (its GDN state handed down).
 
     python tests/distributed/launch.py 2 -k models_tp
 
@@ -184,13 +184,15 @@ QWEN3_5_RUNS = [
     ("tp2", ["--tp", "2"], ("naive", "replay")),
     ("tp2_manual", ["--tp", "2", "--grad-sync", "manual"], ("naive", "packed")),
     ("tp2sp_fp64", ["--tp", "2", "--sequence-parallel", "--dtype", "float64"], ("replay",)),
+    ("cp2", ["--cp", "2"], ("replay", "packed")),  # GDN layers through the head exchange, attention the ring
 ]
 
 
 @pytest.mark.world(2)
-def test_grad_qwen3_5_under_tp2() -> None:
+def test_grad_qwen3_5_under_tp2_and_cp2() -> None:
     """naive, and the tree schedules through the GDN state (each rank its share of the value heads and conv
-    channels, the sequence gathered by in_proj under SP). The GDN out_norm sees one rank's value heads: its gradient
+    channels, the sequence gathered by in_proj under SP); under CP2 each rank runs one key head's value heads over
+    the whole chunk (models/gdn_heads.py). The GDN out_norm sees one rank's value heads: its gradient
     is summed over TP by the norm itself (compat/norm.py GatedOutputNorm), under SP and without, with megatron's
     DDP and with the manual reduction."""
     d, want = _setup("qwen3_5")

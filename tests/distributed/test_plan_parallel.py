@@ -121,3 +121,37 @@ def test_each_term_within_5_percent(kind: str, mode: str) -> None:
                    layer_recompute=full)  # fmt: skip
     for term, (m, p) in per_term(got, pk).items():
         assert p == pytest.approx(m, rel=0.05), (kind, mode, term, m, p)
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "segment_recompute"])
+def test_hybrid_under_cp2_matches_the_meter_and_the_exchange_count(recompute: bool) -> None:
+    """A Qwen3.5-style hybrid (3 GDN + 1 attention layers, 2 key / 4 value GDN heads) under CP2: each rank runs one
+    key head's block of the GDN heads over whole segments (the head exchange). The planner's saved bytes against
+    the meter, the cache's bytes exactly (this rank's K/V rows + ITS heads' fork state), and the head exchange's
+    forward bytes exactly against the exchange's own count (RingStats)."""
+    from megatron_branch.parallel.ring import RingStats
+    from megatron_branch.plan.layers import gdn_exchange_bytes
+    from megatron_branch.plan.memory import linear_state_bytes
+    from megatron_branch.plan.search import _chunk_rows
+    from megatron_branch.testing import tiny_hf_config
+
+    groups = initialize_parallel(ParallelConfig(cp=2))
+    a = ModelArch.from_hf_config(tiny_hf_config("qwen3_5", num_layers=4, hidden_size=32, ffn=64))
+    torch.manual_seed(0)
+    model = build_model(a, dtype=torch.float32)
+    shape = RolloutShape(prompt_length=96, responses=4, response_length=12)
+    stats = RingStats()
+    got = measure_step(model, shape, vocab=VOCAB, branch_micro_batch=4, recompute=recompute, groups=groups,
+                       ring_stats=stats)  # fmt: skip
+    layout = Layout(cp=2, recompute="selective" if recompute else "none")
+    pk = step_peak(a, shape, layout, act_bytes=4, branch_micro_batch=4, segment_recompute=recompute,
+                   layer_recompute=False, gdn_kernel="torch")  # fmt: skip
+    assert pk.saved == pytest.approx(got.saved_peak, rel=TOL), (pk, got)
+    dm = Dims.of(a, layout, 4, gdn_kernel="torch")
+    rows = local_rows(shape.root_length, 1, layout)
+    state = a.num_linear_layers * linear_state_bytes(dm)
+    assert state * 2 == a.num_linear_layers * linear_state_bytes(Dims.of(a, Layout(), 4))  # half the heads
+    assert got.cached_kv == a.num_full_layers * layer_kv_bytes(dm, rows) + state
+    sent = sum(gdn_exchange_bytes(a, r, tp=1, cp=2, e=4) for r in _chunk_rows(shape, layout, "replay"))
+    assert stats.exchange_bytes == a.num_linear_layers * sent > 0

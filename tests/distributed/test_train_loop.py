@@ -1,6 +1,7 @@
 """`megatron-branch train` under torchrun: DP2 resume equals an uninterrupted DP2 run; GRPO runs under TP2 and
 DP2 with every rank seeing the same metrics; a CP2 GRPO run (with a checkpoint and resume in the middle) equals
-the single-process run of the same config; schedule.name=naive is refused under CP."""
+the single-process run of the same config, and so does a CP2 run of a config-defined hybrid (gated delta net
+layers); schedule.name=naive is refused under CP."""
 
 from __future__ import annotations
 
@@ -208,6 +209,43 @@ def test_cp2_grpo_with_resume_equals_single_process() -> None:
         err = max(float((mine[k] - ref["params"][k]).abs().max()) for k in mine)
         assert err < 1e-9, err
         _agree([m["reward_mean"] for m in m1 + m2])
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+HYBRID = (
+    "model.arch={family: qwen3_5, hidden_size: 16, num_layers: 2, num_attention_heads: 2, num_query_groups: 1, "
+    "head_dim: 8, ffn_hidden_size: 32, max_position_embeddings: 64, rotary_percent: 0.5, "
+    "layer_types: [linear_attention, full_attention], linear_key_head_dim: 4, linear_value_head_dim: 4, "
+    "linear_num_key_heads: 1, linear_num_value_heads: 2}"
+)
+"""tests/unit/test_gdn_train.py's config-defined hybrid: 1 key / 2 value GDN heads, so under CP2 each rank runs one
+value head, the key head shared (the head exchange, models/gdn_heads.py)."""
+
+
+@pytest.mark.world(2)
+def test_cp2_hybrid_grpo_equals_single_process() -> None:
+    """A config-defined Qwen3.5-style hybrid trains with parallel.cp=2 (the ring for its attention layer, the head
+    exchange for its gated delta net layer) and equals the single-process run: the same sampled tokens and rewards,
+    parameters within the float32 delta rule's rounding (the rule computes in float32 whatever the model dtype)."""
+    tmp = shared_tmp()
+    try:
+        common = [HYBRID, "model.dtype=float64", "schedule.name=replay", "trainer.total_training_steps=2"]
+        single = [*_cfg_overrides(tmp / "single"), *common]
+        ref_proc = _single_process(single, tmp / "single.pt") if dist.get_rank() == 0 else None
+        tr, rows = _run(_cfg(tmp / "cp2", *common, "parallel.cp=2"))
+        assert (tr.groups.cp_size, tr.groups.dp_size) == (2, 1) and unwrap(tr.policy).arch.is_hybrid
+        rc = [ref_proc.wait(timeout=600) if ref_proc is not None else 0]
+        dist.broadcast_object_list(rc, src=0)
+        assert rc == [0], "the single-process reference run failed"
+        ref = torch.load(tmp / "single.pt", weights_only=False)
+        assert [(m["_tokens"], m["_rewards"]) for m in rows] == ref["rows"]
+        mine = _params(tr)
+        assert sorted(mine) == sorted(ref["params"])
+        err = max(float((mine[k] - ref["params"][k]).abs().max()) for k in mine)
+        assert err < 1e-6, err
     finally:
         dist.barrier()
         if dist.get_rank() == 0:

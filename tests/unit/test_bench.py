@@ -157,3 +157,49 @@ def test_moe_preset_runs_megatrons_moe_layer(tmp_path, capsys) -> None:  # noqa:
     d = json.loads(out.read_text())
     assert d["config"]["model"]["family"] == "qwen3_moe" and d["config"]["model"]["num_experts"] == 8
     assert {r["variant"] for r in d["rows"]} >= {"naive-fused", "packed", "replay"}
+
+
+# --- the hybrid preset -------------------------------------------------------------------------------------------------
+def test_bench_and_planner_count_a_hybrids_flops_the_same_way() -> None:
+    """The bench's analytic FLOPs (bench/flops.py) and the planner's (plan/flops.py) are ONE count for a hybrid:
+    per-position matmuls of both layer kinds, pairs in the full-attention layers only, and the GDN convolution +
+    delta rule per sequence (each rollout unshared, each tree segment shared), with and without recompute."""
+    from megatron_branch.bench.config import PRESETS
+    from megatron_branch.plan import Layout, RolloutShape
+    from megatron_branch.plan.flops import step_flops
+    from megatron_branch.plan.measure import shape_rollouts
+
+    arch = PRESETS["hybrid"]["model"]
+    assert arch.is_hybrid and (arch.num_linear_layers, arch.num_full_layers) == (3, 1)
+    shape = RolloutShape(prompt_length=150, responses=4, response_length=20, shared_response_length=5)
+    tree = PrefixTree.build(shape_rollouts(shape, 64), vocab_size=arch.vocab_size)
+    f = variant_flops(arch, tree)
+    plan = {s: step_flops(arch, shape, s) for s in ("naive", "replay", "packed")}
+    assert f["naive-fused"].linear + f["naive-fused"].linear_backward == plan["naive"].linear_attention > 0
+    for v in ("replay", "packed"):
+        assert f[v].linear + f[v].linear_backward == plan[v].linear_attention
+        assert 3 * f[v].dense == plan[v].dense and 3 * f[v].attention == plan[v].attention
+    assert f["replay"].linear < f["naive-fused"].linear  # the shared prefix's GDN runs once
+    for variant, recompute in (("replay+recompute", "selective"), ("replay+recompute-full", "full")):
+        again = step_flops(arch, shape, "replay", Layout(recompute=recompute))
+        # what recompute adds is counted alike (the output projection's recomputed rows: 1 pass in both)
+        assert f[variant].step - f["replay"].step == pytest.approx(
+            again.total - plan["replay"].total, rel=1e-12
+        )
+
+
+@pytest.mark.slow
+def test_the_hybrid_preset_runs_at_a_reduced_size(tmp_path, capsys) -> None:  # noqa: ANN001
+    """`bench --preset hybrid` (Qwen3.5-style 3:1 layers) end to end at a reduced size: every variant the same
+    loss, replay's FLOP ratio its analytic limit. No timing is quoted from this machine."""
+    out = tmp_path / "h.json"
+    argv = ["bench", "--preset", "hybrid", "--prompt", "96", "--branches", "4", "--response", "8", "--hidden", "64",
+            "--vocab", "256", "--rounds", "1", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"naive-fused", "packed-nosharing", "packed", "replay"}
+    for r in rows.values():
+        assert r["loss"] == pytest.approx(rows["naive-fused"]["loss"], rel=1e-5)
+    assert rows["replay"]["flop_ratio"] == pytest.approx(rows["replay"]["analytic_limit"])
+    assert rows["replay"]["analytic_limit"] > 1
+    assert "analytic limit" in capsys.readouterr().out

@@ -97,7 +97,8 @@ def test_conv_tail_is_the_last_inputs_along_the_path() -> None:
     g = torch.Generator().manual_seed(0)
     x, tail = torch.randn(2, 3, 5, generator=g), torch.randn(2, 3, 3, generator=g)
     conv = torch.nn.Conv1d(3, 3, 4, groups=3, padding=3, bias=True)  # megatron's GatedDeltaNet.conv1d
-    out, new = conv_with_tail(x, tail, torch.tensor([5, 1]), conv, roots=False)
+    w = (conv.weight, conv.bias)
+    out, new = conv_with_tail(x, tail, torch.tensor([5, 1]), w, roots=False)
     full = torch.cat([tail, x], -1)
     torch.testing.assert_close(new[0], x[0, :, 2:5], rtol=0, atol=0)
     torch.testing.assert_close(
@@ -108,7 +109,7 @@ def test_conv_tail_is_the_last_inputs_along_the_path() -> None:
         want = torch.nn.functional.conv1d(full, conv.weight, conv.bias, groups=3)
         torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
         # a root: megatron's own call, bit for bit
-        root, _ = conv_with_tail(x, torch.zeros_like(tail), torch.tensor([5, 5]), conv, roots=True)
+        root, _ = conv_with_tail(x, torch.zeros_like(tail), torch.tensor([5, 5]), w, roots=True)
         assert torch.equal(root, conv(x)[..., :5])
 
 
@@ -129,7 +130,9 @@ def test_padded_siblings_equal_each_alone() -> None:
         conv.bias.copy_(torch.randn(cd, generator=g0))
     spans = [(0, 1), (1, 3), (3, 73), (73, 80)]
     start = (torch.randn(4, 2, 8, 8, generator=g0) * 0.1, torch.randn(4, cd, 3, generator=g0))
-    kw = dict(dims=dims, conv=conv, roots=False, act=torch.nn.functional.silu, l2norm=l2norm)
+    kw = dict(
+        dims=dims, conv=(conv.weight, conv.bias), roots=False, act=torch.nn.functional.silu, l2norm=l2norm
+    )
     out, (S, tail) = delta_rule_segments(
         qkv, g, beta, Rows.of(spans, qkv.device), start, rule=torch_chunk_gated_delta_rule, **kw
     )

@@ -28,8 +28,9 @@ def test_config_defined_hybrid_defaults_to_its_family(task: Path, tmp_path: Path
     arch = model_arch(hybrid_cfg(task, tmp_path / "r"), vocab_size=50)
     assert arch.is_hybrid and arch.num_linear_layers == 1
     assert arch.qk_norm and arch.zero_centered_norm and arch.attention_output_gate
-    with pytest.raises(UserError, match="context parallelism .* cannot run a hybrid"):
-        hybrid_cfg(task, tmp_path / "r", "parallel.cp=2")
+    hybrid_cfg(task, tmp_path / "r", "parallel.cp=2")  # 1 key / 2 value GDN heads: CP2 runs (head exchange)
+    with pytest.raises(UserError, match=r"parallel.cp=4 cannot split the hybrid's gated delta net heads"):
+        hybrid_cfg(task, tmp_path / "r", "parallel.cp=4")
 
 
 @pytest.mark.slow

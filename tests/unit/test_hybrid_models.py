@@ -341,8 +341,9 @@ def test_what_a_hybrid_cannot_run_is_refused_before_any_work() -> None:
         run_schedule("replay-stopgrad", model, tree, obj, ScheduleOptions(vocab_size=arch.vocab_size))
     assert "\n" not in str(e.value)
     assert all(p.grad is None for p in model.parameters())  # nothing ran
-    with pytest.raises(UserError, match=r"context parallelism \(cp 2\) cannot run a hybrid model yet") as e:
-        check_schedule_supports(arch, "replay", cp=2)
+    check_schedule_supports(arch, "replay", cp=2)  # 2 key / 4 value GDN heads split over CP2 (head exchange)
+    with pytest.raises(UserError, match=r"--cp 3 cannot split the hybrid's gated delta net heads") as e:
+        check_schedule_supports(arch, "replay", cp=3)
     assert "\n" not in str(e.value)
 
 
@@ -358,9 +359,9 @@ def test_grad_command_naive_and_refusals(tmp_path: Path, capsys: pytest.CaptureF
     got = load_file(tmp_path / "g.safetensors")
     assert got.keys() == want.keys() and max(_rel(got[n], want[n]) for n in want) <= BOUND
     capsys.readouterr()
-    assert main([*base, "--out", str(tmp_path / "bad.safetensors"), "--schedule", "replay", "--cp", "2"]) == 2
+    assert main([*base, "--out", str(tmp_path / "bad.safetensors"), "--schedule", "replay", "--cp", "3"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "context parallelism (cp 2) cannot run a hybrid model yet" in err and "\n" not in err
+    assert "--cp 3 cannot split the hybrid's gated delta net heads" in err and "\n" not in err
     assert not (tmp_path / "bad.safetensors").exists()
     for schedule in ("replay",):  # the tree schedule through the GDN state, from the HF folder
         out = tmp_path / f"{schedule}.safetensors"

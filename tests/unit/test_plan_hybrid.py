@@ -177,9 +177,10 @@ def test_plan_command_for_the_announced_model(capsys: pytest.CaptureFixture[str]
     mem = d["memory_bytes_per_rank"]
     assert mem["ring_buffers"] == 0 or d["layout"]["cp"] > 1
     assert d["flops"]["naive"] > d["flops"]["replay"]
-    # exact replay of all 16 branches fits on 8 x H20 (TP8, no CP: the engine runs GDN layers without CP), the
+    # exact replay of all 16 branches fits on 8 x H20 (TP8: the fastest that fits, CP layouts weighed too), the
     # cache holding the attention layers' K/V and every GDN layer's fork state, with their accumulators
     assert d["fits"] and d["layout"]["cp"] == 1 and d["schedule"] == "replay"
+    assert {(r["layout"]["tp"], r["layout"]["cp"]) for r in d["rejected"]} >= {(2, 4), (1, 8)}
     arch, lay = MODEL_PRESETS["qwen3.6-27b"], d["layout"]
     dm = Dims.of(arch, Layout(tp=lay["tp"]), 2)
     kv = arch.num_full_layers * layer_kv_bytes(dm, 122880) + arch.num_linear_layers * linear_state_bytes(dm)
@@ -208,3 +209,29 @@ def test_hybrid_replay_step_matches_the_meter(recompute: bool) -> None:
     dm = Dims.of(arch, Layout(), 4, gdn_kernel="torch")
     state = arch.num_linear_layers * linear_state_bytes(dm)
     assert got.cached_kv == arch.num_full_layers * layer_kv_bytes(dm, 96) + state  # K/V rows + the fork state
+
+
+def test_hybrid_cp_layouts_are_planned_with_the_head_exchange(capsys: pytest.CaptureFixture[str]) -> None:
+    """Qwen3.6-27B at TP4 x CP2 (4 key / 12 value GDN heads per TP rank, a block of 2 / 6 per CP rank): it fits with
+    recompute full, the GDN fork state is the block's, the head exchange is in the step time; a CP size the GDN
+    heads do not split is refused in one line, and the search never tries one."""
+    from megatron_branch.plan import GPU_PRESETS, plan
+    from megatron_branch.plan.search import candidate_layouts
+
+    arch = MODEL_PRESETS["qwen3.6-27b"]
+    shape = RolloutShape(prompt_length=122880, responses=16, response_length=8192)
+    p = plan("qwen3.6-27b", arch, shape, GPU_PRESETS["h20"], 8, tp=4, cp=2, dp=1, recompute="full")
+    assert p.fits and p.step_time["head_exchange"] > 0
+    half = linear_state_bytes(Dims.of(arch, Layout(tp=4, cp=2), 2))
+    assert 2 * half == linear_state_bytes(
+        Dims.of(arch, Layout(tp=4), 2)
+    )  # each CP rank: half the heads' state
+    argv = ["plan", "--model", "qwen3.6-27b", "--prompt-length", "4096", "--responses", "4", "--response-length", "64",
+            "--gpus", "24", "--gpu", "h20", "--tp", "8", "--cp", "3", "--dp", "1", "--recompute", "full"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--cp 3 cannot split the hybrid's gated delta net heads" in err and "use --cp in 1, 2, 6" in err
+    groups = RolloutShape(prompt_length=4096, responses=4, response_length=64, prompts=6)  # dp up to 6
+    cps = {lay.cp for lay in candidate_layouts(arch, groups, 48, tp=8, cp=None, dp=None, recompute="full",
+                                              schedule="replay")}  # fmt: skip
+    assert cps == {1, 2, 6}  # 3 would be possible by the GPU count, not by the heads
