@@ -8,7 +8,8 @@ Router losses off: the gradient against Hugging Face's (float64, exact norms and
 layout with one data-parallel replica equals the others (float64 1e-9; the losses' scope is a replica's
 micro-batch, as megatron's). Expert parallelism across replicas runs the lockstep (parallel/lockstep.py); its
 dummy chunks must leave the gradient exact. Conversion: HF -> dist checkpoint at TP2 / EP2 -> HF, bit-exact. The
-MoE hybrids (Qwen3.5-MoE, Qwen3-Next) under TP2+SP and EP2 at the gated delta rule's float32 bound (1e-5).
+MoE hybrids (Qwen3.5-MoE, Qwen3-Next) under TP2+SP, EP2, CP2 and CP2xEP2 at the gated delta rule's float32 bound
+(1e-5).
 """
 
 from __future__ import annotations
@@ -263,6 +264,8 @@ HYBRIDS = {"qwen3_5_moe": {}, "qwen3_next": {"mlp_only_layers": [2]}}
 HYBRID_RUNS = [
     ("tp2sp", ["--tp", "2", "--sequence-parallel"], ("naive", "packed", "replay")),
     ("ep2", ["--ep", "2"], ("replay",)),  # EP across the DP replicas: lockstep dummies through the GDN layers
+    ("cp2", ["--cp", "2"], ("packed", "replay")),  # GDN heads exchanged over CP, experts after them
+    ("cp2ep2", ["--cp", "2", "--ep", "2"], ("replay",)),  # EP over the CP ranks
     ("tp2sp_fp64", ["--tp", "2", "--sequence-parallel", "--dtype", "float64"], ("replay",)),
 ]
 
@@ -271,7 +274,8 @@ HYBRID_RUNS = [
 @pytest.mark.parametrize("family", list(HYBRIDS))
 def test_moe_hybrid_grad_matches_hf_and_converts_bit_exact(family: str) -> None:
     """Qwen3.5-MoE and Qwen3-Next: `grad` against the float64 HF oracle per parameter at the gated delta rule's
-    float32 bound (1e-5, tests/unit/test_moe_hybrid.py) under TP2+SP and EP2; with router losses on, replay ==
+    float32 bound (1e-5, tests/unit/test_moe_hybrid.py) under TP2+SP, EP2, CP2 (the GDN head exchange) and CP2 x EP2;
+    with router losses on, replay ==
     packed == naive under TP2+SP (1e-5); HF -> dist checkpoint at TP2 / EP2 -> HF bit-exact."""
     from transformers import AutoModelForCausalLM
 
