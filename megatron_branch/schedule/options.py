@@ -40,6 +40,11 @@ class ScheduleOptions:
     fused_logprobs: bool = True
     """Fuse the output projection with the logprob by row chunks (losses/fused_logprobs.py): a chunk's full logits
     are never materialised. Needs a BranchGPTModel; False (or another model) = megatron's output layer + logprobs."""
+    moe: Any = None
+    """A MoE policy's router options (losses/router.py MoEOptions: router losses, routing replay); None = megatron's
+    routing, no router losses. Ignored for a dense model."""
+    router_plan: Any = None
+    """Set by run_schedule for a MoE policy (the bound losses/router.py RouterPlan); not a user option."""
     pipeline_order: str = "1f1b"
     """Under pipeline parallelism (schedule/pipeline.py): the order of each wave of leaf micro-batches on a stage,
     "1f1b" (megatron's: pp - 1 - stage forwards first, then one forward one backward; at most pp micro-batches

@@ -351,6 +351,7 @@ def run_pipeline(
             pp=opts.pp_size,
             num_layers=int(_unwrap(model).config.num_layers),
             hybrid=bool(getattr(arch, "is_hybrid", False)),
+            moe=bool(getattr(arch, "is_moe", False)),
             critic=bool(getattr(_unwrap(model), "is_critic", False)),
         )
     except SettingError as e:

@@ -129,7 +129,7 @@ def test_rule_through_train(rule: str) -> None:
             "schedule.name=replay-stopgrad has no context par",
         ),
         (["parallel.pp=2", "algorithm.name=ppo"], "parallel.pp=2: the PPO critic is not pipelined yet"),
-        (["parallel.ep=2"], "parallel.ep=2: expert parallelism is not in the engine yet"),
+        (["parallel.ep=2"], "parallel.ep / moe.* need a mixture-of-experts model"),  # a dense policy
         (["rollout.n=1"], "rollout.n=1 with algorithm.name=grpo"),
         (
             ["rollout.n=1", "algorithm.name=ppo", "algorithm.adv_estimator=grpo"],
