@@ -99,3 +99,21 @@ def test_pipeline_refusals_in_the_planner(capsys: pytest.CaptureFixture[str]) ->
     lay = Layout(tp=8, pp=2, recompute="full")
     assert (evaluate("72b", ARCH, TARGET, slow_link, 16, lay).step_time["pipeline_messages"]
             > 10 * evaluate("72b", ARCH, TARGET, H100, 16, lay).step_time["pipeline_messages"])  # fmt: skip
+
+
+def test_what_the_pipeline_does_not_run_is_refused_in_one_line() -> None:
+    """rules.check_pipeline: MoE, hybrid models, the critic, interleaved stages (the same rule every entry point
+    calls; grad and train show the schedule and layer rules: tests/unit/test_rules.py)."""
+    from megatron_branch.errors import SettingError
+    from megatron_branch.rules import check_pipeline
+
+    for kw, says in (
+        ({"moe": True}, "--pp 2: pipeline parallelism cannot run a mixture-of-experts model yet"),
+        ({"hybrid": True}, "--pp 2: pipeline parallelism cannot run a hybrid (gated delta net) model yet"),
+        ({"critic": True}, "--pp 2: the PPO critic is not pipelined yet"),
+        ({"virtual": 2}, "--vp 2: interleaved (virtual) pipeline stages are not supported"),
+    ):
+        with pytest.raises(SettingError) as e:
+            check_pipeline("replay", pp=2, num_layers=4, **kw)
+        assert str(e.value).startswith(says) and "\n" not in str(e.value), str(e.value)
+    check_pipeline("naive", pp=1, num_layers=3)  # nothing to refuse without PP
