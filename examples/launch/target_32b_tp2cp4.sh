@@ -8,8 +8,8 @@
 # -> does NOT fit on 8 x H20: 198.5 GB per rank at TP2 x CP4 even with full recompute (largest term:
 #    gradients, 65.5 GB). The planner's nearest: TP4 x CP2 + full recompute on 8 x H200 with a quarter of the
 #    optimizer state on the host (131.7 GB of 141), or 16 x H20 (TP8 x CP2); with the optimizer state offloaded to
-#    the host (a training run), TP8 + full recompute fits on 8 x H20 (docs/planner.md); pipeline parallel is not in
-#    the engine.
+#    the host (a training run), TP8 + full recompute fits on 8 x H20 (docs/planner.md); the search, PP
+#    included, keeps it.
 #
 # Runs `megatron-branch grad`: one step's exact gradient in float32, without an optimizer step (the TRAINING run of
 # the 2.1M target with the planner's own layout is target_32b_train.sh / target_27b_train.sh, in bf16). Before launching, the planner is

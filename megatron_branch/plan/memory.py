@@ -23,6 +23,17 @@ Under CP (ring attention) the same: the ring saves the local blocks in place and
 Korthikanti et al. (2022)'s per-layer terms for THIS
 implementation: no score matrix (fused kernels), no dropout masks (dropout is 0), SwiGLU instead of GeLU.
 
+A MoE layer (megatron's MoELayer, alltoall dispatcher; E experts, top-k, expert width i = I/t, shared expert
+width s_h = S/t; balanced routing assumed) saves instead of the dense MLP's 5 r f e, for r_n router rows:
+    router            its input, fp32 scores, probs      r_n h e + r_n E f32 + r_n E e
+    permute           the permuted copies and indices    r_n k h e + r_n k INDEX
+    experts           the r k rows this rank's experts run after the all-to-all and the TP gather (SwiGLU's
+                      fc1 input and its 5 intermediates)                            r k h e + 5 r k i e
+    combine           unpermute's probs and indices      r_n k (e + INDEX)
+    shared expert     a SwiGLU of width s_h (+ its gate)  5 r s_h e + r_n e
+and the dispatcher's transient buffers (not saved; the largest layer's): the all-to-all's send and receive copies
+and the TP-gathered rows, 2 r_n k h e + r k h e.
+
 Replay keeps, for the cached ancestors on the current root-to-leaf path, their K/V (the two compact storages above:
 the cache is detached views of them, 2 g d e per row and layer, nothing else kept alive) and a dK/dV accumulator per
 cached row and layer (2 g d e, the leaves' .grad; for bf16 / fp16 leaves an fp32 sum, 2 g d 4: precision.py).
@@ -39,6 +50,7 @@ against the meter, the cache's bytes exactly).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megatron_branch.models.arch import ModelArch
@@ -82,37 +94,62 @@ class Dims:
     f32: int  # statistics bytes (max(e, 4))
     arch: ModelArch  # the family's extras and a hybrid's layer kinds (plan/layers.py)
     gdn_kernel: str = "fla"  # a GDN layer's delta-rule kernel: "fla" (GPU) or "torch"
+    pp: int = 1  # pipeline stages: this rank holds num_layers / pp of them (dense models; plan/pipeline.py)
+    head: bool = True  # this rank's stage holds the final norm and the output layer (the last stage)
     cp: int = 1  # context parallel size: a GDN layer runs its head block over whole sequences
 
     @property
     def attn_layers(self) -> int:
-        """Full-attention layers (all of them unless hybrid): the ones with K/V, RoPE and a ring under CP."""
-        return self.arch.num_full_layers
+        """Full-attention layers on this rank's stage (all of them unless hybrid): the ones with K/V, RoPE and a
+        ring under CP."""
+        return self.arch.num_full_layers // self.pp
 
     @property
     def linear_layers(self) -> int:
-        return self.arch.num_linear_layers
+        return self.arch.num_linear_layers // self.pp
+
+    moe_layers: int = 0  # MoE layers (the rest are dense), of either mixer kind
+    experts: int = 0  # E
+    top_k: int = 0
+    i: int = 0  # routed expert width on this TP rank (expert TP = TP)
+    shared: int = 0  # shared expert width on this TP rank
 
     @classmethod
     def of(cls, arch: ModelArch, layout: Layout, act_bytes: int, *, gdn_kernel: str = "fla") -> Dims:
         t = layout.tp
         assert arch.head_dim is not None
         return cls(
+            moe_layers=len(arch.moe_layers),
+            experts=arch.num_experts,
+            top_k=arch.moe_top_k,
+            i=arch.moe_ffn_hidden_size // t,
+            shared=arch.shared_expert_ffn_hidden_size // t,
             h=arch.hidden_size,
             d=arch.head_dim,
             n=arch.num_attention_heads // t,
             g=max(1, arch.num_query_groups // t),
             f=arch.ffn_hidden_size // t,
             v=arch.padded_vocab_size(t) // t,
-            layers=arch.num_layers,
+            layers=arch.num_layers // layout.pp,
             tp=t,
             sp=layout.sp,
             e=act_bytes,
             f32=max(act_bytes, 4),
             arch=arch,
             gdn_kernel=gdn_kernel,
+            pp=layout.pp,
             cp=layout.cp,
         )
+
+    @property
+    def moe_attn_layers(self) -> int:
+        """MoE layers among the full-attention ones (a MoE hybrid has MoE blocks after GDN layers too)."""
+        return sum(1 for i in self.arch.moe_layers if not self.arch.is_linear(i)) if self.moe_layers else 0
+
+    @property
+    def moe_linear_layers(self) -> int:
+        """MoE layers among the GDN ones."""
+        return self.moe_layers - self.moe_attn_layers
 
     def seq_rows(self, r: int) -> int:
         """Rows of a sequence-sharded tensor (SP shards the norms and linear inputs over TP)."""
@@ -125,27 +162,59 @@ def layer_kv_bytes(dm: Dims, r: int) -> int:
     return 2 * r * dm.g * dm.d * dm.e
 
 
-def layer_other_bytes(dm: Dims, r: int, *, ext: int = 0, cp: int = 1) -> int:
-    """Per layer: everything else a layer saves for backward over r rows (ext cached rows it attends to)."""
+def moe_mlp_bytes(dm: Dims, r: int) -> int:
+    """What a MoE layer's MLP slot saves for backward over r rows (the module docstring's MoE terms)."""
+    rn, k = dm.seq_rows(r), dm.top_k
+    router = rn * dm.h * dm.e + rn * dm.experts * (dm.f32 + dm.e)
+    permute = rn * k * (dm.h * dm.e + INDEX_BYTES)
+    experts = r * k * dm.h * dm.e + 5 * r * k * dm.i * dm.e
+    combine = rn * k * (dm.e + INDEX_BYTES)
+    shared = (5 * r * dm.shared * dm.e + rn * dm.e) if dm.shared else 0
+    return router + permute + experts + combine + shared
+
+
+def dispatcher_bytes(dm: Dims, r: int) -> int:
+    """Transient all-to-all / TP-gather buffers of one MoE layer over r rows (0 for a dense model)."""
+    if not dm.moe_layers:
+        return 0
+    rn = dm.seq_rows(r)
+    return 2 * rn * dm.top_k * dm.h * dm.e + r * dm.top_k * dm.h * dm.e
+
+
+def stack_other_bytes(dm: Dims, r: int, *, ext: int = 0, cp: int = 1) -> int:
+    """`layer_other_bytes` over every full-attention layer: the dense ones and the MoE ones."""
+    dense = dm.attn_layers - dm.moe_attn_layers
+    out = dense * layer_other_bytes(dm, r, ext=ext, cp=cp)
+    if dm.moe_attn_layers:
+        out += dm.moe_attn_layers * layer_other_bytes(dm, r, ext=ext, cp=cp, moe=True)
+    return out
+
+
+def layer_other_bytes(dm: Dims, r: int, *, ext: int = 0, cp: int = 1, moe: bool = False) -> int:
+    """Per layer: everything else a layer saves for backward over r rows (ext cached rows it attends to); `moe`:
+    a MoE layer (its MLP slot: `moe_mlp_bytes`)."""
     rn = dm.seq_rows(r)
     norms = 2 * (2 * rn * dm.h * dm.e + rn * dm.f32)
     linear_in = 2 * rn * dm.h * dm.e
     rope = 4 * r * dm.arch.rotary_dim * dm.e
     attn = 2 * r * dm.n * dm.d * dm.e + dm.n * r * dm.f32
     attn += attention_extra_saved_bytes(dm.arch, r, n=dm.n, g=dm.g, e=dm.e)
-    mlp = 5 * r * dm.f * dm.e
+    mlp = moe_mlp_bytes(dm, r) if moe else 5 * r * dm.f * dm.e
     # under CP the ring saves what one rank's executor saves: q, the output, lse and the local K/V blocks in place
     # (no concatenated copy of the cached ancestors, no separate output copy, no metadata; parallel/ring.py)
     return norms + linear_in + rope + attn + mlp
 
 
-def linear_layer_bytes(dm: Dims, r: int, sequences: list[tuple[int, int]] | None = None) -> int:
+def linear_layer_bytes(
+    dm: Dims, r: int, sequences: list[tuple[int, int]] | None = None, *, moe: bool = False
+) -> int:
     """Per GDN layer over r local rows made of `sequences` ((length, count) of the WHOLE segments; default one
-    sequence of r): the attention layer's norms, linear inputs and MLP, and the mixer's tensors (plan/layers.py):
-    its per-head part per sequence, for this rank's head block under CP (the head exchange runs it over every
-    position), its per-row part over the r rows, and the exchange's indices."""
+    sequence of r): the attention layer's norms, linear inputs and MLP (`moe`: a MoE layer's, `moe_mlp_bytes`), and
+    the mixer's tensors (plan/layers.py): its per-head part per sequence, for this rank's head block under CP (the
+    head exchange runs it over every position), its per-row part over the r rows, and the exchange's indices."""
     rn = dm.seq_rows(r)
-    norms_in_mlp = 2 * (2 * rn * dm.h * dm.e + rn * dm.f32) + 2 * rn * dm.h * dm.e + 5 * r * dm.f * dm.e
+    mlp = moe_mlp_bytes(dm, r) if moe else 5 * r * dm.f * dm.e
+    norms_in_mlp = 2 * (2 * rn * dm.h * dm.e + rn * dm.f32) + 2 * rn * dm.h * dm.e + mlp
     heads = sum(
         count * gdn_heads_saved_bytes(dm.arch, length, tp=dm.tp, cp=dm.cp, e=dm.e, kernel=dm.gdn_kernel)
         for length, count in (sequences or [(r, 1)])
@@ -174,9 +243,12 @@ def exchange_buffer_bytes(dm: Dims, rows: int) -> int:
 
 
 def head_bytes(dm: Dims, r: int, m: int) -> int:
-    """Embedding indices, final norm, and the fused output projection + logprob over m target rows."""
+    """Embedding indices, final norm, and the fused output projection + logprob over m target rows (a pipeline
+    stage without the output layer: the indices only)."""
     rn = dm.seq_rows(r)
     embed = r * INDEX_BYTES
+    if not dm.head:
+        return embed
     norm = 2 * rn * dm.h * dm.e + rn * dm.f32
     # index_select saves its index; the fused logprob saves the selected hidden rows, target idx, mask, lse;
     # the objective saves its per-target weights
@@ -203,7 +275,9 @@ def chunk_saved_bytes(
     it waits for its backward (inputs + head); "kv" the K/V a capturing chunk (replay's inner segment) keeps
     outside autograd for its backward, whose gradient the children send (0 for a chunk that captures nothing).
     """
-    linear = linear_layer_bytes(dm, r, sequences) if dm.linear_layers else 0
+    dense_linear = dm.linear_layers - dm.moe_linear_layers
+    linear = linear_layer_bytes(dm, r, sequences) if dense_linear else 0
+    moe_linear = linear_layer_bytes(dm, r, sequences, moe=True) if dm.moe_linear_layers else 0
     if layer_recompute:
         layer_input = dm.seq_rows(r) * dm.h * dm.e
         inputs = dm.layers * layer_input
@@ -211,8 +285,11 @@ def chunk_saved_bytes(
         # is not counted twice (the meter counts storages)
         one_layer = (
             max(
-                layer_kv_bytes(dm, r) + layer_other_bytes(dm, r, ext=ext, cp=cp) if dm.attn_layers else 0,
+                layer_kv_bytes(dm, r) + layer_other_bytes(dm, r, ext=ext, cp=cp, moe=dm.moe_attn_layers > 0)
+                if dm.attn_layers
+                else 0,
                 linear,
+                moe_linear,
             )
             - layer_input
         )
@@ -223,8 +300,9 @@ def chunk_saved_bytes(
             "held": inputs + head,
         }
     other = (
-        dm.attn_layers * layer_other_bytes(dm, r, ext=ext, cp=cp)
-        + dm.linear_layers * linear
+        stack_other_bytes(dm, r, ext=ext, cp=cp)
+        + dense_linear * linear
+        + dm.moe_linear_layers * moe_linear
         + head_bytes(dm, r, m)
     )
     return {"kv": dm.attn_layers * layer_kv_bytes(dm, r), "other": other, "held": other}
@@ -261,7 +339,9 @@ def ring_buffer_bytes(dm: Dims, rows: int, keys: int, cp: int) -> int:
 def logits_bytes(dm: Dims, m: int, chunk_rows: int) -> int:
     """Transient buffers of the fused output projection + logprob (losses/fused_logprobs.py): two row chunks of
     logits in fp32 (logits and their exp / softmax and its gradient), the fp32 weight-gradient accumulator and the
-    fp32 hidden-gradient; the meter does not see them (not saved)."""
+    fp32 hidden-gradient; the meter does not see them (not saved). None on a stage without the output layer."""
+    if not dm.head:
+        return 0
     rows = min(m, chunk_rows)
     return 2 * rows * dm.v * dm.f32 + dm.v * dm.h * dm.f32 + m * dm.h * dm.f32
 
@@ -270,21 +350,31 @@ def logits_bytes(dm: Dims, m: int, chunk_rows: int) -> int:
 def static_bytes(
     arch: ModelArch, layout: Layout, *, distributed_optimizer: bool = True, param_bytes: int = 2
 ) -> dict[str, int]:
-    """Weights (bf16: 2 B), gradients (fp32 main grads), optimizer state (fp32 master + Adam m, v) on one rank."""
+    """Weights (bf16: 2 B), gradients (fp32 main grads), optimizer state (fp32 master + Adam m, v) on one rank.
+    A MoE model's routed experts are split over EP x TP (expert TP = TP) and their optimizer state over the
+    expert data-parallel group (cp * dp / ep); everything else over TP, its optimizer state over DP x CP."""
     pc = parameter_count(arch)
     replicated = pc["replicated"]  # norms are not TP-sharded
-    per_rank = (pc["total"] - replicated) // layout.tp + replicated
+    experts = pc["experts"] // (layout.tp * layout.ep)
+    dense = (pc["total"] - pc["experts"] - replicated) // layout.tp + replicated
+    per_rank = dense + experts
+    if layout.pp > 1:  # the heavier end stage's layers and vocab x h (plan/pipeline.py; dense models)
+        from megatron_branch.plan.pipeline import stage_parameters_per_rank
+
+        per_rank = stage_parameters_per_rank(arch, layout)
     shard = layout.dp * layout.cp  # megatron's distributed optimizer shards over DP x CP
     state = (
         4 if param_bytes < 4 else 0
     ) + 8  # fp32 master (bf16 parameters only) + Adam m, v: plan/optimizer.py
+    distributed = (state * dense) // shard + (state * experts) // layout.expert_dp
     return {
         "parameters": param_bytes * per_rank,
         "gradients": 4 * per_rank,
-        "optimizer_state": (state * per_rank) // (shard if distributed_optimizer else 1),
+        "optimizer_state": distributed if distributed_optimizer else state * per_rank,
         "optimizer_state_no_distributed": state * per_rank,
-        "optimizer_state_distributed": (state * per_rank) // shard,
+        "optimizer_state_distributed": distributed,
         "parameters_per_rank": per_rank,
+        "expert_parameters_per_rank": experts,
     }
 
 
@@ -312,6 +402,8 @@ class Peak:
     """Replay: their dK/dV accumulators."""
     ring_buffers: int
     logits: int
+    dispatcher: int = 0
+    """MoE: the all-to-all dispatcher's transient buffers of the largest chunk's layer."""
 
     @property
     def saved(self) -> int:
@@ -331,11 +423,26 @@ def step_peak(
     segment_recompute: bool | None = None,
     layer_recompute: bool | None = None,
     gdn_kernel: str = "fla",
+    stage: int | None = None,
 ) -> Peak:
     """Peak per-rank memory of one step. Prompt groups run one after another (replay runs root by root; packed
     and naive see one group's rollouts at a time per DP rank only for naive, whole tree for packed).
-    `gdn_kernel`: a hybrid's delta-rule kernel ("fla" on GPU, "torch" where it runs megatron's torch path)."""
+    `gdn_kernel`: a hybrid's delta-rule kernel ("fla" on GPU, "torch" where it runs megatron's torch path).
+    Under pipeline parallelism (layout.pp > 1) the peak of pipeline stage `stage` (default: the larger of the
+    first and the last stage, plan/pipeline.py): its layers, the output layer on the last one, and the
+    micro-batches megatron's 1F1B order keeps alive on it (pp - stage; packed: one chunk per prompt group)."""
+    if layout.pp > 1 and stage is None:
+        from megatron_branch.plan.pipeline import heavier_stage_peak
+
+        return heavier_stage_peak(
+            arch, shape, layout, schedule=schedule, act_bytes=act_bytes, branch_micro_batch=branch_micro_batch,
+            logprob_chunk_rows=logprob_chunk_rows, segment_recompute=segment_recompute,
+            layer_recompute=layer_recompute, gdn_kernel=gdn_kernel,
+        )  # fmt: skip
     dm = Dims.of(arch, layout, act_bytes, gdn_kernel=gdn_kernel)
+    if stage is not None:
+        dm = dataclasses.replace(dm, head=stage == layout.pp - 1)
+    alive = 1 if stage is None else layout.pp - stage  # micro-batches in flight on this stage (1F1B)
     cp = layout.cp
     seg_rc = layout.recompute in ("selective", "full") if segment_recompute is None else segment_recompute
     lay_rc = layout.recompute == "full" if layer_recompute is None else layer_recompute
@@ -346,14 +453,18 @@ def step_peak(
         # naive (megatron's output layer) scores every row; a one-response tree only its response tokens
         m = cdiv(n - 1 if schedule == "naive" else shape.response_length, cp)
         c = chunk_saved_bytes(dm, r, m, cp=cp, layer_recompute=lay_rc, sequences=[(n, 1)])
+        alive = min(alive, cdiv(shape.prompts, layout.dp))  # under PP one-rollout groups flow as a wave
         return Peak(
-            activations=c["kv"] + c["other"],
+            activations=alive * (c["kv"] + c["other"]),
             cached_kv=0,
             kv_grads=0,
             ring_buffers=max(ring_buffer_bytes(dm, r, r, cp), exchange_buffer_bytes(dm, r)),
             logits=logits_bytes(dm, m, logprob_chunk_rows),
+            dispatcher=dispatcher_bytes(dm, r),
         )
     groups = cdiv(shape.prompts, layout.dp)  # prompt groups on this DP rank
+    if schedule == "packed" and layout.pp > 1:  # a wave of one-group chunks (schedule/pipeline.py)
+        alive, groups = min(alive, groups), 1
     if schedule == "packed":  # every group of this DP rank in one chunk
         r = groups * (local_rows(R, 1, layout) + local_rows(L, G, layout))
         r = local_rows(r, 1, Layout(tp=layout.tp, sequence_parallel=layout.sequence_parallel))
@@ -361,11 +472,12 @@ def step_peak(
         seqs = [(R, groups), (L, groups * G)]  # a GDN layer: each whole segment its own sequence
         c = chunk_saved_bytes(dm, r, m, cp=cp, layer_recompute=lay_rc, sequences=seqs)
         return Peak(
-            activations=c["kv"] + c["other"],
+            activations=alive * (c["kv"] + c["other"]),
             cached_kv=0,
             kv_grads=0,
             ring_buffers=max(ring_buffer_bytes(dm, r, r, cp), exchange_buffer_bytes(dm, r)),
             logits=logits_bytes(dm, m, logprob_chunk_rows),
+            dispatcher=dispatcher_bytes(dm, r),
         )
     assert schedule == "replay", schedule
     r_root = local_rows(R, 1, layout)
@@ -373,6 +485,7 @@ def step_peak(
     # the root's shared response tokens and one fork token per child
     m_root = cdiv(shape.shared_response_length + G, cp)
     b = min(branch_micro_batch, G)
+    alive = min(alive, cdiv(G, b))  # a wave's leaf micro-batches alive at once on this stage
     r_leaf = local_rows(L, b, layout)
     m_leaf = cdiv(b * (L - 1), cp)
     root = chunk_saved_bytes(
@@ -389,7 +502,7 @@ def step_peak(
     # phase 1, the last leaf micro-batch before its backward: root graph (unless recomputed) + cache + grads + leaf
     # (the root's captured K/V, when its graph is kept, are the cache's storage: counted once)
     root_graph = 0 if seg_rc else root["held"]
-    phase_leaves = root_graph + cached + grads + leaf["kv"] + leaf["other"]
+    phase_leaves = root_graph + cached + grads + alive * (leaf["kv"] + leaf["other"])
     # phase 2, the root's own backward: cache + grads + the root's graph; with segment recompute its graph is the
     # recomputed one, whose captured K/V are new storages beside the no-grad cache (held until the accumulated
     # grads are injected). Without any recompute this never exceeds phase 1 (which holds the same graph).
@@ -401,6 +514,7 @@ def step_peak(
         exchange_buffer_bytes(dm, max(r_root, r_leaf)),
     )
     logits = max(logits_bytes(dm, m_root, logprob_chunk_rows), logits_bytes(dm, m_leaf, logprob_chunk_rows))
+    dispatch = max(dispatcher_bytes(dm, r_root), dispatcher_bytes(dm, r_leaf))
     if phase_root > phase_leaves:
         # under per-layer checkpointing the recomputed root's captured K/V live outside autograd, beside the
         # no-grad cache until the injection (the meter sees them registered with it): counted with cached_kv
@@ -411,13 +525,15 @@ def step_peak(
             kv_grads=grads,
             ring_buffers=ring,
             logits=logits,
+            dispatcher=dispatch,
         )
     return Peak(
-        activations=root_graph + leaf["kv"] + leaf["other"],
+        activations=root_graph + alive * (leaf["kv"] + leaf["other"]),
         cached_kv=cached,
         kv_grads=grads,
         ring_buffers=ring,
         logits=logits,
+        dispatcher=dispatch,
     )
 
 

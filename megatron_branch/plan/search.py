@@ -13,16 +13,23 @@ Step-time model (stated assumptions, not measurements):
     backward, not overlapped;
   * gradient reduction over DP x CP (all-reduce of the fp32 grads; with the distributed optimizer a
     reduce-scatter of them and an all-gather of the parameters), counted as exposed (conservative: megatron can
-    overlap it with backward);
+    overlap it with backward); a MoE model's expert grads (and their optimizer shards) over the expert
+    data-parallel group (cp * dp / ep);
   * the optimizer offload: host<->device copies of the offloaded shards' gradients and parameters and the host
-    Adam step, counted as exposed (plan/optimizer.py).
-All GPU links at the GPU's stated bandwidth (one NVLink node), host links at `host_link_gbps`.
+    Adam step, counted as exposed (plan/optimizer.py);
+  * expert parallelism (MoE, alltoall dispatcher): per MoE layer and token, its k copies of [h] go out and come
+    back (dispatch + combine) forward and again backward, (ep - 1)/ep of them to another rank, not overlapped;
+    routing assumed balanced (the load-balancing losses' aim);
+  * pipeline parallelism: the bubble of the tree's waves and the stage-to-stage messages (plan/pipeline.py).
+GPU links at the GPU's stated bandwidth within a node, at `node_link_gbps` for a group that spans nodes
+(megatron's rank order: tp fastest, then cp, dp, pp; plan/pipeline.py), host links at `host_link_gbps`.
 
-The search (`plan`) tries every layout (TP dividing the heads, CP, DP <= prompt groups, recompute), every
-optimizer choice (plain, distributed, distributed + offload of 1/4 .. all of the state) and branch micro-batches
-(8, 4, 2, 1, at most G) that are not fixed, and returns the fastest that fits on the device AND in the node's host
-memory (ties: the larger branch micro-batch, then the least memory, then the plain optimizer); `rejected` says for
-every layout why its best choice does not fit.
+The search (`plan`) tries every layout (TP dividing the heads, CP, PP dividing the layers (replay and packed,
+dense models), DP <= prompt groups, EP for MoE, recompute), every optimizer choice (plain, distributed,
+distributed + offload of 1/4 .. all of the state) and branch micro-batches (8, 4, 2, 1, at most G) that are not
+fixed, and returns the fastest that fits on the device AND in the node's host memory (ties: the larger branch
+micro-batch, then the least memory, then the plain optimizer); `rejected` says for every layout why its best
+choice does not fit.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_branch.errors import UserError
+from megatron_branch.errors import SettingError, UserError
 from megatron_branch.models.arch import ModelArch
 from megatron_branch.plan.flops import StepFlops, attention_flops_per_pair, causal_pairs, step_flops
 from megatron_branch.plan.layers import gdn_exchange_bytes
@@ -44,7 +51,13 @@ from megatron_branch.plan.optimizer import (
     offload_seconds,
     optimizer_bytes,
 )
-from megatron_branch.rules import check_gdn_context_parallel, check_run, gdn_context_parallel_sizes
+from megatron_branch.plan.pipeline import link_bytes_per_s, pipeline_seconds
+from megatron_branch.rules import (
+    check_gdn_context_parallel,
+    check_pipeline,
+    check_run,
+    gdn_context_parallel_sizes,
+)
 
 MFU = 0.45
 """Assumed fraction of peak FLOP/s a kernel reaches (dense and attention alike)."""
@@ -131,7 +144,7 @@ class Plan:
             },
             "schedule": self.schedule,
             "dtype": self.dtype,
-            "layout": self.layout.as_dict(),
+            "layout": {**self.layout.as_dict(), **({"ep": self.layout.ep} if self.arch.is_moe else {})},
             "memory_bytes_per_rank": dict(self.memory),
             "gpu_memory_bytes": self.gpu.memory_bytes,
             "largest_term": self.largest_term,
@@ -159,6 +172,7 @@ TERMS_IN_TOTAL = (
     "kv_grads",
     "ring_buffers",
     "logits",
+    "dispatcher",
     "allocator_margin",
 )
 
@@ -185,9 +199,7 @@ def memory_terms(
     step's peak when already computed)."""
     e = DTYPE_BYTES[dtype]
     st = static_bytes(arch, layout, param_bytes=e)
-    opt = optimizer_bytes(
-        st["parameters_per_rank"], layout.dp * layout.cp, optimizer or OptimizerChoice(), param_bytes=e
-    )
+    opt = sharded_optimizer_bytes(arch, layout, optimizer or OptimizerChoice(), param_bytes=e)
     pk: Peak = peak or step_peak(arch, shape, layout, schedule=schedule, act_bytes=e, **kw)
     mem = {
         "parameters": st["parameters"],
@@ -199,11 +211,35 @@ def memory_terms(
         "kv_grads": pk.kv_grads,
         "ring_buffers": pk.ring_buffers,
         "logits": pk.logits,
+        "dispatcher": pk.dispatcher,
     }
+    if arch.is_moe:
+        mem["expert_parameters"] = st["expert_parameters_per_rank"] * e
     counted = sum(mem[k] for k in TERMS_IN_TOTAL if k != "allocator_margin")
     mem["allocator_margin"] = margin_bytes(counted)
     mem["total"] = counted + mem["allocator_margin"]
     return mem
+
+
+def param_shards(arch: ModelArch, layout: Layout) -> list[tuple[int, int]]:
+    """(parameters on one rank, ranks their optimizer state and gradients are reduced over): the dense ones over
+    DP x CP; a MoE model's routed experts over the expert data-parallel group (cp * dp / ep)."""
+    st = static_bytes(arch, layout)
+    experts = st["expert_parameters_per_rank"]
+    out = [(st["parameters_per_rank"] - experts, layout.dp * layout.cp)]
+    return out + ([(experts, layout.expert_dp)] if experts else [])
+
+
+def sharded_optimizer_bytes(
+    arch: ModelArch, layout: Layout, choice: OptimizerChoice, *, param_bytes: int
+) -> dict[str, int]:
+    """plan/optimizer.py's optimizer_bytes summed over `param_shards` (the host runtime counted once)."""
+    parts = [
+        optimizer_bytes(n, over, choice, param_bytes=param_bytes) for n, over in param_shards(arch, layout)
+    ]
+    out = {k: sum(p[k] for p in parts) for k in parts[0]}
+    out["host_runtime"] = parts[0]["host_runtime"]
+    return out
 
 
 def host_terms(
@@ -211,8 +247,7 @@ def host_terms(
 ) -> dict[str, int]:
     """Host bytes per rank by term, their total, and per node (gpu.gpus_per_node ranks, or the world if fewer)."""
     e = DTYPE_BYTES[dtype]
-    per_rank = static_bytes(arch, layout, param_bytes=e)["parameters_per_rank"]
-    opt = optimizer_bytes(per_rank, layout.dp * layout.cp, optimizer, param_bytes=e)
+    opt = sharded_optimizer_bytes(arch, layout, optimizer, param_bytes=e)
     out = {k: opt[k] for k in HOST_TERMS}
     out["total"] = sum(out.values())
     out["per_node"] = out["total"] * min(gpu.gpus_per_node, layout.world)
@@ -280,15 +315,25 @@ def step_time(
     fl: StepFlops,
     dtype: str = "bf16",
     optimizer: OptimizerChoice | None = None,
+    branch_micro_batch: int = 8,
 ) -> dict[str, Any]:
     world = layout.world
     rate = gpu.tflops * 1e12 * MFU
-    link = gpu.link_gbps * 1e9
     compute = fl.total / world / rate
     attention = fl.attention / world / rate
-    ring = _ring_bytes_per_rank(arch, shape, layout, schedule) * DTYPE_BYTES[dtype] / 2 / link
+    ring = (
+        _ring_bytes_per_rank(arch, shape, layout, schedule)
+        * DTYPE_BYTES[dtype]
+        / 2
+        / link_bytes_per_s(gpu, layout, "cp")
+    )
     exposed_ring = max(0.0, ring - attention)
-    exchange = _exchange_bytes_per_rank(arch, shape, layout, schedule) * DTYPE_BYTES[dtype] / 2 / link
+    exchange = (
+        _exchange_bytes_per_rank(arch, shape, layout, schedule)
+        * DTYPE_BYTES[dtype]
+        / 2
+        / link_bytes_per_s(gpu, layout, "cp")
+    )
     tp = 0.0
     if layout.tp > 1:
         rows = fl.positions / (layout.cp * layout.dp) + fl.recomputed_positions / (layout.cp * layout.dp)
@@ -300,22 +345,41 @@ def step_time(
             * arch.hidden_size
             * DTYPE_BYTES[dtype]
             * arch.num_layers
-            / link
+            / layout.pp  # each rank runs its stage's layers
+            / link_bytes_per_s(gpu, layout, "tp")
         )
-    shard = layout.dp * layout.cp
     opt = optimizer or OptimizerChoice()
-    per_rank = static_bytes(arch, layout)["parameters_per_rank"]
-    grads = grad_reduce_bytes(per_rank, shard, opt, param_bytes=DTYPE_BYTES[dtype]) / link
-    host = offload_seconds(per_rank, shard, opt, link_gbps=gpu.host_link_gbps, adam_gbps=gpu.host_adam_gbps)
+    link = link_bytes_per_s(gpu, layout, "dp", "cp")  # the gradient reduction's (and EP's, inside dp x cp)
+    grads, host = 0.0, {"offload_transfer": 0.0, "host_optimizer_step": 0.0}
+    for n, over in param_shards(arch, layout):
+        grads += grad_reduce_bytes(n, over, opt, param_bytes=DTYPE_BYTES[dtype]) / link
+        part = offload_seconds(n, over, opt, link_gbps=gpu.host_link_gbps, adam_gbps=gpu.host_adam_gbps)
+        host = {k: host[k] + part[k] for k in host}
+    a2a = 0.0
+    if arch.is_moe and layout.ep > 1:
+        rows = (fl.positions + fl.recomputed_positions) / layout.world  # tokens routed per rank (SP rows)
+        per_token = 4 * arch.moe_top_k * arch.hidden_size * DTYPE_BYTES[dtype] * (layout.ep - 1) / layout.ep
+        a2a = (
+            1.5 * rows * per_token * len(arch.moe_layers) / link
+        )  # forward x1 (+ recompute), backward x2 -> 3/2
+    pipe = pipeline_seconds(
+        arch, shape, layout, gpu, schedule, fl, rate=rate, act_bytes=DTYPE_BYTES[dtype],
+        branch_micro_batch=branch_micro_batch,
+    )  # fmt: skip
     return {
         "total": compute
         + exposed_ring
         + exchange
         + tp
         + grads
+        + a2a
         + host["offload_transfer"]
-        + host["host_optimizer_step"],
+        + host["host_optimizer_step"]
+        + pipe["pipeline_bubble"]
+        + pipe["pipeline_messages"],
         **host,
+        "expert_alltoall": a2a,
+        **pipe,
         "compute": compute,
         "attention_compute": attention,
         "ring": ring,
@@ -347,8 +411,15 @@ def evaluate(
     memo = {} if memo is None else memo
     optimizer = optimizer or OptimizerChoice()
     if layout.world != gpus:
-        raise UserError(f"tp * cp * dp = {layout.world} must equal --gpus {gpus}")
+        raise UserError(f"tp * cp * pp * dp = {layout.world} must equal --gpus {gpus}")
     arch.check_tensor_parallel(layout.tp)
+    arch.check_expert_parallel(layout.ep, tp=layout.tp)
+    try:
+        check_pipeline(
+            schedule, pp=layout.pp, num_layers=arch.num_layers, hybrid=arch.is_hybrid, moe=arch.is_moe
+        )
+    except SettingError as e:
+        raise UserError(str(e)) from None
     if layout.dp > shape.prompts:
         raise UserError(
             f"--dp {layout.dp} needs at least as many prompt groups (--prompts {shape.prompts}): "
@@ -386,6 +457,11 @@ def evaluate(
         "per_rank": mine.total / layout.world,
     }
     notes = []
+    if arch.is_moe:
+        notes.append(
+            f"MoE: {arch.num_experts} experts, top-{arch.moe_top_k}, EP {layout.ep} (expert TP = TP); routing assumed "
+            "balanced; with a load-balancing loss the tree schedules add one forward-only counting pass of the step"
+        )
     if layout.recompute == "selective":
         notes.append(
             "selective = the engine's segment recompute (replay keeps no graph for a segment with children); "
@@ -404,6 +480,14 @@ def evaluate(
             "--recompute --recompute-layers): each layer keeps its input, one layer is rebuilt at a time "
             "in backward, one more forward of every layer"
         )
+    if layout.pp > 1:
+        notes.append(
+            f"pp {layout.pp}: the heavier end stage's memory ({arch.num_layers // layout.pp} layers, vocab x h, "
+            "the micro-batches 1F1B keeps alive on the first stage); the bubble is the root chunk crossing the "
+            "stages one after another plus (pp - 1) leaf micro-batches per wave (plan/pipeline.py); train's "
+            "sampler under PP runs a whole-model copy (not counted here: sample with an external engine at "
+            "this size)"
+        )
     if arch.is_hybrid:
         notes.append(
             f"hybrid ({arch.num_linear_layers} gated delta net + {arch.num_full_layers} full-attention layers): GDN "
@@ -421,7 +505,17 @@ def evaluate(
         schedule=schedule,
         memory=mem,
         flops=flops,
-        step_time=step_time(arch, shape, layout, gpu, schedule, mine, dtype, optimizer),
+        step_time=step_time(
+            arch,
+            shape,
+            layout,
+            gpu,
+            schedule,
+            mine,
+            dtype,
+            optimizer,
+            branch_micro_batch=kw.get("branch_micro_batch", 8),
+        ),
         fits=mem["total"] <= gpu.memory_bytes and host["per_node"] <= gpu.host_memory_bytes,
         dtype=dtype,
         notes=notes,
@@ -441,6 +535,8 @@ def candidate_layouts(
     dp: int | None,
     recompute: str | None,
     schedule: str,
+    pp: int | None = None,
+    ep: int | None = None,
 ) -> list[Layout]:
     out = []
     for t in (tp,) if tp else (1, 2, 4, 8):
@@ -450,21 +546,44 @@ def candidate_layouts(
             arch.check_tensor_parallel(t)
         except UserError:
             continue
-        for c in (cp,) if cp else [c for c in range(1, gpus // t + 1) if (gpus // t) % c == 0]:
-            if (gpus // t) % c or not _runs(schedule, c) or not _splits_gdn_heads(arch, t, c):
+        for p in (pp,) if pp else [p for p in (1, 2, 4, 8) if (gpus // t) % p == 0]:
+            if (gpus // t) % p or not _runs(schedule, 1, p, arch):
                 continue
-            d = gpus // (t * c)
-            if (dp and d != dp) or d > shape.prompts:
-                continue
-            for rc in (recompute,) if recompute else RECOMPUTE:
-                out.append(Layout(tp=t, cp=c, dp=d, recompute=rc))
+            rest = gpus // (t * p)
+            for c in (cp,) if cp else [c for c in range(1, rest + 1) if rest % c == 0]:
+                if rest % c or not _runs(schedule, c, 1, arch) or not _splits_gdn_heads(arch, t, c):
+                    continue
+                d = rest // c
+                if (dp and d != dp) or d > shape.prompts:
+                    continue
+                for e in _expert_parallel_sizes(arch, t, c * d, ep):
+                    for rc in (recompute,) if recompute else RECOMPUTE:
+                        out.append(Layout(tp=t, cp=c, dp=d, pp=p, recompute=rc, ep=e))
     return out
 
 
-def _runs(schedule: str, cp: int) -> bool:
-    """The schedule can run at this CP size (rules.check_run: naive has no CP)."""
+def _expert_parallel_sizes(arch: ModelArch, tp: int, cp_dp: int, ep: int | None) -> list[int]:
+    """EP sizes to try: the fixed one, else (MoE) every divisor of cp * dp that splits the experts."""
+    if ep:
+        return [ep] if cp_dp % ep == 0 else []
+    if not arch.is_moe:
+        return [1]
+    out = []
+    for e in range(1, cp_dp + 1):
+        if cp_dp % e == 0:
+            try:
+                arch.check_expert_parallel(e, tp=tp)
+            except UserError:
+                continue
+            out.append(e)
+    return out
+
+
+def _runs(schedule: str, cp: int, pp: int, arch: ModelArch) -> bool:
+    """The schedule can run at this CP / PP size (rules.py: naive has no CP and no PP; PP divides the layers)."""
     try:
         check_run(schedule, cp=cp)
+        check_pipeline(schedule, pp=pp, num_layers=arch.num_layers, hybrid=arch.is_hybrid, moe=arch.is_moe)
     except UserError:
         return False
     return True
@@ -492,6 +611,8 @@ def plan(
     dp: int | None = None,
     recompute: str | None = None,
     schedule: str = "replay",
+    pp: int | None = None,
+    ep: int | None = None,
     distributed_optimizer: bool | None = None,
     offload_fraction: float | None = None,
     branch_micro_batch: int | None = None,
@@ -507,18 +628,19 @@ def plan(
         raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}")
     if branch_micro_batch is not None and branch_micro_batch <= 0:
         raise UserError(f"--branch-micro-batch must be positive, got {branch_micro_batch}")
-    if tp and cp and dp and recompute:
-        layouts = [Layout(tp=tp, cp=cp, dp=dp, recompute=recompute)]
+    fixed_pp = pp or (gpus // (tp * cp * dp) if tp and cp and dp and gpus % (tp * cp * dp) == 0 else 0)
+    if tp and cp and dp and recompute and fixed_pp and (ep or not arch.is_moe):
+        layouts = [Layout(tp=tp, cp=cp, dp=dp, pp=fixed_pp, recompute=recompute, ep=ep or 1)]
         layout_given = True
     else:
         layouts = candidate_layouts(
-            arch, shape, gpus, tp=tp, cp=cp, dp=dp, recompute=recompute, schedule=schedule
+            arch, shape, gpus, tp=tp, cp=cp, dp=dp, pp=pp, recompute=recompute, schedule=schedule, ep=ep
         )
         layout_given = False
     if not layouts:
         raise UserError(
-            f"no layout of {gpus} GPUs satisfies the fixed --tp/--cp/--dp (dp <= --prompts {shape.prompts}, "
-            f"tp dividing the heads)"
+            f"no layout of {gpus} GPUs satisfies the fixed --tp/--cp/--pp/--dp (dp <= --prompts {shape.prompts}, "
+            f"tp dividing the heads, pp the layers)"
         )
     opts = choices(distributed_optimizer, offload_fraction)
     bmbs = (branch_micro_batch,) if branch_micro_batch else micro_batches(shape, schedule)
@@ -569,7 +691,7 @@ def _need(p: Plan) -> tuple:
 
 def _rejection(p: Plan) -> dict[str, Any]:
     return {
-        "layout": p.layout.as_dict(),
+        "layout": {**p.layout.as_dict(), **({"ep": p.layout.ep} if p.arch.is_moe else {})},
         "optimizer": p.optimizer.name,
         "branch_micro_batch": p.branch_micro_batch,
         "memory_bytes_per_rank": p.memory["total"],
@@ -588,15 +710,16 @@ def what_would_fit(p: Plan, **kw: Any) -> list[str]:
         q = plan(p.model, p.arch, p.shape, p.gpu, n, schedule=p.schedule, **kw)
         if q.fits:
             lay = q.layout
+            ep = f", ep {lay.ep}" if p.arch.is_moe else ""
             out.append(
-                f"{n} x {p.gpu.name} (tp {lay.tp}, cp {lay.cp}, dp {lay.dp}, recompute {lay.recompute})"
+                f"{n} x {p.gpu.name} (tp {lay.tp}, cp {lay.cp}, pp {lay.pp}, dp {lay.dp}{ep}, recompute {lay.recompute})"
             )
             break
     need = p.memory["total"] / 1e9
     out.append(f"a GPU with at least {need:.0f} GB at this layout")
     same = {"dtype": p.dtype, "branch_micro_batch": p.branch_micro_batch}
     if p.layout.recompute != "full":
-        full = Layout(tp=p.layout.tp, cp=p.layout.cp, dp=p.layout.dp, recompute="full")
+        full = dataclasses.replace(p.layout, recompute="full")
         q = evaluate(p.model, p.arch, p.shape, p.gpu, p.gpus, full, p.schedule, optimizer=p.optimizer, **same)
         if q.fits:
             out.append("per-layer activation checkpointing inside chunks (recompute full)")
@@ -605,7 +728,7 @@ def what_would_fit(p: Plan, **kw: Any) -> list[str]:
         q = evaluate(p.model, p.arch, p.shape, p.gpu, p.gpus, p.layout, p.schedule, optimizer=host, **same)
         if q.fits:
             out.append("the optimizer state on the host (optim.optimizer_cpu_offload, fraction 1)")
-    out.append("pipeline parallelism or activation offload (not in the engine yet)")
+    out.append("activation offload (not in the engine yet)")
     return out
 
 

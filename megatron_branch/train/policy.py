@@ -27,6 +27,15 @@ from megatron_branch.models import ModelArch
 from megatron_branch.parallel.groups import ParallelGroups
 from megatron_branch.train.algorithm import Algorithm
 from megatron_branch.train.config import TrainConfig, optimizer_settings
+from megatron_branch.train.models import refresh_whole, whole_copy
+
+
+def _policy_only(key: str) -> bool:
+    """Metrics the actor's update reports for the step (the critic's own would overwrite them): the tree's
+    positions and a MoE policy's routing metrics (losses/router.py names)."""
+    from megatron_branch.losses.router import LOSS_NAMES
+
+    return key.startswith(("tree/", "moe/")) or key in LOSS_NAMES.values()
 
 
 def _settings(cfg: TrainConfig, lr: float, total_updates: int) -> Any:
@@ -90,13 +99,19 @@ class Actor:
         self.policy = Trainee(
             model, dtype=dtype, settings=_settings(cfg, cfg.optim.lr, updates), pgc=self.pgc
         )
+        from megatron_branch.train import moe
+
+        moe_opts = moe.options(cfg) if arch.is_moe else None
+        # under PP the sampler runs a whole-model copy refreshed from the stages (train/models.py whole_copy)
+        self.whole = None if groups.pp_size == 1 else whole_copy(arch, dtype=dtype, groups=groups)
         self.sampler = BranchSampler(
-            self.policy.ddp, vocab_size=arch.vocab_size, groups=groups, backend=cfg.schedule.backend,
+            self.policy.ddp if self.whole is None else self.whole, vocab_size=arch.vocab_size, groups=groups,
+            backend=cfg.schedule.backend, record_routing=moe_opts is not None and moe_opts.routing_replay,
         )  # fmt: skip
         opts = ScheduleOptions(
             groups=groups, vocab_size=arch.vocab_size, backend=cfg.schedule.backend,
             branch_micro_batch=cfg.schedule.branch_micro_batch, recompute=cfg.schedule.recompute,
-            recompute_layers=cfg.schedule.enable_gradient_checkpointing,
+            recompute_layers=cfg.schedule.enable_gradient_checkpointing, moe=moe_opts,
         )  # fmt: skip
         micro = -(-mini // (a.ppo_micro_batch_size or mini))  # micro-batches of a mini-batch
         self.plan = UpdatePlan(
@@ -113,12 +128,15 @@ class Actor:
         g = self.groups
         critic = build_critic(
             self.arch, dtype=self.dtype, tp=g.tp_size, sequence_parallel=g.sequence_parallel,
-            head_seed=self.cfg.trainer.seed, init_weights=False,
+            head_seed=self.cfg.trainer.seed, init_weights=False, ep=g.ep_size,
         )  # fmt: skip
         missing, unexpected = critic.load_state_dict(policy.state_dict(), strict=False)
         assert not unexpected and all(k.startswith("value_head.") for k in missing), (missing, unexpected)
         if torch.cuda.is_available():
             critic.cuda()
+        from megatron_branch.train.models import prepare_for_layout
+
+        prepare_for_layout(critic, g)
         lr = self.cfg.critic.lr or self.cfg.optim.lr
         return Trainee(critic, dtype=self.dtype, settings=_settings(self.cfg, lr, updates), pgc=self.pgc)
 
@@ -127,7 +145,13 @@ class Actor:
         self.params = dataclasses.replace(self.params, stop_token_ids=tuple(ids))
 
     def generate(self, prompts: list[tuple[int, ...]], rng: torch.Generator) -> Any:
+        self._refresh_sampler()
         return self.sampler.generate(prompts, self.params, generator=rng)
+
+    def _refresh_sampler(self) -> None:
+        """Under PP: the sampler's whole-model copy takes the stages' current weights (every rank)."""
+        if self.whole is not None:
+            refresh_whole(self.whole, self.policy.model, self.groups)
 
     # ---- one RL step -----------------------------------------------------------------------------------------
     def _mini_batches(self, batch: list[Rollout], group_size: int) -> list[tuple[int, int]]:
@@ -204,7 +228,7 @@ class Actor:
                         self.critic.ddp, mb, ValueObjective(agg=agg, clip=cfg.critic.cliprange_value), self.plan,
                         optimizer=self.critic.optimizer, scheduler=self.critic.scheduler,
                     )  # fmt: skip
-                    metrics.update({k: v for k, v in crit.metrics.items() if not k.startswith("tree/")})
+                    metrics.update({k: v for k, v in crit.metrics.items() if not _policy_only(k)})
                 for key, v in metrics.items():
                     sums[key] = sums.get(key, 0.0) + v
                 count += 1
@@ -229,6 +253,10 @@ class Actor:
             if self.plan.schedule == "replay-stopgrad"
             else self.plan
         )
+        if plan.opts.moe is not None and plan.opts.moe.routing_replay:
+            # the reference answers were never sampled, so no routing was recorded: the warm-up routes freshly
+            moe = dataclasses.replace(plan.opts.moe, routing_replay=False)
+            plan = dataclasses.replace(plan, opts=dataclasses.replace(plan.opts, moe=moe))
         for k, batch in enumerate(batches):
             # advantage 1 on the answer tokens, token-mean: the loss is the answers' mean NLL (SFT)
             obj = AdvantagePolicyGradient(num_response_tokens=sum(len(r.response) for r in batch))
@@ -241,6 +269,7 @@ class Actor:
     def greedy_exact(self, prompts: list[tuple[int, ...]], answers: list[tuple[int, ...]]) -> float:
         """Fraction of prompts whose greedy response is exactly the answer (answers end with eos, as sampled)."""
         params = dataclasses.replace(self.params, n=1, temperature=0.0, branch_at=())
+        self._refresh_sampler()
         out = self.sampler.generate(prompts, params, generator=None)
         return sum(g[0].response == a for g, a in zip(out.samples, answers)) / len(prompts)
 

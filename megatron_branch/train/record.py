@@ -87,6 +87,7 @@ def engine_record(trainee: Any, plan: Any) -> dict[str, Any]:
             "tp": groups.tp_size,
             "cp": groups.cp_size,
             "dp": groups.dp_size,
+            "pp": groups.pp_size,
             "sequence_parallel": groups.sequence_parallel,
         },
         "schedule": {

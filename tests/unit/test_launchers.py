@@ -113,7 +113,7 @@ def test_target_launcher_dry_run(script: str, tmp_path: Path, capsys: pytest.Cap
     run = plan_json(pre[1:], capsys)
     mode = "full" if args.recompute_layers else "selective" if args.recompute else "none"
     assert args.recompute or not args.recompute_layers  # full = segment recompute + layer checkpointing
-    assert run["layout"] == {"tp": args.tp, "cp": args.cp, "dp": 1, "recompute": mode}
+    assert run["layout"] == {"tp": args.tp, "cp": args.cp, "dp": 1, "pp": 1, "recompute": mode}
     assert run["dtype"] == args.dtype == "float32"
     model = pre[pre.index("--model") + 1]
     MODEL_PRESETS[model].check_tensor_parallel(args.tp)
@@ -172,7 +172,7 @@ def test_train_launcher_runs_the_planners_choice(script: str, tmp_path: Path, ca
     )  # validated as `train` validates it (layout vs model, context, rules)
     lay, opt, shape = plan["layout"], plan["optimizer"], plan["shape"]
     assert nproc == plan["gpu"]["count"] and cfg.parallel.data_parallel_size(nproc) == lay["dp"]
-    assert (cfg.parallel.tp, cfg.parallel.cp) == (lay["tp"], lay["cp"])
+    assert (cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp) == (lay["tp"], lay["cp"], lay.get("pp", 1))
     assert cfg.parallel.sequence_parallel == (lay["tp"] > 1)  # the planner's activations assume SP under TP
     assert (cfg.schedule.recompute, cfg.schedule.enable_gradient_checkpointing) == {
         "none": (False, False), "selective": (True, False), "full": (True, True)
@@ -232,7 +232,7 @@ def test_train_launcher_scaled_down_trains_with_the_plans_options(script: str, t
     assert mc["optimizer_offload_fraction"] == o["optimizer_offload_fraction"]
     host, total = rec["offload"]["host_elements"], rec["offload"]["elements"]
     assert o["optimizer_offload_fraction"] * total <= host < total  # megatron offloads whole shards
-    assert rec["layout"] == {"tp": 2, "cp": 1, "dp": 1, "sequence_parallel": True}
+    assert rec["layout"] == {"tp": 2, "cp": 1, "dp": 1, "pp": 1, "sequence_parallel": True}
     assert rec["schedule"] == {"name": "replay", "recompute": True, "recompute_layers": True,
                                "branch_micro_batch": full["schedule"]["branch_micro_batch"]}  # fmt: skip
     assert rec["layers_checkpoint_themselves"]
