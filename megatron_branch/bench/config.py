@@ -83,6 +83,11 @@ def bench_model(
         raise UserError(f"--hidden {hidden} must be a multiple of --heads {heads}")
     if full_attention_interval < 0:
         raise UserError(f"--full-attention-interval must be >= 0, got {full_attention_interval}")
+    if full_attention_interval > layers:
+        raise UserError(
+            f"--full-attention-interval {full_attention_interval} exceeds --layers {layers}: the model would have "
+            "no full-attention layer (not a hybrid); use an interval <= --layers, or 0 for a dense model"
+        )
     common = dict(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -99,11 +104,17 @@ def bench_model(
         "full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
         for i in range(layers)
     )
-    return ModelArch(
-        family="qwen3_5", qk_norm=True, zero_centered_norm=True, attention_output_gate=True, rotary_percent=0.25,
-        layer_types=types, linear_conv_kernel_dim=4, linear_key_head_dim=d, linear_value_head_dim=d,
-        linear_num_key_heads=max(1, heads // 2), linear_num_value_heads=heads, **common,
-    )  # fmt: skip
+    try:  # the GDN head rule is the model's own (ModelArch): refused in one line, named by the flags
+        return ModelArch(
+            family="qwen3_5", qk_norm=True, zero_centered_norm=True, attention_output_gate=True, rotary_percent=0.25,
+            layer_types=types, linear_conv_kernel_dim=4, linear_key_head_dim=d, linear_value_head_dim=d,
+            linear_num_key_heads=max(1, heads // 2), linear_num_value_heads=heads, **common,
+        )  # fmt: skip
+    except ValueError as e:
+        raise UserError(
+            f"--heads {heads} with --full-attention-interval {full_attention_interval}: the gated delta net layers "
+            f"take --heads value heads and --heads // 2 key heads ({e})"
+        ) from None
 
 
 def model_flags(arch: ModelArch) -> dict[str, Any]:
