@@ -231,6 +231,9 @@ def test_hybrid_cp_layouts_are_planned_with_the_head_exchange(capsys: pytest.Cap
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "--cp 3 cannot split the hybrid's gated delta net heads" in err and "use --cp in 1, 2, 6" in err
+    assert main(argv[: argv.index("--dp")]) == 2  # tp and cp fixed, the rest searched: the same line
+    err = capsys.readouterr().err.strip()
+    assert "--cp 3 cannot split the hybrid's gated delta net heads" in err and "use --cp in 1, 2, 6" in err
     groups = RolloutShape(prompt_length=4096, responses=4, response_length=64, prompts=6)  # dp up to 6
     cps = {lay.cp for lay in candidate_layouts(arch, groups, 48, tp=8, cp=None, dp=None, recompute="full",
                                               schedule="replay")}  # fmt: skip
