@@ -16,6 +16,10 @@ Rules (a flag that would do nothing is refused, not ignored):
     backend needs the engine           naive runs megatron's own attention, not one of the engine's backends
     the backend can run it             attention/dispatch.backend_problem: a baseline has no ring executor, a
                                        backend without a CPU backward cannot train on CPU
+    a hybrid runs the GDN schedules    a hybrid's gated delta net layers carry each tree segment's state from its
+                                       parent (models/gdn.py) in naive (megatron's own layer), naive-fused,
+                                       packed, packed-nosharing and replay; replay-stopgrad (prompt K/V held
+                                       constant) has no meaning defined for a recurrent state
     GDN heads split over CP            a hybrid's gated delta net layer runs under CP by the head exchange (each CP
                                        rank runs a block of a TP rank's heads over the whole chunk,
                                        models/gdn_heads.py): the value heads per TP rank must divide by cp and the
@@ -35,6 +39,8 @@ UNSHARED = ("naive", "naive-fused", "packed-nosharing")
 """Schedules that compute every rollout's every position (nothing shared): the baselines."""
 NO_RING = ("naive", "naive-fused", "packed-nosharing", "replay-stopgrad")
 """Schedules without context parallelism."""
+HYBRID_SCHEDULES = ("naive", "naive-fused", "packed", "replay", "packed-nosharing")
+"""Schedules that run a hybrid (gated delta net) model exactly."""
 REPLAY_SCHEDULES = ("replay", "replay-stopgrad")
 """Schedules with segment recompute (replay's depth-first walk)."""
 MEGATRON_ATTENTION = ("naive",)
@@ -95,6 +101,17 @@ def check_run(
         problem = backend_problem(backend, cp_size=cp, training=training, device=device)
         if problem is not None:
             raise SettingError(lambda s: f"{s.value('backend', backend)}: {problem}")
+
+
+def check_hybrid_schedule(schedule: str, *, model: str) -> None:
+    """Refuse a schedule that cannot run a hybrid (gated delta net) model exactly; `model` describes the model."""
+    if schedule not in HYBRID_SCHEDULES:
+        raise SettingError(
+            lambda s: (
+                f"{s.value('schedule', schedule)} cannot run a hybrid model ({model}); use {s.name('schedule')} "
+                f"{', '.join(HYBRID_SCHEDULES)}"
+            )
+        )
 
 
 def gdn_context_parallel_sizes(*, key_heads: int, value_heads: int, tp: int) -> list[int]:
