@@ -54,7 +54,7 @@ def add_grad_command(sub: Any) -> None:
     p.add_argument(
         "--hf",
         required=True,
-        help="Hugging Face folder (config.json + safetensors): Llama, Qwen2, Qwen3 or Qwen3.5 (naive only)",
+        help="Hugging Face folder (config.json + safetensors): Llama, Qwen2, Qwen3, or a Qwen3.5 / Qwen3.6 hybrid",
     )
     p.add_argument(
         "--rollouts", required=True, help='JSONL: {"prompt": [ids], "response": [ids], "advantage": x}'
