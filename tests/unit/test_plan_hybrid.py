@@ -23,7 +23,7 @@ from megatron_branch.plan.model import parameter_count
 from megatron_branch.testing import tiny_hf_config, tiny_hf_model
 
 VOCAB = 37
-TOL = 0.15  # as tests/unit/test_plan.py: the step's saved-bytes model against the meter
+TOL = 0.04  # as tests/unit/test_plan.py: the step's saved-bytes model against the meter
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -106,6 +106,11 @@ def test_planted_gdn_term_error_is_caught() -> None:
     assert abs(as_attention - got) > 0.5 * got
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="the planner under-counts Qwen3's step by 5.6%: its free head_dim (n d != hidden) is counted as hidden "
+    "wide in plan/memory.py layer_other_bytes' linear inputs (half of the gap) and elsewhere (REVIEW.md)",
+)
 def test_qwen3_replay_step_matches_the_meter() -> None:
     arch = _arch("qwen3", hidden_size=32, ffn=64)
     torch.manual_seed(0)
