@@ -27,6 +27,13 @@ Rules (a flag that would do nothing is refused, not ignored):
     independent rollouts do not fork   sampling without a shared prefix (`share_prefix` off: every rollout its
                                        own prefill, an engine without prefix caching) has no shared response
                                        starts to fork at (`branch_at`)
+    MoE settings need a MoE model      ep > 1, router losses, routing replay, a capacity factor: a dense model has
+                                       no router (a silent no-op)
+    MoE at tp > 1 needs SP             megatron's MoELayer trains tensor-parallel experts only with sequence
+                                       parallelism
+    token dropping is naive's          a capacity factor drops tokens by which tokens share an expert's batch, so
+                                       a prefix computed once is not dropped as each rollout's own batch drops it
+                                       (check_moe_run)
 """
 
 from __future__ import annotations
@@ -151,6 +158,49 @@ def check_sampling(*, share_prefix: bool, branch_at: tuple[int, ...] | list[int]
         )
 
 
+def check_moe_run(
+    schedule: str,
+    *,
+    moe: bool,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    ep: int = 1,
+    router_settings: bool = False,
+    capacity_factor: float | None = None,
+) -> None:
+    """The mixture-of-experts rules (see the module doc). `moe`: the model has MoE layers; `router_settings`:
+    router losses or routing replay were asked for. A SettingError, command-line wording."""
+    if not moe:
+        if ep > 1 or router_settings or capacity_factor is not None:
+            raise SettingError(
+                lambda s: (
+                    f"{s.name('ep')} / {s.name('moe')} need a mixture-of-experts model (this one is dense: it has "
+                    "no router)"
+                )
+            )
+        return
+    if tp > 1 and not sequence_parallel:
+        raise SettingError(
+            lambda s: (
+                f"a mixture-of-experts model at {s.value('tp', tp)} needs {s.name('sequence_parallel')} (megatron's "
+                "MoELayer trains tensor-parallel experts only with sequence parallelism)"
+            )
+        )
+    if capacity_factor is not None:
+        if not capacity_factor > 0:
+            raise SettingError(
+                lambda s: f"{s.name('capacity_factor')} must be positive, got {capacity_factor}"
+            )
+        if schedule != "naive":
+            raise SettingError(
+                lambda s: (
+                    f"{s.value('capacity_factor', capacity_factor)}: token dropping is not exact under sharing (an "
+                    f"expert's capacity depends on which tokens share its batch); {s.value('schedule', schedule)} "
+                    "refuses it, use dropless routing or the naive schedule"
+                )
+            )
+
+
 API = Spelling(
     names={
         "schedule": "schedule",
@@ -161,6 +211,7 @@ API = Spelling(
         "backend": "ScheduleOptions.backend",
         "share_prefix": "SamplingParams.share_prefix",
         "branch_at": "SamplingParams.branch_at",
+        "capacity_factor": "TransformerConfig.moe_expert_capacity_factor",
     },
     assign="=",
 )

@@ -40,10 +40,16 @@ def tiny_hf_config(
     rope_theta: float = 10000.0,
     head_dim: int | None = None,
     layer_types: Sequence[str] | None = None,
+    moe: dict[str, Any] | None = None,
 ) -> Any:
     """A transformers config for a tiny Llama, Qwen2 (QKV bias), Qwen3 (q/k norms; head_dim defaults to 16, not
     hidden/heads) or Qwen3.5 text model ("qwen3_5": 3 linear-attention layers to 1 full by default, head_dim 16,
-    partial RoPE 0.5 so that 8 of 16 dims rotate, multimodal RoPE sections, 2 key / 4 value GDN heads of 8)."""
+    partial RoPE 0.5 so that 8 of 16 dims rotate, multimodal RoPE sections, 2 key / 4 value GDN heads of 8), or a
+    mixture of experts: "qwen3_moe" (4 experts of width 16, top-2, norm_topk_prob), "mixtral" (4 experts of width
+    `ffn`, top-2), "qwen2_moe" (as qwen3_moe plus a shared expert of width 24), or a MoE hybrid: "qwen3_5_moe"
+    (qwen3_5's layers, every one with qwen2_moe's experts; no dense MLP) or "qwen3_next" (the same, text-only RoPE,
+    its GDN projections fused per key head; MoE layers by decoder_sparse_step / mlp_only_layers); `moe` overrides
+    their fields."""
     import transformers
 
     kw: dict[str, Any] = dict(
@@ -64,16 +70,14 @@ def tiny_hf_config(
         return transformers.Qwen2Config(architectures=["Qwen2ForCausalLM"], **kw)
     if family == "qwen3":
         return transformers.Qwen3Config(architectures=["Qwen3ForCausalLM"], head_dim=head_dim or 16, **kw)
-    if family == "qwen3_5":
-        from transformers.models.qwen3_5 import Qwen3_5TextConfig
-
-        kw["rope_parameters"].update(
-            partial_rotary_factor=0.5, mrope_section=[2, 1, 1], mrope_interleaved=True
-        )
+    moe_kw: dict[str, Any] = dict(num_experts_per_tok=2)
+    if family in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        kw["rope_parameters"]["partial_rotary_factor"] = 0.5
+        if family != "qwen3_next":
+            kw["rope_parameters"].update(mrope_section=[2, 1, 1], mrope_interleaved=True)
         if layer_types is None:
             layer_types = ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(num_layers)]
-        return Qwen3_5TextConfig(
-            architectures=["Qwen3_5ForCausalLM"],
+        kw.update(
             head_dim=head_dim or 16,
             layer_types=list(layer_types),
             linear_conv_kernel_dim=4,
@@ -81,9 +85,77 @@ def tiny_hf_config(
             linear_value_head_dim=8,
             linear_num_key_heads=2,
             linear_num_value_heads=4,
-            **kw,
         )
+        if family == "qwen3_5":
+            from transformers.models.qwen3_5 import Qwen3_5TextConfig
+
+            return Qwen3_5TextConfig(architectures=["Qwen3_5ForCausalLM"], **kw)
+        moe_kw.update(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+        if family == "qwen3_next":
+            moe_kw.update(norm_topk_prob=True, **(moe or {}))
+            return transformers.Qwen3NextConfig(architectures=["Qwen3NextForCausalLM"], **moe_kw, **kw)
+        from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
+
+        del kw["intermediate_size"]  # no dense MLP
+        moe_kw.update(moe or {})
+        return Qwen3_5MoeTextConfig(architectures=["Qwen3_5MoeForCausalLM"], **moe_kw, **kw)
+    if family == "qwen3_moe":
+        moe_kw.update(num_experts=4, moe_intermediate_size=16, norm_topk_prob=True)
+        moe_kw.update(moe or {})
+        return transformers.Qwen3MoeConfig(
+            architectures=["Qwen3MoeForCausalLM"], head_dim=head_dim or 16, **moe_kw, **kw
+        )
+    if family == "qwen2_moe":
+        moe_kw.update(
+            num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=24, norm_topk_prob=False
+        )
+        moe_kw.update(moe or {})
+        return transformers.Qwen2MoeConfig(architectures=["Qwen2MoeForCausalLM"], **moe_kw, **kw)
+    if family == "mixtral":
+        moe_kw.update(num_local_experts=4)
+        moe_kw.update(moe or {})
+        return transformers.MixtralConfig(architectures=["MixtralForCausalLM"], **moe_kw, **kw)
     raise ValueError(family)
+
+
+def hf_checkpoint_names(model: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` by the model's in-memory names (a state dict, or its gradients) under the names its checkpoint
+    files use: transformers fuses a MoE layer's experts into 3-D tensors in memory (`experts.gate_up_proj`) and
+    writes one tensor per expert; its own reverse conversion (what save_pretrained runs) maps between the two."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return dict(revert_weight_conversion(model, dict(tensors)))
+
+
+def hf_state(model: Any) -> dict[str, torch.Tensor]:
+    """The model's weights under its checkpoint names (what save_pretrained writes)."""
+    return hf_checkpoint_names(model, model.state_dict())
+
+
+def hf_experts_kwargs(config: Any) -> dict[str, Any]:
+    """transformers' loader kwargs for the reference implementation of a MoE model's experts (the per-expert loop;
+    its default grouped_mm path refuses float64)."""
+    moe = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    return {"experts_implementation": "eager"} if moe else {}
+
+
+def exact_hf_routers(model: Any) -> Any:
+    """transformers' MoE routers compute their softmax in float32 whatever the model's dtype; make them compute in
+    the logits' dtype so that the float64 oracle is float64 throughout (the routing math is otherwise HF's:
+    softmax over all experts, top-k, renormalised where the router does)."""
+
+    def route(self: Any, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden = hidden.reshape(-1, self.hidden_dim)
+        logits = torch.nn.functional.linear(hidden, self.weight)
+        top, idx = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+        if getattr(self, "norm_topk_prob", True):  # Mixtral's router has no flag: it always renormalises
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, top, idx
+
+    for m in model.modules():
+        if type(m).__name__.endswith("TopKRouter"):
+            m.forward = route.__get__(m)
+    return model
 
 
 def tiny_hf_model(config: Any, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
@@ -93,7 +165,9 @@ def tiny_hf_model(config: Any, *, seed: int = 0, dtype: torch.dtype = torch.floa
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation="sdpa", dtype=torch.float32, **hf_experts_kwargs(config)
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("A_log"):
@@ -107,7 +181,7 @@ def tiny_hf_model(config: Any, *, seed: int = 0, dtype: torch.dtype = torch.floa
     return model.to(dtype)
 
 
-ZERO_CENTERED_HF_NORMS = ("Qwen3_5RMSNorm", "Qwen3NextRMSNorm")
+ZERO_CENTERED_HF_NORMS = ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3NextRMSNorm")
 """transformers' RMSNorms whose weight is an offset from one: x / rms(x) * (1 + w)."""
 
 
@@ -157,6 +231,8 @@ def hf_policy_gradient(model: Any, rollouts: Sequence[Rollout]) -> tuple[float, 
         loss.backward()
         total += float(loss.detach())
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    if getattr(model.config, "num_experts", None) or getattr(model.config, "num_local_experts", None):
+        grads = hf_checkpoint_names(model, grads)  # one gradient per expert, as the checkpoint names them
     return total, grads
 
 

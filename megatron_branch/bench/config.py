@@ -51,6 +51,9 @@ MODEL_FLAGS: dict[str, str] = {
     "ffn": "ffn_hidden_size",
     "vocab": "vocab_size",
     "tie": "tie_word_embeddings",
+    "experts": "num_experts",
+    "top_k": "moe_top_k",
+    "expert_ffn": "moe_ffn_hidden_size",
 }
 """The bench's short model flags (--layers, --kv-heads, ...) -> the ModelArch fields they set: the bench's model is
 a ModelArch (models/arch.py; a Llama with random weights: only its shape matters for speed and memory)."""
@@ -65,14 +68,18 @@ def bench_model(
     ffn: int = 0,
     vocab: int = 1024,
     tie: bool = False,
+    experts: int = 0,
+    top_k: int = 2,
+    expert_ffn: int = 0,
     full_attention_interval: int = 0,
 ) -> ModelArch:
     """The ModelArch the bench flags describe (ffn 0 = 3 x hidden); a bad flag is refused by its name.
 
-    `full_attention_interval` k > 0 makes a Qwen3.5-style hybrid (HF's name for it): every k-th layer gated full
-    attention, the others gated delta net (k = 4: Qwen3.5's 3 linear : 1 full), with the family's q/k norms,
-    output gate, zero-centred norms and partial RoPE (0.25), GDN value heads = --heads and key heads = half of
-    them, every head --hidden / --heads wide, conv kernel 4."""
+    experts > 0: a Qwen3-MoE-style model (q/k norms, megatron's MoELayer in every MLP slot, top_k experts of width
+    expert_ffn, 0 = hidden). `full_attention_interval` k > 0 makes a Qwen3.5-style hybrid (HF's name for it): every
+    k-th layer gated full attention, the others gated delta net (k = 4: Qwen3.5's 3 linear : 1 full), with the
+    family's q/k norms, output gate, zero-centred norms and partial RoPE (0.25), GDN value heads = --heads and key
+    heads = half of them, every head --hidden / --heads wide, conv kernel 4. Both: a Qwen3.5-MoE-style hybrid."""
     for name, v in (("layers", layers), ("hidden", hidden), ("heads", heads), ("kv_heads", kv_heads),
                     ("vocab", vocab)):  # fmt: skip
         if v <= 0:
@@ -81,6 +88,8 @@ def bench_model(
         raise UserError(f"--heads {heads} must be a multiple of --kv-heads {kv_heads}")
     if hidden % heads:
         raise UserError(f"--hidden {hidden} must be a multiple of --heads {heads}")
+    if experts < 0 or (experts and not 0 < top_k <= experts):
+        raise UserError(f"--experts {experts} / --top-k {top_k}: need 0 < top-k <= experts")
     if full_attention_interval < 0:
         raise UserError(f"--full-attention-interval must be >= 0, got {full_attention_interval}")
     if full_attention_interval > layers:
@@ -88,6 +97,9 @@ def bench_model(
             f"--full-attention-interval {full_attention_interval} exceeds --layers {layers}: the model would have "
             "no full-attention layer (not a hybrid); use an interval <= --layers, or 0 for a dense model"
         )
+    moe: dict[str, Any] = {}
+    if experts:
+        moe = dict(num_experts=experts, moe_top_k=top_k, moe_ffn_hidden_size=expert_ffn or hidden)
     common = dict(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -98,6 +110,8 @@ def bench_model(
         tie_word_embeddings=tie,
     )
     if not full_attention_interval:
+        if experts:
+            return ModelArch(family="qwen3_moe", qk_norm=True, **moe, **common)
         return ModelArch(family="llama", **common)
     d = hidden // heads
     types = tuple(
@@ -106,9 +120,10 @@ def bench_model(
     )
     try:  # the GDN head rule is the model's own (ModelArch): refused in one line, named by the flags
         return ModelArch(
-            family="qwen3_5", qk_norm=True, zero_centered_norm=True, attention_output_gate=True, rotary_percent=0.25,
-            layer_types=types, linear_conv_kernel_dim=4, linear_key_head_dim=d, linear_value_head_dim=d,
-            linear_num_key_heads=max(1, heads // 2), linear_num_value_heads=heads, **common,
+            family="qwen3_5_moe" if experts else "qwen3_5", qk_norm=True, zero_centered_norm=True,
+            attention_output_gate=True, rotary_percent=0.25, layer_types=types, linear_conv_kernel_dim=4,
+            linear_key_head_dim=d, linear_value_head_dim=d, linear_num_key_heads=max(1, heads // 2),
+            linear_num_value_heads=heads, **moe, **common,
         )  # fmt: skip
     except ValueError as e:
         raise UserError(
@@ -122,6 +137,10 @@ def model_flags(arch: ModelArch) -> dict[str, Any]:
     flags = {flag: getattr(arch, name) for flag, name in MODEL_FLAGS.items()}
     if flags["ffn"] == 3 * flags["hidden"]:
         flags["ffn"] = 0  # follows --hidden when that is overridden
+    if not flags["experts"]:
+        flags["top_k"] = 2  # a dense model: --experts alone gives top-2
+    if flags["expert_ffn"] == flags["hidden"]:
+        flags["expert_ffn"] = 0
     types = arch.layer_types or ()
     flags["full_attention_interval"] = (types.index("full_attention") + 1) if arch.is_hybrid else 0
     assert bench_model(**flags) == arch, "not a bench model: its flags do not describe it"
@@ -207,6 +226,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "memory-G": dict(model=_m(layers=4, hidden=512, heads=8, kv_heads=2, vocab=32000), prompts=(4096,),
                      branches=(4, 8, 16, 32), response=128, variants=("naive-fused", "packed", "replay",
                                                                        "replay+recompute")),
+    # a mixture of experts (Qwen3-MoE-style: 8 experts of width 256, top-2, megatron's MoELayer) on the CPU
+    "moe": dict(model=_m(layers=2, hidden=256, heads=4, kv_heads=2, vocab=32000, experts=8, top_k=2, expert_ffn=256),
+                prompts=(2048,), branches=(8,), response=128,
+                variants=("naive-fused", "packed-nosharing", "packed", "replay", "replay+recompute")),
     # a Qwen3.5-style hybrid (3 gated delta net : 1 gated attention layers) under a long prompt: GDN layers keep
     # their state at the fork instead of K/V (models/gdn.py); float32 on the 2-core CPU like A/B/C
     "hybrid": dict(model=_m(layers=4, hidden=512, heads=8, kv_heads=2, vocab=32000, full_attention_interval=4),

@@ -57,7 +57,8 @@ class Flops:
 
 def per_position_flops(arch: ModelArch) -> float:
     """Forward layer matmul FLOPs of one token position (output projection excluded): the planner's count
-    (plan/flops.py), full-attention and GDN layers each by their own projections."""
+    (plan/flops.py), full-attention and GDN layers each by their own projections, a MoE layer by its router and
+    top-k experts."""
     return float(layer_matmul_flops_per_token(arch))
 
 

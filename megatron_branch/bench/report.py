@@ -17,8 +17,13 @@ def markdown(report: dict[str, Any]) -> str:
     model = cfg["model"]
     head = (
         f"Model: {model['num_layers']} layers, hidden {model['hidden_size']}, {model['num_attention_heads']} heads / "
-        f"{model['num_query_groups']} kv, ffn {model['ffn_hidden_size']}, vocab {model['vocab_size']}, "
-        f"{cfg['dtype']} on {cfg['device']}; "
+        f"{model['num_query_groups']} kv, "
+        + (
+            f"{model['num_experts']} experts (top-{model['moe_top_k']}, width {model['moe_ffn_hidden_size']})"
+            if model.get("num_experts")
+            else f"ffn {model['ffn_hidden_size']}"
+        )
+        + f", vocab {model['vocab_size']}, {cfg['dtype']} on {cfg['device']}; "
         f"S={cfg['response']}, levels {cfg['levels']}, branch_micro_batch {cfg['micro']}; {cfg['rounds']} rounds "
         f"after 1 warm-up, round-robin, order rotated. Machine: "
         + ", ".join(f"{k} {v}" for k, v in report["machine"].items())

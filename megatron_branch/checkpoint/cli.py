@@ -34,6 +34,9 @@ def add_convert_commands(subparsers: Any) -> None:
     h2m.add_argument("--tp", type=int, default=1, help="tensor-parallel size to build with (default 1)")
     h2m.add_argument("--pp", type=int, default=1, help="pipeline-parallel size; only 1 is supported")
     h2m.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel size to build a MoE model with (default 1)"
+    )
+    h2m.add_argument(
         "--dtype", default=None, help="float32, bfloat16 or float16 (default: the HF storage dtype)"
     )
     add_overwrite_argument(h2m)
@@ -76,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         from megatron_branch.checkpoint.hf_to_mcore import convert_hf_to_mcore
 
         out = convert_hf_to_mcore(
-            args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype, overwrite=args.overwrite
+            args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype, overwrite=args.overwrite
         )
         print(f"wrote {out}")
         return 0

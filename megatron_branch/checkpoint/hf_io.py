@@ -28,6 +28,8 @@ TOKENIZER_FILES = (
     "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
 )  # fmt: skip
 """What a transformers tokenizer folder may hold (copied whole: special tokens and chat template kept)."""
+FUSED_EXPERT_SUFFIXES = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+"""A MoE layer's experts stored as 3-D tensors (transformers' in-memory layout, which some checkpoints keep)."""
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -100,6 +102,28 @@ class HFTensorReader:
                 raise UserError(
                     f"index places {absent[0]!r} in this shard, which lacks it", where=str(self.dir / shard)
                 )
+        self.expert_views = self._split_fused_experts()
+
+    def _split_fused_experts(self) -> dict[str, tuple[str, int, slice | None]]:
+        """Per-expert names for a layer's experts stored as two 3-D tensors (the published Qwen3.5-MoE checkpoints:
+        `mlp.experts.gate_up_proj` [E, 2e, h] = per expert [gate; up], `mlp.experts.down_proj` [E, h, e]), named
+        as save_pretrained writes them (`mlp.experts.{j}.gate_proj.weight`, ...): name -> (stored, j, rows)."""
+        views: dict[str, tuple[str, int, slice | None]] = {}
+        self.file_of_fused: dict[str, str] = {}
+        for name in [n for n in self.file_of if n.endswith(FUSED_EXPERT_SUFFIXES)]:
+            stem, kind = name.rsplit(".", 1)  # "...mlp.experts", "gate_up_proj" | "down_proj"
+            shape = self._open(self.file_of[name]).get_slice(name).get_shape()
+            if len(shape) != 3 or (kind == "gate_up_proj" and shape[1] % 2):
+                raise UserError(f"fused experts {name!r} have shape {list(shape)}", where=str(self.dir))
+            half = shape[1] // 2
+            for j in range(shape[0]):
+                if kind == "down_proj":
+                    views[f"{stem}.{j}.down_proj.weight"] = (name, j, None)
+                else:
+                    views[f"{stem}.{j}.gate_proj.weight"] = (name, j, slice(0, half))
+                    views[f"{stem}.{j}.up_proj.weight"] = (name, j, slice(half, 2 * half))
+            self.file_of_fused[name] = self.file_of.pop(name)
+        return views
 
     def _open(self, shard: str) -> Any:
         if shard not in self._handles:
@@ -113,15 +137,23 @@ class HFTensorReader:
         return self._handles[shard]
 
     def keys(self) -> list[str]:
-        return list(self.file_of)
+        return [*self.file_of, *self.expert_views]
 
     def __contains__(self, name: str) -> bool:
-        return name in self.file_of
+        return name in self.file_of or name in self.expert_views
 
     def get(self, name: str) -> torch.Tensor:
+        if name in self.expert_views:  # one expert's slice of a fused 3-D tensor: only its bytes are read
+            stored, j, rows = self.expert_views[name]
+            shard = self.file_of_fused[stored]
+            t = self._read(shard, stored, lambda h: h.get_slice(stored)[j : j + 1][0])
+            return t if rows is None else t[rows].clone()
         shard = self.file_of[name]
+        return self._read(shard, name, lambda h: h.get_tensor(name))
+
+    def _read(self, shard: str, name: str, read: Any) -> torch.Tensor:
         try:
-            return self._open(shard).get_tensor(name)
+            return read(self._open(shard))
         except Exception as e:  # a truncated data section fails only when the tensor is read
             raise UserError(
                 f"cannot read tensor {name!r} ({_first_line(e)})", where=str(self.dir / shard)

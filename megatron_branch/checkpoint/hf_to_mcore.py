@@ -201,13 +201,15 @@ def convert_hf_to_mcore(
     *,
     tp: int = 1,
     pp: int = 1,
+    ep: int = 1,
     dtype: str | torch.dtype | None = None,
     progress: bool = True,
     overwrite: bool = False,
 ) -> Path:
     """Convert a local HF folder (any family of models/arch.py) into a megatron-core dist checkpoint at `out_dir`.
 
-    `tp` must divide the number of launched ranks (1 when single process). `dtype` None keeps the storage dtype.
+    `tp` must divide the number of launched ranks (1 when single process); `ep` (a MoE model's experts split over
+    it, inside the data-parallel ranks) must divide launched ranks / tp. `dtype` None keeps the storage dtype.
     Everything is checked (on every rank, one verdict) before any model is built.
     """
     from megatron_branch.models import build_model
@@ -223,6 +225,7 @@ def convert_hf_to_mcore(
         cfg = load_hf_config(hf_dir)
         arch = ModelArch.from_hf_config(cfg, where=str(Path(hf_dir) / "config.json"))
         arch.check_tensor_parallel(tp)
+        arch.check_expert_parallel(ep, tp=tp)
         reader = HFTensorReader(hf_dir)
         dt = parse_dtype(dtype) or reader.dtype()
         if dt not in DTYPES.values():
@@ -232,14 +235,16 @@ def convert_hf_to_mcore(
             raise UserError(
                 f"--tp {tp} needs a launch whose process count is a multiple of {tp} (this one has {world})"
             )
+        if (world // tp) % ep:
+            raise UserError(f"--ep {ep} must divide the launch's {world} processes / --tp {tp}")
         return arch, reader, dt
 
     arch, reader, dtype = check_on_every_rank(validate)
     init_distributed()
-    groups = initialize_parallel(ParallelConfig(tp=tp))
+    groups = initialize_parallel(ParallelConfig(tp=tp, ep=ep))
     # Every parameter is overwritten below: skip megatron's random init (a full fp32 master copy of each
     # weight on every rank, filled with normal_()).
-    model = build_model(arch, dtype=dtype, tp=tp, init_weights=False)
+    model = build_model(arch, dtype=dtype, tp=tp, init_weights=False, ep=ep)
     padded = arch.padded_vocab_size(tp)
     params = dict(model.named_parameters())
     names = iter_hf_to_mcore(reader.keys(), reader.get, arch, padded_vocab=padded, where=str(hf_dir))
@@ -250,9 +255,13 @@ def convert_hf_to_mcore(
     loaded = set()
     with torch.no_grad():
         for name, full in names:
-            load_full_tensor(model, name, full, groups.tp, params=params)
+            load_full_tensor(model, name, full, groups.tp, params=params, ep_group=groups.ep)
             loaded.add(name)
-    assert loaded == set(params), sorted(set(params) ^ loaded)
+    from megatron_branch.checkpoint.experts import global_name, local_experts, rank_size
+
+    ep_rank, _ = rank_size(groups.ep)
+    held = {global_name(n, ep_rank, local_experts(list(params))) for n in params}
+    assert held <= loaded, sorted(held - loaded)
     return save_mcore_checkpoint(
         model,
         out_dir,

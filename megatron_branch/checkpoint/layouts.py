@@ -13,6 +13,9 @@ gated delta net: qk = key heads x key head dim, vd = value heads x value head di
                                                             per group: [p q heads | p gate heads | k | v]
     gdn_in_proj          qkv [2qk + vd, h], z [vd, h], b [nv, h], a [nv, h]
                                                             [q; k; v; z; beta; alpha]
+    gdn_in_proj_grouped  qkvz [2qk + 2vd, h] = per key head [q (dk); k (dk); v (r dv); z (r dv)],
+                         ba [2nv, h] = per key head [b (r); a (r)], r = nv / nk value heads per key head (Qwen3-Next)
+                                                            [q; k; v; z; beta; alpha]
 Each is a re-arrangement of rows: exact both ways, for weights and for gradients alike.
 """
 
@@ -40,6 +43,8 @@ def hf_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
         ("linear_attn.in_proj_z.weight", (vd, h)),
         ("linear_attn.in_proj_b.weight", (nv, h)),
         ("linear_attn.in_proj_a.weight", (nv, h)),
+        ("linear_attn.in_proj_qkvz.weight", (2 * qk + 2 * vd, h)),
+        ("linear_attn.in_proj_ba.weight", (2 * nv, h)),
         ("linear_attn.conv1d.weight", (2 * qk + vd, 1, arch.linear_conv_kernel_dim)),
         ("linear_attn.A_log", (nv,)),
         ("linear_attn.dt_bias", (nv,)),
@@ -60,9 +65,27 @@ def hf_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
         ("up_proj.weight", (f, h)),
         ("down_proj.weight", (h, f)),
     )
+    moe = _moe_shape(name, arch)
+    if moe is not None:
+        return moe
     shape = next((s for suffix, s in table if name.endswith(suffix)), None)
     assert shape is not None, f"no shape rule for {name}"
     return shape
+
+
+def _moe_shape(name: str, arch: ModelArch) -> tuple[int, ...] | None:
+    """Shapes of a MoE layer's HF tensors (router, routed expert j, shared expert and its gate), else None."""
+    h, e = arch.hidden_size, arch.moe_ffn_hidden_size
+    if ".experts." in name:  # routed expert j: gate/up (Mixtral w1/w3) [e, h], down (w2) [h, e]
+        return (h, e) if name.endswith(("down_proj.weight", ".w2.weight")) else (e, h)
+    if ".shared_expert." in name:
+        sh = arch.shared_expert_ffn_hidden_size
+        return (h, sh) if name.endswith("down_proj.weight") else (sh, h)
+    if name.endswith("shared_expert_gate.weight"):
+        return (1, h)
+    if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+        return (arch.num_experts, h)
+    return None
 
 
 def mcore_rows(parts: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
@@ -122,6 +145,32 @@ def _gdn_in_proj_to_hf(t: torch.Tensor, arch: ModelArch) -> list[torch.Tensor]:
     return [c.clone() for c in t.split([2 * qk + vd, vd, nv, nv], dim=0)]
 
 
+def _gdn_groups(arch: ModelArch) -> tuple[int, list[int], list[int]]:
+    """Qwen3-Next's per-key-head row groups: (key heads, qkvz sections, ba sections) of one group."""
+    nk, dk, dv = arch.linear_num_key_heads, arch.linear_key_head_dim, arch.linear_value_head_dim
+    r = arch.linear_num_value_heads // nk
+    return nk, [dk, dk, r * dv, r * dv], [r, r]
+
+
+def _gdn_grouped_to_mcore(ts: list[torch.Tensor], arch: ModelArch, padded_vocab: int) -> torch.Tensor:
+    qkvz, ba = ts
+    nk, sec_qkvz, sec_ba = _gdn_groups(arch)
+    rest = qkvz.shape[1:]
+    parts = [
+        *qkvz.reshape(nk, sum(sec_qkvz), *rest).split(sec_qkvz, dim=1),
+        *ba.reshape(nk, sum(sec_ba), *rest).split(sec_ba, dim=1),
+    ]  # q, k, v, z, b, a: each [nk, rows of one key head, ...]
+    return torch.cat([p.reshape(-1, *rest) for p in parts])
+
+
+def _gdn_grouped_to_hf(t: torch.Tensor, arch: ModelArch) -> list[torch.Tensor]:
+    nk, sec_qkvz, sec_ba = _gdn_groups(arch)
+    rest = t.shape[1:]
+    parts = [p.reshape(nk, -1, *rest) for p in t.split([nk * n for n in (*sec_qkvz, *sec_ba)], dim=0)]
+    qkvz, ba = torch.cat(parts[:4], dim=1), torch.cat(parts[4:], dim=1)
+    return [qkvz.reshape(-1, *rest).clone(), ba.reshape(-1, *rest).clone()]
+
+
 TRANSFORMS: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., list[torch.Tensor]]]] = {
     "identity": (lambda ts, arch, pv: ts[0], lambda t, arch: [t]),
     "qkv_interleave": (_qkv_to_mcore, _qkv_to_hf),
@@ -132,6 +181,7 @@ TRANSFORMS: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., list[torc
         lambda t, arch: [c.clone() for c in t.chunk(2)],
     ),
     "gdn_in_proj": (lambda ts, arch, pv: torch.cat(ts, dim=0), _gdn_in_proj_to_hf),
+    "gdn_in_proj_grouped": (_gdn_grouped_to_mcore, _gdn_grouped_to_hf),
     "vocab_pad": (_vocab_pad, lambda t, arch: [t[: arch.vocab_size]]),
 }
 """name -> (HF tensors -> megatron tensor, megatron tensor -> HF tensors)."""

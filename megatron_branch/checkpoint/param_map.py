@@ -21,9 +21,26 @@ Layouts (verified against megatron-core 0.16.1 source; checkpoint/layouts.py doe
   and fuse each norm into the next projection, whose norm weight is `linear_qkv.layer_norm_weight` (GDN layers:
   `in_proj.layer_norm_weight`) / `linear_fc1.layer_norm_weight`. A rule's `te` field is its TE name when it
   differs; every tensor and transform is the same.
-- HF containers: a qwen3_5 checkpoint may be the multimodal Qwen3_5ForConditionalGeneration, whose text model is
-  under `model.language_model.`; its vision tower (`model.visual.`) and MTP head (`mtp.`) are not part of the
-  policy and are not converted (transformers' Qwen3_5ForCausalLM drops them on load the same way).
+- Mixture of experts (models/moe.py): the router `mlp.router.weight` is HF's `mlp.gate.weight` (Mixtral:
+  `block_sparse_moe.gate.weight`); routed expert j is `mlp.experts.local_experts.{j}.linear_fc1/fc2` (megatron's
+  SequentialMLP; under expert parallelism a rank holds local experts 0..E/ep-1, checkpoint/tp.py names them by
+  their global index) or TEGroupedMLP's `mlp.experts.linear_fc1.weight{j}` (the TE name), [gate; up] from HF's
+  per-expert gate_proj/up_proj (Mixtral w1/w3); the shared expert (Qwen2-MoE) is `mlp.shared_experts.*` with
+  `gate_weight` = `shared_expert_gate.weight`. HF names are the checkpoint's (save_pretrained writes one tensor
+  per expert; transformers fuses them into 3-D tensors in memory only). A rule with `{j}` stands for one rule per
+  expert. Dense layers of a MoE model (mlp_only_layers) keep the dense MLP rules (`mlp="dense"`). In a dist
+  checkpoint every expert of a layer is one key (`mlp.experts.experts.linear_fc1.weight`, the global expert
+  index an axis: megatron's SequentialMLP.sharded_state_dict), and a MoE layer's pre-MLP norm is
+  `pre_mlp_layernorm.weight` under both specs (the TE MoE spec keeps that norm apart: nothing to fuse it into).
+- HF containers: a qwen3_5 / qwen3_5_moe checkpoint may be the multimodal ...ForConditionalGeneration, whose text
+  model is under `model.language_model.`; its vision tower (`model.visual.`) and MTP head (`mtp.`, Qwen3-Next's
+  too) are not part of the policy and are not converted (transformers' ...ForCausalLM drops them on load the same
+  way).
+- MoE hybrids (qwen3_5_moe, qwen3_next): the hybrid's attention and GDN rules with the MoE rules in the MLP slot.
+  Qwen3-Next's GDN projections are HF's in_proj_qkvz / in_proj_ba, rows grouped per key head
+  (`gdn_in_proj_grouped`, layouts.py); the published Qwen3.5-MoE checkpoints store each layer's experts as two 3-D
+  tensors (`mlp.experts.gate_up_proj` [E, 2e, h], `mlp.experts.down_proj` [E, h, e]), read as the per-expert
+  tensors save_pretrained writes (hf_io.py `split_fused_experts`).
 
 Streaming: `iter_hf_to_mcore` / `iter_mcore_to_hf` ask for the source tensors of one rule at a time, so a caller
 that reads lazily (hf_io) holds about one layer in memory.
@@ -31,6 +48,7 @@ that reads lazily (hf_io) holds about one layer in memory.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -42,14 +60,21 @@ from megatron_branch.models.arch import ModelArch
 
 # Buffers some older HF checkpoints carry; recomputed from the config, never converted.
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
-HF_TEXT_PREFIXES: dict[str, tuple[tuple[str, str], ...]] = {"qwen3_5": (("model.language_model.", "model."),)}
+HF_TEXT_PREFIXES: dict[str, tuple[tuple[str, str], ...]] = {
+    "qwen3_5": (("model.language_model.", "model."),),
+    "qwen3_5_moe": (("model.language_model.", "model."),),
+}
 """family -> (stored prefix, canonical prefix): an HF container's text model under the names the rules use."""
-HF_NOT_CONVERTED: dict[str, tuple[str, ...]] = {"qwen3_5": ("model.visual.", "mtp.")}
+HF_NOT_CONVERTED: dict[str, tuple[str, ...]] = {
+    "qwen3_5": ("model.visual.", "mtp."),
+    "qwen3_5_moe": ("model.visual.", "mtp."),
+    "qwen3_next": ("mtp.",),
+}
 """family -> HF tensor prefixes that are not part of the policy (vision tower, multi-token-prediction head)."""
 TRANSFORM_NAMES = tuple(TRANSFORMS)
 SPECS = ("local", "te")
 """megatron layer specs the map names tensors for: megatron-core's local spec and its TransformerEngine spec."""
-WHEN = (None, "qkv_bias", "untied", "qk_norm")
+WHEN = (None, "qkv_bias", "untied", "qk_norm", "shared_expert", "shared_expert_gate")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,11 +91,17 @@ class Rule:
     """The megatron name under the TransformerEngine layer spec, when it differs from `mcore`."""
     layers: str | None = None
     """Per-layer rules only: None (every layer), "full" (full-attention layers) or "linear" (gated delta net)."""
+    mlp: str | None = None
+    """Per-layer rules only: None (every layer), "dense" (a SwiGLU MLP) or "moe" (a MoELayer) in the MLP slot."""
+    key: str | None = None
+    """The dist-checkpoint key (with `{i}`) when it is neither the local nor the TE name (every expert of a layer
+    is one key)."""
 
     def __post_init__(self) -> None:
         assert self.transform in TRANSFORMS, self.transform
         assert self.when in WHEN, self.when
         assert self.layers in (None, "full", "linear"), self.layers
+        assert self.mlp in (None, "dense", "moe"), self.mlp
 
     def name(self, spec: str = "local") -> str:
         """The megatron name (with `{i}`) under `spec` ("local" or "te")."""
@@ -80,6 +111,21 @@ class Rule:
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.mcore
+
+    @property
+    def per_expert(self) -> bool:
+        return "{j}" in self.mcore
+
+    def for_expert(self, j: int) -> Rule:
+        """This rule for routed expert `j` (its `{j}` filled in; `{i}` kept)."""
+        fill = lambda n: None if n is None else n.replace("{j}", str(j))  # noqa: E731
+        return dataclasses.replace(
+            self, mcore=fill(self.mcore), hf=tuple(fill(h) for h in self.hf), te=fill(self.te)
+        )
+
+    def checkpoint_key(self) -> str:
+        """The dist-checkpoint key (with `{i}`): megatron names tensors as the TE layer spec's module tree does."""
+        return self.key or self.name("te")
 
 
 _L = "model.layers.{i}."
@@ -93,19 +139,92 @@ HEAD = (
     Rule(mcore="decoder.final_layernorm.weight", hf=("model.norm.weight",), transform="identity"),
     Rule(mcore="output_layer.weight", hf=("lm_head.weight",), transform="vocab_pad", when="untied"),
 )
-MLP = (
+
+
+def _mlp(kind: str | None) -> tuple[Rule, ...]:
+    """The dense SwiGLU MLP (with its norm): on every layer (`kind` None), or on a MoE model's dense layers."""
+    return (
+        Rule(
+            mcore=_M + "pre_mlp_layernorm.weight",
+            hf=(_L + "post_attention_layernorm.weight",),
+            transform="identity",
+            te=_M + "mlp.linear_fc1.layer_norm_weight",
+            mlp=kind,
+        ),
+        Rule(
+            mcore=_M + "mlp.linear_fc1.weight",
+            hf=(_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"),
+            transform="fused_gate_up",
+            mlp=kind,
+        ),
+        Rule(
+            mcore=_M + "mlp.linear_fc2.weight",
+            hf=(_L + "mlp.down_proj.weight",),
+            transform="identity",
+            mlp=kind,
+        ),
+    )
+
+
+MLP = _mlp(None)
+_EXP = _M + "mlp.experts."
+
+
+def _moe(block: str, gate: str, up: str, down: str) -> tuple[Rule, ...]:
+    """A MoELayer (router + routed experts) whose HF block is `block` ("mlp." or Mixtral's "block_sparse_moe.")
+    and whose expert j holds `gate` / `up` / `down` (HF's per-expert names)."""
+    hf_expert = _L + block + "experts.{j}."
+    return (
+        Rule(
+            mcore=_M + "pre_mlp_layernorm.weight",
+            hf=(_L + "post_attention_layernorm.weight",),
+            transform="identity",
+            mlp="moe",
+        ),
+        Rule(
+            mcore=_M + "mlp.router.weight", hf=(_L + block + "gate.weight",), transform="identity", mlp="moe"
+        ),
+        Rule(
+            mcore=_EXP + "local_experts.{j}.linear_fc1.weight",
+            hf=(hf_expert + gate + ".weight", hf_expert + up + ".weight"),
+            transform="fused_gate_up",
+            te=_EXP + "linear_fc1.weight{j}",
+            key=_EXP + "experts.linear_fc1.weight",
+            mlp="moe",
+        ),
+        Rule(
+            mcore=_EXP + "local_experts.{j}.linear_fc2.weight",
+            hf=(hf_expert + down + ".weight",),
+            transform="identity",
+            te=_EXP + "linear_fc2.weight{j}",
+            key=_EXP + "experts.linear_fc2.weight",
+            mlp="moe",
+        ),
+    )
+
+
+SHARED_EXPERT = (
     Rule(
-        mcore=_M + "pre_mlp_layernorm.weight",
-        hf=(_L + "post_attention_layernorm.weight",),
-        transform="identity",
-        te=_M + "mlp.linear_fc1.layer_norm_weight",
-    ),
-    Rule(
-        mcore=_M + "mlp.linear_fc1.weight",
-        hf=(_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"),
+        mcore=_M + "mlp.shared_experts.linear_fc1.weight",
+        hf=(_L + "mlp.shared_expert.gate_proj.weight", _L + "mlp.shared_expert.up_proj.weight"),
         transform="fused_gate_up",
+        when="shared_expert",
+        mlp="moe",
     ),
-    Rule(mcore=_M + "mlp.linear_fc2.weight", hf=(_L + "mlp.down_proj.weight",), transform="identity"),
+    Rule(
+        mcore=_M + "mlp.shared_experts.linear_fc2.weight",
+        hf=(_L + "mlp.shared_expert.down_proj.weight",),
+        transform="identity",
+        when="shared_expert",
+        mlp="moe",
+    ),
+    Rule(
+        mcore=_M + "mlp.shared_experts.gate_weight",
+        hf=(_L + "mlp.shared_expert_gate.weight",),
+        transform="identity",
+        when="shared_expert_gate",
+        mlp="moe",
+    ),
 )
 
 
@@ -205,11 +324,62 @@ HYBRID_RULES: tuple[Rule, ...] = (
     *MLP,
     *HEAD,
 )
+# Qwen3-Next stores each GDN layer's projections fused per key head: in_proj_qkvz, in_proj_ba (layouts.py)
+GATED_DELTA_NET_GROUPED = tuple(
+    dataclasses.replace(
+        r,
+        hf=(_L + _LIN + "in_proj_qkvz.weight", _L + _LIN + "in_proj_ba.weight"),
+        transform="gdn_in_proj_grouped",
+    )
+    if r.transform == "gdn_in_proj"
+    else r
+    for r in GATED_DELTA_NET
+)
+# The MoE hybrids: Qwen3.5-MoE (every layer MoE) and Qwen3-Next (dense layers where its config says), the gated
+# attention and delta net of the hybrids, the experts of Qwen2-MoE (shared expert and its gate)
+QWEN3_5_MOE_RULES: tuple[Rule, ...] = (
+    EMBEDDING,
+    *_attention("qkv_gate_interleave", "full"),
+    *GATED_DELTA_NET,
+    *_moe("mlp.", "gate_proj", "up_proj", "down_proj"),
+    *SHARED_EXPERT,
+    *HEAD,
+)
+QWEN3_NEXT_RULES: tuple[Rule, ...] = (
+    EMBEDDING,
+    *_attention("qkv_gate_interleave", "full"),
+    *GATED_DELTA_NET_GROUPED,
+    *_mlp("dense"),
+    *_moe("mlp.", "gate_proj", "up_proj", "down_proj"),
+    *SHARED_EXPERT,
+    *HEAD,
+)
+# Qwen3-MoE and Qwen2-MoE share names (Qwen2-MoE adds the QKV bias and the shared expert); Mixtral is Llama's
+# attention with the experts under block_sparse_moe and w1 / w3 / w2.
+QWEN_MOE_RULES: tuple[Rule, ...] = (
+    EMBEDDING,
+    *_attention("qkv_interleave", None),
+    *_mlp("dense"),
+    *_moe("mlp.", "gate_proj", "up_proj", "down_proj"),
+    *SHARED_EXPERT,
+    *HEAD,
+)
+MIXTRAL_RULES: tuple[Rule, ...] = (
+    EMBEDDING,
+    *_attention("qkv_interleave", None),
+    *_moe("block_sparse_moe.", "w1", "w3", "w2"),
+    *HEAD,
+)
 PARAM_MAPS: dict[str, tuple[Rule, ...]] = {
     "llama": DECODER_RULES,
     "qwen2": DECODER_RULES,
     "qwen3": DECODER_RULES,
     "qwen3_5": HYBRID_RULES,
+    "qwen3_moe": QWEN_MOE_RULES,
+    "qwen2_moe": QWEN_MOE_RULES,
+    "mixtral": MIXTRAL_RULES,
+    "qwen3_5_moe": QWEN3_5_MOE_RULES,
+    "qwen3_next": QWEN3_NEXT_RULES,
 }
 
 
@@ -229,6 +399,12 @@ def _applies(rule: Rule, arch: ModelArch, layer: int | None) -> bool:
         return False
     if rule.when == "qk_norm" and not arch.qk_norm:
         return False
+    if rule.when == "shared_expert" and not arch.shared_expert_ffn_hidden_size:
+        return False
+    if rule.when == "shared_expert_gate" and not arch.shared_expert_gate:
+        return False
+    if layer is not None and rule.mlp is not None and (rule.mlp == "moe") != arch.is_moe_layer(layer):
+        return False
     if rule.layers is None or layer is None:
         return True
     return (rule.layers == "linear") == arch.is_linear(layer)
@@ -243,7 +419,10 @@ def _active_rules(arch: ModelArch) -> Iterator[tuple[Rule, int | None]]:
     for i in range(arch.num_layers):
         for r in rules:
             if r.per_layer and _applies(r, arch, i):
-                yield r, i
+                if r.per_expert:  # one rule per routed expert, in expert order
+                    yield from ((r.for_expert(j), i) for j in range(arch.num_experts))
+                else:
+                    yield r, i
     for r in rules:
         if not r.per_layer and not r.mcore.startswith("embedding.") and _applies(r, arch, None):
             yield r, None
@@ -273,9 +452,9 @@ def sharded_keys(arch: ModelArch) -> list[str]:
     checkpoint loads under both specs. Hence: the rules' TE names, without the layer index unless hybrid. (A
     GatedDeltaNet saves in_proj and conv1d as several parts of one key: the key here is the tensor's.)
     """
-    if arch.is_hybrid:
-        return [r.name("te").format(i=i) for r, i in _active_rules(arch)]
-    return list(dict.fromkeys(r.name("te").replace("{i}.", "") for r, _ in _active_rules(arch)))
+    if arch.is_hybrid or arch.has_dense_mlp_layers:  # non-homogeneous layers: named by index
+        return list(dict.fromkeys(r.checkpoint_key().format(i=i) for r, i in _active_rules(arch)))
+    return list(dict.fromkeys(r.checkpoint_key().replace("{i}.", "") for r, _ in _active_rules(arch)))
 
 
 def detect_spec(names: Iterable[str]) -> str:

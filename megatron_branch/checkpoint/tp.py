@@ -9,6 +9,10 @@ output in two halves), a GatedDeltaNet's in_proj [q_r; k_r; v_r; z_r; beta_r; al
 [q_r; k_r; v_r] channels; their full tensors ([gate; up], [q; k; v; z; beta; alpha], [q; k; v]) are re-assembled
 section by section. Norm weights are replicated (also under sequence parallel).
 
+Routed experts under expert parallelism (`ep_group`): each EP rank holds E/ep experts per layer; full states name
+them by their global index (checkpoint/experts.py), gathered over the EP group after the TP gather, and a rank
+loads only its own. (Expert tensor parallelism equals TP: an expert's shards live on the TP group's ranks.)
+
 The vocabulary-parallel tensors keep their padding as-is; `repad_vocab` re-pads a full tensor saved at another TP.
 Process groups are arguments: nothing here reads megatron's parallel_state.
 """
@@ -91,18 +95,40 @@ def _gather(
     return torch.cat(parts, dim=dim)
 
 
-def gather_full_state(model: torch.nn.Module, tp_group: Any) -> dict[str, torch.Tensor]:
-    """Every parameter of `model` as its full (TP-unsharded) megatron tensor, on every rank of `tp_group`.
+def gather_full_state(model: torch.nn.Module, tp_group: Any, ep_group: Any = None) -> dict[str, torch.Tensor]:
+    """Every parameter of `model` as its full (TP-unsharded) megatron tensor, on every rank of `tp_group` (and of
+    `ep_group`: every expert, by its global index).
 
-    All ranks of the group must call this (collectives in parameter order). Vocabulary padding is kept.
+    All ranks of the groups must call this (collectives in parameter order). Vocabulary padding is kept.
     """
-    return {
+    local = {
         name: _gather(p, dim=_partition_dim(p), tp_group=tp_group, sections=_sections(name, model))
         for name, p in model.named_parameters()
     }
+    return _gather_experts(local, ep_group)
 
 
-def gather_full_grads(model: torch.nn.Module, tp_group: Any) -> dict[str, torch.Tensor]:
+def _gather_experts(local: dict[str, torch.Tensor], ep_group: Any) -> dict[str, torch.Tensor]:
+    """Local expert tensors gathered over the EP group and named by their global index (others unchanged)."""
+    from megatron_branch.checkpoint.experts import expert_index, global_name, local_experts, rank_size
+
+    _, ep = rank_size(ep_group)
+    if ep == 1:
+        return local
+    num_local = local_experts(list(local))
+    out = {}
+    for name, t in local.items():
+        if expert_index(name) is None:
+            out[name] = t
+            continue
+        parts = [torch.empty_like(t) for _ in range(ep)]
+        dist.all_gather(parts, t.contiguous(), group=ep_group)
+        for r, part in enumerate(parts):
+            out[global_name(name, r, num_local)] = part
+    return out
+
+
+def gather_full_grads(model: torch.nn.Module, tp_group: Any, ep_group: Any = None) -> dict[str, torch.Tensor]:
     """Like `gather_full_state` for gradients: `param.main_grad` when present (megatron DDP), else `param.grad`.
 
     A parameter without a gradient gives zeros, so every rank runs the same collectives.
@@ -113,7 +139,7 @@ def gather_full_grads(model: torch.nn.Module, tp_group: Any) -> dict[str, torch.
         if g is None:
             g = torch.zeros_like(p)
         out[name] = _gather(g, dim=_partition_dim(p), tp_group=tp_group, sections=_sections(name, model))
-    return out
+    return _gather_experts(out, ep_group)
 
 
 def repad_vocab(full: torch.Tensor, rows: int) -> torch.Tensor:
@@ -144,9 +170,19 @@ def load_full_tensor(
     tp_group: Any,
     *,
     params: Mapping[str, Any] | None = None,
+    ep_group: Any = None,
 ) -> None:
-    """Copy this rank's shard of one full megatron tensor into the parameter `name` (streamed conversion)."""
+    """Copy this rank's shard of one full megatron tensor into the parameter `name` (streamed conversion). An
+    expert (global index) that another EP rank of `ep_group` holds is skipped."""
     params = dict(model.named_parameters()) if params is None else params
+    from megatron_branch.checkpoint.experts import local_experts, local_name, rank_size
+
+    ep_rank, ep = rank_size(ep_group)
+    if ep > 1:
+        mine = local_name(name, ep_rank, local_experts(list(params)))
+        if mine is None:
+            return
+        name = mine
     if name not in params:
         raise UserError(f"the model has no parameter {name!r}")
     p = params[name]
@@ -163,9 +199,23 @@ def load_full_tensor(
     p.copy_(shard.to(p.dtype))
 
 
-def load_full_state(model: torch.nn.Module, full_state: Mapping[str, torch.Tensor], tp_group: Any) -> None:
+def load_full_state(
+    model: torch.nn.Module, full_state: Mapping[str, torch.Tensor], tp_group: Any, ep_group: Any = None
+) -> None:
     """Copy every parameter's shard for this rank from full megatron tensors (no collectives)."""
     params = dict(model.named_parameters())
+    from megatron_branch.checkpoint.experts import global_name, local_experts, rank_size
+
+    ep_rank, ep = rank_size(ep_group)
+    if ep > 1:  # every expert of the full state; this rank loads its own
+        n = local_experts(list(params))
+        held = {global_name(k, ep_rank, n) for k in params}
+        missing = sorted(held - set(full_state))
+        if missing:
+            raise UserError(f"state lacks tensor {missing[0]!r} needed by the model")
+        for name, full in full_state.items():
+            load_full_tensor(model, name, full, tp_group, params=params, ep_group=ep_group)
+        return
     missing = sorted(set(params) - set(full_state))
     if missing:
         raise UserError(f"state lacks tensor {missing[0]!r} needed by the model")

@@ -63,13 +63,27 @@ def check_same_model(hf_arch: ModelArch, ck_arch: ModelArch, *, hf_dir: str, mco
 
 def _hf_reference(cfg: Any, weights: dict[str, torch.Tensor], *, where: str) -> torch.nn.Module:
     """transformers' model (fp32, eager attention) built from the config, weights from OUR safetensors reader:
-    transformers' own loader is not used, so no pickled `.bin` is ever opened and the checks are ours."""
+    transformers' own loader is not used on the user's folder, so no pickled `.bin` is ever opened and the checks
+    are ours. A MoE model's experts are fused into 3-D tensors in memory (checkpoint names: one per expert): its
+    weights go through transformers' own loading conversion, from a safetensors file written here."""
     from transformers import AutoModelForCausalLM
 
+    from megatron_branch.testing import hf_experts_kwargs
+
+    kw = dict(dtype=torch.float32, attn_implementation="eager", **hf_experts_kwargs(cfg))
+    if hf_experts_kwargs(cfg):
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        with tempfile.TemporaryDirectory(prefix="verify-hf-") as tmp:
+            cfg.save_pretrained(tmp)
+            save_file({n: t.contiguous() for n, t in weights.items()}, f"{tmp}/model.safetensors")
+            return AutoModelForCausalLM.from_pretrained(tmp, use_safetensors=True, **kw).eval()
     torch.manual_seed(
         0
     )  # every weight is overwritten below; the seed only makes the (unused) init repeatable
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_config(cfg, **kw)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = {"lm_head.weight"} if getattr(cfg, "tie_word_embeddings", False) else set()
     missing = [n for n in missing if n not in tied and not n.endswith(IGNORED_HF_SUFFIXES)]
@@ -148,7 +162,7 @@ def verify_conversion(
         "checkpoint_dtype": meta.get("dtype", "float32"),
     }
     if changed:  # what the rounding to the checkpoint's dtype itself changes (information, not a failure)
-        hf.load_state_dict(original, strict=False)
+        hf = _hf_reference(cfg, original, where=str(hf_dir))
         with torch.no_grad():
             report["rounding_max_abs_diff"] = max(
                 (hf(ids[None]).logits[0].float() - got).abs().max().item()

@@ -8,7 +8,8 @@ Variants (--variants, comma separated; naive-fused, the baseline, is always run)
     naive-fused, packed-nosharing, repeat-prefix, naive, packed, replay, replay+recompute, replay+recompute-full
 Every speed-up is quoted against naive-fused (each rollout alone on the same model, fused attention kernel and
 fused logprob as replay: what a user runs today), next to the analytic limit (naive-fused FLOPs / the tree's
-minimal FLOPs, causal attention counted as causal). Presets: A, B, C, memory-G, hybrid, tiny, gpu-1b; flags override them.
+minimal FLOPs, causal attention counted as causal). Presets: A, B, C, memory-G, hybrid, moe, tiny, gpu-1b; flags
+override them.
 Timings on a shared machine are only comparable within one run.
 """
 
@@ -53,7 +54,7 @@ def add_bench_command(sub: Any) -> None:
     p.add_argument("--branches", type=_ints, default=None, help="responses per prompt G, e.g. 8 or 4,8,16,32")
     p.add_argument("--response", type=int, default=None, help="tokens per response S")
     p.add_argument("--levels", type=int, default=None, help="levels of the response tree (1: G leaves)")
-    for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab"):
+    for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "experts", "top-k", "expert-ffn"):
         p.add_argument(f"--{name}", type=int, default=None, help=f"model {name}")
     p.add_argument("--tie", action="store_true", default=None, help="tie embedding and output layer")
     p.add_argument(

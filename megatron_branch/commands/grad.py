@@ -20,6 +20,12 @@ Additions (other objectives, docs/design.md "Objectives"; verl's names, the olde
     response token; old_logprobs absent = on-policy); DPO: pair (a JSON scalar shared by the pair), chosen (bool),
     ref_logprobs required. A missing field or a malformed pair: a one-line error naming file:line.
 GRADS: dL/dparam for every trainable parameter, full unsharded, HF names, in --dtype. The last stdout line is JSON.
+Mixture-of-experts policies (Qwen3-MoE, Mixtral, Qwen2-MoE; docs/design.md "Mixture of experts"):
+    --ep N                       expert parallelism inside dp x cp, as megatron lays it out
+    --moe-aux-loss-coeff C --moe-seq-aux-loss-coeff C --moe-global-aux-loss-coeff C --moe-z-loss-coeff C
+                                 megatron's router losses, every token weighted by its multiplicity
+    --routing-replay             route recorded tokens to the rollouts' routed_experts (JSONL field)
+    --moe-expert-capacity-factor F   token dropping: naive only (the tree schedules refuse it)
 Runs single-process or under `torchrun --nproc_per_node N -m megatron_branch grad ...` (world = tp*cp*dp).
 With more than one process the gradients are reduced by megatron-core's DistributedDataParallel and
 finalize_model_grads (--grad-sync ddp, the default) or by megatron_branch.parallel.grads (--grad-sync manual).
@@ -54,7 +60,8 @@ def add_grad_command(sub: Any) -> None:
     p.add_argument(
         "--hf",
         required=True,
-        help="Hugging Face folder (config.json + safetensors): Llama, Qwen2, Qwen3, or a Qwen3.5 / Qwen3.6 hybrid",
+        help="Hugging Face folder (config.json + safetensors): Llama, Qwen2, Qwen3, Qwen3.5/3.6, or a mixture of "
+        "experts (Qwen3-MoE, Mixtral, Qwen2-MoE, Qwen3.5-MoE, Qwen3-Next)",
     )
     p.add_argument(
         "--rollouts", required=True, help='JSONL: {"prompt": [ids], "response": [ids], "advantage": x}'
@@ -67,6 +74,12 @@ def add_grad_command(sub: Any) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (ring attention)")
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallel over the TP group")
+    p.add_argument(
+        "--ep",
+        type=_positive_int,
+        default=1,
+        help="expert-parallel size (MoE; inside dp x cp, as megatron's)",
+    )
     p.add_argument(
         "--backend",
         default=None,
@@ -118,6 +131,25 @@ def add_grad_command(sub: Any) -> None:
     o.add_argument("--loss-agg-norm", type=float, default=None, help="L_norm of seq-mean-token-sum-norm")
     o.add_argument("--dpo-beta", "--beta", dest="dpo_beta", type=float, default=0.1, help="dpo: beta")
     o.add_argument("--dpo-loss", default="sigmoid", choices=["sigmoid", "ipo"], help="dpo: loss form")
+    m = p.add_argument_group("mixture of experts (additions to the contract)")
+    for name, what in (
+        ("aux-loss", "megatron's aux_loss (per micro-batch)"),
+        ("seq-aux-loss", "seq_aux_loss (per rollout)"),
+        ("global-aux-loss", "global_aux_loss (counts over the update)"),
+        ("z-loss", "router z-loss"),
+    ):
+        m.add_argument(
+            f"--moe-{name}-coeff", type=float, default=0.0, help=f"{what}; weighted by multiplicity"
+        )
+    m.add_argument(
+        "--routing-replay", action="store_true", help="route recorded tokens to their routed_experts"
+    )
+    m.add_argument(
+        "--moe-expert-capacity-factor",
+        type=float,
+        default=None,
+        help="token dropping (naive only: not exact under sharing, refused by packed and replay)",
+    )
     p.add_argument(
         "--grad-sync",
         default="ddp",
@@ -139,7 +171,14 @@ def _agg_modes() -> tuple[str, ...]:
     return AGG_MODES
 
 
-SPELLING = Spelling(names={"policy_loss": "--objective", "plugins": "--plugin"})
+SPELLING = Spelling(
+    names={
+        "policy_loss": "--objective",
+        "plugins": "--plugin",
+        "moe": "--moe-* / --routing-replay",
+        "capacity_factor": "--moe-expert-capacity-factor",
+    }
+)
 """How grad's messages name a setting: its flag (the objective's fields by their verl-named flags)."""
 
 
@@ -175,6 +214,56 @@ def make_objective(args: argparse.Namespace, rollouts: list[Any], full_tree: Any
     return objective
 
 
+def moe_options(args: argparse.Namespace, arch: Any) -> Any:
+    """The MoE options the flags describe (None for a dense model), refusing what the run cannot do."""
+    from megatron_branch.losses.router import MoEOptions, RouterLossConfig
+
+    coeffs = {
+        "aux_loss_coeff": args.moe_aux_loss_coeff,
+        "seq_aux_loss_coeff": args.moe_seq_aux_loss_coeff,
+        "global_aux_loss_coeff": args.moe_global_aux_loss_coeff,
+        "z_loss_coeff": args.moe_z_loss_coeff,
+    }
+    from megatron_branch.rules import check_moe_run
+
+    try:
+        check_moe_run(
+            args.schedule, moe=arch.is_moe, tp=args.tp, sequence_parallel=args.sequence_parallel, ep=args.ep,
+            router_settings=any(coeffs.values()) or args.routing_replay,
+            capacity_factor=args.moe_expert_capacity_factor,
+        )  # fmt: skip
+    except SettingError as e:
+        raise e.spelled(SPELLING) from None
+    if not arch.is_moe:
+        return None
+    arch.check_expert_parallel(args.ep, tp=args.tp)
+    try:
+        return MoEOptions(losses=RouterLossConfig(**coeffs), routing_replay=args.routing_replay)
+    except ValueError as e:
+        raise UserError(str(e).replace("_coeff must", "-coeff must").replace("_", "-")) from None
+
+
+def check_routing_records(rollouts: list[Any], arch: Any, *, replay: bool) -> list[Any]:
+    """With --routing-replay every rollout needs routed_experts shaped for `arch`; without it records are dropped
+    (they would split the prefix tree for nothing)."""
+    import dataclasses
+
+    if not replay:
+        return [dataclasses.replace(r, routed_experts=None) for r in rollouts]
+    want = (len(arch.moe_layers), arch.moe_top_k)
+    for i, r in enumerate(rollouts):
+        rec = r.routed_experts
+        if rec is None:
+            raise UserError("--routing-replay: missing field 'routed_experts'", where=r.describe(i))
+        if tuple(rec.shape[1:]) != want or int(rec.max()) >= arch.num_experts:
+            raise UserError(
+                f"routed_experts has shape {list(rec.shape)} (max id {int(rec.max())}); the model routes "
+                f"{want[0]} MoE layers x top-{want[1]} over {arch.num_experts} experts",
+                where=r.describe(i),
+            )
+    return rollouts
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -206,6 +295,7 @@ def run_grad(args: argparse.Namespace) -> int:
     from megatron_branch.checkpoint.param_map import mcore_to_hf_state
     from megatron_branch.checkpoint.tp import gather_full_grads
     from megatron_branch.data import PrefixTree, read_rollouts_jsonl
+    from megatron_branch.losses.router import fold_expert_metrics
     from megatron_branch.models import ModelArch
     from megatron_branch.models.arch import check_schedule_supports
     from megatron_branch.parallel.data import assign_groups
@@ -219,23 +309,31 @@ def run_grad(args: argparse.Namespace) -> int:
 
     def validate() -> tuple[Any, ...]:
         # Everything the user gave, before any collective or model work (on every rank, one verdict).
-        pcfg = ParallelLayout(tp=args.tp, cp=args.cp, sequence_parallel=args.sequence_parallel)
+        pcfg = ParallelLayout(tp=args.tp, cp=args.cp, sequence_parallel=args.sequence_parallel, ep=args.ep)
         pcfg.check_no_op()
         check_run(args.schedule, cp=pcfg.cp, recompute=args.recompute, recompute_layers=args.recompute_layers,
                   backend=args.backend)  # fmt: skip
+        if args.ep > 1 and args.grad_sync == "manual":
+            raise UserError(
+                "--grad-sync manual does not reduce expert-parallel gradients (over the expert data-parallel "
+                "group); use --grad-sync ddp with --ep"
+            )
         _check_output(args.out, args.overwrite)
         _check_output(args.logprobs_out, args.overwrite)
         arch = ModelArch.from_hf_config(load_hf_config(args.hf), where=os.path.join(args.hf, "config.json"))
         arch.check_tensor_parallel(pcfg.tp)
         check_schedule_supports(arch, args.schedule, cp=pcfg.cp, tp=pcfg.tp)
+        moe = moe_options(args, arch)
         HFTensorReader(args.hf)  # every shard's header is read now: a broken file fails before any work
         max_positions = None if args.allow_longer_context else arch.max_position_embeddings
         rollouts = read_rollouts_jsonl(args.rollouts, vocab_size=arch.vocab_size, max_positions=max_positions)
+        if moe is not None:
+            rollouts = check_routing_records(rollouts, arch, replay=args.routing_replay)
         full_tree = PrefixTree.build(rollouts, vocab_size=arch.vocab_size)
         objective = make_objective(args, rollouts, full_tree)
-        return pcfg, arch, rollouts, full_tree, objective
+        return pcfg, arch, rollouts, full_tree, objective, moe
 
-    pcfg, arch, rollouts, full_tree, objective = check_on_every_rank(validate)
+    pcfg, arch, rollouts, full_tree, objective, moe = check_on_every_rank(validate)
     rank, world = init_distributed()
 
     def validate_layout() -> None:  # needs the world size; still before any model work, one verdict
@@ -252,7 +350,7 @@ def run_grad(args: argparse.Namespace) -> int:
     check_on_every_rank(validate_layout)
 
     groups = initialize_parallel(pcfg)
-    model = load_policy(args.hf, arch, groups, dtype)
+    model = load_policy(args.hf, arch, groups, dtype, capacity_factor=args.moe_expert_capacity_factor)
     # megatron's DDP (when there is more than one process): main_grad buffers, SUM over dp x cp, SP norm sum over TP
     ddp, pg_collection = None, None
     if args.grad_sync == "ddp" and world > 1:
@@ -262,6 +360,10 @@ def run_grad(args: argparse.Namespace) -> int:
 
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()  # the entry point owns the groups
         ddp = wrap_megatron_ddp(model, dtype=dtype, pg_collection=pg_collection)
+    if groups.ep_spans_dp:  # EP groups across DP replicas: their model calls pair up (parallel/lockstep.py)
+        from megatron_branch.parallel import lockstep
+
+        lockstep.install(model, rows=groups.tp_size if groups.sequence_parallel else 1)
 
     opts = ScheduleOptions(
         groups=groups,
@@ -270,6 +372,7 @@ def run_grad(args: argparse.Namespace) -> int:
         branch_micro_batch=args.branch_micro_batch,
         recompute=args.recompute,
         recompute_layers=args.recompute_layers,
+        moe=moe,
     )
     plan = UpdatePlan(opts=opts, schedule=args.schedule, pg_collection=pg_collection)
     model.zero_grad(set_to_none=True)
@@ -282,7 +385,7 @@ def run_grad(args: argparse.Namespace) -> int:
     )
     finalize(ddp if ddp is not None else model, plan)
     metrics = reduce_metrics(acc, objective, groups)
-    grads = mcore_to_hf_state(gather_full_grads(model, groups.tp), arch)
+    grads = mcore_to_hf_state(gather_full_grads(model, groups.tp, groups.ep), arch)
 
     lp_rows: list[tuple[int, list[float]]] = sorted(acc.logprobs.items())
     if args.logprobs_out is not None and groups.dp_size > 1:
@@ -304,9 +407,10 @@ def run_grad(args: argparse.Namespace) -> int:
         "cp": groups.cp_size,
         "dp": groups.dp_size,
         "sequence_parallel": groups.sequence_parallel,
+        "ep": groups.ep_size,
         "out": args.out,
         "objective": args.policy_loss,
-        "metrics": metrics,
+        "metrics": fold_expert_metrics(metrics),  # MoE: tokens per expert as one list per layer
     }
     # rank 0 writes; a failure there must reach every rank, which would otherwise wait forever
     outputs.write_on_rank0(lambda: _write_outputs(args, grads, lp_rows, dtype))
@@ -315,22 +419,32 @@ def run_grad(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_policy(hf_dir: str, arch: Any, groups: Any, dtype: torch.dtype) -> torch.nn.Module:
-    """The megatron-core model of `arch` on this rank with the HF weights of `hf_dir` (TP shards), on this rank's
-    GPU when there is one."""
+def load_policy(
+    hf_dir: str, arch: Any, groups: Any, dtype: torch.dtype, *, capacity_factor: float | None = None
+) -> torch.nn.Module:
+    """The megatron-core model of `arch` on this rank with the HF weights of `hf_dir` (TP shards, this EP rank's
+    experts), on this rank's GPU when there is one. `capacity_factor`: a MoE's token dropping (naive only)."""
     from megatron_branch.checkpoint.hf_io import HFTensorReader
     from megatron_branch.checkpoint.param_map import iter_hf_to_mcore
     from megatron_branch.checkpoint.tp import load_full_tensor
     from megatron_branch.models import build_model
 
     reader = HFTensorReader(hf_dir)
-    model = build_model(arch, dtype=dtype, tp=groups.tp_size, sequence_parallel=groups.sequence_parallel)
+    extra = {} if capacity_factor is None else {"moe_expert_capacity_factor": capacity_factor}
+    model = build_model(
+        arch,
+        dtype=dtype,
+        tp=groups.tp_size,
+        sequence_parallel=groups.sequence_parallel,
+        ep=groups.ep_size,
+        **extra,
+    )
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, full in iter_hf_to_mcore(
             reader.keys(), reader.get, arch, padded_vocab=arch.padded_vocab_size(groups.tp_size), where=hf_dir
         ):
-            load_full_tensor(model, name, full.to(dtype), groups.tp, params=params)
+            load_full_tensor(model, name, full.to(dtype), groups.tp, params=params, ep_group=groups.ep)
     if torch.cuda.is_available():  # weights are loaded on the host, then the model moves to this rank's GPU
         model.cuda()
     return model

@@ -3,12 +3,15 @@
     megatron-branch plan --model PRESET|CONFIG.json --prompt-length P --responses G --response-length S
         [--prompts N] [--shared-response-length K] --gpus N --gpu h20|h100|h200
         [--gpu-memory-gb M --gpu-tflops T --link-gbps B] [--host-memory-gb H --host-link-gbps L]
-        [--tp N --cp N --dp N --recompute none|selective|full] [--optimizer plain|distributed]
+        [--tp N --cp N --dp N --recompute none|selective|full] [--ep N] [--optimizer plain|distributed]
         [--offload-fraction F] [--branch-micro-batch B] [--schedule replay|packed|naive] [--json]
 
-With --json the last stdout line is one JSON object: fits, layout {tp, cp, dp, recompute}, memory_bytes_per_rank
-(one key per term and total), flops {naive, replay, ratio, ...}, step_time_s, optimizer {name,
-use_distributed_optimizer, optimizer_cpu_offload, optimizer_offload_fraction}, host_memory_bytes_per_node,
+A mixture-of-experts model (qwen3-30b-a3b, or a Qwen3-MoE / Mixtral / Qwen2-MoE config.json) adds expert
+parallelism (--ep, searched when not given), its expert parameters per EP rank, the dispatcher's buffers and the
+top-k experts' FLOPs.
+With --json the last stdout line is one JSON object: fits, layout {tp, cp, dp, recompute} (+ ep for MoE),
+memory_bytes_per_rank (one key per term and total), flops {naive, replay, ratio, ...}, step_time_s, optimizer
+{name, use_distributed_optimizer, optimizer_cpu_offload, optimizer_offload_fraction}, host_memory_bytes_per_node,
 host_memory_bytes_per_rank (by term), branch_micro_batch, rejected (per other layout: its best choice and why it
 does not fit), and more. The command line and these keys are a stable contract. Exit status 0 whether or not it
 fits (read `fits`); 2 on bad input.
@@ -48,6 +51,7 @@ def add_plan_command(sub: Any) -> None:
     p.add_argument("--cp", type=int)
     p.add_argument("--dp", type=int)
     p.add_argument("--recompute", choices=RECOMPUTE)
+    p.add_argument("--ep", type=int, help="expert-parallel size of a MoE model (inside cp x dp)")
     p.add_argument("--schedule", choices=SCHEDULES, default="replay")
     p.add_argument(
         "--optimizer",
@@ -114,6 +118,7 @@ def run_plan(args: argparse.Namespace) -> int:
         dp=args.dp,
         recompute=args.recompute,
         schedule=args.schedule,
+        ep=args.ep,
         **kw,
     )
     out = p.to_json()
@@ -137,8 +142,10 @@ def render(p: Plan, fixes: list[str]) -> str:
         + (f", {s.shared_response_length} shared" if s.shared_response_length else "")
         + f") = {s.positions_logical:,} positions ({s.positions_computed:,} distinct) on {p.gpus} x {p.gpu.name} "
         f"({p.gpu.memory_gb:g} GB, {p.gpu.tflops:g} TFLOP/s, {p.gpu.link_gbps:g} GB/s)",
-        f"layout: tp {lay.tp} x cp {lay.cp} x dp {lay.dp}, recompute {lay.recompute}, schedule {p.schedule}, "
-        f"{p.dtype}, optimizer {p.optimizer.name}, branch micro-batch {p.branch_micro_batch}",
+        f"layout: tp {lay.tp} x cp {lay.cp} x dp {lay.dp}"
+        + (f" (ep {lay.ep})" if p.arch.is_moe else "")
+        + f", recompute {lay.recompute}, schedule {p.schedule}, {p.dtype}, optimizer {p.optimizer.name}, "
+        f"branch micro-batch {p.branch_micro_batch}",
         "memory per rank (GB):",
     ]
     for k in TERMS_IN_TOTAL:
@@ -147,6 +154,10 @@ def render(p: Plan, fixes: list[str]) -> str:
     lines.append(
         f"  (optimizer state without the distributed optimizer: {mem['optimizer_state_no_distributed'] / 1e9:.2f})"
     )
+    if "expert_parameters" in mem:
+        lines.append(
+            f"  (of the parameters, routed experts on this EP rank: {mem['expert_parameters'] / 1e9:.2f})"
+        )
     host = p.host_memory
     lines.append(
         f"optimizer: {p.optimizer.name}; host memory per rank (GB): "
@@ -164,8 +175,9 @@ def render(p: Plan, fixes: list[str]) -> str:
         f"step time ~ {t['total']:.1f} s: compute {t['compute']:.1f} s (MFU {t['mfu_assumed']:g}), ring "
         f"{t['ring']:.2f} s ({ring}), "
         + (f"GDN head exchange {t['head_exchange']:.2f} s, " if t["head_exchange"] else "")
-        + f"TP comm {t['tensor_parallel_comm']:.2f} s, grad reduce {t['grad_reduce']:.2f} s, offload copies "
-        f"{t['offload_transfer']:.2f} s, host Adam {t['host_optimizer_step']:.2f} s"
+        + f"TP comm {t['tensor_parallel_comm']:.2f} s, grad reduce {t['grad_reduce']:.2f} s"
+        + (f", expert all-to-all {t['expert_alltoall']:.2f} s" if p.arch.is_moe else "")
+        + f", offload copies {t['offload_transfer']:.2f} s, host Adam {t['host_optimizer_step']:.2f} s"
     )
     for n in p.notes:
         lines.append(f"note: {n}")
@@ -174,7 +186,9 @@ def render(p: Plan, fixes: list[str]) -> str:
         for r in p.rejected:
             lay_r = r["layout"]
             lines.append(
-                f"  tp {lay_r['tp']} x cp {lay_r['cp']} x dp {lay_r['dp']}, {lay_r['recompute']:<9} "
+                f"  tp {lay_r['tp']} x cp {lay_r['cp']} x dp {lay_r['dp']}"
+                + (f" (ep {lay_r['ep']})" if "ep" in lay_r else "")
+                + f", {lay_r['recompute']:<9} "
                 f"{r['optimizer']}, bmb {r['branch_micro_batch']}: {r['reason']}"
             )
     if p.fits:

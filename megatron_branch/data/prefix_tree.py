@@ -89,6 +89,14 @@ def _insert(root: _Node, seq: tuple[int, ...], rollout: int) -> None:
     node.ends.append(rollout)
 
 
+def _keys(r: Rollout) -> tuple:
+    """Rollout r's sequence keyed by (token, its recorded experts): with MoE routing replay two rollouts share a
+    position only where the token AND the routing recorded for it agree, so every packed token has one record."""
+    rec = r.routed_experts
+    rows = [None] * len(r.sequence) if rec is None else [row.numpy().tobytes() for row in rec]
+    return tuple(zip(r.prompt + r.response, rows, strict=True))
+
+
 class PrefixTree:
     """Radix tree over prompt+response of every rollout; build it with `PrefixTree.build`."""
 
@@ -153,8 +161,9 @@ class PrefixTree:
                 validate_token_ids(r.response, name="response", where=f"rollout {i}", vocab_size=vocab_size)
 
         root = _Node(())
+        keyed = any(r.routed_experts is not None for r in rollouts)
         for i, r in enumerate(rollouts):
-            _insert(root, r.prompt + r.response, i)
+            _insert(root, _keys(r) if keyed else r.prompt + r.response, i)
 
         # Depth-first pre-order numbering, iteratively (deep chains must not hit the recursion limit).
         specs: list[dict] = []
@@ -175,7 +184,8 @@ class PrefixTree:
             else:
                 start, depth, ancestors = 0, 0, ()
             specs.append(
-                dict(id=node.sid, parent=parent, children=[], depth=depth, tokens=node.tokens,
+                dict(id=node.sid, parent=parent, children=[], depth=depth,
+                     tokens=tuple(k[0] for k in node.tokens) if keyed else node.tokens,
                      start_position=start, offset=offset, length=len(node.tokens), ancestors=ancestors)
             )  # fmt: skip
             offset += len(node.tokens)

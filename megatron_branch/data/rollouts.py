@@ -15,6 +15,10 @@ The per-token fields the objectives read (`TOKEN_FIELDS`: advantages, old_logpro
 must be finite. Each rollout remembers where it came from (`where`, file:line), so an objective that finds a field
 missing names the line.
 
+`routed_experts` (MoE routing replay, recorded by the sampler) is one entry per token of prompt + response, each a
+list per MoE layer of the k experts the token was routed to (-1: not recorded, e.g. the last sampled token, which
+the sampler never feeds); rollouts with records share a prefix-tree position only where the records agree.
+
 Any other key whose value is a non-empty list of numbers is a per-response-token field and must have one value
 per response token (a misaligned list is an error rather than silently dropped: it would train on wrong data).
 Other keys (scalars, strings, lists of non-numbers, empty lists) are ignored, so rollout files may carry metadata.
@@ -28,9 +32,12 @@ import operator
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_branch.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 _REQUIRED = ("prompt", "response")
 _SCALARS = ("advantage", "pair", "chosen")  # top-level keys that are not per-token fields
@@ -118,6 +125,9 @@ class Rollout:
     """DPO: whether this rollout is the pair's preferred one."""
     where: str | None = field(default=None, compare=False)
     """Where it was read from (file:line), for error messages."""
+    routed_experts: Any = field(default=None, compare=False)
+    """MoE routing replay: int tensor [len(prompt) + len(response), MoE layers, k] of the experts each token was
+    routed to when sampled (-1 = not recorded); None = no record. Lists are accepted."""
 
     def __post_init__(self) -> None:
         where = self.where or "rollout"
@@ -140,6 +150,12 @@ class Rollout:
         if self.advantage is not None:
             object.__setattr__(self, "advantage", float(self.advantage))
         object.__setattr__(self, "token_fields", fields)
+        if self.routed_experts is not None:
+            object.__setattr__(
+                self,
+                "routed_experts",
+                validate_routed_experts(self.routed_experts, len(prompt) + len(response), where),
+            )
 
     def field(self, name: str) -> tuple[float, ...] | None:
         """Per-response-token field `name`, or None when this rollout has none."""
@@ -153,6 +169,31 @@ class Rollout:
     def sequence(self) -> tuple[int, ...]:
         """The full token sequence prompt + response."""
         return self.prompt + self.response
+
+
+def validate_routed_experts(value: Any, num_tokens: int, where: str) -> torch.Tensor:
+    """`routed_experts` as an int32 tensor [num_tokens, layers, k] of expert ids >= -1, else a one-line UserError."""
+    import torch
+
+    try:
+        t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise UserError(
+            "routed_experts must be nested lists [token][layer][k] of expert ids", where=where
+        ) from None
+    if t.dim() != 3 or t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise UserError(
+            f"routed_experts must be integers shaped [tokens, MoE layers, k], got {t.dtype} {list(t.shape)}",
+            where=where,
+        )
+    if t.shape[0] != num_tokens:
+        raise UserError(
+            f"routed_experts has {t.shape[0]} entries but prompt + response has {num_tokens} tokens",
+            where=where,
+        )
+    if t.numel() and int(t.min()) < -1:
+        raise UserError("routed_experts holds an expert id below -1", where=where)
+    return t.to(torch.int32)
 
 
 def _parse_line(obj: Any, *, where: str, vocab_size: int | None) -> Rollout:
@@ -170,6 +211,8 @@ def _parse_line(obj: Any, *, where: str, vocab_size: int | None) -> Rollout:
         raise UserError(f"advantage must be a finite number, got {advantage!r}", where=where)
     token_fields: dict[str, Any] = {}
     for key, value in obj.items():
+        if key == "routed_experts":
+            continue
         if key in TOKEN_FIELDS and not (isinstance(value, list) and all(_is_number(v) for v in value)):
             raise UserError(f"field {key!r} must be a list of numbers, one per response token", where=where)
         if key in _REQUIRED or key in _SCALARS or not isinstance(value, list) or not value:
@@ -185,6 +228,7 @@ def _parse_line(obj: Any, *, where: str, vocab_size: int | None) -> Rollout:
         pair=obj.get("pair"),
         chosen=obj.get("chosen"),
         where=where,
+        routed_experts=obj.get("routed_experts"),
     )
 
 
@@ -261,5 +305,7 @@ def write_rollouts_jsonl(path: str | Path, rollouts: Sequence[Rollout]) -> None:
                     f"token field {key!r} would shadow the required field of that name", where=str(path)
                 )
             obj[key] = list(values)
+        if rollout.routed_experts is not None:
+            obj["routed_experts"] = rollout.routed_experts.tolist()
         lines.append(json.dumps(obj))
     Path(path).write_text("".join(line + "\n" for line in lines), encoding="utf-8")

@@ -36,7 +36,10 @@ from megatron_branch.errors import UserError
 from megatron_branch.generation.kv_cache import DecodeContext, DecodeStep, PrefixKV
 from megatron_branch.generation.sampling import choose_tokens
 from megatron_branch.generation.types import GenerationOutput, GenerationStats, Sample, SamplingParams
+from megatron_branch.losses.router import RoutingRecorder
 from megatron_branch.models.gpt import BranchGPTModel
+from megatron_branch.models.moe import attach_router_context
+from megatron_branch.parallel import lockstep
 from megatron_branch.parallel.groups import ParallelGroups, comm_device
 
 
@@ -56,6 +59,8 @@ class _Branch:
     done: str = ""
     """"" while live, else the finish reason."""
     children: list[_Branch] = field(default_factory=list)
+    routes: list[torch.Tensor] = field(default_factory=list)
+    """MoE routing replay: the experts [layers, k] of each FED token, in order (record_routing)."""
 
     def fork(self) -> _Branch:
         return _Branch(
@@ -65,6 +70,7 @@ class _Branch:
             sampling_logprobs=list(self.sampling_logprobs),
             path=list(self.path),
             state_row=self.state_row,
+            routes=list(self.routes),
         )
 
 
@@ -89,6 +95,7 @@ class BranchSampler:
         sequence_parallel: bool = False,
         max_prefill_tokens: int | None = None,
         backend: str | None = None,
+        record_routing: bool = False,
     ) -> None:
         base = getattr(model, "module", model)  # megatron DDP wraps the GPTModel
         if not isinstance(base, BranchGPTModel):
@@ -111,6 +118,10 @@ class BranchSampler:
         self.device = next(model.parameters()).device
         arch = getattr(base, "arch", None)
         self.max_positions = arch.max_position_embeddings if arch is not None else base.max_sequence_length
+        if record_routing and not getattr(arch, "is_moe", False):
+            raise ValueError("record_routing needs a mixture-of-experts policy")
+        self.record_routing = record_routing
+        self.arch = arch
 
     # ---- public ----------------------------------------------------------------------------------------------
 
@@ -131,9 +142,22 @@ class BranchSampler:
             raise ValueError(
                 f"the generator is on {generator.device}, the model on {self.device}: they must match"
             )
-        if not params.share_prefix:
-            return self._generate_unshared(prompts, params, generator, t0)
+        with lockstep.region(
+            self.model
+        ):  # EP across DP replicas: their forwards pair up (parallel/lockstep.py)
+            if not params.share_prefix:
+                return self._generate_unshared(prompts, params, generator, t0)
+            return self._generate(prompts, params, generator, t0)
+
+    def _generate(
+        self,
+        prompts: list[tuple[int, ...]],
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        t0: float,
+    ) -> GenerationOutput:
         stats = GenerationStats(num_prompts=len(prompts), prompt_prefills=[0] * len(prompts))
+        self._prompt_routes: dict[int, torch.Tensor] = {}
         cache = PrefixKV()
         first_logits = self._prefill(prompts, cache, stats)  # [num_prompts, v]
         cache.allocate_buffer(self._buffer_rows(len(prompts), params))
@@ -224,8 +248,11 @@ class BranchSampler:
             # each prompt a root of the chunk's tree: a recurrent layer hands down its state at each prompt's end
             tree = ChunkTree(segments=tuple(ChunkSegment(a, b, None) for a, b in spans))
             ctx = LocalContext(layout=layout, capture=True, backend=self.backend, tree=tree)
-            hidden = self._forward(ids, pos, ctx)  # [s, h]
+            hidden, routes = self._forward(ids, pos, ctx)  # [s, h], [s, layers, k] | None
             cache.add_prompts(ctx.captured, spans)
+            if routes is not None:
+                for p, (a, b) in zip(group, spans, strict=True):
+                    self._prompt_routes[p] = routes[a:b]
             out.append(self._logits(hidden[torch.tensor([b - 1 for _, b in spans])]))
             stats.prefill_forwards += 1
             stats.prefill_positions += start
@@ -253,24 +280,36 @@ class BranchSampler:
         # the fed token is response token t-1 (0-based): its true position is P + t - 1
         pos = torch.tensor([len(prompts[b.prompt]) + len(b.tokens) - 1 for b in feed] + [0] * (s - a))
         ctx = DecodeContext(cache=cache, step=step.to(self.device))
-        hidden = self._forward(ids, pos, ctx)  # [s, h]
+        hidden, routes = self._forward(ids, pos, ctx)  # [s, h], [s, layers, k] | None
         if ctx.next_states:  # a hybrid: the state table is now one row per branch fed (forks share a row)
             cache.states = ctx.next_states
             for i, b in enumerate(feed):
                 b.state_row = i
+        if routes is not None:
+            for i, b in enumerate(feed):  # row i fed branch b's newest token
+                b.routes.append(routes[i])
         stats.decode_steps += 1
         stats.decode_positions += a
         return self._logits(hidden[:a])
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, ctx: BranchContext) -> torch.Tensor:
-        """ids/pos [s] -> final hidden states [s, h] (the whole sequence, also under sequence parallel)."""
-        with attach_context(self.model, ctx), self.base.hidden_states_only():
+    def _forward(
+        self, ids: torch.Tensor, pos: torch.Tensor, ctx: BranchContext
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids/pos [s] -> final hidden states [s, h] (the whole sequence, also under sequence parallel), and with
+        record_routing each row's experts [s, MoE layers, k] (megatron's routing, recorded)."""
+        recorder = RoutingRecorder() if self.record_routing else None
+        with (
+            attach_context(self.model, ctx),
+            attach_router_context(self.model, recorder),
+            self.base.hidden_states_only(),
+        ):
             hidden = self.model(ids.to(self.device)[None], pos.to(self.device)[None], None)  # [s(/tp), 1, h]
         if self.sequence_parallel:
             from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
             hidden = gather_from_sequence_parallel_region(hidden, group=self.tp_group)
-        return hidden[:, 0]
+        routes = None if recorder is None else recorder.experts(self.arch.moe_layers, self.arch.moe_top_k)
+        return hidden[:, 0], routes
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[m, h] -> [m, v] logits over the real vocabulary, in the training logprob's precision (fp32, fp64)."""
@@ -337,10 +376,19 @@ class BranchSampler:
                 logprobs=tuple(b.logprobs),
                 sampling_logprobs=tuple(b.sampling_logprobs),
                 finish_reason=b.done,
+                routed_experts=self._routes_of(p, b) if self.record_routing else None,
             )
             out.extend([sample] * params.branch_factor**missed)
         assert len(out) == params.n, (len(out), params.n)
         return out
+
+    def _routes_of(self, p: int, b: _Branch) -> torch.Tensor:
+        """[P + R, layers, k]: the prompt's recorded experts, each fed response token's, -1 for the rest (the
+        last sampled token is never fed)."""
+        prompt = self._prompt_routes[p]
+        fed = torch.stack(b.routes) if b.routes else prompt[:0]
+        rest = torch.full((len(b.tokens) - len(b.routes), *prompt.shape[1:]), -1, dtype=prompt.dtype)
+        return torch.cat([prompt, fed, rest])
 
     @property
     def _pad_to(self) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -113,6 +113,9 @@ class Sample:
     Equals `logprobs` when temperature = 1 and no filter is active. Kept for off-policy corrections."""
     finish_reason: str
     """"stop" (a stop token was sampled) or "length" (max_new_tokens reached)."""
+    routed_experts: Any = field(default=None, compare=False)
+    """MoE routing replay (BranchSampler(record_routing=True)): int32 [len(prompt) + len(response), MoE layers, k],
+    the experts the policy routed each token to when it was fed (-1 for the last token, never fed); None = off."""
 
     def to_rollout(self, advantage: float = 0.0, **token_fields: Sequence[float]) -> Rollout:
         """The training record: `old_logprobs` = `logprobs` (plus any other per-response-token fields)."""
@@ -121,6 +124,7 @@ class Sample:
             response=self.response,
             advantage=advantage,
             token_fields={"old_logprobs": self.logprobs, **token_fields},
+            routed_experts=self.routed_experts,
         )
 
 

@@ -12,6 +12,17 @@ Families (decoder-only, RMSNorm, SwiGLU, RoPE, GQA):
     qwen3_5   Qwen3_5ForCausalLM / Qwen3_5ForConditionalGeneration (Qwen3.5 and Qwen3.6 text models): per-layer
               gated delta net (megatron's GatedDeltaNet) or gated full attention (attention_output_gate, q/k norm,
               partial RoPE), zero-centred RMSNorm weights (megatron's layernorm_zero_centered_gamma)
+Mixture-of-experts families (megatron's MoELayer: top-k router, SequentialMLP experts; models/moe.py):
+    qwen3_moe Qwen3MoeForCausalLM: Qwen3 attention; top-k softmax routing with or without norm_topk_prob, dense
+              layers where decoder_sparse_step / mlp_only_layers say so
+    mixtral   MixtralForCausalLM: Llama attention; every layer MoE, top-k renormalised
+    qwen2_moe Qwen2MoeForCausalLM: Qwen2 attention (QKV bias); routed experts plus a shared expert with its
+              sigmoid gate (megatron's SharedExpertMLP, moe_shared_expert_gate)
+Mixture-of-experts hybrids (both of the above in one model: a gated delta net or gated attention, then a MoELayer):
+    qwen3_5_moe  Qwen3_5MoeForCausalLM / Qwen3_5MoeForConditionalGeneration (Qwen3.5 / Qwen3.6 MoE text models):
+              qwen3_5's layers with a MoE block (top-k renormalised, gated shared expert) in every layer
+    qwen3_next   Qwen3NextForCausalLM: the same layers (its GDN projections stored fused per key head), MoE layers
+              as qwen3_moe's rule decides, gated shared expert
 """
 
 from __future__ import annotations
@@ -25,7 +36,18 @@ import torch
 from megatron_branch.errors import UserError
 from megatron_branch.rules import check_gdn_context_parallel, check_hybrid_schedule
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_5")
+FAMILIES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_5",
+    "qwen3_moe",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_5_moe",
+    "qwen3_next",
+)
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "qwen3_5_moe", "qwen3_next")
 LAYER_TYPES = ("full_attention", "linear_attention")
 """HF's names for the two kinds of token mixer (Qwen3.5 `layer_types`)."""
 
@@ -91,6 +113,22 @@ class ModelArch:
     linear_num_value_heads: int = 0
     """Linear-attention layers: value heads (a multiple of linear_num_key_heads; each key head serves
     linear_num_value_heads // linear_num_key_heads consecutive value heads)."""
+    num_experts: int = 0
+    """Routed experts per MoE layer (HF num_experts / num_local_experts); 0 = a dense model."""
+    moe_top_k: int = 0
+    """Experts each token is routed to (HF num_experts_per_tok)."""
+    moe_ffn_hidden_size: int = 0
+    """SwiGLU inner width of each routed expert (HF moe_intermediate_size; Mixtral: intermediate_size)."""
+    moe_norm_topk_prob: bool = True
+    """Renormalise the top-k probabilities to sum to one (HF norm_topk_prob; Mixtral always): megatron's softmax
+    over the top-k logits; False = the top-k of the softmax over all experts (megatron's moe_router_pre_softmax)."""
+    moe_layer_pattern: tuple[int, ...] | None = None
+    """Per layer 1 = MoE, 0 = dense SwiGLU of ffn_hidden_size (HF decoder_sparse_step / mlp_only_layers; megatron's
+    moe_layer_freq list); None = every layer MoE when num_experts > 0."""
+    shared_expert_ffn_hidden_size: int = 0
+    """Width of the shared expert every token also passes (Qwen2-MoE shared_expert_intermediate_size); 0 = none."""
+    shared_expert_gate: bool = False
+    """The shared expert's output is scaled by sigmoid(x . w_gate) (Qwen2-MoE shared_expert_gate)."""
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -119,6 +157,73 @@ class ModelArch:
         if self.mrope_section is not None:
             self.mrope_section = tuple(int(x) for x in self.mrope_section)
         self._check_layer_types()
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.family in MOE_FAMILIES and self.num_experts <= 0:
+            raise ValueError(f"family {self.family} needs num_experts > 0")
+        if self.num_experts <= 0:
+            if self.moe_layer_pattern is not None or self.shared_expert_ffn_hidden_size:
+                raise ValueError("moe_layer_pattern / shared experts need num_experts > 0")
+            return
+        if not 0 < self.moe_top_k <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.moe_top_k} must be in [1, num_experts={self.num_experts}]"
+            )
+        if self.moe_ffn_hidden_size <= 0:
+            raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_ffn_hidden_size}")
+        if self.moe_layer_pattern is not None:
+            self.moe_layer_pattern = tuple(int(x) for x in self.moe_layer_pattern)  # a JSON list
+            if len(self.moe_layer_pattern) != self.num_layers or set(self.moe_layer_pattern) - {0, 1}:
+                raise ValueError(
+                    f"moe_layer_pattern must hold one 0/1 per layer ({self.num_layers}), got {self.moe_layer_pattern}"
+                )
+            if all(self.moe_layer_pattern):
+                self.moe_layer_pattern = None  # one canonical form: every layer MoE
+            elif not any(self.moe_layer_pattern):
+                raise ValueError("moe_layer_pattern has no MoE layer (mlp_only_layers lists every layer)")
+        if self.shared_expert_gate and not self.shared_expert_ffn_hidden_size:
+            raise ValueError("shared_expert_gate needs a shared expert (shared_expert_intermediate_size > 0)")
+
+    # --- mixture of experts ---------------------------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        """True when some layer is a mixture of experts (megatron's MoELayer)."""
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Layer `layer` (0-based) has a MoELayer in its MLP slot."""
+        return self.is_moe and (self.moe_layer_pattern is None or bool(self.moe_layer_pattern[layer]))
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """0-based indices of the MoE layers, in order (the routing-replay layout's layer axis)."""
+        return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
+
+    @property
+    def has_dense_mlp_layers(self) -> bool:
+        return self.is_moe and len(self.moe_layers) < self.num_layers
+
+    def check_expert_parallel(self, ep: int, *, tp: int = 1) -> None:
+        """Refuse, in one line, an expert-parallel size the model cannot be split over."""
+        if ep <= 0:
+            raise UserError(f"expert parallel size must be positive, got {ep}")
+        if ep > 1 and not self.is_moe:
+            raise UserError(
+                f"expert parallel size {ep} needs a mixture-of-experts model ({self.family} is dense)"
+            )
+        if self.num_experts % ep:
+            raise UserError(f"expert parallel size {ep} does not divide num_experts={self.num_experts}")
+        if self.is_moe and self.moe_ffn_hidden_size % tp:
+            # the experts are split over TP (megatron's expert_tensor_parallel_size = tensor_model_parallel_size)
+            raise UserError(
+                f"tensor parallel size {tp} does not divide moe_intermediate_size={self.moe_ffn_hidden_size}"
+            )
+        if self.shared_expert_ffn_hidden_size % tp:
+            raise UserError(
+                f"tensor parallel size {tp} does not divide shared_expert_intermediate_size="
+                f"{self.shared_expert_ffn_hidden_size}"
+            )
 
     def _check_layer_types(self) -> None:
         if self.layer_types is None:
@@ -237,10 +342,12 @@ class ModelArch:
             raise UserError(
                 f"tensor parallel size {tp} and num_key_value_heads={self.num_query_groups}: one must divide the other"
             )
-        if self.ffn_hidden_size % tp:
+        if self.ffn_hidden_size % tp and not (self.is_moe and not self.has_dense_mlp_layers):
             raise UserError(
                 f"tensor parallel size {tp} does not divide intermediate_size={self.ffn_hidden_size}"
             )
+        if self.is_moe:
+            self.check_expert_parallel(1, tp=tp)
         if self.is_hybrid:  # megatron's GatedDeltaNet splits both head counts over TP (transformer_config.py)
             for name in ("linear_num_key_heads", "linear_num_value_heads"):
                 if getattr(self, name) % tp:
@@ -308,6 +415,10 @@ class ModelArch:
                 # torch's conv1d and megatron's torch_chunk_gated_delta_rule where fla's kernels cannot run
                 deterministic_mode=gdn_uses_torch_path(),
             )
+        if self.is_moe:
+            from megatron_branch.models.moe import moe_config_kwargs
+
+            kwargs.update(moe_config_kwargs(self))
         kwargs.update(overrides)
         return TransformerConfig(**kwargs)
 

@@ -55,14 +55,20 @@ def branch_layer_spec(*, use_apex_or_te_norm: bool = False, qk_norm: bool = Fals
 
 
 def layer_specs(arch: ModelArch) -> list[ModuleSpec]:
-    """One spec per layer: the full-attention layer, or (hybrids) megatron's GatedDeltaNet layer."""
+    """One spec per layer: its token mixer (full attention, or megatron's GatedDeltaNet in a hybrid's linear
+    layers), then its MLP slot (the dense SwiGLU, or megatron's MoELayer in a MoE layer: models/moe.py)."""
     attention = branch_layer_spec(qk_norm=arch.qk_norm)
-    if not arch.is_hybrid:
-        return [attention] * arch.num_layers
-    from megatron_branch.models.gdn import gdn_layer_spec
+    mixers = {False: attention}
+    if arch.is_hybrid:
+        from megatron_branch.models.gdn import gdn_layer_spec
 
-    linear = gdn_layer_spec(attention)
-    return [linear if arch.is_linear(i) else attention for i in range(arch.num_layers)]
+        mixers[True] = gdn_layer_spec(attention)
+    specs = {(lin, False): spec for lin, spec in mixers.items()}
+    if arch.is_moe:
+        from megatron_branch.models.moe import moe_layer_spec
+
+        specs.update({(lin, True): moe_layer_spec(spec) for lin, spec in mixers.items()})
+    return [specs[arch.is_linear(i), arch.is_moe_layer(i)] for i in range(arch.num_layers)]
 
 
 class BranchGPTModel(GPTModel):
@@ -104,6 +110,7 @@ def build_model(
     vocab_divisible_by: int = 1,
     init_weights: bool = True,
     model_cls: type[BranchGPTModel] | None = None,
+    ep: int = 1,
     **config_overrides: Any,
 ) -> BranchGPTModel:
     """A megatron-core GPT model for `arch` on this rank (tensor-parallel shards if tp > 1).
@@ -112,10 +119,16 @@ def build_model(
     `init_weights=False` leaves the weights uninitialised (`torch.empty`) for a caller that overwrites every
     parameter (checkpoint loading); the parameters carry the same tensor-parallel attributes either way.
     `model_cls`: a BranchGPTModel subclass to build (the critic, models/critic.py).
+    `ep`: the expert-parallel size megatron's parallel_state was initialised with (MoE models; 1 otherwise).
     """
     apply_cpu_shims()
     if arch.is_hybrid:
         apply_gdn_shims()
+    if arch.is_moe:
+        from megatron_branch.compat.moe import apply_moe_shims
+
+        apply_moe_shims()
+        config_overrides = {"expert_model_parallel_size": ep, **config_overrides}
     if not init_weights:
         config_overrides = {**config_overrides, "perform_initialization": False}
     config = arch.to_transformer_config(

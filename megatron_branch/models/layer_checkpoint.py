@@ -48,6 +48,7 @@ from torch.utils.checkpoint import checkpoint
 from megatron_branch.attention.context import BranchContext, TakesBranchContext
 from megatron_branch.attention.core_attention import BranchCoreAttention
 from megatron_branch.memory import count_recomputed, track_extra
+from megatron_branch.models.moe import attached_to_layer, layer_router_context
 
 
 class BranchTransformerLayer(TransformerLayer):
@@ -82,6 +83,9 @@ class _Checkpointed:
 
     def __init__(self, layer: BranchTransformerLayer, ctx: BranchContext, args: tuple, kwargs: dict) -> None:
         self.layer, self.ctx, self.args, self.kwargs = layer, ctx, args, kwargs
+        self.router_ctx = layer_router_context(
+            layer
+        )  # a MoE layer's rows (models/moe.py), re-attached likewise
         self.calls = 0
 
     def __call__(self, hidden: torch.Tensor) -> Any:
@@ -94,7 +98,12 @@ class _Checkpointed:
                 # tensors) but the schedule holds them: count them as the meter did without checkpointing
                 track_extra(self.ctx.captured[core.layer_number].tensors)
             return out
-        with attached(core, self.ctx.for_recompute()), count_recomputed():
+        router_ctx = None if self.router_ctx is None else self.router_ctx.for_recompute()
+        with (
+            attached(core, self.ctx.for_recompute()),
+            attached_to_layer(self.layer, router_ctx),
+            count_recomputed(),
+        ):
             return TransformerLayer.forward(self.layer, hidden, *self.args, **self.kwargs)
 
 

@@ -37,13 +37,20 @@ class ParallelGroups:
     cp_size: int
     dp_size: int
     sequence_parallel: bool
+    ep: Any = None
+    """The expert-parallel group (MoE models; None: no expert parallelism)."""
+    ep_size: int = 1
+    ep_spans_dp: bool = False
+    """Some EP group holds ranks of different data-parallel replicas: their model calls must pair up
+    (parallel/lockstep.py)."""
 
     @property
     def layout(self) -> ParallelLayout:
         """The layout these groups realise."""
         return ParallelLayout(
-            tp=self.tp_size, cp=self.cp_size, dp=self.dp_size, sequence_parallel=self.sequence_parallel
-        )
+            tp=self.tp_size, cp=self.cp_size, dp=self.dp_size, ep=self.ep_size,
+            sequence_parallel=self.sequence_parallel,
+        )  # fmt: skip
 
     @classmethod
     def single(cls) -> ParallelGroups:
@@ -90,7 +97,9 @@ def initialize_parallel(cfg: ParallelLayout, *, seed: int = 1234) -> ParallelGro
     _, world = init_distributed()
     dp = cfg.data_parallel_size(world)
     destroy_parallel()  # frees the previous layout's groups too
-    ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tp, context_parallel_size=cfg.cp)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tp, context_parallel_size=cfg.cp, expert_model_parallel_size=cfg.ep
+    )
     # torch 2.13 starts each process from a different CPU seed: seed explicitly so replicas agree.
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -103,7 +112,20 @@ def initialize_parallel(cfg: ParallelLayout, *, seed: int = 1234) -> ParallelGro
         cp_size=cfg.cp,
         dp_size=dp,
         sequence_parallel=cfg.sp,
+        ep=ps.get_expert_model_parallel_group() if cfg.ep > 1 else None,
+        ep_size=cfg.ep,
+        ep_spans_dp=cfg.ep > 1 and _ep_spans_replicas(ps),
     )
+
+
+def _ep_spans_replicas(ps: Any) -> bool:
+    """Whether any rank's EP group reaches outside its data-parallel replica (its TP x CP ranks); every rank
+    learns the same answer (a MAX all-reduce over the world)."""
+    ep = set(dist.get_process_group_ranks(ps.get_expert_model_parallel_group()))
+    replica = set(dist.get_process_group_ranks(ps.get_tensor_and_context_parallel_group()))
+    flag = torch.tensor([int(not ep <= replica)], device=comm_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def comm_device(group: Any = None) -> torch.device:

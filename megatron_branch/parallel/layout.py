@@ -2,8 +2,10 @@
 
 SHAPE LEGEND (ranks): world = pp * dp * cp * tp. TP splits heads and MLP columns (and, with sequence parallel, the
 activations between them), CP splits every chunk's tokens (ring attention), DP splits the batch by whole prompt
-groups. pp (pipeline stages) and ep (expert parallel, carved out of dp * cp as in megatron and torchtitan) have
-their place here but are not in the engine yet: a size other than 1 is refused.
+groups. EP (expert parallel, a MoE model's experts) is carved out of dp * cp as in megatron and torchtitan: it does
+not multiply the world, it must divide dp * cp (megatron's expert_model_parallel_size; the experts are also split
+over TP, expert TP = TP). pp (pipeline stages) has its place here but is not in the engine yet: a size other than
+1 is refused.
 
     layout = ParallelLayout(tp=2, cp=2, sequence_parallel=True)    # dp None: the rest of the world
     layout.data_parallel_size(8)                                   # 2; a world that does not divide is refused
@@ -38,7 +40,8 @@ class ParallelLayout:
     pp: int = 1
     """Pipeline-parallel stages: not in the engine yet (must be 1)."""
     ep: int = 1
-    """Expert-parallel size (MoE experts over dp * cp ranks): not in the engine yet (must be 1)."""
+    """Expert-parallel size of a MoE model: its experts are split over ep ranks laid inside dp * cp as megatron
+    lays them (expert_model_parallel_size; world = tp * cp * dp, ep must divide cp * dp)."""
     sequence_parallel: bool = False
     """Shard the activations outside attention/MLP along the sequence over the TP group (needs tp > 1)."""
 
@@ -51,19 +54,25 @@ class ParallelLayout:
                 raise SettingError(
                     lambda s, n=name, v=v: f"{s.name(n)} must be a positive integer, got {v!r}"
                 )
-        for name, what in (("pp", "pipeline"), ("ep", "expert")):
-            if getattr(self, name) != 1:
-                raise SettingError(
-                    lambda s, n=name, w=what: (
-                        f"{s.value(n, getattr(self, n))}: {w} parallelism is not in the "
-                        f"engine yet; use {s.value(n, 1)}"
-                    )
+        if self.pp != 1:
+            raise SettingError(
+                lambda s: (
+                    f"{s.value('pp', self.pp)}: pipeline parallelism is not in the engine yet; use {s.value('pp', 1)}"
                 )
+            )
+        if self.dp is not None:
+            self._check_ep(self.dp)
 
     @property
     def sp(self) -> bool:
         """Sequence parallel in effect (it needs a TP group to shard over)."""
         return self.sequence_parallel and self.tp > 1
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks holding the same experts (megatron's expert data-parallel group: cp * dp / ep)."""
+        assert self.dp is not None, "the data-parallel size is not resolved yet (for_world)"
+        return self.cp * self.dp // self.ep
 
     @property
     def model_parallel(self) -> int:
@@ -85,6 +94,7 @@ class ParallelLayout:
                 lambda s: f"world size {world_size} is not a multiple of tp*cp = {self.tp}*{self.cp} = {mp}"
             )
         dp = world_size // mp
+        self._check_ep(dp)
         if self.dp is not None and self.dp != dp:
             raise SettingError(
                 lambda s: (
@@ -93,6 +103,16 @@ class ParallelLayout:
                 )
             )
         return dp
+
+    def _check_ep(self, dp: int) -> None:
+        """megatron lays the expert-parallel group inside the data- and context-parallel ranks."""
+        if (dp * self.cp) % self.ep:
+            raise SettingError(
+                lambda s: (
+                    f"{s.value('ep', self.ep)} must divide cp*dp = {self.cp}*{dp} = {self.cp * dp} (megatron lays "
+                    "the expert-parallel group inside the data- and context-parallel ranks)"
+                )
+            )
 
     def for_world(self, world_size: int) -> ParallelLayout:
         """This layout with dp resolved for `world_size` ranks."""

@@ -1,6 +1,7 @@
 """FLOPs of one training step (all ranks together) for naive, packed and replay, counted from the rollout shape.
 
-2 FLOPs per multiply-add. Forward per token position: the layer matmuls (QKV, output projection, SwiGLU's three);
+2 FLOPs per multiply-add. Forward per token position: the layer matmuls (QKV, output projection, SwiGLU's three;
+a MoE layer's router and its top-k experts' SwiGLUs, plus a shared expert);
 per (query, visible key) pair and layer: q.k and p.v (4 * heads * head_dim). Backward = 2 x forward for matmuls
 and attention (as benchmarks/schedule_speed.py counts). The output projection runs only on rows that predict a
 token (the fused logprob path, losses/fused_logprobs.py) and, as implemented, costs 4 matmuls per row instead of 3:
@@ -34,9 +35,21 @@ LOGITS_MATMULS = 4
 
 
 def layer_matmul_flops_per_token(arch: ModelArch) -> int:
-    """Forward FLOPs of one token through every layer's matmuls (no attention scores, no output projection)."""
+    """Forward FLOPs of one token through every layer's matmuls (no attention scores, no output projection). A MoE
+    layer's MLP slot: the router (h x E), the token's top-k experts (each a SwiGLU of width I) and the shared expert
+    with its gate, instead of the dense SwiGLU."""
     full = arch.num_full_layers * attention_matmul_flops_per_token(arch)
-    return full + (arch.num_linear_layers * gdn_matmul_flops_per_token(arch) if arch.is_hybrid else 0)
+    total = full + (arch.num_linear_layers * gdn_matmul_flops_per_token(arch) if arch.is_hybrid else 0)
+    if arch.is_moe:
+        h = arch.hidden_size
+        moe = (
+            2 * h * arch.num_experts
+            + arch.moe_top_k * 2 * 3 * h * arch.moe_ffn_hidden_size
+            + 2 * 3 * h * arch.shared_expert_ffn_hidden_size
+            + (2 * h if arch.shared_expert_gate else 0)
+        )
+        total += len(arch.moe_layers) * (moe - 2 * 3 * h * arch.ffn_hidden_size)
+    return total
 
 
 def attention_flops_per_pair(arch: ModelArch) -> int:

@@ -23,6 +23,17 @@ Under CP (ring attention) the same: the ring saves the local blocks in place and
 Korthikanti et al. (2022)'s per-layer terms for THIS
 implementation: no score matrix (fused kernels), no dropout masks (dropout is 0), SwiGLU instead of GeLU.
 
+A MoE layer (megatron's MoELayer, alltoall dispatcher; E experts, top-k, expert width i = I/t, shared expert
+width s_h = S/t; balanced routing assumed) saves instead of the dense MLP's 5 r f e, for r_n router rows:
+    router            its input, fp32 scores, probs      r_n h e + r_n E f32 + r_n E e
+    permute           the permuted copies and indices    r_n k h e + r_n k INDEX
+    experts           the r k rows this rank's experts run after the all-to-all and the TP gather (SwiGLU's
+                      fc1 input and its 5 intermediates)                            r k h e + 5 r k i e
+    combine           unpermute's probs and indices      r_n k (e + INDEX)
+    shared expert     a SwiGLU of width s_h (+ its gate)  5 r s_h e + r_n e
+and the dispatcher's transient buffers (not saved; the largest layer's): the all-to-all's send and receive copies
+and the TP-gathered rows, 2 r_n k h e + r k h e.
+
 Replay keeps, for the cached ancestors on the current root-to-leaf path, their K/V (the two compact storages above:
 the cache is detached views of them, 2 g d e per row and layer, nothing else kept alive) and a dK/dV accumulator per
 cached row and layer (2 g d e, the leaves' .grad).
@@ -93,11 +104,22 @@ class Dims:
     def linear_layers(self) -> int:
         return self.arch.num_linear_layers
 
+    moe_layers: int = 0  # MoE layers (the rest are dense), of either mixer kind
+    experts: int = 0  # E
+    top_k: int = 0
+    i: int = 0  # routed expert width on this TP rank (expert TP = TP)
+    shared: int = 0  # shared expert width on this TP rank
+
     @classmethod
     def of(cls, arch: ModelArch, layout: Layout, act_bytes: int, *, gdn_kernel: str = "fla") -> Dims:
         t = layout.tp
         assert arch.head_dim is not None
         return cls(
+            moe_layers=len(arch.moe_layers),
+            experts=arch.num_experts,
+            top_k=arch.moe_top_k,
+            i=arch.moe_ffn_hidden_size // t,
+            shared=arch.shared_expert_ffn_hidden_size // t,
             h=arch.hidden_size,
             d=arch.head_dim,
             n=arch.num_attention_heads // t,
@@ -114,6 +136,16 @@ class Dims:
             cp=layout.cp,
         )
 
+    @property
+    def moe_attn_layers(self) -> int:
+        """MoE layers among the full-attention ones (a MoE hybrid has MoE blocks after GDN layers too)."""
+        return sum(1 for i in self.arch.moe_layers if not self.arch.is_linear(i)) if self.moe_layers else 0
+
+    @property
+    def moe_linear_layers(self) -> int:
+        """MoE layers among the GDN ones."""
+        return self.moe_layers - self.moe_attn_layers
+
     def seq_rows(self, r: int) -> int:
         """Rows of a sequence-sharded tensor (SP shards the norms and linear inputs over TP)."""
         return r // self.tp if self.sp else r
@@ -125,27 +157,59 @@ def layer_kv_bytes(dm: Dims, r: int) -> int:
     return 2 * r * dm.g * dm.d * dm.e
 
 
-def layer_other_bytes(dm: Dims, r: int, *, ext: int = 0, cp: int = 1) -> int:
-    """Per layer: everything else a layer saves for backward over r rows (ext cached rows it attends to)."""
+def moe_mlp_bytes(dm: Dims, r: int) -> int:
+    """What a MoE layer's MLP slot saves for backward over r rows (the module docstring's MoE terms)."""
+    rn, k = dm.seq_rows(r), dm.top_k
+    router = rn * dm.h * dm.e + rn * dm.experts * (dm.f32 + dm.e)
+    permute = rn * k * (dm.h * dm.e + INDEX_BYTES)
+    experts = r * k * dm.h * dm.e + 5 * r * k * dm.i * dm.e
+    combine = rn * k * (dm.e + INDEX_BYTES)
+    shared = (5 * r * dm.shared * dm.e + rn * dm.e) if dm.shared else 0
+    return router + permute + experts + combine + shared
+
+
+def dispatcher_bytes(dm: Dims, r: int) -> int:
+    """Transient all-to-all / TP-gather buffers of one MoE layer over r rows (0 for a dense model)."""
+    if not dm.moe_layers:
+        return 0
+    rn = dm.seq_rows(r)
+    return 2 * rn * dm.top_k * dm.h * dm.e + r * dm.top_k * dm.h * dm.e
+
+
+def stack_other_bytes(dm: Dims, r: int, *, ext: int = 0, cp: int = 1) -> int:
+    """`layer_other_bytes` over every full-attention layer: the dense ones and the MoE ones."""
+    dense = dm.attn_layers - dm.moe_attn_layers
+    out = dense * layer_other_bytes(dm, r, ext=ext, cp=cp)
+    if dm.moe_attn_layers:
+        out += dm.moe_attn_layers * layer_other_bytes(dm, r, ext=ext, cp=cp, moe=True)
+    return out
+
+
+def layer_other_bytes(dm: Dims, r: int, *, ext: int = 0, cp: int = 1, moe: bool = False) -> int:
+    """Per layer: everything else a layer saves for backward over r rows (ext cached rows it attends to); `moe`:
+    a MoE layer (its MLP slot: `moe_mlp_bytes`)."""
     rn = dm.seq_rows(r)
     norms = 2 * (2 * rn * dm.h * dm.e + rn * dm.f32)
     linear_in = 2 * rn * dm.h * dm.e
     rope = 4 * r * dm.arch.rotary_dim * dm.e
     attn = 2 * r * dm.n * dm.d * dm.e + dm.n * r * dm.f32
     attn += attention_extra_saved_bytes(dm.arch, r, n=dm.n, g=dm.g, e=dm.e)
-    mlp = 5 * r * dm.f * dm.e
+    mlp = moe_mlp_bytes(dm, r) if moe else 5 * r * dm.f * dm.e
     # under CP the ring saves what one rank's executor saves: q, the output, lse and the local K/V blocks in place
     # (no concatenated copy of the cached ancestors, no separate output copy, no metadata; parallel/ring.py)
     return norms + linear_in + rope + attn + mlp
 
 
-def linear_layer_bytes(dm: Dims, r: int, sequences: list[tuple[int, int]] | None = None) -> int:
+def linear_layer_bytes(
+    dm: Dims, r: int, sequences: list[tuple[int, int]] | None = None, *, moe: bool = False
+) -> int:
     """Per GDN layer over r local rows made of `sequences` ((length, count) of the WHOLE segments; default one
-    sequence of r): the attention layer's norms, linear inputs and MLP, and the mixer's tensors (plan/layers.py):
-    its per-head part per sequence, for this rank's head block under CP (the head exchange runs it over every
-    position), its per-row part over the r rows, and the exchange's indices."""
+    sequence of r): the attention layer's norms, linear inputs and MLP (`moe`: a MoE layer's, `moe_mlp_bytes`), and
+    the mixer's tensors (plan/layers.py): its per-head part per sequence, for this rank's head block under CP (the
+    head exchange runs it over every position), its per-row part over the r rows, and the exchange's indices."""
     rn = dm.seq_rows(r)
-    norms_in_mlp = 2 * (2 * rn * dm.h * dm.e + rn * dm.f32) + 2 * rn * dm.h * dm.e + 5 * r * dm.f * dm.e
+    mlp = moe_mlp_bytes(dm, r) if moe else 5 * r * dm.f * dm.e
+    norms_in_mlp = 2 * (2 * rn * dm.h * dm.e + rn * dm.f32) + 2 * rn * dm.h * dm.e + mlp
     heads = sum(
         count * gdn_heads_saved_bytes(dm.arch, length, tp=dm.tp, cp=dm.cp, e=dm.e, kernel=dm.gdn_kernel)
         for length, count in (sequences or [(r, 1)])
@@ -203,7 +267,9 @@ def chunk_saved_bytes(
     it waits for its backward (inputs + head); "kv" the K/V a capturing chunk (replay's inner segment) keeps
     outside autograd for its backward, whose gradient the children send (0 for a chunk that captures nothing).
     """
-    linear = linear_layer_bytes(dm, r, sequences) if dm.linear_layers else 0
+    dense_linear = dm.linear_layers - dm.moe_linear_layers
+    linear = linear_layer_bytes(dm, r, sequences) if dense_linear else 0
+    moe_linear = linear_layer_bytes(dm, r, sequences, moe=True) if dm.moe_linear_layers else 0
     if layer_recompute:
         layer_input = dm.seq_rows(r) * dm.h * dm.e
         inputs = dm.layers * layer_input
@@ -211,8 +277,11 @@ def chunk_saved_bytes(
         # is not counted twice (the meter counts storages)
         one_layer = (
             max(
-                layer_kv_bytes(dm, r) + layer_other_bytes(dm, r, ext=ext, cp=cp) if dm.attn_layers else 0,
+                layer_kv_bytes(dm, r) + layer_other_bytes(dm, r, ext=ext, cp=cp, moe=dm.moe_attn_layers > 0)
+                if dm.attn_layers
+                else 0,
                 linear,
+                moe_linear,
             )
             - layer_input
         )
@@ -223,8 +292,9 @@ def chunk_saved_bytes(
             "held": inputs + head,
         }
     other = (
-        dm.attn_layers * layer_other_bytes(dm, r, ext=ext, cp=cp)
-        + dm.linear_layers * linear
+        stack_other_bytes(dm, r, ext=ext, cp=cp)
+        + dense_linear * linear
+        + dm.moe_linear_layers * moe_linear
         + head_bytes(dm, r, m)
     )
     return {"kv": dm.attn_layers * layer_kv_bytes(dm, r), "other": other, "held": other}
@@ -258,21 +328,27 @@ def logits_bytes(dm: Dims, m: int, chunk_rows: int) -> int:
 def static_bytes(
     arch: ModelArch, layout: Layout, *, distributed_optimizer: bool = True, param_bytes: int = 2
 ) -> dict[str, int]:
-    """Weights (bf16: 2 B), gradients (fp32 main grads), optimizer state (fp32 master + Adam m, v) on one rank."""
+    """Weights (bf16: 2 B), gradients (fp32 main grads), optimizer state (fp32 master + Adam m, v) on one rank.
+    A MoE model's routed experts are split over EP x TP (expert TP = TP) and their optimizer state over the
+    expert data-parallel group (cp * dp / ep); everything else over TP, its optimizer state over DP x CP."""
     pc = parameter_count(arch)
     replicated = pc["replicated"]  # norms are not TP-sharded
-    per_rank = (pc["total"] - replicated) // layout.tp + replicated
+    experts = pc["experts"] // (layout.tp * layout.ep)
+    dense = (pc["total"] - pc["experts"] - replicated) // layout.tp + replicated
+    per_rank = dense + experts
     shard = layout.dp * layout.cp  # megatron's distributed optimizer shards over DP x CP
     state = (
         4 if param_bytes < 4 else 0
     ) + 8  # fp32 master (bf16 parameters only) + Adam m, v: plan/optimizer.py
+    distributed = (state * dense) // shard + (state * experts) // layout.expert_dp
     return {
         "parameters": param_bytes * per_rank,
         "gradients": 4 * per_rank,
-        "optimizer_state": (state * per_rank) // (shard if distributed_optimizer else 1),
+        "optimizer_state": distributed if distributed_optimizer else state * per_rank,
         "optimizer_state_no_distributed": state * per_rank,
-        "optimizer_state_distributed": (state * per_rank) // shard,
+        "optimizer_state_distributed": distributed,
         "parameters_per_rank": per_rank,
+        "expert_parameters_per_rank": experts,
     }
 
 
@@ -300,6 +376,8 @@ class Peak:
     """Replay: their dK/dV accumulators."""
     ring_buffers: int
     logits: int
+    dispatcher: int = 0
+    """MoE: the all-to-all dispatcher's transient buffers of the largest chunk's layer."""
 
     @property
     def saved(self) -> int:
@@ -340,6 +418,7 @@ def step_peak(
             kv_grads=0,
             ring_buffers=max(ring_buffer_bytes(dm, r, r, cp), exchange_buffer_bytes(dm, r)),
             logits=logits_bytes(dm, m, logprob_chunk_rows),
+            dispatcher=dispatcher_bytes(dm, r),
         )
     groups = cdiv(shape.prompts, layout.dp)  # prompt groups on this DP rank
     if schedule == "packed":  # every group of this DP rank in one chunk
@@ -354,6 +433,7 @@ def step_peak(
             kv_grads=0,
             ring_buffers=max(ring_buffer_bytes(dm, r, r, cp), exchange_buffer_bytes(dm, r)),
             logits=logits_bytes(dm, m, logprob_chunk_rows),
+            dispatcher=dispatcher_bytes(dm, r),
         )
     assert schedule == "replay", schedule
     r_root = local_rows(R, 1, layout)
@@ -388,6 +468,7 @@ def step_peak(
         exchange_buffer_bytes(dm, max(r_root, r_leaf)),
     )
     logits = max(logits_bytes(dm, m_root, logprob_chunk_rows), logits_bytes(dm, m_leaf, logprob_chunk_rows))
+    dispatch = max(dispatcher_bytes(dm, r_root), dispatcher_bytes(dm, r_leaf))
     if phase_root > phase_leaves:
         # under per-layer checkpointing the recomputed root's captured K/V live outside autograd, beside the
         # no-grad cache until the injection (the meter sees them registered with it): counted with cached_kv
@@ -398,6 +479,7 @@ def step_peak(
             kv_grads=grads,
             ring_buffers=ring,
             logits=logits,
+            dispatcher=dispatch,
         )
     return Peak(
         activations=root_graph + leaf["kv"] + leaf["other"],
@@ -405,6 +487,7 @@ def step_peak(
         kv_grads=grads,
         ring_buffers=ring,
         logits=logits,
+        dispatcher=dispatch,
     )
 
 

@@ -42,6 +42,24 @@ MODEL_PRESETS: dict[str, ModelArch] = {
         rope_theta=5e5,
         max_position_embeddings=131072,
     ),
+    # Qwen/Qwen3-30B-A3B config.json: 48 MoE layers of 128 experts (width 768), top-8, norm_topk_prob
+    "qwen3-30b-a3b": ModelArch(
+        family="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        num_layers=48,
+        num_attention_heads=32,
+        num_query_groups=4,
+        head_dim=128,
+        ffn_hidden_size=6144,
+        rope_theta=1e6,
+        qk_norm=True,
+        max_position_embeddings=40960,
+        num_experts=128,
+        moe_top_k=8,
+        moe_ffn_hidden_size=768,
+        moe_norm_topk_prob=True,
+    ),
     # Qwen/Qwen2.5-32B config.json
     "qwen2.5-32b": ModelArch(
         family="qwen2",
@@ -89,7 +107,25 @@ MODEL_PRESETS.update(
         "qwen3.6-27b": ModelArch.from_hf_config(_QWEN3_6_27B_TEXT, where="preset qwen3.6-27b"),
     }
 )  # fmt: skip
-# A 35B-A3B-class MoE hybrid (Qwen3.5/3.6-35B-A3B) needs MoE layers in the planner: left to the MoE work.
+# Qwen/Qwen3.5-35B-A3B config.json's text_config (revision ec2d4ece; model card: hidden 2048, 40 layers = 10 x (3 x (Gated DeltaNet
+# -> MoE) + 1 x (Gated Attention -> MoE)), GDN 16 QK / 32 V heads of 128, attention 16 Q / 2 KV heads of 256, RoPE
+# dim 64, 256 experts of width 512, 8 routed + 1 shared, vocabulary 248320); Qwen3.6-35B-A3B has the same text
+# config. The published file has no intermediate_size: no layer has a dense MLP.
+_QWEN3_5_35B_A3B_TEXT = dict(
+    model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"], vocab_size=248320, hidden_size=2048,
+    num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 10,
+    full_attention_interval=4, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_num_key_heads=16, linear_num_value_heads=32, attn_output_gate=True, max_position_embeddings=262144,
+    rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu", attention_bias=False,
+    partial_rotary_factor=0.25, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512, router_aux_loss_coef=0.001,
+    rope_parameters={"mrope_interleaved": True, "mrope_section": [11, 11, 10], "partial_rotary_factor": 0.25,
+                     "rope_theta": 10000000, "rope_type": "default"},
+)  # fmt: skip
+MODEL_PRESETS["qwen3.5-35b-a3b"] = ModelArch.from_hf_config(
+    _QWEN3_5_35B_A3B_TEXT, where="preset qwen3.5-35b-a3b"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -260,22 +296,36 @@ def load_model(spec: str) -> tuple[str, ModelArch]:
 
 def parameter_count(arch: ModelArch) -> dict[str, int]:
     """Parameters by part: embedding, output layer (0 when tied), per full-attention layer, per linear-attention
-    (gated delta net) layer, final norm, the total, and those every TP rank holds whole (norms)."""
+    (gated delta net) layer, final norm, the total, and those every TP rank holds whole (norms). A MoE model: per
+    MoE layer its attention, norms, router and shared expert ("moe_layer"), the routed experts of all layers
+    ("experts", split over EP x TP) and those a token passes ("active_experts")."""
     from megatron_branch.plan.layers import attention_layer_params, gdn_layer_params, replicated_layer_params
 
     h = arch.hidden_size
     full, linear = arch.num_full_layers, arch.num_linear_layers
     layer = attention_layer_params(arch)
     linear_layer = gdn_layer_params(arch) if linear else 0
+    n_moe = len(arch.moe_layers)
+    sh = arch.shared_expert_ffn_hidden_size
+    dense_mlp = 3 * h * arch.ffn_hidden_size
+    moe_block = arch.num_experts * h + 3 * h * sh + (h if arch.shared_expert_gate else 0)  # router + shared
+    moe_layer = layer - dense_mlp + moe_block
+    experts = n_moe * arch.num_experts * 3 * h * arch.moe_ffn_hidden_size
     return {
         "embedding": arch.vocab_size * h,
         "output": 0 if arch.tie_word_embeddings else arch.vocab_size * h,
         "layer": layer,
+        "moe_layer": moe_layer if n_moe else 0,
+        "experts": experts,
+        "active_experts": n_moe * arch.moe_top_k * 3 * h * arch.moe_ffn_hidden_size,
         "linear_layer": linear_layer,
         "final_norm": h,
+        # a MoE layer of either mixer kind: its dense SwiGLU replaced by the router, shared expert and experts
         "total": arch.vocab_size * h * (1 if arch.tie_word_embeddings else 2)
         + full * layer
         + linear * linear_layer
+        + n_moe * (moe_block - dense_mlp)
+        + experts
         + h,
         "replicated": full * replicated_layer_params(arch, False)
         + linear * replicated_layer_params(arch, True)

@@ -13,16 +13,20 @@ Step-time model (stated assumptions, not measurements):
     backward, not overlapped;
   * gradient reduction over DP x CP (all-reduce of the fp32 grads; with the distributed optimizer a
     reduce-scatter of them and an all-gather of the parameters), counted as exposed (conservative: megatron can
-    overlap it with backward);
+    overlap it with backward); a MoE model's expert grads (and their optimizer shards) over the expert
+    data-parallel group (cp * dp / ep);
   * the optimizer offload: host<->device copies of the offloaded shards' gradients and parameters and the host
-    Adam step, counted as exposed (plan/optimizer.py).
+    Adam step, counted as exposed (plan/optimizer.py);
+  * expert parallelism (MoE, alltoall dispatcher): per MoE layer and token, its k copies of [h] go out and come
+    back (dispatch + combine) forward and again backward, (ep - 1)/ep of them to another rank, not overlapped;
+    routing assumed balanced (the load-balancing losses' aim).
 All GPU links at the GPU's stated bandwidth (one NVLink node), host links at `host_link_gbps`.
 
-The search (`plan`) tries every layout (TP dividing the heads, CP, DP <= prompt groups, recompute), every
-optimizer choice (plain, distributed, distributed + offload of 1/4 .. all of the state) and branch micro-batches
-(8, 4, 2, 1, at most G) that are not fixed, and returns the fastest that fits on the device AND in the node's host
-memory (ties: the larger branch micro-batch, then the least memory, then the plain optimizer); `rejected` says for
-every layout why its best choice does not fit.
+The search (`plan`) tries every layout (TP dividing the heads, CP, DP <= prompt groups, EP for MoE, recompute),
+every optimizer choice (plain, distributed, distributed + offload of 1/4 .. all of the state) and branch
+micro-batches (8, 4, 2, 1, at most G) that are not fixed, and returns the fastest that fits on the device AND in
+the node's host memory (ties: the larger branch micro-batch, then the least memory, then the plain optimizer);
+`rejected` says for every layout why its best choice does not fit.
 """
 
 from __future__ import annotations
@@ -131,7 +135,7 @@ class Plan:
             },
             "schedule": self.schedule,
             "dtype": self.dtype,
-            "layout": self.layout.as_dict(),
+            "layout": {**self.layout.as_dict(), **({"ep": self.layout.ep} if self.arch.is_moe else {})},
             "memory_bytes_per_rank": dict(self.memory),
             "gpu_memory_bytes": self.gpu.memory_bytes,
             "largest_term": self.largest_term,
@@ -159,6 +163,7 @@ TERMS_IN_TOTAL = (
     "kv_grads",
     "ring_buffers",
     "logits",
+    "dispatcher",
     "allocator_margin",
 )
 
@@ -185,9 +190,7 @@ def memory_terms(
     step's peak when already computed)."""
     e = DTYPE_BYTES[dtype]
     st = static_bytes(arch, layout, param_bytes=e)
-    opt = optimizer_bytes(
-        st["parameters_per_rank"], layout.dp * layout.cp, optimizer or OptimizerChoice(), param_bytes=e
-    )
+    opt = sharded_optimizer_bytes(arch, layout, optimizer or OptimizerChoice(), param_bytes=e)
     pk: Peak = peak or step_peak(arch, shape, layout, schedule=schedule, act_bytes=e, **kw)
     mem = {
         "parameters": st["parameters"],
@@ -199,11 +202,35 @@ def memory_terms(
         "kv_grads": pk.kv_grads,
         "ring_buffers": pk.ring_buffers,
         "logits": pk.logits,
+        "dispatcher": pk.dispatcher,
     }
+    if arch.is_moe:
+        mem["expert_parameters"] = st["expert_parameters_per_rank"] * e
     counted = sum(mem[k] for k in TERMS_IN_TOTAL if k != "allocator_margin")
     mem["allocator_margin"] = margin_bytes(counted)
     mem["total"] = counted + mem["allocator_margin"]
     return mem
+
+
+def param_shards(arch: ModelArch, layout: Layout) -> list[tuple[int, int]]:
+    """(parameters on one rank, ranks their optimizer state and gradients are reduced over): the dense ones over
+    DP x CP; a MoE model's routed experts over the expert data-parallel group (cp * dp / ep)."""
+    st = static_bytes(arch, layout)
+    experts = st["expert_parameters_per_rank"]
+    out = [(st["parameters_per_rank"] - experts, layout.dp * layout.cp)]
+    return out + ([(experts, layout.expert_dp)] if experts else [])
+
+
+def sharded_optimizer_bytes(
+    arch: ModelArch, layout: Layout, choice: OptimizerChoice, *, param_bytes: int
+) -> dict[str, int]:
+    """plan/optimizer.py's optimizer_bytes summed over `param_shards` (the host runtime counted once)."""
+    parts = [
+        optimizer_bytes(n, over, choice, param_bytes=param_bytes) for n, over in param_shards(arch, layout)
+    ]
+    out = {k: sum(p[k] for p in parts) for k in parts[0]}
+    out["host_runtime"] = parts[0]["host_runtime"]
+    return out
 
 
 def host_terms(
@@ -211,8 +238,7 @@ def host_terms(
 ) -> dict[str, int]:
     """Host bytes per rank by term, their total, and per node (gpu.gpus_per_node ranks, or the world if fewer)."""
     e = DTYPE_BYTES[dtype]
-    per_rank = static_bytes(arch, layout, param_bytes=e)["parameters_per_rank"]
-    opt = optimizer_bytes(per_rank, layout.dp * layout.cp, optimizer, param_bytes=e)
+    opt = sharded_optimizer_bytes(arch, layout, optimizer, param_bytes=e)
     out = {k: opt[k] for k in HOST_TERMS}
     out["total"] = sum(out.values())
     out["per_node"] = out["total"] * min(gpu.gpus_per_node, layout.world)
@@ -302,20 +328,30 @@ def step_time(
             * arch.num_layers
             / link
         )
-    shard = layout.dp * layout.cp
     opt = optimizer or OptimizerChoice()
-    per_rank = static_bytes(arch, layout)["parameters_per_rank"]
-    grads = grad_reduce_bytes(per_rank, shard, opt, param_bytes=DTYPE_BYTES[dtype]) / link
-    host = offload_seconds(per_rank, shard, opt, link_gbps=gpu.host_link_gbps, adam_gbps=gpu.host_adam_gbps)
+    grads, host = 0.0, {"offload_transfer": 0.0, "host_optimizer_step": 0.0}
+    for n, over in param_shards(arch, layout):
+        grads += grad_reduce_bytes(n, over, opt, param_bytes=DTYPE_BYTES[dtype]) / link
+        part = offload_seconds(n, over, opt, link_gbps=gpu.host_link_gbps, adam_gbps=gpu.host_adam_gbps)
+        host = {k: host[k] + part[k] for k in host}
+    a2a = 0.0
+    if arch.is_moe and layout.ep > 1:
+        rows = (fl.positions + fl.recomputed_positions) / layout.world  # tokens routed per rank (SP rows)
+        per_token = 4 * arch.moe_top_k * arch.hidden_size * DTYPE_BYTES[dtype] * (layout.ep - 1) / layout.ep
+        a2a = (
+            1.5 * rows * per_token * len(arch.moe_layers) / link
+        )  # forward x1 (+ recompute), backward x2 -> 3/2
     return {
         "total": compute
         + exposed_ring
         + exchange
         + tp
         + grads
+        + a2a
         + host["offload_transfer"]
         + host["host_optimizer_step"],
         **host,
+        "expert_alltoall": a2a,
         "compute": compute,
         "attention_compute": attention,
         "ring": ring,
@@ -349,6 +385,7 @@ def evaluate(
     if layout.world != gpus:
         raise UserError(f"tp * cp * dp = {layout.world} must equal --gpus {gpus}")
     arch.check_tensor_parallel(layout.tp)
+    arch.check_expert_parallel(layout.ep, tp=layout.tp)
     if layout.dp > shape.prompts:
         raise UserError(
             f"--dp {layout.dp} needs at least as many prompt groups (--prompts {shape.prompts}): "
@@ -386,6 +423,11 @@ def evaluate(
         "per_rank": mine.total / layout.world,
     }
     notes = []
+    if arch.is_moe:
+        notes.append(
+            f"MoE: {arch.num_experts} experts, top-{arch.moe_top_k}, EP {layout.ep} (expert TP = TP); routing assumed "
+            "balanced; with a load-balancing loss the tree schedules add one forward-only counting pass of the step"
+        )
     if layout.recompute == "selective":
         notes.append(
             "selective = the engine's segment recompute (replay keeps no graph for a segment with children); "
@@ -441,6 +483,7 @@ def candidate_layouts(
     dp: int | None,
     recompute: str | None,
     schedule: str,
+    ep: int | None = None,
 ) -> list[Layout]:
     out = []
     for t in (tp,) if tp else (1, 2, 4, 8):
@@ -456,8 +499,26 @@ def candidate_layouts(
             d = gpus // (t * c)
             if (dp and d != dp) or d > shape.prompts:
                 continue
-            for rc in (recompute,) if recompute else RECOMPUTE:
-                out.append(Layout(tp=t, cp=c, dp=d, recompute=rc))
+            for e in _expert_parallel_sizes(arch, t, c * d, ep):
+                for rc in (recompute,) if recompute else RECOMPUTE:
+                    out.append(Layout(tp=t, cp=c, dp=d, recompute=rc, ep=e))
+    return out
+
+
+def _expert_parallel_sizes(arch: ModelArch, tp: int, cp_dp: int, ep: int | None) -> list[int]:
+    """EP sizes to try: the fixed one, else (MoE) every divisor of cp * dp that splits the experts."""
+    if ep:
+        return [ep] if cp_dp % ep == 0 else []
+    if not arch.is_moe:
+        return [1]
+    out = []
+    for e in range(1, cp_dp + 1):
+        if cp_dp % e == 0:
+            try:
+                arch.check_expert_parallel(e, tp=tp)
+            except UserError:
+                continue
+            out.append(e)
     return out
 
 
@@ -492,6 +553,7 @@ def plan(
     dp: int | None = None,
     recompute: str | None = None,
     schedule: str = "replay",
+    ep: int | None = None,
     distributed_optimizer: bool | None = None,
     offload_fraction: float | None = None,
     branch_micro_batch: int | None = None,
@@ -513,12 +575,12 @@ def plan(
             check_gdn_context_parallel(
                 key_heads=arch.linear_num_key_heads, value_heads=arch.linear_num_value_heads, tp=tp, cp=cp
             )
-    if tp and cp and dp and recompute:
-        layouts = [Layout(tp=tp, cp=cp, dp=dp, recompute=recompute)]
+    if tp and cp and dp and recompute and (ep or not arch.is_moe):
+        layouts = [Layout(tp=tp, cp=cp, dp=dp, recompute=recompute, ep=ep or 1)]
         layout_given = True
     else:
         layouts = candidate_layouts(
-            arch, shape, gpus, tp=tp, cp=cp, dp=dp, recompute=recompute, schedule=schedule
+            arch, shape, gpus, tp=tp, cp=cp, dp=dp, recompute=recompute, schedule=schedule, ep=ep
         )
         layout_given = False
     if not layouts:
@@ -575,7 +637,7 @@ def _need(p: Plan) -> tuple:
 
 def _rejection(p: Plan) -> dict[str, Any]:
     return {
-        "layout": p.layout.as_dict(),
+        "layout": {**p.layout.as_dict(), **({"ep": p.layout.ep} if p.arch.is_moe else {})},
         "optimizer": p.optimizer.name,
         "branch_micro_batch": p.branch_micro_batch,
         "memory_bytes_per_rank": p.memory["total"],
@@ -594,15 +656,16 @@ def what_would_fit(p: Plan, **kw: Any) -> list[str]:
         q = plan(p.model, p.arch, p.shape, p.gpu, n, schedule=p.schedule, **kw)
         if q.fits:
             lay = q.layout
+            ep = f", ep {lay.ep}" if p.arch.is_moe else ""
             out.append(
-                f"{n} x {p.gpu.name} (tp {lay.tp}, cp {lay.cp}, dp {lay.dp}, recompute {lay.recompute})"
+                f"{n} x {p.gpu.name} (tp {lay.tp}, cp {lay.cp}, dp {lay.dp}{ep}, recompute {lay.recompute})"
             )
             break
     need = p.memory["total"] / 1e9
     out.append(f"a GPU with at least {need:.0f} GB at this layout")
     same = {"dtype": p.dtype, "branch_micro_batch": p.branch_micro_batch}
     if p.layout.recompute != "full":
-        full = Layout(tp=p.layout.tp, cp=p.layout.cp, dp=p.layout.dp, recompute="full")
+        full = dataclasses.replace(p.layout, recompute="full")
         q = evaluate(p.model, p.arch, p.shape, p.gpu, p.gpus, full, p.schedule, optimizer=p.optimizer, **same)
         if q.fits:
             out.append("per-layer activation checkpointing inside chunks (recompute full)")

@@ -18,6 +18,7 @@ from megatron_branch.errors import SettingError
 from megatron_branch.losses.objective import Objective
 from megatron_branch.rules import API
 from megatron_branch.schedule.common import ScheduleOptions, StepResult
+from megatron_branch.schedule.moe import moe_arch, run_with_router
 from megatron_branch.schedule.naive import run_naive
 from megatron_branch.schedule.packed import run_packed
 from megatron_branch.schedule.replay import run_replay, run_replay_stopgrad
@@ -63,6 +64,10 @@ def run_schedule(
             raise e.spelled(API) from None
     if objective is None and not forward_only:
         raise ValueError("a training step needs an objective (objective=None only with forward_only=True)")
+    if (
+        moe_arch(model) is not None
+    ):  # router losses weighted by multiplicity, routing replay (schedule/moe.py)
+        return run_with_router(SCHEDULES[name], name, model, tree, objective, opts, forward_only=forward_only)
     return SCHEDULES[name](model, tree, objective, opts, forward_only=forward_only)
 
 

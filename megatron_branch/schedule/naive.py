@@ -14,6 +14,8 @@ from megatron_branch.errors import SettingError
 from megatron_branch.losses.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from megatron_branch.losses.objective import Objective
 from megatron_branch.models.gpt import BranchGPTModel
+from megatron_branch.models.moe import attach_router_context
+from megatron_branch.parallel.lockstep import backward
 from megatron_branch.rules import API, check_run
 from megatron_branch.schedule.common import (
     ChunkOut,
@@ -23,6 +25,7 @@ from megatron_branch.schedule.common import (
     _to_replicated_region,
     model_device,
 )
+from megatron_branch.schedule.moe import router_context
 
 
 def run_naive(
@@ -52,7 +55,8 @@ def run_naive(
             None, None
         ]  # True = masked
         ent = None
-        with torch.set_grad_enabled(not forward_only and torch.is_grad_enabled()):
+        router = attach_router_context(model, router_context(opts, rollouts=[i], rows=s))  # MoE: its rows
+        with torch.set_grad_enabled(not forward_only and torch.is_grad_enabled()), router:
             if isinstance(base, BranchGPTModel) and base.is_critic:
                 with base.hidden_states_only():
                     hidden = model(ids[None], pos[None], mask)  # [s (/tp), 1, h]
@@ -71,7 +75,7 @@ def run_naive(
             else:
                 loss, stats = x.new_zeros(()), torch.zeros(0, dtype=torch.float64)
         if not forward_only:
-            loss.backward()
+            backward(model, [loss])  # plain autograd; paired across replicas under EP (parallel/lockstep.py)
         # keep the response tokens' results, as the tree schedules do (prompt rows carry no loss; the first
         # response token is predicted by the last prompt row)
         first = max(len(r.prompt) - 1, 0)

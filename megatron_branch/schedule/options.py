@@ -40,6 +40,11 @@ class ScheduleOptions:
     fused_logprobs: bool = True
     """Fuse the output projection with the logprob by row chunks (losses/fused_logprobs.py): a chunk's full logits
     are never materialised. Needs a BranchGPTModel; False (or another model) = megatron's output layer + logprobs."""
+    moe: Any = None
+    """A MoE policy's router options (losses/router.py MoEOptions: router losses, routing replay); None = megatron's
+    routing, no router losses. Ignored for a dense model."""
+    router_plan: Any = None
+    """Set by run_schedule for a MoE policy (the bound losses/router.py RouterPlan); not a user option."""
     logprob_chunk_rows: int = 256
     """Rows of logits alive at once in the fused path. 256 keeps the transient [rows, vocab] fp32 chunk at 32 MB
     for a 32K vocabulary (128 MB at 128K) while the chunk's GEMM stays large (256 x hidden x vocab); on the

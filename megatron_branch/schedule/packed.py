@@ -11,6 +11,7 @@ import torch
 
 from megatron_branch.data import PrefixTree
 from megatron_branch.losses.objective import Objective
+from megatron_branch.parallel.lockstep import backward
 from megatron_branch.schedule.common import ScheduleOptions, StepResult, Store, forward_chunk, prepare_chunk
 
 
@@ -28,6 +29,6 @@ def run_packed(
     with torch.set_grad_enabled(not forward_only and torch.is_grad_enabled()):
         out = forward_chunk(model, tree, chunk, bound, opts)
     if not forward_only:
-        out.loss.backward()
+        backward(model, [out.loss])  # plain autograd; paired across replicas under EP (parallel/lockstep.py)
     store.add(chunk.targets, out)
     return store.result("packed", tree, bound, opts, positions_computed=tree.positions_computed, forwards=1)

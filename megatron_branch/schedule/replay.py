@@ -38,6 +38,7 @@ import torch
 from megatron_branch.data import PrefixTree
 from megatron_branch.errors import SettingError
 from megatron_branch.losses.objective import BoundObjective, Objective
+from megatron_branch.parallel.lockstep import backward
 from megatron_branch.rules import API, check_run
 from megatron_branch.schedule.chunks import Chunk, CPChunk
 from megatron_branch.schedule.common import (
@@ -92,7 +93,7 @@ class _Replay:
     def run_leaves(self, leaves: list[int]) -> None:
         chunk, out = self._forward(leaves, capture=False)
         if not self.forward_only:
-            out.loss.backward()
+            backward(self.model, [out.loss])
         self.positions += chunk.num_real
         self.store.add(chunk.targets, out)
 
@@ -126,8 +127,7 @@ class _Replay:
         # ONE backward of the segment: its own loss and the SUM of its descendants' gradients into its state
         outputs, grads = self.cache.injection(seg_id, out.captured)
         outputs, grads = [out.loss, *outputs], [torch.ones_like(out.loss), *grads]
-        if outputs[0].requires_grad or len(outputs) > 1:
-            torch.autograd.backward(outputs, grads)
+        backward(self.model, outputs, grads)  # plain autograd; paired across replicas under EP (lockstep)
         self.cache.drop(seg_id)
         self.store.add(chunk.targets, out)
 

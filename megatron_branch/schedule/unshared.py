@@ -26,6 +26,8 @@ from megatron_branch.attention.prefix_state import ChunkSegment, ChunkTree
 from megatron_branch.data import PrefixTree
 from megatron_branch.errors import SettingError
 from megatron_branch.losses.objective import BoundObjective, Objective
+from megatron_branch.models.moe import attach_router_context
+from megatron_branch.parallel.lockstep import backward
 from megatron_branch.rules import API, check_run
 from megatron_branch.schedule.common import (
     ChunkOut,
@@ -36,6 +38,7 @@ from megatron_branch.schedule.common import (
     model_device,
     row_logprobs,
 )
+from megatron_branch.schedule.moe import router_context
 
 
 def _pack(tree: PrefixTree, rollouts: Sequence[int], pad_to: int) -> tuple[torch.Tensor, ...]:
@@ -93,7 +96,8 @@ def _forward(
         layout=layout, backend=opts.backend, recompute_layers=opts.recompute_layers, tree=roots
     )
     want_entropy = opts.keep_entropy or (bound is not None and bound.needs_entropy)
-    x, ent = row_logprobs(model, ctx, ids, pos, rows, tgt, opts, entropy=want_entropy)
+    with attach_router_context(model, router_context(opts, rollouts=rollouts, rows=ids.shape[1])):
+        x, ent = row_logprobs(model, ctx, ids, pos, rows, tgt, opts, entropy=want_entropy)
     total = x.new_zeros(())
     offset = 0
     for i in rollouts:
@@ -135,7 +139,7 @@ def _run(
         with torch.set_grad_enabled(not forward_only and torch.is_grad_enabled()):
             loss = _forward(model, tree, group, bound, opts, store)
         if not forward_only:
-            loss.backward()
+            backward(model, [loss])  # plain autograd; paired across replicas under EP (parallel/lockstep.py)
     return store.result(
         name, tree, bound, opts, positions_computed=tree.positions_logical, forwards=len(groups)
     )

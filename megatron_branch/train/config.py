@@ -29,9 +29,11 @@ from megatron_branch.errors import SettingError, Spelling, UserError
 from megatron_branch.losses.advantages import AdvantageConfig
 from megatron_branch.losses.config import ObjectiveConfig
 from megatron_branch.models.arch import ModelArch, check_schedule_supports
+from megatron_branch.models.hf_families import HYBRID_FAMILIES
 from megatron_branch.parallel.layout import ParallelLayout
 from megatron_branch.rules import TRAIN_SCHEDULES, check_run, check_sampling
 from megatron_branch.train.algorithm import resolve_algorithm
+from megatron_branch.train.moe import MoEConfig, check_moe
 
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -42,8 +44,11 @@ class ArchConfig(ModelArch):
     every field is a key; the fields below are the ones whose default differs. `resolve` is the validated arch."""
 
     family: str = "llama"
-    """"llama" (no QKV bias), "qwen2" (QKV bias), "qwen3" (q/k norms) or "qwen3_5" (a hybrid: set layer_types
-    and the linear_* widths; q/k norms, zero-centred norms and the attention output gate by default)."""
+    """"llama" (no QKV bias), "qwen2" (QKV bias), "qwen3" (q/k norms), "qwen3_5" (a hybrid: set layer_types
+    and the linear_* widths; q/k norms, zero-centred norms and the attention output gate by default), or a mixture of
+    experts on megatron's MoELayer: "qwen3_moe" (q/k norms), "mixtral", "qwen2_moe" (QKV bias; a shared expert with
+    shared_expert_ffn_hidden_size), or a MoE hybrid: "qwen3_5_moe", "qwen3_next" (as qwen3_5, with experts); MoE
+    needs num_experts, moe_top_k and moe_ffn_hidden_size."""
     vocab_size: int | None = None  # type: ignore[assignment]
     """None = the tokenizer's vocabulary size."""
     hidden_size: int = 64
@@ -59,13 +64,13 @@ class ArchConfig(ModelArch):
     max_position_embeddings: int = 1024
     """The model's context: prompt + response must fit."""
     qkv_bias: bool | None = None  # type: ignore[assignment]
-    """Bias on the Q/K/V projections; None = the family's (qwen2: true)."""
+    """Bias on the Q/K/V projections; None = the family's (qwen2, qwen2_moe: true)."""
     qk_norm: bool | None = None  # type: ignore[assignment]
-    """RMSNorm on each head's query and key; None = the family's (qwen3, qwen3_5: true)."""
+    """RMSNorm on each head's query and key; None = the family's (qwen3, qwen3_moe and the hybrids: true)."""
     zero_centered_norm: bool | None = None  # type: ignore[assignment]
-    """RMSNorm weights stored as offsets from one; None = the family's (qwen3_5: true)."""
+    """RMSNorm weights stored as offsets from one; None = the family's (the hybrids: true)."""
     attention_output_gate: bool | None = None  # type: ignore[assignment]
-    """Gated full attention (sigmoid gate from q_proj); None = the family's (qwen3_5: true)."""
+    """Gated full attention (sigmoid gate from q_proj); None = the family's (the hybrids: true)."""
 
     def __post_init__(self) -> None:
         self.resolve(1)  # ModelArch's own checks, before the tokenizer gives the vocabulary
@@ -75,12 +80,12 @@ class ArchConfig(ModelArch):
         kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(ModelArch)}
         kw["vocab_size"] = self.vocab_size or vocab_size
         if kw["qkv_bias"] is None:
-            kw["qkv_bias"] = self.family == "qwen2"
+            kw["qkv_bias"] = self.family in ("qwen2", "qwen2_moe")
         if kw["qk_norm"] is None:
-            kw["qk_norm"] = self.family in ("qwen3", "qwen3_5")
+            kw["qk_norm"] = self.family in ("qwen3", "qwen3_moe", *HYBRID_FAMILIES)
         for name in ("zero_centered_norm", "attention_output_gate"):
             if kw[name] is None:
-                kw[name] = self.family == "qwen3_5"
+                kw[name] = self.family in HYBRID_FAMILIES
         return ModelArch(**kw)
 
 
@@ -89,8 +94,8 @@ class ModelConfig:
     """The policy (and, by default, the reference and the critic's trunk)."""
 
     hf_path: str | None = None
-    """Hugging Face folder (config.json + safetensors: Llama, Qwen2, Qwen3, Qwen3.5/3.6 hybrids) to start from;
-    loaded through the converter."""
+    """Hugging Face folder (config.json + safetensors: Llama, Qwen2, Qwen3, Qwen3.5/3.6 hybrids, the mixtures of
+    experts Qwen3-MoE, Mixtral, Qwen2-MoE, Qwen3.5-MoE, Qwen3-Next) to start from; loaded through the converter."""
     arch: ArchConfig | None = None
     """A config-defined architecture with random weights (used when hf_path is not given)."""
     dtype: Literal["float32", "float64"] = "float32"
@@ -371,6 +376,8 @@ class TrainConfig:
     """Checkpoint contents."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Steps, saving, resuming, run folder."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """A mixture-of-experts policy's router losses and routing replay (train/moe.py)."""
 
     def __post_init__(self) -> None:
         validate(self)
@@ -388,6 +395,8 @@ def _config_spelling() -> Spelling:
         backend="schedule.backend",
         share_prefix="rollout.share_prefix",
         branch_at="rollout.branch_at",
+        moe="moe.*",
+        capacity_factor="moe.expert_capacity_factor",
     )
     return Spelling(names=names, assign="=")
 
@@ -771,6 +780,7 @@ def check_model(cfg: TrainConfig) -> None:
         check_schedule_supports(arch, cfg.schedule.name, cp=cfg.parallel.cp, tp=cfg.parallel.tp)
     except SettingError as e:
         raise e.spelled(SPELLING) from None
+    check_moe(cfg, arch)
     if cfg.data.max_prompt_length is not None:
         check_fits_context(
             cfg,

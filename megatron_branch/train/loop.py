@@ -26,6 +26,7 @@ from megatron_branch.checkpoint.hf_to_mcore import META_FILE
 from megatron_branch.checkpoint.store import CheckpointStore, rng_sharded_object
 from megatron_branch.data import Rollout
 from megatron_branch.errors import SettingError, UserError
+from megatron_branch.losses.router import fold_expert_metrics
 from megatron_branch.parallel.agree import agree_on_error
 from megatron_branch.parallel.groups import init_distributed, initialize_parallel
 from megatron_branch.rules import UNSHARED
@@ -35,7 +36,7 @@ from megatron_branch.train.algorithm import resolve_algorithm
 from megatron_branch.train.config import SPELLING, TrainConfig, check_fits_context, model_arch, write_resolved
 from megatron_branch.train.data import load_dataset
 from megatron_branch.train.metrics import RunLogger
-from megatron_branch.train.models import DTYPES, build_policy, frozen_copy
+from megatron_branch.train.models import DTYPES, build_policy, frozen_copy, prepare_for_layout
 from megatron_branch.train.run_dir import run_folder
 from megatron_branch.train.state import PromptOrder, capture_rng, restart_rng, restore_rng
 
@@ -158,11 +159,14 @@ class Trainer:
         for k, group in zip(slots, out.samples):
             for s in group:
                 reward = self.dataset.reward(indices[k], s.response)
-                local.append((k, s.prompt, s.response, s.logprobs, reward))
+                local.append((k, s.prompt, s.response, s.logprobs, reward, s.routed_experts))
         rows = [r for part in _gather_over(self.groups.dp, local) for r in part]
         rows.sort(key=lambda r: r[0])  # the global batch in the step's prompt order (stable within a group)
         rewards = [r[4] for r in rows]
-        rollouts = [Rollout(prompt=r[1], response=r[2], token_fields={"old_logprobs": r[3]}) for r in rows]
+        rollouts = [
+            Rollout(prompt=r[1], response=r[2], token_fields={"old_logprobs": r[3]}, routed_experts=r[5])
+            for r in rows
+        ]  # routed_experts: MoE routing replay's records (moe.router_replay: R3), else None
         stats = {
             "gen/prefill_positions": out.stats.prefill_positions,
             "gen/decode_steps": out.stats.decode_steps,
@@ -196,7 +200,7 @@ class Trainer:
             "critic/score/max": max(rewards),
             "critic/score/min": min(rewards),
             "response_length/mean": sum(resp) / len(resp),
-            **metrics,
+            **fold_expert_metrics(metrics),  # MoE: tokens per expert as one list per layer
             **gen_stats,
             "timing_s/gen": t_gen - t0,
             "timing_s/update_actor": t_upd - t_gen,
@@ -231,7 +235,7 @@ class Trainer:
             "loss": metrics.pop("loss"),
             **self._positions(pairs),
             "response_length/mean": sum(len(r.response) for r in pairs) / len(pairs),
-            **metrics,
+            **fold_expert_metrics(metrics),
             "timing_s/update_actor": step_s,
             "timing_s/step": step_s,
             "perf/throughput": self._positions(pairs)["positions_logical"] / step_s,
@@ -385,10 +389,10 @@ class Trainer:
 
         ref = build_model(
             self.arch, dtype=self.dtype, tp=self.groups.tp_size,
-            sequence_parallel=self.groups.sequence_parallel, init_weights=False,
+            sequence_parallel=self.groups.sequence_parallel, init_weights=False, ep=self.groups.ep_size,
         )  # fmt: skip
         ref.requires_grad_(False)
-        return ref
+        return prepare_for_layout(ref, self.groups)
 
     def save(self) -> Path:
         import shutil

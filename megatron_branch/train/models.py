@@ -21,7 +21,15 @@ def build_policy(
     the CPU from the default generator, seeded here identically on every rank, then slices it)."""
     if hf_path is None:
         torch.manual_seed(init_seed)
-        model = build_model(arch, dtype=dtype, tp=groups.tp_size, sequence_parallel=groups.sequence_parallel)
+        model = build_model(
+            arch,
+            dtype=dtype,
+            tp=groups.tp_size,
+            sequence_parallel=groups.sequence_parallel,
+            ep=groups.ep_size,
+        )
+        if arch.is_moe:
+            init_experts(model, arch, groups, seed=init_seed)
     else:
         from megatron_branch.checkpoint.hf_io import HFTensorReader
         from megatron_branch.checkpoint.param_map import iter_hf_to_mcore
@@ -34,9 +42,9 @@ def build_policy(
             tp=groups.tp_size,
             sequence_parallel=groups.sequence_parallel,
             init_weights=False,
+            ep=groups.ep_size,
         )
         params = dict(model.named_parameters())
-        loaded = set()
         with torch.no_grad():
             for name, full in iter_hf_to_mcore(
                 reader.keys(),
@@ -45,11 +53,45 @@ def build_policy(
                 padded_vocab=arch.padded_vocab_size(groups.tp_size),
                 where=hf_path,
             ):
-                load_full_tensor(model, name, full.to(dtype), groups.tp, params=params)
-                loaded.add(name)
-        assert loaded == set(params), sorted(set(params) ^ loaded)
+                load_full_tensor(model, name, full.to(dtype), groups.tp, params=params, ep_group=groups.ep)
     if torch.cuda.is_available():
         model.cuda()
+    return prepare_for_layout(model, groups)
+
+
+def init_experts(model: torch.nn.Module, arch: ModelArch, groups: ParallelGroups, *, seed: int) -> None:
+    """Re-draw every routed expert's weights from its own generator (layer, global expert, tensor), with megatron's
+    init methods on the full tensor, so that a random init is the same whatever the EP (and TP) layout: megatron's
+    CPU init draws each rank's LOCAL experts from one stream, so under EP2 global experts 0 and 2 would start
+    equal, and an EP2 run would not be an EP1 run."""
+    from megatron_branch.checkpoint.experts import expert_index, global_name, local_experts, rank_size
+    from megatron_branch.checkpoint.tp import full_shape, load_full_tensor
+
+    params = dict(model.named_parameters())
+    ep_rank, _ = rank_size(groups.ep)
+    n_local = local_experts(list(params))
+    cfg = model.config
+    for name, p in params.items():
+        if expert_index(name) is None:
+            continue
+        full_name = global_name(name, ep_rank, n_local)
+        layer = int(name.split(".")[2])
+        j = expert_index(full_name)[1]  # type: ignore[index]
+        which = 1 if name.endswith("linear_fc1.weight") else 2
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(((seed * 1_000_003 + layer) * 4099 + j) * 3 + which)
+            full = torch.empty(full_shape(p, groups.tp_size), dtype=torch.float32)
+            (cfg.init_method if which == 1 else cfg.output_layer_init_method)(full)
+        load_full_tensor(model, full_name, full, groups.tp, params=params, ep_group=groups.ep)
+
+
+def prepare_for_layout(model: torch.nn.Module, groups: ParallelGroups) -> torch.nn.Module:
+    """Under expert parallelism across DP replicas, the model's calls pair up between replicas
+    (parallel/lockstep.py); otherwise nothing to do."""
+    if groups.ep_spans_dp:
+        from megatron_branch.parallel import lockstep
+
+        lockstep.install(model, rows=groups.tp_size if groups.sequence_parallel else 1)
     return model
 
 
@@ -58,14 +100,19 @@ def frozen_copy(
 ) -> Any:
     """A reference model: same shards, no gradients, never stepped."""
     ref = build_model(
-        arch, dtype=dtype, tp=groups.tp_size, sequence_parallel=groups.sequence_parallel, init_weights=False
+        arch,
+        dtype=dtype,
+        tp=groups.tp_size,
+        sequence_parallel=groups.sequence_parallel,
+        init_weights=False,
+        ep=groups.ep_size,
     )
     ref.load_state_dict(unwrap(model).state_dict(), strict=True)
     ref.requires_grad_(False)
     ref.eval()
     if torch.cuda.is_available():
         ref.cuda()
-    return ref
+    return prepare_for_layout(ref, groups)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

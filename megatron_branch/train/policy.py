@@ -29,6 +29,14 @@ from megatron_branch.train.algorithm import Algorithm
 from megatron_branch.train.config import TrainConfig, optimizer_settings
 
 
+def _policy_only(key: str) -> bool:
+    """Metrics the actor's update reports for the step (the critic's own would overwrite them): the tree's
+    positions and a MoE policy's routing metrics (losses/router.py names)."""
+    from megatron_branch.losses.router import LOSS_NAMES
+
+    return key.startswith(("tree/", "moe/")) or key in LOSS_NAMES.values()
+
+
 def _settings(cfg: TrainConfig, lr: float, total_updates: int) -> Any:
     o = cfg.optim
     decay = max(total_updates - o.lr_warmup_steps, 1) if o.lr_decay_style != "constant" else None
@@ -90,13 +98,17 @@ class Actor:
         self.policy = Trainee(
             model, dtype=dtype, settings=_settings(cfg, cfg.optim.lr, updates), pgc=self.pgc
         )
+        from megatron_branch.train import moe
+
+        moe_opts = moe.options(cfg) if arch.is_moe else None
         self.sampler = BranchSampler(
             self.policy.ddp, vocab_size=arch.vocab_size, groups=groups, backend=cfg.schedule.backend,
+            record_routing=moe_opts is not None and moe_opts.routing_replay,
         )  # fmt: skip
         opts = ScheduleOptions(
             groups=groups, vocab_size=arch.vocab_size, backend=cfg.schedule.backend,
             branch_micro_batch=cfg.schedule.branch_micro_batch, recompute=cfg.schedule.recompute,
-            recompute_layers=cfg.schedule.enable_gradient_checkpointing,
+            recompute_layers=cfg.schedule.enable_gradient_checkpointing, moe=moe_opts,
         )  # fmt: skip
         micro = -(-mini // (a.ppo_micro_batch_size or mini))  # micro-batches of a mini-batch
         self.plan = UpdatePlan(
@@ -113,12 +125,15 @@ class Actor:
         g = self.groups
         critic = build_critic(
             self.arch, dtype=self.dtype, tp=g.tp_size, sequence_parallel=g.sequence_parallel,
-            head_seed=self.cfg.trainer.seed, init_weights=False,
+            head_seed=self.cfg.trainer.seed, init_weights=False, ep=g.ep_size,
         )  # fmt: skip
         missing, unexpected = critic.load_state_dict(policy.state_dict(), strict=False)
         assert not unexpected and all(k.startswith("value_head.") for k in missing), (missing, unexpected)
         if torch.cuda.is_available():
             critic.cuda()
+        from megatron_branch.train.models import prepare_for_layout
+
+        prepare_for_layout(critic, g)
         lr = self.cfg.critic.lr or self.cfg.optim.lr
         return Trainee(critic, dtype=self.dtype, settings=_settings(self.cfg, lr, updates), pgc=self.pgc)
 
@@ -204,7 +219,7 @@ class Actor:
                         self.critic.ddp, mb, ValueObjective(agg=agg, clip=cfg.critic.cliprange_value), self.plan,
                         optimizer=self.critic.optimizer, scheduler=self.critic.scheduler,
                     )  # fmt: skip
-                    metrics.update({k: v for k, v in crit.metrics.items() if not k.startswith("tree/")})
+                    metrics.update({k: v for k, v in crit.metrics.items() if not _policy_only(k)})
                 for key, v in metrics.items():
                     sums[key] = sums.get(key, 0.0) + v
                 count += 1
@@ -229,6 +244,10 @@ class Actor:
             if self.plan.schedule == "replay-stopgrad"
             else self.plan
         )
+        if plan.opts.moe is not None and plan.opts.moe.routing_replay:
+            # the reference answers were never sampled, so no routing was recorded: the warm-up routes freshly
+            moe = dataclasses.replace(plan.opts.moe, routing_replay=False)
+            plan = dataclasses.replace(plan, opts=dataclasses.replace(plan.opts, moe=moe))
         for k, batch in enumerate(batches):
             # advantage 1 on the answer tokens, token-mean: the loss is the answers' mean NLL (SFT)
             obj = AdvantagePolicyGradient(num_response_tokens=sum(len(r.response) for r in batch))

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from megatron_branch.data import PrefixTree, Rollout
 from megatron_branch.losses.objective import ObjectiveBase
+from megatron_branch.parallel import lockstep
 from megatron_branch.parallel.data import assign_groups
 from megatron_branch.parallel.groups import comm_device
 from megatron_branch.schedule import ScheduleOptions, run_schedule, score_rollouts
@@ -137,11 +138,14 @@ def attach_scores(
     todo = [i for i in mine if not (only_missing and rollouts[i].field(name) is not None)]
     scored: dict[int, tuple[float, ...]] = {}
     vocab = plan.opts.vocab_size
-    for chunk in split_micro_batches(rollouts, todo, plan.micro_batches, trees=plan.trees, vocab_size=vocab):
-        tree = plan.trees.build([rollouts[i] for i in chunk], vocab_size=vocab)
-        scores = score_rollouts(plan.schedule, model, tree, plan.opts)
-        for j, i in enumerate(chunk):
-            scored[i] = tuple(scores.logprobs[j].nan_to_num(0.0).tolist())
+    with lockstep.region(model):  # EP across DP replicas: their forwards pair up (parallel/lockstep.py)
+        for chunk in split_micro_batches(
+            rollouts, todo, plan.micro_batches, trees=plan.trees, vocab_size=vocab
+        ):
+            tree = plan.trees.build([rollouts[i] for i in chunk], vocab_size=vocab)
+            scores = score_rollouts(plan.schedule, model, tree, plan.opts)
+            for j, i in enumerate(chunk):
+                scored[i] = tuple(scores.logprobs[j].nan_to_num(0.0).tolist())
     groups = plan.opts.groups
     if groups.dp is not None and groups.dp_size > 1:
         parts: list[Any] = [None] * groups.dp_size
@@ -185,7 +189,24 @@ def accumulate_gradients(
     """Forward/backward this rank's share of the global `batch`, micro-batch by micro-batch; gradients accumulate
     in the model (not finalised). The gradient part of `update_step`, and all of `megatron-branch grad`."""
     opts = dataclasses.replace(plan.opts, keep_logprobs=keep_logprobs or plan.opts.keep_logprobs)
+    opts = moe_options_for_update(
+        opts, batch, plan
+    )  # MoE: router-loss scale, global-aux state (once per update)
     acc = Accumulated()
+    with lockstep.region(model):  # EP across DP replicas: their forwards and backwards pair up
+        _accumulate(model, batch, objective, plan, opts, acc, keep_logprobs)
+    return acc
+
+
+def _accumulate(
+    model: torch.nn.Module,
+    batch: Sequence[Rollout],
+    objective: ObjectiveBase,
+    plan: UpdatePlan,
+    opts: ScheduleOptions,
+    acc: Accumulated,
+    keep_logprobs: bool,
+) -> None:
     share = _my_share(batch, plan)
     vocab = opts.vocab_size
     for chunk in split_micro_batches(batch, share, plan.micro_batches, trees=plan.trees, vocab_size=vocab):
@@ -194,14 +215,43 @@ def accumulate_gradients(
         prepared = objective.prepare(tree, scores)
         res = run_schedule(plan.schedule, model, tree, prepared.objective, opts)
         acc.loss += res.loss if prepared.loss is None else prepared.loss
-        for k, v in (res.stats if prepared.stats is None else prepared.stats).items():
+        # a surrogate's (DPO's linear pass) own stats replace the schedule's; the routing metrics a MoE schedule
+        # adds (schedule/moe.py) are kept either way
+        stats = res.stats if prepared.stats is None else {**res.stats, **prepared.stats}
+        for k, v in stats.items():
             acc.stats[k] = acc.stats.get(k, 0.0) + v
         acc.positions_logical += res.positions_logical
         acc.positions_computed += res.positions_computed
         if keep_logprobs:
             for j, i in enumerate(chunk):
                 acc.logprobs[i] = res.rollout_logprobs(tree, j).tolist()
-    return acc
+
+
+def moe_options_for_update(
+    opts: ScheduleOptions, batch: Sequence[Rollout], plan: UpdatePlan
+) -> ScheduleOptions:
+    """A MoE policy's router losses over this update: each micro-batch's losses weighted 1 / (micro-batches of
+    all DP ranks) (megatron: 1/num_microbatches, then DDP's mean over DP), one global_aux_loss running state."""
+    if opts.moe is None or not opts.moe.losses.enabled:
+        return opts
+    from megatron_branch.losses.router import GlobalAuxState
+
+    groups = opts.groups
+    full = PrefixTree.build(list(batch))
+    shares = assign_groups(full, groups.dp_size)
+    counts = [len(split_micro_batches(batch, share, plan.micro_batches)) for share in shares]
+    total = sum(counts)
+    if opts.moe.losses.global_aux_loss_coeff and len(set(counts)) > 1:
+        from megatron_branch.errors import UserError
+
+        raise UserError(
+            f"global_aux_loss sums its counts over DP each micro-batch, but the DP ranks get {counts} micro-batches "
+            "of this batch: give every rank as many prompt groups (or fewer micro-batches)"
+        )
+    moe = dataclasses.replace(
+        opts.moe, loss_scale=1.0 / max(total, 1), global_state=GlobalAuxState(), dp_group=groups.dp
+    )
+    return dataclasses.replace(opts, moe=moe)
 
 
 def reduce_metrics(
@@ -210,8 +260,13 @@ def reduce_metrics(
     """The global metrics of an accumulation (a SUM over DP ranks; a collective over `groups.dp`); `role`
     defaults to the objective's."""
     role = role or objective.role
-    # a rank with no rollouts has no stats but must join the sum: the objective names them
+    # a rank with no rollouts has no stats but must join the sum: the objective names them; a rank without
+    # rollouts has no routing metrics either (MoE): the names are unioned over DP
     names = sorted(acc.stats) if acc.stats else sorted(objective.metric_names())
+    if groups.dp is not None and groups.dp_size > 1:
+        parts: list[Any] = [None] * groups.dp_size
+        dist.all_gather_object(parts, names, group=groups.dp)
+        names = sorted(set().union(*parts))
     local = [acc.loss, acc.positions_logical, acc.positions_computed, *[acc.stats.get(k, 0.0) for k in names]]
     total = _sum_over_dp(torch.tensor(local, dtype=torch.float64), groups)
     metrics = {f"{role}/loss": float(total[0])}

@@ -162,16 +162,21 @@ QWEN3_RUNS = [
         ("packed",),
     ),  # q/k norms summed by parallel/grads.py
     ("cp2", ["--cp", "2"], ("packed", "replay")),
+    ("dp2", [], ("naive", "replay")),  # each replica its share of the prompt groups, DDP sums
 ]
 
 
 @pytest.mark.world(2)
-def test_grad_qwen3_every_layout_float64() -> None:
+def test_grad_qwen3_every_layout() -> None:
+    """float64 at 1e-9 in every layout and schedule; float32 replay at 1e-5 under TP2+SP, CP2, DP2."""
     d, want = _setup("qwen3_untied")
     for tag, layout, schedules in QWEN3_RUNS:
         for schedule in schedules:
             got = _grad(d, f"{tag}_{schedule}", "--schedule", schedule, "--dtype", "float64", *layout)
             _check(f"qwen3 {tag} {schedule}", got, want, 1e-9)
+    for tag, layout in (("tp2sp", ["--tp", "2", "--sequence-parallel"]), ("cp2", ["--cp", "2"]), ("dp2", [])):
+        got = _grad(d, f"{tag}_replay_fp32", "--schedule", "replay", "--dtype", "float32", *layout)
+        _check(f"qwen3 {tag} replay float32", got, want, 1e-5)
 
 
 QWEN3_5_RUNS = [

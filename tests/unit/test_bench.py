@@ -154,6 +154,39 @@ def test_profile_splits_the_step_into_ops_and_the_rest() -> None:
     assert "outside any op" in markdown(report)
 
 
+def test_bench_models_with_experts_and_hybrid_layers_round_trip_their_flags() -> None:
+    """--experts and --full-attention-interval together: a Qwen3.5-MoE-style hybrid; every bench model's flags
+    describe it (model_flags is bench_model's inverse), and a bad expert flag is one line."""
+    from megatron_branch.bench.config import bench_model, model_flags
+    from megatron_branch.errors import UserError
+
+    for kw in (
+        {},
+        {"experts": 4},
+        {"full_attention_interval": 2},
+        {"experts": 4, "top_k": 1, "full_attention_interval": 2},
+    ):
+        arch = bench_model(layers=4, hidden=64, **kw)
+        assert arch.is_moe == bool(kw.get("experts")) and arch.is_hybrid == bool(
+            kw.get("full_attention_interval")
+        )
+        assert bench_model(**model_flags(arch)) == arch
+    assert bench_model(layers=4, hidden=64, experts=4, full_attention_interval=2).family == "qwen3_5_moe"
+    with pytest.raises(UserError, match="need 0 < top-k <= experts"):
+        bench_model(experts=2, top_k=3)
+
+
+def test_moe_preset_runs_megatrons_moe_layer(tmp_path, capsys) -> None:  # noqa: ANN001
+    """`bench --preset moe` (the README's MoE row) at a smoke size: a Qwen3-MoE model through every variant."""
+    out = tmp_path / "moe.json"
+    argv = ["bench", "--preset", "moe", "--prompt", "32", "--branches", "2", "--response", "4", "--rounds", "1",
+            "--no-meter", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    d = json.loads(out.read_text())
+    assert d["config"]["model"]["family"] == "qwen3_moe" and d["config"]["model"]["num_experts"] == 8
+    assert {r["variant"] for r in d["rows"]} >= {"naive-fused", "packed", "replay"}
+
+
 # --- the hybrid preset -------------------------------------------------------------------------------------------------
 def test_bench_and_planner_count_a_hybrids_flops_the_same_way() -> None:
     """The bench's analytic FLOPs (bench/flops.py) and the planner's (plan/flops.py) are ONE count for a hybrid:

@@ -21,6 +21,7 @@ SKIPPED = {
     ".venv/bin/torchrun ": "launches under torchrun: tests/distributed (one torchrun launch per world size)",
     ".venv/bin/python benchmarks/": "benchmarks are timed runs, not tests",
     "--plugin my_objectives.py": "a user's plugin file: tests/unit/test_objective_plugin.py",
+    "--routing-replay": "needs a mixture-of-experts HF folder (the tiny assets are dense): tests/unit/test_moe_commands.py",
 }
 
 

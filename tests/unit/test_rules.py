@@ -115,7 +115,7 @@ def test_rule_through_train(rule: str) -> None:
             "schedule.name=replay-stopgrad has no context par",
         ),
         (["parallel.pp=2"], "parallel.pp=2: pipeline parallelism is not in the engine yet"),
-        (["parallel.ep=2"], "parallel.ep=2: expert parallelism is not in the engine yet"),
+        (["parallel.ep=2"], "parallel.ep / moe.* need a mixture-of-experts model"),  # a dense policy
         (["rollout.n=1"], "rollout.n=1 with algorithm.name=grpo"),
         (
             ["rollout.n=1", "algorithm.name=ppo", "algorithm.adv_estimator=grpo"],

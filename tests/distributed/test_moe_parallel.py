@@ -1,0 +1,328 @@
+"""Mixture-of-experts policies under every parallel layout (the grad command, in-process on every rank).
+
+    python tests/distributed/launch.py 2 -k moe     # TP2+SP, CP2, EP2 (across the DP replicas), CP2xEP2, DP2
+    python tests/distributed/launch.py 4 -k moe     # EP2xTP2+SP (EP across replicas), EP4, TP2xCP2xEP2
+
+Router losses off: the gradient against Hugging Face's (float64, exact norms and routers), per parameter,
+--dtype float64 <= 1e-9 and float32 <= 1e-5. Router losses on: within a layout replay == packed == naive, and every
+layout with one data-parallel replica equals the others (float64 1e-9; the losses' scope is a replica's
+micro-batch, as megatron's). Expert parallelism across replicas runs the lockstep (parallel/lockstep.py); its
+dummy chunks must leave the gradient exact. Conversion: HF -> dist checkpoint at TP2 / EP2 -> HF, bit-exact. The
+MoE hybrids (Qwen3.5-MoE, Qwen3-Next) under TP2+SP, EP2, CP2 and CP2xEP2 at the gated delta rule's float32 bound
+(1e-5).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from megatron_branch.cli import main
+from megatron_branch.data import Rollout, write_rollouts_jsonl
+
+TOL = {"float64": 1e-9, "float32": 1e-5}
+
+
+def _rollouts() -> list[Rollout]:
+    """The grad matrix's tree: two prompt groups, a shared response beginning with three branches under it."""
+    gen = torch.Generator().manual_seed(11)
+
+    def rand(n: int) -> list[int]:
+        return [int(x) for x in torch.randint(10, 37, (n,), generator=gen)]
+
+    pa, pb = rand(11), rand(9)
+    return [
+        Rollout(prompt=pa, response=[3, 4, 5, 6] + rand(4), advantage=1.25),
+        Rollout(prompt=pa, response=[3, 4, 5, 7], advantage=-0.5),
+        Rollout(prompt=pa, response=[3, 4, 5, 8] + rand(2), advantage=0.75),
+        Rollout(prompt=pa, response=[9] + rand(6), advantage=-1.0),
+        Rollout(prompt=pb, response=[1] + rand(4), advantage=0.5),
+        Rollout(prompt=pb, response=[2] + rand(2), advantage=-1.5),
+    ]
+
+
+def _shared_dir() -> Path:
+    box: list[str | None] = [tempfile.mkdtemp(prefix="moe_parallel_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
+
+
+@pytest.fixture(scope="module")
+def setup() -> tuple[Path, dict[str, torch.Tensor]]:
+    """(folder with hf/ and r.jsonl, the float64 HF oracle's gradient) on every rank."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_branch.testing import (
+        exact_hf_norms,
+        exact_hf_routers,
+        hf_experts_kwargs,
+        hf_policy_gradient,
+        tiny_hf_config,
+        tiny_hf_model,
+    )
+
+    d = _shared_dir()
+    rollouts = _rollouts()
+    cfg = tiny_hf_config("qwen3_moe", heads=4, kv_heads=2)
+    if dist.get_rank() == 0:
+        tiny_hf_model(cfg, seed=4).save_pretrained(d / "hf")
+        write_rollouts_jsonl(d / "r.jsonl", rollouts)
+    dist.barrier()
+    hf = AutoModelForCausalLM.from_pretrained(
+        d / "hf", dtype=torch.float64, attn_implementation="sdpa", **hf_experts_kwargs(cfg)
+    )
+    _, grads = hf_policy_gradient(exact_hf_routers(exact_hf_norms(hf)), rollouts)
+    return d, grads
+
+
+def _grad(d: Path, name: str, schedule: str, *flags: str) -> tuple[int, dict[str, torch.Tensor], dict]:
+    out = d / f"{name}.safetensors"
+    argv = ["grad", "--hf", str(d / "hf"), "--rollouts", str(d / "r.jsonl"), "--out", str(out), "--overwrite"]
+    rc = main([*argv, "--schedule", schedule, "--branch-micro-batch", "2", *flags])
+    dist.barrier()
+    return rc, (load_file(out) if rc == 0 else {}), {}
+
+
+def _worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[float, str]:
+    assert set(got) == set(want)
+    return max(
+        (((got[n].double() - w.double()).norm() / w.double().norm().clamp(min=1e-30)).item(), n)
+        for n, w in want.items()
+    )
+
+
+LAYOUTS = {
+    2: {
+        "tp2sp": ["--tp", "2", "--sequence-parallel"],
+        "cp2": ["--cp", "2"],
+        "ep2": ["--ep", "2"],  # EP across the two DP replicas: lockstep
+        "cp2ep2": ["--cp", "2", "--ep", "2"],  # EP over the CP ranks
+        "dp2": [],
+    },
+    4: {
+        "tp2sp-ep2": ["--tp", "2", "--sequence-parallel", "--ep", "2"],  # expert TP2, EP across replicas
+        "ep4": ["--ep", "4"],  # two replicas without rollouts: all dummies
+        "tp2cp2sp-ep2": ["--tp", "2", "--cp", "2", "--sequence-parallel", "--ep", "2"],
+    },
+}
+
+
+@pytest.mark.world(2, 4)
+def test_moe_grad_matches_hf_under_every_layout(setup) -> None:
+    d, ref = setup
+    for name, layout in LAYOUTS[dist.get_world_size()].items():
+        for schedule, dtype in (("replay", "float64"), ("packed", "float32")):
+            rc, grads, _ = _grad(d, f"{name}_{schedule}_{dtype}", schedule, "--dtype", dtype, *layout)
+            assert rc == 0, (name, schedule)
+            err = _worst(grads, ref)
+            assert err[0] <= TOL[dtype], (name, schedule, dtype, err)
+
+
+@pytest.mark.world(2)
+def test_moe_router_losses_are_layout_and_schedule_invariant(setup) -> None:
+    """aux + seq_aux + z losses on, float64: replay == packed (== naive where it runs) in every layout, and the
+    layouts with one replica (TP2+SP, CP2, CP2xEP2) give one gradient; EP2 across replicas equals DP2."""
+    d, _ = setup
+    losses = ["--moe-aux-loss-coeff", "0.3", "--moe-seq-aux-loss-coeff", "0.2", "--moe-z-loss-coeff", "0.05"]
+    runs = {}
+    for name in ("tp2sp", "cp2", "cp2ep2", "ep2", "dp2"):
+        layout = LAYOUTS[2][name]
+        schedules = ("replay", "packed") if "--cp" in layout else ("replay", "packed", "naive")
+        for schedule in schedules:
+            rc, grads, _ = _grad(
+                d, f"aux_{name}_{schedule}", schedule, "--dtype", "float64", *losses, *layout
+            )
+            assert rc == 0, (name, schedule)
+            runs[name, schedule] = grads
+        for schedule in schedules[1:]:
+            assert _worst(runs[name, schedule], runs[name, "replay"])[0] <= 1e-9, (name, schedule)
+    for name in ("cp2", "cp2ep2"):
+        assert _worst(runs[name, "replay"], runs["tp2sp", "replay"])[0] <= 1e-9, name
+    assert _worst(runs["ep2", "replay"], runs["dp2", "replay"])[0] <= 1e-9
+    assert _worst(runs["dp2", "replay"], runs["tp2sp", "replay"])[0] > 1e-6  # per-replica scope: another loss
+
+
+@pytest.mark.world(2, 4)
+def test_moe_conversion_round_trips_bit_exact_at_tp_and_ep(setup) -> None:
+    """HF -> dist checkpoint built at TP2 and at EP2 (EP2 x TP2 at world 4) -> HF: every tensor bit-exact."""
+    from megatron_branch.checkpoint.hf_io import HFTensorReader
+
+    d, _ = setup
+    world = dist.get_world_size()
+    layouts = (
+        {"tp2": ["--tp", "2"], "ep2": ["--ep", "2"]} if world == 2 else {"tp2ep2": ["--tp", "2", "--ep", "2"]}
+    )
+    src = HFTensorReader(d / "hf")
+    for name, layout in layouts.items():
+        mc, back = d / f"mc_{name}", d / f"hf_{name}"
+        assert main(["convert", "hf-to-mcore", "--hf", str(d / "hf"), "--out", str(mc), *layout]) == 0
+        assert main(["convert", "mcore-to-hf", "--mcore", str(mc), "--out", str(back)]) == 0
+        dist.barrier()
+        meta = json.loads((mc / "megatron_branch.json").read_text())
+        assert meta["arch"]["num_experts"] == 4
+        dst = HFTensorReader(back)
+        assert sorted(src.keys()) == sorted(dst.keys())
+        for k in src.keys():
+            assert torch.equal(src.get(k), dst.get(k)), (name, k)
+
+
+def _train_cfg(hf: Path | None, out: Path, *overrides: str):  # noqa: ANN202
+    from megatron_branch.train.config import load_config
+
+    model = (
+        f"model.hf_path={hf}"  # the same weights under every layout (a random init draws per EP rank)
+        if hf is not None
+        else "model.arch={family: qwen3_moe, hidden_size: 16, num_layers: 2, num_attention_heads: 2, "
+        "num_query_groups: 2, ffn_hidden_size: 32, num_experts: 4, moe_top_k: 2, moe_ffn_hidden_size: 8}"
+    )
+    base = [
+        model,
+        "model.dtype=float64",
+        "data.task=kv_retrieval",
+        "data.task_args={num_pairs: 2, value_len: 2, value_chars: abcd}",
+        "data.num_prompts=16",
+        "data.train_batch_size=2",
+        "rollout.n=2",
+        "rollout.response_length=3",
+        "optim.lr=0.01",
+        "moe.router_replay=R3",
+        "moe.aux_loss_coeff=0.01",
+        "moe.z_loss_coeff=0.001",
+        f"trainer.default_local_dir={out}",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        "logging.plot=false",
+        "checkpoint.hf_export=false",
+    ]
+    return load_config(None, [*base, *overrides])
+
+
+def _train(cfg) -> tuple[object, list[list]]:  # noqa: ANN001
+    from megatron_branch.train.loop import Trainer
+
+    tr = Trainer(cfg)
+    tokens = []
+    while tr.step < cfg.trainer.total_training_steps:
+        tr.train_step()
+        tokens.append([r.response for r in tr.last_batch])
+    return tr, tokens
+
+
+def _full_params(tr) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    from megatron_branch.checkpoint.tp import gather_full_state
+    from megatron_branch.train.models import unwrap
+
+    return gather_full_state(unwrap(tr.policy), tr.groups.tp, tr.groups.ep)
+
+
+@pytest.mark.world(2)
+def test_moe_training_under_ep_equals_dp_and_resumes_exactly() -> None:
+    """A tiny Qwen3-MoE trained with routing replay (R3) and router losses: EP2 across the two DP replicas
+    (lockstep sampling, scoring and updates) trains the same run as DP2 without EP, float64; an EP2 run stopped
+    after one step and resumed (experts sharded in the dist checkpoint) equals the uninterrupted one."""
+    from megatron_branch.testing import tiny_hf_config, tiny_hf_model
+    from megatron_branch.train.loop import Trainer
+
+    d = _shared_dir()
+    hf = d / "hf"
+    vocab = Trainer(
+        _train_cfg(None, d / "probe", "trainer.total_training_steps=1")
+    ).arch.vocab_size  # the tokenizer's
+    if dist.get_rank() == 0:
+        cfg = tiny_hf_config("qwen3_moe", vocab_size=vocab, hidden_size=16, heads=2, kv_heads=2, ffn=32)
+        tiny_hf_model(cfg, seed=5).save_pretrained(hf)
+    dist.barrier()
+    dp, dp_tokens = _train(_train_cfg(hf, d / "dp2", "trainer.total_training_steps=2"))
+    a = _full_params(dp)  # now: the next run lays out the groups anew
+    ep, ep_tokens = _train(_train_cfg(hf, d / "ep2", "trainer.total_training_steps=2", "parallel.ep=2"))
+    b = _full_params(ep)
+    assert dp_tokens == ep_tokens
+    assert set(a) == set(b)
+    for n in a:
+        assert ((a[n] - b[n]).norm() / a[n].norm().clamp(min=1e-30)) <= 1e-9, n
+    part, _ = _train(_train_cfg(hf, d / "part", "trainer.total_training_steps=1", "parallel.ep=2"))
+    part.save()
+    again, tokens = _train(
+        _train_cfg(
+            hf, d / "part", "trainer.total_training_steps=2", "parallel.ep=2", "trainer.resume_mode=auto"
+        )
+    )
+    assert tokens == ep_tokens[1:]
+    c = _full_params(again)
+    for n in b:
+        assert ((b[n] - c[n]).norm() / b[n].norm().clamp(min=1e-30)) <= 1e-9, n
+
+
+HYBRIDS = {"qwen3_5_moe": {}, "qwen3_next": {"mlp_only_layers": [2]}}
+"""The MoE hybrids (GDN -> attention -> GDN, a MoE block after each; Qwen3-Next's last layer dense)."""
+HYBRID_RUNS = [
+    ("tp2sp", ["--tp", "2", "--sequence-parallel"], ("naive", "packed", "replay")),
+    ("ep2", ["--ep", "2"], ("replay",)),  # EP across the DP replicas: lockstep dummies through the GDN layers
+    ("cp2", ["--cp", "2"], ("packed", "replay")),  # GDN heads exchanged over CP, experts after them
+    ("cp2ep2", ["--cp", "2", "--ep", "2"], ("replay",)),  # EP over the CP ranks
+    ("tp2sp_fp64", ["--tp", "2", "--sequence-parallel", "--dtype", "float64"], ("replay",)),
+]
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("family", list(HYBRIDS))
+def test_moe_hybrid_grad_matches_hf_and_converts_bit_exact(family: str) -> None:
+    """Qwen3.5-MoE and Qwen3-Next: `grad` against the float64 HF oracle per parameter at the gated delta rule's
+    float32 bound (1e-5, tests/unit/test_moe_hybrid.py) under TP2+SP, EP2, CP2 (the GDN head exchange) and CP2 x EP2;
+    with router losses on, replay ==
+    packed == naive under TP2+SP (1e-5); HF -> dist checkpoint at TP2 / EP2 -> HF bit-exact."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_branch.checkpoint.hf_io import HFTensorReader
+    from megatron_branch.testing import (
+        exact_hf_norms,
+        exact_hf_routers,
+        hf_experts_kwargs,
+        hf_policy_gradient,
+        tiny_hf_config,
+        tiny_hf_model,
+    )
+
+    d = _shared_dir()
+    rollouts = _rollouts()
+    layers = ("linear_attention", "full_attention", "linear_attention")
+    cfg = tiny_hf_config(family, num_layers=3, ffn=48, layer_types=layers, moe=HYBRIDS[family])
+    if dist.get_rank() == 0:
+        tiny_hf_model(cfg, seed=4).save_pretrained(d / "hf")
+        write_rollouts_jsonl(d / "r.jsonl", rollouts)
+    dist.barrier()
+    hf = AutoModelForCausalLM.from_pretrained(
+        d / "hf", dtype=torch.float64, attn_implementation="sdpa", **hf_experts_kwargs(cfg)
+    )
+    _, ref = hf_policy_gradient(exact_hf_routers(exact_hf_norms(hf)), rollouts)
+    for name, layout, schedules in HYBRID_RUNS:
+        for schedule in schedules:
+            rc, grads, _ = _grad(d, f"{family}_{name}_{schedule}", schedule, *layout)
+            assert rc == 0, (family, name, schedule)
+            err = _worst(grads, ref)
+            assert err[0] <= 1e-5, (family, name, schedule, err)
+    losses = ["--moe-aux-loss-coeff", "0.3", "--moe-seq-aux-loss-coeff", "0.2", "--moe-z-loss-coeff", "0.05"]
+    runs = {}
+    for schedule in ("naive", "packed", "replay"):
+        rc, runs[schedule], _ = _grad(
+            d, f"{family}_aux_{schedule}", schedule, "--tp", "2", "--sequence-parallel", *losses
+        )
+        assert rc == 0, (family, "aux", schedule)
+    for schedule in ("packed", "replay"):
+        assert _worst(runs[schedule], runs["naive"])[0] <= 1e-5, (family, schedule)
+    src = HFTensorReader(d / "hf")
+    for name, layout in {"tp2": ["--tp", "2"], "ep2": ["--ep", "2"]}.items():
+        mc, back = d / f"mc_{family}_{name}", d / f"hf_{family}_{name}"
+        assert main(["convert", "hf-to-mcore", "--hf", str(d / "hf"), "--out", str(mc), *layout]) == 0
+        assert main(["convert", "mcore-to-hf", "--mcore", str(mc), "--out", str(back)]) == 0
+        dist.barrier()
+        dst = HFTensorReader(back)
+        assert sorted(src.keys()) == sorted(dst.keys())
+        for k in src.keys():
+            assert torch.equal(src.get(k), dst.get(k)), (family, name, k)

@@ -1,0 +1,162 @@
+"""The planner for mixture-of-experts models: parameter counts (a built megatron MoE model; the published
+Qwen3-30B-A3B's 30.5B total / 3.3B active), FLOPs of the top-k experts against torch's FlopCounterMode (exact),
+saved activations against the activation meter (within the planner's tolerance), expert parameters per EP rank,
+and the `plan` command on the `qwen3-30b-a3b` preset at the 2.1M-position target on 8 x H20. MoE hybrids (Qwen3.5-MoE,
+Qwen3-Next: a MoE block after the GDN layers too): parameters, FLOPs exact, saved bytes of a replay step against
+the meter (measured 1.1% and 1.0% off), and the `qwen3.5-35b-a3b` preset at the target.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_branch.cli import main
+from megatron_branch.models import ModelArch, build_model
+from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
+from megatron_branch.plan import MODEL_PRESETS, Layout, RolloutShape
+from megatron_branch.plan.flops import step_flops
+from megatron_branch.plan.measure import measure_step
+from megatron_branch.plan.memory import static_bytes, step_peak
+from megatron_branch.plan.model import parameter_count
+from megatron_branch.testing import tiny_hf_config
+
+TOL = 0.15  # the planner's stated tolerance against the meter (tests/unit/test_plan.py)
+SHAPE = RolloutShape(prompt_length=64, responses=6, response_length=12, shared_response_length=4)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _single_rank() -> None:
+    initialize_parallel(ParallelConfig())
+
+
+def tiny(family: str, **moe: object) -> tuple[ModelArch, torch.nn.Module]:
+    arch = ModelArch.from_hf_config(tiny_hf_config(family, hidden_size=32, num_layers=3, moe=moe or None))
+    torch.manual_seed(0)
+    return arch, build_model(arch, dtype=torch.float32)
+
+
+def test_parameter_counts() -> None:
+    for family, moe in (("qwen2_moe", {"mlp_only_layers": [1]}), ("qwen3_moe", {}), ("mixtral", {})):
+        arch, model = tiny(family, **moe)
+        assert parameter_count(arch)["total"] == sum(p.numel() for p in model.parameters()), family
+    pc = parameter_count(MODEL_PRESETS["qwen3-30b-a3b"])
+    active = pc["total"] - pc["experts"] + pc["active_experts"]
+    assert round(pc["total"] / 1e9, 1) == 30.5 and round(active / 1e9, 1) == 3.4  # "30.5B, 3.3B activated"
+
+
+@pytest.mark.parametrize("family,moe", [("qwen2_moe", {"mlp_only_layers": [1]}), ("qwen3_moe", {})])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_flops_exact_and_bytes_match_the_meter(family: str, moe: dict, recompute: bool) -> None:
+    arch, model = tiny(family, **moe)
+    got = measure_step(model, SHAPE, vocab=37, branch_micro_batch=4, recompute=recompute, count_flops=True)
+    fl = step_flops(arch, SHAPE, "replay", Layout(recompute="selective" if recompute else "none"))
+    assert fl.dense + fl.logits == pytest.approx(got.matmul_flops, rel=1e-9)  # every token: exactly k experts
+    pk = step_peak(arch, SHAPE, Layout(), act_bytes=4, branch_micro_batch=4, segment_recompute=recompute,
+                   layer_recompute=False)  # fmt: skip
+    assert pk.saved == pytest.approx(got.saved_peak, rel=TOL), (pk, got)
+
+
+def test_planted_error_in_the_expert_terms_is_caught() -> None:
+    """A planner that forgot the experts' saved tensors (top-k 1 instead of 2) is far off the meter."""
+    arch, model = tiny("qwen3_moe")
+    got = measure_step(model, SHAPE, vocab=37, branch_micro_batch=4)
+    wrong = ModelArch(**{**arch.to_dict(), "moe_top_k": 1})
+    pk = step_peak(wrong, SHAPE, Layout(), act_bytes=4, branch_micro_batch=4)
+    right = step_peak(arch, SHAPE, Layout(), act_bytes=4, branch_micro_batch=4)
+    err, err_right = abs(pk.saved - got.saved_peak), abs(right.saved - got.saved_peak)
+    assert err > 0.08 * got.saved_peak and err > 2 * err_right, (err, err_right, got.saved_peak)  # 10% vs 4%
+
+
+def test_experts_split_over_ep_and_their_state_over_expert_dp() -> None:
+    arch = MODEL_PRESETS["qwen3-30b-a3b"]
+    pc = parameter_count(arch)
+    one = static_bytes(arch, Layout(cp=8))
+    eight = static_bytes(arch, Layout(cp=8, ep=8))
+    assert one["expert_parameters_per_rank"] == pc["experts"]
+    assert eight["expert_parameters_per_rank"] == pc["experts"] // 8
+    # EP8 over 8 ranks leaves one replica of each expert: its Adam state is not sharded further
+    assert eight["optimizer_state"] > static_bytes(arch, Layout(cp=8, ep=4))["optimizer_state"] / 2
+
+
+def test_plan_qwen3_30b_a3b_at_the_target(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--model", "qwen3-30b-a3b", "--prompt-length", "122880", "--responses", "16",
+            "--response-length", "8192", "--gpus", "8", "--gpu", "h20", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    p = json.loads(out[-1])
+    assert p["shape"]["positions_logical"] == 2_097_152
+    assert {"tp", "cp", "dp", "ep", "recompute"} == set(p["layout"])
+    mem = p["memory_bytes_per_rank"]
+    assert mem["dispatcher"] > 0 and mem["expert_parameters"] > 0
+    assert p["flops"]["naive"] > 3 * p["flops"]["replay"]
+    assert "expert_alltoall" in p["step_time"]
+    fixed = argv[:-1] + ["--tp", "1", "--cp", "8", "--dp", "1", "--ep", "8", "--recompute", "full", "--json"]
+    assert main(fixed) == 0
+    q = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert q["layout"]["ep"] == 8
+    assert q["memory_bytes_per_rank"]["expert_parameters"] * 8 == pytest.approx(
+        2 * parameter_count(MODEL_PRESETS["qwen3-30b-a3b"])["experts"], rel=1e-6
+    )
+    assert main([*argv[:-1], "--ep", "3"]) == 2  # 3 does not divide cp * dp = 8
+
+
+# --- MoE hybrids: a MoE block after GDN layers too ------------------------------------------------------------------
+HYBRID_LAYERS = ("linear_attention", "full_attention", "linear_attention")
+
+
+def tiny_hybrid(family: str, **moe: object) -> tuple[ModelArch, torch.nn.Module]:
+    """Experts as wide as the dense MLP, every one of the 4 taken: their saved tensors weigh against the GDN's."""
+    moe = {"moe_intermediate_size": 64, "num_experts_per_tok": 4, **moe}
+    cfg = tiny_hf_config(family, hidden_size=32, num_layers=3, layer_types=HYBRID_LAYERS, moe=moe)
+    arch = ModelArch.from_hf_config(cfg)
+    torch.manual_seed(0)
+    return arch, build_model(arch, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("family,moe", [("qwen3_5_moe", {}), ("qwen3_next", {"mlp_only_layers": [2]})])
+def test_moe_hybrid_parameters_flops_and_bytes(family: str, moe: dict) -> None:
+    """Every layer kind with either MLP slot: the built model's parameters; the FLOPs of one sequence through
+    megatron's own layers exactly (as tests/unit/test_plan_hybrid.py counts a hybrid's); the saved bytes of a replay
+    step (GDN states at the forks, the experts after the GDN layers) within the tolerance, and a planner without the
+    MoE terms outside it."""
+    from test_plan_hybrid import _counter_conv_backward
+
+    arch, model = tiny_hybrid(family, **moe)
+    assert parameter_count(arch)["total"] == sum(p.numel() for p in model.parameters())
+    one = RolloutShape(prompt_length=150, responses=1, response_length=20)
+    got = measure_step(model, one, vocab=37, schedule="naive-fused", count_flops=True)
+    fl = step_flops(arch, one, "packed")
+    n = fl.positions
+    conv_fwd = 2 * (2 * arch.linear_qk_dim + arch.linear_v_dim) * arch.linear_conv_kernel_dim * (n + 3)
+    counted = fl.dense + fl.logits + fl.linear_attention
+    counted += arch.num_linear_layers * (_counter_conv_backward(arch, n) - 2 * conv_fwd)
+    assert got.matmul_flops == counted  # every token through exactly k experts and the shared one
+    got = measure_step(model, SHAPE, vocab=37, branch_micro_batch=4)
+    pk = step_peak(arch, SHAPE, Layout(), act_bytes=4, branch_micro_batch=4, segment_recompute=False,
+                   layer_recompute=False, gdn_kernel="torch")  # fmt: skip
+    assert pk.saved == pytest.approx(got.saved_peak, rel=TOL), (pk, got)
+    dense = ModelArch(**{**arch.to_dict(), "num_experts": 0, "moe_top_k": 0, "moe_ffn_hidden_size": 0,
+                         "shared_expert_ffn_hidden_size": 0, "shared_expert_gate": False, "family": "qwen3_5",
+                         "moe_layer_pattern": None})  # fmt: skip
+    wrong = step_peak(dense, SHAPE, Layout(), act_bytes=4, branch_micro_batch=4, segment_recompute=False,
+                      layer_recompute=False, gdn_kernel="torch")  # fmt: skip
+    assert abs(wrong.saved - got.saved_peak) > 2 * abs(pk.saved - got.saved_peak)  # the MoE terms count
+
+
+def test_plan_qwen3_5_35b_a3b_at_the_target(capsys: pytest.CaptureFixture[str]) -> None:
+    """The 35B-A3B-class MoE hybrid (Qwen3.5-35B-A3B's published text config): 34.7B parameters without the
+    vision tower and MTP head, 3.5B of them active per token, and a plan at 2.1M positions on 8 x H20."""
+    pc = parameter_count(MODEL_PRESETS["qwen3.5-35b-a3b"])
+    active = pc["total"] - pc["experts"] + pc["active_experts"]
+    assert round(pc["total"] / 1e9, 1) == 34.7 and round(active / 1e9, 1) == 3.5
+    argv = ["plan", "--model", "qwen3.5-35b-a3b", "--prompt-length", "130048", "--responses", "16",
+            "--response-length", "1024", "--gpus", "8", "--gpu", "h20", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    p = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert p["shape"]["positions_logical"] == 2_097_152 and p["fits"]
+    mem = p["memory_bytes_per_rank"]
+    assert mem["dispatcher"] > 0 and mem["expert_parameters"] > 0 and mem["total"] <= 96e9
+    assert p["flops"]["naive"] > 5 * p["flops"]["replay"]
