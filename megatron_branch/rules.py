@@ -20,6 +20,13 @@ Rules (a flag that would do nothing is refused, not ignored):
                                        parent (models/gdn.py) in naive (megatron's own layer), naive-fused,
                                        packed, packed-nosharing and replay; replay-stopgrad (prompt K/V held
                                        constant) has no meaning defined for a recurrent state
+    the pipeline runs the tree         under pipeline parallelism (pp > 1) the stages run replay's or packed's
+                                       walk (schedule/pipeline.py) or naive-fused's rollouts; naive,
+                                       packed-nosharing and the stop-gradient comparison are not pipelined
+    stages split the layers            each stage holds num_layers / pp consecutive layers (megatron's even
+                                       split)
+    what the pipeline does not run     interleaved (virtual) stages, hybrid (gated delta net) models,
+                                       mixture-of-experts models, the PPO critic: not pipelined yet
     GDN heads split over CP            a hybrid's gated delta net layer runs under CP by the head exchange (each CP
                                        rank runs a block of a TP rank's heads over the whole chunk,
                                        models/gdn_heads.py): the value heads per TP rank must divide by cp and the
@@ -121,6 +128,66 @@ def check_hybrid_schedule(schedule: str, *, model: str) -> None:
         )
 
 
+PIPELINE_SCHEDULES = ("replay", "packed", "naive-fused")
+"""Schedules that run under pipeline parallelism (schedule/pipeline.py; naive-fused: the benchmark's fair
+baseline)."""
+
+
+def check_pipeline(
+    schedule: str,
+    *,
+    pp: int,
+    num_layers: int | None = None,
+    virtual: int | None = None,
+    hybrid: bool = False,
+    critic: bool = False,
+    moe: bool = False,
+) -> None:
+    """Refuse what pipeline parallelism cannot run (see the module doc): a SettingError, command-line wording.
+    `num_layers`: the model's (when known); `virtual`: megatron's virtual_pipeline_model_parallel_size."""
+    if virtual not in (None, 1):
+        raise SettingError(
+            lambda s: (
+                f"{s.value('vp', virtual)}: interleaved (virtual) pipeline stages are not supported; branch replay "
+                "runs one contiguous block of layers per stage"
+            )
+        )
+    if pp == 1:
+        return
+    if schedule not in PIPELINE_SCHEDULES:
+        raise SettingError(
+            lambda s: (
+                f"{s.value('schedule', schedule)} has no pipeline parallelism; use {s.name('schedule')} replay or "
+                f"packed (or naive-fused, the baseline) with {s.value('pp', pp)}"
+            )
+        )
+    if num_layers is not None and num_layers % pp:
+        raise SettingError(
+            lambda s: (
+                f"{s.value('pp', pp)} does not divide the model's {num_layers} layers (each stage holds "
+                "num_layers / pp consecutive layers)"
+            )
+        )
+    if hybrid:
+        raise SettingError(
+            lambda s: (
+                f"{s.value('pp', pp)}: pipeline parallelism cannot run a hybrid (gated delta net) model yet; "
+                f"use {s.value('pp', 1)}"
+            )
+        )
+    if critic:
+        raise SettingError(
+            lambda s: f"{s.value('pp', pp)}: the PPO critic is not pipelined yet; use {s.value('pp', 1)}"
+        )
+    if moe:
+        raise SettingError(
+            lambda s: (
+                f"{s.value('pp', pp)}: pipeline parallelism cannot run a mixture-of-experts model yet (its router "
+                f"losses and routing replay are bound per step, not per stage); use {s.value('pp', 1)}"
+            )
+        )
+
+
 def gdn_context_parallel_sizes(*, key_heads: int, value_heads: int, tp: int) -> list[int]:
     """CP sizes whose head blocks split a gated delta net layer on a TP rank (the rule below)."""
     nk, nv = key_heads // tp, value_heads // tp
@@ -205,6 +272,8 @@ API = Spelling(
     names={
         "schedule": "schedule",
         "cp": "cp_size",
+        "pp": "pp_size",
+        "vp": "vp_size",
         "tp": "tp_size",
         "recompute": "ScheduleOptions.recompute",
         "recompute_layers": "ScheduleOptions.recompute_layers",

@@ -32,9 +32,12 @@ def tiny_arch() -> ModelArch:
     )
 
 
-def build_patched_gpt(arch: ModelArch, *, tp: int = 1, sp: bool = False, seed: int = 0) -> GPTModel:
+def build_patched_gpt(
+    arch: ModelArch, *, tp: int = 1, sp: bool = False, seed: int = 0, pp: int = 1, pp_rank: int = 0
+) -> GPTModel:
     """What a user's run builds, after the model-side patch: megatron's local spec, our attention slot, RoPE
-    following position ids (norms: the torch norm that supports SP on CPU)."""
+    following position ids (norms: the torch norm that supports SP on CPU); under PP the stage's GPTModel
+    (pre_process / post_process, its layers' specs, megatron's pipeline config)."""
     apply_cpu_shims()
     from megatron.core import tensor_parallel
 
@@ -45,11 +48,18 @@ def build_patched_gpt(arch: ModelArch, *, tp: int = 1, sp: bool = False, seed: i
     spec.submodules.pre_mlp_layernorm = TorchNorm
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+    piped = {"pipeline_model_parallel_size": pp, "pipeline_dtype": torch.float32} if pp > 1 else {}
+    if pp > 1:
+        from megatron_branch.compat.pipeline import apply_pipeline_shims
+
+        apply_pipeline_shims()
     model = GPTModel(
-        config=arch.to_transformer_config(dtype=torch.float32, tp=tp, sequence_parallel=sp),
+        config=arch.to_transformer_config(dtype=torch.float32, tp=tp, sequence_parallel=sp, **piped),
         transformer_layer_spec=TransformerBlockSubmodules(
-            layer_specs=[spec] * arch.num_layers, layer_norm=TorchNorm
+            layer_specs=[spec] * (arch.num_layers // pp), layer_norm=TorchNorm
         ),
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp - 1,
         vocab_size=arch.padded_vocab_size(tp),
         max_sequence_length=256,
         position_embedding_type="rope",
@@ -58,8 +68,12 @@ def build_patched_gpt(arch: ModelArch, *, tp: int = 1, sp: bool = False, seed: i
     return enable_position_rope(model)
 
 
-def megatron_naive_step(model: GPTModel, rollouts: list[Rollout], tp_group: Any = None) -> list[dict]:
-    """megatron's own forward_backward_no_pipelining, one rollout per micro-batch, the GRPO loss in loss_func."""
+def megatron_naive_step(
+    model: GPTModel, rollouts: list[Rollout], tp_group: Any = None, seq_length: int = 0
+) -> list[dict]:
+    """megatron's own schedule, one rollout per micro-batch, the GRPO loss in loss_func: forward_backward_no_
+    pipelining, or under PP its 1F1B pipeline (messages of `seq_length` rows, or of each rollout's length with
+    `config.variable_seq_lengths`; the loss dicts on the last stage only)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_fb
 
     T = sum(len(r.response) for r in rollouts)
@@ -87,7 +101,7 @@ def megatron_naive_step(model: GPTModel, rollouts: list[Rollout], tp_group: Any 
         data_iterator=iter([[r] for r in rollouts]),
         model=[model],
         num_microbatches=n,
-        seq_length=0,
+        seq_length=seq_length,
         micro_batch_size=1,
     )
 

@@ -8,7 +8,7 @@
 # -> does NOT fit on 8 x H20: 194.2 GB per rank at TP2 x CP4 even with full recompute (largest term:
 #    gradients, 65.5 GB). The planner's nearest: TP4 x CP2 + full recompute on 8 x H200 (140.6 GB of 141), or 16 x H20
 #    (TP8 x CP2); with the optimizer state offloaded to the host (a training run), TP8 +
-#    full recompute fits on 8 x H20 (docs/planner.md); pipeline parallel is not in the engine.
+#    full recompute fits on 8 x H20 (docs/planner.md); the search, PP included, keeps it.
 #
 # Runs `megatron-branch grad` (the training command `megatron-branch train` had not landed when this was written;
 # grad computes the same exact gradient in float32, without an optimizer step). Before launching, the planner is

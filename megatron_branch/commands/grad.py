@@ -2,7 +2,7 @@
 
 Contract (stable; other tools rely on it):
     megatron-branch grad --hf DIR --rollouts FILE.jsonl --out GRADS.safetensors
-        [--schedule replay|packed|naive] [--dtype float32|float64] [--tp N] [--cp N] [--sequence-parallel]
+        [--schedule replay|packed|naive] [--dtype float32|float64] [--tp N] [--cp N] [--pp N] [--sequence-parallel]
         [--logprobs-out LP.jsonl] [--grad-sync ddp|manual]
 Loss (--objective pg, the default; on-policy GRPO form): L = -(1/T) sum_i sum_{t in response_i} A_i logp(i,t),
 T = all response tokens.
@@ -26,7 +26,8 @@ Mixture-of-experts policies (Qwen3-MoE, Mixtral, Qwen2-MoE; docs/design.md "Mixt
                                  megatron's router losses, every token weighted by its multiplicity
     --routing-replay             route recorded tokens to the rollouts' routed_experts (JSONL field)
     --moe-expert-capacity-factor F   token dropping: naive only (the tree schedules refuse it)
-Runs single-process or under `torchrun --nproc_per_node N -m megatron_branch grad ...` (world = tp*cp*dp).
+Runs single-process or under `torchrun --nproc_per_node N -m megatron_branch grad ...` (world = tp*cp*pp*dp;
+--pp: the layers in pipeline stages, replay or packed, schedule/pipeline.py).
 With more than one process the gradients are reduced by megatron-core's DistributedDataParallel and
 finalize_model_grads (--grad-sync ddp, the default) or by megatron_branch.parallel.grads (--grad-sync manual).
 """
@@ -73,6 +74,12 @@ def add_grad_command(sub: Any) -> None:
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (ring attention)")
+    p.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline-parallel stages (replay or packed; must divide the layers)",
+    )
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallel over the TP group")
     p.add_argument(
         "--ep",
@@ -293,7 +300,7 @@ def run_grad(args: argparse.Namespace) -> int:
     """The thin command around the update's gradient part (update.accumulate_gradients + finalize)."""
     from megatron_branch.checkpoint.hf_io import HFTensorReader, load_hf_config
     from megatron_branch.checkpoint.param_map import mcore_to_hf_state
-    from megatron_branch.checkpoint.tp import gather_full_grads
+    from megatron_branch.checkpoint.stages import gather_model_grads
     from megatron_branch.data import PrefixTree, read_rollouts_jsonl
     from megatron_branch.losses.router import fold_expert_metrics
     from megatron_branch.models import ModelArch
@@ -301,7 +308,7 @@ def run_grad(args: argparse.Namespace) -> int:
     from megatron_branch.parallel.data import assign_groups
     from megatron_branch.parallel.groups import init_distributed, initialize_parallel
     from megatron_branch.parallel.layout import ParallelLayout
-    from megatron_branch.rules import check_run
+    from megatron_branch.rules import check_pipeline, check_run
     from megatron_branch.schedule import ScheduleOptions
     from megatron_branch.update import UpdatePlan, accumulate_gradients, finalize, reduce_metrics
 
@@ -309,7 +316,9 @@ def run_grad(args: argparse.Namespace) -> int:
 
     def validate() -> tuple[Any, ...]:
         # Everything the user gave, before any collective or model work (on every rank, one verdict).
-        pcfg = ParallelLayout(tp=args.tp, cp=args.cp, sequence_parallel=args.sequence_parallel, ep=args.ep)
+        pcfg = ParallelLayout(
+            tp=args.tp, cp=args.cp, pp=args.pp, sequence_parallel=args.sequence_parallel, ep=args.ep
+        )
         pcfg.check_no_op()
         check_run(args.schedule, cp=pcfg.cp, recompute=args.recompute, recompute_layers=args.recompute_layers,
                   backend=args.backend)  # fmt: skip
@@ -322,6 +331,9 @@ def run_grad(args: argparse.Namespace) -> int:
         _check_output(args.logprobs_out, args.overwrite)
         arch = ModelArch.from_hf_config(load_hf_config(args.hf), where=os.path.join(args.hf, "config.json"))
         arch.check_tensor_parallel(pcfg.tp)
+        check_pipeline(
+            args.schedule, pp=pcfg.pp, num_layers=arch.num_layers, hybrid=arch.is_hybrid, moe=arch.is_moe
+        )
         check_schedule_supports(arch, args.schedule, cp=pcfg.cp, tp=pcfg.tp)
         moe = moe_options(args, arch)
         HFTensorReader(args.hf)  # every shard's header is read now: a broken file fails before any work
@@ -385,7 +397,7 @@ def run_grad(args: argparse.Namespace) -> int:
     )
     finalize(ddp if ddp is not None else model, plan)
     metrics = reduce_metrics(acc, objective, groups)
-    grads = mcore_to_hf_state(gather_full_grads(model, groups.tp, groups.ep), arch)
+    grads = mcore_to_hf_state(gather_model_grads(model, groups), arch)
 
     lp_rows: list[tuple[int, list[float]]] = sorted(acc.logprobs.items())
     if args.logprobs_out is not None and groups.dp_size > 1:
@@ -406,6 +418,7 @@ def run_grad(args: argparse.Namespace) -> int:
         "tp": groups.tp_size,
         "cp": groups.cp_size,
         "dp": groups.dp_size,
+        "pp": groups.pp_size,
         "sequence_parallel": groups.sequence_parallel,
         "ep": groups.ep_size,
         "out": args.out,
@@ -422,29 +435,24 @@ def run_grad(args: argparse.Namespace) -> int:
 def load_policy(
     hf_dir: str, arch: Any, groups: Any, dtype: torch.dtype, *, capacity_factor: float | None = None
 ) -> torch.nn.Module:
-    """The megatron-core model of `arch` on this rank with the HF weights of `hf_dir` (TP shards, this EP rank's
-    experts), on this rank's GPU when there is one. `capacity_factor`: a MoE's token dropping (naive only)."""
+    """The megatron-core model of `arch` on this rank with the HF weights of `hf_dir` (its pipeline stage's
+    tensors, TP shards, this EP rank's experts), on this rank's GPU when there is one. `capacity_factor`: a MoE's
+    token dropping (naive only)."""
     from megatron_branch.checkpoint.hf_io import HFTensorReader
     from megatron_branch.checkpoint.param_map import iter_hf_to_mcore
-    from megatron_branch.checkpoint.tp import load_full_tensor
+    from megatron_branch.checkpoint.stages import load_stage
     from megatron_branch.models import build_model
 
     reader = HFTensorReader(hf_dir)
     extra = {} if capacity_factor is None else {"moe_expert_capacity_factor": capacity_factor}
     model = build_model(
-        arch,
-        dtype=dtype,
-        tp=groups.tp_size,
-        sequence_parallel=groups.sequence_parallel,
-        ep=groups.ep_size,
-        **extra,
+        arch, dtype=dtype, tp=groups.tp_size, sequence_parallel=groups.sequence_parallel, ep=groups.ep_size,
+        pp=groups.pp_size, pp_rank=groups.pp_rank, **extra,
+    )  # fmt: skip
+    tensors = iter_hf_to_mcore(
+        reader.keys(), reader.get, arch, padded_vocab=arch.padded_vocab_size(groups.tp_size), where=hf_dir
     )
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, full in iter_hf_to_mcore(
-            reader.keys(), reader.get, arch, padded_vocab=arch.padded_vocab_size(groups.tp_size), where=hf_dir
-        ):
-            load_full_tensor(model, name, full.to(dtype), groups.tp, params=params, ep_group=groups.ep)
+    load_stage(model, ((name, full.to(dtype)) for name, full in tensors), groups)
     if torch.cuda.is_available():  # weights are loaded on the host, then the model moves to this rank's GPU
         model.cuda()
     return model

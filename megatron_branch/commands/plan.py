@@ -3,13 +3,14 @@
     megatron-branch plan --model PRESET|CONFIG.json --prompt-length P --responses G --response-length S
         [--prompts N] [--shared-response-length K] --gpus N --gpu h20|h100|h200
         [--gpu-memory-gb M --gpu-tflops T --link-gbps B] [--host-memory-gb H --host-link-gbps L]
-        [--tp N --cp N --dp N --recompute none|selective|full] [--ep N] [--optimizer plain|distributed]
-        [--offload-fraction F] [--branch-micro-batch B] [--schedule replay|packed|naive] [--json]
+        [--node-link-gbps B] [--tp N --cp N --pp N --dp N --recompute none|selective|full] [--ep N]
+        [--optimizer plain|distributed] [--offload-fraction F] [--branch-micro-batch B]
+        [--schedule replay|packed|naive] [--json]
 
 A mixture-of-experts model (qwen3-30b-a3b, or a Qwen3-MoE / Mixtral / Qwen2-MoE config.json) adds expert
 parallelism (--ep, searched when not given), its expert parameters per EP rank, the dispatcher's buffers and the
 top-k experts' FLOPs.
-With --json the last stdout line is one JSON object: fits, layout {tp, cp, dp, recompute} (+ ep for MoE),
+With --json the last stdout line is one JSON object: fits, layout {tp, cp, dp, pp, recompute} (+ ep for MoE),
 memory_bytes_per_rank (one key per term and total), flops {naive, replay, ratio, ...}, step_time_s, optimizer
 {name, use_distributed_optimizer, optimizer_cpu_offload, optimizer_offload_fraction}, host_memory_bytes_per_node,
 host_memory_bytes_per_rank (by term), branch_micro_batch, rejected (per other layout: its best choice and why it
@@ -47,9 +48,15 @@ def add_plan_command(sub: Any) -> None:
         "--host-adam-gbps", type=float, help="host memory GB/s one rank's CPU Adam gets (default 25)"
     )
     p.add_argument("--gpus-per-node", type=int, help="GPUs sharing one host's memory (default 8)")
+    p.add_argument(
+        "--node-link-gbps",
+        type=float,
+        help="per-GPU GB/s between nodes, for groups spanning nodes (default 50)",
+    )
     p.add_argument("--tp", type=int)
     p.add_argument("--cp", type=int)
     p.add_argument("--dp", type=int)
+    p.add_argument("--pp", type=int, help="pipeline stages (replay or packed; default: searched 1, 2, 4, 8)")
     p.add_argument("--recompute", choices=RECOMPUTE)
     p.add_argument("--ep", type=int, help="expert-parallel size of a MoE model (inside cp x dp)")
     p.add_argument("--schedule", choices=SCHEDULES, default="replay")
@@ -89,6 +96,7 @@ def run_plan(args: argparse.Namespace) -> int:
             ("host_link_gbps", args.host_link_gbps),
             ("host_adam_gbps", args.host_adam_gbps),
             ("gpus_per_node", args.gpus_per_node),
+            ("node_link_gbps", args.node_link_gbps),
         )
         if v is not None
     }
@@ -116,6 +124,7 @@ def run_plan(args: argparse.Namespace) -> int:
         tp=args.tp,
         cp=args.cp,
         dp=args.dp,
+        pp=args.pp,
         recompute=args.recompute,
         schedule=args.schedule,
         ep=args.ep,
@@ -142,7 +151,7 @@ def render(p: Plan, fixes: list[str]) -> str:
         + (f", {s.shared_response_length} shared" if s.shared_response_length else "")
         + f") = {s.positions_logical:,} positions ({s.positions_computed:,} distinct) on {p.gpus} x {p.gpu.name} "
         f"({p.gpu.memory_gb:g} GB, {p.gpu.tflops:g} TFLOP/s, {p.gpu.link_gbps:g} GB/s)",
-        f"layout: tp {lay.tp} x cp {lay.cp} x dp {lay.dp}"
+        f"layout: tp {lay.tp} x cp {lay.cp} x pp {lay.pp} x dp {lay.dp}"
         + (f" (ep {lay.ep})" if p.arch.is_moe else "")
         + f", recompute {lay.recompute}, schedule {p.schedule}, {p.dtype}, optimizer {p.optimizer.name}, "
         f"branch micro-batch {p.branch_micro_batch}",
@@ -178,6 +187,7 @@ def render(p: Plan, fixes: list[str]) -> str:
         + f"TP comm {t['tensor_parallel_comm']:.2f} s, grad reduce {t['grad_reduce']:.2f} s"
         + (f", expert all-to-all {t['expert_alltoall']:.2f} s" if p.arch.is_moe else "")
         + f", offload copies {t['offload_transfer']:.2f} s, host Adam {t['host_optimizer_step']:.2f} s"
+        + f", pipeline bubble {t['pipeline_bubble']:.1f} s, stage messages {t['pipeline_messages']:.2f} s"
     )
     for n in p.notes:
         lines.append(f"note: {n}")
@@ -186,7 +196,7 @@ def render(p: Plan, fixes: list[str]) -> str:
         for r in p.rejected:
             lay_r = r["layout"]
             lines.append(
-                f"  tp {lay_r['tp']} x cp {lay_r['cp']} x dp {lay_r['dp']}"
+                f"  tp {lay_r['tp']} x cp {lay_r['cp']} x pp {lay_r['pp']} x dp {lay_r['dp']}"
                 + (f" (ep {lay_r['ep']})" if "ep" in lay_r else "")
                 + f", {lay_r['recompute']:<9} "
                 f"{r['optimizer']}, bmb {r['branch_micro_batch']}: {r['reason']}"

@@ -17,7 +17,14 @@ kind of list, with these differences, all deliberate:
   schedule) and the configured objective is the loss (default: on-policy GRPO, `-(1/T) sum A_i logp` with T the
   response tokens of the whole step over all DP ranks). It is accepted so that the call site does not change.
 * `seq_length`, `micro_batch_size`, `decoder_seq_length`, `first_val_step`, `collect_non_loss_data`,
-  `adjust_tensor_shapes_fn`, `p2p_communicator`, `force_all_reduce` are accepted and unused (no pipeline).
+  `adjust_tensor_shapes_fn`, `p2p_communicator` are accepted and unused: every message's shape comes from the tree
+  (`force_all_reduce` is passed on to finalize_model_grads).
+* Pipeline parallelism (megatron's parallel_state with pipeline_model_parallel_size > 1, one model chunk per
+  stage: the stage's GPTModel(pre_process=, post_process=)): the step runs on every stage (schedule/pipeline.py,
+  replay or packed). The rollouts are read on the FIRST stage only (megatron builds data iterators on the first
+  and last stages; elsewhere `data_iterator` may be None) and broadcast over the pipeline group, so every stage
+  builds the same prefix tree. As megatron's pipeline schedules do, only the last stage returns the loss dicts
+  (the others return []); interleaved (virtual) stages are refused in one line.
 * `forward_only=True` runs no backward (the loss and, when kept, logprobs only).
 * The returned list has `num_microbatches` dicts {"lm loss": tensor([loss_share, weight])}; the first carries this
   rank's share, the rest zeros, so megatron's reduction (sum, all-reduce over dp x cp, divide) gives the step's
@@ -41,9 +48,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_branch.data import PrefixTree, Rollout
-from megatron_branch.errors import UserError
+from megatron_branch.errors import SettingError, UserError
 from megatron_branch.losses import PolicyGradientObjective
 from megatron_branch.parallel.groups import ParallelGroups
+from megatron_branch.rules import API, check_pipeline
 from megatron_branch.schedule import ScheduleOptions, StepResult, run_schedule
 
 ObjectiveFactory = Callable[[list[Rollout], int], Any]
@@ -161,17 +169,15 @@ class BranchForwardBackward:
         del forward_step_func, seq_length, micro_batch_size, decoder_seq_length, first_val_step
         del collect_non_loss_data, adjust_tensor_shapes_fn, p2p_communicator
         if isinstance(model, list):
-            if len(model) != 1:
-                raise UserError("branch replay has no pipeline parallelism: pass one model chunk")
+            _check_virtual(len(model))
             model = model[0]
         if isinstance(data_iterator, list):
-            if len(data_iterator) != 1:
-                raise UserError("branch replay has no pipeline parallelism: pass one data iterator")
+            _check_virtual(len(data_iterator))
             data_iterator = data_iterator[0]
         if num_microbatches <= 0:
             raise UserError(f"num_microbatches must be positive, got {num_microbatches}")
         groups = _groups(pg_collection)
-        rollouts = self._read(data_iterator, num_microbatches)
+        rollouts = self._rollouts(data_iterator, num_microbatches, groups)
         base = _unwrap(model)
         vocab = self.vocab_size or base.vocab_size
         tree = PrefixTree.build(rollouts, vocab_size=vocab)
@@ -186,6 +192,10 @@ class BranchForwardBackward:
                 cp_size=groups["cp_size"],
                 dp_size=groups["dp_size"],
                 sequence_parallel=bool(base.config.sequence_parallel) and groups["tp_size"] > 1,
+                pp=groups["pp"],
+                pp_size=groups["pp_size"],
+                pp_rank=groups["pp_rank"],
+                embd=groups["embd"],
             ),
             vocab_size=vocab,
             **self.options,
@@ -208,10 +218,33 @@ class BranchForwardBackward:
         # StepResult.loss is already summed over CP: each CP rank reports loss/cp so that dp x cp sums to the total
         first = torch.tensor([result.loss * share * groups["dp_size"], share], dtype=torch.float64)
         zeros = torch.zeros(2, dtype=torch.float64)
+        if groups["pp_rank"] != groups["pp_size"] - 1:  # megatron: the loss dicts live on the last stage only
+            return []
         return [{"lm loss": first}] + [{"lm loss": zeros.clone()} for _ in range(num_microbatches - 1)]
 
+    def _rollouts(self, it: Iterator[Any] | None, n: int, groups: dict[str, Any]) -> list[Rollout]:
+        """The step's rollouts: read from the iterator (under PP on the first stage, then broadcast: one tree on
+        every stage)."""
+        if groups["pp_size"] == 1:
+            return self._read(it, n)
+        mine: Any = None
+        err = None
+        if groups["pp_rank"] == 0:
+            try:
+                mine = self._read(it, n)
+            except UserError as e:
+                err = str(e)
+        box = [(mine, err)]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(groups["pp"], 0), group=groups["pp"])
+        rollouts, err = box[0]
+        if err is not None:
+            raise UserError(err)
+        return rollouts
+
     @staticmethod
-    def _read(it: Iterator[Any], n: int) -> list[Rollout]:
+    def _read(it: Iterator[Any] | None, n: int) -> list[Rollout]:
+        if it is None:
+            raise UserError("data_iterator is None (pass the step's rollouts on the first pipeline stage)")
         out: list[Rollout] = []
         for i in range(n):
             try:
@@ -222,6 +255,14 @@ class BranchForwardBackward:
         if not out:
             raise UserError("the step's micro-batches hold no rollouts")
         return out
+
+
+def _check_virtual(chunks: int) -> None:
+    """One model chunk (and data iterator) per stage: more are megatron's interleaved (virtual) stages."""
+    try:
+        check_pipeline("replay", pp=1, virtual=chunks)
+    except SettingError as e:
+        raise e.spelled(API) from None
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -238,11 +279,15 @@ def _groups(pg_collection: Any) -> dict[str, Any]:
 
     if pg_collection is None:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        raise UserError("branch replay has no pipeline parallelism (pipeline_model_parallel_size must be 1)")
     tp, cp = pg_collection.tp, pg_collection.cp
     dp = ps.get_data_parallel_group()
+    pp = getattr(pg_collection, "pp", None)
+    pp_size = dist.get_world_size(pp) if dist.is_initialized() and pp is not None else 1
     return {
+        "pp": pp if pp_size > 1 else None,
+        "pp_size": pp_size,
+        "pp_rank": dist.get_rank(pp) if pp_size > 1 else 0,
+        "embd": getattr(pg_collection, "embd", None) if pp_size > 1 else None,
         "pg_collection": pg_collection,
         "tp": tp,
         "cp": cp,
@@ -277,10 +322,12 @@ def get_forward_backward_func(
     `schedule`: replay | packed | naive; `objective(rollouts, T)` builds the loss; `options` are extra
     ScheduleOptions fields (branch_micro_batch, recompute, backend, ...).
     """
-    if (pp_size or 1) > 1 or (vp_size or 1) > 1:
-        raise UserError("branch replay has no pipeline parallelism (pp_size and vp_size must be 1)")
     if schedule not in ("replay", "packed", "naive"):
         raise UserError(f"schedule must be replay, packed or naive, got {schedule!r}")
+    try:  # the pipeline's rules (rules.py): the tree schedules only, no interleaved stages
+        check_pipeline(schedule, pp=pp_size or 1, virtual=vp_size)
+    except SettingError as e:
+        raise e.spelled(API) from None
     return BranchForwardBackward(
         schedule=schedule, objective=objective, vocab_size=vocab_size, options=options
     )

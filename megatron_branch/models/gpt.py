@@ -71,6 +71,15 @@ def layer_specs(arch: ModelArch) -> list[ModuleSpec]:
     return [specs[arch.is_linear(i), arch.is_moe_layer(i)] for i in range(arch.num_layers)]
 
 
+def stage_layer_specs(arch: ModelArch, pp: int, pp_rank: int) -> list[ModuleSpec]:
+    """The specs of the layers pipeline stage `pp_rank` of `pp` builds: megatron builds every spec of a block spec
+    it is given, so the stage's slice is cut here (as megatron's get_gpt_decoder_block_spec does); megatron
+    numbers them from the stage's offset (transformer_layer.get_transformer_layer_offset)."""
+    specs = layer_specs(arch)
+    per = arch.num_layers // pp
+    return specs[pp_rank * per : (pp_rank + 1) * per]
+
+
 class BranchGPTModel(GPTModel):
     """GPTModel whose RoPE follows explicit position ids ([b, s] with identical rows).
 
@@ -110,6 +119,8 @@ def build_model(
     vocab_divisible_by: int = 1,
     init_weights: bool = True,
     model_cls: type[BranchGPTModel] | None = None,
+    pp: int = 1,
+    pp_rank: int = 0,
     ep: int = 1,
     **config_overrides: Any,
 ) -> BranchGPTModel:
@@ -119,9 +130,20 @@ def build_model(
     `init_weights=False` leaves the weights uninitialised (`torch.empty`) for a caller that overwrites every
     parameter (checkpoint loading); the parameters carry the same tensor-parallel attributes either way.
     `model_cls`: a BranchGPTModel subclass to build (the critic, models/critic.py).
+    `pp`, `pp_rank`: this rank's pipeline stage (megatron's parallel_state must have been initialised with `pp`
+    stages): layers [pp_rank * L / pp, (pp_rank + 1) * L / pp) with their global layer numbers, the embedding on
+    stage 0, the final norm and the output layer on the last stage (a tied output weight: a copy of the
+    embedding, kept equal by megatron's embedding-group reduction, parallel/grads.py). `pp=1` builds the whole
+    model whatever parallel_state holds (the sampler's gathered copy, train/models.py).
     `ep`: the expert-parallel size megatron's parallel_state was initialised with (MoE models; 1 otherwise).
     """
     apply_cpu_shims()
+    if pp > 1:
+        from megatron_branch.compat.pipeline import apply_pipeline_shims
+
+        apply_pipeline_shims()
+        assert arch.num_layers % pp == 0 and 0 <= pp_rank < pp, (arch.num_layers, pp, pp_rank)  # rules.py
+        config_overrides = {"pipeline_model_parallel_size": pp, "pipeline_dtype": dtype, **config_overrides}
     if arch.is_hybrid:
         apply_gdn_shims()
     if arch.is_moe:
@@ -138,12 +160,12 @@ def build_model(
         config=config,
         # A block spec so that the final norm is ours too (megatron's default refuses sequence parallel).
         transformer_layer_spec=TransformerBlockSubmodules(
-            layer_specs=layer_specs(arch), layer_norm=TorchNorm
+            layer_specs=stage_layer_specs(arch, pp, pp_rank), layer_norm=TorchNorm
         ),
         vocab_size=arch.padded_vocab_size(tp, vocab_divisible_by),
         max_sequence_length=arch.max_position_embeddings,
-        pre_process=True,
-        post_process=True,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp - 1,
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",

@@ -8,6 +8,9 @@ hold disjoint rollouts, and the objective is already normalised by the GLOBAL lo
 too (not a mean). Parameters marked `sequence_parallel` (norm weights in the sequence-parallel region) see only this
 TP rank's rows and are summed over TP, as megatron-core's `_allreduce_layernorm_grads` does; so are q/k norms
 (`q_layernorm`, `k_layernorm`: they see only this rank's heads), with or without SP, by the same name rule.
+Under pipeline parallelism a tied embedding lives twice, on the first stage (the embedding) and on the last (the
+output layer's copy): each copy's gradient is summed over the embedding group, as megatron's
+`_allreduce_word_embedding_grads` does, so both stages step the same weight.
 """
 
 from __future__ import annotations
@@ -38,7 +41,12 @@ def _all_reduce_sum(grads: list[torch.Tensor], group: Any) -> None:
 
 
 def finalize_grads(
-    model: torch.nn.Module, *, tp_group: Any, dp_cp_group: Any, sequence_parallel: bool
+    model: torch.nn.Module,
+    *,
+    tp_group: Any,
+    dp_cp_group: Any,
+    sequence_parallel: bool,
+    embd_group: Any = None,
 ) -> None:
     """SUM sequence-parallel params' grads over `tp_group`, then every grad over `dp_cp_group` (in place).
 
@@ -64,3 +72,14 @@ def finalize_grads(
             _all_reduce_sum(partial, tp_group)  # type: ignore[arg-type]
     if dp_cp_group is not None and dist.get_world_size(dp_cp_group) > 1:
         _all_reduce_sum([param_grad(p) for p in params], dp_cp_group)  # type: ignore[misc]
+    tied = _tied_weight(model)
+    if embd_group is not None and dist.get_world_size(embd_group) > 1 and tied is not None:
+        _all_reduce_sum([param_grad(tied)], embd_group)  # type: ignore[list-item]
+
+
+def _tied_weight(model: torch.nn.Module) -> torch.nn.Parameter | None:
+    """The stage's copy of a tied embedding / output weight (megatron's `shared_embedding_or_output_weight`)."""
+    base = getattr(model, "module", model)
+    if not getattr(base, "share_embeddings_and_output_weights", False):
+        return None
+    return base.shared_embedding_or_output_weight()

@@ -1,6 +1,6 @@
 """Process groups: set up once by the entry point, then passed into the math as arguments.
 
-megatron-core's `parallel_state` owns the groups (tensor, context, data parallel) so that its layers, DDP and
+megatron-core's `parallel_state` owns the groups (tensor, context, data, pipeline parallel) so that its layers, DDP and
 checkpointing see the same layout. Everything in megatron_branch's math takes the groups it needs as arguments
 (`ParallelGroups`); nothing below the entry points reads parallel_state or the environment. The groups are laid out
 from a ParallelLayout (parallel/layout.py, the one layout type) and report it back (`ParallelGroups.layout`).
@@ -37,6 +37,15 @@ class ParallelGroups:
     cp_size: int
     dp_size: int
     sequence_parallel: bool
+    pp: Any = None
+    """The pipeline group: this rank's stage and the other stages of its model replica (megatron's
+    pipeline_model_parallel_group; None without pipeline parallelism)."""
+    pp_size: int = 1
+    pp_rank: int = 0
+    """This rank's stage (0 = the embedding's, pp_size - 1 = the output layer's and the loss's)."""
+    embd: Any = None
+    """The embedding group: the first and the last stage, which both hold the tied embedding / output weight
+    (megatron's embedding group; None without pipeline parallelism, and on the stages in between)."""
     ep: Any = None
     """The expert-parallel group (MoE models; None: no expert parallelism)."""
     ep_size: int = 1
@@ -48,9 +57,17 @@ class ParallelGroups:
     def layout(self) -> ParallelLayout:
         """The layout these groups realise."""
         return ParallelLayout(
-            tp=self.tp_size, cp=self.cp_size, dp=self.dp_size, ep=self.ep_size,
+            tp=self.tp_size, cp=self.cp_size, dp=self.dp_size, pp=self.pp_size, ep=self.ep_size,
             sequence_parallel=self.sequence_parallel,
         )  # fmt: skip
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
 
     @classmethod
     def single(cls) -> ParallelGroups:
@@ -98,11 +115,15 @@ def initialize_parallel(cfg: ParallelLayout, *, seed: int = 1234) -> ParallelGro
     dp = cfg.data_parallel_size(world)
     destroy_parallel()  # frees the previous layout's groups too
     ps.initialize_model_parallel(
-        tensor_model_parallel_size=cfg.tp, context_parallel_size=cfg.cp, expert_model_parallel_size=cfg.ep
+        tensor_model_parallel_size=cfg.tp,
+        pipeline_model_parallel_size=cfg.pp,
+        context_parallel_size=cfg.cp,
+        expert_model_parallel_size=cfg.ep,
     )
     # torch 2.13 starts each process from a different CPU seed: seed explicitly so replicas agree.
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    piped = cfg.pp > 1
     return ParallelGroups(
         tp=ps.get_tensor_model_parallel_group(),
         cp=ps.get_context_parallel_group(),
@@ -112,6 +133,10 @@ def initialize_parallel(cfg: ParallelLayout, *, seed: int = 1234) -> ParallelGro
         cp_size=cfg.cp,
         dp_size=dp,
         sequence_parallel=cfg.sp,
+        pp=ps.get_pipeline_model_parallel_group() if piped else None,
+        pp_size=cfg.pp,
+        pp_rank=ps.get_pipeline_model_parallel_rank() if piped else 0,
+        embd=ps.get_embedding_group(check_initialized=False) if piped else None,  # None off stages 0, pp-1
         ep=ps.get_expert_model_parallel_group() if cfg.ep > 1 else None,
         ep_size=cfg.ep,
         ep_spans_dp=cfg.ep > 1 and _ep_spans_replicas(ps),

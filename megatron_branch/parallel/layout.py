@@ -2,10 +2,10 @@
 
 SHAPE LEGEND (ranks): world = pp * dp * cp * tp. TP splits heads and MLP columns (and, with sequence parallel, the
 activations between them), CP splits every chunk's tokens (ring attention), DP splits the batch by whole prompt
-groups. EP (expert parallel, a MoE model's experts) is carved out of dp * cp as in megatron and torchtitan: it does
-not multiply the world, it must divide dp * cp (megatron's expert_model_parallel_size; the experts are also split
-over TP, expert TP = TP). pp (pipeline stages) has its place here but is not in the engine yet: a size other than
-1 is refused.
+groups, PP splits the layers into consecutive pipeline stages (megatron's pipeline_model_parallel_size; the tree
+schedules under it: schedule/pipeline.py). EP (expert parallel, a MoE model's experts) is carved out of dp * cp as
+in megatron and torchtitan: it does not multiply the world, it must divide dp * cp (megatron's
+expert_model_parallel_size; the experts are also split over TP, expert TP = TP).
 
     layout = ParallelLayout(tp=2, cp=2, sequence_parallel=True)    # dp None: the rest of the world
     layout.data_parallel_size(8)                                   # 2; a world that does not divide is refused
@@ -38,7 +38,8 @@ class ParallelLayout:
     dp: int | None = None
     """Data-parallel size: whole prompt groups per rank; None = the rest of the world (world / (tp * cp))."""
     pp: int = 1
-    """Pipeline-parallel stages: not in the engine yet (must be 1)."""
+    """Pipeline-parallel stages: the layers split into pp consecutive stages (must divide the layers), the tree's
+    chunks flowing through them (schedule/pipeline.py; replay and packed)."""
     ep: int = 1
     """Expert-parallel size of a MoE model: its experts are split over ep ranks laid inside dp * cp as megatron
     lays them (expert_model_parallel_size; world = tp * cp * dp, ep must divide cp * dp)."""
@@ -54,12 +55,6 @@ class ParallelLayout:
                 raise SettingError(
                     lambda s, n=name, v=v: f"{s.name(n)} must be a positive integer, got {v!r}"
                 )
-        if self.pp != 1:
-            raise SettingError(
-                lambda s: (
-                    f"{s.value('pp', self.pp)}: pipeline parallelism is not in the engine yet; use {s.value('pp', 1)}"
-                )
-            )
         if self.dp is not None:
             self._check_ep(self.dp)
 
@@ -86,12 +81,14 @@ class ParallelLayout:
         return self.model_parallel * self.dp
 
     def data_parallel_size(self, world_size: int) -> int:
-        """dp for `world_size` ranks; a world that is not a multiple of tp*cp, or contradicts a given dp, is
+        """dp for `world_size` ranks; a world that is not a multiple of tp*cp*pp, or contradicts a given dp, is
         refused."""
         mp = self.model_parallel
         if world_size % mp:
             raise SettingError(
-                lambda s: f"world size {world_size} is not a multiple of tp*cp = {self.tp}*{self.cp} = {mp}"
+                lambda s: (
+                    f"world size {world_size} is not a multiple of {self._axes()} = {self._sizes()} = {mp}"
+                )
             )
         dp = world_size // mp
         self._check_ep(dp)
@@ -99,10 +96,17 @@ class ParallelLayout:
             raise SettingError(
                 lambda s: (
                     f"{s.value('dp', self.dp)} does not match the world: {world_size} ranks / "
-                    f"(tp*cp = {mp}) = {dp}"
+                    f"({self._axes()} = {mp}) = {dp}"
                 )
             )
         return dp
+
+    def _axes(self) -> str:
+        """The model-parallel axes a world must divide by: `tp*cp` (and `*pp` when pipelined)."""
+        return "tp*cp" if self.pp == 1 else "tp*cp*pp"
+
+    def _sizes(self) -> str:
+        return f"{self.tp}*{self.cp}" if self.pp == 1 else f"{self.tp}*{self.cp}*{self.pp}"
 
     def _check_ep(self, dp: int) -> None:
         """megatron lays the expert-parallel group inside the data- and context-parallel ranks."""

@@ -50,6 +50,7 @@ against the meter, the cache's bytes exactly).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megatron_branch.models.arch import ModelArch
@@ -93,16 +94,19 @@ class Dims:
     f32: int  # statistics bytes (max(e, 4))
     arch: ModelArch  # the family's extras and a hybrid's layer kinds (plan/layers.py)
     gdn_kernel: str = "fla"  # a GDN layer's delta-rule kernel: "fla" (GPU) or "torch"
+    pp: int = 1  # pipeline stages: this rank holds num_layers / pp of them (dense models; plan/pipeline.py)
+    head: bool = True  # this rank's stage holds the final norm and the output layer (the last stage)
     cp: int = 1  # context parallel size: a GDN layer runs its head block over whole sequences
 
     @property
     def attn_layers(self) -> int:
-        """Full-attention layers (all of them unless hybrid): the ones with K/V, RoPE and a ring under CP."""
-        return self.arch.num_full_layers
+        """Full-attention layers on this rank's stage (all of them unless hybrid): the ones with K/V, RoPE and a
+        ring under CP."""
+        return self.arch.num_full_layers // self.pp
 
     @property
     def linear_layers(self) -> int:
-        return self.arch.num_linear_layers
+        return self.arch.num_linear_layers // self.pp
 
     moe_layers: int = 0  # MoE layers (the rest are dense), of either mixer kind
     experts: int = 0  # E
@@ -126,13 +130,14 @@ class Dims:
             g=max(1, arch.num_query_groups // t),
             f=arch.ffn_hidden_size // t,
             v=arch.padded_vocab_size(t) // t,
-            layers=arch.num_layers,
+            layers=arch.num_layers // layout.pp,
             tp=t,
             sp=layout.sp,
             e=act_bytes,
             f32=max(act_bytes, 4),
             arch=arch,
             gdn_kernel=gdn_kernel,
+            pp=layout.pp,
             cp=layout.cp,
         )
 
@@ -238,9 +243,12 @@ def exchange_buffer_bytes(dm: Dims, rows: int) -> int:
 
 
 def head_bytes(dm: Dims, r: int, m: int) -> int:
-    """Embedding indices, final norm, and the fused output projection + logprob over m target rows."""
+    """Embedding indices, final norm, and the fused output projection + logprob over m target rows (a pipeline
+    stage without the output layer: the indices only)."""
     rn = dm.seq_rows(r)
     embed = r * INDEX_BYTES
+    if not dm.head:
+        return embed
     norm = 2 * rn * dm.h * dm.e + rn * dm.f32
     # index_select saves its index; the fused logprob saves the selected hidden rows, target idx, mask, lse;
     # the objective saves its per-target weights
@@ -319,7 +327,9 @@ def ring_buffer_bytes(dm: Dims, rows: int, keys: int, cp: int) -> int:
 def logits_bytes(dm: Dims, m: int, chunk_rows: int) -> int:
     """Transient buffers of the fused output projection + logprob (losses/fused_logprobs.py): two row chunks of
     logits in fp32 (logits and their exp / softmax and its gradient), the fp32 weight-gradient accumulator and the
-    fp32 hidden-gradient; the meter does not see them (not saved)."""
+    fp32 hidden-gradient; the meter does not see them (not saved). None on a stage without the output layer."""
+    if not dm.head:
+        return 0
     rows = min(m, chunk_rows)
     return 2 * rows * dm.v * dm.f32 + dm.v * dm.h * dm.f32 + m * dm.h * dm.f32
 
@@ -336,6 +346,10 @@ def static_bytes(
     experts = pc["experts"] // (layout.tp * layout.ep)
     dense = (pc["total"] - pc["experts"] - replicated) // layout.tp + replicated
     per_rank = dense + experts
+    if layout.pp > 1:  # the heavier end stage's layers and vocab x h (plan/pipeline.py; dense models)
+        from megatron_branch.plan.pipeline import stage_parameters_per_rank
+
+        per_rank = stage_parameters_per_rank(arch, layout)
     shard = layout.dp * layout.cp  # megatron's distributed optimizer shards over DP x CP
     state = (
         4 if param_bytes < 4 else 0
@@ -397,11 +411,26 @@ def step_peak(
     segment_recompute: bool | None = None,
     layer_recompute: bool | None = None,
     gdn_kernel: str = "fla",
+    stage: int | None = None,
 ) -> Peak:
     """Peak per-rank memory of one step. Prompt groups run one after another (replay runs root by root; packed
     and naive see one group's rollouts at a time per DP rank only for naive, whole tree for packed).
-    `gdn_kernel`: a hybrid's delta-rule kernel ("fla" on GPU, "torch" where it runs megatron's torch path)."""
+    `gdn_kernel`: a hybrid's delta-rule kernel ("fla" on GPU, "torch" where it runs megatron's torch path).
+    Under pipeline parallelism (layout.pp > 1) the peak of pipeline stage `stage` (default: the larger of the
+    first and the last stage, plan/pipeline.py): its layers, the output layer on the last one, and the
+    micro-batches megatron's 1F1B order keeps alive on it (pp - stage; packed: one chunk per prompt group)."""
+    if layout.pp > 1 and stage is None:
+        from megatron_branch.plan.pipeline import heavier_stage_peak
+
+        return heavier_stage_peak(
+            arch, shape, layout, schedule=schedule, act_bytes=act_bytes, branch_micro_batch=branch_micro_batch,
+            logprob_chunk_rows=logprob_chunk_rows, segment_recompute=segment_recompute,
+            layer_recompute=layer_recompute, gdn_kernel=gdn_kernel,
+        )  # fmt: skip
     dm = Dims.of(arch, layout, act_bytes, gdn_kernel=gdn_kernel)
+    if stage is not None:
+        dm = dataclasses.replace(dm, head=stage == layout.pp - 1)
+    alive = 1 if stage is None else layout.pp - stage  # micro-batches in flight on this stage (1F1B)
     cp = layout.cp
     seg_rc = layout.recompute in ("selective", "full") if segment_recompute is None else segment_recompute
     lay_rc = layout.recompute == "full" if layer_recompute is None else layer_recompute
@@ -412,8 +441,9 @@ def step_peak(
         # naive (megatron's output layer) scores every row; a one-response tree only its response tokens
         m = cdiv(n - 1 if schedule == "naive" else shape.response_length, cp)
         c = chunk_saved_bytes(dm, r, m, cp=cp, layer_recompute=lay_rc, sequences=[(n, 1)])
+        alive = min(alive, cdiv(shape.prompts, layout.dp))  # under PP one-rollout groups flow as a wave
         return Peak(
-            activations=c["kv"] + c["other"],
+            activations=alive * (c["kv"] + c["other"]),
             cached_kv=0,
             kv_grads=0,
             ring_buffers=max(ring_buffer_bytes(dm, r, r, cp), exchange_buffer_bytes(dm, r)),
@@ -421,6 +451,8 @@ def step_peak(
             dispatcher=dispatcher_bytes(dm, r),
         )
     groups = cdiv(shape.prompts, layout.dp)  # prompt groups on this DP rank
+    if schedule == "packed" and layout.pp > 1:  # a wave of one-group chunks (schedule/pipeline.py)
+        alive, groups = min(alive, groups), 1
     if schedule == "packed":  # every group of this DP rank in one chunk
         r = groups * (local_rows(R, 1, layout) + local_rows(L, G, layout))
         r = local_rows(r, 1, Layout(tp=layout.tp, sequence_parallel=layout.sequence_parallel))
@@ -428,7 +460,7 @@ def step_peak(
         seqs = [(R, groups), (L, groups * G)]  # a GDN layer: each whole segment its own sequence
         c = chunk_saved_bytes(dm, r, m, cp=cp, layer_recompute=lay_rc, sequences=seqs)
         return Peak(
-            activations=c["kv"] + c["other"],
+            activations=alive * (c["kv"] + c["other"]),
             cached_kv=0,
             kv_grads=0,
             ring_buffers=max(ring_buffer_bytes(dm, r, r, cp), exchange_buffer_bytes(dm, r)),
@@ -441,6 +473,7 @@ def step_peak(
     # the root's shared response tokens and one fork token per child
     m_root = cdiv(shape.shared_response_length + G, cp)
     b = min(branch_micro_batch, G)
+    alive = min(alive, cdiv(G, b))  # a wave's leaf micro-batches alive at once on this stage
     r_leaf = local_rows(L, b, layout)
     m_leaf = cdiv(b * (L - 1), cp)
     root = chunk_saved_bytes(
@@ -456,7 +489,7 @@ def step_peak(
     # phase 1, the last leaf micro-batch before its backward: root graph (unless recomputed) + cache + grads + leaf
     # (the root's captured K/V, when its graph is kept, are the cache's storage: counted once)
     root_graph = 0 if seg_rc else root["held"]
-    phase_leaves = root_graph + cached + grads + leaf["kv"] + leaf["other"]
+    phase_leaves = root_graph + cached + grads + alive * (leaf["kv"] + leaf["other"])
     # phase 2, the root's own backward: cache + grads + the root's graph; with segment recompute its graph is the
     # recomputed one, whose captured K/V are new storages beside the no-grad cache (held until the accumulated
     # grads are injected). Without any recompute this never exceeds phase 1 (which holds the same graph).
@@ -482,7 +515,7 @@ def step_peak(
             dispatcher=dispatch,
         )
     return Peak(
-        activations=root_graph + leaf["kv"] + leaf["other"],
+        activations=root_graph + alive * (leaf["kv"] + leaf["other"]),
         cached_kv=cached,
         kv_grads=grads,
         ring_buffers=ring,

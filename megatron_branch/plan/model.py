@@ -73,6 +73,19 @@ MODEL_PRESETS: dict[str, ModelArch] = {
         qkv_bias=True,
         max_position_embeddings=131072,
     ),
+    # Qwen/Qwen2.5-72B config.json (a 70B-class policy: 80 layers, hidden 8192, GQA 64 / 8 heads, FFN 29568)
+    "qwen2.5-72b": ModelArch(
+        family="qwen2",
+        vocab_size=152064,
+        hidden_size=8192,
+        num_layers=80,
+        num_attention_heads=64,
+        num_query_groups=8,
+        ffn_hidden_size=29568,
+        rope_theta=1e6,
+        qkv_bias=True,
+        max_position_embeddings=131072,
+    ),
 }
 
 # The config.json fields of the published checkpoints, mapped by the same code as any HF folder
@@ -149,6 +162,9 @@ class GPU:
     """Host memory bandwidth one rank's CPU Adam gets, GB/s (a node's ~300 GB/s effective over 8 ranks)."""
     gpus_per_node: int = 8
     """GPUs per node (the host memory is shared by their ranks)."""
+    node_link_gbps: float = 50
+    """Per-GPU bandwidth between nodes in GB/s (one 400 Gb/s NIC per GPU, as 8-GPU H100 / H20 servers are built:
+    an assumption), for a parallel group that spans nodes (plan/pipeline.py crosses_nodes)."""
 
     def __post_init__(self) -> None:
         for flag, value in (
@@ -159,6 +175,7 @@ class GPU:
             ("--host-link-gbps", self.host_link_gbps),
             ("--host-adam-gbps", self.host_adam_gbps),
             ("--gpus-per-node", self.gpus_per_node),
+            ("--node-link-gbps", self.node_link_gbps),
         ):
             if value <= 0:
                 raise UserError(f"{flag} must be positive, got {value}")
@@ -265,7 +282,7 @@ class Layout(ParallelLayout):
             raise UserError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
 
     def as_dict(self) -> dict[str, Any]:
-        return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "recompute": self.recompute}
+        return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp, "recompute": self.recompute}
 
 
 def load_model(spec: str) -> tuple[str, ModelArch]:

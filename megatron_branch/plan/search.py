@@ -19,14 +19,17 @@ Step-time model (stated assumptions, not measurements):
     Adam step, counted as exposed (plan/optimizer.py);
   * expert parallelism (MoE, alltoall dispatcher): per MoE layer and token, its k copies of [h] go out and come
     back (dispatch + combine) forward and again backward, (ep - 1)/ep of them to another rank, not overlapped;
-    routing assumed balanced (the load-balancing losses' aim).
-All GPU links at the GPU's stated bandwidth (one NVLink node), host links at `host_link_gbps`.
+    routing assumed balanced (the load-balancing losses' aim);
+  * pipeline parallelism: the bubble of the tree's waves and the stage-to-stage messages (plan/pipeline.py).
+GPU links at the GPU's stated bandwidth within a node, at `node_link_gbps` for a group that spans nodes
+(megatron's rank order: tp fastest, then cp, dp, pp; plan/pipeline.py), host links at `host_link_gbps`.
 
-The search (`plan`) tries every layout (TP dividing the heads, CP, DP <= prompt groups, EP for MoE, recompute),
-every optimizer choice (plain, distributed, distributed + offload of 1/4 .. all of the state) and branch
-micro-batches (8, 4, 2, 1, at most G) that are not fixed, and returns the fastest that fits on the device AND in
-the node's host memory (ties: the larger branch micro-batch, then the least memory, then the plain optimizer);
-`rejected` says for every layout why its best choice does not fit.
+The search (`plan`) tries every layout (TP dividing the heads, CP, PP dividing the layers (replay and packed,
+dense models), DP <= prompt groups, EP for MoE, recompute), every optimizer choice (plain, distributed,
+distributed + offload of 1/4 .. all of the state) and branch micro-batches (8, 4, 2, 1, at most G) that are not
+fixed, and returns the fastest that fits on the device AND in the node's host memory (ties: the larger branch
+micro-batch, then the least memory, then the plain optimizer); `rejected` says for every layout why its best
+choice does not fit.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_branch.errors import UserError
+from megatron_branch.errors import SettingError, UserError
 from megatron_branch.models.arch import ModelArch
 from megatron_branch.plan.flops import StepFlops, attention_flops_per_pair, causal_pairs, step_flops
 from megatron_branch.plan.layers import gdn_exchange_bytes
@@ -48,7 +51,13 @@ from megatron_branch.plan.optimizer import (
     offload_seconds,
     optimizer_bytes,
 )
-from megatron_branch.rules import check_gdn_context_parallel, check_run, gdn_context_parallel_sizes
+from megatron_branch.plan.pipeline import link_bytes_per_s, pipeline_seconds
+from megatron_branch.rules import (
+    check_gdn_context_parallel,
+    check_pipeline,
+    check_run,
+    gdn_context_parallel_sizes,
+)
 
 MFU = 0.45
 """Assumed fraction of peak FLOP/s a kernel reaches (dense and attention alike)."""
@@ -306,15 +315,25 @@ def step_time(
     fl: StepFlops,
     dtype: str = "bf16",
     optimizer: OptimizerChoice | None = None,
+    branch_micro_batch: int = 8,
 ) -> dict[str, Any]:
     world = layout.world
     rate = gpu.tflops * 1e12 * MFU
-    link = gpu.link_gbps * 1e9
     compute = fl.total / world / rate
     attention = fl.attention / world / rate
-    ring = _ring_bytes_per_rank(arch, shape, layout, schedule) * DTYPE_BYTES[dtype] / 2 / link
+    ring = (
+        _ring_bytes_per_rank(arch, shape, layout, schedule)
+        * DTYPE_BYTES[dtype]
+        / 2
+        / link_bytes_per_s(gpu, layout, "cp")
+    )
     exposed_ring = max(0.0, ring - attention)
-    exchange = _exchange_bytes_per_rank(arch, shape, layout, schedule) * DTYPE_BYTES[dtype] / 2 / link
+    exchange = (
+        _exchange_bytes_per_rank(arch, shape, layout, schedule)
+        * DTYPE_BYTES[dtype]
+        / 2
+        / link_bytes_per_s(gpu, layout, "cp")
+    )
     tp = 0.0
     if layout.tp > 1:
         rows = fl.positions / (layout.cp * layout.dp) + fl.recomputed_positions / (layout.cp * layout.dp)
@@ -326,9 +345,11 @@ def step_time(
             * arch.hidden_size
             * DTYPE_BYTES[dtype]
             * arch.num_layers
-            / link
+            / layout.pp  # each rank runs its stage's layers
+            / link_bytes_per_s(gpu, layout, "tp")
         )
     opt = optimizer or OptimizerChoice()
+    link = link_bytes_per_s(gpu, layout, "dp", "cp")  # the gradient reduction's (and EP's, inside dp x cp)
     grads, host = 0.0, {"offload_transfer": 0.0, "host_optimizer_step": 0.0}
     for n, over in param_shards(arch, layout):
         grads += grad_reduce_bytes(n, over, opt, param_bytes=DTYPE_BYTES[dtype]) / link
@@ -341,6 +362,10 @@ def step_time(
         a2a = (
             1.5 * rows * per_token * len(arch.moe_layers) / link
         )  # forward x1 (+ recompute), backward x2 -> 3/2
+    pipe = pipeline_seconds(
+        arch, shape, layout, gpu, schedule, fl, rate=rate, act_bytes=DTYPE_BYTES[dtype],
+        branch_micro_batch=branch_micro_batch,
+    )  # fmt: skip
     return {
         "total": compute
         + exposed_ring
@@ -349,9 +374,12 @@ def step_time(
         + grads
         + a2a
         + host["offload_transfer"]
-        + host["host_optimizer_step"],
+        + host["host_optimizer_step"]
+        + pipe["pipeline_bubble"]
+        + pipe["pipeline_messages"],
         **host,
         "expert_alltoall": a2a,
+        **pipe,
         "compute": compute,
         "attention_compute": attention,
         "ring": ring,
@@ -383,9 +411,15 @@ def evaluate(
     memo = {} if memo is None else memo
     optimizer = optimizer or OptimizerChoice()
     if layout.world != gpus:
-        raise UserError(f"tp * cp * dp = {layout.world} must equal --gpus {gpus}")
+        raise UserError(f"tp * cp * pp * dp = {layout.world} must equal --gpus {gpus}")
     arch.check_tensor_parallel(layout.tp)
     arch.check_expert_parallel(layout.ep, tp=layout.tp)
+    try:
+        check_pipeline(
+            schedule, pp=layout.pp, num_layers=arch.num_layers, hybrid=arch.is_hybrid, moe=arch.is_moe
+        )
+    except SettingError as e:
+        raise UserError(str(e)) from None
     if layout.dp > shape.prompts:
         raise UserError(
             f"--dp {layout.dp} needs at least as many prompt groups (--prompts {shape.prompts}): "
@@ -446,6 +480,14 @@ def evaluate(
             "--recompute --recompute-layers): each layer keeps its input, one layer is rebuilt at a time "
             "in backward, one more forward of every layer"
         )
+    if layout.pp > 1:
+        notes.append(
+            f"pp {layout.pp}: the heavier end stage's memory ({arch.num_layers // layout.pp} layers, vocab x h, "
+            "the micro-batches 1F1B keeps alive on the first stage); the bubble is the root chunk crossing the "
+            "stages one after another plus (pp - 1) leaf micro-batches per wave (plan/pipeline.py); train's "
+            "sampler under PP runs a whole-model copy (not counted here: sample with an external engine at "
+            "this size)"
+        )
     if arch.is_hybrid:
         notes.append(
             f"hybrid ({arch.num_linear_layers} gated delta net + {arch.num_full_layers} full-attention layers): GDN "
@@ -463,7 +505,17 @@ def evaluate(
         schedule=schedule,
         memory=mem,
         flops=flops,
-        step_time=step_time(arch, shape, layout, gpu, schedule, mine, dtype, optimizer),
+        step_time=step_time(
+            arch,
+            shape,
+            layout,
+            gpu,
+            schedule,
+            mine,
+            dtype,
+            optimizer,
+            branch_micro_batch=kw.get("branch_micro_batch", 8),
+        ),
         fits=mem["total"] <= gpu.memory_bytes and host["per_node"] <= gpu.host_memory_bytes,
         dtype=dtype,
         notes=notes,
@@ -483,6 +535,7 @@ def candidate_layouts(
     dp: int | None,
     recompute: str | None,
     schedule: str,
+    pp: int | None = None,
     ep: int | None = None,
 ) -> list[Layout]:
     out = []
@@ -493,15 +546,19 @@ def candidate_layouts(
             arch.check_tensor_parallel(t)
         except UserError:
             continue
-        for c in (cp,) if cp else [c for c in range(1, gpus // t + 1) if (gpus // t) % c == 0]:
-            if (gpus // t) % c or not _runs(schedule, c) or not _splits_gdn_heads(arch, t, c):
+        for p in (pp,) if pp else [p for p in (1, 2, 4, 8) if (gpus // t) % p == 0]:
+            if (gpus // t) % p or not _runs(schedule, 1, p, arch):
                 continue
-            d = gpus // (t * c)
-            if (dp and d != dp) or d > shape.prompts:
-                continue
-            for e in _expert_parallel_sizes(arch, t, c * d, ep):
-                for rc in (recompute,) if recompute else RECOMPUTE:
-                    out.append(Layout(tp=t, cp=c, dp=d, recompute=rc, ep=e))
+            rest = gpus // (t * p)
+            for c in (cp,) if cp else [c for c in range(1, rest + 1) if rest % c == 0]:
+                if rest % c or not _runs(schedule, c, 1, arch) or not _splits_gdn_heads(arch, t, c):
+                    continue
+                d = rest // c
+                if (dp and d != dp) or d > shape.prompts:
+                    continue
+                for e in _expert_parallel_sizes(arch, t, c * d, ep):
+                    for rc in (recompute,) if recompute else RECOMPUTE:
+                        out.append(Layout(tp=t, cp=c, dp=d, pp=p, recompute=rc, ep=e))
     return out
 
 
@@ -522,10 +579,11 @@ def _expert_parallel_sizes(arch: ModelArch, tp: int, cp_dp: int, ep: int | None)
     return out
 
 
-def _runs(schedule: str, cp: int) -> bool:
-    """The schedule can run at this CP size (rules.check_run: naive has no CP)."""
+def _runs(schedule: str, cp: int, pp: int, arch: ModelArch) -> bool:
+    """The schedule can run at this CP / PP size (rules.py: naive has no CP and no PP; PP divides the layers)."""
     try:
         check_run(schedule, cp=cp)
+        check_pipeline(schedule, pp=pp, num_layers=arch.num_layers, hybrid=arch.is_hybrid, moe=arch.is_moe)
     except UserError:
         return False
     return True
@@ -553,6 +611,7 @@ def plan(
     dp: int | None = None,
     recompute: str | None = None,
     schedule: str = "replay",
+    pp: int | None = None,
     ep: int | None = None,
     distributed_optimizer: bool | None = None,
     offload_fraction: float | None = None,
@@ -575,18 +634,19 @@ def plan(
             check_gdn_context_parallel(
                 key_heads=arch.linear_num_key_heads, value_heads=arch.linear_num_value_heads, tp=tp, cp=cp
             )
-    if tp and cp and dp and recompute and (ep or not arch.is_moe):
-        layouts = [Layout(tp=tp, cp=cp, dp=dp, recompute=recompute, ep=ep or 1)]
+    fixed_pp = pp or (gpus // (tp * cp * dp) if tp and cp and dp and gpus % (tp * cp * dp) == 0 else 0)
+    if tp and cp and dp and recompute and fixed_pp and (ep or not arch.is_moe):
+        layouts = [Layout(tp=tp, cp=cp, dp=dp, pp=fixed_pp, recompute=recompute, ep=ep or 1)]
         layout_given = True
     else:
         layouts = candidate_layouts(
-            arch, shape, gpus, tp=tp, cp=cp, dp=dp, recompute=recompute, schedule=schedule, ep=ep
+            arch, shape, gpus, tp=tp, cp=cp, dp=dp, pp=pp, recompute=recompute, schedule=schedule, ep=ep
         )
         layout_given = False
     if not layouts:
         raise UserError(
-            f"no layout of {gpus} GPUs satisfies the fixed --tp/--cp/--dp (dp <= --prompts {shape.prompts}, "
-            f"tp dividing the heads)"
+            f"no layout of {gpus} GPUs satisfies the fixed --tp/--cp/--pp/--dp (dp <= --prompts {shape.prompts}, "
+            f"tp dividing the heads, pp the layers)"
         )
     opts = choices(distributed_optimizer, offload_fraction)
     bmbs = (branch_micro_batch,) if branch_micro_batch else micro_batches(shape, schedule)
@@ -658,7 +718,7 @@ def what_would_fit(p: Plan, **kw: Any) -> list[str]:
             lay = q.layout
             ep = f", ep {lay.ep}" if p.arch.is_moe else ""
             out.append(
-                f"{n} x {p.gpu.name} (tp {lay.tp}, cp {lay.cp}, dp {lay.dp}{ep}, recompute {lay.recompute})"
+                f"{n} x {p.gpu.name} (tp {lay.tp}, cp {lay.cp}, pp {lay.pp}, dp {lay.dp}{ep}, recompute {lay.recompute})"
             )
             break
     need = p.memory["total"] / 1e9
@@ -674,7 +734,7 @@ def what_would_fit(p: Plan, **kw: Any) -> list[str]:
         q = evaluate(p.model, p.arch, p.shape, p.gpu, p.gpus, p.layout, p.schedule, optimizer=host, **same)
         if q.fits:
             out.append("the optimizer state on the host (optim.optimizer_cpu_offload, fraction 1)")
-    out.append("pipeline parallelism or activation offload (not in the engine yet)")
+    out.append("activation offload (not in the engine yet)")
     return out
 
 

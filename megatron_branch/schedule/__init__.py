@@ -64,6 +64,10 @@ def run_schedule(
             raise e.spelled(API) from None
     if objective is None and not forward_only:
         raise ValueError("a training step needs an objective (objective=None only with forward_only=True)")
+    if opts.pp_size > 1:  # this rank's pipeline stage runs its part of the walk (schedule/pipeline.py)
+        from megatron_branch.schedule.pipeline import run_pipeline
+
+        return run_pipeline(name, model, tree, objective, opts, forward_only=forward_only)
     if (
         moe_arch(model) is not None
     ):  # router losses weighted by multiplicity, routing replay (schedule/moe.py)

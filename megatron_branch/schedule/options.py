@@ -45,6 +45,10 @@ class ScheduleOptions:
     routing, no router losses. Ignored for a dense model."""
     router_plan: Any = None
     """Set by run_schedule for a MoE policy (the bound losses/router.py RouterPlan); not a user option."""
+    pipeline_order: str = "1f1b"
+    """Under pipeline parallelism (schedule/pipeline.py): the order of each wave of leaf micro-batches on a stage,
+    "1f1b" (megatron's: pp - 1 - stage forwards first, then one forward one backward; at most pp micro-batches
+    alive) or "gpipe" (all forwards, then all backwards). Both give the same gradients."""
     logprob_chunk_rows: int = 256
     """Rows of logits alive at once in the fused path. 256 keeps the transient [rows, vocab] fp32 chunk at 32 MB
     for a 32K vocabulary (128 MB at 128K) while the chunk's GEMM stays large (256 x hidden x vocab); on the
@@ -60,6 +64,8 @@ class ScheduleOptions:
             raise ValueError(f"vocab_size must be positive, got {self.vocab_size}")
         if self.branch_micro_batch <= 0:
             raise ValueError(f"branch_micro_batch must be positive, got {self.branch_micro_batch}")
+        if self.pipeline_order not in ("1f1b", "gpipe"):
+            raise ValueError(f"pipeline_order must be 1f1b or gpipe, got {self.pipeline_order!r}")
         if self.logprob_chunk_rows <= 0:
             raise ValueError(f"logprob_chunk_rows must be positive, got {self.logprob_chunk_rows}")
 
@@ -83,6 +89,14 @@ class ScheduleOptions:
     @property
     def cp_size(self) -> int:
         return self.groups.cp_size
+
+    @property
+    def pp_group(self) -> Any:
+        return self.groups.pp
+
+    @property
+    def pp_size(self) -> int:
+        return self.groups.pp_size
 
     @property
     def pad_to(self) -> int:

@@ -132,18 +132,23 @@ class _Replay:
         self.store.add(chunk.targets, out)
 
     def _child_groups(self, children: tuple[int, ...]) -> Iterator[list[int]]:
-        """Inner children one at a time; leaf children in micro-batches of `branch_micro_batch`."""
-        batch: list[int] = []
-        for c in children:
-            if self.tree.segments[c].children:
-                yield [c]
-            else:
-                batch.append(c)
-                if len(batch) == self.opts.branch_micro_batch:
-                    yield batch
-                    batch = []
-        if batch:
-            yield batch
+        return child_groups(self.tree, children, self.opts.branch_micro_batch)
+
+
+def child_groups(tree: PrefixTree, children: tuple[int, ...], micro: int) -> Iterator[list[int]]:
+    """Inner children one at a time; leaf children in micro-batches of `micro` (replay's order, also under
+    pipeline parallelism: schedule/pipeline.py)."""
+    batch: list[int] = []
+    for c in children:
+        if tree.segments[c].children:
+            yield [c]
+        else:
+            batch.append(c)
+            if len(batch) == micro:
+                yield batch
+                batch = []
+    if batch:
+        yield batch
 
 
 def run_replay(

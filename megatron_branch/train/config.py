@@ -31,7 +31,7 @@ from megatron_branch.losses.config import ObjectiveConfig
 from megatron_branch.models.arch import ModelArch, check_schedule_supports
 from megatron_branch.models.hf_families import HYBRID_FAMILIES
 from megatron_branch.parallel.layout import ParallelLayout
-from megatron_branch.rules import TRAIN_SCHEDULES, check_run, check_sampling
+from megatron_branch.rules import TRAIN_SCHEDULES, check_pipeline, check_run, check_sampling
 from megatron_branch.train.algorithm import resolve_algorithm
 from megatron_branch.train.moe import MoEConfig, check_moe
 
@@ -678,6 +678,7 @@ def validate(cfg: TrainConfig) -> None:
         check_run(sc.name, cp=cfg.parallel.cp, recompute=sc.recompute,
                   recompute_layers=sc.enable_gradient_checkpointing, backend=sc.backend)  # fmt: skip
         algo = resolve_algorithm(cfg)
+        check_pipeline(sc.name, pp=cfg.parallel.pp, critic=algo.trains_critic)
     except SettingError as e:
         raise e.spelled(SPELLING) from None
     if algo.estimator is not None and algo.estimator.group_relative and r.n == 1:
@@ -770,8 +771,15 @@ def model_arch(cfg: TrainConfig, vocab_size: int | None = None) -> ModelArch:
 
 
 def check_model(cfg: TrainConfig) -> None:
-    """The architecture exists and splits over parallel.tp (reads only config.json)."""
+    """The architecture exists and splits over parallel.tp and parallel.pp (reads only config.json)."""
     arch = model_arch(cfg)
+    try:
+        check_pipeline(
+            cfg.schedule.name, pp=cfg.parallel.pp, num_layers=arch.num_layers, hybrid=arch.is_hybrid,
+            moe=arch.is_moe,
+        )  # fmt: skip
+    except SettingError as e:
+        raise e.spelled(SPELLING) from None
     try:
         arch.check_tensor_parallel(cfg.parallel.tp)
     except UserError as e:

@@ -36,6 +36,7 @@ def layout_record(groups: Any, *, distributed_optimizer: bool, padded_vocab_size
         "tp": groups.tp_size,
         "cp": groups.cp_size,
         "dp": groups.dp_size,
+        "pp": groups.pp_size,
         "world": world,
         "use_distributed_optimizer": distributed_optimizer,
         "padded_vocab_size": padded_vocab_size,
@@ -43,14 +44,15 @@ def layout_record(groups: Any, *, distributed_optimizer: bool, padded_vocab_size
 
 
 def _spell(layout: dict[str, Any]) -> str:
-    return f"tp={layout['tp']} cp={layout['cp']} dp={layout['dp']}"
+    pp = layout.get("pp", 1)
+    return f"tp={layout['tp']} cp={layout['cp']} dp={layout['dp']}" + (f" pp={pp}" if pp != 1 else "")
 
 
 def check_resharding(saved: dict[str, Any] | None, current: dict[str, Any], *, where: str) -> bool:
     """Whether a checkpoint saved at layout `saved` loads at `current` by resharding (True: the layouts differ,
     the RNG states must restart); what megatron cannot reshard is refused in one line naming both layouts."""
-    if saved is None or {k: saved.get(k) for k in current} == current:
-        return False
+    if saved is None or {k: saved.get(k, 1 if k == "pp" else None) for k in current} == current:
+        return False  # a checkpoint from before pipeline parallelism was saved at pp 1
     key = "use_distributed_optimizer"
     if bool(saved.get(key)) != current[key]:
         raise UserError(

@@ -389,7 +389,8 @@ class Trainer:
 
         ref = build_model(
             self.arch, dtype=self.dtype, tp=self.groups.tp_size,
-            sequence_parallel=self.groups.sequence_parallel, init_weights=False, ep=self.groups.ep_size,
+            sequence_parallel=self.groups.sequence_parallel, init_weights=False, pp=self.groups.pp_size,
+            pp_rank=self.groups.pp_rank, ep=self.groups.ep_size,
         )  # fmt: skip
         ref.requires_grad_(False)
         return prepare_for_layout(ref, self.groups)

@@ -17,43 +17,41 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 def build_policy(
     arch: ModelArch, *, hf_path: str | None, dtype: torch.dtype, groups: ParallelGroups, init_seed: int
 ) -> torch.nn.Module:
-    """This rank's shard of the policy. Random init is TP-invariant (megatron initialises the full weight on
-    the CPU from the default generator, seeded here identically on every rank, then slices it)."""
+    """This rank's shard of the policy (its pipeline stage's layers under PP). Random init is TP- and
+    PP-invariant: megatron initialises each full weight on the CPU from the default generator, seeded here
+    identically on every rank, then slices it; under PP the whole model is built that way and the stage keeps its
+    share (a second copy of the model during init only: HF-initialised runs load just their stage's tensors)."""
+    from megatron_branch.checkpoint.stages import copy_from_whole, load_stage
+
+    stage = {"pp": groups.pp_size, "pp_rank": groups.pp_rank}
+    shape = {
+        "dtype": dtype,
+        "tp": groups.tp_size,
+        "sequence_parallel": groups.sequence_parallel,
+        "ep": groups.ep_size,
+    }
     if hf_path is None:
         torch.manual_seed(init_seed)
-        model = build_model(
-            arch,
-            dtype=dtype,
-            tp=groups.tp_size,
-            sequence_parallel=groups.sequence_parallel,
-            ep=groups.ep_size,
-        )
+        model = build_model(arch, **shape)
         if arch.is_moe:
             init_experts(model, arch, groups, seed=init_seed)
+        if groups.pp_size > 1:  # (a dense model: MoE is not pipelined, rules.check_pipeline)
+            whole, model = model, build_model(arch, **shape, init_weights=False, **stage)
+            copy_from_whole(model, whole)
     else:
         from megatron_branch.checkpoint.hf_io import HFTensorReader
         from megatron_branch.checkpoint.param_map import iter_hf_to_mcore
-        from megatron_branch.checkpoint.tp import load_full_tensor
 
         reader = HFTensorReader(hf_path)
-        model = build_model(
+        model = build_model(arch, **shape, init_weights=False, **stage)
+        tensors = iter_hf_to_mcore(
+            reader.keys(),
+            reader.get,
             arch,
-            dtype=dtype,
-            tp=groups.tp_size,
-            sequence_parallel=groups.sequence_parallel,
-            init_weights=False,
-            ep=groups.ep_size,
+            padded_vocab=arch.padded_vocab_size(groups.tp_size),
+            where=hf_path,
         )
-        params = dict(model.named_parameters())
-        with torch.no_grad():
-            for name, full in iter_hf_to_mcore(
-                reader.keys(),
-                reader.get,
-                arch,
-                padded_vocab=arch.padded_vocab_size(groups.tp_size),
-                where=hf_path,
-            ):
-                load_full_tensor(model, name, full.to(dtype), groups.tp, params=params, ep_group=groups.ep)
+        load_stage(model, ((name, full.to(dtype)) for name, full in tensors), groups)
     if torch.cuda.is_available():
         model.cuda()
     return prepare_for_layout(model, groups)
@@ -100,19 +98,42 @@ def frozen_copy(
 ) -> Any:
     """A reference model: same shards, no gradients, never stepped."""
     ref = build_model(
-        arch,
-        dtype=dtype,
-        tp=groups.tp_size,
-        sequence_parallel=groups.sequence_parallel,
-        init_weights=False,
-        ep=groups.ep_size,
-    )
+        arch, dtype=dtype, tp=groups.tp_size, sequence_parallel=groups.sequence_parallel, init_weights=False,
+        pp=groups.pp_size, pp_rank=groups.pp_rank, ep=groups.ep_size,
+    )  # fmt: skip
     ref.load_state_dict(unwrap(model).state_dict(), strict=True)
     ref.requires_grad_(False)
     ref.eval()
     if torch.cuda.is_available():
         ref.cuda()
     return prepare_for_layout(ref, groups)
+
+
+def whole_copy(arch: ModelArch, *, dtype: torch.dtype, groups: ParallelGroups) -> torch.nn.Module:
+    """A frozen whole-model copy (every layer; this TP rank's shards) for the sampler under pipeline parallelism:
+    the simplest exact way to sample with a pipelined policy is to run the whole model on every rank
+    (`refresh_whole` copies the stages' current weights into it before each generate). Its price: one more copy of
+    the model's weights per rank."""
+    whole = build_model(
+        arch, dtype=dtype, tp=groups.tp_size, sequence_parallel=groups.sequence_parallel, init_weights=False
+    )
+    whole.requires_grad_(False)
+    whole.eval()
+    if torch.cuda.is_available():
+        whole.cuda()
+    return whole
+
+
+def refresh_whole(whole: torch.nn.Module, stage: torch.nn.Module, groups: ParallelGroups) -> None:
+    """`whole` <- the current weights of every pipeline stage (an all-gather over the pipeline group)."""
+    from megatron_branch.checkpoint.stages import gather_stage_shards
+
+    params = dict(whole.named_parameters())
+    shards = gather_stage_shards(unwrap(stage), groups)
+    assert set(shards) == set(params), sorted(set(shards) ^ set(params))
+    with torch.no_grad():
+        for name, t in shards.items():
+            params[name].copy_(t)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

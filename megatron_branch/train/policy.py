@@ -27,6 +27,7 @@ from megatron_branch.models import ModelArch
 from megatron_branch.parallel.groups import ParallelGroups
 from megatron_branch.train.algorithm import Algorithm
 from megatron_branch.train.config import TrainConfig, optimizer_settings
+from megatron_branch.train.models import refresh_whole, whole_copy
 
 
 def _policy_only(key: str) -> bool:
@@ -101,9 +102,11 @@ class Actor:
         from megatron_branch.train import moe
 
         moe_opts = moe.options(cfg) if arch.is_moe else None
+        # under PP the sampler runs a whole-model copy refreshed from the stages (train/models.py whole_copy)
+        self.whole = None if groups.pp_size == 1 else whole_copy(arch, dtype=dtype, groups=groups)
         self.sampler = BranchSampler(
-            self.policy.ddp, vocab_size=arch.vocab_size, groups=groups, backend=cfg.schedule.backend,
-            record_routing=moe_opts is not None and moe_opts.routing_replay,
+            self.policy.ddp if self.whole is None else self.whole, vocab_size=arch.vocab_size, groups=groups,
+            backend=cfg.schedule.backend, record_routing=moe_opts is not None and moe_opts.routing_replay,
         )  # fmt: skip
         opts = ScheduleOptions(
             groups=groups, vocab_size=arch.vocab_size, backend=cfg.schedule.backend,
@@ -142,7 +145,13 @@ class Actor:
         self.params = dataclasses.replace(self.params, stop_token_ids=tuple(ids))
 
     def generate(self, prompts: list[tuple[int, ...]], rng: torch.Generator) -> Any:
+        self._refresh_sampler()
         return self.sampler.generate(prompts, self.params, generator=rng)
+
+    def _refresh_sampler(self) -> None:
+        """Under PP: the sampler's whole-model copy takes the stages' current weights (every rank)."""
+        if self.whole is not None:
+            refresh_whole(self.whole, self.policy.model, self.groups)
 
     # ---- one RL step -----------------------------------------------------------------------------------------
     def _mini_batches(self, batch: list[Rollout], group_size: int) -> list[tuple[int, int]]:
@@ -260,6 +269,7 @@ class Actor:
     def greedy_exact(self, prompts: list[tuple[int, ...]], answers: list[tuple[int, ...]]) -> float:
         """Fraction of prompts whose greedy response is exactly the answer (answers end with eos, as sampled)."""
         params = dataclasses.replace(self.params, n=1, temperature=0.0, branch_at=())
+        self._refresh_sampler()
         out = self.sampler.generate(prompts, params, generator=None)
         return sum(g[0].response == a for g, a in zip(out.samples, answers)) / len(prompts)
 

@@ -325,8 +325,9 @@ def finalize(model: torch.nn.Module, plan: UpdatePlan) -> None:
     from megatron_branch.parallel.grads import finalize_grads
 
     finalize_grads(
-        model, tp_group=groups.tp, dp_cp_group=groups.dp_cp, sequence_parallel=groups.sequence_parallel
-    )
+        model, tp_group=groups.tp, dp_cp_group=groups.dp_cp, sequence_parallel=groups.sequence_parallel,
+        embd_group=groups.embd,
+    )  # fmt: skip
 
 
 def _sum_over_dp(t: torch.Tensor, groups: Any) -> torch.Tensor:

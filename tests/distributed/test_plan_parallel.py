@@ -124,6 +124,25 @@ def test_each_term_within_5_percent(kind: str, mode: str) -> None:
 
 
 @pytest.mark.world(2)
+@pytest.mark.parametrize("recompute", [False, True])
+def test_planner_stage_bytes_match_the_meter_pp2(recompute: bool) -> None:
+    """Each pipeline stage's peak (its layer, the output layer on the last stage, the 1F1B micro-batches alive on
+    it: 2 of the 3 leaf micro-batches on the first stage) against the meter on that stage (plan/pipeline.py)."""
+    groups = initialize_parallel(ParallelConfig(pp=2))
+    torch.manual_seed(0)
+    a = arch()
+    model = build_model(a, dtype=torch.float32, pp=2, pp_rank=groups.pp_rank)
+    shape = RolloutShape(prompt_length=120, responses=6, response_length=10, shared_response_length=2)
+    got = measure_step(model, shape, vocab=VOCAB, branch_micro_batch=2, recompute=recompute, groups=groups)
+    layout = Layout(pp=2)
+    pk = step_peak(a, shape, layout, act_bytes=4, branch_micro_batch=2, segment_recompute=recompute,
+                   layer_recompute=False, stage=groups.pp_rank)  # fmt: skip
+    assert pk.saved == pytest.approx(got.saved_peak, rel=TOL), (groups.pp_rank, pk, got)
+    dm = Dims.of(a, layout, 4)  # this stage's one layer
+    assert got.cached_kv == layer_kv_bytes(dm, local_rows(shape.root_length, 1, layout))
+
+
+@pytest.mark.world(2)
 @pytest.mark.parametrize("recompute", [False, True], ids=["keep", "segment_recompute"])
 def test_hybrid_under_cp2_matches_the_meter_and_the_exchange_count(recompute: bool) -> None:
     """A Qwen3.5-style hybrid (3 GDN + 1 attention layers, 2 key / 4 value GDN heads) under CP2: each rank runs one

@@ -1,5 +1,5 @@
-"""`train --resume auto` at another layout: a TP2 and a DP2 checkpoint resume in ONE process (TP1 = DP1) and train
-exactly the run that never left that layout (float64, 1e-9 per parameter). DPO: no sampling, so the restarted RNG
+"""`train --resume auto` at another layout: a TP2, a DP2 and a PP2 checkpoint resume in ONE process (TP1 = DP1 =
+PP1) and train exactly the run that never left that layout (float64, 1e-9 per parameter). DPO: no sampling, so the restarted RNG
 streams (train/state.py `restart_rng`) cannot change the steps; model, optimizer, scheduler, reference and data
 position are what megatron's dist checkpointing reshards. What it cannot reshard (the optimizer kind) is refused in
 one line naming both layouts."""
@@ -69,7 +69,7 @@ def run(out, *extra):
     return params(tr), losses, tr
 result = {"ref": run("ref")[:2]}
 result["world"] = torch.distributed.get_world_size()
-for name in ("tp2", "dp2"):
+for name in ("tp2", "dp2", "pp2"):
     p, losses, tr = run(name, "trainer.resume_mode=auto")
     result[name] = (p, losses)
 try:
@@ -104,12 +104,13 @@ def test_tp2_and_dp2_checkpoints_resume_in_one_process_exactly() -> None:
             rows = [{"prompt": f"k{i}:ab ? k{i}:", "chosen": "ab", "rejected": "ba"} for i in range(8)]
             (tmp / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         dist.barrier()
-        for name, layout in (("tp2", "parallel.tp=2"), ("dp2", "parallel.tp=1")):
+        sizes = {"tp2": (2, 1, 1), "dp2": (1, 2, 1), "pp2": (1, 1, 2)}  # (tp, dp, pp)
+        for name, layout in (("tp2", "parallel.tp=2"), ("dp2", "parallel.tp=1"), ("pp2", "parallel.pp=2")):
             tr = Trainer(load_config(None, _overrides(tmp, name, layout, "trainer.total_training_steps=2")))
             while tr.step < 2:
                 tr.train_step()
             tr.save()
-            assert (tr.groups.tp_size, tr.groups.dp_size) == ((2, 1) if name == "tp2" else (1, 2))
+            assert (tr.groups.tp_size, tr.groups.dp_size, tr.groups.pp_size) == sizes[name]
         dist.barrier()
         out = ""
         if dist.get_rank() == 0:
@@ -131,7 +132,11 @@ def test_tp2_and_dp2_checkpoints_resume_in_one_process_exactly() -> None:
             got = torch.load(tmp / "one_process.pt", weights_only=False)
             assert got["world"] == 1
             ref_params, ref_losses = got["ref"]
-            for name, saved in (("tp2", "tp=2 cp=1 dp=1"), ("dp2", "tp=1 cp=1 dp=2")):
+            for name, saved in (
+                ("tp2", "tp=2 cp=1 dp=1"),
+                ("dp2", "tp=1 cp=1 dp=2"),
+                ("pp2", "tp=1 cp=1 dp=1 pp=2"),
+            ):
                 params, losses = got[name]
                 assert len(losses) == 2  # steps 3 and 4 ran at the new layout
                 for x, y in zip(losses, ref_losses[2:], strict=True):

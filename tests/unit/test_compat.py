@@ -145,3 +145,39 @@ def test_checkpoint_renamed_target_fails_loudly() -> None:
 
     with pytest.raises(cpu.CompatError, match="no_such_name"):
         dist_ckpt._megatron("megatron.core.dist_checkpointing.validation", "no_such_name")
+
+
+# ---- pipeline parallelism (compat/pipeline.py) ------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "module,attr",
+    [
+        ("megatron.core.models.common.language_module.language_module", "LanguageModule"),
+        ("megatron.core.pipeline_parallel.p2p_communication", "P2PCommunicator"),
+        ("megatron.core.pipeline_parallel.p2p_communication", "torch"),
+    ],
+)
+def test_pipeline_names_exist_in_pinned_megatron(module: str, attr: str) -> None:
+    assert hasattr(importlib.import_module(module), attr), f"{module}.{attr} moved: update compat/pipeline.py"
+
+
+def test_pipeline_shims_apply_once_and_are_needed_without_cuda() -> None:
+    """The two CUDA calls the shims remove really fail on this machine, and the shimmed paths do not."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    from megatron_branch.compat import pipeline
+
+    pipeline.apply_pipeline_shims()
+    assert pipeline.apply_pipeline_shims() == []  # idempotent
+    assert getattr(LanguageModule.setup_embeddings_and_output_layer, "_megatron_branch_cpu", False)
+    if torch.cuda.is_available():
+        return
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.zeros(2).cuda()  # what the tied embedding's set-up calls
+    with pipeline._tensor_cuda_is_identity():
+        t = torch.zeros(2)
+        assert t.cuda() is t
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.cuda.synchronize()  # what batched p2p calls after every exchange
+    p2p_communication.torch.cuda.synchronize()  # the p2p module's view: a no-op
+    assert p2p_communication.torch.distributed is torch.distributed  # everything else is torch's own

@@ -79,7 +79,7 @@ def test_dropin_bad_input_is_a_user_error() -> None:
         fb(forward_step_func=None, data_iterator=iter([[{"prompt": [1]}]]), model=model, num_microbatches=1,
            seq_length=0, micro_batch_size=1)  # fmt: skip
     with pytest.raises(UserError, match="pipeline"):
-        megatron_branch.integration.get_forward_backward_func(pp_size=2)
+        megatron_branch.integration.get_forward_backward_func(pp_size=2, vp_size=2)
 
 
 # --- patched() ----------------------------------------------------------------------------------------------------

@@ -105,7 +105,7 @@ def test_target_launcher_dry_run(script: str, tmp_path: Path, capsys: pytest.Cap
     run = plan_json(pre[1:], capsys)
     mode = "full" if args.recompute_layers else "selective" if args.recompute else "none"
     assert args.recompute or not args.recompute_layers  # full = segment recompute + layer checkpointing
-    assert run["layout"] == {"tp": args.tp, "cp": args.cp, "dp": 1, "recompute": mode}
+    assert run["layout"] == {"tp": args.tp, "cp": args.cp, "dp": 1, "pp": 1, "recompute": mode}
     assert run["dtype"] == args.dtype == "float32"
     model = pre[pre.index("--model") + 1]
     MODEL_PRESETS[model].check_tensor_parallel(args.tp)

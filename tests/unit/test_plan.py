@@ -156,7 +156,7 @@ def test_plan_json_contract(capsys: pytest.CaptureFixture[str]) -> None:
         "branch_micro_batch",
     }
     assert set(d["optimizer"]) >= {"use_distributed_optimizer", "optimizer_offload_fraction"}
-    assert set(d["layout"]) == {"tp", "cp", "dp", "recompute"}
+    assert set(d["layout"]) == {"tp", "cp", "dp", "pp", "recompute"}
     mem = d["memory_bytes_per_rank"]
     terms = ("parameters", "gradients", "optimizer_state", "activations", "cached_kv", "kv_grads")
     terms += ("ring_buffers", "logits", "allocator_margin")
@@ -175,7 +175,7 @@ def test_plan_fixed_layout_and_custom_gpu(capsys: pytest.CaptureFixture[str]) ->
         capsys, "--model", "llama-3.1-8b", *TARGET, "--gpu", "h100", "--tp", "2", "--cp", "4", "--dp", "1",
         "--recompute", "selective", "--gpu-memory-gb", "200",
     )  # fmt: skip
-    assert d["layout"] == {"tp": 2, "cp": 4, "dp": 1, "recompute": "selective"}
+    assert d["layout"] == {"tp": 2, "cp": 4, "dp": 1, "pp": 1, "recompute": "selective"}
     assert d["gpu_memory_bytes"] == 200 * 10**9
 
 

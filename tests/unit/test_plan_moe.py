@@ -88,7 +88,7 @@ def test_plan_qwen3_30b_a3b_at_the_target(capsys: pytest.CaptureFixture[str]) ->
     out = capsys.readouterr().out.strip().splitlines()
     p = json.loads(out[-1])
     assert p["shape"]["positions_logical"] == 2_097_152
-    assert {"tp", "cp", "dp", "ep", "recompute"} == set(p["layout"])
+    assert {"tp", "cp", "dp", "pp", "ep", "recompute"} == set(p["layout"])
     mem = p["memory_bytes_per_rank"]
     assert mem["dispatcher"] > 0 and mem["expert_parameters"] > 0
     assert p["flops"]["naive"] > 3 * p["flops"]["replay"]

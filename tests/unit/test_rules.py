@@ -68,6 +68,20 @@ RULES = {
         ["actor.loss_agg_norm=8"],
         "actor.loss_agg_norm is only used by seq-mean-token-sum-norm, not actor.loss_agg_mode=token-mean",
     ),
+    "the pipeline runs the tree": (
+        ["--schedule", "naive", "--pp", "2"],
+        "--schedule naive has no pipeline parallelism; use --schedule replay or packed (or naive-fused, the baseline) "
+        "with --pp 2",
+        ["schedule.name=naive", "parallel.pp=2"],
+        "schedule.name=naive has no pipeline parallelism; use schedule.name replay or packed (or naive-fused, the "
+        "baseline) with parallel.pp=2",
+    ),
+    "stages split the layers": (
+        ["--pp", "3"],
+        "--pp 3 does not divide the model's 2 layers",
+        ["parallel.pp=3"],
+        "parallel.pp=3 does not divide the model's 2 layers",
+    ),
     "registered objective": (
         ["--objective", "nope"],
         "unknown --objective 'nope'; registered:",
@@ -114,7 +128,7 @@ def test_rule_through_train(rule: str) -> None:
             ["schedule.name=replay-stopgrad", "parallel.cp=2"],
             "schedule.name=replay-stopgrad has no context par",
         ),
-        (["parallel.pp=2"], "parallel.pp=2: pipeline parallelism is not in the engine yet"),
+        (["parallel.pp=2", "algorithm.name=ppo"], "parallel.pp=2: the PPO critic is not pipelined yet"),
         (["parallel.ep=2"], "parallel.ep / moe.* need a mixture-of-experts model"),  # a dense policy
         (["rollout.n=1"], "rollout.n=1 with algorithm.name=grpo"),
         (
@@ -134,7 +148,7 @@ def test_rule_through_train(rule: str) -> None:
     ],
 )
 def test_train_only_rules(overrides: list[str], says: str) -> None:
-    """Rules with no grad flag (pipeline/expert sizes, advantage estimators, plugins of the config)."""
+    """Rules with no grad flag (the pipelined critic, expert sizes, advantage estimators, plugins of the config)."""
     with pytest.raises(UserError) as e:
         load_config(None, [*TRAIN_BASE, *overrides])
     assert says in str(e.value) and "\n" not in str(e.value), str(e.value)

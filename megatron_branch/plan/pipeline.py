@@ -1,0 +1,134 @@
+"""The planner's pipeline-parallel terms: a stage's parameters, the heavier stage's peak, the pipeline bubble and
+the stage-to-stage messages in the step time, and which parallel axes cross nodes.
+
+The stages as the engine runs them (schedule/pipeline.py; megatron's even split): stage r holds L/pp consecutive
+layers, the first stage the embedding, the last the final norm and the output layer (with tied embeddings the last
+stage holds a copy, so both end stages hold vocab x h). A rank's memory is its stage's: the planner reports the
+heavier of the first and the last stage (the middle ones hold less than both).
+
+Alive micro-batches (memory): megatron's 1F1B order keeps pp - r micro-batches of a wave in flight on stage r
+(the first stage the most), so the first stage holds min(pp, M) leaf micro-batches' activations beside the root's
+graph and cache; the last stage one, plus the output layer's transient buffers.
+
+Time, per DP replica (every stage of it busy only while its chunk passes): with t = a chunk's per-stage time (its
+FLOPs / (tp cp pp) / the assumed rate),
+    replay, per prompt group  the root's forward and backward cross the stages one after another (pp t_root
+                              instead of t_root) and its M = ceil(G / b) leaf micro-batches flow as one wave in 1F1B
+                              ((M + pp - 1) t_leaf instead of M t_leaf): bubble (pp - 1)(t_root + t_leaf)
+    packed                    the DP rank's n groups as one wave: bubble (pp - 1) t_group
+    messages                  every chunk's hidden states [rows, h] cross each stage boundary forward and their
+                              gradient backward, counted as exposed (megatron's non-interleaved schedule waits
+                              on them), at the node-to-node link when the pipeline spans nodes.
+Nodes: megatron lays ranks out tp fastest, then cp, dp, pp (parallel_state's default order "tp-cp-ep-dp-pp"), so
+an axis's group spans nodes when its stride times its size exceeds the GPUs of a node.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_branch.models.arch import ModelArch
+from megatron_branch.plan.flops import (
+    LOGITS_MATMULS,
+    StepFlops,
+    attention_flops_per_pair,
+    causal_pairs,
+    layer_matmul_flops_per_token,
+    logits_flops_per_row,
+)
+from megatron_branch.plan.layers import attention_layer_params, replicated_layer_params
+from megatron_branch.plan.memory import Peak, cdiv, local_rows
+from megatron_branch.plan.model import GPU, Layout, RolloutShape
+
+AXES = ("tp", "cp", "dp", "pp")
+"""megatron's rank order, fastest first (parallel_state.initialize_model_parallel, order "tp-cp-ep-dp-pp")."""
+
+
+def crosses_nodes(axis: str, layout: Layout, gpus_per_node: int) -> bool:
+    """Whether the groups of `axis` span more than one node (their traffic then goes over the node links)."""
+    stride = 1
+    for a in AXES[: AXES.index(axis)]:
+        stride *= getattr(layout, a)
+    size = getattr(layout, axis)
+    return size > 1 and stride * size > gpus_per_node
+
+
+def link_bytes_per_s(gpu: GPU, layout: Layout, *axes: str) -> float:
+    """The bandwidth a collective over `axes` gets: the node-to-node link if any of them crosses nodes."""
+    across = any(crosses_nodes(a, layout, gpu.gpus_per_node) for a in axes)
+    return (gpu.node_link_gbps if across else gpu.link_gbps) * 1e9
+
+
+def stage_parameters_per_rank(arch: ModelArch, layout: Layout) -> int:
+    """Parameters one rank of the heavier end stage holds: its L/pp layers (TP shards + replicated norms) and
+    vocab x h (the embedding on the first stage; the output layer, or a tied embedding's copy, on the last) plus
+    the final norm."""
+    per_layer = (attention_layer_params(arch) - replicated_layer_params(arch, False)) // layout.tp
+    per_layer += replicated_layer_params(arch, False)
+    vocab = arch.vocab_size * arch.hidden_size // layout.tp
+    return arch.num_layers // layout.pp * per_layer + vocab + arch.hidden_size
+
+
+def heavier_stage_peak(arch: ModelArch, shape: RolloutShape, layout: Layout, **kw: Any) -> Peak:
+    """The step's peak on the first and on the last pipeline stage (plan/memory.py step_peak at `stage`), the
+    larger of the two."""
+    from megatron_branch.plan.memory import step_peak
+
+    peaks = [step_peak(arch, shape, layout, stage=s, **kw) for s in (0, layout.pp - 1)]
+    return max(peaks, key=lambda p: p.saved + p.ring_buffers + p.logits)
+
+
+def root_flops(arch: ModelArch, shape: RolloutShape, layout: Layout) -> float:
+    """FLOPs of one prompt group's root chunk under replay (forward, backward, its recomputed forward), as
+    plan/flops.py counts the whole step."""
+    R, G, K = shape.root_length, shape.responses, shape.shared_response_length
+    tok, pair, row = (
+        layer_matmul_flops_per_token(arch),
+        attention_flops_per_pair(arch),
+        logits_flops_per_row(arch),
+    )
+    again = (1 if layout.recompute in ("selective", "full") else 0) + (1 if layout.recompute == "full" else 0)
+    rows_again = K + G if layout.recompute in ("selective", "full") else 0
+    return float(
+        tok * (3 + again) * R
+        + pair * (3 + again) * causal_pairs(R)
+        + row * (LOGITS_MATMULS * (K + G) + rows_again)
+    )
+
+
+def pipeline_seconds(
+    arch: ModelArch,
+    shape: RolloutShape,
+    layout: Layout,
+    gpu: GPU,
+    schedule: str,
+    fl: StepFlops,
+    *,
+    rate: float,
+    act_bytes: int,
+    branch_micro_batch: int,
+) -> dict[str, float]:
+    """The pipeline's bubble and its stage-to-stage messages (seconds per step; 0 without PP)."""
+    pp = layout.pp
+    if pp == 1:
+        return {"pipeline_bubble": 0.0, "pipeline_messages": 0.0}
+    ranks = layout.tp * layout.cp * pp  # one DP replica
+    groups = cdiv(shape.prompts, layout.dp)  # prompt groups of one replica
+    per_group = fl.total / shape.prompts
+    G = shape.responses
+    if schedule == "replay" and G > 1:
+        micro = cdiv(G, min(branch_micro_batch, G))
+        t_root = root_flops(arch, shape, layout) / ranks / rate
+        t_leaf = (per_group - root_flops(arch, shape, layout)) / micro / ranks / rate
+        bubble = groups * (pp - 1) * (t_root + t_leaf)
+        rows = local_rows(shape.root_length, 1, layout) + micro * local_rows(
+            shape.leaf_length, min(branch_micro_batch, G), layout
+        )
+    else:  # packed, or one-response groups: the groups are one wave of micro-batches
+        bubble = (pp - 1) * per_group / ranks / rate
+        rows = local_rows(shape.root_length, 1, layout) + local_rows(shape.leaf_length, G, layout)
+    if layout.sp:
+        rows //= layout.tp
+    # each rank sends every chunk's output forward and its input's gradient backward once (end stages: one way)
+    message = 2 * groups * rows * arch.hidden_size * act_bytes
+    return {"pipeline_bubble": bubble, "pipeline_messages": message / link_bytes_per_s(gpu, layout, "pp")}

@@ -1,0 +1,382 @@
+"""The tree schedules under pipeline parallelism: replay and packed with the model cut into pp stages.
+
+SHAPE LEGEND (per stage; tensors sequence first as megatron):
+    S stages, this one r;  a chunk's message [rows, 1, h] (parallel/pipeline.py);  M leaf micro-batches in a wave
+    F(X) / B(X): the forward / backward of chunk X through this stage's layers, with its messages
+
+Every stage runs the SAME program over the same prefix tree: each stage builds the tree from the same rollouts
+(every rank already holds them, as TP and CP ranks do; the drop-in broadcasts them from the first stage,
+integration/schedule.py), and a fingerprint gathered over the pipeline group checks that the stages agree. So every
+message has its partner and its shape is known on both sides (no shape exchange): a chunk's rows on this rank.
+
+replay (the depth-first walk of schedule/replay.py, each step spread over the stages):
+    F(root)       receive the root's hidden states from stage r-1, run this stage's layers CAPTURING their prefix
+                  state (K/V rows; a recurrent layer's state at the fork) into THIS stage's prefix cache
+                  (schedule/prefix_cache.py, unchanged), send the output to stage r+1; the last stage computes the
+                  root's loss rows
+    leaf wave     consecutive leaf micro-batches of the root's children (branch_micro_batch leaves each) flow in
+                  megatron's 1F1B order: S-1-r warm-up forwards, then one forward + one backward, then the
+                  cool-down backwards (at most S micro-batches alive; `pipeline_order="gpipe"`: all forwards, then
+                  all backwards). Each reads this stage's cached K/V in place; each backward ADDS into those leaves'
+                  .grad (dK/dV of this stage's layers only)
+    inner child   recurses the same way between its parent's F and B
+    B(root)       once, after every descendant: the gradient of the root's output from stage r+1 (1 for the loss
+                  on the last stage) AND every descendant's summed gradient into this stage's captured state, in
+                  ONE torch.autograd.backward; the gradient of the root's input goes to stage r-1
+With `recompute`, F(X) of an inner X keeps no graph; at B(X) each stage recomputes X's forward from the input it
+received in F(X) (kept: one [rows, 1, h] tensor), so the recompute sends no message and is bit-identical.
+Independent roots run one after another; consecutive childless roots form one wave.
+
+packed: the tree split at its group boundaries (each root's subtree: one chunk, exactly run_packed's math for that
+group, as groups share nothing), the groups as one wave of micro-batches in the same 1F1B order.
+
+naive-fused (the unshared baseline, schedule/unshared.py): every rollout its own micro-batch, nothing shared, one
+wave; the last stage runs unshared.py's own per-rollout head and loss. It is here so that the benchmark can compare
+replay's pipeline with the fair baseline's under the same PP (benchmarks/pipeline_bubble.py).
+
+The loss is computed on the last stage only; at the end the last stage's loss, metric statistics and kept
+logprobs/entropies are broadcast over the pipeline group, so every stage returns the same StepResult (as every TP
+rank does). Parameter gradients stay on the stage that owns the parameter; the tied embedding's two copies are
+summed by megatron's embedding-group reduction (finalize_model_grads, or parallel/grads.py).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_branch.attention.context import LocalContext, attach_context
+from megatron_branch.attention.layout import AttentionLayout
+from megatron_branch.attention.prefix_state import ChunkTree, Handoff, Tensors
+from megatron_branch.data import PrefixTree
+from megatron_branch.errors import SettingError
+from megatron_branch.losses.objective import BoundObjective, Objective
+from megatron_branch.parallel.pipeline import Shape, StageLink, broadcast_from_last, check_same_tree
+from megatron_branch.rules import API, check_pipeline, check_run
+from megatron_branch.schedule import unshared
+from megatron_branch.schedule.chunks import Chunk, CPChunk
+from megatron_branch.schedule.common import (
+    ChunkOut,
+    ScheduleOptions,
+    StepResult,
+    Store,
+    check_recompute_layers,
+    forward_chunk,
+    model_device,
+    prepare_chunk,
+)
+from megatron_branch.schedule.prefix_cache import PrefixCache
+from megatron_branch.schedule.replay import child_groups
+
+
+@dataclass(frozen=True)
+class _RolloutChunk:
+    """naive-fused's micro-batch: rollouts laid end to end without sharing (unshared.py's packing), one rank."""
+
+    rollouts: tuple[int, ...]
+    input_ids: torch.Tensor
+    """[s] token ids (padding to a multiple of TP under SP: 0)."""
+    position_ids: torch.Tensor
+    layout: AttentionLayout
+    roots: ChunkTree
+    num_real: int
+
+    @classmethod
+    def of(cls, tree: PrefixTree, rollouts: Sequence[int], opts: ScheduleOptions) -> _RolloutChunk:
+        ids, pos, _, _, layout, roots = unshared._pack(tree, rollouts, opts.pad_to)
+        real = sum(len(tree.rollouts[i].prompt) + len(tree.rollouts[i].response) for i in rollouts)
+        return cls(tuple(rollouts), ids, pos, layout, roots, real)
+
+    def context(self, tree: PrefixTree, opts: ScheduleOptions, **_: object) -> LocalContext:
+        return LocalContext(
+            layout=self.layout, backend=opts.backend, recompute_layers=opts.recompute_layers, tree=self.roots
+        )
+
+
+AnyChunk = Chunk | CPChunk | _RolloutChunk
+
+
+@dataclass
+class _Run:
+    """One forward of one chunk on this stage, kept until its backward."""
+
+    chunk: AnyChunk
+    input: torch.Tensor | None
+    """[rows, 1, h] what the previous stage sent (a fresh leaf: its .grad goes back), None on the first stage."""
+    output: torch.Tensor
+    """[rows, 1, h] what goes to the next stage; on the last stage the chunk's loss []."""
+    captured: dict[int, Handoff]
+    """layer -> what this stage's layers handed down (when captured)."""
+    out: ChunkOut | None
+    """The last stage's results of the chunk (loss, logprobs, stats); None elsewhere."""
+
+
+class _Stage:
+    """This rank's stage: one chunk's forward and backward through its layers (messages are the caller's)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tree: PrefixTree,
+        objective: BoundObjective | None,
+        opts: ScheduleOptions,
+        link: StageLink,
+        store: Store,
+    ) -> None:
+        self.model, self.tree, self.objective, self.opts, self.link = model, tree, objective, opts, link
+        self.store = store  # naive-fused's head records its rollouts' results itself (unshared.py)
+        self.base = _unwrap(model)
+        self.device = model_device(model)
+
+    def shape(self, chunk: AnyChunk) -> Shape:
+        """The chunk's message on this rank: its (CP-local, padded) rows, split over TP under SP."""
+        rows = int(chunk.input_ids.numel())
+        if self.opts.sequence_parallel:
+            rows //= self.opts.tp_size
+        return (rows, 1, int(self.base.config.hidden_size))
+
+    def forward(
+        self,
+        chunk: AnyChunk,
+        received: torch.Tensor | None,
+        *,
+        external: dict[int, list[Tensors]],
+        external_meta: torch.Tensor | None,
+        capture: bool,
+        grad: bool,
+    ) -> _Run:
+        x = None if received is None else received.detach().requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            self.base.set_input_tensor(x)
+            try:
+                if self.link.last and isinstance(chunk, _RolloutChunk):  # naive-fused's own head and loss
+                    loss = unshared._forward(self.model, self.tree, chunk.rollouts, self.objective, self.opts,
+                                             self.store)  # fmt: skip
+                    return _Run(chunk, x, loss, {}, None)
+                if self.link.last:
+                    out = forward_chunk(
+                        self.model, self.tree, chunk, self.objective, self.opts,
+                        external=external, capture=capture, external_meta=external_meta,
+                    )  # fmt: skip
+                    return _Run(chunk, x, out.loss, out.captured, out)
+                check_recompute_layers(self.model, self.opts)
+                ctx = chunk.context(
+                    self.tree, self.opts, external=external, external_meta=external_meta, capture=capture,
+                    device=self.device,
+                )  # fmt: skip
+                ids, pos = chunk.input_ids.to(self.device)[None], chunk.position_ids.to(self.device)[None]
+                with attach_context(self.model, ctx):
+                    hidden = self.model(ids, pos, None)  # [rows, 1, h]: megatron returns the block's output
+                return _Run(chunk, x, hidden, ctx.captured, None)
+            finally:
+                self.base.set_input_tensor(None)
+
+    def backward(
+        self,
+        run: _Run,
+        grad_output: torch.Tensor | None,
+        outputs: Sequence[torch.Tensor] = (),
+        grads: Sequence[torch.Tensor] = (),
+    ) -> torch.Tensor | None:
+        """Back-propagate the chunk's output (the next stage's gradient; 1 for the loss) together with
+        `outputs`/`grads` (the accumulated prefix-state gradients of this stage's layers) in ONE backward; returns
+        the gradient of the chunk's input for the previous stage (None on the first stage)."""
+        head = torch.ones_like(run.output) if self.link.last else grad_output
+        assert head is not None, "a stage that is not the last receives its output's gradient"
+        pairs = [(o, g) for o, g in zip([run.output, *outputs], [head, *grads]) if o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if run.input is None:
+            return None
+        return run.input.grad if run.input.grad is not None else torch.zeros_like(run.input)
+
+
+class _Pipeline:
+    """The per-stage program of one step (see the module doc)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tree: PrefixTree,
+        objective: BoundObjective | None,
+        opts: ScheduleOptions,
+        *,
+        forward_only: bool,
+    ) -> None:
+        self.tree, self.opts, self.forward_only = tree, opts, forward_only
+        self.grad = not forward_only and torch.is_grad_enabled()
+        self.link = StageLink(opts.groups, _unwrap(model).config)
+        self.store = Store(tree, opts)
+        self.stage = _Stage(model, tree, objective, opts, self.link, self.store)
+        self.cache = PrefixCache(grad=self.grad)
+        self.path: list[int] = []
+        self.forwards = self.positions = self.recomputed = 0
+
+    # ---- one chunk ---------------------------------------------------------------------------------------------
+    def _chunk(self, segments: Sequence[int]) -> Chunk | CPChunk:
+        return prepare_chunk(self.tree, segments, self.opts, external=self.path)
+
+    def _forward(self, chunk: AnyChunk, received: torch.Tensor | None, *, capture: bool, grad: bool) -> _Run:
+        self.forwards += 1
+        return self.stage.forward(
+            chunk, received, external=self.cache.external(self.path),
+            external_meta=self.cache.external_meta(self.path), capture=capture, grad=grad,
+        )  # fmt: skip
+
+    def _record(self, run: _Run) -> None:
+        if run.out is not None:  # the last stage: the counted forward's results
+            self.store.add(run.chunk.targets, run.out)
+
+    # ---- replay ------------------------------------------------------------------------------------------------
+    def run_segment(self, seg_id: int) -> None:
+        """F(X), X's children (inner ones recursively, leaves in waves), B(X) once."""
+        keep_graph = self.grad and not self.opts.recompute
+        chunk = self._chunk([seg_id])
+        received = self.link.recv_forward(self.stage.shape(chunk))
+        run = self._forward(chunk, received, capture=True, grad=keep_graph)
+        self.link.send_forward(run.output)
+        self.positions += chunk.num_real
+        self.cache.push(seg_id, run.captured, chunk.cache_rows, meta=chunk.cache_meta)
+        self.path.append(seg_id)
+        self.run_children(self.tree.segments[seg_id].children)
+        self.path.pop()
+        if not self.grad:
+            self.cache.drop(seg_id)
+            self._record(run)
+            return
+        if not keep_graph:  # recompute from the input this stage received in F(X): no message, same numbers
+            run = self._forward(chunk, received, capture=True, grad=True)
+            self.recomputed += chunk.num_real
+        outputs, grads = self.cache.injection(seg_id, run.captured)
+        grad_output = self.link.recv_backward(self.stage.shape(chunk))
+        self.link.send_backward(self.stage.backward(run, grad_output, outputs, grads))
+        self.cache.drop(seg_id)
+        self._record(run)
+
+    def run_children(self, children: Sequence[int]) -> None:
+        """Inner children one at a time; runs of consecutive leaf micro-batches as one wave each."""
+        wave: list[list[int]] = []
+        for group in child_groups(self.tree, tuple(children), self.opts.branch_micro_batch):
+            if len(group) == 1 and self.tree.segments[group[0]].children:
+                self._wave(wave)
+                wave = []
+                self.run_segment(group[0])
+            else:
+                wave.append(group)
+        self._wave(wave)
+
+    # ---- a wave of independent micro-batches -------------------------------------------------------------------
+    def _wave(self, groups: list[list[int]]) -> None:
+        if groups:
+            self.wave([self._chunk(g) for g in groups])
+
+    def wave(self, chunks: Sequence[AnyChunk]) -> None:
+        """Independent micro-batches through the pipeline: forward-only in order, or megatron's 1F1B."""
+        self.positions += sum(c.num_real for c in chunks)
+        if not self.grad:
+            for c in chunks:
+                run = self._forward(c, self.link.recv_forward(self.stage.shape(c)), capture=False, grad=False)
+                self.link.send_forward(run.output)
+                self._record(run)
+            return
+        for run in self._one_f_one_b(chunks):
+            self._record(run)
+
+    def _one_f_one_b(self, chunks: Sequence[AnyChunk]) -> Iterator[_Run]:
+        """megatron's non-interleaved schedule (schedules.forward_backward_pipelining_without_interleaving) over
+        `chunks`, each with its own message shape; yields every run after its backward, in order."""
+        link, stage, m = self.link, self.stage, len(chunks)
+        warmup = m if self.opts.pipeline_order == "gpipe" else min(link.stages - link.stage - 1, m)
+        alive: deque[_Run] = deque()
+        for k in range(warmup):
+            run = self._forward(
+                chunks[k], link.recv_forward(stage.shape(chunks[k])), capture=False, grad=True
+            )
+            link.send_forward(run.output)
+            alive.append(run)
+        received = link.recv_forward(stage.shape(chunks[warmup])) if warmup < m else None
+        for i in range(m - warmup):
+            k = warmup + i
+            run = self._forward(chunks[k], received, capture=False, grad=True)
+            alive.append(run)
+            oldest = alive.popleft()
+            grad_output = link.send_forward_recv_backward(run.output, stage.shape(oldest.chunk))
+            grad_input = stage.backward(oldest, grad_output)
+            if k + 1 < m:
+                received = link.send_backward_recv_forward(grad_input, stage.shape(chunks[k + 1]))
+            else:
+                link.send_backward(grad_input)
+            yield oldest
+        while alive:  # cool-down
+            oldest = alive.popleft()
+            grad_output = link.recv_backward(stage.shape(oldest.chunk))
+            link.send_backward(stage.backward(oldest, grad_output))
+            yield oldest
+
+    # ---- the step's result, on every stage ---------------------------------------------------------------------
+    def result(self, name: str, objective: BoundObjective | None, **kw: int) -> StepResult:
+        """The last stage's loss, statistics and kept logprobs/entropies broadcast over the pipeline group."""
+        groups, store = self.opts.groups, self.store
+        names = tuple(objective.stat_names) if objective is not None else ()
+        stats = store.stats if store.stats is not None else torch.zeros(len(names), dtype=torch.float64)
+        head = torch.cat([torch.tensor([store.loss], dtype=torch.float64), stats.detach().cpu().double()])
+        head = broadcast_from_last(head, groups)
+        store.loss, store.stats = float(head[0]), head[1:]
+        if store.logp is not None:
+            store.logp = broadcast_from_last(store.logp, groups)
+        if store.entropy is not None:
+            store.entropy = broadcast_from_last(store.entropy, groups)
+        return store.result(name, self.tree, objective, self.opts, **kw)
+
+
+def run_pipeline(
+    name: str,
+    model: torch.nn.Module,
+    tree: PrefixTree,
+    objective: Objective | None,
+    opts: ScheduleOptions,
+    *,
+    forward_only: bool = False,
+) -> StepResult:
+    """Schedule `name` (replay or packed) on this rank's pipeline stage; gradients accumulate in the stage's
+    parameters, every stage returns the same StepResult. Collective over the pipeline group (and TP/CP)."""
+    arch = getattr(_unwrap(model), "arch", None)
+    try:  # the rules every entry point checks up front (rules.py)
+        check_run(name, cp=opts.cp_size, recompute=opts.recompute, recompute_layers=opts.recompute_layers)
+        check_pipeline(
+            name,
+            pp=opts.pp_size,
+            num_layers=int(_unwrap(model).config.num_layers),
+            hybrid=bool(getattr(arch, "is_hybrid", False)),
+            moe=bool(getattr(arch, "is_moe", False)),
+            critic=bool(getattr(_unwrap(model), "is_critic", False)),
+        )
+    except SettingError as e:
+        raise e.spelled(API) from None
+    check_same_tree(tree, opts.groups)
+    bound = objective.bind(tree) if objective is not None else None
+    p = _Pipeline(model, tree, bound, opts, forward_only=forward_only)
+    if name == "packed":
+        p._wave([list(tree.subtree_segments(r)) for r in tree.roots])
+        return p.result("packed", bound, positions_computed=p.positions, forwards=p.forwards)
+    if name == "naive-fused":
+        p.wave([_RolloutChunk.of(tree, [i], opts) for i in range(len(tree.rollouts))])
+        return p.result("naive-fused", bound, positions_computed=p.positions, forwards=p.forwards)
+    p.run_children(tree.roots)  # inner roots walked one by one, childless roots as waves
+    assert p.positions == tree.positions_computed, (p.positions, tree.positions_computed)
+    return p.result(
+        "replay",
+        bound,
+        positions_computed=p.positions,
+        positions_recomputed=p.recomputed,
+        forwards=p.forwards,
+    )
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module"):
+        model = model.module
+    return model

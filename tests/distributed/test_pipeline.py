@@ -1,0 +1,285 @@
+"""The tree schedules under pipeline parallelism (schedule/pipeline.py) against the single-rank float64 oracle.
+
+    python tests/distributed/launch.py 2 -k pipeline     # PP2 (untied and tied embeddings), orders, planted bugs
+    python tests/distributed/launch.py 4 -k pipeline     # PP4, TP2 x PP2 + SP, CP2 x PP2, DP2 x PP2
+
+The oracle is HF in float64 with exact norms, every rollout alone through the objective's own per-rollout loss
+(naive training's formula; tests/distributed/test_objectives_parallel.py). Per parameter: float64 1e-9, float32
+1e-5. The trees share prompts and response beginnings (two levels of branching) and the tokens carry per-rollout
+old/ref logprobs and per-token advantages, so a shared token has different loss terms in different rollouts.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from test_objectives_parallel import VOCAB, _close, _dpo_rollouts, _objective, _oracle, _rollouts
+
+from megatron_branch.checkpoint.param_map import hf_to_mcore_state, mcore_to_hf_state
+from megatron_branch.checkpoint.stages import gather_model_grads, load_stage
+from megatron_branch.data import PrefixTree, Rollout, write_rollouts_jsonl
+from megatron_branch.models import ModelArch, build_model
+from megatron_branch.parallel.groups import ParallelConfig, ParallelGroups, initialize_parallel
+from megatron_branch.schedule import ScheduleOptions
+from megatron_branch.schedule import pipeline as pipeline_mod
+from megatron_branch.schedule.prefix_cache import PrefixCache
+from megatron_branch.testing import exact_hf_norms, tiny_hf_config, tiny_hf_model
+
+LAYERS = 4
+LAYOUTS = {
+    2: {"pp2": ParallelConfig(pp=2)},
+    4: {
+        "pp4": ParallelConfig(pp=4),
+        "tp2pp2sp": ParallelConfig(tp=2, pp=2, sequence_parallel=True),
+        "cp2pp2": ParallelConfig(cp=2, pp=2),
+        "dp2pp2": ParallelConfig(pp=2),  # two pipelines, one prompt group each
+    },
+}
+
+
+def _hf(*, tie: bool = False) -> torch.nn.Module:
+    config = tiny_hf_config("llama", vocab_size=VOCAB, num_layers=LAYERS, tie=tie)
+    return exact_hf_norms(tiny_hf_model(config, seed=9, dtype=torch.float64))
+
+
+def _stage_policy(hf: torch.nn.Module, groups: ParallelGroups, dtype: torch.dtype) -> torch.nn.Module:
+    """This rank's stage of the policy, loaded from the oracle's weights (tied: the last stage's copy too)."""
+    arch = ModelArch.from_hf_config(hf.config)
+    model = build_model(
+        arch, dtype=dtype, tp=groups.tp_size, sequence_parallel=groups.sequence_parallel, pp=groups.pp_size,
+        pp_rank=groups.pp_rank,
+    )  # fmt: skip
+    state = hf_to_mcore_state(hf.state_dict(), arch, padded_vocab=arch.padded_vocab_size(groups.tp_size))
+    load_stage(model, ((k, v.to(dtype)) for k, v in state.items()), groups)  # asserts every parameter filled
+    return model
+
+
+def _pp_grads(
+    hf: torch.nn.Module,
+    model: torch.nn.Module,
+    rollouts: list[Rollout],
+    objective: object,
+    groups: ParallelGroups,
+    schedule: str,
+    **options: Any,
+) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """(global metrics, whole-model gradients by HF name) of one gradient pass (accumulate + finalize)."""
+    from megatron_branch.update import UpdatePlan, accumulate_gradients, finalize, reduce_metrics
+
+    kw = {"branch_micro_batch": 2, **options} if schedule == "replay" else options
+    plan = UpdatePlan(opts=ScheduleOptions(groups=groups, vocab_size=VOCAB, **kw), schedule=schedule)
+    model.zero_grad(set_to_none=True)
+    acc = accumulate_gradients(model, rollouts, objective, plan)  # type: ignore[arg-type]
+    finalize(model, plan)  # SP norms over TP, SUM over DP x CP, the tied embedding over its two stages
+    arch = ModelArch.from_hf_config(hf.config)
+    return reduce_metrics(acc, objective, groups), mcore_to_hf_state(gather_model_grads(model, groups), arch)
+
+
+def _worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    return max(((got[n].double() - g).norm() / g.norm()).item() for n, g in want.items())
+
+
+def _policy_case(layout: str, dtype: torch.dtype, *, tie: bool = False) -> None:
+    hf, rollouts = _hf(tie=tie), _rollouts()
+    objective = _objective(rollouts)
+    want_loss, want = _oracle(hf, rollouts, objective)
+    groups = initialize_parallel(LAYOUTS[dist.get_world_size()][layout])
+    model = _stage_policy(hf, groups, dtype)
+    tol = 1e-9 if dtype == torch.float64 else 1e-5
+    runs: list[tuple[str, dict[str, Any]]] = [("replay", {}), ("packed", {})]
+    if layout == "pp2":  # the other order, segment recompute and the unshared baseline, once
+        runs += [
+            ("replay", {"pipeline_order": "gpipe"}),
+            ("replay", {"recompute": True}),
+            ("naive-fused", {}),
+        ]
+    for schedule, options in runs:
+        metrics, grads = _pp_grads(hf, model, rollouts, objective, groups, schedule, **options)
+        assert metrics["actor/loss"] == pytest.approx(want_loss, rel=tol), (schedule, options)
+        _close(grads, want, tol)
+        assert 0 < metrics["actor/pg_clipfrac"] < 1 and metrics["actor/entropy"] > 0
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_pipeline_policy_objective_pp2(dtype: torch.dtype, tie: bool) -> None:
+    _policy_case("pp2", dtype, tie=tie)
+
+
+@pytest.mark.world(4)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("layout", list(LAYOUTS[4]))
+def test_pipeline_policy_objective_world4(layout: str, dtype: torch.dtype) -> None:
+    _policy_case(layout, dtype, tie=layout == "tp2pp2sp")
+
+
+def _dpo_case(layout: str, dtype: torch.dtype) -> None:
+    """DPO: the forward-only pass (scored through the pipeline, broadcast from the last stage), then the
+    linearised gradient pass, against autograd through HF's per-rollout logprob sums."""
+    from megatron_branch.losses import DPOObjective
+
+    hf, rollouts = _hf(), _dpo_rollouts()
+    tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
+    assert tree.positions_computed < tree.positions_logical
+    dpo = DPOObjective(num_pairs=4, beta=0.5, loss_type="sigmoid")
+    hf.zero_grad(set_to_none=True)
+    pis = []
+    for r in rollouts:
+        seq = torch.tensor([list(r.prompt) + list(r.response)])
+        logq = torch.log_softmax(hf(input_ids=seq).logits[0, :-1], dim=-1)
+        pis.append(logq.gather(1, seq[0, 1:, None]).squeeze(1)[len(r.prompt) - 1 :].sum())
+    oracle, _ = dpo.loss(tree, torch.stack(pis))
+    oracle.backward()
+    want = {n: p.grad.clone() for n, p in hf.named_parameters()}
+    groups = initialize_parallel(LAYOUTS[dist.get_world_size()][layout])
+    model = _stage_policy(hf, groups, dtype)
+    tol = 1e-9 if dtype == torch.float64 else 1e-5
+    for schedule in ("replay", "packed"):
+        metrics, grads = _pp_grads(hf, model, rollouts, dpo, groups, schedule)
+        assert metrics["actor/loss"] == pytest.approx(float(oracle), rel=tol)
+        _close(grads, want, tol)
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_pipeline_dpo_pp2(dtype: torch.dtype) -> None:
+    _dpo_case("pp2", dtype)
+
+
+@pytest.mark.world(4)
+@pytest.mark.parametrize("layout", list(LAYOUTS[4]))
+def test_pipeline_dpo_world4(layout: str) -> None:
+    _dpo_case(layout, torch.float64)
+
+
+# ---- the order and the planted bugs (PP2) ----------------------------------------------------------------------
+def _events(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record this stage's chunk forwards (F<rows>) and backwards (B<rows>), in order."""
+    log: list[str] = []
+    real_f, real_b = pipeline_mod._Stage.forward, pipeline_mod._Stage.backward
+
+    def forward(self: Any, chunk: Any, received: Any, **kw: Any) -> Any:
+        log.append(f"F{chunk.num_real}{'c' if kw['capture'] else ''}")
+        return real_f(self, chunk, received, **kw)
+
+    def backward(self: Any, run: Any, *args: Any) -> Any:
+        log.append(f"B{run.chunk.num_real}{'c' if run.captured else ''}")
+        return real_b(self, run, *args)
+
+    monkeypatch.setattr(pipeline_mod._Stage, "forward", forward)
+    monkeypatch.setattr(pipeline_mod._Stage, "backward", backward)
+    return log
+
+
+@pytest.mark.world(2)
+def test_pipeline_leaf_waves_run_in_1f1b_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One prompt, three leaf micro-batches of one leaf (lengths 3, 2, 4): the root forward first, then on stage 0
+    one warm-up forward, 1F1B, the cool-down; on the last stage forward/backward alternate; the root's backward
+    last, once. gpipe: all three forwards, then all backwards."""
+    from megatron_branch.losses import PolicyGradientObjective
+
+    prompt = [5, 6, 7, 8, 9]
+    rollouts = [Rollout(prompt=prompt, response=r, advantage=a) for r, a in
+                (([1, 2, 3], 1.0), ([2, 3], -0.5), ([3, 4, 5, 6], 0.25))]  # fmt: skip
+    hf = _hf()
+    objective = PolicyGradientObjective.grpo([r.advantage for r in rollouts], 9)
+    groups = initialize_parallel(ParallelConfig(pp=2))
+    model = _stage_policy(hf, groups, torch.float64)
+    log = _events(monkeypatch)
+    expect = {
+        "1f1b": {0: "F5c F3 F2 B3 F4 B2 B4 B5c", 1: "F5c F3 B3 F2 B2 F4 B4 B5c"},
+        "gpipe": {0: "F5c F3 F2 F4 B3 B2 B4 B5c", 1: "F5c F3 F2 F4 B3 B2 B4 B5c"},
+    }
+    for order, want in expect.items():
+        log.clear()
+        _pp_grads(
+            hf, model, rollouts, objective, groups, "replay", branch_micro_batch=1, pipeline_order=order
+        )
+        assert " ".join(log) == want[groups.pp_rank], (order, log)
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("bug", ["stage_drops_prefix_gradient", "root_backward_before_leaves"])
+def test_pipeline_planted_bugs_are_caught(bug: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    hf, rollouts = _hf(), _rollouts()
+    objective = _objective(rollouts)
+    _, want = _oracle(hf, rollouts, objective)
+    groups = initialize_parallel(ParallelConfig(pp=2))
+    model = _stage_policy(hf, groups, torch.float64)
+    _, grads = _pp_grads(hf, model, rollouts, objective, groups, "replay")
+    assert _worst(grads, want) <= 1e-9  # the unplanted run is exact
+    if bug == "stage_drops_prefix_gradient":
+        if groups.pp_rank == 0:  # one stage forgets its layers' accumulated dK/dV (messages unchanged)
+            monkeypatch.setattr(PrefixCache, "injection", lambda self, seg, captured: ([], []))
+    else:
+        monkeypatch.setattr(pipeline_mod._Pipeline, "run_segment", _early_backward)
+    _, grads = _pp_grads(hf, model, rollouts, objective, groups, "replay")
+    assert _worst(grads, want) > 1e-3, bug
+
+
+def _early_backward(self: Any, seg_id: int) -> None:
+    """A planted replay step: B(X) right after F(X), before any child has added its dK/dV (every stage alike)."""
+    chunk = self._chunk([seg_id])
+    received = self.link.recv_forward(self.stage.shape(chunk))
+    run = self._forward(chunk, received, capture=True, grad=True)
+    self.link.send_forward(run.output)
+    self.positions += chunk.num_real
+    self.cache.push(seg_id, run.captured, chunk.cache_rows, meta=chunk.cache_meta)
+    outputs, grads = self.cache.injection(seg_id, run.captured)
+    grad_output = self.link.recv_backward(self.stage.shape(chunk))
+    self.link.send_backward(self.stage.backward(run, grad_output, outputs, grads))
+    self._record(run)
+    self.path.append(seg_id)
+    self.run_children(self.tree.segments[seg_id].children)
+    self.path.pop()
+    self.cache.drop(seg_id)
+
+
+# ---- the command ------------------------------------------------------------------------------------------------
+COMMAND_LAYOUTS = {
+    2: [("pp2", ["--pp", "2"])],
+    4: [("tp2pp2sp", ["--tp", "2", "--pp", "2", "--sequence-parallel"])],
+}
+
+
+@pytest.mark.world(2, 4)
+def test_grad_command_pipeline_matches_hf(capsys: pytest.CaptureFixture[str]) -> None:
+    """`megatron-branch grad --pp N` (float32, megatron DDP + finalize_model_grads) against the HF float64 oracle
+    (the command's own loss: on-policy GRPO, token-mean), every rollout's logprobs on rank 0 complete."""
+    from megatron_branch.cli import main
+    from megatron_branch.testing import hf_policy_gradient
+
+    rollouts = _rollouts()
+    box: list[str | None] = [tempfile.mkdtemp(prefix="pp_grad_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    d = Path(str(box[0]))
+    if dist.get_rank() == 0:
+        config = tiny_hf_config("qwen2", vocab_size=VOCAB, num_layers=LAYERS, heads=4, kv_heads=2)
+        tiny_hf_model(config, seed=4).save_pretrained(d / "hf")
+        write_rollouts_jsonl(d / "r.jsonl", [Rollout(prompt=r.prompt, response=r.response, advantage=r.advantage)
+                                             for r in rollouts])  # fmt: skip
+    dist.barrier()
+    from transformers import AutoModelForCausalLM
+
+    hf = exact_hf_norms(AutoModelForCausalLM.from_pretrained(d / "hf", dtype=torch.float64))
+    _, want = hf_policy_gradient(hf, rollouts)
+    for name, flags in COMMAND_LAYOUTS[dist.get_world_size()]:
+        for schedule in ("replay", "packed"):
+            out = d / f"{name}_{schedule}.safetensors"
+            capsys.readouterr()
+            rc = main(["grad", "--hf", str(d / "hf"), "--rollouts", str(d / "r.jsonl"), "--out", str(out),
+                       "--schedule", schedule, "--branch-micro-batch", "2", *flags])  # fmt: skip
+            lines = capsys.readouterr().out.strip().splitlines()
+            assert rc == 0, (name, schedule)
+            dist.barrier()
+            _close(load_file(out), want, 1e-5)
+            if dist.get_rank() == 0:
+                assert json.loads(lines[-1])["pp"] == 2

@@ -1,0 +1,119 @@
+"""The planner's pipeline terms (plan/pipeline.py): which groups cross nodes, a stage's parameters, the bubble, the
+stages' peaks (each stage's peak against the activation meter: tests/distributed/test_plan_parallel.py), and the
+70B-class recommendation on two 8-GPU nodes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from megatron_branch.cli import main
+from megatron_branch.plan import GPU_PRESETS, MODEL_PRESETS, Layout, RolloutShape, evaluate
+from megatron_branch.plan.memory import step_peak
+from megatron_branch.plan.model import parameter_count
+from megatron_branch.plan.pipeline import crosses_nodes, stage_parameters_per_rank
+
+ARCH = MODEL_PRESETS["qwen2.5-72b"]
+TARGET = RolloutShape(prompt_length=130048, responses=16, response_length=1024)  # 16 x 128K = 2,097,152
+H20, H100 = GPU_PRESETS["h20"], GPU_PRESETS["h100"]
+
+
+def test_groups_cross_nodes_in_megatrons_rank_order() -> None:
+    """tp fastest, then cp, dp, pp: on 2 x 8 GPUs TP8 stays in a node and the axis after it crosses."""
+    assert not crosses_nodes("tp", Layout(tp=8, pp=2), 8) and crosses_nodes("pp", Layout(tp=8, pp=2), 8)
+    assert crosses_nodes("cp", Layout(tp=8, cp=2), 8) and not crosses_nodes("pp", Layout(tp=8, cp=2), 8)
+    assert not crosses_nodes("pp", Layout(tp=4, pp=2), 8)  # 8 ranks: one node
+
+
+def test_a_stage_holds_its_layers_and_one_vocabulary_matrix() -> None:
+    """Two stages at TP1 hold every parameter once, except the final norm each end stage is charged for."""
+    total = parameter_count(ARCH)["total"]
+    assert 2 * stage_parameters_per_rank(ARCH, Layout(pp=2)) == total + ARCH.hidden_size
+    assert (
+        stage_parameters_per_rank(ARCH, Layout(tp=8, pp=2))
+        < stage_parameters_per_rank(ARCH, Layout(tp=8)) / 1.8
+    )
+
+
+def test_the_first_stage_holds_the_micro_batches_1f1b_keeps_alive() -> None:
+    """Stage 0 keeps min(pp, M) leaf micro-batches in flight, the last stage one (and the output layer): with 16
+    leaves in 4 micro-batches of 4 at PP4, stage 0 holds as much as one micro-batch of all 16, stage 3 a quarter."""
+    shape = RolloutShape(prompt_length=4096, responses=16, response_length=512)
+    kw = {"act_bytes": 2, "segment_recompute": False, "layer_recompute": False}
+    lay = Layout(tp=8, pp=4)
+    peak = {
+        (s, b): step_peak(ARCH, shape, lay, stage=s, branch_micro_batch=b, **kw)
+        for s in (0, 3)
+        for b in (4, 16)
+    }
+    assert peak[0, 4].logits == 0 < peak[3, 4].logits  # the output layer's buffers: last stage only
+    assert peak[0, 4].activations == pytest.approx(peak[0, 16].activations, rel=0.02)
+    # the last stage holds one of the four micro-batches (the leaves are two thirds of this chunk's rows)
+    assert peak[3, 16].activations - peak[3, 4].activations > 0.3 * peak[3, 16].activations
+    assert step_peak(ARCH, shape, lay, branch_micro_batch=4, **kw) in (peak[0, 4], peak[3, 4])  # the heavier
+
+
+def test_the_bubble_is_the_root_crossing_the_stages_and_the_waves_fill() -> None:
+    lay = Layout(tp=8, pp=2, recompute="full")
+    plans = {b: evaluate("72b", ARCH, TARGET, H100, 16, lay, branch_micro_batch=b) for b in (1, 8)}
+    t = plans[1].step_time
+    assert t["pipeline_bubble"] > 0.4 * t["compute"]  # a 130K root: half of its time a stage waits
+    assert plans[8].step_time["pipeline_bubble"] > t["pipeline_bubble"]  # fewer micro-batches: less overlap
+    no_pp = evaluate("72b", ARCH, TARGET, H100, 16, Layout(tp=8, cp=2, recompute="full"))
+    assert no_pp.step_time["pipeline_bubble"] == 0 and no_pp.step_time["pipeline_messages"] == 0
+
+
+def _plan(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert main(["plan", "--model", "qwen2.5-72b", "--prompt-length", "130048", "--responses", "16",
+                 "--response-length", "1024", "--gpus", "16", *argv, "--json"]) == 0  # fmt: skip
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_the_70b_class_target_on_two_nodes(capsys: pytest.CaptureFixture[str]) -> None:
+    """Qwen2.5-72B at 2.1M logical positions on 2 x 8 GPUs (docs/planner.md): on H100 (80 GB) only a pipelined
+    layout fits (TP8 x PP2, full recompute, part of the optimizer state on the host); on H20 (96 GB) TP8 x CP2
+    fits without PP and is faster than any PP layout, whose bubble the root's 130K positions make large."""
+    h100 = _plan(capsys, "--gpu", "h100")
+    assert h100["fits"] and h100["layout"] == {"tp": 8, "cp": 1, "dp": 1, "pp": 2, "recompute": "full"}
+    assert not any(r["layout"]["pp"] == 1 and r["layout"]["recompute"] == "full" and r["layout"]["tp"] == 8
+                   and r["memory_bytes_per_rank"] <= 80e9 for r in h100["rejected"])  # fmt: skip
+    h20 = _plan(capsys, "--gpu", "h20")
+    assert h20["fits"] and h20["layout"] == {"tp": 8, "cp": 2, "dp": 1, "pp": 1, "recompute": "full"}
+    pp2 = _plan(
+        capsys, "--gpu", "h20", "--tp", "8", "--cp", "1", "--pp", "2", "--dp", "1", "--recompute", "full"
+    )
+    assert pp2["fits"] and pp2["step_time_s"] > h20["step_time_s"]
+    assert pp2["step_time"]["pipeline_bubble"] > 0 and h20["step_time"]["pipeline_bubble"] == 0
+
+
+def test_pipeline_refusals_in_the_planner(capsys: pytest.CaptureFixture[str]) -> None:
+    from megatron_branch.errors import UserError
+
+    with pytest.raises(UserError, match="does not divide the model's 80 layers"):
+        evaluate("72b", ARCH, TARGET, H20, 24, Layout(tp=8, pp=3, recompute="full"))
+    with pytest.raises(UserError, match="has no pipeline parallelism"):
+        evaluate("72b", ARCH, TARGET, H20, 16, Layout(tp=8, pp=2), schedule="naive")
+    slow_link = dataclasses.replace(H100, node_link_gbps=1)
+    lay = Layout(tp=8, pp=2, recompute="full")
+    assert (evaluate("72b", ARCH, TARGET, slow_link, 16, lay).step_time["pipeline_messages"]
+            > 10 * evaluate("72b", ARCH, TARGET, H100, 16, lay).step_time["pipeline_messages"])  # fmt: skip
+
+
+def test_what_the_pipeline_does_not_run_is_refused_in_one_line() -> None:
+    """rules.check_pipeline: MoE, hybrid models, the critic, interleaved stages (the same rule every entry point
+    calls; grad and train show the schedule and layer rules: tests/unit/test_rules.py)."""
+    from megatron_branch.errors import SettingError
+    from megatron_branch.rules import check_pipeline
+
+    for kw, says in (
+        ({"moe": True}, "--pp 2: pipeline parallelism cannot run a mixture-of-experts model yet"),
+        ({"hybrid": True}, "--pp 2: pipeline parallelism cannot run a hybrid (gated delta net) model yet"),
+        ({"critic": True}, "--pp 2: the PPO critic is not pipelined yet"),
+        ({"virtual": 2}, "--vp 2: interleaved (virtual) pipeline stages are not supported"),
+    ):
+        with pytest.raises(SettingError) as e:
+            check_pipeline("replay", pp=2, num_layers=4, **kw)
+        assert str(e.value).startswith(says) and "\n" not in str(e.value), str(e.value)
+    check_pipeline("naive", pp=1, num_layers=3)  # nothing to refuse without PP
