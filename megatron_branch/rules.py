@@ -16,6 +16,10 @@ Rules (a flag that would do nothing is refused, not ignored):
     backend needs the engine           naive runs megatron's own attention, not one of the engine's backends
     the backend can run it             attention/dispatch.backend_problem: a baseline has no ring executor, a
                                        backend without a CPU backward cannot train on CPU
+    a hybrid runs the GDN schedules    a hybrid's gated delta net layers carry each tree segment's state from its
+                                       parent (models/gdn.py) in naive (megatron's own layer), naive-fused,
+                                       packed, packed-nosharing and replay; replay-stopgrad (prompt K/V held
+                                       constant) has no meaning defined for a recurrent state
     the pipeline runs the tree         under pipeline parallelism (pp > 1) the stages run replay's or packed's
                                        walk (schedule/pipeline.py) or naive-fused's rollouts; naive,
                                        packed-nosharing and the stop-gradient comparison are not pipelined
@@ -54,6 +58,8 @@ UNSHARED = ("naive", "naive-fused", "packed-nosharing")
 """Schedules that compute every rollout's every position (nothing shared): the baselines."""
 NO_RING = ("naive", "naive-fused", "packed-nosharing", "replay-stopgrad")
 """Schedules without context parallelism."""
+HYBRID_SCHEDULES = ("naive", "naive-fused", "packed", "replay", "packed-nosharing")
+"""Schedules that run a hybrid (gated delta net) model exactly."""
 REPLAY_SCHEDULES = ("replay", "replay-stopgrad")
 """Schedules with segment recompute (replay's depth-first walk)."""
 MEGATRON_ATTENTION = ("naive",)
@@ -114,6 +120,17 @@ def check_run(
         problem = backend_problem(backend, cp_size=cp, training=training, device=device)
         if problem is not None:
             raise SettingError(lambda s: f"{s.value('backend', backend)}: {problem}")
+
+
+def check_hybrid_schedule(schedule: str, *, model: str) -> None:
+    """Refuse a schedule that cannot run a hybrid (gated delta net) model exactly; `model` describes the model."""
+    if schedule not in HYBRID_SCHEDULES:
+        raise SettingError(
+            lambda s: (
+                f"{s.value('schedule', schedule)} cannot run a hybrid model ({model}); use {s.name('schedule')} "
+                f"{', '.join(HYBRID_SCHEDULES)}"
+            )
+        )
 
 
 PIPELINE_SCHEDULES = ("replay", "packed", "naive-fused")

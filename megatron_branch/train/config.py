@@ -790,9 +790,7 @@ def check_model(cfg: TrainConfig) -> None:
     except UserError as e:
         raise UserError(f"parallel.tp: {e}") from None
     try:
-        check_schedule_supports(
-            arch, cfg.schedule.name, flag="schedule.name", cp=cfg.parallel.cp, tp=cfg.parallel.tp
-        )
+        check_schedule_supports(arch, cfg.schedule.name, cp=cfg.parallel.cp, tp=cfg.parallel.tp)
     except SettingError as e:
         raise e.spelled(SPELLING) from None
     check_moe(cfg, arch)
