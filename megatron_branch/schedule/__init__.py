@@ -16,7 +16,7 @@ import torch
 from megatron_branch.data import PrefixTree
 from megatron_branch.errors import SettingError
 from megatron_branch.losses.objective import Objective
-from megatron_branch.rules import API
+from megatron_branch.rules import API, check_gdn_context_parallel, check_hybrid_schedule
 from megatron_branch.schedule.common import ScheduleOptions, StepResult
 from megatron_branch.schedule.moe import moe_arch, run_with_router
 from megatron_branch.schedule.naive import run_naive
@@ -52,16 +52,10 @@ def run_schedule(
     """
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    arch = getattr(getattr(model, "module", model), "arch", None)
-    if (
-        arch is not None
-    ):  # a hybrid: the schedules whose GDN layers carry each segment's state (models/arch.py)
-        from megatron_branch.models.arch import check_schedule_supports
-
-        try:
-            check_schedule_supports(arch, name, cp=opts.cp_size, tp=opts.tp_size)
-        except SettingError as e:
-            raise e.spelled(API) from None
+    try:
+        check_model_supports(model, name, cp=opts.cp_size, tp=opts.tp_size)
+    except SettingError as e:
+        raise e.spelled(API) from None
     if objective is None and not forward_only:
         raise ValueError("a training step needs an objective (objective=None only with forward_only=True)")
     if opts.pp_size > 1:  # this rank's pipeline stage runs its part of the walk (schedule/pipeline.py)
@@ -75,4 +69,40 @@ def run_schedule(
     return SCHEDULES[name](model, tree, objective, opts, forward_only=forward_only)
 
 
-__all__ = ["SCHEDULES", "ScheduleOptions", "Scores", "StepResult", "run_schedule", "score_rollouts"]
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model under every wrapper (megatron's DDP, Float16Module: each holds the next as `.module`)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def check_model_supports(model: torch.nn.Module, name: str, *, cp: int = 1, tp: int = 1) -> None:
+    """Refuse a schedule or layout that cannot run a hybrid (gated delta net) model exactly (SettingErrors): read
+    off the ModelArch `build_model` sets, else off megatron's TransformerConfig (a GPTModel built elsewhere, e.g.
+    reached through the drop-in integration)."""
+    base = unwrap_model(model)
+    arch = getattr(base, "arch", None)
+    if arch is not None:
+        from megatron_branch.models.arch import check_schedule_supports
+
+        check_schedule_supports(arch, name, cp=cp, tp=tp)
+        return
+    config = getattr(base, "config", None)
+    if getattr(config, "experimental_attention_variant", None) != "gated_delta_net":
+        return
+    check_hybrid_schedule(name, model="experimental_attention_variant=gated_delta_net")
+    check_gdn_context_parallel(
+        key_heads=config.linear_num_key_heads, value_heads=config.linear_num_value_heads, tp=tp, cp=cp
+    )
+
+
+__all__ = [
+    "SCHEDULES",
+    "ScheduleOptions",
+    "Scores",
+    "StepResult",
+    "check_model_supports",
+    "run_schedule",
+    "score_rollouts",
+    "unwrap_model",
+]

@@ -349,6 +349,39 @@ def test_what_a_hybrid_cannot_run_is_refused_before_any_work() -> None:
     assert "\n" not in str(e.value)
 
 
+def test_a_wrapped_hybrid_without_its_arch_is_refused_from_its_config() -> None:
+    """The library path checks a hybrid under megatron's wrappers (DDP -> Float16Module -> GPTModel, as the drop-in
+    integration hands it over) and one built without `build_model`'s ModelArch: hybrid-ness from megatron's
+    TransformerConfig."""
+    import copy
+
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_branch.parallel.ddp import wrap_megatron_ddp
+    from megatron_branch.schedule import check_model_supports, unwrap_model
+
+    arch, model = megatron_of(hybrid())
+    del model.arch  # a GPTModel built elsewhere: only its TransformerConfig says it is a hybrid
+    config = copy.copy(model.config)
+    config.bf16 = True
+    wrapped = wrap_megatron_ddp(
+        Float16Module(config, model),
+        dtype=torch.bfloat16,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+    )
+    assert unwrap_model(wrapped) is model and wrapped.module.module is model
+    tree = PrefixTree.build(_rollouts()[:3], vocab_size=arch.vocab_size)
+    obj = PolicyGradientObjective.grpo([1.0, -1.0, 0.5], tree.num_response_tokens_logical())
+    with pytest.raises(UserError, match="^schedule=replay-stopgrad cannot run a hybrid model") as e:
+        run_schedule("replay-stopgrad", wrapped, tree, obj, ScheduleOptions(vocab_size=arch.vocab_size))
+    assert "\n" not in str(e.value)
+    assert all(p.grad is None for p in model.parameters())  # nothing ran
+    check_model_supports(wrapped, "replay", cp=2)
+    with pytest.raises(UserError, match=r"--cp 3 cannot split the hybrid's gated delta net heads"):
+        check_model_supports(wrapped, "replay", cp=3)
+
+
 @pytest.mark.slow
 def test_grad_command_naive_and_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     hf = hybrid(seed=6)
