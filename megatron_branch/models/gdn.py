@@ -63,11 +63,6 @@ class BranchGatedDeltaNet(GatedDeltaNet, TakesBranchContext):
     attached: every segment of the chunk's tree runs from its parent's state at the fork (in the chunk, or handed
     down by replay's prefix cache) and hands its own state down when the context captures."""
 
-    zero_parent_state = (
-        False  # planted bugs (tests): a child from a zero state / without its parent's conv tail
-    )
-    drop_parent_tail = False
-
     def forward(self, hidden_states: torch.Tensor, attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
         if self.context is None:
             return super().forward(hidden_states, attention_mask, *args, **kwargs)
@@ -184,22 +179,16 @@ class BranchGatedDeltaNet(GatedDeltaNet, TakesBranchContext):
         final state in this chunk, or the state its cached parent handed down: one row that every segment with a
         cached parent shares (replay: siblings), or one row per such segment (decode: row `cached`, the
         segment's rank among them)."""
-        zero_s = qkv.new_zeros(1, dims.heads_v, dims.dk, dims.dv, dtype=torch.float32)
-        zero_tail = qkv.new_zeros(1, 2 * dims.qk + dims.v, dims.kernel - 1)
         if parent is None:
-            return zero_s, zero_tail
+            S = qkv.new_zeros(1, dims.heads_v, dims.dk, dims.dv, dtype=torch.float32)
+            return S, qkv.new_zeros(1, 2 * dims.qk + dims.v, dims.kernel - 1)
         if parent == CACHED:
             assert self.context is not None
             ((S, tail),) = self.context.handed_down(self.layer_number)  # the DIRECT parent's state
             if S.shape[0] > 1:  # one row per segment with a cached parent, in chunk order (a decode step)
                 S, tail = S[cached : cached + 1], tail[cached : cached + 1]
-        else:
-            S, tail = states[parent]
-        if self.zero_parent_state:
-            S = zero_s
-        if self.drop_parent_tail:
-            tail = zero_tail
-        return S, tail
+            return S, tail
+        return states[parent]
 
 
 def gdn_layer_spec(attention_layer_spec: ModuleSpec) -> ModuleSpec:

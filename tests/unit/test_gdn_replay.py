@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gdn_helpers import plant_start_bug
 from test_hybrid_models import megatron_of
 
 from megatron_branch.checkpoint import mcore_to_hf_state
 from megatron_branch.checkpoint.tp import gather_full_grads
 from megatron_branch.data import PrefixTree, Rollout
 from megatron_branch.losses import PolicyGradientObjective
-from megatron_branch.models.gdn import BranchGatedDeltaNet
 from megatron_branch.models.gdn_tree import (
     GDN_STATE,
     GDNDims,
@@ -240,7 +240,7 @@ def test_planted_bugs_fail(fp32, bug: str, monkeypatch: pytest.MonkeyPatch) -> N
     if bug == "state_grad_not_accumulated":
         monkeypatch.setattr(PrefixCache, "external", _forgetful_external)
     else:
-        monkeypatch.setattr(BranchGatedDeltaNet, bug, True)
+        plant_start_bug(monkeypatch, bug)
     _, grads = step(model, arch, "replay", rs, branch_micro_batch=1)
     err, name = worst(grads, naive)
     assert err > 100 * BOUND, (bug, err, name)  # not a rounding-level difference

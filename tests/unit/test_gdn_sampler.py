@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gdn_helpers import plant_start_bug
 from test_gdn_replay import hybrid
 from test_hybrid_models import megatron_of
 
 from megatron_branch.data import PrefixTree
 from megatron_branch.generation import BranchSampler, SamplingParams
 from megatron_branch.losses import PolicyGradientObjective
-from megatron_branch.models.gdn import BranchGatedDeltaNet
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
 from megatron_branch.schedule import ScheduleOptions, run_schedule
 
@@ -71,7 +71,7 @@ def test_tree_sampled_logprobs_equal_the_training_forward(models, bug, monkeypat
     zero state (the logprobs then differ from the training forward)."""
     _, model = models
     if bug:
-        monkeypatch.setattr(BranchGatedDeltaNet, bug, True)
+        plant_start_bug(monkeypatch, bug)
     sp = SamplingParams(n=4, max_new_tokens=6, temperature=1.0, branch_at=(2, 4), branch_factor=2)
     out = BranchSampler(model, vocab_size=VOCAB).generate(
         prompts(), sp, generator=torch.Generator().manual_seed(3)

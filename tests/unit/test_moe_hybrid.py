@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gdn_helpers import plant_start_bug
 from safetensors.torch import load_file, save_file
 from test_gdn_replay import rollouts, worst
 
@@ -216,13 +217,11 @@ def test_replay_equals_naive_on_a_small_tree() -> None:
 @pytest.mark.slow
 def test_planted_zero_parent_state_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     """The GDN state handed down at a fork is what makes replay exact here too: children started from a zero state
-    (models/gdn.py's planted switch) are far from naive."""
-    from megatron_branch.models.gdn import BranchGatedDeltaNet
-
+    (a planted bug in models/gdn.py's _start, tests/gdn_helpers.py) are far from naive."""
     arch, model = megatron_of(hf_of("qwen3_5_moe", seed=2), torch.float32)
     rs = rollouts()
     _, naive = step(model, arch, "naive", rs)
-    monkeypatch.setattr(BranchGatedDeltaNet, "zero_parent_state", True)
+    plant_start_bug(monkeypatch, "zero_parent_state")
     _, grads = step(model, arch, "replay", rs)
     assert worst(grads, naive)[0] > 100 * BOUND
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gdn_helpers import plant_start_bug
 from test_moe_hybrid import hf_of, megatron_of
 
 from megatron_branch.data import PrefixTree
 from megatron_branch.generation import BranchSampler, SamplingParams
 from megatron_branch.losses import PolicyGradientObjective
 from megatron_branch.losses.router import MoEOptions, RoutingRecorder
-from megatron_branch.models.gdn import BranchGatedDeltaNet
 from megatron_branch.models.moe import attach_router_context
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
 from megatron_branch.schedule import ScheduleOptions, run_schedule
@@ -131,10 +131,10 @@ def test_tree_sampled_logprobs_and_routing_records_equal_the_training_forward(mo
 
 @pytest.mark.slow
 def test_planted_zero_state_decode_fails(models, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
-    """A decode step from a zero GDN state (models/gdn.py's planted switch): the logprobs leave the training
-    forward's."""
+    """A decode step from a zero GDN state (a planted bug in models/gdn.py's _start, tests/gdn_helpers.py): the
+    logprobs leave the training forward's."""
     _, _, model = models
-    monkeypatch.setattr(BranchGatedDeltaNet, "zero_parent_state", True)
+    plant_start_bug(monkeypatch, "zero_parent_state")
     out = _sample(model, record=False)
     monkeypatch.undo()
     samples = out.flat()
