@@ -56,7 +56,7 @@ def _broadcast(value: Any) -> Any:
 
 
 class CheckpointStore:
-    """Numbered checkpoints under `root`. Collective methods (`save`, `load`, `latest`) are called by all ranks."""
+    """Numbered checkpoints under `root`. Collective methods (`save`, `load`, `newest_verified`) are called by all ranks."""
 
     def __init__(self, root: str | os.PathLike, *, keep_last: int | None = None) -> None:
         self.root = Path(root)
@@ -72,12 +72,6 @@ class CheckpointStore:
             return []
         out = [int(m.group(1)) for p in self.root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
         return sorted(out)
-
-    def latest(self) -> Path | None:
-        """The newest checkpoint folder holding its description (rank 0's view, shared), unverified, or None."""
-        steps = _broadcast(self.steps() if _rank() == 0 else None)
-        done = [s for s in steps if (self.path(s) / META_FILE).is_file()]
-        return self.path(done[-1]) if done else None
 
     def verify(self, path: str | os.PathLike) -> None:
         """Refuse (one UserError, on every rank) a checkpoint that is incomplete, damaged or not plain data: its

@@ -56,7 +56,7 @@ def test_sigint_names_the_last_checkpoint_and_sigterm_saves_at_a_step_boundary(t
     assert p_int.returncode == 130, err_int
     lines = [ln for ln in err_int.splitlines() if ln.startswith("interrupted")]
     assert len(lines) == 1, err_int
-    last = CheckpointStore(a / "checkpoints").latest()
+    last = CheckpointStore(a / "checkpoints").newest_verified(print)
     assert last is not None and last.name >= "step_00000001"
     assert lines[0].endswith(
         f"the last complete checkpoint is {last}; resume: the same command with --resume auto"

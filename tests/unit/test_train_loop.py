@@ -178,7 +178,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(task: Path, tmp_path: Path, mo
     with pytest.raises(RuntimeError, match="planted"):
         tr.save()
     monkeypatch.setattr(store_mod, "save_sharded", real)
-    assert tr.store.latest() == good and tr.store.steps() == [1]
+    assert tr.store.newest_verified(print) == good and tr.store.steps() == [1]
     resumed = Trainer(
         _cfg(task, tmp_path / "run", "trainer.total_training_steps=3", "trainer.resume_mode=auto")
     )
