@@ -63,6 +63,18 @@ class BranchGatedDeltaNet(GatedDeltaNet, TakesBranchContext):
     attached: every segment of the chunk's tree runs from its parent's state at the fork (in the chunk, or handed
     down by replay's prefix cache) and hands its own state down when the context captures."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # the head exchange's index tensors: constant per CP size and device, built once (`head_blocks`)
+        self._head_blocks: dict[tuple[int, torch.device], HeadBlocks] = {}
+
+    def head_blocks(self, cp: int, device: torch.device) -> HeadBlocks:
+        """This layer's CP head blocks (models/gdn_heads.py), built on first use per (CP size, device)."""
+        key = (cp, torch.device(device))
+        if key not in self._head_blocks:
+            self._head_blocks[key] = HeadBlocks.of(self._dims(), cp, key[1])
+        return self._head_blocks[key]
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
         if self.context is None:
             return super().forward(hidden_states, attention_mask, *args, **kwargs)
@@ -103,7 +115,7 @@ class BranchGatedDeltaNet(GatedDeltaNet, TakesBranchContext):
             conv = (self.conv1d.weight, self.conv1d.bias)
             core = self._tree_core(qkv, beta, alpha, dims, self.A_log, self.dt_bias, conv)  # [s, H, dv]
         else:  # CP: every row of the chunk, this rank's block of the heads, and back
-            blocks = HeadBlocks.of(dims, ex.size, x.device)
+            blocks = self.head_blocks(ex.size, x.device)
             sub, mine = blocks.dims, ex.rank
             qkv, beta, alpha = torch.split(
                 ex.to_tree(x[:, blocks.index]), [2 * sub.qk + sub.v, sub.heads_v, sub.heads_v], -1

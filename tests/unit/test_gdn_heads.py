@@ -129,6 +129,14 @@ def test_the_blocks_summed_are_the_whole_layer(cp: int) -> None:
     for n, g in whole_grads.items():
         torch.testing.assert_close(sum(p[1][n] for p in parts), g, rtol=0, atol=2e-5 * g.abs().max().item())
     assert all(p[0].abs().max() > 0 for p in parts)  # every block contributes
+    # the blocks are built once per (CP size, device) and kept on the layer: cp forwards and backwards used one
+    cpu = torch.device("cpu")
+    assert list(gdn._head_blocks) == [(cp, cpu)] and gdn.head_blocks(cp, cpu) is gdn._head_blocks[cp, cpu]
+    fresh = HeadBlocks.of(gdn._dims(), cp, cpu)
+    assert (
+        torch.equal(gdn.head_blocks(cp, cpu).index, fresh.index)
+        and gdn.head_blocks(cp, cpu).dims == fresh.dims
+    )
 
 
 @pytest.mark.parametrize("cp,pad", [(2, 1), (4, 2), (3, 1)])
