@@ -50,9 +50,9 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# --- parameters -----------------------------------------------------------------------------------------------------
-def attention_layer_params(arch: ModelArch) -> int:
-    """A full-attention layer: QKV (+ output gate rows, + bias), proj, q/k norms, 2 norms, SwiGLU."""
+def _attention_widths(arch: ModelArch) -> tuple[int, int, int, int, int, int]:
+    """(h, d, nq, g, f, q_rows) of a full-attention layer: q_rows the query rows of the fused QKV (doubled by
+    the output gate, which megatron packs with the query); the parameter and FLOP counts both read these."""
     h, d, nq, g, f = (
         arch.hidden_size,
         arch.head_dim,
@@ -61,7 +61,13 @@ def attention_layer_params(arch: ModelArch) -> int:
         arch.ffn_hidden_size,
     )
     assert d is not None
-    q_rows = nq * d * (2 if arch.attention_output_gate else 1)
+    return h, d, nq, g, f, nq * d * (2 if arch.attention_output_gate else 1)
+
+
+# --- parameters -----------------------------------------------------------------------------------------------------
+def attention_layer_params(arch: ModelArch) -> int:
+    """A full-attention layer: QKV (+ output gate rows, + bias), proj, q/k norms, 2 norms, SwiGLU."""
+    h, d, nq, g, f, q_rows = _attention_widths(arch)
     qkv = h * (q_rows + 2 * g * d) + ((nq + 2 * g) * d if arch.qkv_bias else 0)
     qk_norms = 2 * d if arch.qk_norm else 0
     return qkv + nq * d * h + qk_norms + 2 * h + 3 * h * f
@@ -93,15 +99,7 @@ def replicated_layer_params(arch: ModelArch, linear: bool) -> int:
 # --- FLOPs ----------------------------------------------------------------------------------------------------------
 def attention_matmul_flops_per_token(arch: ModelArch) -> int:
     """Forward FLOPs of one token through a full-attention layer's matmuls (QKV incl. the gate, proj, SwiGLU)."""
-    h, d, nq, g, f = (
-        arch.hidden_size,
-        arch.head_dim,
-        arch.num_attention_heads,
-        arch.num_query_groups,
-        arch.ffn_hidden_size,
-    )
-    assert d is not None
-    q_rows = nq * d * (2 if arch.attention_output_gate else 1)
+    h, d, nq, g, f, q_rows = _attention_widths(arch)
     return 2 * h * (q_rows + 2 * g * d) + 2 * nq * d * h + 2 * 3 * h * f
 
 
