@@ -24,15 +24,50 @@ import sys
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from megatron_branch.data import Rollout
 from megatron_branch.errors import SettingError, UserError
 from megatron_branch.losses.config import ObjectiveConfig
 
 C = TypeVar("C")
+T = TypeVar("T")
 
-POLICY_LOSSES: dict[str, Any] = {}
+
+class Registry(dict[str, T], Generic[T]):
+    """name -> entry, written by a decorator at import time: a name registered twice for different code is a
+    programming error (ValueError; the same code again, e.g. a module imported under two names, is fine), an
+    unknown name a SettingError listing the registered ones."""
+
+    def __init__(self, what: str, setting: str, *, code: Callable[[T], Any] = lambda entry: entry) -> None:
+        super().__init__()
+        self.what = what
+        """What an entry is, for the errors ("policy loss")."""
+        self.setting = setting
+        """The setting that names an entry (its spelling per entry point: rules.py)."""
+        self.code = code
+        """entry -> the class or function it wraps (what "the same code" compares)."""
+
+    def add(self, name: str, entry: T) -> None:
+        old = self.get(name)
+        if old is not None and _qualname(self.code(old)) != _qualname(self.code(entry)):
+            raise ValueError(f"{self.what} {name!r} is already registered ({_qualname(self.code(old))})")
+        self[name] = entry
+
+    def lookup(self, name: str) -> T:
+        entry = self.get(name)
+        if entry is None:
+            known = ", ".join(sorted(self))
+            raise SettingError(
+                lambda s: (
+                    f"unknown {s.name(self.setting)} {name!r}; registered: {known} (a plugin module can "
+                    f"register its own: {s.name('plugins')})"
+                )
+            )
+        return entry
+
+
+POLICY_LOSSES: Registry[Any] = Registry("policy loss", "policy_loss")
 """name -> objective class (with `from_config(cfg, batch)`)."""
 
 
@@ -43,10 +78,7 @@ def register_policy_loss(*names: str) -> Callable[[C], C]:
     def deco(cls: C) -> C:
         assert hasattr(cls, "from_config"), f"{cls!r} needs a from_config(cfg, batch) classmethod"
         for name in names:
-            old = POLICY_LOSSES.get(name)
-            if old is not None and _qualname(old) != _qualname(cls):
-                raise ValueError(f"policy loss {name!r} is already registered ({_qualname(old)})")
-            POLICY_LOSSES[name] = cls
+            POLICY_LOSSES.add(name, cls)
         return cls
 
     return deco
@@ -54,16 +86,7 @@ def register_policy_loss(*names: str) -> Callable[[C], C]:
 
 def objective_class(name: str) -> Any:
     """The registered objective class `name`; an unknown name is a SettingError listing the registered ones."""
-    cls = POLICY_LOSSES.get(name)
-    if cls is None:
-        known = ", ".join(sorted(POLICY_LOSSES))
-        raise SettingError(
-            lambda s: (
-                f"unknown {s.name('policy_loss')} {name!r}; registered: {known} (a plugin module can "
-                f"register its own: {s.name('plugins')})"
-            )
-        )
-    return cls
+    return POLICY_LOSSES.lookup(name)
 
 
 def build_objective(cfg: ObjectiveConfig, batch: Sequence[Rollout]) -> Any:
@@ -91,7 +114,9 @@ class AdvantageEstimator:
     """Advantages compare the rollouts of one prompt: a group of one learns nothing (rollout.n >= 2)."""
 
 
-ADV_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+ADV_ESTIMATORS: Registry[AdvantageEstimator] = Registry(
+    "advantage estimator", "adv_estimator", code=lambda est: est.compute
+)
 
 
 def register_adv_est(
@@ -100,28 +125,17 @@ def register_adv_est(
     """Function decorator: register an advantage estimator (the function is returned unchanged)."""
 
     def deco(fn: AdvantageFn) -> AdvantageFn:
-        old = ADV_ESTIMATORS.get(name)
-        if old is not None and _qualname(old.compute) != _qualname(fn):
-            raise ValueError(f"advantage estimator {name!r} is already registered ({_qualname(old.compute)})")
-        ADV_ESTIMATORS[name] = AdvantageEstimator(
+        est = AdvantageEstimator(
             name=name, compute=fn, needs_values=needs_values, group_relative=group_relative
         )
+        ADV_ESTIMATORS.add(name, est)
         return fn
 
     return deco
 
 
 def get_adv_estimator(name: str) -> AdvantageEstimator:
-    est = ADV_ESTIMATORS.get(name)
-    if est is None:
-        known = ", ".join(sorted(ADV_ESTIMATORS))
-        raise SettingError(
-            lambda s: (
-                f"unknown {s.name('adv_estimator')} {name!r}; registered: {known} (a plugin module can "
-                f"register its own: {s.name('plugins')})"
-            )
-        )
-    return est
+    return ADV_ESTIMATORS.lookup(name)
 
 
 # ---- plugins ---------------------------------------------------------------------------------------------------
