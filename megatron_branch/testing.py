@@ -1,8 +1,9 @@
 """Helpers for tests, examples and the demo: tiny random models, rollout sets with sharing, and the HF oracle.
 
 Nothing here downloads anything: models are built from configs with random weights, data is generated. The package
-itself never imports this module (test-only code stays out of what a run loads); `random_tree_rollouts`, which the
-bench uses too, lives in megatron_branch/data/random_trees.py and is re-exported here.
+imports this module only inside the bench's functions that build its tiny models (test-only code stays out of what
+a training run loads); `random_tree_rollouts`, which the bench uses too, lives in megatron_branch/data/random_trees.py
+and is re-exported here.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ __all__ = [
     "hf_policy_gradient",
     "random_tree_rollouts",
     "rollout_set_strategy",
+    "tiny_arch",
     "tiny_branch_model",
     "tiny_hf_config",
     "tiny_hf_model",
@@ -236,6 +238,26 @@ def hf_policy_gradient(model: Any, rollouts: Sequence[Rollout]) -> tuple[float, 
     return total, grads
 
 
+def tiny_arch(
+    family: str = "llama", *, hidden: int = 32, layers: int = 2, vocab_size: int = 37, **fields: Any
+) -> Any:
+    """A tiny model shape (models/arch.py ModelArch): 4 heads / 2 KV groups, SwiGLU ffn = 2 x hidden, Qwen2's QKV
+    bias for "qwen2"; `fields` set ModelArch's other fields (max_position_embeddings, ...)."""
+    from megatron_branch.models import ModelArch
+
+    return ModelArch(
+        family=family,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=2 * hidden,
+        qkv_bias=family == "qwen2",
+        **fields,
+    )
+
+
 def tiny_branch_model(
     dtype: torch.dtype = torch.float64,
     *,
@@ -247,18 +269,10 @@ def tiny_branch_model(
 ) -> Any:
     """A tiny megatron-core Llama (GQA) with random weights scaled by `scale` (peaked distributions), built on the
     current parallel state; the same seed gives the same full weights at any TP size only through checkpoints."""
-    from megatron_branch.models import ModelArch, build_model
+    from megatron_branch.models import build_model
 
     torch.manual_seed(seed)
-    arch = ModelArch(
-        family="llama",
-        vocab_size=vocab_size,
-        hidden_size=32,
-        num_layers=2,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=64,
-    )
+    arch = tiny_arch(vocab_size=vocab_size)
     model = build_model(arch, dtype=dtype, tp=tp, sequence_parallel=sequence_parallel)
     with torch.no_grad():
         for p in model.parameters():
@@ -271,19 +285,10 @@ def tiny_qwen2(
 ) -> tuple[Any, Any]:
     """(arch, model): a tiny megatron-core Qwen2 (4 heads / 2 kv, QKV bias, ffn 2 x hidden) with seeded random
     weights, built on the current parallel state; the planner's and the layer-checkpointing tests' model."""
-    from megatron_branch.models import ModelArch, build_model
+    from megatron_branch.models import build_model
 
     torch.manual_seed(seed)
-    arch = ModelArch(
-        family="qwen2",
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        num_layers=layers,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=2 * hidden,
-        qkv_bias=True,
-    )
+    arch = tiny_arch("qwen2", hidden=hidden, layers=layers, vocab_size=vocab_size)
     return arch, build_model(arch, dtype=dtype)
 
 

@@ -9,6 +9,7 @@ import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+from megatron_branch import testing
 from megatron_branch.compat.cpu import apply_cpu_shims
 from megatron_branch.compat.norm import TorchNorm
 from megatron_branch.data import Rollout
@@ -20,16 +21,7 @@ VOCAB = 37
 
 
 def tiny_arch() -> ModelArch:
-    return ModelArch(
-        family="qwen2",
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_layers=2,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=64,
-        qkv_bias=True,
-    )
+    return testing.tiny_arch("qwen2", vocab_size=VOCAB)
 
 
 def build_patched_gpt(

@@ -76,17 +76,11 @@ class RehearsalBatch:
 def rehearsal_arch(
     *, hidden: int = 32, layers: int = 1, vocab: int = 64, max_positions: int = 262_144
 ) -> ModelArch:
-    """A tiny Llama (4 heads / 2 KV groups, SwiGLU ffn = 2 * hidden) whose RoPE table covers `max_positions`."""
-    return ModelArch(
-        family="llama",
-        vocab_size=vocab,
-        hidden_size=hidden,
-        num_layers=layers,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=2 * hidden,
-        max_position_embeddings=max_positions,
-    )
+    """A tiny Llama (testing.py tiny_arch: 4 heads / 2 KV groups, SwiGLU ffn = 2 * hidden) whose RoPE table covers
+    `max_positions`."""
+    from megatron_branch.testing import tiny_arch
+
+    return tiny_arch(hidden=hidden, layers=layers, vocab_size=vocab, max_position_embeddings=max_positions)
 
 
 def layout_free_state(model: torch.nn.Module, arch: ModelArch, tp_size: int, *, seed: int = 0) -> dict:
