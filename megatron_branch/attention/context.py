@@ -114,6 +114,17 @@ class PrefixContext:
     def handed_down(self, layer_number: int) -> list[Tensors]:
         return self.external.get(layer_number, [])
 
+    def _kv_blocks(
+        self, layer_number: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """k/v [s,b,g,h] of the chunk -> (keys, values): the handed-down ancestors' blocks [c_j,b,g,h] root first,
+        then the chunk's own, which it hands down (a capturing chunk). K and V are compacted first: they view the
+        fused QKV output, so keep (and cache) them alone, not the buffer (prefix_state.compact)."""
+        k, v = compact(k), compact(v)
+        self.hand_down(layer_number, ATTENTION_KV, (k, v))
+        blocks = [*self.handed_down(layer_number), (k, v)]
+        return [kb for kb, _ in blocks], [vb for _, vb in blocks]
+
     def for_recompute(self) -> PrefixContext:
         """The same layout, handed-down states and metadata, but capturing nothing (the schedule's states come from
         the first forward, whose graph is the one gradients are injected into; a recomputed capture would be a
@@ -136,17 +147,11 @@ class LocalContext(PrefixContext):
         """q [s,b,n,h], k/v [s,b,g,h] -> [s, b, n*h]."""
         from megatron_branch.attention.dispatch import attention
 
-        k, v = (
-            compact(k),
-            compact(v),
-        )  # V views the fused QKV output: keep (and cache) V alone, not the buffer
-        self.hand_down(layer_number, ATTENTION_KV, (k, v))
-        blocks = [*self.handed_down(layer_number), (k, v)]  # keys: [ancestors (c) | chunk (s)]
-        num_keys = sum(kb.shape[0] for kb, _ in blocks)
+        ks, vs = self._kv_blocks(layer_number, k, v)  # keys: [ancestors (c) | chunk (s)]
+        num_keys = sum(kb.shape[0] for kb in ks)
         assert num_keys == self.layout.num_keys and q.shape[0] == self.layout.num_queries, (
             f"layout {self.layout.num_queries}x{self.layout.num_keys} vs q {q.shape[0]} k {num_keys}"
         )
-        ks, vs = [kb for kb, _ in blocks], [vb for _, vb in blocks]
         return attention(q, ks, vs, self.layout, backend=self.backend, scale=scale)
 
 

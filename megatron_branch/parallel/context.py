@@ -22,7 +22,6 @@ import torch
 
 from megatron_branch.attention.context import PrefixContext
 from megatron_branch.attention.dispatch import executor
-from megatron_branch.attention.prefix_state import ATTENTION_KV, compact
 from megatron_branch.parallel.ring import RingPlans, RingStats, ring_tree_attention
 
 
@@ -50,25 +49,17 @@ class RingContext(PrefixContext):
         self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
         """q [s,b,n,h], k/v [s,b,g,h] -> [s, b, n*h]."""
-        k, v = (
-            compact(k),
-            compact(v),
-        )  # V views the fused QKV output: keep (and cache) V alone, not the buffer
-        self.hand_down(layer_number, ATTENTION_KV, (k, v))
-        blocks = [
-            *self.handed_down(layer_number),
-            (k, v),
-        ]  # cached ancestor blocks root first, then the chunk
+        ks, vs = self._kv_blocks(layer_number, k, v)  # cached ancestor blocks root first, then the chunk
         k_meta = self.q_meta  # [2, s]: a chunk's keys are its queries
-        if len(blocks) > 1:
+        if len(ks) > 1:
             assert self.external_meta is not None, "handed-down K/V need their metadata"
             k_meta = torch.cat(
                 [self.external_meta, self.q_meta], dim=1
             )  # [2, c+s]: positions only, no K/V copy
         return ring_tree_attention(
             q,
-            [kb for kb, _ in blocks],
-            [vb for _, vb in blocks],
+            ks,
+            vs,
             self.q_meta,
             k_meta,
             self.related,
