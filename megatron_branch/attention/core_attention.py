@@ -23,8 +23,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron_branch.attention.context import BranchContext, TakesBranchContext
 
 
-class BranchCoreAttention(MegatronModule, TakesBranchContext):
-    """Drop-in for megatron's DotProductAttention (same constructor), branch-aware when a context is attached."""
+class CoreAttentionSlot(MegatronModule):
+    """What every module in megatron's `core_attention` slot shares: DotProductAttention's constructor (the layer
+    spec builds the slot with it) and the softmax scale, 1 / sqrt(head dim) unless given."""
 
     def __init__(
         self,
@@ -39,11 +40,32 @@ class BranchCoreAttention(MegatronModule, TakesBranchContext):
     ) -> None:
         super().__init__(config=config)
         self.layer_number = max(1, layer_number)
-        head_dim = config.kv_channels
-        self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
+        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
+
+
+class BranchCoreAttention(CoreAttentionSlot, TakesBranchContext):
+    """Drop-in for megatron's DotProductAttention (same constructor), branch-aware when a context is attached.
+
+    Without a context it is `stock`: megatron's DotProductAttention built here (none under CP, whose attention
+    only a context runs), or an existing core attention given as `stock` (a model built elsewhere:
+    integration/verl_model.py BranchFallbackAttention)."""
+
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int,
+        attn_mask_type: Any,
+        attention_type: str,
+        *,
+        stock: torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """megatron's arguments (`kwargs`: attention_dropout, softmax_scale, cp_comm_type, pg_collection, as the
+        spec passes them, by keyword) go to the slot and to the DotProductAttention built as `stock`."""
+        super().__init__(config, layer_number, attn_mask_type, attention_type, **kwargs)
         self.context: BranchContext | None = None
-        self.stock: torch.nn.Module | None = None
-        if config.context_parallel_size == 1:
+        self.stock: torch.nn.Module | None = stock
+        if stock is None and config.context_parallel_size == 1:
             from megatron.core.transformer.dot_product_attention import DotProductAttention
 
             self.stock = DotProductAttention(
@@ -51,10 +73,7 @@ class BranchCoreAttention(MegatronModule, TakesBranchContext):
                 layer_number=layer_number,
                 attn_mask_type=attn_mask_type,
                 attention_type=attention_type,
-                attention_dropout=attention_dropout,
-                softmax_scale=softmax_scale,
-                cp_comm_type=cp_comm_type,
-                pg_collection=pg_collection,
+                **kwargs,
             )
 
     def forward(
@@ -78,6 +97,9 @@ class BranchCoreAttention(MegatronModule, TakesBranchContext):
                 attention_mask,
                 attn_mask_type=attn_mask_type,
                 attention_bias=attention_bias,
+                packed_seq_params=packed_seq_params,
             )
-        assert packed_seq_params is None and attention_bias is None
+        assert (
+            packed_seq_params is None and attention_bias is None
+        )  # the context's layout decides what each sees
         return self.context.attend(self.layer_number, query, key, value, self.softmax_scale)

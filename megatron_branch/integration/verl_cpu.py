@@ -28,7 +28,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from megatron.core.transformer.module import MegatronModule
+
+from megatron_branch.attention.core_attention import CoreAttentionSlot
 
 # --- 1. the platform -----------------------------------------------------------------------------------------
 
@@ -154,27 +155,13 @@ def use_cpu_platform() -> None:
 # --- 2. the attention kernel ---------------------------------------------------------------------------------
 
 
-class CpuVarlenAttention(MegatronModule):
+class CpuVarlenAttention(CoreAttentionSlot):
     """Causal attention inside each packed sequence (THD), the CPU stand-in for TEDotProductAttention.
 
     q [t, 1, n, h], k/v [t, 1, g, h] -> [t, 1, n*h]; sequence i owns rows cu_seqlens_q_padded[i:i+2] (verl pads
     each sequence to the TP alignment; a pad row sees its sequence, and nothing reads it). Without
     `packed_seq_params` (one sequence, BSHD with b = 1) it is plain causal attention.
     """
-
-    def __init__(
-        self,
-        config: Any,
-        layer_number: int,
-        attn_mask_type: Any,
-        attention_type: str,
-        attention_dropout: float | None = None,
-        softmax_scale: float | None = None,
-        cp_comm_type: str | None = None,
-        pg_collection: Any = None,
-    ) -> None:
-        super().__init__(config=config)
-        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
 
     def forward(
         self,

@@ -13,47 +13,25 @@ that for scripts that build their own). After construction, two things change, b
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-from megatron.core.transformer.module import MegatronModule
 
 from megatron_branch.attention.core_attention import BranchCoreAttention
 from megatron_branch.models.rotary import enable_position_rope
 
 
 class BranchFallbackAttention(BranchCoreAttention):
-    """BranchCoreAttention around an existing core attention `stock` (its no-context path, unchanged)."""
+    """BranchCoreAttention around an existing core attention `stock` (TEDotProductAttention on a GPU, or any
+    other): its softmax scale, and `stock` itself, every argument forwarded, when no context is attached."""
 
     def __init__(self, stock: torch.nn.Module, layer_number: int) -> None:
-        MegatronModule.__init__(self, config=stock.config)
-        self.layer_number = max(1, layer_number)
-        scale = getattr(stock, "softmax_scale", None)
-        self.softmax_scale = scale if scale is not None else stock.config.kv_channels**-0.5
-        self.context = None
-        self.stock = stock
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        attn_mask_type: Any = None,
-        attention_bias: Any = None,
-        packed_seq_params: Any = None,
-    ) -> torch.Tensor:
-        if self.context is None:
-            return self.stock(
-                query,
-                key,
-                value,
-                attention_mask,
-                attn_mask_type=attn_mask_type,
-                attention_bias=attention_bias,
-                packed_seq_params=packed_seq_params,
-            )
-        return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, None)
+        super().__init__(
+            stock.config,
+            layer_number,
+            None,  # the mask type and attention type are stock's business: the context's layout decides
+            "self",
+            softmax_scale=getattr(stock, "softmax_scale", None),
+            stock=stock,
+        )
 
 
 def patch_verl_model(model: torch.nn.Module) -> torch.nn.Module:
