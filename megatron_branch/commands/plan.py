@@ -26,7 +26,8 @@ import json
 from typing import Any
 
 from megatron_branch.plan.model import GPU_PRESETS, MODEL_PRESETS, RECOMPUTE, RolloutShape, load_model
-from megatron_branch.plan.search import HOST_TERMS, SCHEDULES, TERMS_IN_TOTAL, Plan, plan, what_would_fit
+from megatron_branch.plan.result import HOST_TERMS, TERMS_IN_TOTAL, Plan
+from megatron_branch.plan.search import SCHEDULES, plan, what_would_fit
 
 
 def add_plan_command(sub: Any) -> None:

@@ -150,9 +150,9 @@ def test_hybrid_under_cp2_matches_the_meter_and_the_exchange_count(recompute: bo
     the meter, the cache's bytes exactly (this rank's K/V rows + ITS heads' fork state), and the head exchange's
     forward bytes exactly against the exchange's own count (RingStats)."""
     from megatron_branch.parallel.ring import RingStats
+    from megatron_branch.plan.costs import _chunk_rows
     from megatron_branch.plan.layers import gdn_exchange_bytes
     from megatron_branch.plan.memory import linear_state_bytes
-    from megatron_branch.plan.search import _chunk_rows
     from megatron_branch.testing import tiny_hf_config
 
     groups = initialize_parallel(ParallelConfig(cp=2))

@@ -12,9 +12,9 @@ import pytest
 
 from megatron_branch.cli import main
 from megatron_branch.plan import GPU_PRESETS, MODEL_PRESETS, Layout, RolloutShape, evaluate, plan
+from megatron_branch.plan.costs import memory_terms
 from megatron_branch.plan.memory import static_bytes
 from megatron_branch.plan.optimizer import HOST_RUNTIME_BYTES, OptimizerChoice
-from megatron_branch.plan.search import memory_terms
 
 SMALL = RolloutShape(prompt_length=4096, responses=4, response_length=256, prompts=2)
 TARGET = RolloutShape(prompt_length=130048, responses=16, response_length=1024)
