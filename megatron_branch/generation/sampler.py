@@ -36,7 +36,7 @@ from megatron_branch.errors import UserError
 from megatron_branch.generation.kv_cache import DecodeContext, DecodeStep, PrefixKV
 from megatron_branch.generation.sampling import choose_tokens
 from megatron_branch.generation.types import GenerationOutput, GenerationStats, Sample, SamplingParams
-from megatron_branch.losses.router import RoutingRecorder
+from megatron_branch.losses.routing import RoutingRecorder
 from megatron_branch.models.gpt import BranchGPTModel
 from megatron_branch.models.moe import attach_router_context
 from megatron_branch.parallel import lockstep

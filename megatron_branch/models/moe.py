@@ -16,7 +16,7 @@ token that some rollout's own batch would drop. The tree schedules refuse it (lo
 
 `BranchRouter` is megatron's TopKRouter placed through the layer spec (`MoESubmodules.router`). With no context
 attached it IS megatron's router (the stock routing, aux losses from megatron's config, which we keep at zero).
-With a `RouterContext` attached (losses/router.py) the context decides: routing replay (forced top-k), the
+With a `RouterContext` attached (losses/routing.py) the context decides: routing replay (forced top-k), the
 multiplicity-weighted load-balancing and z losses, routing counts and records. Contexts are attached per forward
 by the schedules and the sampler (`attach_router_context`), as BranchContext is to the core attention.
 """

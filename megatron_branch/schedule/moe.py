@@ -19,7 +19,9 @@ from typing import Any
 import torch
 
 from megatron_branch.data import PrefixTree
-from megatron_branch.losses.router import MoEOptions, RouterPlan, RowContext, check_dropless, pinned_aux_scale
+from megatron_branch.losses.router import MoEOptions, check_dropless, pinned_aux_scale
+from megatron_branch.losses.router_plan import RouterPlan
+from megatron_branch.losses.routing import RowContext
 from megatron_branch.models.moe import release_dispatcher_state
 
 ROLLOUT_SCHEDULES = ("naive", "naive-fused", "packed-nosharing")

@@ -10,7 +10,7 @@
       expert_capacity_factor: null  # token dropping: refused (the tree schedules are exact only dropless)
 
 Every loss is weighted by token multiplicity, so a tree schedule trains exactly what naive per-rollout training
-would (losses/router.py); parallel.ep splits the experts (inside dp x cp, as megatron lays it out).
+would (losses/router_plan.py); parallel.ep splits the experts (inside dp x cp, as megatron lays it out).
 """
 
 from __future__ import annotations

@@ -364,7 +364,7 @@ def test_moe_hybrid_router_losses_under_cp(hybrid, monkeypatch: pytest.MonkeyPat
     under TP2+SP and CP2, replay under CP2 x EP2, equal naive (TP2+SP) at the delta rule's bound 1e-5 (one
     replica: one loss scope); with the multiplicity weights planted away (a shared token counted once) replay
     under CP2 no longer does."""
-    from megatron_branch.losses import router as router_mod
+    from megatron_branch.losses import router_plan
 
     family, d, _ = hybrid
     layouts = {
@@ -381,7 +381,7 @@ def test_moe_hybrid_router_losses_under_cp(hybrid, monkeypatch: pytest.MonkeyPat
             err = _worst(grads, naive)
             assert err[0] <= 1e-5, (family, name, schedule, err)
     monkeypatch.setattr(
-        router_mod, "token_multiplicity", lambda member: torch.ones(member.shape[0], dtype=member.dtype)
+        router_plan, "token_multiplicity", lambda member: torch.ones(member.shape[0], dtype=member.dtype)
     )
     rc, grads, _ = _grad(d, f"{family}_aux_bug", "replay", *layouts["cp2"], *ROUTER_LOSSES)
     assert rc == 0

@@ -185,7 +185,7 @@ def test_files_round_trip_and_verify(tmp_path: Path) -> None:
 # --- the policy gradient, router losses off -------------------------------------------------------------------------
 def routed_experts(model: torch.nn.Module, tree: PrefixTree) -> dict[int, torch.Tensor]:
     """layer -> [N, E] bool: the experts every packed token routes to (one packed forward, megatron's routing)."""
-    from megatron_branch.losses.router import RoutingRecorder
+    from megatron_branch.losses.routing import RoutingRecorder
     from megatron_branch.models.moe import attach_router_context
     from megatron_branch.schedule.chunks import make_chunk
     from megatron_branch.schedule.common import forward_chunk

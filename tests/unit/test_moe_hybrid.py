@@ -35,8 +35,7 @@ from megatron_branch.checkpoint import (
 from megatron_branch.checkpoint.hf_io import HFTensorReader, load_hf_config
 from megatron_branch.checkpoint.tp import gather_full_grads, gather_full_state
 from megatron_branch.data import PrefixTree, Rollout
-from megatron_branch.losses import PolicyGradientObjective
-from megatron_branch.losses import router as router_mod
+from megatron_branch.losses import PolicyGradientObjective, router_plan
 from megatron_branch.losses.router import MoEOptions, RouterLossConfig
 from megatron_branch.models import ModelArch, build_model
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
@@ -250,7 +249,7 @@ def test_router_losses_replay_equals_packed_equals_naive(
         for k in ("load_balancing_loss", "seq_load_balancing_loss", "z_loss"):
             assert res.stats[k] == pytest.approx(base.stats[k], rel=BOUND), (schedule, k)
     monkeypatch.setattr(
-        router_mod, "token_multiplicity", lambda member: torch.ones(member.shape[0], dtype=member.dtype)
+        router_plan, "token_multiplicity", lambda member: torch.ones(member.shape[0], dtype=member.dtype)
     )
     for schedule in ("packed", "replay"):
         _, grads = _with_losses(model, arch, schedule, rs)

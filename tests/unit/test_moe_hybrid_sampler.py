@@ -21,7 +21,8 @@ from test_moe_hybrid import hf_of, megatron_of
 from megatron_branch.data import PrefixTree
 from megatron_branch.generation import BranchSampler, SamplingParams
 from megatron_branch.losses import PolicyGradientObjective
-from megatron_branch.losses.router import MoEOptions, RoutingRecorder
+from megatron_branch.losses.router import MoEOptions
+from megatron_branch.losses.routing import RoutingRecorder
 from megatron_branch.models.moe import attach_router_context
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
 from megatron_branch.schedule import ScheduleOptions, run_schedule

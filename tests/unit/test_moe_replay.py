@@ -20,9 +20,9 @@ from megatron_branch.checkpoint.tp import gather_full_grads
 from megatron_branch.data import PrefixTree, Rollout, read_rollouts_jsonl, write_rollouts_jsonl
 from megatron_branch.errors import UserError
 from megatron_branch.generation import BranchSampler, SamplingParams
-from megatron_branch.losses import PolicyGradientObjective
-from megatron_branch.losses import router as router_mod
-from megatron_branch.losses.router import MoEOptions, RouterLossConfig, RoutingRecorder
+from megatron_branch.losses import PolicyGradientObjective, router_plan, routing
+from megatron_branch.losses.router import MoEOptions, RouterLossConfig
+from megatron_branch.losses.routing import RoutingRecorder
 from megatron_branch.models import ModelArch, build_model
 from megatron_branch.models.moe import attach_router_context
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
@@ -88,7 +88,7 @@ def test_sampler_records_megatrons_routing(sampled) -> None:
 def used_routing(monkeypatch: pytest.MonkeyPatch) -> list:
     """A spy on RowContext.route: (packed row indices, routing_map) of every training-forward router call."""
     calls: list = []
-    real = router_mod.RowContext.route
+    real = routing.RowContext.route
 
     def spy(self, router, logits):  # noqa: ANN001, ANN202
         probs, routing_map = real(self, router, logits)
@@ -96,7 +96,7 @@ def used_routing(monkeypatch: pytest.MonkeyPatch) -> list:
             calls.append((router.layer_number - 1, self.packed.clone(), routing_map.detach().clone()))
         return probs, routing_map
 
-    monkeypatch.setattr(router_mod.RowContext, "route", spy)
+    monkeypatch.setattr(routing.RowContext, "route", spy)
     return calls
 
 
@@ -104,7 +104,7 @@ def used_routing(monkeypatch: pytest.MonkeyPatch) -> list:
 def test_training_forward_routes_recorded_tokens_to_their_records(sampled, schedule, monkeypatch) -> None:
     _, arch, model, rollouts = sampled
     tree = PrefixTree.build(rollouts, vocab_size=37)
-    routes = router_mod._tree_routes(tree, len(arch.moe_layers), arch.moe_top_k)  # [N, Lm, k]
+    routes = router_plan._tree_routes(tree, len(arch.moe_layers), arch.moe_top_k)  # [N, Lm, k]
     calls = used_routing(monkeypatch)
     opts = ScheduleOptions(vocab_size=37, branch_micro_batch=2, moe=MoEOptions(routing_replay=True))
     obj = PolicyGradientObjective.grpo([r.advantage for r in rollouts], tree.num_response_tokens_logical())
@@ -218,4 +218,4 @@ def test_jsonl_round_trip_and_validation(tmp_path: Path) -> None:
         Rollout(prompt=[1], response=[3, 4], routed_experts=rec - 5)
     tree = PrefixTree.build([Rollout(prompt=[1], response=[3, 4], advantage=1.0)])
     with pytest.raises(UserError, match="routing replay is on but the rollout has no routed_experts"):
-        router_mod._tree_routes(tree, 1, 2)
+        router_plan._tree_routes(tree, 1, 2)

@@ -17,8 +17,7 @@ import torch
 from megatron_branch.checkpoint import hf_to_mcore_state, load_full_state
 from megatron_branch.data import PrefixTree, Rollout
 from megatron_branch.errors import UserError
-from megatron_branch.losses import PolicyGradientObjective
-from megatron_branch.losses import router as router_mod
+from megatron_branch.losses import PolicyGradientObjective, router_plan, routing
 from megatron_branch.losses.logprobs import vocab_parallel_logprobs
 from megatron_branch.losses.router import GlobalAuxState, MoEOptions, RouterLossConfig
 from megatron_branch.models import ModelArch, build_model
@@ -253,7 +252,7 @@ def test_planted_bug_dropping_multiplicity_fails(qwen3_moe, monkeypatch: pytest.
     model = model_of(state, arch, torch.float64)
     naive, _ = schedule_step(model, "naive", [rollouts], obj, LOSSES["aux+z"])
     monkeypatch.setattr(
-        router_mod, "token_multiplicity", lambda member: torch.ones(member.shape[0], dtype=member.dtype)
+        router_plan, "token_multiplicity", lambda member: torch.ones(member.shape[0], dtype=member.dtype)
     )
     for schedule in ("packed", "replay"):
         got, _ = schedule_step(model, schedule, [rollouts], obj, LOSSES["aux+z"])
@@ -266,14 +265,14 @@ def test_training_forward_must_route_as_the_counting_pass(qwen3_moe, monkeypatch
     arch, state = qwen3_moe
     rollouts = random_tree_rollouts(prompt_len=6, branches=3, levels=1, seed=3)
     model = model_of(state, arch, torch.float64)
-    real = router_mod.RowContext.route
+    real = routing.RowContext.route
 
     def drifting(self, router, logits):  # noqa: ANN001, ANN202
         if not self.plan.counting and torch.is_grad_enabled():
             logits = logits + torch.linspace(0, 50, logits.shape[-1], dtype=logits.dtype)  # another top-k
         return real(self, router, logits)
 
-    monkeypatch.setattr(router_mod.RowContext, "route", drifting)
+    monkeypatch.setattr(routing.RowContext, "route", drifting)
     with pytest.raises(RuntimeError, match="routed differently from the counting pass"):
         schedule_step(model, "packed", [rollouts], objective_of(rollouts), LOSSES["aux+z"])
 
