@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from megatron_branch.checkpoint.hf_io import HFTensorReader, load_hf_config
-from megatron_branch.checkpoint.param_map import IGNORED_HF_SUFFIXES
+from megatron_branch.checkpoint.param_rules import IGNORED_HF_SUFFIXES
 from megatron_branch.errors import UserError
 from megatron_branch.models.arch import ModelArch
 from megatron_branch.models.hf_families import EXPORT_CLASS
