@@ -20,15 +20,28 @@ from megatron_branch.plan import Layout, RolloutShape
 from megatron_branch.plan.flops import step_flops
 from megatron_branch.plan.measure import measure_step
 from megatron_branch.plan.memory import step_peak
+from megatron_branch.testing import tiny_arch, tiny_hf_config
 
-SIZES = [  # (hidden, layers, dtype, shape, segment recompute)
-    (32, 2, torch.float32, RolloutShape(prompt_length=64, responses=8, response_length=8), False),
-    (32, 2, torch.float32, RolloutShape(prompt_length=64, responses=8, response_length=8), True),
-    (64, 3, torch.float64, RolloutShape(prompt_length=200, responses=6, response_length=24, shared_response_length=8),
-     False),
-    (48, 2, torch.float32, RolloutShape(prompt_length=300, responses=12, response_length=16), True),
-    (64, 2, torch.float32, RolloutShape(prompt_length=1024, responses=16, response_length=32), False),
+SIZES = [  # (family, hidden, layers, dtype, shape, segment recompute)
+    ("qwen2", 32, 2, torch.float32, RolloutShape(prompt_length=64, responses=8, response_length=8), False),
+    ("qwen2", 32, 2, torch.float32, RolloutShape(prompt_length=64, responses=8, response_length=8), True),
+    ("qwen2", 64, 3, torch.float64,
+     RolloutShape(prompt_length=200, responses=6, response_length=24, shared_response_length=8), False),
+    ("qwen2", 48, 2, torch.float32, RolloutShape(prompt_length=300, responses=12, response_length=16), True),
+    ("qwen2", 64, 2, torch.float32, RolloutShape(prompt_length=1024, responses=16, response_length=32), False),
+    # Qwen3: q/k norms and a free head_dim (4 heads x 16 = 64 wide attention in a hidden of 32)
+    ("qwen3", 32, 2, torch.float32, RolloutShape(prompt_length=64, responses=8, response_length=8), False),
+    ("qwen3", 32, 2, torch.float32, RolloutShape(prompt_length=64, responses=8, response_length=8), True),
 ]  # fmt: skip
+
+
+def tiny(family: str, hidden: int, layers: int) -> ModelArch:
+    """Qwen2: 4 heads / 2 kv of hidden / 4, QKV bias; Qwen3: the same heads of 16 with q/k norms (ffn 2 x hidden)."""
+    if family == "qwen2":
+        return tiny_arch("qwen2", hidden=hidden, layers=layers)
+    return ModelArch.from_hf_config(
+        tiny_hf_config(family, hidden_size=hidden, num_layers=layers, ffn=2 * hidden)
+    )
 
 
 def single_rank() -> None:
@@ -36,17 +49,16 @@ def single_rank() -> None:
     print("| model | shape (P, G, S, K) | dtype | recompute | meter peak | planner | ratio | cache measured | "
           "planner | matmul FLOPs (FlopCounterMode) | planner | ratio |")  # fmt: skip
     print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for h, layers, dtype, shape, rc in SIZES:
+    for family, h, layers, dtype, shape, rc in SIZES:
         torch.manual_seed(0)
-        arch = ModelArch(family="qwen2", vocab_size=37, hidden_size=h, num_layers=layers, num_attention_heads=4,
-                         num_query_groups=2, ffn_hidden_size=2 * h, qkv_bias=True)  # fmt: skip
+        arch = tiny(family, h, layers)
         model = build_model(arch, dtype=dtype)
         got = measure_step(model, shape, vocab=37, branch_micro_batch=4, recompute=rc, count_flops=True)
         pk = step_peak(arch, shape, Layout(), act_bytes=dtype.itemsize, branch_micro_batch=4,
                        segment_recompute=rc, layer_recompute=False)  # fmt: skip
         fl = step_flops(arch, shape, "replay", Layout(recompute="selective" if rc else "none"))
         mat = fl.dense + fl.logits
-        print(f"| h{h} L{layers} | {shape.prompt_length}, {shape.responses}, {shape.response_length}, "
+        print(f"| {family} h{h} L{layers} | {shape.prompt_length}, {shape.responses}, {shape.response_length}, "
               f"{shape.shared_response_length} | {str(dtype)[6:]} | {'segment' if rc else 'none'} | "
               f"{got.saved_peak:,} | {pk.saved:,} | {pk.saved / got.saved_peak:.3f} | {got.cached_kv:,} | "
               f"{pk.cached_kv:,} | {got.matmul_flops:.4g} | {mat:.4g} | {mat / got.matmul_flops:.3f} |")  # fmt: skip

@@ -240,13 +240,18 @@ def gdn_exchange_bytes(arch: ModelArch, r: int, *, tp: int, cp: int, e: int) -> 
 def attention_extra_saved_bytes(arch: ModelArch, r: int, *, n: int, g: int, e: int) -> int:
     """Per full-attention layer over r rows (n, g heads on this rank): what q/k norms and the output gate add to the
     plain layer's terms (plan/memory.py): the normalised q and k (RoPE's inputs) with their rstd, and the fused
-    QKV output itself, (n + 2g) d per row, which the norms keep alive because their inputs are views of it (the
-    compact K/V of the plain layer does not free it then); the gated output and sigmoid(gate) in float32."""
+    QKV output itself, (n + 2g) d per row, which the k norm keeps alive because its input is a view of it (the
+    compact K/V of the plain layer does not free it then); with more than one query group on the rank also the
+    query the q norm reads, n d per row: megatron's get_query_key_value_tensors reshapes the query it split out of
+    [s, b, g, (n/g + 2) d] to [s, b, n, d], which copies (the g groups' query blocks are not evenly strided),
+    and the norm saves its input (a view of the fused output when g = 1); the gated output and sigmoid(gate) in
+    float32."""
     assert arch.head_dim is not None
     d, f32 = arch.head_dim, max(e, 4)
     extra = 0
     if arch.qk_norm:
         extra += r * (n + g) * d * e + r * (n + g) * f32 + r * (n + 2 * g) * d * e
+        extra += r * n * d * e if g > 1 else 0
     if arch.attention_output_gate:
         extra += r * n * d * e + r * n * d * f32
     return extra

@@ -13,7 +13,8 @@ Saved per transformer layer for r rows on this rank (tp t, sp: sequence parallel
 max(e, 4) for statistics the kernels keep in fp32; n = heads/t, g = kv heads/t, d head dim, h hidden, f ffn/t),
 read off megatron-core 0.16's local spec with this engine's core attention (checked by tests/unit/test_plan.py):
     norms (x2)        input x, rstd, x * rstd          2 * (2 r_n h e + r_n f32)     r_n = r / t under SP
-    QKV, fc1 inputs   the norm outputs                 2 * r_n h e                   (SP: saved before gather)
+    QKV, fc1 inputs   the norm outputs                 2 * r_n h e                   (SP: saved before gather;
+                                                                                     MoE: fc1's is the router's)
     RoPE              cos / sin for q and for k        4 r d e
     attention         q (rotated), out, lse            r n d e * 2 + n r f32
     K/V               k (rotated) and v, each in a storage of its own (the contexts copy V out of the fused
@@ -26,11 +27,13 @@ implementation: no score matrix (fused kernels), no dropout masks (dropout is 0)
 A MoE layer (megatron's MoELayer, alltoall dispatcher; E experts, top-k, expert width i = I/t, shared expert
 width s_h = S/t; balanced routing assumed) saves instead of the dense MLP's 5 r f e, for r_n router rows:
     router            its input, fp32 scores, probs      r_n h e + r_n E f32 + r_n E e
-    permute           the permuted copies and indices    r_n k h e + r_n k INDEX
+    permute           its indices (the permuted copy is saved as the experts' input: counted there)   r_n k INDEX
     experts           the r k rows this rank's experts run after the all-to-all and the TP gather (SwiGLU's
-                      fc1 input and its 5 intermediates)                            r k h e + 5 r k i e
+                      fc1 input, its 5 intermediates, and megatron's MLP scaling the GLU output by each row's
+                      probability: that output and the probabilities)             r k h e + 6 r k i e + r k f32
     combine           unpermute's probs and indices      r_n k (e + INDEX)
-    shared expert     a SwiGLU of width s_h (+ its gate)  5 r s_h e + r_n e
+    shared expert     a SwiGLU of width s_h               5 r s_h e
+                      (+ its sigmoid gate: megatron's output * gate saves both)    + r_n h e + r_n e
 and the dispatcher's transient buffers (not saved; the largest layer's): the all-to-all's send and receive copies
 and the TP-gathered rows, 2 r_n k h e + r k h e.
 
@@ -166,10 +169,12 @@ def moe_mlp_bytes(dm: Dims, r: int) -> int:
     """What a MoE layer's MLP slot saves for backward over r rows (the module docstring's MoE terms)."""
     rn, k = dm.seq_rows(r), dm.top_k
     router = rn * dm.h * dm.e + rn * dm.experts * (dm.f32 + dm.e)
-    permute = rn * k * (dm.h * dm.e + INDEX_BYTES)
-    experts = r * k * dm.h * dm.e + 5 * r * k * dm.i * dm.e
+    permute = rn * k * INDEX_BYTES  # index_select saves its index; the copy it makes is the experts' input
+    experts = r * k * dm.h * dm.e + 6 * r * k * dm.i * dm.e + r * k * dm.f32
     combine = rn * k * (dm.e + INDEX_BYTES)
-    shared = (5 * r * dm.shared * dm.e + rn * dm.e) if dm.shared else 0
+    shared = 5 * r * dm.shared * dm.e if dm.shared else 0
+    if dm.shared and dm.arch.shared_expert_gate:  # output * sigmoid(gate) saves both factors
+        shared += rn * dm.h * dm.e + rn * dm.e
     return router + permute + experts + combine + shared
 
 
@@ -195,7 +200,8 @@ def layer_other_bytes(dm: Dims, r: int, *, ext: int = 0, cp: int = 1, moe: bool 
     a MoE layer (its MLP slot: `moe_mlp_bytes`)."""
     rn = dm.seq_rows(r)
     norms = 2 * (2 * rn * dm.h * dm.e + rn * dm.f32)
-    linear_in = 2 * rn * dm.h * dm.e
+    # QKV's input and fc1's; a MoE layer's MLP input is its router's (counted in moe_mlp_bytes)
+    linear_in = (1 if moe else 2) * rn * dm.h * dm.e
     rope = 4 * r * dm.arch.rotary_dim * dm.e
     attn = 2 * r * dm.n * dm.d * dm.e + dm.n * r * dm.f32
     attn += attention_extra_saved_bytes(dm.arch, r, n=dm.n, g=dm.g, e=dm.e)
@@ -214,7 +220,8 @@ def linear_layer_bytes(
     head exchange runs it over every position), its per-row part over the r rows, and the exchange's indices."""
     rn = dm.seq_rows(r)
     mlp = moe_mlp_bytes(dm, r) if moe else 5 * r * dm.f * dm.e
-    norms_in_mlp = 2 * (2 * rn * dm.h * dm.e + rn * dm.f32) + 2 * rn * dm.h * dm.e + mlp
+    linear_in = (1 if moe else 2) * rn * dm.h * dm.e  # in_proj's and fc1's (MoE: the router's, in `mlp`)
+    norms_in_mlp = 2 * (2 * rn * dm.h * dm.e + rn * dm.f32) + linear_in + mlp
     heads = sum(
         count * gdn_heads_saved_bytes(dm.arch, length, tp=dm.tp, cp=dm.cp, e=dm.e, kernel=dm.gdn_kernel)
         for length, count in (sequences or [(r, 1)])

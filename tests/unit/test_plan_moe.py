@@ -23,7 +23,8 @@ from megatron_branch.plan.memory import static_bytes, step_peak
 from megatron_branch.plan.model import parameter_count
 from megatron_branch.testing import tiny_hf_config
 
-TOL = 0.06  # measured within 5.7% (qwen2_moe over-counts; dense models: tests/unit/test_plan.py, 4%)
+TOL = 0.05  # measured within 4.5%, over: 6 responses in leaf micro-batches of 4, the planner holds 4 leaves beside the
+# dK/dV accumulators where the last micro-batch holds 2 (the MoE layer itself within 0.3%; dense: test_plan.py, 4%)
 SHAPE = RolloutShape(prompt_length=64, responses=6, response_length=12, shared_response_length=4)
 
 
@@ -60,14 +61,15 @@ def test_flops_exact_and_bytes_match_the_meter(family: str, moe: dict, recompute
 
 
 def test_planted_error_in_the_expert_terms_is_caught() -> None:
-    """A planner that forgot the experts' saved tensors (top-k 1 instead of 2) is far off the meter."""
+    """A planner that forgot the experts' saved tensors (top-k 1 instead of 2) is far off the meter (leaf
+    micro-batches of 3: every one full, so the right count is exact up to the MoE layer's 0.3%)."""
     arch, model = tiny("qwen3_moe")
-    got = measure_step(model, SHAPE, vocab=37, branch_micro_batch=4)
+    got = measure_step(model, SHAPE, vocab=37, branch_micro_batch=3)
     wrong = ModelArch(**{**arch.to_dict(), "moe_top_k": 1})
-    pk = step_peak(wrong, SHAPE, Layout(), act_bytes=4, branch_micro_batch=4)
-    right = step_peak(arch, SHAPE, Layout(), act_bytes=4, branch_micro_batch=4)
+    pk = step_peak(wrong, SHAPE, Layout(), act_bytes=4, branch_micro_batch=3)
+    right = step_peak(arch, SHAPE, Layout(), act_bytes=4, branch_micro_batch=3)
     err, err_right = abs(pk.saved - got.saved_peak), abs(right.saved - got.saved_peak)
-    assert err > 0.08 * got.saved_peak and err > 2 * err_right, (err, err_right, got.saved_peak)  # 10% vs 4%
+    assert err > 0.08 * got.saved_peak and err > 2 * err_right, (err, err_right, got.saved_peak)
 
 
 def test_experts_split_over_ep_and_their_state_over_expert_dp() -> None:
