@@ -19,7 +19,7 @@ attention load balancing, `_all_to_all_hp2cp`) makes the same trade for Mamba he
 un-permutation is the tree chunk's zigzag row map instead of a fixed reordering of 2W pieces.
 
 Traffic per layer and chunk (forward; backward the same again): each rank sends (W-1)/W of its [s_loc, W c] input
-and of its [s, c] output, i.e. (W-1) s_loc c elements each way (plan/memory.py counts it; `RingStats` counts it).
+and of its [s, c] output, i.e. (W-1) s_loc c elements each way (plan/activations.py counts it; `RingStats` counts it).
 
 The all-to-all is in ring-flash-attention's shape: plain `all_to_all_forward` / `all_to_all_backward` functions
 and a thin autograd.Function. An all-to-all of equal blocks is its own transpose (rank i's block j becomes rank j's

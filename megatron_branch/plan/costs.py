@@ -30,9 +30,10 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_branch.models.arch import ModelArch
+from megatron_branch.plan.activations import Dims
 from megatron_branch.plan.flops import StepFlops
 from megatron_branch.plan.layers import gdn_exchange_bytes
-from megatron_branch.plan.memory import Dims, Peak, cdiv, local_rows, margin_bytes, static_bytes, step_peak
+from megatron_branch.plan.memory import Peak, cdiv, local_rows, margin_bytes, static_bytes, step_peak
 from megatron_branch.plan.model import GPU, Layout, RolloutShape
 from megatron_branch.plan.optimizer import (
     OptimizerChoice,

@@ -239,7 +239,7 @@ def gdn_exchange_bytes(arch: ModelArch, r: int, *, tp: int, cp: int, e: int) -> 
 
 def attention_extra_saved_bytes(arch: ModelArch, r: int, *, n: int, g: int, e: int) -> int:
     """Per full-attention layer over r rows (n, g heads on this rank): what q/k norms and the output gate add to the
-    plain layer's terms (plan/memory.py): the normalised q and k (RoPE's inputs) with their rstd, and the fused
+    plain layer's terms (plan/activations.py): the normalised q and k (RoPE's inputs) with their rstd, and the fused
     QKV output itself, (n + 2g) d per row, which the k norm keeps alive because its input is a view of it (the
     compact K/V of the plain layer does not free it then); with more than one query group on the rank also the
     query the q norm reads, n d per row: megatron's get_query_key_value_tensors reshapes the query it split out of

@@ -11,8 +11,9 @@ import torch
 from megatron_branch.models import ModelArch, build_model
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
 from megatron_branch.plan import Layout, RolloutShape
+from megatron_branch.plan.activations import Dims, layer_kv_bytes
 from megatron_branch.plan.measure import measure_step, per_term
-from megatron_branch.plan.memory import Dims, layer_kv_bytes, local_rows, step_peak
+from megatron_branch.plan.memory import local_rows, step_peak
 
 VOCAB = 37
 TOL = 0.04  # measured within 3.5% at CP2 and TP2 + SP (tests/unit/test_plan.py: the same bound)
@@ -172,9 +173,9 @@ def test_hybrid_under_cp2_matches_the_meter_and_the_exchange_count(recompute: bo
     the meter, the cache's bytes exactly (this rank's K/V rows + ITS heads' fork state), and the head exchange's
     forward bytes exactly against the exchange's own count (RingStats)."""
     from megatron_branch.parallel.ring import RingStats
+    from megatron_branch.plan.activations import linear_state_bytes
     from megatron_branch.plan.costs import _chunk_rows
     from megatron_branch.plan.layers import gdn_exchange_bytes
-    from megatron_branch.plan.memory import linear_state_bytes
     from megatron_branch.testing import tiny_hf_config
 
     groups = initialize_parallel(ParallelConfig(cp=2))

@@ -10,8 +10,8 @@ import torch
 from megatron_branch.attention import context as context_mod
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
 from megatron_branch.plan import Layout, RolloutShape
+from megatron_branch.plan.activations import Dims, layer_kv_bytes
 from megatron_branch.plan.measure import measure_step
-from megatron_branch.plan.memory import Dims, layer_kv_bytes
 from megatron_branch.schedule import prefix_cache
 from megatron_branch.testing import tiny_qwen2
 

@@ -18,9 +18,10 @@ from megatron_branch.data import PrefixTree
 from megatron_branch.models import ModelArch
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
 from megatron_branch.plan import GPU_PRESETS, MODEL_PRESETS, Layout, RolloutShape
+from megatron_branch.plan.activations import Dims, layer_kv_bytes
 from megatron_branch.plan.flops import step_flops
 from megatron_branch.plan.measure import measure_step, shape_rollouts
-from megatron_branch.plan.memory import Dims, layer_kv_bytes, step_peak
+from megatron_branch.plan.memory import step_peak
 from megatron_branch.testing import tiny_qwen2
 
 VOCAB = 37
@@ -102,14 +103,14 @@ def test_planted_error_is_caught() -> None:
 def test_planted_forgotten_projection_input_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """A subtle planner error is caught too: the output projection's saved input left out is 4.5% of this step,
     which the 15% tolerance these tests had let through."""
-    from megatron_branch.plan import memory
+    from megatron_branch.plan import activations
 
     arch, model = tiny(32, 2, torch.float32)
     shape = RolloutShape(prompt_length=64, responses=8, response_length=8)
     got = measure_step(model, shape, vocab=VOCAB, branch_micro_batch=4)
-    real = memory.layer_other_bytes
+    real = activations.layer_other_bytes
     monkeypatch.setattr(
-        memory, "layer_other_bytes", lambda dm, r, **kw: real(dm, r, **kw) - r * dm.n * dm.d * dm.e
+        activations, "layer_other_bytes", lambda dm, r, **kw: real(dm, r, **kw) - r * dm.n * dm.d * dm.e
     )
     wrong = step_peak(arch, shape, Layout(), act_bytes=4, branch_micro_batch=4)
     assert 0.15 * got.saved_peak > abs(wrong.saved - got.saved_peak) > TOL * got.saved_peak

@@ -15,17 +15,17 @@ from megatron_branch.memory import ActivationMeter
 from megatron_branch.models import ModelArch, build_model
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
 from megatron_branch.plan import MODEL_PRESETS, Layout, RolloutShape
-from megatron_branch.plan.flops import step_flops
-from megatron_branch.plan.layers import gdn_mixer_flops, gdn_mixer_saved_bytes
-from megatron_branch.plan.measure import measure_step
-from megatron_branch.plan.memory import (
+from megatron_branch.plan.activations import (
     Dims,
     kv_grad_bytes,
     layer_kv_bytes,
     linear_state_bytes,
     linear_state_grad_bytes,
-    step_peak,
 )
+from megatron_branch.plan.flops import step_flops
+from megatron_branch.plan.layers import gdn_mixer_flops, gdn_mixer_saved_bytes
+from megatron_branch.plan.measure import measure_step
+from megatron_branch.plan.memory import step_peak
 from megatron_branch.plan.model import parameter_count
 from megatron_branch.testing import tiny_hf_config, tiny_hf_model
 
