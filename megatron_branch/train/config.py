@@ -815,6 +815,9 @@ def check_fits_context(cfg: TrainConfig, *, max_prompt_tokens: int, context: int
 
 
 def write_resolved(cfg: TrainConfig, path: Path) -> None:
+    """OUT/config.yaml, replaced whole (a resume rewrites it: a crash keeps the previous one)."""
     import yaml
 
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+    from megatron_branch.outputs import write_text
+
+    write_text(path, yaml.safe_dump(to_dict(cfg), sort_keys=False), overwrite=True, what="resolved config")

@@ -38,7 +38,7 @@ from megatron_branch.train.data import load_dataset
 from megatron_branch.train.metrics import RunLogger
 from megatron_branch.train.models import DTYPES, build_policy, frozen_copy, prepare_for_layout
 from megatron_branch.train.record import engine_record, write_engine_record
-from megatron_branch.train.run_dir import run_folder
+from megatron_branch.train.run_dir import HF_TOKENIZER, run_folder, save_tokenizer
 from megatron_branch.train.state import PromptOrder, capture_rng, restart_rng, restore_rng
 
 
@@ -48,10 +48,6 @@ def _gather_over(group: Any, obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
-
-
-HF_TOKENIZER = "hf_tokenizer"
-"""OUT/hf_tokenizer/: the run's tokenizer in transformers' format (copied into checkpoints and the HF export)."""
 
 
 class Trainer:
@@ -82,7 +78,7 @@ class Trainer:
                 if self.is_main:  # the outputs: checked now, not after the work (the run's own: replaced)
                     outputs.check_output_dir(setup_dir / "policy_mcore", overwrite=True, marker=META_FILE)
                     outputs.check_output_dir(setup_dir / "hf", overwrite=True, marker=HF_MARKER)
-                    self._save_tokenizer(setup_dir / HF_TOKENIZER)
+                    save_tokenizer(self.dataset.tokenizer, setup_dir / HF_TOKENIZER)
             except UserError as e:
                 err = str(e)
             agree_on_error(err)
@@ -127,17 +123,6 @@ class Trainer:
             tensorboard=cfg.logging.tensorboard,
             progress_bar=cfg.logging.progress_bar,
         )
-
-    def _save_tokenizer(self, folder: Path) -> None:
-        """The tokenizer as transformers loads it (every checkpoint and the HF export carry it)."""
-        import shutil
-
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir()
-        try:
-            self.dataset.tokenizer.save_hf(folder)
-        except Exception as e:  # transformers' conversion: one line, before any step
-            raise UserError(f"cannot save the tokenizer for transformers ({type(e).__name__}: {e})") from None
 
     def _read_data(self, setup_dir: Path) -> None:
         cfg = self.cfg

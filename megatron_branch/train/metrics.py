@@ -13,6 +13,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from megatron_branch import outputs
+
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
 
@@ -45,7 +47,10 @@ class RunLogger:
         if not enabled:
             return
         kept = [m for m in read_metrics(self.file) if m.get("step", 0) <= start_step]
-        self.file.write_text("".join(json.dumps(m) + "\n" for m in kept))
+        # replaced whole (temp file + rename): a crash here keeps the run's metrics as they were
+        outputs.write_text(
+            self.file, "".join(json.dumps(m) + "\n" for m in kept), overwrite=True, what="metrics file"
+        )
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
