@@ -46,6 +46,13 @@ Rules (a flag that would do nothing is refused, not ignored):
     token dropping is naive's          a capacity factor drops tokens by which tokens share an expert's batch, so
                                        a prefix computed once is not dropped as each rollout's own batch drops it
                                        (check_moe_run)
+    verl's engine runs dense softmax   verl builds the model; the integration then wraps each layer's core
+    attention                          attention and makes RoPE follow position ids (integration/verl_model.py):
+                                       a hybrid's gated delta net layers have no core attention (and a state
+                                       that must follow the tree), multi-latent attention applies its own RoPE
+                                       inside the attention, interleaved RoPE is not the table the position ids
+                                       index, and MoE router losses would count a shared token once, not once
+                                       per rollout (check_verl_model)
 """
 
 from __future__ import annotations
@@ -295,6 +302,53 @@ def check_moe_run(
                     "refuses it, use dropless routing or the naive schedule"
                 )
             )
+
+
+def check_verl_model(
+    *,
+    attention_variant: str | None = None,
+    multi_latent_attention: bool = False,
+    rotary_interleaved: bool = False,
+    moe: bool = False,
+) -> None:
+    """Refuse a model verl's engine built that branch replay cannot run inside it (see the module doc): the
+    fields of megatron's TransformerConfig. A SettingError; the settings are the model's, not a flag's."""
+    where = "branch replay in verl's engine"
+    if attention_variant == "gated_delta_net":
+        raise SettingError(
+            lambda _: (
+                f"{where} cannot run a hybrid (gated delta net) model yet (experimental_attention_variant="
+                "gated_delta_net: its linear-attention layers have no core attention to wrap, and their state must "
+                "follow the tree); megatron-branch's own train and grad run hybrids"
+            )
+        )
+    if attention_variant is not None:
+        raise SettingError(
+            lambda _: (
+                f"{where} supports softmax attention layers only, not experimental_attention_variant="
+                f"{attention_variant}"
+            )
+        )
+    if multi_latent_attention:
+        raise SettingError(
+            lambda _: (
+                f"{where} does not support multi-latent attention (MLA applies its own RoPE inside the attention, "
+                "not the model's table the tree's position ids index)"
+            )
+        )
+    if rotary_interleaved:
+        raise SettingError(
+            lambda _: (
+                f"{where} does not support interleaved RoPE (rotary_interleaved=True); use the default layout"
+            )
+        )
+    if moe:
+        raise SettingError(
+            lambda _: (
+                f"{where} supports dense models only (MoE not wired yet: megatron's router losses would count a "
+                "token shared by several rollouts once; megatron-branch's own MoE path weights them)"
+            )
+        )
 
 
 API = Spelling(

@@ -32,8 +32,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_branch.errors import SettingError
 from megatron_branch.integration.verl_batch import LinearSlotObjective, TreeSlots
 from megatron_branch.integration.verl_model import patch_verl_model
+from megatron_branch.rules import check_verl_model
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +80,8 @@ def check_verl_version() -> None:
 
 
 def refuse_unsupported(engine_config: Any, tf_config: Any = None) -> None:
-    """One clear line for each verl setting the tree step does not support."""
+    """One clear line for each verl setting the tree step does not support; with `tf_config` (after verl built the
+    model), for each kind of model it cannot run (rules.check_verl_model)."""
     cp = engine_config.context_parallel_size
     if cp > 1 or engine_config.dynamic_context_parallel:
         raise VerlBranchError(
@@ -97,14 +100,21 @@ def refuse_unsupported(engine_config: Any, tf_config: Any = None) -> None:
         )
     if not engine_config.use_remove_padding:
         raise VerlBranchError("branch replay reads verl's no-padding batches: set use_remove_padding=True")
-    if tf_config is not None and tf_config.calculate_per_token_loss:
+    if tf_config is None:
+        return
+    if tf_config.calculate_per_token_loss:
         raise VerlBranchError(
             "branch replay does not support calculate_per_token_loss (set by CP / MoE aux losses)"
         )
-    if tf_config is not None and (tf_config.num_moe_experts or 0) > 0:
-        # megatron's router losses count each computed token once; under sharing a token stands for several
-        # rollouts (megatron-branch's own MoE path weights them; verl's engine path does not yet)
-        raise VerlBranchError("branch replay in verl's engine supports dense models only (MoE not wired yet)")
+    try:  # the model verl built: what patch_verl_model can wrap (rules.py)
+        check_verl_model(
+            attention_variant=getattr(tf_config, "experimental_attention_variant", None),
+            multi_latent_attention=bool(getattr(tf_config, "multi_latent_attention", False)),
+            rotary_interleaved=bool(getattr(tf_config, "rotary_interleaved", False)),
+            moe=(getattr(tf_config, "num_moe_experts", None) or 0) > 0,
+        )
+    except SettingError as e:
+        raise VerlBranchError(str(e)) from None
 
 
 def _refuse_batch(data: Any) -> None:
