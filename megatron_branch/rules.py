@@ -34,6 +34,9 @@ Rules (a flag that would do nothing is refused, not ignored):
     independent rollouts do not fork   sampling without a shared prefix (`share_prefix` off: every rollout its
                                        own prefill, an engine without prefix caching) has no shared response
                                        starts to fork at (`branch_at`)
+    forks inside the response          tree sampling forks after k sampled tokens, k in `branch_at` strictly
+                                       increasing in (0, max_new_tokens), into `branch_factor` branches each:
+                                       n (the leaves) divides by branch_factor ** len(branch_at)
     half precision sums in fp32        bf16 / fp16 parameters accumulate their gradients in megatron DDP's fp32
                                        main gradients; grad's plain reduction (`--grad-sync manual`) would sum
                                        them in bf16
@@ -56,6 +59,8 @@ Rules (a flag that would do nothing is refused, not ignored):
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from megatron_branch.errors import SettingError, Spelling
 
@@ -226,13 +231,31 @@ def check_gdn_context_parallel(*, key_heads: int, value_heads: int, tp: int, cp:
     )
 
 
-def check_sampling(*, share_prefix: bool, branch_at: tuple[int, ...] | list[int]) -> None:
-    """Refuse tree sampling (`branch_at`) without prefix sharing: independent rollouts share nothing to fork."""
-    if not share_prefix and branch_at:
+def check_sampling(
+    *, n: int, max_new_tokens: int, branch_at: Sequence[int], branch_factor: int, share_prefix: bool
+) -> None:
+    """The rules between sampling settings (see the module doc), each field valid on its own (SamplingParams):
+    tree sampling (`branch_at`) needs prefix sharing, forks inside the response and ends with n leaves."""
+    at = list(branch_at)
+    if not share_prefix and at:
         raise SettingError(
             lambda s: (
                 f"{s.value('share_prefix', 'false')} samples every rollout on its own (its own prefill); "
                 f"{s.name('branch_at')} forks rollouts that share a response start: use one or the other"
+            )
+        )
+    if at != sorted(set(at)) or any(not 0 < k < max_new_tokens for k in at):
+        raise SettingError(
+            lambda s: (
+                f"{s.name('branch_at')} must be strictly increasing token counts in (0, "
+                f"{s.value('max_new_tokens', max_new_tokens)}), got {at}"
+            )
+        )
+    if n % branch_factor ** len(at):
+        raise SettingError(
+            lambda s: (
+                f"{s.value('n', n)} must be divisible by {s.name('branch_factor')} ** len({s.name('branch_at')}) = "
+                f"{branch_factor ** len(at)}"
             )
         )
 
@@ -361,10 +384,18 @@ API = Spelling(
         "recompute": "ScheduleOptions.recompute",
         "recompute_layers": "ScheduleOptions.recompute_layers",
         "backend": "ScheduleOptions.backend",
-        "share_prefix": "SamplingParams.share_prefix",
+        "n": "SamplingParams.n",
+        "max_new_tokens": "SamplingParams.max_new_tokens",
+        "temperature": "SamplingParams.temperature",
+        "top_k": "SamplingParams.top_k",
+        "top_p": "SamplingParams.top_p",
+        "stop_token_ids": "SamplingParams.stop_token_ids",
         "branch_at": "SamplingParams.branch_at",
+        "branch_factor": "SamplingParams.branch_factor",
+        "share_prefix": "SamplingParams.share_prefix",
         "capacity_factor": "TransformerConfig.moe_expert_capacity_factor",
     },
     assign="=",
 )
-"""How a library caller names the settings (run_schedule's name, ScheduleOptions): the schedules' own checks."""
+"""How a library caller names the settings (run_schedule's name, ScheduleOptions, SamplingParams): the schedules'
+and the sampler's own checks."""

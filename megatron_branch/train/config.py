@@ -32,7 +32,7 @@ from megatron_branch.models.arch import ModelArch, check_schedule_supports
 from megatron_branch.models.hf_families import HYBRID_FAMILIES
 from megatron_branch.parallel.layout import ParallelLayout
 from megatron_branch.precision import DtypeName
-from megatron_branch.rules import TRAIN_SCHEDULES, check_pipeline, check_precision, check_run, check_sampling
+from megatron_branch.rules import TRAIN_SCHEDULES, check_pipeline, check_precision, check_run
 from megatron_branch.train.algorithm import resolve_algorithm
 from megatron_branch.train.moe import MoEConfig, check_moe
 
@@ -397,7 +397,13 @@ def _config_spelling() -> Spelling:
         recompute_layers="schedule.enable_gradient_checkpointing",
         backend="schedule.backend",
         share_prefix="rollout.share_prefix",
+        n="rollout.n",
+        max_new_tokens="rollout.response_length",
+        temperature="rollout.temperature",
+        top_k="rollout.top_k",
+        top_p="rollout.top_p",
         branch_at="rollout.branch_at",
+        branch_factor="rollout.branch_factor",
         dtype="model.dtype",
         moe="moe.*",
         capacity_factor="moe.expert_capacity_factor",
@@ -645,8 +651,6 @@ def validate(cfg: TrainConfig) -> None:
     """Checks that need several fields (each field's type is checked while building). One line per error."""
     a, act, r, d, t = cfg.algorithm, cfg.actor, cfg.rollout, cfg.data, cfg.trainer
     for name, v in [
-        ("rollout.n", r.n),
-        ("rollout.response_length", r.response_length),
         ("data.train_batch_size", d.train_batch_size),
         ("data.num_prompts", d.num_prompts),
         ("actor.ppo_epochs", act.ppo_epochs),
@@ -661,24 +665,12 @@ def validate(cfg: TrainConfig) -> None:
         _positive(name, v)
     if t.save_freq == 0 or t.save_freq < -1:
         raise UserError(f"trainer.save_freq must be a positive number of steps or -1, got {t.save_freq}")
-    if r.temperature < 0 or not 0 < r.top_p <= 1 or (r.top_k == 0 or r.top_k < -1):
-        raise UserError(
-            f"rollout: temperature >= 0, 0 < top_p <= 1, top_k > 0 or -1; got {r.temperature}, {r.top_p}, {r.top_k}"
-        )
-    if sorted(set(r.branch_at)) != r.branch_at or any(k <= 0 or k >= r.response_length for k in r.branch_at):
-        raise UserError(
-            f"rollout.branch_at must be increasing token counts in (0, response_length={r.response_length}), "
-            f"got {r.branch_at}"
-        )
-    if r.branch_at and (r.branch_factor < 1 or r.n % (r.branch_factor ** len(r.branch_at))):
-        raise UserError(
-            f"rollout.n={r.n} must be divisible by rollout.branch_factor ** len(rollout.branch_at) = "
-            f"{r.branch_factor ** len(r.branch_at)}"
-        )
+    if r.top_k == 0 or r.top_k < -1:  # verl's spelling of "off" (-1); the sampler's is 0
+        raise UserError(f"rollout.top_k must be a positive number of tokens or -1 (off), got {r.top_k}")
     sc = cfg.schedule
     try:
+        sampling_params(cfg)  # the sampler's own rules (SamplingParams, rules.check_sampling), in config keys
         cfg.parallel.check_no_op()
-        check_sampling(share_prefix=r.share_prefix, branch_at=r.branch_at)
         check_precision(cfg.model.dtype, training=True)
         check_run(sc.name, cp=cfg.parallel.cp, recompute=sc.recompute,
                   recompute_layers=sc.enable_gradient_checkpointing, backend=sc.backend)  # fmt: skip
@@ -727,6 +719,18 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"warmup.until_exact must be in (0, 1], got {w.until_exact}")
     if cfg.checkpoint.keep_last is not None and cfg.checkpoint.keep_last <= 0:
         raise UserError(f"checkpoint.keep_last must be positive, got {cfg.checkpoint.keep_last}")
+
+
+def sampling_params(cfg: TrainConfig) -> Any:
+    """The sampler's SamplingParams from the rollout section (its rules: generation/types.py, rules.py); a
+    SettingError in the library's names (train re-spells it: SPELLING). rollout.top_k -1 (off) is its 0."""
+    from megatron_branch.generation.types import SamplingParams
+
+    r = cfg.rollout
+    return SamplingParams(
+        n=r.n, max_new_tokens=r.response_length, temperature=r.temperature, top_k=max(r.top_k, 0), top_p=r.top_p,
+        branch_at=tuple(r.branch_at), branch_factor=r.branch_factor, share_prefix=r.share_prefix,
+    )  # fmt: skip
 
 
 def optimizer_settings(cfg: TrainConfig, *, lr: float, decay_steps: int | None = None) -> Any:
