@@ -33,13 +33,15 @@ from megatron_branch.rules import UNSHARED
 from megatron_branch.train import lifecycle
 from megatron_branch.train import policy as policy_ops
 from megatron_branch.train.algorithm import resolve_algorithm
-from megatron_branch.train.config import SPELLING, TrainConfig, check_fits_context, model_arch, write_resolved
+from megatron_branch.train.config import TrainConfig
+from megatron_branch.train.config_io import write_resolved
 from megatron_branch.train.data import load_dataset
 from megatron_branch.train.metrics import RunLogger
 from megatron_branch.train.models import DTYPES, build_policy, frozen_copy, prepare_for_layout
 from megatron_branch.train.record import engine_record, write_engine_record
 from megatron_branch.train.run_dir import HF_TOKENIZER, run_folder, save_tokenizer
 from megatron_branch.train.state import PromptOrder, capture_rng, restart_rng, restore_rng
+from megatron_branch.train.validate import SPELLING, check_fits_context, model_arch
 
 
 def _gather_over(group: Any, obj: Any) -> list[Any]:

@@ -26,8 +26,9 @@ from megatron_branch.data import Rollout
 from megatron_branch.models import ModelArch
 from megatron_branch.parallel.groups import ParallelGroups
 from megatron_branch.train.algorithm import Algorithm
-from megatron_branch.train.config import TrainConfig, optimizer_settings, sampling_params
+from megatron_branch.train.config import TrainConfig
 from megatron_branch.train.models import refresh_whole, whole_copy
+from megatron_branch.train.validate import optimizer_settings, sampling_params
 
 
 def _policy_only(key: str) -> bool:

@@ -58,7 +58,7 @@ def test_metrics_rewrite_on_resume_keeps_the_file(tmp_path: Path, monkeypatch: p
 
 
 def test_resolved_config_rewrite_keeps_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron_branch.train.config import load_config, to_dict, write_resolved
+    from megatron_branch.train.config_io import load_config, to_dict, write_resolved
 
     base = ["model.arch.hidden_size=32", "model.arch.ffn_hidden_size=64", "data.task=kv_retrieval"]
     path = tmp_path / "config.yaml"

@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from megatron_branch.errors import UserError
-from megatron_branch.train.config import TrainConfig, load_config, to_dict, write_resolved
+from megatron_branch.train.config import TrainConfig
+from megatron_branch.train.config_io import load_config, to_dict, write_resolved
 
 BASE = {
     "model": {
@@ -157,7 +158,7 @@ def test_sampling_rules_checked_once_in_both_spellings(
 
 def test_rollout_top_k_is_verls_spelling(tmp_path: Path) -> None:
     """rollout.top_k: -1 is off (verl's), the sampler's 0; the config's own rule refuses 0 and below -1."""
-    from megatron_branch.train.config import sampling_params
+    from megatron_branch.train.validate import sampling_params
 
     assert sampling_params(load_config(_write(tmp_path, BASE))).top_k == 0
     assert sampling_params(load_config(_write(tmp_path, BASE), ["rollout.top_k=5"])).top_k == 5
