@@ -57,6 +57,23 @@ def test_metrics_rewrite_on_resume_keeps_the_file(tmp_path: Path, monkeypatch: p
     assert read_metrics(tmp_path / METRICS_FILE) == rows[:2]  # the resume's own cut still happens
 
 
+def test_metrics_line_torn_by_a_crash_is_dropped_on_resume(tmp_path: Path) -> None:
+    """`log` appends: a crash in the middle leaves a last line without its end. The resume drops it (it was not
+    a whole step), instead of failing on it; a broken line elsewhere is one line naming the file and line."""
+    from megatron_branch.train.metrics import METRICS_FILE, RunLogger, read_metrics
+
+    rows = [{"step": k, "reward_mean": k / 10} for k in (1, 2)]
+    whole = "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / METRICS_FILE).write_text(whole + json.dumps({"step": 3, "reward_mean": 0.3})[:9])
+    assert read_metrics(tmp_path / METRICS_FILE) == rows
+    RunLogger(tmp_path, total_steps=5, start_step=2, tensorboard=False, progress_bar=False).close()
+    assert (tmp_path / METRICS_FILE).read_text() == whole
+    (tmp_path / METRICS_FILE).write_text('{"step": 1\n' + whole)
+    with pytest.raises(UserError, match=rf"{METRICS_FILE}:1: invalid JSON") as e:
+        read_metrics(tmp_path / METRICS_FILE)
+    assert "\n" not in str(e.value)
+
+
 def test_resolved_config_rewrite_keeps_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron_branch.train.config_io import load_config, to_dict, write_resolved
 

@@ -81,7 +81,7 @@ def test_patch_refuses_a_hybrid_without_changing_it() -> None:
     """Before: an AttributeError traceback half-way through the layers. Now: one line, the model untouched."""
     hybrid = _model("qwen3_5", layer_types=["full_attention", "linear_attention"])  # a full layer comes first
     before = [(name, type(m)) for name, m in hybrid.named_modules()]
-    with pytest.raises(ValueError, match=r"layer 2: BranchGatedDeltaNet has no core attention") as e:
+    with pytest.raises(ValueError, match=r"layer 2: \w*GatedDeltaNet has no core attention") as e:
         patch_verl_model(hybrid)
     assert "\n" not in str(e.value)
     assert not any(isinstance(m, BranchFallbackAttention) for m in hybrid.modules())
