@@ -85,8 +85,8 @@ class Trainer(RunCheckpoints):
             except UserError as e:
                 err = str(e)
             agree_on_error(err)
-            if self.is_main:
-                write_resolved(cfg, setup_dir / "config.yaml")
+            # rank 0 writes; a failure (a full disk) is one line on every rank, not a hang (outputs.py)
+            outputs.write_on_rank0(lambda: write_resolved(cfg, setup_dir / "config.yaml"))
             self.groups = initialize_parallel(layout, seed=t.seed)
             self.dp_rank = dist.get_rank(self.groups.dp)
             self.policy = build_policy(
@@ -97,8 +97,10 @@ class Trainer(RunCheckpoints):
                 cfg, self.policy, algo=self.algo, arch=self.arch, groups=self.groups, dtype=self.dtype
             )
             self.actor.set_stop_tokens(self.dataset.stop_token_ids(cfg.rollout.stop))
-            if self.is_main:  # what megatron and the engine were given (train/record.py), beside config.yaml
-                write_engine_record(setup_dir, engine_record(self.actor.policy, self.actor.plan))
+            # what megatron and the engine were given (train/record.py), beside config.yaml
+            outputs.write_on_rank0(
+                lambda: write_engine_record(setup_dir, engine_record(self.actor.policy, self.actor.plan))
+            )
             self.order = PromptOrder(
                 num_prompts=len(self.dataset), batch_size=cfg.data.train_batch_size,
                 shuffle=cfg.data.shuffle, seed=cfg.data.seed,
