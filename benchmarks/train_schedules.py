@@ -38,7 +38,7 @@ def first_step_gradient_error(overrides: list[str], config: str, out: Path) -> d
     KL term: the demo has none)."""
     from megatron_branch.losses import build_objective
     from megatron_branch.parallel.grads import param_grad
-    from megatron_branch.train.config import load_config
+    from megatron_branch.train.config_io import load_config
     from megatron_branch.train.loop import Trainer
     from megatron_branch.update.step import accumulate_gradients
 
@@ -83,7 +83,7 @@ def main() -> None:
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
     args = ap.parse_args()
 
-    from megatron_branch.train.config import load_config
+    from megatron_branch.train.config_io import load_config
     from megatron_branch.train.loop import Trainer
     from megatron_branch.train.metrics import read_metrics
 

@@ -145,7 +145,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench-out/whole_step")
     args = ap.parse_args()
 
-    from megatron_branch.train.config import load_config
+    from megatron_branch.train.config_io import load_config
     from megatron_branch.train.loop import Trainer
 
     out = Path(args.out)

@@ -55,11 +55,12 @@ class SettingError(UserError):
     """A UserError about settings, worded once for every entry point: `say(spelling)` writes the message.
 
     The rule that raises it does not know whether the user typed `--cp 2` or `parallel.cp=2`; str() is the
-    command-line wording, and an entry point with other names re-raises `e.spelled(its_spelling)`."""
+    command-line wording (or `spelling`'s: a library type re-raises its rules' errors in its own names, e.g.
+    SamplingParams in rules.API's), and an entry point with other names re-raises `e.spelled(its_spelling)`."""
 
-    def __init__(self, say: Callable[[Spelling], str]) -> None:
+    def __init__(self, say: Callable[[Spelling], str], *, spelling: Spelling | None = None) -> None:
         self.say = say
-        super().__init__(say(FLAGS))
+        super().__init__(say(spelling or FLAGS))
 
     def spelled(self, spelling: Spelling) -> UserError:
         return UserError(self.say(spelling))

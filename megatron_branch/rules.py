@@ -34,6 +34,9 @@ Rules (a flag that would do nothing is refused, not ignored):
     independent rollouts do not fork   sampling without a shared prefix (`share_prefix` off: every rollout its
                                        own prefill, an engine without prefix caching) has no shared response
                                        starts to fork at (`branch_at`)
+    forks inside the response          tree sampling forks after k sampled tokens, k in `branch_at` strictly
+                                       increasing in (0, max_new_tokens), into `branch_factor` branches each:
+                                       n (the leaves) divides by branch_factor ** len(branch_at)
     half precision sums in fp32        bf16 / fp16 parameters accumulate their gradients in megatron DDP's fp32
                                        main gradients; grad's plain reduction (`--grad-sync manual`) would sum
                                        them in bf16
@@ -46,9 +49,18 @@ Rules (a flag that would do nothing is refused, not ignored):
     token dropping is naive's          a capacity factor drops tokens by which tokens share an expert's batch, so
                                        a prefix computed once is not dropped as each rollout's own batch drops it
                                        (check_moe_run)
+    verl's engine runs dense softmax   verl builds the model; the integration then wraps each layer's core
+    attention                          attention and makes RoPE follow position ids (integration/verl_model.py):
+                                       a hybrid's gated delta net layers have no core attention (and a state
+                                       that must follow the tree), multi-latent attention applies its own RoPE
+                                       inside the attention, interleaved RoPE is not the table the position ids
+                                       index, and MoE router losses would count a shared token once, not once
+                                       per rollout (check_verl_model)
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from megatron_branch.errors import SettingError, Spelling
 
@@ -219,13 +231,31 @@ def check_gdn_context_parallel(*, key_heads: int, value_heads: int, tp: int, cp:
     )
 
 
-def check_sampling(*, share_prefix: bool, branch_at: tuple[int, ...] | list[int]) -> None:
-    """Refuse tree sampling (`branch_at`) without prefix sharing: independent rollouts share nothing to fork."""
-    if not share_prefix and branch_at:
+def check_sampling(
+    *, n: int, max_new_tokens: int, branch_at: Sequence[int], branch_factor: int, share_prefix: bool
+) -> None:
+    """The rules between sampling settings (see the module doc), each field valid on its own (SamplingParams):
+    tree sampling (`branch_at`) needs prefix sharing, forks inside the response and ends with n leaves."""
+    at = list(branch_at)
+    if not share_prefix and at:
         raise SettingError(
             lambda s: (
                 f"{s.value('share_prefix', 'false')} samples every rollout on its own (its own prefill); "
                 f"{s.name('branch_at')} forks rollouts that share a response start: use one or the other"
+            )
+        )
+    if at != sorted(set(at)) or any(not 0 < k < max_new_tokens for k in at):
+        raise SettingError(
+            lambda s: (
+                f"{s.name('branch_at')} must be strictly increasing token counts in (0, "
+                f"{s.value('max_new_tokens', max_new_tokens)}), got {at}"
+            )
+        )
+    if n % branch_factor ** len(at):
+        raise SettingError(
+            lambda s: (
+                f"{s.value('n', n)} must be divisible by {s.name('branch_factor')} ** len({s.name('branch_at')}) = "
+                f"{branch_factor ** len(at)}"
             )
         )
 
@@ -297,6 +327,53 @@ def check_moe_run(
             )
 
 
+def check_verl_model(
+    *,
+    attention_variant: str | None = None,
+    multi_latent_attention: bool = False,
+    rotary_interleaved: bool = False,
+    moe: bool = False,
+) -> None:
+    """Refuse a model verl's engine built that branch replay cannot run inside it (see the module doc): the
+    fields of megatron's TransformerConfig. A SettingError; the settings are the model's, not a flag's."""
+    where = "branch replay in verl's engine"
+    if attention_variant == "gated_delta_net":
+        raise SettingError(
+            lambda _: (
+                f"{where} cannot run a hybrid (gated delta net) model yet (experimental_attention_variant="
+                "gated_delta_net: its linear-attention layers have no core attention to wrap, and their state must "
+                "follow the tree); megatron-branch's own train and grad run hybrids"
+            )
+        )
+    if attention_variant is not None:
+        raise SettingError(
+            lambda _: (
+                f"{where} supports softmax attention layers only, not experimental_attention_variant="
+                f"{attention_variant}"
+            )
+        )
+    if multi_latent_attention:
+        raise SettingError(
+            lambda _: (
+                f"{where} does not support multi-latent attention (MLA applies its own RoPE inside the attention, "
+                "not the model's table the tree's position ids index)"
+            )
+        )
+    if rotary_interleaved:
+        raise SettingError(
+            lambda _: (
+                f"{where} does not support interleaved RoPE (rotary_interleaved=True); use the default layout"
+            )
+        )
+    if moe:
+        raise SettingError(
+            lambda _: (
+                f"{where} supports dense models only (MoE not wired yet: megatron's router losses would count a "
+                "token shared by several rollouts once; megatron-branch's own MoE path weights them)"
+            )
+        )
+
+
 API = Spelling(
     names={
         "schedule": "schedule",
@@ -307,10 +384,18 @@ API = Spelling(
         "recompute": "ScheduleOptions.recompute",
         "recompute_layers": "ScheduleOptions.recompute_layers",
         "backend": "ScheduleOptions.backend",
-        "share_prefix": "SamplingParams.share_prefix",
+        "n": "SamplingParams.n",
+        "max_new_tokens": "SamplingParams.max_new_tokens",
+        "temperature": "SamplingParams.temperature",
+        "top_k": "SamplingParams.top_k",
+        "top_p": "SamplingParams.top_p",
+        "stop_token_ids": "SamplingParams.stop_token_ids",
         "branch_at": "SamplingParams.branch_at",
+        "branch_factor": "SamplingParams.branch_factor",
+        "share_prefix": "SamplingParams.share_prefix",
         "capacity_factor": "TransformerConfig.moe_expert_capacity_factor",
     },
     assign="=",
 )
-"""How a library caller names the settings (run_schedule's name, ScheduleOptions): the schedules' own checks."""
+"""How a library caller names the settings (run_schedule's name, ScheduleOptions, SamplingParams): the schedules'
+and the sampler's own checks."""

@@ -38,7 +38,7 @@ def add_train_command(sub: Any) -> None:
 def run_train(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from megatron_branch.train.config import load_config
+    from megatron_branch.train.config_io import load_config
 
     overrides = list(args.overrides)
     if args.resume is not None:

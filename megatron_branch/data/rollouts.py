@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatron_branch.errors import UserError
+from megatron_branch.outputs import write_text
 
 if TYPE_CHECKING:
     import torch
@@ -292,7 +293,8 @@ def read_rollouts_jsonl(
 
 
 def write_rollouts_jsonl(path: str | Path, rollouts: Sequence[Rollout]) -> None:
-    """Write rollouts in the format `read_rollouts_jsonl` reads (token fields as top-level keys)."""
+    """Write rollouts in the format `read_rollouts_jsonl` reads (token fields as top-level keys); an existing file
+    is replaced, a missing folder refused (outputs.py)."""
     lines = []
     for rollout in rollouts:
         obj: dict[str, Any] = {"prompt": list(rollout.prompt), "response": list(rollout.response)}
@@ -308,4 +310,5 @@ def write_rollouts_jsonl(path: str | Path, rollouts: Sequence[Rollout]) -> None:
         if rollout.routed_experts is not None:
             obj["routed_experts"] = rollout.routed_experts.tolist()
         lines.append(json.dumps(obj))
-    Path(path).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    # replaced whole (temp file + rename, outputs.py): a failure keeps the previous file
+    write_text(path, "".join(line + "\n" for line in lines), overwrite=True, what="rollouts file")

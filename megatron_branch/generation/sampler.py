@@ -14,6 +14,7 @@ v real vocabulary (V/tp on a tensor-parallel rank).
               the same logits.
 Logits are computed only for the rows that predict (the output projection on those hidden states, all-gathered
 over TP); every TP rank draws the same tokens (same logits, same generator; broadcast from TP rank 0 to be sure).
+The tree of branches itself (forks, finishing, the leaves as samples) is bookkeeping: branches.py.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,45 +33,21 @@ from megatron_branch.attention.layout import AttentionLayout, QuerySegment
 from megatron_branch.attention.prefix_state import ChunkSegment, ChunkTree
 from megatron_branch.data.rollouts import validate_token_ids
 from megatron_branch.errors import UserError
+from megatron_branch.generation.branches import (
+    Branch,
+    append_tokens,
+    buffer_rows,
+    collect_samples,
+    prefill_groups,
+)
 from megatron_branch.generation.kv_cache import DecodeContext, DecodeStep, PrefixKV
 from megatron_branch.generation.sampling import choose_tokens
-from megatron_branch.generation.types import GenerationOutput, GenerationStats, Sample, SamplingParams
+from megatron_branch.generation.types import GenerationOutput, GenerationStats, SamplingParams
 from megatron_branch.losses.routing import RoutingRecorder
 from megatron_branch.models.gpt import BranchGPTModel
 from megatron_branch.models.moe import attach_router_context
 from megatron_branch.parallel import lockstep
 from megatron_branch.parallel.groups import ParallelGroups, comm_device
-
-
-@dataclass(kw_only=True)
-class _Branch:
-    """A growing continuation; after a fork it keeps its tokens and its children continue it."""
-
-    prompt: int
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    sampling_logprobs: list[float] = field(default_factory=list)
-    path: list[int] = field(default_factory=list)
-    """Buffer slots of its FED tokens (K/V cached), root first; shared with its ancestors' slots."""
-    state_row: int = 0
-    """Its row of a recurrent layer's state table (hybrids, kv_cache.PrefixKV.states): the state after its last
-    fed token, shared with the branch it forked from until it feeds its own."""
-    done: str = ""
-    """"" while live, else the finish reason."""
-    children: list[_Branch] = field(default_factory=list)
-    routes: list[torch.Tensor] = field(default_factory=list)
-    """MoE routing replay: the experts [layers, k] of each FED token, in order (record_routing)."""
-
-    def fork(self) -> _Branch:
-        return _Branch(
-            prompt=self.prompt,
-            tokens=list(self.tokens),
-            logprobs=list(self.logprobs),
-            sampling_logprobs=list(self.sampling_logprobs),
-            path=list(self.path),
-            state_row=self.state_row,
-            routes=list(self.routes),
-        )
 
 
 class BranchSampler:
@@ -160,11 +136,11 @@ class BranchSampler:
         self._prompt_routes: dict[int, torch.Tensor] = {}
         cache = PrefixKV()
         first_logits = self._prefill(prompts, cache, stats)  # [num_prompts, v]
-        cache.allocate_buffer(self._buffer_rows(len(prompts), params))
+        cache.allocate_buffer(buffer_rows(len(prompts), params))
 
         # every root branch starts from its prompt's state (row p of the table after prefill)
         roots = [
-            [_Branch(prompt=p, state_row=p) for _ in range(params.root_fanout)] for p in range(len(prompts))
+            [Branch(prompt=p, state_row=p) for _ in range(params.root_fanout)] for p in range(len(prompts))
         ]
         live = [b for group in roots for b in group]
         self._extend(live, first_logits[torch.tensor([b.prompt for b in live])], params, generator, stats)
@@ -189,7 +165,16 @@ class BranchSampler:
             self._extend(live, logits[torch.tensor(rows)], params, generator, stats)
         assert next_slot <= cache.buffer_rows, (next_slot, cache.buffer_rows)
 
-        samples = [self._collect(p, prompts[p], roots[p], params) for p in range(len(prompts))]
+        samples = [
+            collect_samples(
+                p,
+                prompts[p],
+                roots[p],
+                params,
+                prompt_routes=self._prompt_routes[p] if self.record_routing else None,
+            )  # fmt: skip
+            for p in range(len(prompts))
+        ]
         stats.num_samples = sum(len(g) for g in samples)
         stats.response_tokens = sum(len(s.response) for g in samples for s in g)
         stats.prefill_positions_unshared = params.n * sum(len(p) for p in prompts)
@@ -228,7 +213,7 @@ class BranchSampler:
     ) -> torch.Tensor:
         """Prefill every prompt once (packed, in groups of at most max_prefill_tokens); -> last-row logits."""
         out = []
-        for group in self._prefill_groups(prompts):
+        for group in prefill_groups(prompts, self.max_prefill_tokens):
             spans, segs, start = [], [], 0
             for p in group:
                 n = len(prompts[p])
@@ -259,7 +244,7 @@ class BranchSampler:
         return torch.cat(out)
 
     def _decode(
-        self, prompts: list[tuple[int, ...]], feed: list[_Branch], cache: PrefixKV, stats: GenerationStats
+        self, prompts: list[tuple[int, ...]], feed: list[Branch], cache: PrefixKV, stats: GenerationStats
     ) -> torch.Tensor:
         """One decode forward feeding each branch's newest token; -> logits [A, v] for its next token."""
         a = len(feed)
@@ -333,7 +318,7 @@ class BranchSampler:
 
     def _extend(
         self,
-        branches: list[_Branch],
+        branches: list[Branch],
         logits: torch.Tensor,
         params: SamplingParams,
         generator: torch.Generator | None,
@@ -346,76 +331,11 @@ class BranchSampler:
             dist.broadcast(both, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
             tokens, logp, logq = both[0].long(), both[1], both[2]
         stats.tokens_sampled += len(branches)
-        stop = set(params.stop_token_ids)
-        for b, t, lp, lq in zip(branches, tokens.tolist(), logp.tolist(), logq.tolist()):
-            b.tokens.append(t)
-            b.logprobs.append(lp)
-            b.sampling_logprobs.append(lq)
-            if t in stop:
-                b.done = "stop"
-            elif len(b.tokens) == params.max_new_tokens:
-                b.done = "length"
-
-    def _collect(
-        self, p: int, prompt: tuple[int, ...], roots: list[_Branch], params: SamplingParams
-    ) -> list[Sample]:
-        """Depth-first leaves. A branch that stopped before a fork point stands for every rollout it would have
-        forked into (identical copies), so each prompt gets exactly n samples."""
-        out: list[Sample] = []
-        stack = list(reversed(roots))
-        while stack:
-            b = stack.pop()
-            if b.children:
-                stack.extend(reversed(b.children))
-                continue
-            missed = sum(1 for k in params.branch_at if k >= len(b.tokens))
-            sample = Sample(
-                prompt_index=p,
-                prompt=prompt,
-                response=tuple(b.tokens),
-                logprobs=tuple(b.logprobs),
-                sampling_logprobs=tuple(b.sampling_logprobs),
-                finish_reason=b.done,
-                routed_experts=self._routes_of(p, b) if self.record_routing else None,
-            )
-            out.extend([sample] * params.branch_factor**missed)
-        assert len(out) == params.n, (len(out), params.n)
-        return out
-
-    def _routes_of(self, p: int, b: _Branch) -> torch.Tensor:
-        """[P + R, layers, k]: the prompt's recorded experts, each fed response token's, -1 for the rest (the
-        last sampled token is never fed)."""
-        prompt = self._prompt_routes[p]
-        fed = torch.stack(b.routes) if b.routes else prompt[:0]
-        rest = torch.full((len(b.tokens) - len(b.routes), *prompt.shape[1:]), -1, dtype=prompt.dtype)
-        return torch.cat([prompt, fed, rest])
+        append_tokens(branches, tokens.tolist(), logp.tolist(), logq.tolist(), params)
 
     @property
     def _pad_to(self) -> int:
         return self.tp_size if self.sequence_parallel else 1
-
-    def _prefill_groups(self, prompts: list[tuple[int, ...]]) -> list[list[int]]:
-        if self.max_prefill_tokens is None:
-            return [list(range(len(prompts)))]
-        groups: list[list[int]] = [[]]
-        used = 0
-        for p, prompt in enumerate(prompts):
-            if groups[-1] and used + len(prompt) > self.max_prefill_tokens:
-                groups.append([])
-                used = 0
-            groups[-1].append(p)
-            used += len(prompt)
-        return groups
-
-    @staticmethod
-    def _buffer_rows(num_prompts: int, params: SamplingParams) -> int:
-        """Upper bound on fed tokens: per tree level, its branches times the tokens they can feed there."""
-        bounds = [0, *params.branch_at, params.max_new_tokens]
-        rows, width = 0, params.root_fanout
-        for level in range(len(bounds) - 1):
-            rows += width * (bounds[level + 1] - bounds[level])
-            width *= params.branch_factor
-        return num_prompts * rows
 
     def _check_prompts(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams

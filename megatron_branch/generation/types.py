@@ -21,9 +21,15 @@ from megatron_branch.errors import SettingError
 from megatron_branch.rules import API, check_sampling
 
 
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SettingError(lambda s: f"{s.name(name)} must be a positive int, got {value!r}")
+
+
 @dataclass(kw_only=True)
 class SamplingParams:
-    """How continuations are sampled. Validated on construction (ValueError names the field)."""
+    """How continuations are sampled. Validated on construction: a ValueError (errors.SettingError) naming the
+    field, `SamplingParams.n`; an entry point with other names re-spells it (train: `rollout.n`)."""
 
     n: int = 1
     """Rollouts per prompt (verl `rollout.n`; the GRPO group size). With `branch_at`, the number of LEAVES."""
@@ -50,35 +56,30 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
         self.branch_at = tuple(int(k) for k in self.branch_at)
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be a positive int, got {self.n!r}")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
-        if list(self.branch_at) != sorted(set(self.branch_at)) or any(
-            not 0 < k < self.max_new_tokens for k in self.branch_at
-        ):
-            raise ValueError(
-                f"branch_at must be strictly increasing depths in (0, max_new_tokens={self.max_new_tokens}), "
-                f"got {self.branch_at}"
-            )
-        if not isinstance(self.branch_factor, int) or self.branch_factor < 1:
-            raise ValueError(f"branch_factor must be a positive int, got {self.branch_factor!r}")
         try:
-            check_sampling(share_prefix=self.share_prefix, branch_at=self.branch_at)
-        except SettingError as e:
-            raise ValueError(str(e.spelled(API))) from None
-        if self.n % self.root_fanout_divisor:
-            raise ValueError(
-                f"n={self.n} must be divisible by branch_factor ** len(branch_at) = {self.root_fanout_divisor}"
-            )
+            self._check()
+        except SettingError as e:  # a ValueError in the library's names (rules.API: SamplingParams.n, ...);
+            raise SettingError(e.say, spelling=API) from None  # train's config re-spells it in its keys
+
+    def _check(self) -> None:
+        """Each field on its own, then the rules between them (rules.check_sampling); SettingErrors."""
+        _positive_int("n", self.n)
+        _positive_int("max_new_tokens", self.max_new_tokens)
+        _positive_int("branch_factor", self.branch_factor)
+        t, k, p = self.temperature, self.top_k, self.top_p
+        if not (math.isfinite(t) and t >= 0):
+            raise SettingError(lambda s: f"{s.name('temperature')} must be >= 0 (0 = greedy), got {t!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise SettingError(lambda s: f"{s.name('top_k')} must be an int >= 0 (0 = off), got {k!r}")
+        if not 0.0 < p <= 1.0:
+            raise SettingError(lambda s: f"{s.name('top_p')} must be in (0, 1], got {p!r}")
+        stops = self.stop_token_ids
+        if any(tok < 0 for tok in stops):
+            raise SettingError(lambda s: f"{s.name('stop_token_ids')} must be >= 0, got {stops}")
+        check_sampling(
+            n=self.n, max_new_tokens=self.max_new_tokens, branch_at=self.branch_at,
+            branch_factor=self.branch_factor, share_prefix=self.share_prefix,
+        )  # fmt: skip
 
     @property
     def root_fanout_divisor(self) -> int:

@@ -10,61 +10,40 @@ What the subclass changes (everything else is verl's code, running unchanged):
 
 * `initialize()`: after verl builds the model, each layer's core attention becomes `BranchFallbackAttention`
   (the original module, e.g. TEDotProductAttention, when no BranchContext is attached: verl's own paths keep
-  working) and RoPE follows explicit position ids (`enable_position_rope`). Settings branch replay does not
-  support are refused here, with one line.
-* `forward_backward_batch()`: verl's own method runs (global token count, `prepare_micro_batches` with dynamic batch
-  size, `postprocess_batch_func`, routing of outputs), with megatron's `get_forward_backward_func` replaced, for the
-  duration of the call only, by `VerlTreeStep`: all the step's micro-batches form ONE prefix tree (prompts and
-  shared response beginnings computed once); a forward-only pass scores every response token (logprob, entropy);
-  verl's `postprocess_micro_batch_func` (hence verl's loss, e.g. `ppo_loss`) runs per micro-batch on those values,
-  held as autograd leaves; its gradient per token is back-propagated through the tree in one gradient pass with the
-  linear objective of verl_batch.py. Exact for any verl loss of the per-token logprobs and entropies.
+  working) and RoPE follows explicit position ids (`enable_position_rope`). Settings and models branch replay
+  does not support are refused here, with one line (`refuse_unsupported`).
+* `forward_backward_batch()`: verl's own method runs, with megatron's `get_forward_backward_func` replaced, for
+  the duration of the call only, by `VerlTreeStep` (verl_step.py): the step's micro-batches as one prefix tree.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from megatron_branch.integration.verl_batch import LinearSlotObjective, TreeSlots
+from megatron_branch.errors import SettingError
 from megatron_branch.integration.verl_model import patch_verl_model
+from megatron_branch.integration.verl_step import BranchOptions, VerlBranchError, VerlTreeStep, unwrap
+from megatron_branch.rules import check_verl_model
+
+__all__ = [
+    "TESTED_VERL",
+    "BranchOptions",
+    "VerlBranchError",
+    "branch_engine_class",
+    "check_verl_version",
+    "refuse_unsupported",
+    "register",
+    "unregister",
+]
 
 logger = logging.getLogger(__name__)
 
 TESTED_VERL = ("0.9.1",)
 """verl versions whose engine internals this was tested against (tests/unit/test_verl_engine.py)."""
-
-STEP_METRICS = (
-    "tree/positions_logical",
-    "tree/positions_computed",
-    "tree/token_ratio",
-    "tree/prompts_split_over_dp",
-)
-"""Our metrics, added to verl's (the actor's become `actor/tree/...` in verl's trainer)."""
-
-
-@dataclass(kw_only=True)
-class BranchOptions:
-    """How the tree step runs inside verl."""
-
-    schedule: str = "replay"
-    """replay (DFS, bounded memory) | packed (one pass over the tree) | naive (per rollout, for comparison)."""
-    schedule_options: dict[str, Any] = field(default_factory=dict)
-    """Extra ScheduleOptions fields (branch_micro_batch, recompute, recompute_layers, backend, ...)."""
-
-    def __post_init__(self) -> None:
-        if self.schedule not in ("replay", "packed", "naive"):
-            raise ValueError(f"schedule must be replay, packed or naive, got {self.schedule!r}")
-
-
-class VerlBranchError(ValueError):
-    """A verl setting branch replay does not support (one line, raised before any work)."""
 
 
 def check_verl_version() -> None:
@@ -78,7 +57,8 @@ def check_verl_version() -> None:
 
 
 def refuse_unsupported(engine_config: Any, tf_config: Any = None) -> None:
-    """One clear line for each verl setting the tree step does not support."""
+    """One clear line for each verl setting the tree step does not support; with `tf_config` (after verl built the
+    model), for each kind of model it cannot run (rules.check_verl_model)."""
     cp = engine_config.context_parallel_size
     if cp > 1 or engine_config.dynamic_context_parallel:
         raise VerlBranchError(
@@ -97,246 +77,21 @@ def refuse_unsupported(engine_config: Any, tf_config: Any = None) -> None:
         )
     if not engine_config.use_remove_padding:
         raise VerlBranchError("branch replay reads verl's no-padding batches: set use_remove_padding=True")
-    if tf_config is not None and tf_config.calculate_per_token_loss:
+    if tf_config is None:
+        return
+    if tf_config.calculate_per_token_loss:
         raise VerlBranchError(
             "branch replay does not support calculate_per_token_loss (set by CP / MoE aux losses)"
         )
-    if tf_config is not None and (tf_config.num_moe_experts or 0) > 0:
-        # megatron's router losses count each computed token once; under sharing a token stands for several
-        # rollouts (megatron-branch's own MoE path weights them; verl's engine path does not yet)
-        raise VerlBranchError("branch replay in verl's engine supports dense models only (MoE not wired yet)")
-
-
-def _refuse_batch(data: Any) -> None:
-    from verl.utils import tensordict_utils as tu
-
-    for key in (
-        "distillation_use_topk",
-        "distillation_only",
-        "calculate_sum_pi_squared",
-        "enable_routing_replay",
-    ):
-        if tu.get_non_tensor_data(data, key=key, default=False):
-            raise VerlBranchError(f"branch replay in verl's engine does not support {key}=True")
-    if "multi_modal_inputs" in data.keys():
-        raise VerlBranchError("branch replay in verl's engine supports text-only models")
-
-
-def _uniform_temperature(micro_batches: list[Any]) -> float:
-    """The one sampling temperature of the step (verl divides the logits by it before logprob and entropy)."""
-    values = []
-    for mb in micro_batches:
-        t = mb["temperature"]
-        values += torch.as_tensor(t.values() if getattr(t, "is_nested", False) else t).flatten().tolist()
-    if not values or any(v != values[0] for v in values):
-        raise VerlBranchError("branch replay needs one temperature per step (got several)")
-    return max(float(values[0]), 1e-8)
-
-
-@dataclass(kw_only=True)
-class VerlTreeStep:
-    """What `get_forward_backward_func()` returns inside our engine's `forward_backward_batch` (megatron's
-    keyword signature). `forward_step_func` is verl's `partial(self.forward_step, ...,
-    postprocess_micro_batch_func=...)`: the model forward is ours, the post-processing (loss, metrics, outputs)
-    is verl's."""
-
-    engine: Any
-    options: BranchOptions
-
-    def __call__(
-        self,
-        *,
-        forward_step_func: Callable[..., Any],
-        data_iterator: Iterator[Any] | list[Iterator[Any]],
-        model: list[torch.nn.Module],
-        num_microbatches: int,
-        forward_only: bool = False,
-        **_: Any,
-    ) -> list[dict[str, Any]]:
-        from megatron_branch.schedule import run_schedule, score_rollouts
-
-        assert not isinstance(data_iterator, list) and len(model) == 1, "no pipeline parallelism"
-        postprocess = forward_step_func.keywords["postprocess_micro_batch_func"]
-        model_chunk = model[0]
-        device = next(model_chunk.parameters()).device
-        micro_batches = [next(data_iterator).to(device) for _ in range(num_microbatches)]
-        for mb in micro_batches:
-            _refuse_batch(mb)
-        opts = self._schedule_options(model_chunk)
-        slots = TreeSlots.build(micro_batches, vocab_size=opts.vocab_size)
-        want_entropy = _wants_entropy(micro_batches)
-        with _temperature(model_chunk, _uniform_temperature(micro_batches)):
-            scores = score_rollouts(
-                self.options.schedule, model_chunk, slots.tree, opts, entropy=want_entropy
-            )
-            logp_tok = scores.result.target_logprobs  # [P] float64 (NaN outside responses)
-            ent_tok = scores.result.target_entropy if want_entropy else None
-            outputs, G, H = self._verl_postprocess(
-                postprocess, micro_batches, slots, logp_tok, ent_tok, device, forward_only
-            )
-            if not forward_only:
-                self._gradient_pass(model_chunk, slots, G, H, opts, run_schedule)
-        split = _prompts_split_over_dp(slots)
-        if split and not getattr(self.engine, "_branch_split_warned", False):
-            self.engine._branch_split_warned = True  # once per engine
-            logger.warning(
-                "megatron-branch: %d prompt group(s) are split over DP ranks (less sharing, still exact); keep "
-                "data.train_batch_size and actor.ppo_mini_batch_size multiples of the DP size, actor.shuffle=False",
-                split,
-            )
-        self._add_metrics(outputs, slots, split)
-        return outputs
-
-    # -- pieces ------------------------------------------------------------------------------------------------
-
-    def _schedule_options(self, model_chunk: torch.nn.Module) -> Any:
-        from megatron.core import parallel_state as ps
-
-        from megatron_branch.parallel.groups import ParallelGroups
-        from megatron_branch.schedule import ScheduleOptions
-
-        base = _unwrap(model_chunk)
-        tp = ps.get_tensor_model_parallel_world_size()
-        groups = ParallelGroups(
-            tp=ps.get_tensor_model_parallel_group(),
-            cp=ps.get_context_parallel_group(),
-            dp=ps.get_data_parallel_group(),
-            dp_cp=None,  # gradients are finalised by megatron's finalize_model_grads_func, as verl's path does
-            tp_size=tp,
-            cp_size=1,
-            dp_size=ps.get_data_parallel_world_size(),
-            sequence_parallel=bool(base.config.sequence_parallel) and tp > 1,
+    try:  # the model verl built: what patch_verl_model can wrap (rules.py)
+        check_verl_model(
+            attention_variant=getattr(tf_config, "experimental_attention_variant", None),
+            multi_latent_attention=bool(getattr(tf_config, "multi_latent_attention", False)),
+            rotary_interleaved=bool(getattr(tf_config, "rotary_interleaved", False)),
+            moe=(getattr(tf_config, "num_moe_experts", None) or 0) > 0,
         )
-        # the model's (padded) vocabulary: verl's vocab_parallel_log_probs_from_logits normalises over all of it
-        return ScheduleOptions(groups=groups, vocab_size=base.vocab_size, **self.options.schedule_options)
-
-    def _verl_postprocess(
-        self,
-        postprocess: Callable[..., Any],
-        micro_batches: list[Any],
-        slots: TreeSlots,
-        logp_tok: torch.Tensor,
-        ent_tok: torch.Tensor | None,
-        device: torch.device,
-        forward_only: bool,
-    ) -> tuple[list[dict[str, Any]], torch.Tensor, torch.Tensor | None]:
-        """verl's post-processing of each micro-batch on the tree's values; returns megatron's
-        `forward_data_store` and the tree's per-token weights (dJ/dlogp, dJ/dentropy) of the loss megatron would
-        back-propagate: sum over micro-batches of loss_mb / num_microbatches, times `grad_scale_func`."""
-        P = slots.tree.num_tokens
-        G = torch.zeros(P, dtype=torch.float64)
-        H = torch.zeros(P, dtype=torch.float64) if ent_tok is not None else None
-        n = len(micro_batches)
-        config = _unwrap(self.engine.module[0]).config
-        outputs = []
-        for k, mb in enumerate(micro_batches):
-            lp = slots.nested(k, logp_tok, dtype=torch.float32, device=device).requires_grad_(
-                not forward_only
-            )
-            model_output = {"log_probs": slots.as_nested(k, lp)}
-            ent = None
-            if ent_tok is not None:
-                ent = slots.nested(k, ent_tok, dtype=torch.float32, device=device)
-                ent.requires_grad_(not forward_only)
-                model_output["entropy"] = slots.as_nested(k, ent)
-            with torch.enable_grad():
-                result = postprocess(model_output, data=mb)
-            assert len(result) == 2, "calculate_per_token_loss is refused at initialize()"
-            loss, out = result
-            outputs.append(out)
-            if forward_only:
-                continue
-            loss = loss / n  # megatron's forward_step divides each micro-batch loss by num_microbatches
-            if config.grad_scale_func is not None:
-                loss = config.grad_scale_func(loss)
-            leaves = [lp] + ([ent] if ent is not None else [])
-            grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-            if grads[0] is not None:
-                slots.tree_weights(k, grads[0], G)
-            if H is not None and grads[1] is not None:
-                slots.tree_weights(k, grads[1], H)
-        return outputs, G, H
-
-    def _gradient_pass(
-        self,
-        model_chunk: torch.nn.Module,
-        slots: TreeSlots,
-        G: torch.Tensor,
-        H: torch.Tensor | None,
-        opts: Any,
-        run_schedule: Callable[..., Any],
-    ) -> None:
-        """One training pass of the tree with J = sum G logp + H entropy; then megatron's finalize_model_grads,
-        exactly where megatron's schedule calls it (DDP reduction over dp, SP norm grads over TP)."""
-        from megatron.core.process_groups_config import ProcessGroupCollection
-
-        config = _unwrap(model_chunk).config
-        objective = LinearSlotObjective(G=G, H=H if H is not None and bool(H.any()) else None)
-        no_sync = config.no_sync_func or contextlib.nullcontext
-        with no_sync():
-            run_schedule(self.options.schedule, model_chunk, slots.tree, objective, opts)
-        if config.finalize_model_grads_func is not None:
-            config.finalize_model_grads_func(
-                [model_chunk], None, pg_collection=ProcessGroupCollection.use_mpu_process_groups()
-            )
-
-    def _add_metrics(self, outputs: list[dict[str, Any]], slots: TreeSlots, split: int) -> None:
-        """positions logical / computed of this rank's tree and the prompts shared with another DP rank, on the
-        first micro-batch's metrics (verl gathers them over DP; the trainer reports their mean)."""
-        if not outputs:
-            return
-        tree = slots.tree
-        metrics = outputs[0].setdefault("metrics", {})
-        metrics["tree/positions_logical"] = float(tree.positions_logical)
-        metrics["tree/positions_computed"] = float(tree.positions_computed)
-        metrics["tree/token_ratio"] = tree.positions_logical / tree.positions_computed
-        metrics["tree/prompts_split_over_dp"] = float(split)
-
-
-def _prompts_split_over_dp(slots: TreeSlots) -> int:
-    """How many of this rank's prompts (tree roots' first tokens and lengths) another DP rank also holds: the
-    check of the rule that keeps GRPO groups whole on one rank (docs/verl.md). Exactness does not depend on it;
-    sharing does."""
-    from megatron.core import parallel_state as ps
-
-    if not dist.is_initialized() or ps.get_data_parallel_world_size() == 1:
-        return 0
-    mine = {hash(tuple(r.prompt)) for r in slots.tree.rollouts}
-    every: list[Any] = [None] * ps.get_data_parallel_world_size()
-    dist.all_gather_object(every, mine, group=ps.get_data_parallel_group())
-    me = ps.get_data_parallel_rank()
-    others = set().union(*(s for i, s in enumerate(every) if i != me))
-    return len(mine & others)
-
-
-def _wants_entropy(micro_batches: list[Any]) -> bool:
-    from verl.utils import tensordict_utils as tu
-
-    return bool(tu.get_non_tensor_data(micro_batches[0], key="calculate_entropy", default=False))
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
-@contextlib.contextmanager
-def _temperature(model_chunk: torch.nn.Module, temperature: float) -> Iterator[None]:
-    """verl's `logits.div_(temperature)` before logprob and entropy, as a hook on megatron's output layer."""
-    if temperature == 1.0:
-        yield
-        return
-    layer = _unwrap(model_chunk).output_layer
-
-    def scale(_: torch.nn.Module, __: Any, out: Any) -> Any:
-        return (out[0] / temperature, *out[1:]) if isinstance(out, tuple) else out / temperature
-
-    handle = layer.register_forward_hook(scale)
-    try:
-        yield
-    finally:
-        handle.remove()
+    except SettingError as e:
+        raise VerlBranchError(str(e)) from None
 
 
 def branch_engine_class(base: type, options: BranchOptions | None = None) -> type:
@@ -352,7 +107,7 @@ def branch_engine_class(base: type, options: BranchOptions | None = None) -> typ
             super().initialize()
             refuse_unsupported(self.engine_config, self.tf_config)
             for chunk in self.module:
-                patch_verl_model(_unwrap(chunk))
+                patch_verl_model(unwrap(chunk))
 
         def forward_backward_batch(
             self, data: Any, loss_function: Callable, forward_only: bool = False

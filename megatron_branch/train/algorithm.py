@@ -60,7 +60,7 @@ class Algorithm:
 
 
 def resolve_algorithm(cfg: Any) -> Algorithm:
-    """The run's algorithm (plugins imported first). A SettingError (config spelling: train.config.SPELLING)
+    """The run's algorithm (plugins imported first). A SettingError (config spelling: train.validate.SPELLING)
     for an unknown name or a setting the recipe would ignore."""
     al = cfg.algorithm
     load_plugins(al.plugins)

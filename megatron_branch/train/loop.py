@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron_branch import outputs
 from megatron_branch.checkpoint.hf_io import HF_MARKER
 from megatron_branch.checkpoint.hf_to_mcore import META_FILE
-from megatron_branch.checkpoint.store import CheckpointStore, rng_sharded_object
+from megatron_branch.checkpoint.store import CheckpointStore
 from megatron_branch.data import Rollout
 from megatron_branch.errors import SettingError, UserError
 from megatron_branch.losses.router import fold_expert_metrics
@@ -33,13 +33,16 @@ from megatron_branch.rules import UNSHARED
 from megatron_branch.train import lifecycle
 from megatron_branch.train import policy as policy_ops
 from megatron_branch.train.algorithm import resolve_algorithm
-from megatron_branch.train.config import SPELLING, TrainConfig, check_fits_context, model_arch, write_resolved
+from megatron_branch.train.checkpointing import RunCheckpoints
+from megatron_branch.train.config import TrainConfig
+from megatron_branch.train.config_io import write_resolved
 from megatron_branch.train.data import load_dataset
 from megatron_branch.train.metrics import RunLogger
-from megatron_branch.train.models import DTYPES, build_policy, frozen_copy, prepare_for_layout
+from megatron_branch.train.models import DTYPES, build_policy, frozen_copy
 from megatron_branch.train.record import engine_record, write_engine_record
-from megatron_branch.train.run_dir import run_folder
-from megatron_branch.train.state import PromptOrder, capture_rng, restart_rng, restore_rng
+from megatron_branch.train.run_dir import HF_TOKENIZER, run_folder, save_tokenizer
+from megatron_branch.train.state import PromptOrder
+from megatron_branch.train.validate import SPELLING, check_fits_context, model_arch
 
 
 def _gather_over(group: Any, obj: Any) -> list[Any]:
@@ -50,12 +53,8 @@ def _gather_over(group: Any, obj: Any) -> list[Any]:
     return out
 
 
-HF_TOKENIZER = "hf_tokenizer"
-"""OUT/hf_tokenizer/: the run's tokenizer in transformers' format (copied into checkpoints and the HF export)."""
-
-
-class Trainer:
-    """One training run (all ranks construct it with the same config)."""
+class Trainer(RunCheckpoints):
+    """One training run (all ranks construct it with the same config); its checkpoints: train/checkpointing.py."""
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
@@ -82,12 +81,12 @@ class Trainer:
                 if self.is_main:  # the outputs: checked now, not after the work (the run's own: replaced)
                     outputs.check_output_dir(setup_dir / "policy_mcore", overwrite=True, marker=META_FILE)
                     outputs.check_output_dir(setup_dir / "hf", overwrite=True, marker=HF_MARKER)
-                    self._save_tokenizer(setup_dir / HF_TOKENIZER)
+                    save_tokenizer(self.dataset.tokenizer, setup_dir / HF_TOKENIZER)
             except UserError as e:
                 err = str(e)
             agree_on_error(err)
-            if self.is_main:
-                write_resolved(cfg, setup_dir / "config.yaml")
+            # rank 0 writes; a failure (a full disk) is one line on every rank, not a hang (outputs.py)
+            outputs.write_on_rank0(lambda: write_resolved(cfg, setup_dir / "config.yaml"))
             self.groups = initialize_parallel(layout, seed=t.seed)
             self.dp_rank = dist.get_rank(self.groups.dp)
             self.policy = build_policy(
@@ -98,8 +97,10 @@ class Trainer:
                 cfg, self.policy, algo=self.algo, arch=self.arch, groups=self.groups, dtype=self.dtype
             )
             self.actor.set_stop_tokens(self.dataset.stop_token_ids(cfg.rollout.stop))
-            if self.is_main:  # what megatron and the engine were given (train/record.py), beside config.yaml
-                write_engine_record(setup_dir, engine_record(self.actor.policy, self.actor.plan))
+            # what megatron and the engine were given (train/record.py), beside config.yaml
+            outputs.write_on_rank0(
+                lambda: write_engine_record(setup_dir, engine_record(self.actor.policy, self.actor.plan))
+            )
             self.order = PromptOrder(
                 num_prompts=len(self.dataset), batch_size=cfg.data.train_batch_size,
                 shuffle=cfg.data.shuffle, seed=cfg.data.seed,
@@ -127,17 +128,6 @@ class Trainer:
             tensorboard=cfg.logging.tensorboard,
             progress_bar=cfg.logging.progress_bar,
         )
-
-    def _save_tokenizer(self, folder: Path) -> None:
-        """The tokenizer as transformers loads it (every checkpoint and the HF export carry it)."""
-        import shutil
-
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir()
-        try:
-            self.dataset.tokenizer.save_hf(folder)
-        except Exception as e:  # transformers' conversion: one line, before any step
-            raise UserError(f"cannot save the tokenizer for transformers ({type(e).__name__}: {e})") from None
 
     def _read_data(self, setup_dir: Path) -> None:
         cfg = self.cfg
@@ -306,11 +296,6 @@ class Trainer:
         )
         return self._summary(None, last, stopped_by="SIGTERM")
 
-    def _last_checkpoint(self) -> str | None:
-        """The newest checkpoint folder this process sees complete (no collective: used while interrupted)."""
-        done = [s for s in self.store.steps() if (self.store.path(s) / META_FILE).is_file()]
-        return str(self.store.path(done[-1])) if done else None
-
     def _discard_if_unstarted(self, start: int) -> None:
         """A fresh run that failed before its first step leaves no run folder (a rerun is not refused)."""
         if self.fresh and start == 0 and self.step == 0 and self.is_main:
@@ -382,86 +367,3 @@ class Trainer:
         self.warmup_steps_run = ran
         if self.is_main:
             print(f"warm-up done after {ran} steps; RL starts", flush=True)
-
-    # ---- checkpoints -----------------------------------------------------------------------------------------
-    def _sharded_state(self, *, loading: bool) -> dict[str, Any]:
-        sd: dict[str, Any] = self.actor.sharded_state(loading=loading)
-        sd["rng"] = rng_sharded_object("rng_state", None if loading else capture_rng(self.sample_rng))
-        if self.needs_reference:
-            ref = self.reference if self.reference is not None else self._empty_reference()
-            self.reference = ref
-            sd["reference"] = ref.sharded_state_dict(prefix="reference.")
-        return sd
-
-    def _empty_reference(self) -> torch.nn.Module:
-        from megatron_branch.models import build_model
-
-        ref = build_model(
-            self.arch, dtype=self.dtype, tp=self.groups.tp_size,
-            sequence_parallel=self.groups.sequence_parallel, init_weights=False, pp=self.groups.pp_size,
-            pp_rank=self.groups.pp_rank, ep=self.groups.ep_size,
-        )  # fmt: skip
-        ref.requires_grad_(False)
-        return prepare_for_layout(ref, self.groups)
-
-    def save(self) -> Path:
-        import shutil
-
-        from megatron_branch.checkpoint.hf_to_mcore import TOKENIZER_SUBDIR
-
-        common = {
-            "data": self.order.state_dict(),
-            **self.actor.common_state(),
-            "layout": self._layout(),
-        }
-        describe = {
-            "arch": self.arch.to_dict(),
-            "dtype": self.cfg.model.dtype,
-            "padded_vocab_size": self.arch.padded_vocab_size(self.groups.tp_size),
-            "saved_tensor_parallel": self.groups.tp_size,
-            "source": "megatron-branch train",
-        }
-        tok = self.out / HF_TOKENIZER
-
-        def finish(tmp: Path) -> None:
-            if tok.is_dir():
-                shutil.copytree(tok, tmp / TOKENIZER_SUBDIR)
-
-        path = self.store.save(
-            self.step, self._sharded_state(loading=False), common=common, describe=describe, finish=finish
-        )
-        self.saved_step = self.step
-        if self.cfg.logging.plot:
-            self.logger.plot()
-        return path
-
-    def _layout(self) -> dict[str, Any]:
-        return lifecycle.layout_record(
-            self.groups, distributed_optimizer=self.cfg.optim.use_distributed_optimizer,
-            padded_vocab_size=self.arch.padded_vocab_size(self.groups.tp_size),
-        )  # fmt: skip
-
-    def _load(self, path: Path) -> None:
-        saved = self.store.read_common(path).get("layout")
-        current = self._layout()
-        moved = lifecycle.check_resharding(saved, current, where=str(path))
-        sharded = self._sharded_state(loading=True)
-        if moved:  # per-rank RNG states belong to the old layout's ranks
-            sharded.pop("rng")
-        state, common = self.store.load(path, sharded, verified=True)
-        self.actor.load_state(state, common)
-        if "reference" in state:
-            ref_state = {k.removeprefix("reference."): v for k, v in state["reference"].items()}
-            self.reference.load_state_dict(ref_state, strict=True)  # type: ignore[union-attr]
-            self.reference.eval()  # type: ignore[union-attr]
-        self.order.load_state_dict(common["data"])
-        self.step = int(common["step"])
-        self.saved_step = self.step
-        if moved:
-            restart_rng(self.sample_rng, seed=self.cfg.trainer.seed, rollout_seed=self.cfg.rollout.seed,
-                        step=self.step, dp_rank=self.dp_rank)  # fmt: skip
-            lifecycle.say(lifecycle.reshard_notice(str(path), saved, current), enabled=self.is_main)  # type: ignore[arg-type]
-        else:
-            restore_rng(state["rng"], self.sample_rng)
-        if self.is_main:
-            print(f"resumed from {path} (step {self.step})", flush=True)

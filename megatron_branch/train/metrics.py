@@ -13,16 +13,41 @@ import math
 from pathlib import Path
 from typing import Any
 
+from megatron_branch import outputs
+from megatron_branch.errors import UserError
+
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The lines of a metrics.jsonl (missing file = no lines)."""
+    """The lines of a metrics.jsonl (missing file = no lines). A last line cut short (a crash while `log`
+    appended it: no newline, not JSON) is dropped, so a resume reads the rest and rewrites the file without it;
+    any other line that is not JSON is a one-line UserError naming `path:line`."""
     p = Path(path)
     if not p.is_file():
         return []
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    text = p.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    if lines and not text.endswith("\n") and not _is_json(lines[-1]):
+        lines.pop()
+    rows = []
+    for k, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise UserError(f"invalid JSON ({e.msg} at column {e.colno})", where=f"{p}:{k}") from None
+    return rows
+
+
+def _is_json(line: str) -> bool:
+    try:
+        json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 class RunLogger:
@@ -45,7 +70,10 @@ class RunLogger:
         if not enabled:
             return
         kept = [m for m in read_metrics(self.file) if m.get("step", 0) <= start_step]
-        self.file.write_text("".join(json.dumps(m) + "\n" for m in kept))
+        # replaced whole (temp file + rename): a crash here keeps the run's metrics as they were
+        outputs.write_text(
+            self.file, "".join(json.dumps(m) + "\n" for m in kept), overwrite=True, what="metrics file"
+        )
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

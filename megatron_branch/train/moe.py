@@ -62,7 +62,7 @@ def check_moe(cfg: Any, arch: Any) -> None:
     rules.check_moe_run)."""
     from megatron_branch.errors import SettingError
     from megatron_branch.rules import check_moe_run
-    from megatron_branch.train.config import SPELLING
+    from megatron_branch.train.validate import SPELLING
 
     m, p = cfg.moe, cfg.parallel
     if arch.is_moe and m.expert_capacity_factor is not None:

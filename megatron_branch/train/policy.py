@@ -26,8 +26,9 @@ from megatron_branch.data import Rollout
 from megatron_branch.models import ModelArch
 from megatron_branch.parallel.groups import ParallelGroups
 from megatron_branch.train.algorithm import Algorithm
-from megatron_branch.train.config import TrainConfig, optimizer_settings
+from megatron_branch.train.config import TrainConfig
 from megatron_branch.train.models import refresh_whole, whole_copy
+from megatron_branch.train.validate import optimizer_settings, sampling_params
 
 
 def _policy_only(key: str) -> bool:
@@ -82,16 +83,13 @@ class Actor:
     ) -> None:  # fmt: skip
         from megatron.core.process_groups_config import ProcessGroupCollection
 
-        from megatron_branch.generation import BranchSampler, SamplingParams
+        from megatron_branch.generation import BranchSampler
         from megatron_branch.schedule import ScheduleOptions
         from megatron_branch.update import UpdatePlan
 
         self.cfg, self.algo, self.arch, self.groups, self.dtype = cfg, algo, arch, groups, dtype
-        r, a = cfg.rollout, cfg.actor
-        self.params = SamplingParams(
-            n=r.n, max_new_tokens=r.response_length, temperature=r.temperature, top_k=max(r.top_k, 0),
-            top_p=r.top_p, branch_at=tuple(r.branch_at), branch_factor=r.branch_factor, share_prefix=r.share_prefix,
-        )  # fmt: skip
+        a = cfg.actor
+        self.params = sampling_params(cfg)  # validated with the config: here it cannot fail
         self.pgc = ProcessGroupCollection.use_mpu_process_groups()
         mini = a.ppo_mini_batch_size or cfg.data.train_batch_size
         self.num_mini = cfg.data.train_batch_size // mini

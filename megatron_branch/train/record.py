@@ -101,6 +101,8 @@ def engine_record(trainee: Any, plan: Any) -> dict[str, Any]:
 
 
 def write_engine_record(out: Path, record: dict[str, Any]) -> Path:
-    path = out / ENGINE_FILE
-    path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    return path
+    """OUT/engine.json, replaced whole (a resume rewrites it: a crash keeps the previous one)."""
+    from megatron_branch.outputs import write_text
+
+    text = json.dumps(record, indent=1, sort_keys=True) + "\n"
+    return write_text(out / ENGINE_FILE, text, overwrite=True, what="engine record")

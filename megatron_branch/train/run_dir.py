@@ -1,5 +1,6 @@
 """The run folder: created atomically (set-up happens in a temp folder renamed into place before the first
-step), so a bad config, bad data or a failing set-up leaves nothing behind; on resume the folder is reused."""
+step), so a bad config, bad data or a failing set-up leaves nothing behind; on resume the folder is reused, and
+what set-up rewrites in it (the tokenizer below, config.yaml, engine.json, metrics.jsonl) is replaced whole."""
 
 from __future__ import annotations
 
@@ -8,12 +9,18 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
 from megatron_branch.errors import UserError
-from megatron_branch.outputs import apply_umask, check_parent, temp_path_beside
+from megatron_branch.outputs import apply_umask, atomic_dir, check_parent, temp_path_beside
 from megatron_branch.parallel.agree import agree_on_error
+
+HF_TOKENIZER = "hf_tokenizer"
+"""OUT/hf_tokenizer/: the run's tokenizer in transformers' format (copied into checkpoints and the HF export)."""
+TOKENIZER_MARKER = "tokenizer_config.json"
+"""A file every transformers tokenizer folder holds (save_pretrained writes it): what `--overwrite` replaces."""
 
 
 def _broadcast(value: object) -> object:
@@ -74,3 +81,13 @@ def run_folder(target: Path, *, resume: bool) -> Iterator[Path]:
                 shutil.rmtree(tmp, ignore_errors=True)
         if ok:
             agree_on_error(err, error=UserError)
+
+
+def save_tokenizer(tokenizer: Any, folder: Path) -> None:
+    """`tokenizer` as transformers loads it, in `folder` (every checkpoint and the HF export carry it). Written in
+    a temp folder beside it and swapped in (outputs.atomic_dir): on resume a failure keeps the previous one."""
+    with atomic_dir(folder, overwrite=True, marker=TOKENIZER_MARKER, what="tokenizer folder") as tmp:
+        try:
+            tokenizer.save_hf(tmp)
+        except Exception as e:  # transformers' conversion: one line, before any step
+            raise UserError(f"cannot save the tokenizer for transformers ({type(e).__name__}: {e})") from None

@@ -178,7 +178,7 @@ def test_moe_conversion_round_trips_bit_exact_at_tp_and_ep(setup) -> None:
 
 
 def _train_cfg(hf: Path | None, out: Path, *overrides: str):  # noqa: ANN202
-    from megatron_branch.train.config import load_config
+    from megatron_branch.train.config_io import load_config
 
     model = (
         f"model.hf_path={hf}"  # the same weights under every layout (a random init draws per EP rank)

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_branch.train.config import load_config
+from megatron_branch.train.config_io import load_config
 from megatron_branch.train.loop import Trainer
 
 
@@ -55,7 +55,7 @@ from pathlib import Path
 sys.path.insert(0, "tests/distributed")
 from test_resume_layouts import _overrides
 from megatron_branch.errors import UserError
-from megatron_branch.train.config import load_config
+from megatron_branch.train.config_io import load_config
 from megatron_branch.train.loop import Trainer
 from megatron_branch.train.models import unwrap
 tmp = Path(sys.argv[1])

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_branch.cli import main
-from megatron_branch.train.config import load_config
+from megatron_branch.train.config_io import load_config
 from megatron_branch.train.loop import Trainer
 from megatron_branch.train.metrics import read_metrics
 from megatron_branch.train.models import unwrap
@@ -154,7 +154,7 @@ def test_algorithms_run_tp2_and_dp2(layout: str, algo: str) -> None:
 # the sampled tokens and rewards of every step and the final parameters.
 _SINGLE = """
 import json, sys, torch
-from megatron_branch.train.config import load_config
+from megatron_branch.train.config_io import load_config
 from megatron_branch.train.loop import Trainer
 from megatron_branch.train.models import unwrap
 cfg = load_config(None, json.loads(sys.argv[1]))

@@ -155,7 +155,7 @@ def test_all_rows_is_every_ranks_share(cp: int, pad: int) -> None:
 def test_a_cp_size_the_heads_do_not_split_is_refused_by_grad_and_train(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from megatron_branch.train.config import load_config
+    from megatron_branch.train.config_io import load_config
 
     hf = tiny_hf_model(tiny_hf_config("qwen3_5", num_layers=4))  # 2 key / 4 value GDN heads
     hf.save_pretrained(tmp_path / "hf")

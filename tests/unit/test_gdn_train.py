@@ -23,7 +23,7 @@ def hybrid_cfg(task: Path, out: Path, *overrides: str):  # noqa: ANN201, F811
 
 
 def test_config_defined_hybrid_defaults_to_its_family(task: Path, tmp_path: Path) -> None:  # noqa: F811
-    from megatron_branch.train.config import model_arch
+    from megatron_branch.train.validate import model_arch
 
     arch = model_arch(hybrid_cfg(task, tmp_path / "r"), vocab_size=50)
     assert arch.is_hybrid and arch.num_linear_layers == 1

@@ -406,7 +406,8 @@ def test_grad_command_naive_and_refusals(tmp_path: Path, capsys: pytest.CaptureF
 
 
 def test_train_config_takes_a_hybrid_policy_from_its_hf_folder(tmp_path: Path) -> None:
-    from megatron_branch.train.config import load_config, model_arch
+    from megatron_branch.train.config_io import load_config
+    from megatron_branch.train.validate import model_arch
 
     hybrid().save_pretrained(tmp_path / "hf")
     (tmp_path / "c.yaml").write_text(

@@ -148,7 +148,7 @@ def train_command(cmds: list[list[str]]) -> tuple[int, str, list[str]]:
 
 @pytest.mark.parametrize("script", TRAIN_SCRIPTS)
 def test_train_launcher_runs_the_planners_choice(script: str, tmp_path: Path, capsys) -> None:  # noqa: ANN001
-    from megatron_branch.train.config import load_config
+    from megatron_branch.train.config_io import load_config
 
     stated, text = stated_plan(script)
     plan = plan_json([*stated[1:], "--json"], capsys)

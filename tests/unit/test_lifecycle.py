@@ -13,9 +13,10 @@ import torch
 
 from megatron_branch.cli import main
 from megatron_branch.errors import SettingError, UserError
-from megatron_branch.train.config import SPELLING, load_config
+from megatron_branch.train.config_io import load_config
 from megatron_branch.train.loop import Trainer
 from megatron_branch.train.models import unwrap
+from megatron_branch.train.validate import SPELLING
 
 BASE = [
     "model.arch={hidden_size: 16, num_layers: 2, num_attention_heads: 2, num_query_groups: 2, "

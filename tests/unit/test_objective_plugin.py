@@ -140,7 +140,7 @@ def reward(prompt, response, row):
 
 
 def _train(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
-    from megatron_branch.train.config import load_config
+    from megatron_branch.train.config_io import load_config
     from megatron_branch.train.loop import Trainer
 
     cfg = load_config(

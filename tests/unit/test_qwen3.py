@@ -209,7 +209,8 @@ def test_sampler_greedy_equals_hf_generate_and_training_logprobs() -> None:
 
 
 def test_config_defined_qwen3_policy() -> None:
-    from megatron_branch.train.config import load_config, model_arch
+    from megatron_branch.train.config_io import load_config
+    from megatron_branch.train.validate import model_arch
 
     cfg = load_config(None, ["model.arch.family=qwen3", "data.task=kv_retrieval"])
     arch = model_arch(cfg, vocab_size=50)

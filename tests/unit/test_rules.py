@@ -11,7 +11,7 @@ import pytest
 from megatron_branch.cli import main
 from megatron_branch.data import Rollout, write_rollouts_jsonl
 from megatron_branch.errors import UserError
-from megatron_branch.train.config import load_config
+from megatron_branch.train.config_io import load_config
 
 TRAIN_BASE = [
     "model.arch={hidden_size: 32, num_attention_heads: 4, num_query_groups: 2, ffn_hidden_size: 64}",

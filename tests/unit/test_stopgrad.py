@@ -155,7 +155,7 @@ def test_train_config_accepts_the_variant() -> None:
     from pathlib import Path
 
     from megatron_branch.schedule import SCHEDULES
-    from megatron_branch.train.config import load_config
+    from megatron_branch.train.config_io import load_config
 
     demo = Path(__file__).resolve().parents[2] / "examples" / "configs" / "demo.yaml"
     cfg = load_config(str(demo), ["schedule.name=replay-stopgrad"])

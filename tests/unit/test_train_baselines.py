@@ -14,7 +14,8 @@ from megatron_branch.errors import UserError
 from megatron_branch.generation import BranchSampler, SamplingParams
 from megatron_branch.rules import TRAIN_SCHEDULES
 from megatron_branch.schedule import SCHEDULES
-from megatron_branch.train.config import ScheduleConfig, load_config
+from megatron_branch.train.config import ScheduleConfig
+from megatron_branch.train.config_io import load_config
 
 RUNS = {
     "replay": ("schedule.name=replay",),

@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from megatron_branch.errors import UserError
-from megatron_branch.train.config import TrainConfig, load_config, to_dict, write_resolved
+from megatron_branch.train.config import TrainConfig
+from megatron_branch.train.config_io import load_config, to_dict, write_resolved
 
 BASE = {
     "model": {
@@ -111,6 +112,61 @@ def test_one_line_errors(tmp_path: Path, overrides: list[str], message: str) -> 
     with pytest.raises(UserError, match=message) as e:
         load_config(_write(tmp_path, BASE), overrides)
     assert "\n" not in str(e.value)
+
+
+SAMPLING_RULES = [
+    (
+        ["rollout.response_length=4", "rollout.branch_at=[2, 5]"],
+        dict(max_new_tokens=4, branch_at=(2, 5)),
+        "{branch_at} must be strictly increasing token counts in (0, {max_new_tokens}=4), got [2, 5]",
+    ),
+    (
+        ["rollout.n=6", "rollout.branch_at=[1, 2]"],
+        dict(n=6, max_new_tokens=16, branch_at=(1, 2)),
+        "{n}=6 must be divisible by {branch_factor} ** len({branch_at}) = 4",
+    ),
+    (
+        ["rollout.share_prefix=false", "rollout.branch_at=[2]"],
+        dict(max_new_tokens=4, branch_at=(2,), share_prefix=False),
+        "{share_prefix}=false samples every rollout on its own (its own prefill); {branch_at} forks rollouts",
+    ),
+    (["rollout.n=0"], dict(n=0, max_new_tokens=4), "{n} must be a positive int, got 0"),
+    (["rollout.temperature=-1"], dict(max_new_tokens=4, temperature=-1.0), "{temperature} must be >= 0"),
+    (["rollout.top_p=0"], dict(max_new_tokens=4, top_p=0.0), "{top_p} must be in (0, 1], got 0.0"),
+]
+"""The sampler's rules, checked once (SamplingParams; rules.check_sampling): the config builds SamplingParams
+and re-spells its error in config keys; a library caller reads SamplingParams' own field names."""
+
+
+@pytest.mark.parametrize("overrides, library, wording", SAMPLING_RULES)
+def test_sampling_rules_checked_once_in_both_spellings(
+    tmp_path: Path, overrides: list[str], library: dict, wording: str
+) -> None:
+    from megatron_branch.generation.types import SamplingParams
+
+    fields = ("n", "max_new_tokens", "temperature", "top_p", "branch_at", "branch_factor", "share_prefix")
+    config_names = dict(
+        zip(fields, ["rollout." + f for f in fields]), max_new_tokens="rollout.response_length"
+    )
+    with pytest.raises(UserError) as e:
+        load_config(_write(tmp_path, BASE), overrides)
+    assert wording.format(**config_names) in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ValueError) as e:  # no "where": the library's message starts with the rule
+        SamplingParams(**library)
+    assert str(e.value).startswith(wording.format(**{f: f"SamplingParams.{f}" for f in fields}))
+
+
+def test_rollout_top_k_is_verls_spelling(tmp_path: Path) -> None:
+    """rollout.top_k: -1 is off (verl's), the sampler's 0; the config's own rule refuses 0 and below -1."""
+    from megatron_branch.train.validate import sampling_params
+
+    assert sampling_params(load_config(_write(tmp_path, BASE))).top_k == 0
+    assert sampling_params(load_config(_write(tmp_path, BASE), ["rollout.top_k=5"])).top_k == 5
+    for bad in ("0", "-2"):
+        with pytest.raises(
+            UserError, match=rf"rollout\.top_k must be a positive number of tokens or -1 \(off\), got {bad}"
+        ):
+            load_config(_write(tmp_path, BASE), [f"rollout.top_k={bad}"])
 
 
 def test_cp_accepted_with_the_ring_schedules(tmp_path: Path) -> None:

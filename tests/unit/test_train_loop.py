@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron_branch.errors import UserError
-from megatron_branch.train.config import load_config
+from megatron_branch.train.config_io import load_config
 from megatron_branch.train.loop import Trainer
 from megatron_branch.train.models import unwrap
 

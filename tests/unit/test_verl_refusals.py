@@ -1,0 +1,88 @@
+"""verl's engine path refuses the models it cannot run, in one line, before it changes anything: a hybrid (gated
+delta net layers: no core attention to wrap), multi-latent attention, interleaved RoPE, MoE (rules.check_verl_model,
+read off the TransformerConfig verl built, by `refuse_unsupported`); and `patch_verl_model` itself refuses a model
+it cannot patch without touching it. Needs no verl: these run before any of verl's code.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from megatron_branch.errors import SettingError
+from megatron_branch.integration.verl import VerlBranchError, refuse_unsupported
+from megatron_branch.integration.verl_model import BranchFallbackAttention, patch_verl_model
+from megatron_branch.models import ModelArch, build_model
+from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
+from megatron_branch.rules import check_verl_model
+from megatron_branch.testing import tiny_hf_config
+
+ENGINE = SimpleNamespace(
+    context_parallel_size=1,
+    dynamic_context_parallel=False,
+    pipeline_model_parallel_size=1,
+    virtual_pipeline_model_parallel_size=None,
+    use_fused_kernels=False,
+    use_remove_padding=True,
+)
+"""The fields of verl's McoreEngineConfig that refuse_unsupported reads, at values it accepts."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _single_process() -> None:
+    initialize_parallel(ParallelConfig())
+
+
+def _model(family: str, **kw: Any) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model(ModelArch.from_hf_config(tiny_hf_config(family, **kw)))
+
+
+def test_hybrid_is_refused_at_initialize() -> None:
+    hybrid = _model("qwen3_5", layer_types=["linear_attention", "full_attention"])
+    with pytest.raises(VerlBranchError, match=r"cannot run a hybrid \(gated delta net\) model yet") as e:
+        refuse_unsupported(ENGINE, hybrid.config)
+    assert "\n" not in str(e.value)
+    refuse_unsupported(ENGINE, _model("qwen3").config)  # a dense model passes
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        (dict(attention_variant="gated_delta_net"), r"hybrid \(gated delta net\)"),
+        (
+            dict(attention_variant="dsa"),
+            r"softmax attention layers only, not experimental_attention_variant=dsa",
+        ),
+        (dict(multi_latent_attention=True), r"multi-latent attention"),
+        (dict(rotary_interleaved=True), r"interleaved RoPE \(rotary_interleaved=True\)"),
+        (dict(moe=True), r"dense models only \(MoE not wired yet"),
+    ],
+)
+def test_rule_refuses_each_model_kind(setting: dict, message: str) -> None:
+    with pytest.raises(SettingError, match=message) as e:
+        check_verl_model(**setting)
+    assert str(e.value).startswith("branch replay in verl's engine") and "\n" not in str(e.value)
+    config = SimpleNamespace(
+        calculate_per_token_loss=False,
+        experimental_attention_variant=setting.get("attention_variant"),
+        multi_latent_attention=setting.get("multi_latent_attention", False),
+        rotary_interleaved=setting.get("rotary_interleaved", False),
+        num_moe_experts=8 if setting.get("moe") else None,
+    )
+    with pytest.raises(VerlBranchError, match=message):  # the entry point reads each off the config
+        refuse_unsupported(ENGINE, config)
+
+
+def test_patch_refuses_a_hybrid_without_changing_it() -> None:
+    """Before: an AttributeError traceback half-way through the layers. Now: one line, the model untouched."""
+    hybrid = _model("qwen3_5", layer_types=["full_attention", "linear_attention"])  # a full layer comes first
+    before = [(name, type(m)) for name, m in hybrid.named_modules()]
+    with pytest.raises(ValueError, match=r"layer 2: \w*GatedDeltaNet has no core attention") as e:
+        patch_verl_model(hybrid)
+    assert "\n" not in str(e.value)
+    assert not any(isinstance(m, BranchFallbackAttention) for m in hybrid.modules())
+    assert [(name, type(m)) for name, m in hybrid.named_modules()] == before
