@@ -9,6 +9,7 @@ its peak (memory.KINDS), with the ratio. Deterministic byte counts: the machine'
 
     python benchmarks/rehearse_plan.py --model qwen2.5-32b --tp 8 --recompute full      # full width, short batch
     python benchmarks/rehearse_plan.py --model qwen2.5-32b --tp 8 --width-scale 16 --prompt 16384   # long, narrow
+    python benchmarks/rehearse_plan.py --model qwen2.5-32b --tp 8 --recompute full --dtype bfloat16  # the plan's dtype
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--responses", type=int, default=16)
     ap.add_argument("--response", type=int, default=16)
     ap.add_argument("--branch-micro-batch", type=int, default=8)
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="the model's dtype (the plan's is bfloat16; bf16 runs keep the dK/dV sums in fp32)",
+    )
     ap.add_argument("--json", default=None, help="write rank 0's table as JSON here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -74,12 +81,13 @@ def worker(args: argparse.Namespace) -> None:
     groups = initialize_parallel(ParallelConfig(tp=args.tp, cp=args.cp, sequence_parallel=sp))
     arch = scaled_arch(args)
     torch.manual_seed(0)
-    model = build_model(arch, dtype=torch.float32, tp=groups.tp_size, sequence_parallel=sp)
+    dtype = getattr(torch, args.dtype)
+    model = build_model(arch, dtype=dtype, tp=groups.tp_size, sequence_parallel=sp)
     shape = RolloutShape(prompt_length=args.prompt, responses=args.responses, response_length=args.response)
     seg, lay = MODES[args.recompute]
     got = measure_step(model, shape, vocab=args.vocab, branch_micro_batch=args.branch_micro_batch, recompute=seg,
                        recompute_layers=lay, groups=groups)  # fmt: skip
-    pk = step_peak(arch, shape, Layout(tp=args.tp, cp=args.cp, recompute=args.recompute), act_bytes=4,
+    pk = step_peak(arch, shape, Layout(tp=args.tp, cp=args.cp, recompute=args.recompute), act_bytes=dtype.itemsize,
                    branch_micro_batch=args.branch_micro_batch, segment_recompute=seg, layer_recompute=lay)  # fmt: skip
     rows = {term: [m, p] for term, (m, p) in per_term(got, pk).items()}
     rows["total saved"] = [got.saved_peak, pk.saved]
@@ -91,7 +99,7 @@ def worker(args: argparse.Namespace) -> None:
           f"{arch.hidden_size}, {arch.num_attention_heads // args.tp} query heads / "
           f"{arch.num_query_groups // args.tp} KV groups per rank, head dim {arch.head_dim}, ffn "
           f"{arch.ffn_hidden_size // args.tp} per rank, {arch.num_layers} layer(s), vocabulary {args.vocab}; "
-          f"{args.prompt} + {args.responses} x {args.response} positions, float32")  # fmt: skip
+          f"{args.prompt} + {args.responses} x {args.response} positions, {args.dtype}")  # fmt: skip
     print("\n| term | meter (MB, ranks min-max) | planner (MB) | planner / meter (worst rank) |")
     print("|---|---:|---:|---:|")
     for term in rows:

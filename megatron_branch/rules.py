@@ -16,6 +16,10 @@ Rules (a flag that would do nothing is refused, not ignored):
     backend needs the engine           naive runs megatron's own attention, not one of the engine's backends
     the backend can run it             attention/dispatch.backend_problem: a baseline has no ring executor, a
                                        backend without a CPU backward cannot train on CPU
+    a hybrid runs the GDN schedules    a hybrid's gated delta net layers carry each tree segment's state from its
+                                       parent (models/gdn.py) in naive (megatron's own layer), naive-fused,
+                                       packed, packed-nosharing and replay; replay-stopgrad (prompt K/V held
+                                       constant) has no meaning defined for a recurrent state
     the pipeline runs the tree         under pipeline parallelism (pp > 1) the stages run replay's or packed's
                                        walk (schedule/pipeline.py) or naive-fused's rollouts; naive,
                                        packed-nosharing and the stop-gradient comparison are not pipelined
@@ -34,6 +38,11 @@ Rules (a flag that would do nothing is refused, not ignored):
     independent rollouts do not fork   sampling without a shared prefix (`share_prefix` off: every rollout its
                                        own prefill, an engine without prefix caching) has no shared response
                                        starts to fork at (`branch_at`)
+    half precision sums in fp32        bf16 / fp16 parameters accumulate their gradients in megatron DDP's fp32
+                                       main gradients; grad's plain reduction (`--grad-sync manual`) would sum
+                                       them in bf16
+    fp16 does not train                megatron's fp16 needs its loss scale in every backward; the schedules do
+                                       not apply it (grad's fp16 gradients need none: no optimizer steps)
     MoE settings need a MoE model      ep > 1, router losses, routing replay, a capacity factor: a dense model has
                                        no router (a silent no-op)
     MoE at tp > 1 needs SP             megatron's MoELayer trains tensor-parallel experts only with sequence
@@ -53,6 +62,8 @@ UNSHARED = ("naive", "naive-fused", "packed-nosharing")
 """Schedules that compute every rollout's every position (nothing shared): the baselines."""
 NO_RING = ("naive", "naive-fused", "packed-nosharing", "replay-stopgrad")
 """Schedules without context parallelism."""
+HYBRID_SCHEDULES = ("naive", "naive-fused", "packed", "replay", "packed-nosharing")
+"""Schedules that run a hybrid (gated delta net) model exactly."""
 REPLAY_SCHEDULES = ("replay", "replay-stopgrad")
 """Schedules with segment recompute (replay's depth-first walk)."""
 MEGATRON_ATTENTION = ("naive",)
@@ -113,6 +124,17 @@ def check_run(
         problem = backend_problem(backend, cp_size=cp, training=training, device=device)
         if problem is not None:
             raise SettingError(lambda s: f"{s.value('backend', backend)}: {problem}")
+
+
+def check_hybrid_schedule(schedule: str, *, model: str) -> None:
+    """Refuse a schedule that cannot run a hybrid (gated delta net) model exactly; `model` describes the model."""
+    if schedule not in HYBRID_SCHEDULES:
+        raise SettingError(
+            lambda s: (
+                f"{s.value('schedule', schedule)} cannot run a hybrid model ({model}); use {s.name('schedule')} "
+                f"{', '.join(HYBRID_SCHEDULES)}"
+            )
+        )
 
 
 PIPELINE_SCHEDULES = ("replay", "packed", "naive-fused")
@@ -228,6 +250,30 @@ def check_sampling(*, share_prefix: bool, branch_at: tuple[int, ...] | list[int]
             lambda s: (
                 f"{s.value('share_prefix', 'false')} samples every rollout on its own (its own prefill); "
                 f"{s.name('branch_at')} forks rollouts that share a response start: use one or the other"
+            )
+        )
+
+
+def check_precision(dtype: str, *, grad_sync: str = "ddp", training: bool = False) -> None:
+    """Refuse a half-precision run whose gradients would be summed in that precision (bf16 / fp16 parameters
+    accumulate in megatron DDP's fp32 main gradients, precision.py; the plain reduction sums `param.grad` in its
+    dtype), and fp16 training (`training`: an optimizer steps on the gradients): megatron's fp16 needs its dynamic
+    loss scale multiplied into every backward, and the schedules' backward calls (replay's injections included) do
+    not apply it, so the scaler would unscale gradients that were never scaled."""
+    from megatron_branch.precision import HALF_NAMES
+
+    if dtype in HALF_NAMES and grad_sync != "ddp":
+        raise SettingError(
+            lambda s: (
+                f"{s.value('dtype', dtype)} accumulates gradients in megatron DDP's fp32 main gradients; "
+                f"{s.value('grad_sync', grad_sync)} would sum them in {dtype}: use {s.value('grad_sync', 'ddp')}"
+            )
+        )
+    if dtype == "float16" and training:
+        raise SettingError(
+            lambda s: (
+                f"{s.value('dtype', dtype)}: training in fp16 needs megatron's dynamic loss scale in every backward, "
+                "which the engine's schedules do not apply yet; use bfloat16 (megatron's bf16 needs no loss scale)"
             )
         )
 

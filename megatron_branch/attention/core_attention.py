@@ -81,7 +81,3 @@ class BranchCoreAttention(MegatronModule, TakesBranchContext):
             )
         assert packed_seq_params is None and attention_bias is None
         return self.context.attend(self.layer_number, query, key, value, self.softmax_scale)
-
-
-def branch_attention_modules(model: torch.nn.Module) -> list[BranchCoreAttention]:
-    return [m for m in model.modules() if isinstance(m, BranchCoreAttention)]

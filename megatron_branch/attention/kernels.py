@@ -35,6 +35,8 @@ import inspect
 
 import torch
 
+from megatron_branch.precision import accumulation_dtype
+
 try:  # CUDA only; never required on CPU
     from flash_attn import flash_attn_func  # type: ignore[import-not-found]
     from flash_attn.flash_attn_interface import _flash_attn_backward  # type: ignore[import-not-found]
@@ -47,8 +49,8 @@ except Exception:  # any import failure (missing wheel, ABI mismatch) means "not
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 statistics for half/bf16/fp32 inputs, fp64 for fp64 inputs."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    """fp32 statistics for half/bf16/fp32 inputs, fp64 for fp64 inputs (precision.accumulation_dtype)."""
+    return accumulation_dtype(dtype)
 
 
 def _causal_mask(sq: int, sk: int, device: torch.device) -> torch.Tensor:

@@ -92,6 +92,11 @@ def bench_model(
         raise UserError(f"--experts {experts} / --top-k {top_k}: need 0 < top-k <= experts")
     if full_attention_interval < 0:
         raise UserError(f"--full-attention-interval must be >= 0, got {full_attention_interval}")
+    if full_attention_interval > layers:
+        raise UserError(
+            f"--full-attention-interval {full_attention_interval} exceeds --layers {layers}: the model would have "
+            "no full-attention layer (not a hybrid); use an interval <= --layers, or 0 for a dense model"
+        )
     moe: dict[str, Any] = {}
     if experts:
         moe = dict(num_experts=experts, moe_top_k=top_k, moe_ffn_hidden_size=expert_ffn or hidden)
@@ -113,11 +118,18 @@ def bench_model(
         "full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
         for i in range(layers)
     )
-    return ModelArch(
-        family="qwen3_5_moe" if experts else "qwen3_5", qk_norm=True, zero_centered_norm=True, attention_output_gate=True, rotary_percent=0.25,
-        layer_types=types, linear_conv_kernel_dim=4, linear_key_head_dim=d, linear_value_head_dim=d,
-        linear_num_key_heads=max(1, heads // 2), linear_num_value_heads=heads, **moe, **common,
-    )  # fmt: skip
+    try:  # the GDN head rule is the model's own (ModelArch): refused in one line, named by the flags
+        return ModelArch(
+            family="qwen3_5_moe" if experts else "qwen3_5", qk_norm=True, zero_centered_norm=True,
+            attention_output_gate=True, rotary_percent=0.25, layer_types=types, linear_conv_kernel_dim=4,
+            linear_key_head_dim=d, linear_value_head_dim=d, linear_num_key_heads=max(1, heads // 2),
+            linear_num_value_heads=heads, **moe, **common,
+        )  # fmt: skip
+    except ValueError as e:
+        raise UserError(
+            f"--heads {heads} with --full-attention-interval {full_attention_interval}: the gated delta net layers "
+            f"take --heads value heads and --heads // 2 key heads ({e})"
+        ) from None
 
 
 def model_flags(arch: ModelArch) -> dict[str, Any]:

@@ -107,6 +107,22 @@ def _hashing_file_system(record: dict[str, Any]) -> Any:
     return HashingFileSystem()
 
 
+@contextlib.contextmanager
+def interrupts_unwrapped() -> Iterator[None]:
+    """Ctrl-C inside torch.distributed.checkpoint stays a KeyboardInterrupt. torch's save/load run each step under
+    a collective that catches BaseException per rank and raises them all as one CheckpointException (itself a
+    BaseException), which no `except KeyboardInterrupt` matches: a run interrupted while writing a checkpoint printed
+    torch's traceback and exited 1 instead of the one interrupted line and 130 (tests/unit/test_checkpoint_io.py)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        if any(isinstance(failure[0], KeyboardInterrupt) for failure in e.failures.values()):
+            raise KeyboardInterrupt from None
+        raise
+
+
 def sync_save_strategy(record: dict[str, Any] | None = None) -> Any:
     """megatron's `torch_dist` format, written synchronously by torch's FileSystemWriter in this process.
 
@@ -140,13 +156,14 @@ def sync_save_strategy(record: dict[str, Any] | None = None) -> Any:
             writer = FileSystemWriter(str(checkpoint_dir), thread_count=1)
             if record is not None:
                 writer.fs = _hashing_file_system(record)
-            dcp_save(
-                pyt_state_dict,
-                storage_writer=writer,
-                planner=planner_cls(
-                    dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False
-                ),
-            )
+            with interrupts_unwrapped():
+                dcp_save(
+                    pyt_state_dict,
+                    storage_writer=writer,
+                    planner=planner_cls(
+                        dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False
+                    ),
+                )
 
     return SyncTorchDistSave("torch_dist", 1)
 
@@ -206,12 +223,13 @@ def load_sharded(
 
     check_sharding(sharded_state_dict)
     try:
-        return dist_checkpointing.load(
-            sharded_state_dict,
-            str(checkpoint_dir),
-            common_strategy=safe_common_strategy(),
-            validate_access_integrity=False,
-        )
+        with interrupts_unwrapped():
+            return dist_checkpointing.load(
+                sharded_state_dict,
+                str(checkpoint_dir),
+                common_strategy=safe_common_strategy(),
+                validate_access_integrity=False,
+            )
     except (CheckpointingException, CheckpointException) as e:
         # torch's reader gathers every rank's failure into one CheckpointException, raised on every rank
         raise UserError(

@@ -193,7 +193,12 @@ def check_tokenizer_dir(tokenizer_dir: str | os.PathLike) -> list[str]:
     if not src.is_dir():
         raise UserError(f"tokenizer folder {str(src)!r} does not exist")
     copied = [n for n in TOKENIZER_FILES if (src / n).is_file()]
-    if not copied or not (_is_hf_tokenizer(src) or (src / "tokenizer.model").is_file()):
+    if copied and not (_is_hf_tokenizer(src) or (src / "tokenizer.model").is_file()):
+        raise UserError(
+            f'{", ".join(copied)} in {str(src)!r} is not a transformers tokenizer (tokenizer.json has no "model"; '
+            "e.g. a sentencepiece settings file) and there is no tokenizer.model to convert"
+        )
+    if not copied:
         raise UserError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {str(src)!r}")
     return copied
 

@@ -2,8 +2,8 @@
 
 Contract (stable; other tools rely on it):
     megatron-branch grad --hf DIR --rollouts FILE.jsonl --out GRADS.safetensors
-        [--schedule replay|packed|naive] [--dtype float32|float64] [--tp N] [--cp N] [--pp N] [--sequence-parallel]
-        [--logprobs-out LP.jsonl] [--grad-sync ddp|manual]
+        [--schedule replay|packed|naive] [--dtype float32|float64|bfloat16|float16] [--tp N] [--cp N] [--pp N]
+        [--sequence-parallel] [--logprobs-out LP.jsonl] [--grad-sync ddp|manual]
 Loss (--objective pg, the default; on-policy GRPO form): L = -(1/T) sum_i sum_{t in response_i} A_i logp(i,t),
 T = all response tokens.
 Additions (other objectives, docs/design.md "Objectives"; verl's names, the older flags kept as aliases):
@@ -19,7 +19,8 @@ Additions (other objectives, docs/design.md "Objectives"; verl's names, the olde
     Rollout fields: advantage (float) or advantages (one per response token); old_logprobs, ref_logprobs (one per
     response token; old_logprobs absent = on-policy); DPO: pair (a JSON scalar shared by the pair), chosen (bool),
     ref_logprobs required. A missing field or a malformed pair: a one-line error naming file:line.
-GRADS: dL/dparam for every trainable parameter, full unsharded, HF names, in --dtype. The last stdout line is JSON.
+GRADS: dL/dparam for every trainable parameter, full unsharded, HF names, in --dtype (bfloat16 / float16: the fp32
+main gradients megatron's optimizer steps on). The last stdout line is JSON.
 Mixture-of-experts policies (Qwen3-MoE, Mixtral, Qwen2-MoE; docs/design.md "Mixture of experts"):
     --ep N                       expert parallelism inside dp x cp, as megatron lays it out
     --moe-aux-loss-coeff C --moe-seq-aux-loss-coeff C --moe-global-aux-loss-coeff C --moe-z-loss-coeff C
@@ -47,8 +48,10 @@ from megatron_branch import outputs
 from megatron_branch.data.rollouts import CONTEXT_OVERRIDE_FLAG
 from megatron_branch.errors import SettingError, Spelling, UserError
 from megatron_branch.parallel.agree import check_on_every_rank
+from megatron_branch.precision import DTYPE_NAMES, accumulation_dtype, is_half, torch_dtype
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+DTYPES = {name: torch_dtype(name) for name in DTYPE_NAMES}
+"""--dtype: float32, float64, or megatron's mixed precision (bfloat16, float16: fp32 main gradients, written fp32)."""
 
 
 def add_grad_command(sub: Any) -> None:
@@ -71,7 +74,13 @@ def add_grad_command(sub: Any) -> None:
         "--out", required=True, help="where to write the gradients (.safetensors, HF names; see --overwrite)"
     )
     p.add_argument("--schedule", default="replay", choices=["replay", "packed", "naive"])
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=list(DTYPES),
+        help="parameters and compute; bfloat16 / float16: megatron's mixed precision (fp32 main gradients; "
+        "softmax, logprobs and dK/dV sums in fp32; the gradients are written in fp32)",
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (ring attention)")
     p.add_argument(
@@ -221,6 +230,10 @@ def make_objective(args: argparse.Namespace, rollouts: list[Any], full_tree: Any
     return objective
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def moe_options(args: argparse.Namespace, arch: Any) -> Any:
     """The MoE options the flags describe (None for a dense model), refusing what the run cannot do."""
     from megatron_branch.losses.router import MoEOptions, RouterLossConfig
@@ -308,7 +321,7 @@ def run_grad(args: argparse.Namespace) -> int:
     from megatron_branch.parallel.data import assign_groups
     from megatron_branch.parallel.groups import init_distributed, initialize_parallel
     from megatron_branch.parallel.layout import ParallelLayout
-    from megatron_branch.rules import check_pipeline, check_run
+    from megatron_branch.rules import check_pipeline, check_precision, check_run
     from megatron_branch.schedule import ScheduleOptions
     from megatron_branch.update import UpdatePlan, accumulate_gradients, finalize, reduce_metrics
 
@@ -320,6 +333,7 @@ def run_grad(args: argparse.Namespace) -> int:
             tp=args.tp, cp=args.cp, pp=args.pp, sequence_parallel=args.sequence_parallel, ep=args.ep
         )
         pcfg.check_no_op()
+        check_precision(args.dtype, grad_sync=args.grad_sync)
         check_run(args.schedule, cp=pcfg.cp, recompute=args.recompute, recompute_layers=args.recompute_layers,
                   backend=args.backend)  # fmt: skip
         if args.ep > 1 and args.grad_sync == "manual":
@@ -363,9 +377,10 @@ def run_grad(args: argparse.Namespace) -> int:
 
     groups = initialize_parallel(pcfg)
     model = load_policy(args.hf, arch, groups, dtype, capacity_factor=args.moe_expert_capacity_factor)
-    # megatron's DDP (when there is more than one process): main_grad buffers, SUM over dp x cp, SP norm sum over TP
+    # megatron's DDP: main_grad buffers, SUM over dp x cp, SP norm sum over TP; with more than one process, and
+    # always for bf16 / fp16 parameters (each backward's gradient is added into its fp32 main gradient)
     ddp, pg_collection = None, None
-    if args.grad_sync == "ddp" and world > 1:
+    if args.grad_sync == "ddp" and (world > 1 or is_half(dtype)):
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         from megatron_branch.parallel.ddp import wrap_megatron_ddp
@@ -415,6 +430,7 @@ def run_grad(args: argparse.Namespace) -> int:
         "rollouts": len(rollouts),
         "response_tokens": full_tree.num_response_tokens_logical(),
         "dtype": args.dtype,
+        "grad_dtype": _name(accumulation_dtype(dtype)),  # what GRADS holds (bf16 / fp16: the fp32 main grads)
         "tp": groups.tp_size,
         "cp": groups.cp_size,
         "dp": groups.dp_size,
@@ -426,7 +442,7 @@ def run_grad(args: argparse.Namespace) -> int:
         "metrics": fold_expert_metrics(metrics),  # MoE: tokens per expert as one list per layer
     }
     # rank 0 writes; a failure there must reach every rank, which would otherwise wait forever
-    outputs.write_on_rank0(lambda: _write_outputs(args, grads, lp_rows, dtype))
+    outputs.write_on_rank0(lambda: _write_outputs(args, grads, lp_rows, accumulation_dtype(dtype)))
     if rank == 0:
         print(json.dumps(summary), flush=True)
     return 0

@@ -3,10 +3,10 @@
 megatron's GatedDeltaNet imports `l2norm` and `chunk_gated_delta_rule` from flash-linear-attention (fla), whose
 Triton kernels need a GPU, and refuses to build without them (`HAVE_FLA`), although with
 `config.deterministic_mode` it never calls `chunk_gated_delta_rule`: it runs torch's conv1d and its own
-`torch_chunk_gated_delta_rule` (float32 inside, whatever the input dtype). Measured on CPU (docs/design.md,
-/work/shared/notes/moe-hybrid-verl-on-cpu.md). Each shim below replaces exactly one assumption, is applied only
-where it is needed, is idempotent, and first checks that the name it patches still exists (`CompatError`
-otherwise); tests/unit/test_compat_gdn.py fails when one is removed or megatron changes what it patches.
+`torch_chunk_gated_delta_rule` (float32 inside, whatever the input dtype). Measured on CPU (docs/design.md). Each
+shim below replaces exactly one assumption, is applied only where it is needed, is idempotent, and first checks that
+the name it patches still exists (`CompatError` otherwise); tests/unit/test_compat_gdn.py fails when one is removed
+or megatron changes what it patches.
 
 1. `gated_delta_net.HAVE_FLA` and `gated_delta_net.l2norm` (where fla cannot run: no CUDA, or fla absent): the
    module builds, and q/k are L2-normalised by `l2norm` below, fla's formula x / sqrt(sum x^2 + eps) with its

@@ -16,7 +16,8 @@ tests/unit/test_update.py guards them. On a GPU nothing here runs: megatron's ow
    place) without the CUDA-type assertion, which also refuses float64 gradients.
 
 The distributed optimizer's two CPU assumptions (CUDA parameter types, float32-only main gradients) are shimmed in
-compat/distrib_optimizer.py, the CPU-offload optimizer's (CUDA streams, pinned memory, `is_cuda` as the device
+compat/distrib_optimizer.py, the mixed-precision optimizer's (CUDA parameter types: bf16 / fp16 parameters) in
+compat/float16_optimizer.py, the CPU-offload optimizer's (CUDA streams, pinned memory, `is_cuda` as the device
 split) in compat/offload.py; `apply_optimizer_shims` applies them all.
 """
 
@@ -28,6 +29,7 @@ import torch
 
 from megatron_branch.compat.cpu import _CpuTorchView, _resolve, apply_shims
 from megatron_branch.compat.distrib_optimizer import distrib_optimizer_shims
+from megatron_branch.compat.float16_optimizer import float16_optimizer_shims
 from megatron_branch.compat.offload import offload_shims
 
 __all__ = ["apply_optimizer_shims"]
@@ -88,6 +90,7 @@ _SHIMS = {
     "optimizer_l2_norm": _shim_l2_norm,
     "optimizer_clip": _shim_clip,
     **distrib_optimizer_shims(),
+    **float16_optimizer_shims(),
     **offload_shims(),
 }
 

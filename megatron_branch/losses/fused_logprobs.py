@@ -96,8 +96,9 @@ class _FusedLinearLogprob(torch.autograd.Function):
         ent = s.log() - u / s if with_entropy else lse[:0]  # [m] or empty
         ctx.save_for_backward(hidden, weight, idx, local, lse, ent)
         ctx.rows, ctx.n_real, ctx.with_entropy = rows, n_real, with_entropy
-        logp = (tgt - lse).to(hidden.dtype)
-        return logp, ent.to(hidden.dtype)
+        # fp32 (fp64 for fp64) whatever the model dtype: megatron's cross-entropy returns fp32 for bf16 logits, and
+        # the objective's ratios and weights are computed from these (precision.py)
+        return tgt - lse, ent
 
     @staticmethod
     def backward(  # noqa: ANN205

@@ -59,7 +59,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
         softmax = exp.div_(sum_exp[:, None])  # [m, v], in place: exp is not needed again
         ctx.save_for_backward(softmax, local, idx)
         ctx.in_dtype = logits.dtype
-        return logp.to(logits.dtype)
+        return logp  # fp32 (fp64) for any logits dtype, as megatron's cross-entropy (precision.py)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -118,7 +118,7 @@ class _VocabParallelEntropy(torch.autograd.Function):
         logq = x - both[0].log()[:, None]  # [m, v_real] log-softmax
         ctx.save_for_backward(logq, ent)
         ctx.shape, ctx.in_dtype = logits.shape, logits.dtype
-        return ent.to(logits.dtype)
+        return ent  # fp32 (fp64), as the logprob
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from megatron_branch.errors import UserError
-from megatron_branch.rules import check_gdn_context_parallel
+from megatron_branch.rules import check_gdn_context_parallel, check_hybrid_schedule
 
 FAMILIES = (
     "llama",
@@ -433,25 +433,15 @@ def gdn_block_heads(key_heads: int, value_heads: int, cp: int) -> tuple[int, int
     return (key_heads // cp if key_heads % cp == 0 else 1), value_heads // cp
 
 
-HYBRID_SCHEDULES = ("naive", "naive-fused", "packed", "replay", "packed-nosharing")
-"""Schedules that run a hybrid (gated delta net) model exactly: naive through megatron's own GatedDeltaNet, the
-others through models/gdn.py's BranchGatedDeltaNet, every tree segment from its parent's state at the fork (replay
-hands that state down through its prefix cache). replay-stopgrad (a comparison that holds the prompt's attention
-K/V constant) has no meaning defined for a recurrent state: refused."""
-
-
-def check_schedule_supports(
-    arch: ModelArch, schedule: str, *, flag: str = "--schedule", cp: int = 1, tp: int = 1
-) -> None:
-    """Refuse, in one line, a schedule or layout that cannot run `arch` exactly (before any work). The CP rule is
-    rules.check_gdn_context_parallel (a SettingError: re-spell it at entry points with other names)."""
+def check_schedule_supports(arch: ModelArch, schedule: str, *, cp: int = 1, tp: int = 1) -> None:
+    """Refuse, in one line, a schedule or layout that cannot run `arch` exactly (before any work): the rules
+    rules.check_hybrid_schedule and rules.check_gdn_context_parallel, read off the arch (SettingErrors: re-spell them
+    at entry points with other names)."""
     if not arch.is_hybrid:
         return
-    if schedule not in HYBRID_SCHEDULES:
-        raise UserError(
-            f"{flag} {schedule} cannot run a hybrid model ({arch.family}, {arch.num_linear_layers} of "
-            f"{arch.num_layers} layers gated delta net); use {flag} {', '.join(HYBRID_SCHEDULES)}"
-        )
+    check_hybrid_schedule(
+        schedule, model=f"{arch.family}, {arch.num_linear_layers} of {arch.num_layers} layers gated delta net"
+    )
     check_gdn_context_parallel(
         key_heads=arch.linear_num_key_heads, value_heads=arch.linear_num_value_heads, tp=tp, cp=cp
     )

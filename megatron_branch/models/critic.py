@@ -18,6 +18,7 @@ import torch
 
 from megatron_branch.models.arch import ModelArch
 from megatron_branch.models.gpt import BranchGPTModel, build_model
+from megatron_branch.precision import accumulation_dtype
 
 
 class BranchCriticModel(BranchGPTModel):
@@ -33,8 +34,10 @@ class BranchCriticModel(BranchGPTModel):
         )
 
     def values(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[m, h] final hidden states -> [m] values."""
-        return self.value_head(hidden).squeeze(-1)
+        """[m, h] final hidden states -> [m] values (the head in the model dtype, the values in fp32 or wider: the
+        value loss is computed like the logprobs, precision.py)."""
+        v = self.value_head(hidden).squeeze(-1)
+        return v.to(accumulation_dtype(v.dtype))
 
 
 def build_critic(

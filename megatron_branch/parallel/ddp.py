@@ -35,21 +35,23 @@ def wrap_megatron_ddp(
     use_distributed_optimizer: bool = False,
     grad_reduce_in_fp32: bool | None = None,
 ) -> torch.nn.Module:
-    """`model` inside megatron-core's DDP, reducing to a SUM in the parameters' own dtype (see the module doc).
+    """`model` inside megatron-core's DDP, reducing to a SUM (see the module doc).
 
     `pg_collection` is the entry point's `ProcessGroupCollection.use_mpu_process_groups()`: DDP needs dp, dp_cp,
     tp, pp, ep and expt_dp from it (without expt_dp it would call `new_group` for this rank alone, a collective
-    the other ranks do not join), finalize_model_grads tp, pp, embd, pos_embd, dp_cp. Grads are reduced in `dtype` itself: `grad_reduce_in_fp32` would turn
-    a float64 run's `main_grad` into float32, and for float32 it changes nothing.
+    the other ranks do not join), finalize_model_grads tp, pp, embd, pos_embd, dp_cp.
     `use_distributed_optimizer` lays the buffers out for megatron's DistributedOptimizer (the gradient buffer is
     reduce-scattered over dp x cp, the parameter buffer all-gathered after the step); it must match the
-    optimizer's setting (`OptimizerSettings.ddp_options`). `grad_reduce_in_fp32` (None: for float32 only) keeps
-    bf16 parameters' gradients in fp32 (megatron's default for bf16 training; False = bf16 main gradients).
+    optimizer's setting (`OptimizerSettings.ddp_options`). `grad_reduce_in_fp32` (None: True unless the parameters
+    are float64) keeps the main gradients in fp32: for bf16 / fp16 parameters megatron's mixed precision (Megatron-LM
+    forces it for bf16: "bfloat16 requires gradient accumulation and all-reduce to be done in fp32"; False = bf16
+    main gradients, the precision-aware option, not exact); for float32 it changes nothing; a float64 run's main
+    gradients stay float64 (fp32 would round them).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=dtype == torch.float32 if grad_reduce_in_fp32 is None else grad_reduce_in_fp32,
+        grad_reduce_in_fp32=dtype != torch.float64 if grad_reduce_in_fp32 is None else grad_reduce_in_fp32,
         overlap_grad_reduce=False,
         use_distributed_optimizer=use_distributed_optimizer,
         average_in_collective=False,

@@ -85,14 +85,15 @@ def measure_step(
     peak_cached = 0
     real_track = cache_module.track_extra
 
-    def track(tensors: Any) -> None:
+    def track(tensors: Any, kind: str = "registered") -> None:
         nonlocal peak_cached
         ts = list(tensors)
-        for t in ts:
-            s = t.untyped_storage()
-            cached[s.data_ptr()] = s.nbytes()
-        peak_cached = max(peak_cached, sum(cached.values()))
-        real_track(ts)
+        if kind == "registered":  # the cache itself (not its fp32 gradient sums: WideSum registers those)
+            for t in ts:
+                s = t.untyped_storage()
+                cached[s.data_ptr()] = s.nbytes()
+            peak_cached = max(peak_cached, sum(cached.values()))
+        real_track(ts, kind)
 
     model.zero_grad(set_to_none=True)
     flops = 0

@@ -36,7 +36,7 @@ and the TP-gathered rows, 2 r_n k h e + r k h e.
 
 Replay keeps, for the cached ancestors on the current root-to-leaf path, their K/V (the two compact storages above:
 the cache is detached views of them, 2 g d e per row and layer, nothing else kept alive) and a dK/dV accumulator per
-cached row and layer (2 g d e, the leaves' .grad).
+cached row and layer (2 g d e, the leaves' .grad; for bf16 / fp16 leaves an fp32 sum, 2 g d 4: precision.py).
 
 Family extras and hybrids (plan/layers.py has the formulas and their sources): q/k norms and the output gate add
 to a full-attention layer, partial RoPE saves cos/sin of the rotated dims only; a gated delta net layer saves its
@@ -309,8 +309,20 @@ def chunk_saved_bytes(
 
 
 def kv_grad_bytes(dm: Dims, rows: int) -> int:
-    """dK/dV accumulators (the cached leaves' .grad, in the leaves' dtype) for `rows` cached rows, all layers."""
-    return dm.attn_layers * 2 * rows * dm.g * dm.d * dm.e
+    """dK/dV accumulators for `rows` cached rows, all layers: the cached leaves' .grad in their dtype, or for bf16 /
+    fp16 leaves an fp32 sum (schedule/prefix_cache.py WideSum): f32 = max(e, 4) bytes per value."""
+    return dm.attn_layers * 2 * rows * dm.g * dm.d * dm.f32
+
+
+def linear_state_grad_bytes(dm: Dims) -> int:
+    """Per GDN layer: the accumulator of the state a fork hands down (both parts fp32 or wider: WideSum)."""
+    a = dm.arch
+    cd = (2 * a.linear_qk_dim + a.linear_v_dim) // dm.tp
+    heads = a.linear_num_value_heads // dm.tp
+    return (
+        heads * a.linear_key_head_dim * a.linear_value_head_dim * 4
+        + (a.linear_conv_kernel_dim - 1) * cd * dm.f32
+    )
 
 
 def ring_buffer_bytes(dm: Dims, rows: int, keys: int, cp: int) -> int:
@@ -485,7 +497,8 @@ def step_peak(
     # the root's K/V (full-attention layers) and, for a hybrid, the GDN states its children start from
     state = dm.linear_layers * linear_state_bytes(dm) if dm.linear_layers else 0
     cached = dm.attn_layers * layer_kv_bytes(dm, r_root) + state
-    grads = kv_grad_bytes(dm, r_root) + state
+    state_grads = dm.linear_layers * linear_state_grad_bytes(dm) if dm.linear_layers else 0
+    grads = kv_grad_bytes(dm, r_root) + state_grads  # fp32 for bf16 leaves (WideSum)
     # phase 1, the last leaf micro-batch before its backward: root graph (unless recomputed) + cache + grads + leaf
     # (the root's captured K/V, when its graph is kept, are the cache's storage: counted once)
     root_graph = 0 if seg_rc else root["held"]

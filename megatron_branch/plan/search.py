@@ -628,6 +628,12 @@ def plan(
         raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}")
     if branch_micro_batch is not None and branch_micro_batch <= 0:
         raise UserError(f"--branch-micro-batch must be positive, got {branch_micro_batch}")
+    if cp:  # a fixed CP size the rules refuse: their own line, not the search's "no layout" (which hides why)
+        check_run(schedule, cp=cp)
+        if tp and arch.is_hybrid:
+            check_gdn_context_parallel(
+                key_heads=arch.linear_num_key_heads, value_heads=arch.linear_num_value_heads, tp=tp, cp=cp
+            )
     fixed_pp = pp or (gpus // (tp * cp * dp) if tp and cp and dp and gpus % (tp * cp * dp) == 0 else 0)
     if tp and cp and dp and recompute and fixed_pp and (ep or not arch.is_moe):
         layouts = [Layout(tp=tp, cp=cp, dp=dp, pp=fixed_pp, recompute=recompute, ep=ep or 1)]

@@ -59,7 +59,7 @@ def run_schedule(
         from megatron_branch.models.arch import check_schedule_supports
 
         try:
-            check_schedule_supports(arch, name, flag="schedule", cp=opts.cp_size, tp=opts.tp_size)
+            check_schedule_supports(arch, name, cp=opts.cp_size, tp=opts.tp_size)
         except SettingError as e:
             raise e.spelled(API) from None
     if objective is None and not forward_only:

@@ -7,30 +7,73 @@ The cycle for a segment X (schedule/replay.py drives it):
     push     X's forward captured, per layer, a Handoff (kind, tensors in X's graph); the cache keeps the
              kind's DETACHED leaves (requiring grad when training), registered with the activation meter;
     external a descendant's chunk reads, per layer, what its kind reads of the path (all ancestors' K/V, or the
-             direct parent's state), as leaves: its backward accumulates into their .grad, summed over every child;
+             direct parent's state), as leaves: its backward accumulates into their gradient accumulator,
+             summed over every child;
     injection  after the last child: the (outputs, grads) of X's ONE `torch.autograd.backward([loss,
-             captured...], [1, leaf.grad...])`, pairing the trainable leaves with the tensors of X's final forward
+             captured...], [1, accumulated...])`, pairing the trainable leaves with the tensors of X's final forward
              (the recomputed one under `recompute`) they stand for;
-    drop     after that backward, the entry goes (the leaves and their .grad live until then).
+    drop     after that backward, the entry goes (the leaves and their accumulators live until then).
 Nothing here knows a layer kind: adding one (the gated delta net's state at the fork) needs no change here.
+
+The accumulator of a leaf is its own `.grad` (autograd adds each child's gradient in place) when the leaf is float32
+or float64. A bf16 / fp16 leaf gets an fp32 accumulator instead (`WideSum`): each child's gradient, rounded to the
+leaf's dtype once by the executor as in naive training, is added into fp32 and `.grad` is cleared, so the sum over
+G children is not rounded to bf16 G times (precision.py; docs/design.md "bf16"; tests/unit/test_bf16.py plants a
+bf16 accumulator and catches it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from megatron_branch.attention.prefix_state import Handoff, StateKind, Tensors
 from megatron_branch.memory import track_extra
+from megatron_branch.precision import accumulation_dtype, is_half
+
+
+@dataclass
+class WideSum:
+    """The fp32 gradient accumulators of a segment's half-precision leaves (one slot per trainable leaf; None for
+    a float32 / float64 leaf, whose `.grad` is its accumulator, or before its first gradient)."""
+
+    sums: list[torch.Tensor | None] = field(default_factory=list)
+
+    @classmethod
+    def attach(cls, leaves: Tensors) -> WideSum:
+        """Hook every half-precision leaf: after autograd put a child's gradient in its `.grad`, move it here."""
+        out = cls(sums=[None] * len(leaves))
+        for j, leaf in enumerate(leaves):
+            if is_half(leaf.dtype):
+                # registered before the meter's own hook (track_extra runs after), so the meter never counts the
+                # transient bf16 .grad, only the fp32 sum (below)
+                leaf.register_post_accumulate_grad_hook(lambda t, j=j: out.add(j, t))
+        return out
+
+    def add(self, j: int, leaf: torch.Tensor) -> None:
+        g, leaf.grad = leaf.grad, None
+        if g is None:
+            return
+        if self.sums[j] is None:
+            self.sums[j] = g.to(accumulation_dtype(g.dtype))  # a storage of its own, fp32
+            track_extra([self.sums[j]], kind="registered_grad")  # the activation meter's dK/dV accumulator
+        else:
+            self.sums[j].add_(g)
+
+    def grad(self, j: int, leaf: torch.Tensor) -> torch.Tensor | None:
+        """What the children sent into leaf j: its fp32 sum, or its own `.grad`."""
+        s = self.sums[j] if j < len(self.sums) else None
+        return s if s is not None else leaf.grad
 
 
 @dataclass(frozen=True)
 class _Entry:
     kind: StateKind
     read: Tensors  # what descendants read
-    trainable: Tensors  # the leaves among them whose .grad is injected
+    trainable: Tensors  # the leaves among them whose gradient is injected
+    wide: WideSum  # fp32 accumulators of half-precision leaves
 
 
 class PrefixCache:
@@ -55,7 +98,7 @@ class PrefixCache:
         entries = {}
         for layer, h in captured.items():
             read, trainable = h.kind.leaves(h.tensors, rows, frozen, self.grad)
-            entries[layer] = _Entry(h.kind, read, trainable)
+            entries[layer] = _Entry(h.kind, read, trainable, WideSum.attach(trainable))
         self.entries[seg_id] = entries
         self.rows[seg_id] = (rows, frozen)
         if meta is not None:
@@ -83,20 +126,23 @@ class PrefixCache:
         self, seg_id: int, captured: dict[int, Handoff]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(outputs, grads) that push the descendants' summed gradient through `seg_id`'s final forward, whose
-        capture is `captured`: every trainable leaf that received a gradient, with the tensor it stands for."""
+        capture is `captured`: every trainable leaf that received a gradient, with the tensor it stands for (the
+        gradient rounded to that tensor's dtype once, here)."""
         entries = self.entries[seg_id]
         rows, frozen = self.rows[seg_id]
         outputs, grads = [], []
         for layer, h in captured.items():
             entry = entries[layer]
-            for src, leaf in zip(h.kind.sources(h.tensors, rows, frozen), entry.trainable, strict=True):
-                if leaf.grad is not None:
+            srcs = h.kind.sources(h.tensors, rows, frozen)
+            for j, (src, leaf) in enumerate(zip(srcs, entry.trainable, strict=True)):
+                g = entry.wide.grad(j, leaf)
+                if g is not None:
                     outputs.append(src)
-                    grads.append(leaf.grad)
+                    grads.append(g.to(src.dtype))
         return outputs, grads
 
     def drop(self, seg_id: int) -> None:
-        """Forget `seg_id`'s entry (after its backward: the leaves and their .grad are held until then)."""
+        """Forget `seg_id`'s entry (after its backward: the leaves and their accumulators are held until then)."""
         self.entries.pop(seg_id)
         self.rows.pop(seg_id)
         self.meta.pop(seg_id, None)

@@ -31,7 +31,8 @@ from megatron_branch.losses.config import ObjectiveConfig
 from megatron_branch.models.arch import ModelArch, check_schedule_supports
 from megatron_branch.models.hf_families import HYBRID_FAMILIES
 from megatron_branch.parallel.layout import ParallelLayout
-from megatron_branch.rules import TRAIN_SCHEDULES, check_pipeline, check_run, check_sampling
+from megatron_branch.precision import DtypeName
+from megatron_branch.rules import TRAIN_SCHEDULES, check_pipeline, check_precision, check_run, check_sampling
 from megatron_branch.train.algorithm import resolve_algorithm
 from megatron_branch.train.moe import MoEConfig, check_moe
 
@@ -98,8 +99,10 @@ class ModelConfig:
     experts Qwen3-MoE, Mixtral, Qwen2-MoE, Qwen3.5-MoE, Qwen3-Next) to start from; loaded through the converter."""
     arch: ArchConfig | None = None
     """A config-defined architecture with random weights (used when hf_path is not given)."""
-    dtype: Literal["float32", "float64"] = "float32"
-    """Parameter and compute dtype (float64 for exactness checks)."""
+    dtype: DtypeName = "float32"
+    """Parameter and compute dtype: float32; float64 (exactness checks); bfloat16: megatron's mixed precision (fp32
+    main gradients, main parameters and Adam moments; softmax, logprobs and replay's dK/dV sums in fp32; exact to
+    the bf16 bound of docs/design.md, not bitwise); float16 is refused (it needs a loss scale in every backward)."""
     init_seed: int = 0
     """Seed of the random init of a config-defined model."""
 
@@ -395,6 +398,7 @@ def _config_spelling() -> Spelling:
         backend="schedule.backend",
         share_prefix="rollout.share_prefix",
         branch_at="rollout.branch_at",
+        dtype="model.dtype",
         moe="moe.*",
         capacity_factor="moe.expert_capacity_factor",
     )
@@ -675,6 +679,7 @@ def validate(cfg: TrainConfig) -> None:
     try:
         cfg.parallel.check_no_op()
         check_sampling(share_prefix=r.share_prefix, branch_at=r.branch_at)
+        check_precision(cfg.model.dtype, training=True)
         check_run(sc.name, cp=cfg.parallel.cp, recompute=sc.recompute,
                   recompute_layers=sc.enable_gradient_checkpointing, backend=sc.backend)  # fmt: skip
         algo = resolve_algorithm(cfg)
@@ -785,9 +790,7 @@ def check_model(cfg: TrainConfig) -> None:
     except UserError as e:
         raise UserError(f"parallel.tp: {e}") from None
     try:
-        check_schedule_supports(
-            arch, cfg.schedule.name, flag="schedule.name", cp=cfg.parallel.cp, tp=cfg.parallel.tp
-        )
+        check_schedule_supports(arch, cfg.schedule.name, cp=cfg.parallel.cp, tp=cfg.parallel.tp)
     except SettingError as e:
         raise e.spelled(SPELLING) from None
     check_moe(cfg, arch)

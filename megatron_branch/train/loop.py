@@ -37,6 +37,7 @@ from megatron_branch.train.config import SPELLING, TrainConfig, check_fits_conte
 from megatron_branch.train.data import load_dataset
 from megatron_branch.train.metrics import RunLogger
 from megatron_branch.train.models import DTYPES, build_policy, frozen_copy, prepare_for_layout
+from megatron_branch.train.record import engine_record, write_engine_record
 from megatron_branch.train.run_dir import run_folder
 from megatron_branch.train.state import PromptOrder, capture_rng, restart_rng, restore_rng
 
@@ -97,6 +98,8 @@ class Trainer:
                 cfg, self.policy, algo=self.algo, arch=self.arch, groups=self.groups, dtype=self.dtype
             )
             self.actor.set_stop_tokens(self.dataset.stop_token_ids(cfg.rollout.stop))
+            if self.is_main:  # what megatron and the engine were given (train/record.py), beside config.yaml
+                write_engine_record(setup_dir, engine_record(self.actor.policy, self.actor.plan))
             self.order = PromptOrder(
                 num_prompts=len(self.dataset), batch_size=cfg.data.train_batch_size,
                 shuffle=cfg.data.shuffle, seed=cfg.data.seed,
@@ -315,17 +318,23 @@ class Trainer:
 
             shutil.rmtree(self.out, ignore_errors=True)
 
+    def _exportable(self) -> bool:
+        """The converter writes this dtype: float32, bfloat16, float16 (an HF folder holds no float64)."""
+        from megatron_branch.checkpoint.hf_to_mcore import DTYPES as CONVERTER_DTYPES
+
+        return self.dtype in CONVERTER_DTYPES.values()
+
     def _exports_current(self) -> bool:
         """The final exports hold this step (or none are asked for)."""
-        if not self.cfg.checkpoint.hf_export or self.dtype != torch.float32:
+        if not self.cfg.checkpoint.hf_export or not self._exportable():
             return True
         return lifecycle.exports_step(self.out) == self.step
 
     def _export(self) -> Path | None:
         if not self.cfg.checkpoint.hf_export:
             return None
-        if self.dtype != torch.float32:
-            self.logger.write("HF export skipped: only float32 runs are exported")
+        if not self._exportable():
+            self.logger.write("HF export skipped: float64 runs are not exported (HF holds fp32, bf16, fp16)")
             return None
         from megatron_branch.train.models import export_hf
 

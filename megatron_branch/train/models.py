@@ -10,8 +10,10 @@ import torch
 
 from megatron_branch.models import ModelArch, build_model
 from megatron_branch.parallel.groups import ParallelGroups
+from megatron_branch.precision import DTYPE_NAMES, torch_dtype
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+DTYPES = {name: torch_dtype(name) for name in DTYPE_NAMES}
+"""model.dtype -> torch dtype (precision.py: bf16 / fp16 are megatron's mixed precision)."""
 
 
 def build_policy(

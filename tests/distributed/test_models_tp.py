@@ -107,7 +107,8 @@ def test_dist_checkpoint_saved_at_tp2_loads_at_tp1_and_exports_bit_exact(name: s
 
 
 def _rollouts() -> list[Rollout]:
-    """A shared prompt with shared response beginnings, forks at two depths, a 1-token leaf, a second group."""
+    """A shared prompt with shared response beginnings, forks at two depths, a 1-token leaf, a response that is a
+    prefix of others ([3, 4, 5]: it ends where its siblings fork), a second group."""
     gen = torch.Generator().manual_seed(11)
 
     def rand(n: int) -> list[int]:
@@ -119,6 +120,7 @@ def _rollouts() -> list[Rollout]:
         Rollout(prompt=pa, response=[3, 4, 5, 7], advantage=-0.5),
         Rollout(prompt=pa, response=[3, 4, 5, 8] + rand(2), advantage=0.75),
         Rollout(prompt=pa, response=[9] + rand(6), advantage=-1.0),
+        Rollout(prompt=pa, response=[3, 4, 5], advantage=0.4),
         Rollout(prompt=pb, response=[1] + rand(4), advantage=0.5),
         Rollout(prompt=pb, response=[2], advantage=-1.5),
     ]

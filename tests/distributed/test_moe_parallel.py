@@ -1,15 +1,20 @@
 """Mixture-of-experts policies under every parallel layout (the grad command, in-process on every rank).
 
     python tests/distributed/launch.py 2 -k moe     # TP2+SP, CP2, EP2 (across the DP replicas), CP2xEP2, DP2
-    python tests/distributed/launch.py 4 -k moe     # EP2xTP2+SP (EP across replicas), EP4, TP2xCP2xEP2
+    python tests/distributed/launch.py 4 -k moe     # EP2xTP2+SP (EP across replicas), EP4, TP2xCP2xEP2;
+                                                    # the MoE hybrids at CP4, TP2xCP2+SP, CP2xEP2 x DP2
 
 Router losses off: the gradient against Hugging Face's (float64, exact norms and routers), per parameter,
 --dtype float64 <= 1e-9 and float32 <= 1e-5. Router losses on: within a layout replay == packed == naive, and every
 layout with one data-parallel replica equals the others (float64 1e-9; the losses' scope is a replica's
 micro-batch, as megatron's). Expert parallelism across replicas runs the lockstep (parallel/lockstep.py); its
-dummy chunks must leave the gradient exact. Conversion: HF -> dist checkpoint at TP2 / EP2 -> HF, bit-exact. The
-MoE hybrids (Qwen3.5-MoE, Qwen3-Next) under TP2+SP, EP2, CP2 and CP2xEP2 at the gated delta rule's float32 bound
-(1e-5).
+dummy chunks must leave the gradient exact. Conversion: HF -> dist checkpoint at TP2 / EP2 -> HF, bit-exact.
+
+The MoE hybrids (Qwen3.5-MoE, Qwen3-Next) on test_gdn_cp.py's tree (forks at depths 1-3, a 1-token response, a
+response that is a prefix of another), at the gated delta rule's float32 bound (1e-5): grad vs HF under TP2+SP,
+EP2, CP2, CP2xEP2 (world 2) and CP4, TP2xCP2+SP, CP2xEP2 with two replicas (world 4), measured <= 5.6e-6 (worst
+parameter, relative); router losses on, replay and packed under TP2+SP, CP2, CP2xEP2 vs naive <= 3.6e-6, and
+with the multiplicity weights planted away 0.47 (CP2 replay); training under EP2 == DP2 (float64, 1e-9).
 """
 
 from __future__ import annotations
@@ -221,10 +226,19 @@ def _full_params(tr) -> dict[str, torch.Tensor]:  # noqa: ANN001
     return gather_full_state(unwrap(tr.policy), tr.groups.tp, tr.groups.ep)
 
 
+TRAIN_MODELS = {
+    "qwen3_moe": {"ffn": 32},
+    # a MoE hybrid: a gated delta net layer, then gated attention, a MoE block (gated shared expert) after each
+    "qwen3_next": {"ffn": 32, "layer_types": ("linear_attention", "full_attention")},
+}
+
+
 @pytest.mark.world(2)
-def test_moe_training_under_ep_equals_dp_and_resumes_exactly() -> None:
-    """A tiny Qwen3-MoE trained with routing replay (R3) and router losses: EP2 across the two DP replicas
-    (lockstep sampling, scoring and updates) trains the same run as DP2 without EP, float64; an EP2 run stopped
+@pytest.mark.parametrize("family", list(TRAIN_MODELS))
+def test_moe_training_under_ep_equals_dp_and_resumes_exactly(family: str) -> None:
+    """A tiny Qwen3-MoE and a tiny Qwen3-Next (GDN state handed down at each fork) trained with routing replay (R3)
+    and router losses: EP2 across the two DP replicas (lockstep sampling, scoring and updates; the lockstep's dummy
+    chunks run through the GDN layers too) trains the same run as DP2 without EP, float64; an EP2 run stopped
     after one step and resumed (experts sharded in the dist checkpoint) equals the uninterrupted one."""
     from megatron_branch.testing import tiny_hf_config, tiny_hf_model
     from megatron_branch.train.loop import Trainer
@@ -235,7 +249,8 @@ def test_moe_training_under_ep_equals_dp_and_resumes_exactly() -> None:
         _train_cfg(None, d / "probe", "trainer.total_training_steps=1")
     ).arch.vocab_size  # the tokenizer's
     if dist.get_rank() == 0:
-        cfg = tiny_hf_config("qwen3_moe", vocab_size=vocab, hidden_size=16, heads=2, kv_heads=2, ffn=32)
+        shape = dict(vocab_size=vocab, hidden_size=16, num_layers=2, heads=2, kv_heads=2)
+        cfg = tiny_hf_config(family, **shape, **TRAIN_MODELS[family])
         tiny_hf_model(cfg, seed=5).save_pretrained(hf)
     dist.barrier()
     dp, dp_tokens = _train(_train_cfg(hf, d / "dp2", "trainer.total_training_steps=2"))
@@ -244,6 +259,8 @@ def test_moe_training_under_ep_equals_dp_and_resumes_exactly() -> None:
     b = _full_params(ep)
     assert dp_tokens == ep_tokens
     assert set(a) == set(b)
+    if family == "qwen3_next":
+        assert any(".self_attention.in_proj." in n for n in a)  # the GDN layers trained
     for n in a:
         assert ((a[n] - b[n]).norm() / a[n].norm().clamp(min=1e-30)) <= 1e-9, n
     part, _ = _train(_train_cfg(hf, d / "part", "trainer.total_training_steps=1", "parallel.ep=2"))
@@ -261,25 +278,42 @@ def test_moe_training_under_ep_equals_dp_and_resumes_exactly() -> None:
 
 HYBRIDS = {"qwen3_5_moe": {}, "qwen3_next": {"mlp_only_layers": [2]}}
 """The MoE hybrids (GDN -> attention -> GDN, a MoE block after each; Qwen3-Next's last layer dense)."""
-HYBRID_RUNS = [
-    ("tp2sp", ["--tp", "2", "--sequence-parallel"], ("naive", "packed", "replay")),
-    ("ep2", ["--ep", "2"], ("replay",)),  # EP across the DP replicas: lockstep dummies through the GDN layers
-    ("cp2", ["--cp", "2"], ("packed", "replay")),  # GDN heads exchanged over CP, experts after them
-    ("cp2ep2", ["--cp", "2", "--ep", "2"], ("replay",)),  # EP over the CP ranks
-    ("tp2sp_fp64", ["--tp", "2", "--sequence-parallel", "--dtype", "float64"], ("replay",)),
+HYBRID_RUNS = {
+    2: [
+        ("tp2sp", ["--tp", "2", "--sequence-parallel"], ("naive", "packed", "replay")),
+        ("ep2", ["--ep", "2"], ("replay",)),  # EP across the replicas: lockstep dummies through GDN layers
+        ("cp2", ["--cp", "2"], ("packed", "replay")),  # GDN heads exchanged over CP, experts after them
+        ("cp2ep2", ["--cp", "2", "--ep", "2"], ("replay",)),  # EP over the CP ranks
+        ("tp2sp_fp64", ["--tp", "2", "--sequence-parallel", "--dtype", "float64"], ("replay",)),
+    ],
+    4: [
+        ("tp2sp-dp2", ["--tp", "2", "--sequence-parallel"], ("naive",)),  # naive (no CP), two replicas
+        ("cp4", ["--cp", "4"], ("packed", "replay")),  # one GDN value head per rank, key heads shared by two
+        ("tp2cp2sp", ["--tp", "2", "--cp", "2", "--sequence-parallel"], ("packed", "replay")),
+        ("cp2ep2-dp2", ["--cp", "2", "--ep", "2"], ("replay",)),  # two replicas, EP over each one's CP ranks
+    ],
+}
+ROUTER_LOSSES = ["--moe-aux-loss-coeff", "0.3", "--moe-seq-aux-loss-coeff", "0.2"] + [
+    "--moe-z-loss-coeff",
+    "0.05",
 ]
 
 
-@pytest.mark.world(2)
-@pytest.mark.parametrize("family", list(HYBRIDS))
-def test_moe_hybrid_grad_matches_hf_and_converts_bit_exact(family: str) -> None:
-    """Qwen3.5-MoE and Qwen3-Next: `grad` against the float64 HF oracle per parameter at the gated delta rule's
-    float32 bound (1e-5, tests/unit/test_moe_hybrid.py) under TP2+SP, EP2, CP2 (the GDN head exchange) and CP2 x EP2;
-    with router losses on, replay ==
-    packed == naive under TP2+SP (1e-5); HF -> dist checkpoint at TP2 / EP2 -> HF bit-exact."""
+def _hybrid_rollouts() -> list[Rollout]:
+    """The hybrid CP tests' tree (tests/distributed/test_gdn_cp.py): forks at depths 1, 2 and 3, a 1-token
+    response ([4]), a response that is a prefix of another ([1, 2]), segments shorter than the conv's K-1 inputs
+    and than 2 x CP, a 70-token prompt (two of the delta rule's 64-position chunks) forking mid-chunk; shared
+    tokens carry different advantages per rollout and route to different experts than their siblings' tokens."""
+    from test_gdn_cp import rollouts
+
+    return rollouts()
+
+
+@pytest.fixture(scope="module", params=list(HYBRIDS))
+def hybrid(request: pytest.FixtureRequest) -> tuple[str, Path, dict[str, torch.Tensor]]:
+    """(family, folder with hf/ and r.jsonl, the float64 HF oracle's gradient) on every rank."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_branch.checkpoint.hf_io import HFTensorReader
     from megatron_branch.testing import (
         exact_hf_norms,
         exact_hf_routers,
@@ -289,8 +323,9 @@ def test_moe_hybrid_grad_matches_hf_and_converts_bit_exact(family: str) -> None:
         tiny_hf_model,
     )
 
+    family = request.param
     d = _shared_dir()
-    rollouts = _rollouts()
+    rollouts = _hybrid_rollouts()
     layers = ("linear_attention", "full_attention", "linear_attention")
     cfg = tiny_hf_config(family, num_layers=3, ffn=48, layer_types=layers, moe=HYBRIDS[family])
     if dist.get_rank() == 0:
@@ -301,21 +336,65 @@ def test_moe_hybrid_grad_matches_hf_and_converts_bit_exact(family: str) -> None:
         d / "hf", dtype=torch.float64, attn_implementation="sdpa", **hf_experts_kwargs(cfg)
     )
     _, ref = hf_policy_gradient(exact_hf_routers(exact_hf_norms(hf)), rollouts)
-    for name, layout, schedules in HYBRID_RUNS:
+    return family, d, ref
+
+
+@pytest.mark.world(2, 4)
+def test_moe_hybrid_grad_matches_hf(hybrid) -> None:  # noqa: ANN001
+    """Qwen3.5-MoE and Qwen3-Next: `grad` against the float64 HF oracle per parameter at the gated delta rule's
+    float32 bound (1e-5, tests/unit/test_moe_hybrid.py): world 2 TP2+SP, EP2, CP2 (the GDN head exchange) and
+    CP2 x EP2; world 4 CP4, TP2 x CP2 + SP, CP2 x EP2 with two replicas, naive at TP2+SP with two replicas. The
+    launch's first run is naive (without CP); every later one equals it too (replay == packed == naive)."""
+    family, d, ref = hybrid
+    naive = None
+    for name, layout, schedules in HYBRID_RUNS[dist.get_world_size()]:
         for schedule in schedules:
             rc, grads, _ = _grad(d, f"{family}_{name}_{schedule}", schedule, *layout)
             assert rc == 0, (family, name, schedule)
-            err = _worst(grads, ref)
+            naive = grads if naive is None else naive
+            assert schedule != "naive" or grads is naive
+            for against, want in (("hf", ref), ("naive", naive)):
+                err = _worst(grads, want)
+                assert err[0] <= 1e-5, (family, name, schedule, against, err)
+
+
+@pytest.mark.world(2)
+def test_moe_hybrid_router_losses_under_cp(hybrid, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """aux + seq_aux + z losses on, float32, the shared tokens weighted by their multiplicity: replay and packed
+    under TP2+SP and CP2, replay under CP2 x EP2, equal naive (TP2+SP) at the delta rule's bound 1e-5 (one
+    replica: one loss scope); with the multiplicity weights planted away (a shared token counted once) replay
+    under CP2 no longer does."""
+    from megatron_branch.losses import router as router_mod
+
+    family, d, _ = hybrid
+    layouts = {
+        "tp2sp": ["--tp", "2", "--sequence-parallel"],
+        "cp2": ["--cp", "2"],
+        "cp2ep2": ["--cp", "2", "--ep", "2"],
+    }
+    rc, naive, _ = _grad(d, f"{family}_aux_naive", "naive", *layouts["tp2sp"], *ROUTER_LOSSES)
+    assert rc == 0
+    for name, layout in layouts.items():
+        for schedule in ("packed", "replay") if name != "cp2ep2" else ("replay",):
+            rc, grads, _ = _grad(d, f"{family}_aux_{name}_{schedule}", schedule, *layout, *ROUTER_LOSSES)
+            assert rc == 0, (family, name, schedule)
+            err = _worst(grads, naive)
             assert err[0] <= 1e-5, (family, name, schedule, err)
-    losses = ["--moe-aux-loss-coeff", "0.3", "--moe-seq-aux-loss-coeff", "0.2", "--moe-z-loss-coeff", "0.05"]
-    runs = {}
-    for schedule in ("naive", "packed", "replay"):
-        rc, runs[schedule], _ = _grad(
-            d, f"{family}_aux_{schedule}", schedule, "--tp", "2", "--sequence-parallel", *losses
-        )
-        assert rc == 0, (family, "aux", schedule)
-    for schedule in ("packed", "replay"):
-        assert _worst(runs[schedule], runs["naive"])[0] <= 1e-5, (family, schedule)
+    monkeypatch.setattr(
+        router_mod, "token_multiplicity", lambda member: torch.ones(member.shape[0], dtype=member.dtype)
+    )
+    rc, grads, _ = _grad(d, f"{family}_aux_bug", "replay", *layouts["cp2"], *ROUTER_LOSSES)
+    assert rc == 0
+    err = _worst(grads, naive)
+    assert err[0] > 100 * 1e-5, (family, err)
+
+
+@pytest.mark.world(2)
+def test_moe_hybrid_converts_bit_exact(hybrid) -> None:  # noqa: ANN001
+    """HF -> dist checkpoint at TP2 / EP2 -> HF: every tensor bit-exact."""
+    from megatron_branch.checkpoint.hf_io import HFTensorReader
+
+    family, d, _ = hybrid
     src = HFTensorReader(d / "hf")
     for name, layout in {"tp2": ["--tp", "2"], "ep2": ["--ep", "2"]}.items():
         mc, back = d / f"mc_{family}_{name}", d / f"hf_{family}_{name}"

@@ -15,7 +15,7 @@ from megatron_branch.plan.measure import measure_step, per_term
 from megatron_branch.plan.memory import Dims, layer_kv_bytes, local_rows, step_peak
 
 VOCAB = 37
-TOL = 0.15
+TOL = 0.04  # measured within 3.5% at CP2 and TP2 + SP (tests/unit/test_plan.py: the same bound)
 
 
 def arch() -> ModelArch:

@@ -93,6 +93,12 @@ def test_bench_outputs_follow_the_outputs_rule(tmp_path, capsys) -> None:  # noq
         (["--variants", "replay,fastest"], "unknown variant(s) fastest"),
         (["--heads", "3"], "--heads 3 must be a multiple of --kv-heads 2"),
         (["--dtype", "int8"], "--dtype must be one of"),
+        # a hybrid whose GDN key heads (--heads // 2) do not divide its value heads: ModelArch's ValueError
+        (
+            ["--full-attention-interval", "2", "--heads", "5", "--kv-heads", "5", "--hidden", "40"],
+            "--heads 5 with --full-attention-interval 2",
+        ),
+        (["--full-attention-interval", "3"], "--full-attention-interval 3 exceeds --layers 2"),
     ],
 )
 def test_bench_bad_input_is_one_line_exit_2(argv: list[str], match: str, capsys) -> None:  # noqa: ANN001

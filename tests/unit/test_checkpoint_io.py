@@ -71,6 +71,34 @@ def test_sync_writer_roundtrip(tmp_path: Path) -> None:
             assert torch.equal(a, b), n
 
 
+def test_ctrl_c_while_saving_or_loading_stays_a_keyboard_interrupt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's checkpoint collectives wrap every rank's BaseException into a CheckpointException: a Ctrl-C while a
+    shard is written (or read) must come out as the KeyboardInterrupt it was (the command's interrupted line, exit
+    130), not as torch's traceback (exit 1) or a "cannot load" user error (exit 2)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    from megatron_branch.checkpoint import integrity
+
+    initialize_parallel(ParallelConfig(tp=1))
+    src = build_model(_arch(False))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+
+    def interrupted(*_: object, **__: object) -> None:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(integrity.HashingStream, "write", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            save_sharded(src.sharded_state_dict(), tmp_path / "a")
+    save_sharded(src.sharded_state_dict(), tmp_path / "b")
+    monkeypatch.setattr(FileSystemReader, "read_data", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        load_sharded(build_model(_arch(False), init_weights=False).sharded_state_dict(), tmp_path / "b")
+
+
 def test_file_record_hashed_while_writing_and_checked_on_load(tmp_path: Path) -> None:
     """The record save_sharded returns equals the files on disk; load_sharded refuses a file that differs."""
     import hashlib

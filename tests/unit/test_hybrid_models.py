@@ -337,7 +337,9 @@ def test_what_a_hybrid_cannot_run_is_refused_before_any_work() -> None:
     arch, model = megatron_of(hf)
     tree = PrefixTree.build(_rollouts()[:3], vocab_size=arch.vocab_size)
     obj = PolicyGradientObjective.grpo([1.0, -1.0, 0.5], tree.num_response_tokens_logical())
-    with pytest.raises(UserError, match="schedule replay-stopgrad cannot run a hybrid model") as e:
+    with pytest.raises(
+        UserError, match="^schedule=replay-stopgrad cannot run a hybrid model .*; use schedule naive, "
+    ) as e:
         run_schedule("replay-stopgrad", model, tree, obj, ScheduleOptions(vocab_size=arch.vocab_size))
     assert "\n" not in str(e.value)
     assert all(p.grad is None for p in model.parameters())  # nothing ran
@@ -378,6 +380,9 @@ def test_train_config_takes_a_hybrid_policy_from_its_hf_folder(tmp_path: Path) -
         f"model:\n  hf_path: {tmp_path / 'hf'}\ndata:\n  task: kv_retrieval\ntokenizer:\n  type: hf\n"
     )
     assert model_arch(load_config(tmp_path / "c.yaml", [])).num_linear_layers == 3
-    with pytest.raises(UserError, match="schedule.name replay-stopgrad cannot run a hybrid model") as e:
+    with pytest.raises(
+        UserError,
+        match="schedule.name=replay-stopgrad cannot run a hybrid model .*; use schedule.name naive, ",
+    ) as e:
         load_config(tmp_path / "c.yaml", ["schedule.name=replay-stopgrad"])
     assert "\n" not in str(e.value)

@@ -2,6 +2,12 @@
 `megatron-branch grad` command parses, its world size is tp * cp * dp, its layout is valid for the model and the
 data, the preflight's planner command parses and plans the same layout, and each script's stated planner verdict
 (header) is what the planner says today.
+
+The training launchers (`target_*_train.sh`): the planner's search for the target (the header's command, its JSON)
+and the launcher's `megatron-branch train` options (its config file with the launcher's overrides, validated as
+`train` validates them) agree on every choice (layout, SP, recompute, optimizer, offload fraction, branch
+micro-batch, dtype, the shape); the header states the plan's per-rank memory; and the same script scaled down
+(SCALE=tiny, 2 ranks) trains, with those options reaching the run (its engine.json: what megatron was given).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from megatron_branch.plan import MODEL_PRESETS
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "examples" / "launch"
 SCRIPTS = sorted(p.name for p in LAUNCH.glob("*.sh") if p.name != "common.sh")
+TRAIN_SCRIPTS = [s for s in SCRIPTS if s.endswith("_train.sh")]
 
 
 def dry_run(script: str, work: Path) -> list[list[str]]:
@@ -64,6 +71,7 @@ def test_every_launcher_is_tested() -> None:
     assert {"target_7b_cp8.sh", "target_7b_tp2cp4.sh", "target_32b_cp8.sh", "target_32b_tp2cp4.sh"} <= set(
         SCRIPTS
     )
+    assert {"target_32b_train.sh", "target_27b_train.sh"} <= set(TRAIN_SCRIPTS)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +101,7 @@ def test_cpu_launcher_dry_run(script: str, tiny_assets: Path) -> None:
     assert Path(args.out).parent == tiny_assets
 
 
-@pytest.mark.parametrize("script", [s for s in SCRIPTS if s.startswith("target_")])
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if s.startswith("target_") and s not in TRAIN_SCRIPTS])
 def test_target_launcher_dry_run(script: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cmds = dry_run(script, tmp_path)
     nproc, argv = grad_args(cmds)
@@ -119,3 +127,117 @@ def test_target_launcher_dry_run(script: str, tmp_path: Path, capsys: pytest.Cap
     total = f"{d['memory_bytes_per_rank']['total'] / 1e9:.1f} GB"
     assert total in text, (script, total)
     assert ("-> fits" in text) == d["fits"], script
+
+
+# ---- the training launchers -----------------------------------------------------------------------------------------
+def stated_plan(script: str) -> tuple[list[str], str]:
+    """(the header's planner command, the header's text)."""
+    text = (LAUNCH / script).read_text()
+    m = re.search(r"#\s+(megatron-branch plan .*?)\n#\s+(--gpus .*?)\n", text)
+    assert m, "the script must state its planner command"
+    return shlex.split(m.group(1) + " " + m.group(2)), text
+
+
+def train_command(cmds: list[list[str]]) -> tuple[int, str, list[str]]:
+    """(nproc, config file, overrides) of the launcher's `megatron_branch train` command."""
+    (cmd,) = [c for c in cmds if Path(c[0]).name == "torchrun"]
+    i = cmd.index("-m")
+    assert cmd[i + 1 : i + 3] == ["megatron_branch", "train"], cmd
+    return int(cmd[cmd.index("--nproc_per_node") + 1]), cmd[i + 3], cmd[i + 4 :]
+
+
+@pytest.mark.parametrize("script", TRAIN_SCRIPTS)
+def test_train_launcher_runs_the_planners_choice(script: str, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    from megatron_branch.train.config import load_config
+
+    stated, text = stated_plan(script)
+    plan = plan_json([*stated[1:], "--json"], capsys)
+    assert plan["fits"] and not any(a in stated for a in ("--tp", "--cp", "--dp", "--recompute")), (
+        stated
+    )  # a search
+    total = plan["memory_bytes_per_rank"]["total"] / 1e9
+    assert f"{total:.1f} GB" in text and "-> fits" in text, (script, total)
+    model = stated[stated.index("--model") + 1]
+    # the launcher's own commands, with a config.json of the planner's model (the target's sizes and context)
+    hf = tmp_path / "model"
+    MODEL_PRESETS[model].to_hf_config().save_pretrained(hf)
+    env = {**os.environ, "MB_DRY_RUN": "1", "MODEL": str(hf), "TRAIN_FILES": str(tmp_path / "p.jsonl"),
+           "REWARD": "my_reward:score", "OUT": str(tmp_path / "run")}  # fmt: skip
+    res = subprocess.run(["bash", str(LAUNCH / script)], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    cmds = [shlex.split(line) for line in res.stdout.splitlines() if line.strip()]
+    nproc, config, overrides = train_command(cmds)
+    cfg = load_config(
+        config, overrides
+    )  # validated as `train` validates it (layout vs model, context, rules)
+    lay, opt, shape = plan["layout"], plan["optimizer"], plan["shape"]
+    assert nproc == plan["gpu"]["count"] and cfg.parallel.data_parallel_size(nproc) == lay["dp"]
+    assert (cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp) == (lay["tp"], lay["cp"], lay.get("pp", 1))
+    assert cfg.parallel.sequence_parallel == (lay["tp"] > 1)  # the planner's activations assume SP under TP
+    assert (cfg.schedule.recompute, cfg.schedule.enable_gradient_checkpointing) == {
+        "none": (False, False), "selective": (True, False), "full": (True, True)
+    }[lay["recompute"]]  # fmt: skip
+    assert (
+        cfg.schedule.name == plan["schedule"]
+        and cfg.schedule.branch_micro_batch == plan["branch_micro_batch"]
+    )
+    o = cfg.optim
+    assert o.use_distributed_optimizer == opt["use_distributed_optimizer"]
+    assert o.optimizer_cpu_offload == opt["optimizer_cpu_offload"]
+    assert o.optimizer_offload_fraction == opt["optimizer_offload_fraction"] or not o.optimizer_cpu_offload
+    assert (o.main_grads_dtype, o.exp_avg_dtype, o.exp_avg_sq_dtype) == (
+        "fp32",
+    ) * 3  # the planner's exact 12 B
+    assert {"bf16": "bfloat16", "float32": "float32"}[plan["dtype"]] == cfg.model.dtype
+    assert (cfg.rollout.n, cfg.rollout.response_length) == (shape["responses"], shape["response_length"])
+    assert (
+        cfg.data.max_prompt_length == shape["prompt_length"] and cfg.data.train_batch_size == shape["prompts"]
+    )
+    assert cfg.algorithm.name == "grpo" and cfg.model.hf_path == str(hf)
+    # the preflight asks about exactly this layout: the same plan
+    (pre,) = [c for c in cmds if Path(c[0]).name == "megatron-branch" and c[1] == "plan"]
+    fixed = plan_json(pre[1:], capsys)
+    assert fixed["fits"] and fixed["memory_bytes_per_rank"] == plan["memory_bytes_per_rank"]
+    assert (fixed["layout"], fixed["optimizer"]) == (lay, opt)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", TRAIN_SCRIPTS)
+def test_train_launcher_scaled_down_trains_with_the_plans_options(script: str, tmp_path: Path) -> None:
+    """SCALE=tiny: the same script, the same options, a tiny model on 2 ranks (TP2 + SP); engine.json says what
+    megatron was given."""
+    import yaml
+
+    out = tmp_path / "run"
+    env = {**os.environ, "SCALE": "tiny", "NPROC": "2", "OUT": str(out), "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(["bash", str(LAUNCH / script)], env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    rec = json.loads((out / "engine.json").read_text())
+    full = yaml.safe_load((LAUNCH / ".." / "configs" / script.replace(".sh", ".yaml")).read_text())
+    o = full["optim"]
+    assert rec["param_dtypes"] == ["bfloat16"] == [cfg["model"]["dtype"]]
+    assert rec["main_grad_dtypes"] == ["float32"] and rec["main_param_dtypes"] == ["float32"]
+    assert rec["ddp"] == {"grad_reduce_in_fp32": True, "use_distributed_optimizer": True}
+    assert rec["optimizer"] == ["DistributedOptimizer"] and rec["inner_optimizer"] == [
+        "HybridDeviceOptimizer"
+    ]
+    mc = rec["optimizer_config"]
+    assert mc["bf16"] and mc["params_dtype"] == "bfloat16" and mc["main_grads_dtype"] == "float32"
+    assert (
+        mc["use_distributed_optimizer"]
+        and mc["optimizer_cpu_offload"]
+        and mc["use_precision_aware_optimizer"]
+    )
+    assert mc["optimizer_offload_fraction"] == o["optimizer_offload_fraction"]
+    host, total = rec["offload"]["host_elements"], rec["offload"]["elements"]
+    assert o["optimizer_offload_fraction"] * total <= host < total  # megatron offloads whole shards
+    assert rec["layout"] == {"tp": 2, "cp": 1, "dp": 1, "pp": 1, "sequence_parallel": True}
+    assert rec["schedule"] == {"name": "replay", "recompute": True, "recompute_layers": True,
+                               "branch_micro_batch": full["schedule"]["branch_micro_batch"]}  # fmt: skip
+    assert rec["layers_checkpoint_themselves"]
+    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all(s["positions_computed"] < s["positions_logical"] for s in steps)  # replay shared the prompt
+    hf_cfg = json.loads((out / "hf" / "config.json").read_text())
+    assert hf_cfg.get("torch_dtype", hf_cfg.get("dtype")) == "bfloat16"  # the bf16 export

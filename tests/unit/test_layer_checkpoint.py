@@ -30,7 +30,7 @@ from megatron_branch.testing import random_tree_rollouts, tiny_branch_model, tin
 
 VOCAB = 37
 TOL = {torch.float64: 1e-9, torch.float32: 1e-5}
-PLAN_TOL = 0.15  # tests/unit/test_plan.py's tolerance for planner bytes against the meter
+PLAN_TOL = 0.04  # test_plan.py's tolerance for planner bytes against the meter (measured: within 0.3%)
 # two levels below the prompt: the first response tokens are shared by rollouts with different advantages
 TREE = dict(prompt_len=7, branches=3, levels=2, seed=202)
 CASES = {

@@ -23,7 +23,7 @@ from megatron_branch.plan.memory import static_bytes, step_peak
 from megatron_branch.plan.model import parameter_count
 from megatron_branch.testing import tiny_hf_config
 
-TOL = 0.15  # the planner's stated tolerance against the meter (tests/unit/test_plan.py)
+TOL = 0.06  # measured within 5.7% (qwen2_moe over-counts; dense models: tests/unit/test_plan.py, 4%)
 SHAPE = RolloutShape(prompt_length=64, responses=6, response_length=12, shared_response_length=4)
 
 

@@ -75,3 +75,18 @@ def test_planted_term_errors_are_caught() -> None:
     for planted in (double_input, moved_kv):
         with pytest.raises(AssertionError):
             check_terms(got, planted)
+
+
+def test_bf16_cache_and_its_fp32_sums_match_the_planner() -> None:
+    """bf16: the cached K/V in bf16 and their dK/dV sums in fp32 (schedule/prefix_cache.py WideSum), exactly as the
+    planner counts them (kv_grads = twice the K/V bytes). The activations are not compared here: torch's CPU
+    rms_norm saves fp32 copies for bf16 input where the planner counts a fused norm (docs/scaling.md)."""
+    arch = rank_arch()
+    torch.manual_seed(0)
+    model = build_model(arch, dtype=torch.bfloat16)
+    got = measure_step(model, SHAPE, vocab=VOCAB, branch_micro_batch=8, recompute=True, recompute_layers=True)
+    want = step_peak(arch, SHAPE, Layout(), act_bytes=2, branch_micro_batch=8, segment_recompute=True,
+                     layer_recompute=True)  # fmt: skip
+    kv = 2 * SHAPE.prompt_length * arch.num_query_groups * arch.head_dim * 2  # K and V of the root, bf16
+    assert got.kv_grads == want.kv_grads == 2 * kv  # fp32 sums
+    assert got.cached_at_peak == want.cached_kv

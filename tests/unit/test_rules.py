@@ -163,11 +163,21 @@ def test_world_rule_through_the_layout() -> None:
         ParallelLayout(tp=2, cp=2, dp=3).data_parallel_size(8)
 
 
-def test_naive_cp_rule_through_the_planner(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "fixed",
+    [
+        ["--tp", "1", "--cp", "2", "--dp", "4", "--recompute", "none"],
+        ["--cp", "2"],
+        ["--tp", "2", "--cp", "2"],
+    ],
+    ids=["whole-layout", "cp-only", "tp-and-cp"],
+)
+def test_naive_cp_rule_through_the_planner(fixed: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """The rule's own line whether the layout is fixed whole or in part (a partly fixed one used to end in the
+    search's "no layout of 8 GPUs satisfies ...", which hid why)."""
     rc = main(
         ["plan", "--model", "qwen2.5-7b", "--prompt-length", "4096", "--responses", "8", "--response-length", "256",
-         "--prompts", "4", "--gpus", "8", "--gpu", "h20", "--schedule", "naive", "--tp", "1", "--cp", "2", "--dp", "4",
-         "--recompute", "none"]
+         "--prompts", "4", "--gpus", "8", "--gpu", "h20", "--schedule", "naive", *fixed]
     )  # fmt: skip
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "--schedule naive has no context parallelism" in err and "\n" not in err, err

@@ -78,3 +78,18 @@ def test_hf_tokenizer_from_folder_and_file(tmp_path: Path) -> None:
         HFTokenizer(tmp_path / "tokenizer.json")
     with pytest.raises(UserError, match="no tokenizer.json"):
         HFTokenizer(tmp_path / "nothing")
+
+
+def test_a_tokenizer_folder_that_is_not_one_is_named_for_what_it_holds(tmp_path: Path) -> None:
+    """A folder whose only tokenizer.json is not transformers' format (an old sentencepiece settings file) is refused
+    for that, not as a folder "without tokenizer files" that names the file it holds; an empty one as empty."""
+    from megatron_branch.checkpoint.hf_io import check_tokenizer_dir
+
+    (tmp_path / "spm").mkdir()
+    (tmp_path / "spm" / "tokenizer.json").write_text('{"vocab_size": 8, "model_type": "char"}')
+    with pytest.raises(UserError, match=r"tokenizer.json in .* is not a transformers tokenizer") as e:
+        check_tokenizer_dir(tmp_path / "spm")
+    assert "\n" not in str(e.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no tokenizer files"):
+        check_tokenizer_dir(tmp_path / "empty")

@@ -1,0 +1,141 @@
+"""The sampler on a mixture-of-experts hybrid (a tiny Qwen3-Next: GDN -> gated attention -> GDN, MoE blocks with a
+gated shared expert, the last layer dense): each prompt's gated delta net state is computed once by prefill and
+forked at every branch point, decoding steps it per branch (generation/kv_cache.py), and with record_routing the
+sampler records the experts megatron routed every fed token to (routing replay, R3).
+
+Shown: greedy == Hugging Face `generate`; tree-sampled logprobs == the replay and naive training forwards; each
+prompt prefilled once; every record is the top-k megatron routes the token to in a plain forward of its sequence,
+and the training forward with routing replay on gives the same logprobs; a planted decode from a zero state fails.
+
+Bounds: the delta rule is float32 inside and decode runs one token per rule call where training chunks the whole
+segment, so logprobs agree to float32 rounding, tested at 1e-5 (as tests/unit/test_gdn_sampler.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_moe_hybrid import hf_of, megatron_of
+
+from megatron_branch.data import PrefixTree
+from megatron_branch.generation import BranchSampler, SamplingParams
+from megatron_branch.losses import PolicyGradientObjective
+from megatron_branch.losses.router import MoEOptions, RoutingRecorder
+from megatron_branch.models.gdn import BranchGatedDeltaNet
+from megatron_branch.models.moe import attach_router_context
+from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
+from megatron_branch.schedule import ScheduleOptions, run_schedule
+
+VOCAB = 37
+BOUND = 1e-5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _single_process() -> None:
+    initialize_parallel(ParallelConfig())
+
+
+@pytest.fixture(scope="module")
+def models():  # noqa: ANN201
+    hf = hf_of("qwen3_next", torch.float32, seed=7)
+    arch, model = megatron_of(hf, torch.float32)
+    return hf.eval(), arch, model.eval()
+
+
+def prompts() -> list[list[int]]:
+    return [
+        [int(x) for x in torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n))]
+        for n in (9, 4)
+    ]
+
+
+def test_greedy_equals_hf_generate_and_each_prompt_is_prefilled_once(models) -> None:  # noqa: ANN001
+    hf, _, model = models
+    ps = prompts()
+    out = BranchSampler(model, vocab_size=VOCAB).generate(
+        ps, SamplingParams(n=2, max_new_tokens=6, temperature=0)
+    )
+    assert out.stats.prompt_prefills == [1, 1] and out.stats.prefill_forwards == 1
+    for p, prompt in enumerate(ps):
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6)
+        for s in out.samples[p]:
+            assert list(s.response) == want[0, len(prompt) :].tolist()
+
+
+def _training_logprobs(model, samples, schedule: str, moe=None) -> list[torch.Tensor]:  # noqa: ANN001
+    rollouts = [s.to_rollout(advantage=1.0) for s in samples]
+    tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
+    obj = PolicyGradientObjective.grpo([1.0] * len(rollouts), tree.num_response_tokens_logical())
+    opts = ScheduleOptions(vocab_size=VOCAB, keep_logprobs=True, moe=moe)
+    res = run_schedule(schedule, model, tree, obj, opts)
+    model.zero_grad(set_to_none=True)
+    return [res.rollout_logprobs(tree, i) for i in range(len(rollouts))]
+
+
+def _sample(model, *, record: bool):  # noqa: ANN001, ANN202
+    """4 samples per prompt, forks after 2 and 4 tokens: children continue from their parent's state row."""
+    sp = SamplingParams(n=4, max_new_tokens=6, temperature=1.0, branch_at=(2, 4), branch_factor=2)
+    return BranchSampler(model, vocab_size=VOCAB, record_routing=record).generate(
+        prompts(), sp, generator=torch.Generator().manual_seed(3)
+    )
+
+
+def _max_err(samples, wants) -> float:  # noqa: ANN001
+    return max(
+        (torch.tensor(s.logprobs, dtype=torch.float64) - w).abs().max().item()
+        for s, w in zip(samples, wants, strict=True)
+    )
+
+
+@pytest.mark.slow
+def test_tree_sampled_logprobs_and_routing_records_equal_the_training_forward(models) -> None:  # noqa: ANN001
+    _, arch, model = models
+    out = _sample(model, record=True)
+    samples = out.flat()
+    assert len(samples) == 8 and out.stats.prompt_prefills == [1, 1] and out.stats.prefill_forwards == 1
+    for group in out.samples:  # tree sampling: pairs share their first 4 tokens
+        assert all(a.response[:4] == b.response[:4] for a, b in zip(group[0::2], group[1::2]))
+    for schedule in ("replay", "naive"):
+        assert _max_err(samples, _training_logprobs(model, samples, schedule)) <= BOUND, schedule
+    # the records: every fed token's experts in a plain forward of its sequence; the last token, never fed, is -1
+    for s in samples:
+        rec, seq = s.routed_experts, torch.tensor(list(s.prompt) + list(s.response))
+        assert tuple(rec.shape) == (len(seq), len(arch.moe_layers), arch.moe_top_k)
+        assert (rec[-1] == -1).all() and (rec[:-1] >= 0).all()
+        mask = torch.triu(torch.ones(len(seq), len(seq), dtype=torch.bool), 1)[None, None]
+        recorder = RoutingRecorder()
+        with torch.no_grad(), attach_router_context(model, recorder):
+            model(seq[None], torch.arange(len(seq))[None], mask)
+        got = recorder.experts(arch.moe_layers, arch.moe_top_k)
+        assert torch.equal(got[:-1], rec[:-1])
+    # the training forward routed to the records (the router unchanged: the same experts, the same logprobs)
+    for schedule in ("replay", "packed"):
+        wants = _training_logprobs(model, samples, schedule, MoEOptions(routing_replay=True))
+        assert _max_err(samples, wants) <= BOUND, schedule
+    # the router moved after sampling: with replay every schedule routes to the records (one answer), without it
+    # to its own new top-k (another answer)
+    moved = megatron_of(hf_of("qwen3_next", torch.float32, seed=7), torch.float32)[1]
+    with torch.no_grad():
+        for name, p in moved.named_parameters():
+            if name.endswith("router.weight"):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(9)))
+    replayed = {
+        schedule: _training_logprobs(moved, samples, schedule, MoEOptions(routing_replay=True))
+        for schedule in ("naive", "packed", "replay")
+    }
+    for schedule in ("packed", "replay"):
+        assert max((a - b).abs().max().item() for a, b in zip(replayed[schedule], replayed["naive"])) <= BOUND
+    fresh = _training_logprobs(moved, samples, "replay")
+    assert max((a - b).abs().max().item() for a, b in zip(fresh, replayed["replay"])) > 1e-3
+
+
+@pytest.mark.slow
+def test_planted_zero_state_decode_fails(models, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """A decode step from a zero GDN state (models/gdn.py's planted switch): the logprobs leave the training
+    forward's."""
+    _, _, model = models
+    monkeypatch.setattr(BranchGatedDeltaNet, "zero_parent_state", True)
+    out = _sample(model, record=False)
+    monkeypatch.undo()
+    samples = out.flat()
+    assert _max_err(samples, _training_logprobs(model, samples, "naive")) > 1e-2
