@@ -278,6 +278,9 @@ class ScheduleConfig:
     """replay: sibling leaves per forward."""
     recompute: bool = False
     """replay: recompute inner segments at backward."""
+    root_pieces: int = 1
+    """replay under pipeline parallelism (parallel.pp > 1): cut each shared root (prompt) into this many sequence
+    pieces, which flow through the stages like micro-batches (exact; 1 = whole roots; docs/parallelism.md)."""
     enable_gradient_checkpointing: bool = False
     """Per-layer activation checkpointing inside every chunk (ScheduleOptions.recompute_layers): each transformer
     layer keeps only its input and is recomputed in backward, one layer at a time; with `recompute` it is the
@@ -394,6 +397,7 @@ def _config_spelling() -> Spelling:
         algorithm="algorithm.name",
         schedule="schedule.name",
         recompute="schedule.recompute",
+        root_pieces="schedule.root_pieces",
         recompute_layers="schedule.enable_gradient_checkpointing",
         backend="schedule.backend",
         share_prefix="rollout.share_prefix",
@@ -683,7 +687,7 @@ def validate(cfg: TrainConfig) -> None:
         check_run(sc.name, cp=cfg.parallel.cp, recompute=sc.recompute,
                   recompute_layers=sc.enable_gradient_checkpointing, backend=sc.backend)  # fmt: skip
         algo = resolve_algorithm(cfg)
-        check_pipeline(sc.name, pp=cfg.parallel.pp, critic=algo.trains_critic)
+        check_pipeline(sc.name, pp=cfg.parallel.pp, critic=algo.trains_critic, root_pieces=sc.root_pieces)
     except SettingError as e:
         raise e.spelled(SPELLING) from None
     if algo.estimator is not None and algo.estimator.group_relative and r.n == 1:
