@@ -51,7 +51,7 @@ from megatron_branch.plan.optimizer import (
     offload_seconds,
     optimizer_bytes,
 )
-from megatron_branch.plan.pipeline import link_bytes_per_s, pipeline_seconds
+from megatron_branch.plan.pipeline import link_bytes_per_s, pipeline_seconds, root_pieces_searched
 from megatron_branch.rules import (
     check_gdn_context_parallel,
     check_pipeline,
@@ -89,6 +89,8 @@ class Plan:
     """Host bytes per rank by term, "total" per rank and "per_node" (every rank of a node)."""
     branch_micro_batch: int = 8
     """Replay: sibling leaves per forward."""
+    root_pieces: int = 1
+    """Replay under PP: the sequence pieces each root is cut into (data/pieces.py; 1 = whole roots)."""
     rejected: list[dict[str, Any]] = field(default_factory=list)
     """The search: for every other layout, its best choice and why it does not fit (empty for a fixed plan)."""
 
@@ -154,6 +156,7 @@ class Plan:
             "notes": list(self.notes),
             "optimizer": self.optimizer.as_dict(),
             "branch_micro_batch": self.branch_micro_batch,
+            "root_pieces": self.root_pieces,
             "fits_device": self.fits_device,
             "fits_host": self.fits_host,
             "host_memory_bytes_per_node": self.host_memory.get("per_node", 0),
@@ -316,6 +319,7 @@ def step_time(
     dtype: str = "bf16",
     optimizer: OptimizerChoice | None = None,
     branch_micro_batch: int = 8,
+    root_pieces: int = 1,
 ) -> dict[str, Any]:
     world = layout.world
     rate = gpu.tflops * 1e12 * MFU
@@ -364,7 +368,7 @@ def step_time(
         )  # forward x1 (+ recompute), backward x2 -> 3/2
     pipe = pipeline_seconds(
         arch, shape, layout, gpu, schedule, fl, rate=rate, act_bytes=DTYPE_BYTES[dtype],
-        branch_micro_batch=branch_micro_batch,
+        branch_micro_batch=branch_micro_batch, root_pieces=root_pieces,
     )  # fmt: skip
     return {
         "total": compute
@@ -416,8 +420,9 @@ def evaluate(
     arch.check_expert_parallel(layout.ep, tp=layout.tp)
     try:
         check_pipeline(
-            schedule, pp=layout.pp, num_layers=arch.num_layers, hybrid=arch.is_hybrid, moe=arch.is_moe
-        )
+            schedule, pp=layout.pp, num_layers=arch.num_layers, hybrid=arch.is_hybrid, moe=arch.is_moe,
+            root_pieces=kw.get("root_pieces", 1),
+        )  # fmt: skip
     except SettingError as e:
         raise UserError(str(e)) from None
     if layout.dp > shape.prompts:
@@ -484,7 +489,8 @@ def evaluate(
         notes.append(
             f"pp {layout.pp}: the heavier end stage's memory ({arch.num_layers // layout.pp} layers, vocab x h, "
             "the micro-batches 1F1B keeps alive on the first stage); the bubble is the root chunk crossing the "
-            "stages one after another plus (pp - 1) leaf micro-batches per wave (plan/pipeline.py); train's "
+            "stages one after another (cut into root pieces: its dearest piece) plus (pp - 1) leaf micro-batches "
+            "per wave (plan/pipeline.py); train's "
             "sampler under PP runs a whole-model copy (not counted here: sample with an external engine at "
             "this size)"
         )
@@ -515,6 +521,7 @@ def evaluate(
             dtype,
             optimizer,
             branch_micro_batch=kw.get("branch_micro_batch", 8),
+            root_pieces=kw.get("root_pieces", 1),
         ),
         fits=mem["total"] <= gpu.memory_bytes and host["per_node"] <= gpu.host_memory_bytes,
         dtype=dtype,
@@ -522,6 +529,7 @@ def evaluate(
         optimizer=optimizer,
         host_memory=host,
         branch_micro_batch=kw.get("branch_micro_batch", 8),
+        root_pieces=kw.get("root_pieces", 1),
     )
 
 
@@ -616,9 +624,11 @@ def plan(
     distributed_optimizer: bool | None = None,
     offload_fraction: float | None = None,
     branch_micro_batch: int | None = None,
+    root_pieces: int | None = None,
     **kw: Any,
 ) -> Plan:
-    """The recommended plan: among the layouts x optimizer choices x branch micro-batches that fit on the device
+    """The recommended plan: among the layouts x optimizer choices x branch micro-batches (x root pieces under PP,
+    plan/pipeline.py root_pieces_searched) that fit on the device
     and in host memory (fixed fields kept), the fastest (full recompute costs one more forward of every layer and
     offload its copies and host step, so they win only where nothing lighter fits); if none fits, the one needing
     least device memory. `rejected` lists, per other layout, its best choice and why it does not fit."""
@@ -628,6 +638,8 @@ def plan(
         raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}")
     if branch_micro_batch is not None and branch_micro_batch <= 0:
         raise UserError(f"--branch-micro-batch must be positive, got {branch_micro_batch}")
+    if root_pieces is not None:  # pieces without PP or for another schedule: the rule's own line (pp searched: any > 1)
+        check_pipeline(schedule, pp=pp or 2, root_pieces=root_pieces)
     if cp:  # a fixed CP size the rules refuse: their own line, not the search's "no layout" (which hides why)
         check_run(schedule, cp=cp)
         if tp and arch.is_hybrid:
@@ -643,6 +655,8 @@ def plan(
             arch, shape, gpus, tp=tp, cp=cp, dp=dp, pp=pp, recompute=recompute, schedule=schedule, ep=ep
         )
         layout_given = False
+    if root_pieces and root_pieces > 1:  # pieces need a pipeline
+        layouts = [lay for lay in layouts if lay.pp > 1]
     if not layouts:
         raise UserError(
             f"no layout of {gpus} GPUs satisfies the fixed --tp/--cp/--pp/--dp (dp <= --prompts {shape.prompts}, "
@@ -665,10 +679,12 @@ def plan(
                 optimizer=o,
                 memo=memo,
                 branch_micro_batch=b,
+                root_pieces=k,
                 **kw,
             )
             for o in opts
             for b in bmbs
+            for k in ((root_pieces,) if root_pieces else root_pieces_searched(shape, lay, schedule))
         ]
         fitting = [p for p in plans if p.fits]
         best_per_layout.append(min(fitting, key=_speed) if fitting else min(plans, key=_need))
@@ -688,7 +704,13 @@ def micro_batches(shape: RolloutShape, schedule: str) -> tuple[int, ...]:
 
 
 def _speed(p: Plan) -> tuple:
-    return (round(p.step_time["total"], 6), -p.branch_micro_batch, p.memory["total"], p.optimizer.distributed)
+    return (
+        round(p.step_time["total"], 6),
+        -p.branch_micro_batch,
+        p.memory["total"],
+        p.optimizer.distributed,
+        p.root_pieces,
+    )
 
 
 def _need(p: Plan) -> tuple:
@@ -700,6 +722,7 @@ def _rejection(p: Plan) -> dict[str, Any]:
         "layout": {**p.layout.as_dict(), **({"ep": p.layout.ep} if p.arch.is_moe else {})},
         "optimizer": p.optimizer.name,
         "branch_micro_batch": p.branch_micro_batch,
+        "root_pieces": p.root_pieces,
         "memory_bytes_per_rank": p.memory["total"],
         "host_memory_bytes_per_node": p.host_memory.get("per_node", 0),
         "largest_term": p.largest_term,
@@ -723,7 +746,7 @@ def what_would_fit(p: Plan, **kw: Any) -> list[str]:
             break
     need = p.memory["total"] / 1e9
     out.append(f"a GPU with at least {need:.0f} GB at this layout")
-    same = {"dtype": p.dtype, "branch_micro_batch": p.branch_micro_batch}
+    same = {"dtype": p.dtype, "branch_micro_batch": p.branch_micro_batch, "root_pieces": p.root_pieces}
     if p.layout.recompute != "full":
         full = dataclasses.replace(p.layout, recompute="full")
         q = evaluate(p.model, p.arch, p.shape, p.gpu, p.gpus, full, p.schedule, optimizer=p.optimizer, **same)
