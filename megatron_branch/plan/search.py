@@ -638,7 +638,7 @@ def plan(
         raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}")
     if branch_micro_batch is not None and branch_micro_batch <= 0:
         raise UserError(f"--branch-micro-batch must be positive, got {branch_micro_batch}")
-    if root_pieces is not None:  # pieces without PP or for another schedule: the rule's own line (pp searched: any > 1)
+    if root_pieces is not None:  # without PP or for another schedule: the rule's own line (pp: any > 1)
         check_pipeline(schedule, pp=pp or 2, root_pieces=root_pieces)
     if cp:  # a fixed CP size the rules refuse: their own line, not the search's "no layout" (which hides why)
         check_run(schedule, cp=cp)
