@@ -4,7 +4,7 @@
         [--prompts N] [--shared-response-length K] --gpus N --gpu h20|h100|h200
         [--gpu-memory-gb M --gpu-tflops T --link-gbps B] [--host-memory-gb H --host-link-gbps L]
         [--node-link-gbps B] [--tp N --cp N --pp N --dp N --recompute none|selective|full] [--ep N]
-        [--optimizer plain|distributed] [--offload-fraction F] [--branch-micro-batch B] [--root-pieces K]
+        [--optimizer plain|distributed] [--offload-fraction F] [--branch-micro-batch B] [--root-pieces K|auto]
         [--schedule replay|packed|naive] [--json]
 
 A mixture-of-experts model (qwen3-30b-a3b, or a Qwen3-MoE / Mixtral / Qwen2-MoE config.json) adds expert
@@ -76,9 +76,9 @@ def add_plan_command(sub: Any) -> None:
     )
     p.add_argument(
         "--root-pieces",
-        type=int,
-        help="replay under --pp: sequence pieces each root is cut into (default: searched 1..16, pieces of at least "
-        "4096 tokens; plan/pipeline.py)",
+        type=_pieces,
+        help="replay under PP: sequence pieces each root is cut into (default 1: whole roots; 'auto': searched "
+        "1..16 per pipeline layout, pieces of at least 4096 tokens; plan/pipeline.py)",
     )
     p.add_argument(
         "--dtype",
@@ -88,6 +88,15 @@ def add_plan_command(sub: Any) -> None:
     )
     p.add_argument("--json", action="store_true", help="end with one JSON line (the stable contract)")
     p.set_defaults(func=run_plan)
+
+
+def _pieces(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of pieces or 'auto', got {value!r}") from None
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -624,21 +624,26 @@ def plan(
     distributed_optimizer: bool | None = None,
     offload_fraction: float | None = None,
     branch_micro_batch: int | None = None,
-    root_pieces: int | None = None,
+    root_pieces: int | str | None = None,
     **kw: Any,
 ) -> Plan:
-    """The recommended plan: among the layouts x optimizer choices x branch micro-batches (x root pieces under PP,
-    plan/pipeline.py root_pieces_searched) that fit on the device
+    """The recommended plan: among the layouts x optimizer choices x branch micro-batches that fit on the device
     and in host memory (fixed fields kept), the fastest (full recompute costs one more forward of every layer and
     offload its copies and host step, so they win only where nothing lighter fits); if none fits, the one needing
-    least device memory. `rejected` lists, per other layout, its best choice and why it does not fit."""
+    least device memory. `rejected` lists, per other layout, its best choice and why it does not fit.
+    `root_pieces`: None = whole roots; K = replay's roots in K pieces (PP layouts only); "auto" = searched per PP
+    layout (plan/pipeline.py root_pieces_searched). Not searched by default: train's sampler cannot run the pipeline
+    layouts pieces favour at these sizes (a whole-model copy per rank, docs/parallelism.md), so the default answer
+    stays one that every entry point runs."""
     if gpus <= 0:
         raise UserError(f"--gpus must be positive, got {gpus}")
     if schedule not in SCHEDULES:
         raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}")
     if branch_micro_batch is not None and branch_micro_batch <= 0:
         raise UserError(f"--branch-micro-batch must be positive, got {branch_micro_batch}")
-    if root_pieces is not None:  # without PP or for another schedule: the rule's own line (pp: any > 1)
+    if root_pieces == "auto" and schedule != "replay":
+        raise UserError(f"--root-pieces auto applies to --schedule replay only, not {schedule}")
+    if isinstance(root_pieces, int):  # without PP or for another schedule: the rule's own line (pp: any > 1)
         check_pipeline(schedule, pp=pp or 2, root_pieces=root_pieces)
     if cp:  # a fixed CP size the rules refuse: their own line, not the search's "no layout" (which hides why)
         check_run(schedule, cp=cp)
@@ -655,7 +660,7 @@ def plan(
             arch, shape, gpus, tp=tp, cp=cp, dp=dp, pp=pp, recompute=recompute, schedule=schedule, ep=ep
         )
         layout_given = False
-    if root_pieces and root_pieces > 1:  # pieces need a pipeline
+    if root_pieces == "auto" or (isinstance(root_pieces, int) and root_pieces > 1):  # pieces need a pipeline
         layouts = [lay for lay in layouts if lay.pp > 1]
     if not layouts:
         raise UserError(
@@ -684,7 +689,7 @@ def plan(
             )
             for o in opts
             for b in bmbs
-            for k in ((root_pieces,) if root_pieces else root_pieces_searched(shape, lay, schedule))
+            for k in _pieces(root_pieces, shape, lay, schedule)
         ]
         fitting = [p for p in plans if p.fits]
         best_per_layout.append(min(fitting, key=_speed) if fitting else min(plans, key=_need))
@@ -694,6 +699,15 @@ def plan(
         return best
     rejected = [_rejection(p) for p in best_per_layout if p is not best and not p.fits]
     return dataclasses.replace(best, rejected=rejected)
+
+
+def _pieces(
+    root_pieces: int | str | None, shape: RolloutShape, layout: Layout, schedule: str
+) -> tuple[int, ...]:
+    """The root piece counts to evaluate `layout` at (plan's `root_pieces`)."""
+    if root_pieces == "auto":
+        return root_pieces_searched(shape, layout, schedule)
+    return (root_pieces or 1,)  # type: ignore[return-value]
 
 
 def micro_batches(shape: RolloutShape, schedule: str) -> tuple[int, ...]:
