@@ -16,8 +16,10 @@ the rollouts, the token-level attention mask, the positions computed. What chang
 renumbered), a piece is not a maximal run of shared tokens (a segment with one child, as a rollout that is a
 strict prefix of another already makes).
 
-Only roots with children are cut (a childless root is one whole rollout: a leaf micro-batch of the wave already);
-a root shorter than k is cut into one-token pieces. Pieces have equal lengths, the first `length % k` one token
+Every shared segment is cut, a root or an inner segment with children: when a batch's prompts share their first
+tokens (a BOS token, a system prompt) the tree's root is that common part and each prompt is an inner segment, which
+must be cut too for the pieces to do anything. Segments without children (the leaves: one rollout's own tokens, a
+leaf micro-batch of the wave already) are not cut; a segment shorter than k is cut into one-token pieces. Pieces have equal lengths, the first `length % k` one token
 longer (later pieces attend to more keys, so they cost more: the planner charges the bubble for the last one,
 plan/pipeline.py).
 """
@@ -37,16 +39,15 @@ def piece_lengths(length: int, pieces: int) -> list[int]:
 
 
 def split_roots(tree: PrefixTree, pieces: int) -> PrefixTree:
-    """`tree` with every root that has children cut into `pieces` chained segments (see the module doc); the tree
-    itself when `pieces` is 1 or no root is cut."""
-    if pieces == 1 or all(len(piece_lengths(tree.segments[r].length, pieces)) == 1 or
-                          not tree.segments[r].children for r in tree.roots):  # fmt: skip
+    """`tree` with every shared segment (a root or inner segment with children) cut into `pieces` chained segments
+    (see the module doc); the tree itself when `pieces` is 1 or nothing is cut."""
+    if pieces == 1 or all(len(piece_lengths(s.length, pieces)) == 1 or not s.children for s in tree.segments):
         return tree
-    # old id -> new ids (one, or a root's pieces in order); pre-order is kept: a root's pieces take its place
+    # old id -> new ids (one, or a shared segment's pieces in order); pre-order is kept: the pieces take its place
     new_ids: list[list[int]] = []
     n = 0
     for s in tree.segments:
-        k = len(piece_lengths(s.length, pieces)) if s.parent < 0 and s.children else 1
+        k = len(piece_lengths(s.length, pieces)) if s.children else 1
         new_ids.append(list(range(n, n + k)))
         n += k
 
@@ -56,22 +57,16 @@ def split_roots(tree: PrefixTree, pieces: int) -> PrefixTree:
     out: list[Segment] = []
     for s in tree.segments:
         ids = new_ids[s.id]
-        ancestors = tuple(i for a in s.ancestors for i in new_ids[a])
-        depth = len(ancestors)
-        if len(ids) == 1:
-            out.append(
-                Segment(id=ids[0], parent=last(s.parent) if s.parent >= 0 else -1,
-                        children=tuple(new_ids[c][0] for c in s.children), depth=depth, tokens=s.tokens,
-                        start_position=s.start_position, offset=s.offset, length=s.length, ancestors=ancestors)
-            )  # fmt: skip
-            continue
+        above = tuple(i for a in s.ancestors for i in new_ids[a])
+        parent = last(s.parent) if s.parent >= 0 else -1
         at = 0
-        for j, (sid, length) in enumerate(zip(ids, piece_lengths(s.length, pieces), strict=True)):
+        for j, (sid, length) in enumerate(zip(ids, piece_lengths(s.length, len(ids)), strict=True)):
             children = (ids[j + 1],) if j + 1 < len(ids) else tuple(new_ids[c][0] for c in s.children)
+            ancestors = above + tuple(ids[:j])
             out.append(
-                Segment(id=sid, parent=ids[j - 1] if j else -1, children=children, depth=j,
+                Segment(id=sid, parent=ids[j - 1] if j else parent, children=children, depth=len(ancestors),
                         tokens=s.tokens[at : at + length], start_position=s.start_position + at,
-                        offset=s.offset + at, length=length, ancestors=tuple(ids[:j]))
+                        offset=s.offset + at, length=length, ancestors=ancestors)
             )  # fmt: skip
             at += length
     leaves = tuple(last(tree.rollout_segments(i)[-1]) for i in range(len(tree.rollouts)))

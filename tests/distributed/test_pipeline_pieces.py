@@ -7,7 +7,7 @@
 - `train` with `schedule.root_pieces=3` at `parallel.pp=2`: tests/distributed/test_pipeline_train.py.
 
 Each run also records what the pipeline was given (a spy on schedule/pipeline.py's `split_roots`): the flag must
-reach the pipeline and cut every root that has children into 3 pieces, so a flag that were parsed and then dropped
+reach the pipeline and cut every shared segment into 3 pieces, so a flag that were parsed and then dropped
 (the pipeline running whole roots, which gives the same gradient) fails here. The pieces' own exactness, order and
 planted bugs: tests/distributed/test_pipeline.py and tests/unit/test_root_pieces.py.
 """
@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from test_objectives_parallel import VOCAB, _close, _rollouts
 
 from megatron_branch.data import PrefixTree, Rollout, write_rollouts_jsonl
+from megatron_branch.data.pieces import piece_lengths
 from megatron_branch.schedule import pipeline as pipeline_mod
 from megatron_branch.testing import tiny_hf_config, tiny_hf_model
 
@@ -47,10 +48,11 @@ def spy_on_pieces(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]
 
 
 def expected_growth(tree: PrefixTree, pieces: int) -> int:
-    """Segments a cut into `pieces` adds: pieces - 1 per root with children (the roots here are long enough)."""
-    roots = [tree.segments[r] for r in tree.roots if tree.segments[r].children]
-    assert roots and all(s.length >= pieces for s in roots)
-    return len(roots) * (pieces - 1)
+    """Segments a cut into `pieces` adds: pieces - 1 per shared segment (root or inner, with children) at least
+    `pieces` tokens long, fewer for a shorter one (data/pieces.py)."""
+    shared = [s for s in tree.segments if s.children]
+    assert any(s.length >= pieces for s in shared)
+    return sum(len(piece_lengths(s.length, pieces)) - 1 for s in shared)
 
 
 def _shared_dir() -> Path:

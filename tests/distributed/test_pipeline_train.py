@@ -7,7 +7,7 @@
 - A 3-step GRPO `train` run at parallel.pp=2 equals the run at parallel.tp=2 with schedule.name=naive (megatron's
   own attention, every rollout alone; both one DP replica, so both sample with the same stream): the same sampled
   tokens and rewards, losses, and every parameter after the last step; so does the run at parallel.pp=2 with
-  schedule.root_pieces=3 (data/pieces.py), whose pipeline is checked to have cut every root (a spy on
+  schedule.root_pieces=3 (data/pieces.py), whose pipeline is checked to have cut every tree (a spy on
   split_roots: a config key that never reached the pipeline would give the same numbers). The sampler runs a
   whole-model copy refreshed from the stages (train/models.py whole_copy), the updates run the stages.
 (PP2 checkpoints resuming at PP1: tests/distributed/test_resume_layouts.py.)
@@ -103,8 +103,9 @@ def test_pipeline_train_three_steps_equal_naive(monkeypatch: pytest.MonkeyPatch)
         _same_parameters(a, gather_model_state(unwrap(got.policy), got.groups))
         cuts = spy_on_pieces(monkeypatch)
         cut, mcut = _run(_cfg(tmp / "pp2_pieces", *f64, "parallel.pp=2", "schedule.root_pieces=3"))
-        # every pipelined pass was given 3 pieces; each RL step's (its groups share a prompt) cut the roots (the
-        # warm-up's one-answer trees have no root with children: nothing to cut)
+        # every pipelined pass was given 3 pieces; the RL steps' trees were cut (their prompts share the first token:
+        # the root is that token, each prompt an inner segment with the rollouts under it, cut too); the warm-up's
+        # one-answer-per-prompt trees have no long shared segment to cut
         assert cuts and all(k == 3 for k, _, _ in cuts), cuts
         assert sum(after > before for _, before, after in cuts) >= 3, cuts
         _same_run(mref, mcut)
