@@ -6,10 +6,12 @@ float32. Per round and variant (round-robin, the order rotated, one untimed warm
 step through schedule/pipeline.py; per stage the seconds its chunk forwards and backwards ran (busy) against the
 step's wall time. Printed per variant: median step seconds, each stage's efficiency (busy / wall), the mean over
 stages, and replay's speed-up over naive-fused. The planner's bubble model (plan/pipeline.py) predicts replay's
-efficiency from the root's share of the work; this measures it.
+efficiency from the root's share of the work; this measures it. With `--root-pieces K` (K > 1) a third variant,
+replay with its root cut into K sequence pieces (ScheduleOptions.root_pieces, data/pieces.py), runs in the same
+rounds.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m torch.distributed.run --standalone --nproc_per_node 2 \\
-        benchmarks/pipeline_bubble.py --prompt 2048 --branches 8 --response 64 --rounds 3
+        benchmarks/pipeline_bubble.py --prompt 2048 --branches 8 --response 64 --rounds 3 --root-pieces 4
 
 Timings are only meaningful on a quiet machine (the figures in docs/parallelism.md are pending one).
 """
@@ -17,6 +19,7 @@ Timings are only meaningful on a quiet machine (the figures in docs/parallelism.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import time
@@ -34,6 +37,8 @@ from megatron_branch.schedule import ScheduleOptions, run_schedule
 from megatron_branch.schedule import pipeline as pipeline_mod
 
 VARIANTS = ("naive-fused", "replay")
+PIECES = "replay+pieces"
+"""The variant name of replay with its root cut into --root-pieces pieces."""
 
 
 def _rollouts(prompt: int, branches: int, response: int, vocab: int) -> list[Rollout]:
@@ -73,6 +78,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--branch-micro-batch", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--root-pieces", type=int, default=1, help="K > 1: also replay with its root in K pieces")
     args = ap.parse_args()
     groups = initialize_parallel(ParallelConfig(pp=int(os.environ.get("WORLD_SIZE", "1"))))
     pp = groups.pp_size
@@ -88,17 +94,21 @@ def main() -> None:
         [r.advantage for r in rollouts], tree.num_response_tokens_logical()
     )
     opts = ScheduleOptions(groups=groups, vocab_size=vocab, branch_micro_batch=args.branch_micro_batch)
-    wall: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    eff: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    variants = VARIANTS + ((PIECES,) if args.root_pieces > 1 else ())
+    runs = {v: (v, opts) for v in VARIANTS}
+    runs[PIECES] = ("replay", dataclasses.replace(opts, root_pieces=args.root_pieces))
+    wall: dict[str, list[float]] = {v: [] for v in variants}
+    eff: dict[str, list[float]] = {v: [] for v in variants}
     for r in range(args.rounds + 1):  # round 0: warm-up, not recorded
-        order = VARIANTS[r % 2 :] + VARIANTS[: r % 2]
-        for v in order:
+        k = r % len(variants)
+        for v in variants[k:] + variants[:k]:
+            name, o = runs[v]
             busy: list[float] = []
             model.zero_grad(set_to_none=True)
             dist.barrier()
             t0 = time.perf_counter()
             with _timed(busy):
-                run_schedule(v, model, tree, objective, opts)
+                run_schedule(name, model, tree, objective, o)
             dist.barrier()
             t = time.perf_counter() - t0
             every = [torch.zeros(1, dtype=torch.float64) for _ in range(pp)]
@@ -108,11 +118,14 @@ def main() -> None:
                 eff[v].append(statistics.mean(float(b) / t for b in every))
     if dist.get_rank() == 0:
         print(f"PP{pp}, {arch.num_layers} layers, hidden {args.hidden}: {tree.describe()}")
-        for v in VARIANTS:
-            print(f"  {v:<12} median step {statistics.median(wall[v]):.3f} s, stage efficiency (busy / wall) "
+        for v in variants:
+            print(f"  {v:<14} median step {statistics.median(wall[v]):.3f} s, stage efficiency (busy / wall) "
                   f"{statistics.median(eff[v]):.2f}")  # fmt: skip
         speed = statistics.median(wall["naive-fused"]) / statistics.median(wall["replay"])
         print(f"  replay speed-up over naive-fused under PP{pp}: {speed:.2f}x")
+        if PIECES in variants:
+            speed = statistics.median(wall["naive-fused"]) / statistics.median(wall[PIECES])
+            print(f"  replay with {args.root_pieces} root pieces, speed-up over naive-fused: {speed:.2f}x")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,10 @@ Rules (a flag that would do nothing is refused, not ignored):
                                        split)
     what the pipeline does not run     interleaved (virtual) stages, hybrid (gated delta net) models,
                                        mixture-of-experts models, the PPO critic: not pipelined yet
+    root pieces are the pipeline's     cutting replay's roots into sequence pieces (root_pieces > 1,
+                                       data/pieces.py) fills the pipeline's stages; without pipeline parallelism
+                                       the pieces would run one after another as the whole root does, and the
+                                       other schedules have no root chunk: refused (a positive count always)
     GDN heads split over CP            a hybrid's gated delta net layer runs under CP by the head exchange (each CP
                                        rank runs a block of a TP rank's heads over the whole chunk,
                                        models/gdn_heads.py): the value heads per TP rank must divide by cp and the
@@ -159,9 +163,29 @@ def check_pipeline(
     hybrid: bool = False,
     critic: bool = False,
     moe: bool = False,
+    root_pieces: int = 1,
 ) -> None:
     """Refuse what pipeline parallelism cannot run (see the module doc): a SettingError, command-line wording.
-    `num_layers`: the model's (when known); `virtual`: megatron's virtual_pipeline_model_parallel_size."""
+    `num_layers`: the model's (when known); `virtual`: megatron's virtual_pipeline_model_parallel_size;
+    `root_pieces`: the sequence pieces each replay root is cut into (schedule/options.py)."""
+    if root_pieces < 1:
+        raise SettingError(
+            lambda s: f"{s.name('root_pieces')} must be a positive number of pieces, got {root_pieces}"
+        )
+    if root_pieces > 1 and schedule != "replay":
+        raise SettingError(
+            lambda s: (
+                f"{s.value('root_pieces', root_pieces)} applies to {s.name('schedule')} replay only (it cuts "
+                f"replay's shared roots into pieces); {s.value('schedule', schedule)} has no root chunk to cut"
+            )
+        )
+    if root_pieces > 1 and pp == 1:
+        raise SettingError(
+            lambda s: (
+                f"{s.value('root_pieces', root_pieces)} needs pipeline parallelism ({s.name('pp')} > 1): the "
+                "pieces fill the stages; on one stage they would run one after another as the whole root does"
+            )
+        )
     if virtual not in (None, 1):
         raise SettingError(
             lambda s: (
@@ -390,6 +414,7 @@ API = Spelling(
         "top_k": "SamplingParams.top_k",
         "top_p": "SamplingParams.top_p",
         "stop_token_ids": "SamplingParams.stop_token_ids",
+        "root_pieces": "ScheduleOptions.root_pieces",
         "branch_at": "SamplingParams.branch_at",
         "branch_factor": "SamplingParams.branch_factor",
         "share_prefix": "SamplingParams.share_prefix",

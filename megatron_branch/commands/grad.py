@@ -89,6 +89,13 @@ def add_grad_command(sub: Any) -> None:
         default=1,
         help="pipeline-parallel stages (replay or packed; must divide the layers)",
     )
+    p.add_argument(
+        "--root-pieces",
+        type=int,
+        default=1,
+        help="replay under --pp: cut each shared root (prompt) into this many sequence pieces, which flow through "
+        "the stages like micro-batches (exact; default 1: whole roots)",
+    )
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallel over the TP group")
     p.add_argument(
         "--ep",
@@ -346,8 +353,9 @@ def run_grad(args: argparse.Namespace) -> int:
         arch = ModelArch.from_hf_config(load_hf_config(args.hf), where=os.path.join(args.hf, "config.json"))
         arch.check_tensor_parallel(pcfg.tp)
         check_pipeline(
-            args.schedule, pp=pcfg.pp, num_layers=arch.num_layers, hybrid=arch.is_hybrid, moe=arch.is_moe
-        )
+            args.schedule, pp=pcfg.pp, num_layers=arch.num_layers, hybrid=arch.is_hybrid, moe=arch.is_moe,
+            root_pieces=args.root_pieces,
+        )  # fmt: skip
         check_schedule_supports(arch, args.schedule, cp=pcfg.cp, tp=pcfg.tp)
         moe = moe_options(args, arch)
         HFTensorReader(args.hf)  # every shard's header is read now: a broken file fails before any work
@@ -399,6 +407,7 @@ def run_grad(args: argparse.Namespace) -> int:
         branch_micro_batch=args.branch_micro_batch,
         recompute=args.recompute,
         recompute_layers=args.recompute_layers,
+        root_pieces=args.root_pieces,
         moe=moe,
     )
     plan = UpdatePlan(opts=opts, schedule=args.schedule, pg_collection=pg_collection)
@@ -435,6 +444,7 @@ def run_grad(args: argparse.Namespace) -> int:
         "cp": groups.cp_size,
         "dp": groups.dp_size,
         "pp": groups.pp_size,
+        "root_pieces": args.root_pieces,
         "sequence_parallel": groups.sequence_parallel,
         "ep": groups.ep_size,
         "out": args.out,

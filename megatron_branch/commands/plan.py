@@ -4,7 +4,7 @@
         [--prompts N] [--shared-response-length K] --gpus N --gpu h20|h100|h200
         [--gpu-memory-gb M --gpu-tflops T --link-gbps B] [--host-memory-gb H --host-link-gbps L]
         [--node-link-gbps B] [--tp N --cp N --pp N --dp N --recompute none|selective|full] [--ep N]
-        [--optimizer plain|distributed] [--offload-fraction F] [--branch-micro-batch B]
+        [--optimizer plain|distributed] [--offload-fraction F] [--branch-micro-batch B] [--root-pieces K|auto]
         [--schedule replay|packed|naive] [--json]
 
 A mixture-of-experts model (qwen3-30b-a3b, or a Qwen3-MoE / Mixtral / Qwen2-MoE config.json) adds expert
@@ -13,7 +13,8 @@ top-k experts' FLOPs.
 With --json the last stdout line is one JSON object: fits, layout {tp, cp, dp, pp, recompute} (+ ep for MoE),
 memory_bytes_per_rank (one key per term and total), flops {naive, replay, ratio, ...}, step_time_s, optimizer
 {name, use_distributed_optimizer, optimizer_cpu_offload, optimizer_offload_fraction}, host_memory_bytes_per_node,
-host_memory_bytes_per_rank (by term), branch_micro_batch, rejected (per other layout: its best choice and why it
+host_memory_bytes_per_rank (by term), branch_micro_batch, root_pieces (replay under PP: the sequence pieces each root
+is cut into), rejected (per other layout: its best choice and why it
 does not fit), and more. The command line and these keys are a stable contract. Exit status 0 whether or not it
 fits (read `fits`); 2 on bad input.
 """
@@ -75,6 +76,12 @@ def add_plan_command(sub: Any) -> None:
         "--branch-micro-batch", type=int, help="replay: sibling leaves per forward (default: searched 8..1)"
     )
     p.add_argument(
+        "--root-pieces",
+        type=_pieces,
+        help="replay under PP: sequence pieces each root is cut into (default 1: whole roots; 'auto': searched "
+        "1..16 per pipeline layout, pieces of at least 4096 tokens; plan/pipeline.py)",
+    )
+    p.add_argument(
         "--dtype",
         choices=["bf16", "float32"],
         default="bf16",
@@ -82,6 +89,15 @@ def add_plan_command(sub: Any) -> None:
     )
     p.add_argument("--json", action="store_true", help="end with one JSON line (the stable contract)")
     p.set_defaults(func=run_plan)
+
+
+def _pieces(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of pieces or 'auto', got {value!r}") from None
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -112,6 +128,7 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     kw = {
         "branch_micro_batch": args.branch_micro_batch,
+        "root_pieces": args.root_pieces,
         "dtype": args.dtype,
         "distributed_optimizer": None if args.optimizer is None else args.optimizer == "distributed",
         "offload_fraction": args.offload_fraction,
@@ -155,7 +172,8 @@ def render(p: Plan, fixes: list[str]) -> str:
         f"layout: tp {lay.tp} x cp {lay.cp} x pp {lay.pp} x dp {lay.dp}"
         + (f" (ep {lay.ep})" if p.arch.is_moe else "")
         + f", recompute {lay.recompute}, schedule {p.schedule}, {p.dtype}, optimizer {p.optimizer.name}, "
-        f"branch micro-batch {p.branch_micro_batch}",
+        f"branch micro-batch {p.branch_micro_batch}"
+        + (f", root pieces {p.root_pieces}" if p.root_pieces > 1 else ""),
         "memory per rank (GB):",
     ]
     for k in TERMS_IN_TOTAL:

@@ -180,6 +180,7 @@ def step_time(
     dtype: str = "bf16",
     optimizer: OptimizerChoice | None = None,
     branch_micro_batch: int = 8,
+    root_pieces: int = 1,
 ) -> dict[str, Any]:
     world = layout.world
     rate = gpu.tflops * 1e12 * MFU
@@ -228,7 +229,7 @@ def step_time(
         )  # forward x1 (+ recompute), backward x2 -> 3/2
     pipe = pipeline_seconds(
         arch, shape, layout, gpu, schedule, fl, rate=rate, act_bytes=DTYPE_BYTES[dtype],
-        branch_micro_batch=branch_micro_batch,
+        branch_micro_batch=branch_micro_batch, root_pieces=root_pieces,
     )  # fmt: skip
     return {
         "total": compute

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from megatron_branch.data.pieces import piece_lengths
 from megatron_branch.models.arch import ModelArch
 from megatron_branch.plan.activations import (
     Dims,
@@ -120,20 +121,23 @@ def step_peak(
     layer_recompute: bool | None = None,
     gdn_kernel: str = "fla",
     stage: int | None = None,
+    root_pieces: int = 1,
 ) -> Peak:
     """Peak per-rank memory of one step. Prompt groups run one after another (replay runs root by root; packed
     and naive see one group's rollouts at a time per DP rank only for naive, whole tree for packed).
     `gdn_kernel`: a hybrid's delta-rule kernel ("fla" on GPU, "torch" where it runs megatron's torch path).
     Under pipeline parallelism (layout.pp > 1) the peak of pipeline stage `stage` (default: the larger of the
     first and the last stage, plan/pipeline.py): its layers, the output layer on the last one, and the
-    micro-batches megatron's 1F1B order keeps alive on it (pp - stage; packed: one chunk per prompt group)."""
+    micro-batches megatron's 1F1B order keeps alive on it (pp - stage; packed: one chunk per prompt group).
+    `root_pieces`: replay's roots cut into that many sequence pieces (data/pieces.py; under PP): with segment
+    recompute each piece is recomputed at its own backward, so the root's backward holds one piece's graph."""
     if layout.pp > 1 and stage is None:
         from megatron_branch.plan.pipeline import heavier_stage_peak
 
         return heavier_stage_peak(
             arch, shape, layout, schedule=schedule, act_bytes=act_bytes, branch_micro_batch=branch_micro_batch,
             logprob_chunk_rows=logprob_chunk_rows, segment_recompute=segment_recompute,
-            layer_recompute=layer_recompute, gdn_kernel=gdn_kernel,
+            layer_recompute=layer_recompute, gdn_kernel=gdn_kernel, root_pieces=root_pieces,
         )  # fmt: skip
     dm = Dims.of(arch, layout, act_bytes, gdn_kernel=gdn_kernel)
     if stage is not None:
@@ -202,6 +206,11 @@ def step_peak(
     # phase 2, the root's own backward: cache + grads + the root's graph; with segment recompute its graph is the
     # recomputed one, whose captured K/V are new storages beside the no-grad cache (held until the accumulated
     # grads are injected). Without any recompute this never exceeds phase 1 (which holds the same graph).
+    if seg_rc and root_pieces > 1:
+        # one piece recomputed at a time: the longest, with the root's loss rows (a bound)
+        p = piece_lengths(R, root_pieces)[0]
+        root = chunk_saved_bytes(dm, local_rows(p, 1, layout), m_root, cp=cp, layer_recompute=lay_rc,
+                                 capture=True, sequences=[(p, 1)])  # fmt: skip
     root_kv = root["kv"] if seg_rc else 0
     phase_root = cached + root_kv + root["other"] + grads
     ring = max(

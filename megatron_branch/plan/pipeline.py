@@ -15,6 +15,13 @@ FLOPs / (tp cp pp) / the assumed rate),
     replay, per prompt group  the root's forward and backward cross the stages one after another (pp t_root
                               instead of t_root) and its M = ceil(G / b) leaf micro-batches flow as one wave in 1F1B
                               ((M + pp - 1) t_leaf instead of M t_leaf): bubble (pp - 1)(t_root + t_leaf)
+    replay, root pieces k     the root cut into a chain of k sequence pieces (data/pieces.py) that flow through the
+                              stages like micro-batches, forward in order and backward in reverse; each piece costs
+                              every stage the same time t_j, so each direction is a proportionate flow shop, whose
+                              makespan is sum_j t_j + (pp - 1) max_j t_j: bubble (pp - 1)(max_j t_j + t_leaf). The
+                              last piece is the dearest for a long root (it attends to every earlier token, and the
+                              root's loss rows are its own), so k pieces cut the root's share of the bubble to a
+                              little more than 1/k
     packed                    the DP rank's n groups as one wave: bubble (pp - 1) t_group
     messages                  every chunk's hidden states [rows, h] cross each stage boundary forward and their
                               gradient backward, counted as exposed (megatron's non-interleaved schedule waits
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_branch.data.pieces import piece_lengths
 from megatron_branch.models.arch import ModelArch
 from megatron_branch.plan.flops import (
     LOGITS_MATMULS,
@@ -78,22 +86,53 @@ def heavier_stage_peak(arch: ModelArch, shape: RolloutShape, layout: Layout, **k
     return max(peaks, key=lambda p: p.saved + p.ring_buffers + p.logits)
 
 
-def root_flops(arch: ModelArch, shape: RolloutShape, layout: Layout) -> float:
-    """FLOPs of one prompt group's root chunk under replay (forward, backward, its recomputed forward), as
-    plan/flops.py counts the whole step."""
-    R, G, K = shape.root_length, shape.responses, shape.shared_response_length
-    tok, pair, row = (
-        layer_matmul_flops_per_token(arch),
-        attention_flops_per_pair(arch),
-        logits_flops_per_row(arch),
-    )
+MIN_PIECE_TOKENS = 4096
+"""The search's shortest root piece: the assumed MFU is a large-GEMM rate, and a piece's GEMMs have its tokens as
+rows (a stated assumption, not measured; a fixed `--root-pieces` is taken as given)."""
+
+PIECES_SEARCHED = (1, 2, 4, 8, 16)
+
+
+def root_pieces_searched(shape: RolloutShape, layout: Layout, schedule: str) -> tuple[int, ...]:
+    """The root piece counts the search tries: under PP for replay's shared roots, pieces of at least
+    MIN_PIECE_TOKENS tokens; 1 (whole roots) otherwise."""
+    if layout.pp == 1 or schedule != "replay" or shape.responses == 1:
+        return (1,)
+    return tuple(k for k in PIECES_SEARCHED if k == 1 or shape.root_length // k >= MIN_PIECE_TOKENS)
+
+
+def _chunk_flops(arch: ModelArch, layout: Layout, tokens: int, pairs: int, rows: int) -> float:
+    """FLOPs of a chunk of `tokens` tokens and `pairs` visible (query, key) pairs whose `rows` rows reach the output
+    layer (forward, backward and the recompute of `layout`), as plan/flops.py counts the whole step."""
     again = (1 if layout.recompute in ("selective", "full") else 0) + (1 if layout.recompute == "full" else 0)
-    rows_again = K + G if layout.recompute in ("selective", "full") else 0
+    rows_again = rows if layout.recompute in ("selective", "full") else 0
     return float(
-        tok * (3 + again) * R
-        + pair * (3 + again) * causal_pairs(R)
-        + row * (LOGITS_MATMULS * (K + G) + rows_again)
+        layer_matmul_flops_per_token(arch) * (3 + again) * tokens
+        + attention_flops_per_pair(arch) * (3 + again) * pairs
+        + logits_flops_per_row(arch) * (LOGITS_MATMULS * rows + rows_again)
     )
+
+
+def root_flops(arch: ModelArch, shape: RolloutShape, layout: Layout) -> float:
+    """FLOPs of one prompt group's root chunk under replay (forward, backward, its recomputed forward): its R
+    tokens causally, its K + G loss rows (the shared response tokens and one fork token per child)."""
+    R, rows = shape.root_length, shape.shared_response_length + shape.responses
+    return _chunk_flops(arch, layout, R, causal_pairs(R), rows)
+
+
+def piece_flops(arch: ModelArch, shape: RolloutShape, layout: Layout, pieces: int) -> list[float]:
+    """FLOPs of each of the root's pieces (data/pieces.py's lengths): piece j's tokens attend causally to
+    themselves and fully to the earlier pieces; the root's loss rows sit at its end, in the last piece (a bound
+    when K + G exceed the last piece's tokens). They add up to `root_flops`."""
+    out, start = [], 0
+    lengths = piece_lengths(shape.root_length, pieces)
+    rows = shape.shared_response_length + shape.responses
+    for j, n in enumerate(lengths):
+        out.append(
+            _chunk_flops(arch, layout, n, causal_pairs(n, start), rows if j == len(lengths) - 1 else 0)
+        )
+        start += n
+    return out
 
 
 def pipeline_seconds(
@@ -107,8 +146,10 @@ def pipeline_seconds(
     rate: float,
     act_bytes: int,
     branch_micro_batch: int,
+    root_pieces: int = 1,
 ) -> dict[str, float]:
-    """The pipeline's bubble and its stage-to-stage messages (seconds per step; 0 without PP)."""
+    """The pipeline's bubble and its stage-to-stage messages (seconds per step; 0 without PP); `root_pieces`:
+    replay's roots cut into that many pieces (the module doc)."""
     pp = layout.pp
     if pp == 1:
         return {"pipeline_bubble": 0.0, "pipeline_messages": 0.0}
@@ -118,7 +159,7 @@ def pipeline_seconds(
     G = shape.responses
     if schedule == "replay" and G > 1:
         micro = cdiv(G, min(branch_micro_batch, G))
-        t_root = root_flops(arch, shape, layout) / ranks / rate
+        t_root = max(piece_flops(arch, shape, layout, root_pieces)) / ranks / rate  # the dearest piece
         t_leaf = (per_group - root_flops(arch, shape, layout)) / micro / ranks / rate
         bubble = groups * (pp - 1) * (t_root + t_leaf)
         rows = local_rows(shape.root_length, 1, layout) + micro * local_rows(

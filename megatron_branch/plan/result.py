@@ -59,6 +59,8 @@ class Plan:
     """Host bytes per rank by term, "total" per rank and "per_node" (every rank of a node)."""
     branch_micro_batch: int = 8
     """Replay: sibling leaves per forward."""
+    root_pieces: int = 1
+    """Replay under PP: the sequence pieces each root is cut into (data/pieces.py; 1 = whole roots)."""
     rejected: list[dict[str, Any]] = field(default_factory=list)
     """The search: for every other layout, its best choice and why it does not fit (empty for a fixed plan)."""
 
@@ -124,6 +126,7 @@ class Plan:
             "notes": list(self.notes),
             "optimizer": self.optimizer.as_dict(),
             "branch_micro_batch": self.branch_micro_batch,
+            "root_pieces": self.root_pieces,
             "fits_device": self.fits_device,
             "fits_host": self.fits_host,
             "host_memory_bytes_per_node": self.host_memory.get("per_node", 0),

@@ -21,6 +21,7 @@ from megatron_branch.plan.flops import attention_flops_per_pair, causal_pairs, s
 from megatron_branch.plan.memory import step_peak
 from megatron_branch.plan.model import GPU, RECOMPUTE, Layout, RolloutShape
 from megatron_branch.plan.optimizer import OptimizerChoice, choices
+from megatron_branch.plan.pipeline import root_pieces_searched
 from megatron_branch.plan.result import DTYPE_BYTES, Plan
 from megatron_branch.rules import (
     check_gdn_context_parallel,
@@ -56,8 +57,9 @@ def evaluate(
     arch.check_expert_parallel(layout.ep, tp=layout.tp)
     try:
         check_pipeline(
-            schedule, pp=layout.pp, num_layers=arch.num_layers, hybrid=arch.is_hybrid, moe=arch.is_moe
-        )
+            schedule, pp=layout.pp, num_layers=arch.num_layers, hybrid=arch.is_hybrid, moe=arch.is_moe,
+            root_pieces=kw.get("root_pieces", 1),
+        )  # fmt: skip
     except SettingError as e:
         raise UserError(str(e)) from None
     if layout.dp > shape.prompts:
@@ -124,7 +126,8 @@ def evaluate(
         notes.append(
             f"pp {layout.pp}: the heavier end stage's memory ({arch.num_layers // layout.pp} layers, vocab x h, "
             "the micro-batches 1F1B keeps alive on the first stage); the bubble is the root chunk crossing the "
-            "stages one after another plus (pp - 1) leaf micro-batches per wave (plan/pipeline.py); train's "
+            "stages one after another (cut into root pieces: its dearest piece) plus (pp - 1) leaf micro-batches "
+            "per wave (plan/pipeline.py); train's "
             "sampler under PP runs a whole-model copy (not counted here: sample with an external engine at "
             "this size)"
         )
@@ -155,6 +158,7 @@ def evaluate(
             dtype,
             optimizer,
             branch_micro_batch=kw.get("branch_micro_batch", 8),
+            root_pieces=kw.get("root_pieces", 1),
         ),
         fits=mem["total"] <= gpu.memory_bytes and host["per_node"] <= gpu.host_memory_bytes,
         dtype=dtype,
@@ -162,6 +166,7 @@ def evaluate(
         optimizer=optimizer,
         host_memory=host,
         branch_micro_batch=kw.get("branch_micro_batch", 8),
+        root_pieces=kw.get("root_pieces", 1),
     )
 
 
@@ -256,18 +261,27 @@ def plan(
     distributed_optimizer: bool | None = None,
     offload_fraction: float | None = None,
     branch_micro_batch: int | None = None,
+    root_pieces: int | str | None = None,
     **kw: Any,
 ) -> Plan:
     """The recommended plan: among the layouts x optimizer choices x branch micro-batches that fit on the device
     and in host memory (fixed fields kept), the fastest (full recompute costs one more forward of every layer and
     offload its copies and host step, so they win only where nothing lighter fits); if none fits, the one needing
-    least device memory. `rejected` lists, per other layout, its best choice and why it does not fit."""
+    least device memory. `rejected` lists, per other layout, its best choice and why it does not fit.
+    `root_pieces`: None = whole roots; K = replay's roots in K pieces (PP layouts only); "auto" = searched per PP
+    layout (plan/pipeline.py root_pieces_searched). Not searched by default: train's sampler cannot run the pipeline
+    layouts pieces favour at these sizes (a whole-model copy per rank, docs/parallelism.md), so the default answer
+    stays one that every entry point runs."""
     if gpus <= 0:
         raise UserError(f"--gpus must be positive, got {gpus}")
     if schedule not in SCHEDULES:
         raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}")
     if branch_micro_batch is not None and branch_micro_batch <= 0:
         raise UserError(f"--branch-micro-batch must be positive, got {branch_micro_batch}")
+    if root_pieces == "auto" and schedule != "replay":
+        raise UserError(f"--root-pieces auto applies to --schedule replay only, not {schedule}")
+    if isinstance(root_pieces, int):  # without PP or for another schedule: the rule's own line (pp: any > 1)
+        check_pipeline(schedule, pp=pp or 2, root_pieces=root_pieces)
     if cp:  # a fixed CP size the rules refuse: their own line, not the search's "no layout" (which hides why)
         check_run(schedule, cp=cp)
         if tp and arch.is_hybrid:
@@ -283,6 +297,8 @@ def plan(
             arch, shape, gpus, tp=tp, cp=cp, dp=dp, pp=pp, recompute=recompute, schedule=schedule, ep=ep
         )
         layout_given = False
+    if root_pieces == "auto" or (isinstance(root_pieces, int) and root_pieces > 1):  # pieces need a pipeline
+        layouts = [lay for lay in layouts if lay.pp > 1]
     if not layouts:
         raise UserError(
             f"no layout of {gpus} GPUs satisfies the fixed --tp/--cp/--pp/--dp (dp <= --prompts {shape.prompts}, "
@@ -305,10 +321,12 @@ def plan(
                 optimizer=o,
                 memo=memo,
                 branch_micro_batch=b,
+                root_pieces=k,
                 **kw,
             )
             for o in opts
             for b in bmbs
+            for k in _pieces(root_pieces, shape, lay, schedule)
         ]
         fitting = [p for p in plans if p.fits]
         best_per_layout.append(min(fitting, key=_speed) if fitting else min(plans, key=_need))
@@ -320,6 +338,15 @@ def plan(
     return dataclasses.replace(best, rejected=rejected)
 
 
+def _pieces(
+    root_pieces: int | str | None, shape: RolloutShape, layout: Layout, schedule: str
+) -> tuple[int, ...]:
+    """The root piece counts to evaluate `layout` at (plan's `root_pieces`)."""
+    if root_pieces == "auto":
+        return root_pieces_searched(shape, layout, schedule)
+    return (root_pieces or 1,)  # type: ignore[return-value]
+
+
 def micro_batches(shape: RolloutShape, schedule: str) -> tuple[int, ...]:
     """Branch micro-batches the search tries: 8, 4, 2, 1 (at most G; replay only, the others ignore it)."""
     if schedule != "replay":
@@ -328,7 +355,13 @@ def micro_batches(shape: RolloutShape, schedule: str) -> tuple[int, ...]:
 
 
 def _speed(p: Plan) -> tuple:
-    return (round(p.step_time["total"], 6), -p.branch_micro_batch, p.memory["total"], p.optimizer.distributed)
+    return (
+        round(p.step_time["total"], 6),
+        -p.branch_micro_batch,
+        p.memory["total"],
+        p.optimizer.distributed,
+        p.root_pieces,
+    )
 
 
 def _need(p: Plan) -> tuple:
@@ -340,6 +373,7 @@ def _rejection(p: Plan) -> dict[str, Any]:
         "layout": {**p.layout.as_dict(), **({"ep": p.layout.ep} if p.arch.is_moe else {})},
         "optimizer": p.optimizer.name,
         "branch_micro_batch": p.branch_micro_batch,
+        "root_pieces": p.root_pieces,
         "memory_bytes_per_rank": p.memory["total"],
         "host_memory_bytes_per_node": p.host_memory.get("per_node", 0),
         "largest_term": p.largest_term,
@@ -363,7 +397,7 @@ def what_would_fit(p: Plan, **kw: Any) -> list[str]:
             break
     need = p.memory["total"] / 1e9
     out.append(f"a GPU with at least {need:.0f} GB at this layout")
-    same = {"dtype": p.dtype, "branch_micro_batch": p.branch_micro_batch}
+    same = {"dtype": p.dtype, "branch_micro_batch": p.branch_micro_batch, "root_pieces": p.root_pieces}
     if p.layout.recompute != "full":
         full = dataclasses.replace(p.layout, recompute="full")
         q = evaluate(p.model, p.arch, p.shape, p.gpu, p.gpus, full, p.schedule, optimizer=p.optimizer, **same)

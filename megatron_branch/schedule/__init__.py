@@ -16,7 +16,7 @@ import torch
 from megatron_branch.data import PrefixTree
 from megatron_branch.errors import SettingError
 from megatron_branch.losses.objective import Objective
-from megatron_branch.rules import API, check_gdn_context_parallel, check_hybrid_schedule
+from megatron_branch.rules import API, check_gdn_context_parallel, check_hybrid_schedule, check_pipeline
 from megatron_branch.schedule.common import ScheduleOptions, StepResult
 from megatron_branch.schedule.moe import moe_arch, run_with_router
 from megatron_branch.schedule.naive import run_naive
@@ -58,6 +58,13 @@ def run_schedule(
         raise e.spelled(API) from None
     if objective is None and not forward_only:
         raise ValueError("a training step needs an objective (objective=None only with forward_only=True)")
+    if (
+        opts.pp_size == 1
+    ):  # root pieces fill pipeline stages: refused without them (the pipeline checks its own)
+        try:
+            check_pipeline(name, pp=1, root_pieces=opts.root_pieces)
+        except SettingError as e:
+            raise e.spelled(API) from None
     if opts.pp_size > 1:  # this rank's pipeline stage runs its part of the walk (schedule/pipeline.py)
         from megatron_branch.schedule.pipeline import run_pipeline
 

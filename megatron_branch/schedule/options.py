@@ -49,6 +49,12 @@ class ScheduleOptions:
     """Under pipeline parallelism (schedule/pipeline.py): the order of each wave of leaf micro-batches on a stage,
     "1f1b" (megatron's: pp - 1 - stage forwards first, then one forward one backward; at most pp micro-batches
     alive) or "gpipe" (all forwards, then all backwards). Both give the same gradients."""
+    root_pieces: int = 1
+    """replay under pipeline parallelism: cut each shared root (a prompt with its branches) into this many sequence
+    pieces (fewer when the root is shorter; data/pieces.py), which flow through the stages like micro-batches, so
+    the root's forward and backward leave (pp - 1) / (root_pieces + pp - 1) of its time idle instead of
+    (pp - 1) / pp; exact (the unsplit root's computation in another order). 1 = whole roots. rules.check_pipeline
+    refuses it without pipeline parallelism or for another schedule."""
     logprob_chunk_rows: int = 256
     """Rows of logits alive at once in the fused path. 256 keeps the transient [rows, vocab] fp32 chunk at 32 MB
     for a 32K vocabulary (128 MB at 128K) while the chunk's GEMM stays large (256 x hidden x vocab); on the
@@ -64,6 +70,8 @@ class ScheduleOptions:
             raise ValueError(f"vocab_size must be positive, got {self.vocab_size}")
         if self.branch_micro_batch <= 0:
             raise ValueError(f"branch_micro_batch must be positive, got {self.branch_micro_batch}")
+        if self.root_pieces <= 0:
+            raise ValueError(f"root_pieces must be positive, got {self.root_pieces}")
         if self.pipeline_order not in ("1f1b", "gpipe"):
             raise ValueError(f"pipeline_order must be 1f1b or gpipe, got {self.pipeline_order!r}")
         if self.logprob_chunk_rows <= 0:

@@ -23,6 +23,16 @@ replay (the depth-first walk of schedule/replay.py, each step spread over the st
     B(root)       once, after every descendant: the gradient of the root's output from stage r+1 (1 for the loss
                   on the last stage) AND every descendant's summed gradient into this stage's captured state, in
                   ONE torch.autograd.backward; the gradient of the root's input goes to stage r-1
+root pieces (`root_pieces` = k > 1): each root with children is first cut into a chain of k sequence pieces
+(data/pieces.py), which the walk above runs as inner segments: F(piece 0) .. F(piece k-1) (piece j reads the earlier
+pieces' K/V from this stage's cache), the root's leaf waves, then B(piece k-1) .. B(piece 0). Every stage runs that
+sequence, so while stage r runs F(piece j), stage r-1 already runs F(piece j+1): the pieces fill the pipeline like
+micro-batches, forward from the first stage and backward from the last (S = 2, k = 3; Fj / Bj: piece j):
+        stage 0   F0 F1 F2 ~leaf wave~       B2 B1 B0
+        stage 1      F0 F1 F2 ~leaf wave~ B2 B1 B0
+B(piece j) on stage r starts once B(piece j+1) on stage r has added its dK/dV into piece j's cached K/V (program
+order) and stage r+1 has sent the gradient of piece j's output (a message). The root's forward and backward then
+leave (S-1)/(k+S-1) of their time idle instead of (S-1)/S (plan/pipeline.py); the arithmetic is the unsplit root's.
 With `recompute`, F(X) of an inner X keeps no graph; at B(X) each stage recomputes X's forward from the input it
 received in F(X) (kept: one [rows, 1, h] tensor), so the recompute sends no message and is bit-identical.
 Independent roots run one after another; consecutive childless roots form one wave.
@@ -52,6 +62,7 @@ from megatron_branch.attention.context import LocalContext, attach_context
 from megatron_branch.attention.layout import AttentionLayout
 from megatron_branch.attention.prefix_state import ChunkTree, Handoff, Tensors
 from megatron_branch.data import PrefixTree
+from megatron_branch.data.pieces import split_roots
 from megatron_branch.errors import SettingError
 from megatron_branch.losses.objective import BoundObjective, Objective
 from megatron_branch.parallel.pipeline import Shape, StageLink, broadcast_from_last, check_same_tree
@@ -353,9 +364,13 @@ def run_pipeline(
             hybrid=bool(getattr(arch, "is_hybrid", False)),
             moe=bool(getattr(arch, "is_moe", False)),
             critic=bool(getattr(_unwrap(model), "is_critic", False)),
+            root_pieces=opts.root_pieces,
         )
     except SettingError as e:
         raise e.spelled(API) from None
+    # replay's roots as chains of pieces (data/pieces.py): the same packed tokens, so the objective, the kept
+    # logprobs and the result are the unsplit tree's; every stage cuts the same tree the same way
+    tree = split_roots(tree, opts.root_pieces)
     check_same_tree(tree, opts.groups)
     bound = objective.bind(tree) if objective is not None else None
     p = _Pipeline(model, tree, bound, opts, forward_only=forward_only)

@@ -274,6 +274,9 @@ class ScheduleConfig:
     """replay: sibling leaves per forward."""
     recompute: bool = False
     """replay: recompute inner segments at backward."""
+    root_pieces: int = 1
+    """replay under pipeline parallelism (parallel.pp > 1): cut each shared root (prompt) into this many sequence
+    pieces, which flow through the stages like micro-batches (exact; 1 = whole roots; docs/parallelism.md)."""
     enable_gradient_checkpointing: bool = False
     """Per-layer activation checkpointing inside every chunk (ScheduleOptions.recompute_layers): each transformer
     layer keeps only its input and is recomputed in backward, one layer at a time; with `recompute` it is the

@@ -109,7 +109,8 @@ class Actor:
         opts = ScheduleOptions(
             groups=groups, vocab_size=arch.vocab_size, backend=cfg.schedule.backend,
             branch_micro_batch=cfg.schedule.branch_micro_batch, recompute=cfg.schedule.recompute,
-            recompute_layers=cfg.schedule.enable_gradient_checkpointing, moe=moe_opts,
+            recompute_layers=cfg.schedule.enable_gradient_checkpointing, root_pieces=cfg.schedule.root_pieces,
+            moe=moe_opts,
         )  # fmt: skip
         micro = -(-mini // (a.ppo_micro_batch_size or mini))  # micro-batches of a mini-batch
         self.plan = UpdatePlan(

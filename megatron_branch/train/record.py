@@ -95,6 +95,7 @@ def engine_record(trainee: Any, plan: Any) -> dict[str, Any]:
             "recompute": opts.recompute,
             "recompute_layers": opts.recompute_layers,
             "branch_micro_batch": opts.branch_micro_batch,
+            "root_pieces": opts.root_pieces,
         },
         "layers_checkpoint_themselves": uses_layer_checkpointing(trainee.model),
     }

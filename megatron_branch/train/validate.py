@@ -31,6 +31,7 @@ def _config_spelling() -> Spelling:
         algorithm="algorithm.name",
         schedule="schedule.name",
         recompute="schedule.recompute",
+        root_pieces="schedule.root_pieces",
         recompute_layers="schedule.enable_gradient_checkpointing",
         backend="schedule.backend",
         share_prefix="rollout.share_prefix",
@@ -85,7 +86,7 @@ def validate(cfg: TrainConfig) -> None:
         check_run(sc.name, cp=cfg.parallel.cp, recompute=sc.recompute,
                   recompute_layers=sc.enable_gradient_checkpointing, backend=sc.backend)  # fmt: skip
         algo = resolve_algorithm(cfg)
-        check_pipeline(sc.name, pp=cfg.parallel.pp, critic=algo.trains_critic)
+        check_pipeline(sc.name, pp=cfg.parallel.pp, critic=algo.trains_critic, root_pieces=sc.root_pieces)
     except SettingError as e:
         raise e.spelled(SPELLING) from None
     if algo.estimator is not None and algo.estimator.group_relative and r.n == 1:

@@ -3,6 +3,10 @@
     python tests/distributed/launch.py 2 -k pipeline     # PP2 (untied and tied embeddings), orders, planted bugs
     python tests/distributed/launch.py 4 -k pipeline     # PP4, TP2 x PP2 + SP, CP2 x PP2, DP2 x PP2
 
+Every layout also runs replay with its roots cut into 3 sequence pieces (`root_pieces`, data/pieces.py), which
+flow through the stages like micro-batches; PP2 also with segment recompute, forward-only (DPO's scoring pass),
+the order and overlap of the pieces on the stages, and two planted bugs of the pieces.
+
 The oracle is HF in float64 with exact norms, every rollout alone through the objective's own per-rollout loss
 (naive training's formula; tests/distributed/test_objectives_parallel.py). Per parameter: float64 1e-9, float32
 1e-5. The trees share prompts and response beginnings (two levels of branching) and the tokens carry per-rollout
@@ -93,11 +97,12 @@ def _policy_case(layout: str, dtype: torch.dtype, *, tie: bool = False) -> None:
     groups = initialize_parallel(LAYOUTS[dist.get_world_size()][layout])
     model = _stage_policy(hf, groups, dtype)
     tol = 1e-9 if dtype == torch.float64 else 1e-5
-    runs: list[tuple[str, dict[str, Any]]] = [("replay", {}), ("packed", {})]
+    runs: list[tuple[str, dict[str, Any]]] = [("replay", {}), ("packed", {}), ("replay", {"root_pieces": 3})]
     if layout == "pp2":  # the other order, segment recompute and the unshared baseline, once
         runs += [
             ("replay", {"pipeline_order": "gpipe"}),
             ("replay", {"recompute": True}),
+            ("replay", {"recompute": True, "root_pieces": 3}),
             ("naive-fused", {}),
         ]
     for schedule, options in runs:
@@ -142,8 +147,11 @@ def _dpo_case(layout: str, dtype: torch.dtype) -> None:
     groups = initialize_parallel(LAYOUTS[dist.get_world_size()][layout])
     model = _stage_policy(hf, groups, dtype)
     tol = 1e-9 if dtype == torch.float64 else 1e-5
-    for schedule in ("replay", "packed"):
-        metrics, grads = _pp_grads(hf, model, rollouts, dpo, groups, schedule)
+    runs: list[tuple[str, dict[str, Any]]] = [("replay", {}), ("packed", {})]
+    if layout == "pp2":  # the scoring pass through root pieces (forward-only), then their gradient pass
+        runs.append(("replay", {"root_pieces": 2}))
+    for schedule, options in runs:
+        metrics, grads = _pp_grads(hf, model, rollouts, dpo, groups, schedule, **options)
         assert metrics["actor/loss"] == pytest.approx(float(oracle), rel=tol)
         _close(grads, want, tol)
 
@@ -241,6 +249,133 @@ def _early_backward(self: Any, seg_id: int) -> None:
     self.run_children(self.tree.segments[seg_id].children)
     self.path.pop()
     self.cache.drop(seg_id)
+
+
+# ---- root pieces: their order, their overlap, planted bugs (PP2) ---------------------------------------------------
+@pytest.mark.world(2)
+def test_root_pieces_run_forward_in_order_and_backward_in_reverse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 5-token prompt cut into pieces of 2, 2, 1: every stage runs the pieces' forwards in order (each
+    capturing its K/V), the leaf wave in 1F1B, then the pieces' backwards in reverse order."""
+    from megatron_branch.losses import PolicyGradientObjective
+
+    prompt = [5, 6, 7, 8, 9]
+    rollouts = [Rollout(prompt=prompt, response=r, advantage=a) for r, a in
+                (([1, 2, 3], 1.0), ([2, 3], -0.5), ([3, 4, 5, 6], 0.25))]  # fmt: skip
+    hf = _hf()
+    objective = PolicyGradientObjective.grpo([r.advantage for r in rollouts], 9)
+    groups = initialize_parallel(ParallelConfig(pp=2))
+    model = _stage_policy(hf, groups, torch.float64)
+    log = _events(monkeypatch)
+    _pp_grads(hf, model, rollouts, objective, groups, "replay", branch_micro_batch=1, root_pieces=3)
+    want = {0: "F2c F2c F1c F3 F2 B3 F4 B2 B4 B1c B2c B2c", 1: "F2c F2c F1c F3 B3 F2 B2 F4 B4 B1c B2c B2c"}
+    assert " ".join(log) == want[groups.pp_rank], log
+
+
+@pytest.mark.world(2)
+def test_root_pieces_overlap_on_the_stages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pieces fill the pipeline: stage 0 runs F(piece j + 1) while stage 1 runs F(piece j), and stage 1 runs
+    B(piece j - 1) while stage 0 runs B(piece j). Each piece's forward and backward is slowed by 0.3 s (so that
+    the order of the intervals is the schedule's, not the machine's); one clock (CLOCK_MONOTONIC) for both ranks."""
+    import time
+
+    from megatron_branch.losses import PolicyGradientObjective
+
+    rollouts = [Rollout(prompt=[5, 6, 7, 8, 9, 10], response=r, advantage=a) for r, a in
+                (([1, 2], 1.0), ([2, 3], -0.5))]  # fmt: skip
+    hf = _hf()
+    objective = PolicyGradientObjective.grpo([r.advantage for r in rollouts], 4)
+    groups = initialize_parallel(ParallelConfig(pp=2))
+    model = _stage_policy(hf, groups, torch.float64)
+    spans: list[tuple[str, float, float]] = []
+    real_f, real_b = pipeline_mod._Stage.forward, pipeline_mod._Stage.backward
+
+    def timed(kind: str, real: Any, is_piece: Any) -> Any:
+        def run(self: Any, first: Any, *args: Any, **kw: Any) -> Any:
+            t0 = time.monotonic()
+            out = real(self, first, *args, **kw)
+            if is_piece(first, kw):
+                time.sleep(0.3)
+                spans.append((kind, t0, time.monotonic()))
+            return out
+
+        return run
+
+    monkeypatch.setattr(pipeline_mod._Stage, "forward", timed("F", real_f, lambda c, kw: kw["capture"]))
+    monkeypatch.setattr(
+        pipeline_mod._Stage, "backward", timed("B", real_b, lambda run, kw: bool(run.captured))
+    )
+    _pp_grads(hf, model, rollouts, objective, groups, "replay", root_pieces=3)
+    every: list[Any] = [None, None]
+    dist.all_gather_object(every, spans, group=groups.pp)
+    f = [[s for s in stage if s[0] == "F"] for stage in every]  # per stage: F(piece 0), F(1), F(2)
+    b = [[s for s in stage if s[0] == "B"] for stage in every]  # per stage: B(piece 2), B(1), B(0)
+    assert [len(x) for x in f + b] == [3, 3, 3, 3]
+    for j in range(2):
+        assert f[0][j + 1][1] < f[1][j][2], (j, f)  # stage 0's next piece starts before stage 1's ends
+        assert b[1][j + 1][1] < b[0][j][2], (j, b)  # backward: from the last stage, the same overlap
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("bug", ["piece_backward_before_later_pieces", "piece_blind_to_earlier_pieces"])
+def test_root_pieces_planted_bugs_are_caught(bug: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    hf, rollouts = _hf(), _rollouts()
+    objective = _objective(rollouts)
+    _, want = _oracle(hf, rollouts, objective)
+    groups = initialize_parallel(ParallelConfig(pp=2))
+    model = _stage_policy(hf, groups, torch.float64)
+    _, grads = _pp_grads(hf, model, rollouts, objective, groups, "replay", root_pieces=3)
+    assert _worst(grads, want) <= 1e-9  # the unplanted run is exact
+    if bug == "piece_backward_before_later_pieces":
+        monkeypatch.setattr(pipeline_mod._Pipeline, "run_segment", _pieces_backward_in_forward_order)
+    else:
+        real = pipeline_mod.split_roots
+        monkeypatch.setattr(pipeline_mod, "split_roots", lambda tree, k: _blind_pieces(tree, real(tree, k)))
+    _, grads = _pp_grads(hf, model, rollouts, objective, groups, "replay", root_pieces=3)
+    assert _worst(grads, want) > 1e-3, bug
+
+
+def _pieces_backward_in_forward_order(
+    self: Any, seg_id: int, _real: Any = pipeline_mod._Pipeline.run_segment
+) -> None:
+    """A planted walk of a root chain: the pieces' forwards, the leaves, then B(piece 0) first, so each piece's
+    backward runs before the later pieces have added their dK/dV (every stage alike, so the messages match)."""
+    seg = self.tree.segments[seg_id]
+    if seg.parent >= 0 or len(seg.children) != 1:
+        return _real(self, seg_id)
+    chain = [seg_id]
+    while len(self.tree.segments[chain[-1]].children) == 1:
+        chain.append(self.tree.segments[chain[-1]].children[0])
+    runs = []
+    for sid in chain:
+        chunk = self._chunk([sid])
+        run = self._forward(chunk, self.link.recv_forward(self.stage.shape(chunk)), capture=True, grad=True)
+        self.link.send_forward(run.output)
+        self.positions += chunk.num_real
+        self.cache.push(sid, run.captured, chunk.cache_rows, meta=chunk.cache_meta)
+        self.path.append(sid)
+        runs.append((sid, chunk, run))
+    self.run_children(self.tree.segments[chain[-1]].children)
+    for sid, chunk, run in runs:  # the planted order: forward order
+        outputs, grads = self.cache.injection(sid, run.captured)
+        grad_output = self.link.recv_backward(self.stage.shape(chunk))
+        self.link.send_backward(self.stage.backward(run, grad_output, outputs, grads))
+        self._record(run)
+    for sid in reversed(chain):
+        self.path.pop()
+        self.cache.drop(sid)
+
+
+def _blind_pieces(tree: PrefixTree, cut: PrefixTree) -> PrefixTree:
+    """The cut tree with every piece attending to itself only (its earlier pieces dropped from its ancestors; the
+    leaves below still see them all)."""
+    import dataclasses
+
+    cut_roots = [tree.segments[r] for r in tree.roots if tree.segments[r].children]
+    pieces = {
+        s.id for s in cut.segments if any(r.offset <= s.offset < r.offset + r.length for r in cut_roots)
+    }
+    blind = tuple(dataclasses.replace(s, ancestors=()) if s.id in pieces else s for s in cut.segments)
+    return PrefixTree(rollouts=cut.rollouts, segments=blind, leaves=cut._leaves)
 
 
 # ---- the command ------------------------------------------------------------------------------------------------

@@ -147,22 +147,30 @@ def test_each_term_within_5_percent(kind: str, mode: str) -> None:
 
 
 @pytest.mark.world(2)
-@pytest.mark.parametrize("recompute", [False, True])
-def test_planner_stage_bytes_match_the_meter_pp2(recompute: bool) -> None:
+@pytest.mark.parametrize(
+    "recompute, pieces", [(False, 1), (True, 1), (True, 3)], ids=["keep", "recompute", "pieces"]
+)
+def test_planner_stage_bytes_match_the_meter_pp2(recompute: bool, pieces: int) -> None:
     """Each pipeline stage's peak (its layer, the output layer on the last stage, the 1F1B micro-batches alive on
-    it: 2 of the 3 leaf micro-batches on the first stage) against the meter on that stage (plan/pipeline.py)."""
+    it: 2 of the 3 leaf micro-batches on the first stage) against the meter on that stage (plan/pipeline.py); with
+    the root cut into 3 pieces (data/pieces.py) and segment recompute, the root's backward recomputes one piece at
+    a time, which the planner's root term must follow (a planner that ignored the pieces would be 3x off there)."""
     groups = initialize_parallel(ParallelConfig(pp=2))
     torch.manual_seed(0)
     a = arch()
     model = build_model(a, dtype=torch.float32, pp=2, pp_rank=groups.pp_rank)
     shape = RolloutShape(prompt_length=120, responses=6, response_length=10, shared_response_length=2)
-    got = measure_step(model, shape, vocab=VOCAB, branch_micro_batch=2, recompute=recompute, groups=groups)
+    got = measure_step(model, shape, vocab=VOCAB, branch_micro_batch=2, recompute=recompute, groups=groups,
+                       root_pieces=pieces)  # fmt: skip
     layout = Layout(pp=2)
-    pk = step_peak(a, shape, layout, act_bytes=4, branch_micro_batch=2, segment_recompute=recompute,
-                   layer_recompute=False, stage=groups.pp_rank)  # fmt: skip
+    kw = {"act_bytes": 4, "branch_micro_batch": 2, "segment_recompute": recompute, "layer_recompute": False}
+    pk = step_peak(a, shape, layout, stage=groups.pp_rank, root_pieces=pieces, **kw)
     assert pk.saved == pytest.approx(got.saved_peak, rel=TOL), (groups.pp_rank, pk, got)
     dm = Dims.of(a, layout, 4)  # this stage's one layer
     assert got.cached_kv == layer_kv_bytes(dm, local_rows(shape.root_length, 1, layout))
+    if pieces > 1:  # the case tells the pieces apart: the whole root's recompute would be the larger peak
+        whole = step_peak(a, shape, layout, stage=groups.pp_rank, **kw)
+        assert whole.saved > 1.1 * pk.saved, (whole, pk)
 
 
 @pytest.mark.world(2)

@@ -1,6 +1,7 @@
-"""The planner's pipeline terms (plan/pipeline.py): which groups cross nodes, a stage's parameters, the bubble, the
-stages' peaks (each stage's peak against the activation meter: tests/distributed/test_plan_parallel.py), and the
-70B-class recommendation on two 8-GPU nodes."""
+"""The planner's pipeline terms (plan/pipeline.py): which groups cross nodes, a stage's parameters, the bubble (with
+root pieces: the dearest piece's), the stages' peaks (each stage's peak against the activation meter, with and
+without root pieces: tests/distributed/test_plan_parallel.py), and the 70B-class recommendation on two 8-GPU
+nodes."""
 
 from __future__ import annotations
 
@@ -11,9 +12,22 @@ import pytest
 
 from megatron_branch.cli import main
 from megatron_branch.plan import GPU_PRESETS, MODEL_PRESETS, Layout, RolloutShape, evaluate
+from megatron_branch.plan.flops import (
+    LOGITS_MATMULS,
+    attention_flops_per_pair,
+    layer_matmul_flops_per_token,
+    logits_flops_per_row,
+)
 from megatron_branch.plan.memory import step_peak
 from megatron_branch.plan.model import parameter_count
-from megatron_branch.plan.pipeline import crosses_nodes, stage_parameters_per_rank
+from megatron_branch.plan.pipeline import (
+    crosses_nodes,
+    piece_flops,
+    root_flops,
+    root_pieces_searched,
+    stage_parameters_per_rank,
+)
+from megatron_branch.plan.search import MFU
 
 ARCH = MODEL_PRESETS["qwen2.5-72b"]
 TARGET = RolloutShape(prompt_length=130048, responses=16, response_length=1024)  # 16 x 128K = 2,097,152
@@ -65,6 +79,76 @@ def test_the_bubble_is_the_root_crossing_the_stages_and_the_waves_fill() -> None
     assert no_pp.step_time["pipeline_bubble"] == 0 and no_pp.step_time["pipeline_messages"] == 0
 
 
+def _flow_shop(times: list[float], stages: int) -> float:
+    """When the last stage finishes: jobs in order through `stages` stages, each job the same time on every stage,
+    a stage one job at a time and a job on stage r after stage r - 1 (the pieces' forwards; backwards alike)."""
+    end = [0.0] * stages
+    for t in times:
+        for r in range(stages):
+            end[r] = max(end[r], end[r - 1] if r else 0.0) + t
+    return end[-1]
+
+
+def test_the_pieces_flow_like_micro_batches() -> None:
+    """The bubble formula the planner uses for pieces: a proportionate flow shop ends at sum + (pp - 1) max."""
+    times = [3.0, 1.0, 4.0, 1.5, 5.0, 2.0]
+    for pp in (2, 4):
+        assert _flow_shop(times, pp) == pytest.approx(sum(times) + (pp - 1) * max(times), rel=1e-12)
+    assert _flow_shop([6.0], 2) == 12.0  # a whole root: pp times its own time
+
+
+def test_root_pieces_add_up_to_the_root_and_the_last_is_dearest() -> None:
+    lay = Layout(tp=8, pp=2, recompute="full")
+    whole = root_flops(ARCH, TARGET, lay)
+    for k in (1, 3, 16):
+        parts = piece_flops(ARCH, TARGET, lay, k)
+        assert len(parts) == k and sum(parts) == pytest.approx(whole, rel=1e-12)
+        assert max(parts) == parts[-1]  # later pieces attend to more keys; the loss rows are the last one's
+    # by hand: a 12-token root in 3 pieces of 4 attends to 10, 4 x 4 + 10 and 8 x 4 + 10 pairs; 2 fork rows
+    shape = RolloutShape(prompt_length=12, responses=2, response_length=3)
+    tok, pair, row = (
+        layer_matmul_flops_per_token(ARCH),
+        attention_flops_per_pair(ARCH),
+        logits_flops_per_row(ARCH),
+    )
+    want = [3 * tok * 4 + 3 * pair * n for n in (10, 26, 42)]
+    want[-1] += row * LOGITS_MATMULS * 2
+    assert piece_flops(ARCH, shape, Layout(pp=2), 3) == pytest.approx(want, rel=1e-12)
+
+
+def test_root_pieces_shrink_the_roots_bubble() -> None:
+    """The root's part of the bubble is its dearest piece's time (pp - 1 times), the leaves' part unchanged: the
+    step is faster by exactly the difference, and 8 pieces leave between 1/8 and 2/8 of the root's bubble."""
+    lay = Layout(tp=8, pp=2, recompute="full")
+    rate, ranks = H100.tflops * 1e12 * MFU, 16
+    t = {k: evaluate("72b", ARCH, TARGET, H100, 16, lay, branch_micro_batch=1, root_pieces=k) for k in (1, 8)}
+    whole, dearest = root_flops(ARCH, TARGET, lay), max(piece_flops(ARCH, TARGET, lay, 8))
+    saved = (whole - dearest) / ranks / rate  # pp - 1 = 1
+    b1, b8 = t[1].step_time["pipeline_bubble"], t[8].step_time["pipeline_bubble"]
+    assert b8 == pytest.approx(b1 - saved, rel=1e-9) and b8 < b1
+    assert t[8].step_time["total"] == pytest.approx(t[1].step_time["total"] - saved, rel=1e-9)
+    assert whole / 8 < dearest < 2 * whole / 8
+    assert t[8].to_json()["root_pieces"] == 8
+
+
+def test_root_pieces_shrink_the_root_phase_under_segment_recompute() -> None:
+    """With segment recompute the root's backward rebuilds one piece at a time; without it every piece's graph
+    stays alive as the whole root's would (the same bytes)."""
+    kw = {"act_bytes": 2, "branch_micro_batch": 1, "stage": 0}
+    rc = Layout(tp=8, pp=2, recompute="selective")
+    assert step_peak(ARCH, TARGET, rc, root_pieces=8, **kw).saved < step_peak(ARCH, TARGET, rc, **kw).saved
+    keep = Layout(tp=8, pp=2, recompute="none")
+    assert step_peak(ARCH, TARGET, keep, root_pieces=8, **kw) == step_peak(ARCH, TARGET, keep, **kw)
+
+
+def test_the_search_tries_root_pieces_under_pp_for_replay() -> None:
+    assert root_pieces_searched(TARGET, Layout(tp=8, pp=2), "replay") == (1, 2, 4, 8, 16)
+    assert root_pieces_searched(TARGET, Layout(tp=8, cp=2), "replay") == (1,)  # no pipeline
+    assert root_pieces_searched(TARGET, Layout(tp=8, pp=2), "packed") == (1,)  # no root chunk
+    short = RolloutShape(prompt_length=8192, responses=16, response_length=1024)
+    assert root_pieces_searched(short, Layout(tp=8, pp=2), "replay") == (1, 2)  # pieces of >= 4096 tokens
+
+
 def _plan(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
     assert main(["plan", "--model", "qwen2.5-72b", "--prompt-length", "130048", "--responses", "16",
                  "--response-length", "1024", "--gpus", "16", *argv, "--json"]) == 0  # fmt: skip
@@ -86,6 +170,15 @@ def test_the_70b_class_target_on_two_nodes(capsys: pytest.CaptureFixture[str]) -
     )
     assert pp2["fits"] and pp2["step_time_s"] > h20["step_time_s"]
     assert pp2["step_time"]["pipeline_bubble"] > 0 and h20["step_time"]["pipeline_bubble"] == 0
+    # with the roots cut into pieces (searched: --root-pieces auto) the pipeline's bubble shrinks enough that a
+    # pipelined layout (segment recompute only: one piece rebuilt at a time) is faster than TP8 x CP2
+    auto = _plan(capsys, "--gpu", "h20", "--root-pieces", "auto")
+    assert auto["fits"] and auto["layout"]["pp"] == 2 and auto["root_pieces"] == 16
+    assert (
+        auto["step_time_s"] < h20["step_time_s"]
+        and auto["step_time"]["pipeline_bubble"] < 0.25 * (pp2["step_time"]["pipeline_bubble"])
+    )
+    assert h20["root_pieces"] == 1  # not searched by default (train's sampler cannot run PP at this size)
 
 
 def test_pipeline_refusals_in_the_planner(capsys: pytest.CaptureFixture[str]) -> None:
@@ -117,3 +210,20 @@ def test_what_the_pipeline_does_not_run_is_refused_in_one_line() -> None:
             check_pipeline("replay", pp=2, num_layers=4, **kw)
         assert str(e.value).startswith(says) and "\n" not in str(e.value), str(e.value)
     check_pipeline("naive", pp=1, num_layers=3)  # nothing to refuse without PP
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--pp", "1", "--root-pieces", "4"], "--root-pieces 4 needs pipeline parallelism (--pp > 1)"),
+        (["--schedule", "packed", "--root-pieces", "4"], "--root-pieces 4 applies to --schedule replay only"),
+        (["--root-pieces", "0"], "--root-pieces must be a positive number of pieces, got 0"),
+    ],
+)
+def test_root_pieces_refused_by_the_planner_in_one_line(
+    flags: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = main(["plan", "--model", "qwen2.5-72b", "--prompt-length", "130048", "--responses", "16",
+               "--response-length", "1024", "--gpus", "16", "--gpu", "h20", *flags])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and says in err and "\n" not in err, err

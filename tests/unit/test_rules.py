@@ -82,6 +82,24 @@ RULES = {
         ["parallel.pp=3"],
         "parallel.pp=3 does not divide the model's 2 layers",
     ),
+    "root pieces are the pipeline's": (
+        ["--root-pieces", "3"],
+        "--root-pieces 3 needs pipeline parallelism (--pp > 1)",
+        ["schedule.root_pieces=3"],
+        "schedule.root_pieces=3 needs pipeline parallelism (parallel.pp > 1)",
+    ),
+    "root pieces cut replay's roots": (
+        ["--schedule", "packed", "--pp", "2", "--root-pieces", "3"],
+        "--root-pieces 3 applies to --schedule replay only",
+        ["schedule.name=packed", "parallel.pp=2", "schedule.root_pieces=3"],
+        "schedule.root_pieces=3 applies to schedule.name replay only",
+    ),
+    "root pieces are counted": (
+        ["--pp", "2", "--root-pieces", "0"],
+        "--root-pieces must be a positive number of pieces, got 0",
+        ["parallel.pp=2", "schedule.root_pieces=0"],
+        "schedule.root_pieces must be a positive number of pieces, got 0",
+    ),
     "registered objective": (
         ["--objective", "nope"],
         "unknown --objective 'nope'; registered:",
