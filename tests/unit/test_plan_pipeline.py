@@ -12,6 +12,7 @@ import pytest
 
 from megatron_branch.cli import main
 from megatron_branch.plan import GPU_PRESETS, MODEL_PRESETS, Layout, RolloutShape, evaluate
+from megatron_branch.plan.costs import MFU
 from megatron_branch.plan.flops import (
     LOGITS_MATMULS,
     attention_flops_per_pair,
@@ -27,7 +28,6 @@ from megatron_branch.plan.pipeline import (
     root_pieces_searched,
     stage_parameters_per_rank,
 )
-from megatron_branch.plan.costs import MFU
 
 ARCH = MODEL_PRESETS["qwen2.5-72b"]
 TARGET = RolloutShape(prompt_length=130048, responses=16, response_length=1024)  # 16 x 128K = 2,097,152
