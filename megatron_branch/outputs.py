@@ -13,7 +13,7 @@
    end; on any failure the temporary is removed and the target is untouched: never a half-written output.
 5. Permissions follow the umask (files 0666 & ~umask, folders 0777 & ~umask), whatever the writing library used
    (safetensors writes 0600 files, `tempfile.mkdtemp` makes 0700 folders).
-Under torchrun one rank writes a file (`write_on_rank0`); its failure is raised on every rank.
+Under torchrun one rank writes a file (parallel/agree.py `write_on_rank0`); its failure is raised on every rank.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import contextlib
 import os
 import secrets
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from megatron_branch.errors import UserError, one_line
 
@@ -241,25 +241,3 @@ def write_text(path: str | os.PathLike, text: str, *, overwrite: bool, what: str
     with atomic_file(path, overwrite=overwrite, what=what) as tmp:
         tmp.write_text(text, encoding="utf-8")
     return Path(path)
-
-
-def write_on_rank0(write: Callable[[], T]) -> T | None:
-    """Rank 0 runs `write()` (a collective: every rank calls this); a UserError or OSError there is raised on
-    every rank as the same UserError, so no rank waits for a rank that gave up. Returns write()'s value on rank 0.
-    """
-    import torch.distributed as dist
-
-    from megatron_branch.parallel.agree import agree_on_error
-
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    out: Any = None
-    err = None
-    if rank == 0:
-        try:
-            out = write()
-        except UserError as e:
-            err = str(e)
-        except OSError as e:
-            err = f"cannot write: {e.strerror or one_line(e)}" + (f" ({e.filename})" if e.filename else "")
-    agree_on_error(err, error=UserError)
-    return out

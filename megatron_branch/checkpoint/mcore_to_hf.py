@@ -45,6 +45,7 @@ from megatron_branch.checkpoint.tp import (
 )
 from megatron_branch.errors import UserError
 from megatron_branch.models.arch import ModelArch
+from megatron_branch.parallel import agree
 from megatron_branch.parallel.agree import check_on_every_rank
 
 
@@ -236,5 +237,5 @@ def convert_mcore_to_hf(
             overwrite=overwrite,
         )
 
-    outputs.write_on_rank0(write)  # a failure on rank 0 is raised on every rank
+    agree.write_on_rank0(write)  # a failure on rank 0 is raised on every rank
     return out

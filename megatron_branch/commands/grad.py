@@ -47,7 +47,7 @@ import torch.distributed as dist
 from megatron_branch import outputs
 from megatron_branch.data.rollouts import CONTEXT_OVERRIDE_FLAG
 from megatron_branch.errors import SettingError, Spelling, UserError
-from megatron_branch.parallel.agree import check_on_every_rank
+from megatron_branch.parallel.agree import check_on_every_rank, write_on_rank0
 from megatron_branch.precision import DTYPE_NAMES, accumulation_dtype, is_half, torch_dtype
 
 DTYPES = {name: torch_dtype(name) for name in DTYPE_NAMES}
@@ -452,7 +452,7 @@ def run_grad(args: argparse.Namespace) -> int:
         "metrics": fold_expert_metrics(metrics),  # MoE: tokens per expert as one list per layer
     }
     # rank 0 writes; a failure there must reach every rank, which would otherwise wait forever
-    outputs.write_on_rank0(lambda: _write_outputs(args, grads, lp_rows, accumulation_dtype(dtype)))
+    write_on_rank0(lambda: _write_outputs(args, grads, lp_rows, accumulation_dtype(dtype)))
     if rank == 0:
         print(json.dumps(summary), flush=True)
     return 0

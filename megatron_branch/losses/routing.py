@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from megatron_branch.losses.router_plan import RouterPlan
     from megatron_branch.models.moe import BranchRouter
 
 
@@ -43,7 +42,8 @@ class ForcedTopK:
 class RowContext:
     """The rows of one forward and their router work (the RouterContext models/moe.py attaches)."""
 
-    def __init__(self, plan: RouterPlan, packed: torch.Tensor, groups: torch.Tensor) -> None:
+    # `plan` is a losses/router_plan.RouterPlan (not imported: router_plan builds RowContexts, one direction)
+    def __init__(self, plan: Any, packed: torch.Tensor, groups: torch.Tensor) -> None:
         self.plan, self.packed, self.groups = plan, packed, groups  # [s] each; -1 = padding
         self.recompute = False
 

@@ -27,16 +27,13 @@ import copy
 import importlib.util
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
-
-if TYPE_CHECKING:
-    from megatron_branch.models.arch import ModelArch
 
 
 class RouterContext(Protocol):
@@ -67,7 +64,8 @@ def uses_grouped_gemm() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
-def moe_config_kwargs(arch: ModelArch) -> dict[str, Any]:
+def moe_config_kwargs(arch: Any) -> dict[str, Any]:
+    # `arch`: a models/arch.ModelArch (not imported: arch.py calls this, one direction)
     """TransformerConfig fields of `arch`'s MoE layers. megatron's own aux and z losses stay off (coefficient 0,
     z None): the router losses are computed by the attached context, weighted by multiplicity."""
     pattern = arch.moe_layer_pattern

@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from megatron_branch.errors import UserError, launched_world_size
+from megatron_branch.errors import UserError, launched_world_size, one_line
 from megatron_branch.parallel.groups import init_distributed
 
 T = TypeVar("T")
@@ -59,3 +59,21 @@ def check_on_every_rank(check: Callable[[], T]) -> T:
     init_distributed()
     agree_on_error(err, error=UserError)
     return result  # type: ignore[return-value]
+
+
+def write_on_rank0(write: Callable[[], T]) -> T | None:
+    """Rank 0 runs `write()` (a collective: every rank calls this); a UserError or OSError there is raised on
+    every rank as the same UserError, so no rank waits for a rank that gave up. Returns write()'s value on rank 0.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out: T | None = None
+    err = None
+    if rank == 0:
+        try:
+            out = write()
+        except UserError as e:
+            err = str(e)
+        except OSError as e:
+            err = f"cannot write: {e.strerror or one_line(e)}" + (f" ({e.filename})" if e.filename else "")
+    agree_on_error(err, error=UserError)
+    return out

@@ -64,6 +64,20 @@ from megatron_branch.plan.model import Layout
 INDEX_BYTES = 8  # int64 token ids / indices
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def local_rows(length: int, count: int, layout: Layout) -> int:
+    """Rows one CP rank holds for `count` segments of `length` tokens (zigzag: 2 equal padded pieces per segment),
+    padded to a multiple of TP under sequence parallel (parallel/cp_layout.py, schedule/chunks.py)."""
+    if layout.cp == 1:
+        r = length * count
+    else:
+        r = count * 2 * cdiv(length, 2 * layout.cp)
+    return cdiv(r, layout.tp) * layout.tp if layout.sp else r
+
+
 @dataclass(frozen=True, kw_only=True)
 class Dims:
     """The per-rank widths the formulas use."""

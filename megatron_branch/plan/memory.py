@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from megatron_branch.data.pieces import piece_lengths
 from megatron_branch.models.arch import ModelArch
 from megatron_branch.plan.activations import (
     Dims,
+    cdiv,
     chunk_saved_bytes,
     dispatcher_bytes,
     exchange_buffer_bytes,
@@ -28,10 +30,12 @@ from megatron_branch.plan.activations import (
     layer_kv_bytes,
     linear_state_bytes,
     linear_state_grad_bytes,
+    local_rows,
     logits_bytes,
     ring_buffer_bytes,
 )
 from megatron_branch.plan.model import Layout, RolloutShape, parameter_count
+from megatron_branch.plan.pipeline import stage_parameters_per_rank
 
 ALLOCATOR_MARGIN_FRACTION = 0.08
 """Caching-allocator fragmentation allowance on top of the counted terms (a stated assumption, not measured)."""
@@ -39,10 +43,6 @@ ALLOCATOR_MARGIN_FRACTION = 0.08
 
 ALLOCATOR_MARGIN_FIXED = 2 * 2**30
 """CUDA context, NCCL buffers, cuBLAS workspace (a stated assumption)."""
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def static_bytes(
@@ -57,8 +57,6 @@ def static_bytes(
     dense = (pc["total"] - pc["experts"] - replicated) // layout.tp + replicated
     per_rank = dense + experts
     if layout.pp > 1:  # the heavier end stage's layers and vocab x h (plan/pipeline.py; dense models)
-        from megatron_branch.plan.pipeline import stage_parameters_per_rank
-
         per_rank = stage_parameters_per_rank(arch, layout)
     shard = layout.dp * layout.cp  # megatron's distributed optimizer shards over DP x CP
     state = (
@@ -74,16 +72,6 @@ def static_bytes(
         "parameters_per_rank": per_rank,
         "expert_parameters_per_rank": experts,
     }
-
-
-def local_rows(length: int, count: int, layout: Layout) -> int:
-    """Rows one CP rank holds for `count` segments of `length` tokens (zigzag: 2 equal padded pieces per segment),
-    padded to a multiple of TP under sequence parallel (parallel/cp_layout.py, schedule/chunks.py)."""
-    if layout.cp == 1:
-        r = length * count
-    else:
-        r = count * 2 * cdiv(length, 2 * layout.cp)
-    return cdiv(r, layout.tp) * layout.tp if layout.sp else r
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,8 +120,6 @@ def step_peak(
     `root_pieces`: replay's roots cut into that many sequence pieces (data/pieces.py; under PP): with segment
     recompute each piece is recomputed at its own backward, so the root's backward holds one piece's graph."""
     if layout.pp > 1 and stage is None:
-        from megatron_branch.plan.pipeline import heavier_stage_peak
-
         return heavier_stage_peak(
             arch, shape, layout, schedule=schedule, act_bytes=act_bytes, branch_micro_batch=branch_micro_batch,
             logprob_chunk_rows=logprob_chunk_rows, segment_recompute=segment_recompute,
@@ -244,3 +230,10 @@ def step_peak(
 
 def margin_bytes(counted: int) -> int:
     return int(ALLOCATOR_MARGIN_FRACTION * counted) + ALLOCATOR_MARGIN_FIXED
+
+
+def heavier_stage_peak(arch: ModelArch, shape: RolloutShape, layout: Layout, **kw: Any) -> Peak:
+    """The step's peak on the first and on the last pipeline stage (step_peak at `stage`), the
+    larger of the two."""
+    peaks = [step_peak(arch, shape, layout, stage=s, **kw) for s in (0, layout.pp - 1)]
+    return max(peaks, key=lambda p: p.saved + p.ring_buffers + p.logits)

@@ -32,10 +32,9 @@ an axis's group spans nodes when its stride times its size exceeds the GPUs of a
 
 from __future__ import annotations
 
-from typing import Any
-
 from megatron_branch.data.pieces import piece_lengths
 from megatron_branch.models.arch import ModelArch
+from megatron_branch.plan.activations import cdiv, local_rows
 from megatron_branch.plan.flops import (
     LOGITS_MATMULS,
     StepFlops,
@@ -45,7 +44,6 @@ from megatron_branch.plan.flops import (
     logits_flops_per_row,
 )
 from megatron_branch.plan.layers import attention_layer_params, replicated_layer_params
-from megatron_branch.plan.memory import Peak, cdiv, local_rows
 from megatron_branch.plan.model import GPU, Layout, RolloutShape
 
 AXES = ("tp", "cp", "dp", "pp")
@@ -75,15 +73,6 @@ def stage_parameters_per_rank(arch: ModelArch, layout: Layout) -> int:
     per_layer += replicated_layer_params(arch, False)
     vocab = arch.vocab_size * arch.hidden_size // layout.tp
     return arch.num_layers // layout.pp * per_layer + vocab + arch.hidden_size
-
-
-def heavier_stage_peak(arch: ModelArch, shape: RolloutShape, layout: Layout, **kw: Any) -> Peak:
-    """The step's peak on the first and on the last pipeline stage (plan/memory.py step_peak at `stage`), the
-    larger of the two."""
-    from megatron_branch.plan.memory import step_peak
-
-    peaks = [step_peak(arch, shape, layout, stage=s, **kw) for s in (0, layout.pp - 1)]
-    return max(peaks, key=lambda p: p.saved + p.ring_buffers + p.logits)
 
 
 MIN_PIECE_TOKENS = 4096

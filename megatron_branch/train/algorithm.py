@@ -16,10 +16,11 @@ config's checks ask `algo`):
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from megatron_branch.errors import SettingError
+from megatron_branch.losses.advantages import AdvantageConfig
 from megatron_branch.losses.registry import (
     AdvantageEstimator,
     get_adv_estimator,
@@ -33,6 +34,21 @@ RECIPES: dict[str, tuple[str, str | None]] = {
     "dpo": ("dpo", None),
 }
 """algorithm.name -> (policy loss, advantage estimator; None = offline preference pairs)."""
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig(AdvantageConfig):
+    """Which algorithm trains the policy (a recipe: objective, advantage estimator, data), and the estimators'
+    settings (losses/advantages.py). Resolved once: train/algorithm.py."""
+
+    name: Literal["grpo", "ppo", "dpo"] = "grpo"
+    """grpo: group-relative advantages; ppo: critic + GAE; dpo: offline preference pairs (no sampling)."""
+    adv_estimator: str | None = None
+    """A registered advantage estimator (grpo, gae, or a plugin's); None = the algorithm's (grpo: grpo, ppo: gae).
+    One that needs values trains a critic."""
+    plugins: list[str] = field(default_factory=list)
+    """Modules imported before any name is looked up (a dotted module or a .py file): they register their own
+    objectives (@register_policy_loss, for actor.policy_loss) and estimators (@register_adv_est)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,13 +23,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from megatron_branch.losses.advantages import AdvantageConfig
 from megatron_branch.losses.config import ObjectiveConfig
 from megatron_branch.models.arch import ModelArch
 from megatron_branch.models.hf_families import HYBRID_FAMILIES
 from megatron_branch.parallel.layout import ParallelLayout
 from megatron_branch.precision import DtypeName
 from megatron_branch.rules import TRAIN_SCHEDULES
+from megatron_branch.train.algorithm import AlgorithmConfig
 from megatron_branch.train.moe import MoEConfig
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -170,21 +170,6 @@ class RolloutConfig:
     prefix caching samples (the fair generation baseline; the same tokens for the same seed)."""
     seed: int = 2
     """Seed of the sampler's generator (checkpointed)."""
-
-
-@dataclass(kw_only=True)
-class AlgorithmConfig(AdvantageConfig):
-    """Which algorithm trains the policy (a recipe: objective, advantage estimator, data), and the estimators'
-    settings (losses/advantages.py). Resolved once: train/algorithm.py."""
-
-    name: Literal["grpo", "ppo", "dpo"] = "grpo"
-    """grpo: group-relative advantages; ppo: critic + GAE; dpo: offline preference pairs (no sampling)."""
-    adv_estimator: str | None = None
-    """A registered advantage estimator (grpo, gae, or a plugin's); None = the algorithm's (grpo: grpo, ppo: gae).
-    One that needs values trains a critic."""
-    plugins: list[str] = field(default_factory=list)
-    """Modules imported before any name is looked up (a dotted module or a .py file): they register their own
-    objectives (@register_policy_loss, for actor.policy_loss) and estimators (@register_adv_est)."""
 
 
 @dataclass(kw_only=True)

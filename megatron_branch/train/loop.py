@@ -27,6 +27,7 @@ from megatron_branch.checkpoint.store import CheckpointStore
 from megatron_branch.data import Rollout
 from megatron_branch.errors import SettingError, UserError
 from megatron_branch.losses.router import fold_expert_metrics
+from megatron_branch.parallel import agree
 from megatron_branch.parallel.agree import agree_on_error
 from megatron_branch.parallel.groups import init_distributed, initialize_parallel
 from megatron_branch.rules import UNSHARED
@@ -86,7 +87,7 @@ class Trainer(RunCheckpoints):
                 err = str(e)
             agree_on_error(err)
             # rank 0 writes; a failure (a full disk) is one line on every rank, not a hang (outputs.py)
-            outputs.write_on_rank0(lambda: write_resolved(cfg, setup_dir / "config.yaml"))
+            agree.write_on_rank0(lambda: write_resolved(cfg, setup_dir / "config.yaml"))
             self.groups = initialize_parallel(layout, seed=t.seed)
             self.dp_rank = dist.get_rank(self.groups.dp)
             self.policy = build_policy(
@@ -98,7 +99,7 @@ class Trainer(RunCheckpoints):
             )
             self.actor.set_stop_tokens(self.dataset.stop_token_ids(cfg.rollout.stop))
             # what megatron and the engine were given (train/record.py), beside config.yaml
-            outputs.write_on_rank0(
+            agree.write_on_rank0(
                 lambda: write_engine_record(setup_dir, engine_record(self.actor.policy, self.actor.plan))
             )
             self.order = PromptOrder(

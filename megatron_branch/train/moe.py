@@ -18,8 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from megatron_branch.errors import UserError
-
 
 @dataclass(kw_only=True)
 class MoEConfig:
@@ -55,38 +53,6 @@ class MoEConfig:
             or self.router_replay != "disabled"
             or self.expert_capacity_factor is not None
         )
-
-
-def check_moe(cfg: Any, arch: Any) -> None:
-    """The moe section and parallel.ep against the architecture (one line each, in config keys; the rules:
-    rules.check_moe_run)."""
-    from megatron_branch.errors import SettingError
-    from megatron_branch.rules import check_moe_run
-    from megatron_branch.train.validate import SPELLING
-
-    m, p = cfg.moe, cfg.parallel
-    if arch.is_moe and m.expert_capacity_factor is not None:
-        # train runs no schedule that drops tokens per rollout (the sampler and the update share prefixes)
-        raise UserError(
-            "moe.expert_capacity_factor: token dropping is not exact under sharing (an expert's capacity depends "
-            "on which tokens share its batch); train dropless (null)"
-        )
-    try:
-        check_moe_run(
-            cfg.schedule.name, moe=arch.is_moe, tp=p.tp, sequence_parallel=p.sequence_parallel, ep=p.ep,
-            router_settings=m.active, capacity_factor=m.expert_capacity_factor,
-        )  # fmt: skip
-    except SettingError as e:
-        raise e.spelled(SPELLING) from None
-    if not arch.is_moe:
-        return
-    try:
-        options(cfg)
-        arch.check_expert_parallel(p.ep, tp=p.tp)
-    except UserError as e:
-        raise UserError(f"parallel.ep: {e}") from None
-    except ValueError as e:
-        raise UserError(f"moe.{e}") from None
 
 
 def options(cfg: Any) -> Any:

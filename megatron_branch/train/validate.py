@@ -17,10 +17,9 @@ from megatron_branch.errors import SettingError, Spelling, UserError
 from megatron_branch.losses.config import ObjectiveConfig
 from megatron_branch.models.arch import ModelArch, check_schedule_supports
 from megatron_branch.parallel.layout import ParallelLayout
-from megatron_branch.rules import check_pipeline, check_precision, check_run
-from megatron_branch.train.algorithm import resolve_algorithm
-from megatron_branch.train.config import AlgorithmConfig, TrainConfig
-from megatron_branch.train.moe import check_moe
+from megatron_branch.rules import check_moe_run, check_pipeline, check_precision, check_run
+from megatron_branch.train.algorithm import AlgorithmConfig, resolve_algorithm
+from megatron_branch.train.moe import options as moe_options
 
 
 def _config_spelling() -> Spelling:
@@ -58,7 +57,7 @@ def _positive(name: str, value: int | float | None) -> None:
         raise UserError(f"{name} must be positive, got {value}")
 
 
-def validate(cfg: TrainConfig) -> None:
+def validate(cfg: Any) -> None:
     """Checks that need several fields (each field's type is checked while building). One line per error."""
     a, act, r, d, t = cfg.algorithm, cfg.actor, cfg.rollout, cfg.data, cfg.trainer
     for name, v in [
@@ -132,7 +131,7 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"checkpoint.keep_last must be positive, got {cfg.checkpoint.keep_last}")
 
 
-def sampling_params(cfg: TrainConfig) -> Any:
+def sampling_params(cfg: Any) -> Any:
     """The sampler's SamplingParams from the rollout section (its rules: generation/types.py, rules.py); a
     SettingError in the library's names (train re-spells it: SPELLING). rollout.top_k -1 (off) is its 0."""
     from megatron_branch.generation.types import SamplingParams
@@ -144,7 +143,7 @@ def sampling_params(cfg: TrainConfig) -> Any:
     )  # fmt: skip
 
 
-def optimizer_settings(cfg: TrainConfig, *, lr: float, decay_steps: int | None = None) -> Any:
+def optimizer_settings(cfg: Any, *, lr: float, decay_steps: int | None = None) -> Any:
     """The update's OptimizerSettings from the optim section (its rules: update/optimizer.py)."""
     from megatron_branch.update.optimizer import OptimizerSettings
 
@@ -163,7 +162,7 @@ def optimizer_settings(cfg: TrainConfig, *, lr: float, decay_steps: int | None =
         raise UserError(f"optim: {e}") from None
 
 
-def check_optimizer(cfg: TrainConfig) -> None:
+def check_optimizer(cfg: Any) -> None:
     """The optim section is one megatron can run for model.dtype on this machine."""
     import torch
 
@@ -176,7 +175,7 @@ def check_optimizer(cfg: TrainConfig) -> None:
         raise UserError(f"optim: {e}") from None
 
 
-def model_arch(cfg: TrainConfig, vocab_size: int | None = None) -> ModelArch:
+def model_arch(cfg: Any, vocab_size: int | None = None) -> ModelArch:
     """The policy's ModelArch: from model.hf_path's config.json, or from model.arch (vocab from the tokenizer)."""
     if cfg.model.hf_path is not None:
         from megatron_branch.checkpoint.hf_io import load_hf_config
@@ -190,7 +189,7 @@ def model_arch(cfg: TrainConfig, vocab_size: int | None = None) -> ModelArch:
     return a.resolve(vocab_size or 1)
 
 
-def check_model(cfg: TrainConfig) -> None:
+def check_model(cfg: Any) -> None:
     """The architecture exists and splits over parallel.tp and parallel.pp (reads only config.json)."""
     arch = model_arch(cfg)
     try:
@@ -218,7 +217,7 @@ def check_model(cfg: TrainConfig) -> None:
         )
 
 
-def check_fits_context(cfg: TrainConfig, *, max_prompt_tokens: int, context: int, where: str) -> None:
+def check_fits_context(cfg: Any, *, max_prompt_tokens: int, context: int, where: str) -> None:
     """A prompt plus the longest response must fit the model's context (RoPE table)."""
     need = max_prompt_tokens + cfg.rollout.response_length
     if need > context:
@@ -227,3 +226,31 @@ def check_fits_context(cfg: TrainConfig, *, max_prompt_tokens: int, context: int
             f"{need} exceeds the model's context of {context} tokens",
             where=where,
         )
+
+
+def check_moe(cfg: Any, arch: Any) -> None:
+    """The moe section and parallel.ep against the architecture (one line each, in config keys; the rules:
+    rules.check_moe_run)."""
+    m, p = cfg.moe, cfg.parallel
+    if arch.is_moe and m.expert_capacity_factor is not None:
+        # train runs no schedule that drops tokens per rollout (the sampler and the update share prefixes)
+        raise UserError(
+            "moe.expert_capacity_factor: token dropping is not exact under sharing (an expert's capacity depends "
+            "on which tokens share its batch); train dropless (null)"
+        )
+    try:
+        check_moe_run(
+            cfg.schedule.name, moe=arch.is_moe, tp=p.tp, sequence_parallel=p.sequence_parallel, ep=p.ep,
+            router_settings=m.active, capacity_factor=m.expert_capacity_factor,
+        )  # fmt: skip
+    except SettingError as e:
+        raise e.spelled(SPELLING) from None
+    if not arch.is_moe:
+        return
+    try:
+        moe_options(cfg)
+        arch.check_expert_parallel(p.ep, tp=p.tp)
+    except UserError as e:
+        raise UserError(f"parallel.ep: {e}") from None
+    except ValueError as e:
+        raise UserError(f"moe.{e}") from None

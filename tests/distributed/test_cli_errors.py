@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from megatron_branch import outputs
 from megatron_branch.checkpoint import convert_hf_to_mcore
 from megatron_branch.cli import main
 from megatron_branch.data import Rollout, write_rollouts_jsonl
 from megatron_branch.errors import UserError
+from megatron_branch.parallel import agree
 from megatron_branch.testing import random_tree_rollouts, tiny_hf_config, tiny_hf_model
 
 
@@ -100,5 +100,5 @@ def test_rank0_write_failure_reaches_every_rank() -> None:
         raise OSError(28, "No space left on device", "/somewhere/g.safetensors")
 
     with pytest.raises(UserError, match="No space left on device") as e:
-        outputs.write_on_rank0(write if dist.get_rank() == 0 else lambda: None)
+        agree.write_on_rank0(write if dist.get_rank() == 0 else lambda: None)
     assert e.value.all_ranks  # printed by rank 0 only

@@ -12,6 +12,7 @@ from megatron_branch import outputs
 from megatron_branch.cli import report_user_error
 from megatron_branch.errors import UserError
 from megatron_branch.launch import _DropUserErrorNotes
+from megatron_branch.parallel import agree
 from megatron_branch.parallel.agree import check_on_every_rank
 
 
@@ -116,7 +117,7 @@ def test_write_on_rank0_turns_oserror_into_user_error(tmp_path: Path) -> None:
         raise PermissionError(13, "Permission denied", str(tmp_path / "x"))
 
     with pytest.raises(UserError, match="cannot write: Permission denied") as e:
-        outputs.write_on_rank0(write)
+        agree.write_on_rank0(write)
     assert e.value.all_ranks
 
 
