@@ -353,6 +353,10 @@ def _mask(rollouts: list[Rollout], seed: int) -> list[Rollout]:
     return out
 
 
+def _m(r: Rollout) -> tuple[bool, ...]:
+    return r.loss_mask or (True,) * len(r.response)
+
+
 @pytest.mark.world(2)
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -382,7 +386,7 @@ def test_masked_dpo_and_critic_under_tp_sp_cp_and_dp(layout: str) -> None:
 
     hf = _hf()
     pairs = _mask(_dpo_rollouts(), seed=62)
-    pairs = [dataclasses.replace(r, loss_mask=[*r.loss_mask[:-1], 1]) for r in pairs]  # every response trains
+    pairs = [dataclasses.replace(r, loss_mask=[*_m(r)[:-1], 1]) for r in pairs]  # every response trains
     tree = PrefixTree.build(pairs, vocab_size=VOCAB)
     dpo = DPOObjective(num_pairs=4, beta=0.5, loss_type="ipo")
     hf.zero_grad(set_to_none=True)
@@ -391,7 +395,7 @@ def test_masked_dpo_and_critic_under_tp_sp_cp_and_dp(layout: str) -> None:
         seq = torch.tensor([list(r.prompt) + list(r.response)])
         logq = torch.log_softmax(hf(input_ids=seq).logits[0, :-1], dim=-1)
         lp = logq.gather(1, seq[0, 1:, None]).squeeze(1)[len(r.prompt) - 1 :]
-        pis.append((lp * torch.tensor(r.loss_mask, dtype=lp.dtype)).sum())
+        pis.append((lp * torch.tensor(_m(r), dtype=lp.dtype)).sum())
     oracle, _ = dpo.loss(tree, torch.stack(pis))
     oracle.backward()
     want = {n: p.grad.clone() for n, p in hf.named_parameters()}
