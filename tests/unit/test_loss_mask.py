@@ -33,6 +33,8 @@ SCHEDULES = [
     ("packed", {}),
     ("replay", {}),
     ("replay", {"recompute": True, "branch_micro_batch": 2}),
+    ("naive-fused", {}),
+    ("packed-nosharing", {}),
 ]
 
 
