@@ -353,9 +353,9 @@ def read_rollouts_jsonl(
     return rollouts
 
 
-def write_rollouts_jsonl(path: str | Path, rollouts: Sequence[Rollout]) -> None:
+def write_rollouts_jsonl(path: str | Path, rollouts: Sequence[Rollout], *, overwrite: bool = True) -> None:
     """Write rollouts in the format `read_rollouts_jsonl` reads (token fields as top-level keys); an existing file
-    is replaced, a missing folder refused (outputs.py)."""
+    is replaced (refused with `overwrite=False`), a missing folder refused (outputs.py)."""
     lines = []
     for rollout in rollouts:
         obj: dict[str, Any] = {"prompt": list(rollout.prompt), "response": list(rollout.response)}
@@ -374,4 +374,4 @@ def write_rollouts_jsonl(path: str | Path, rollouts: Sequence[Rollout]) -> None:
             obj["routed_experts"] = rollout.routed_experts.tolist()
         lines.append(json.dumps(obj))
     # replaced whole (temp file + rename, outputs.py): a failure keeps the previous file
-    write_text(path, "".join(line + "\n" for line in lines), overwrite=True, what="rollouts file")
+    write_text(path, "".join(line + "\n" for line in lines), overwrite=overwrite, what="rollouts file")
