@@ -88,22 +88,29 @@ def validate_token_ids(
     return ids
 
 
-def validate_loss_mask(values: Any, *, num_response: int, where: str) -> tuple[bool, ...] | None:
-    """`loss_mask` as a tuple of bools, one per response token (None when every token is trained: the absent
-    mask's meaning, so an all-ones mask runs exactly as no mask), else a one-line UserError naming the field."""
+def _per_token_list(values: Any, *, key: str, of: str, num_response: int, where: str) -> Sequence[Any]:
+    """`values` as a list of one entry per response token (tensors and arrays converted), else a one-line
+    UserError naming field `key` (`of`: what its entries are, for the message)."""
     if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
         values = values.tolist()  # torch tensors and numpy arrays
-    if not isinstance(values, (list, tuple)):
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         got = "null" if values is None else type(values).__name__
         raise UserError(
-            f"field 'loss_mask' must be a list of 0/1 (one per response token), got {got}", where=where
+            f"field {key!r} must be a list of {of} (one per response token), got {got}", where=where
         )
     if len(values) != num_response:
         raise UserError(
-            f"field 'loss_mask' has {len(values)} values but the response has {num_response} tokens "
+            f"field {key!r} has {len(values)} values but the response has {num_response} tokens "
             "(length mismatch)",
             where=where,
         )
+    return values
+
+
+def validate_loss_mask(values: Any, *, num_response: int, where: str) -> tuple[bool, ...] | None:
+    """`loss_mask` as a tuple of bools, one per response token (None when every token is trained: the absent
+    mask's meaning, so an all-ones mask runs exactly as no mask), else a one-line UserError naming the field."""
+    values = _per_token_list(values, key=LOSS_MASK, of="0/1", num_response=num_response, where=where)
     for j, v in enumerate(values):
         # exactly 0, 1, false or true: 2, 0.5, -1, 1.0, "1", null or a list is a producer's bug, not a weight
         if not (isinstance(v, bool) or (type(v) is int and v in (0, 1))):
@@ -131,18 +138,7 @@ def _validate_token_fields(fields: Any, *, num_response: int, where: str) -> dic
     for key, values in fields.items():
         if not isinstance(key, str):
             raise UserError(f"token_fields key {key!r} must be a string", where=where)
-        if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
-            values = values.tolist()
-        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-            raise UserError(
-                f"field {key!r} must be a list of numbers, got {type(values).__name__}", where=where
-            )
-        if len(values) != num_response:
-            raise UserError(
-                f"field {key!r} has {len(values)} values but the response has {num_response} tokens "
-                "(length mismatch)",
-                where=where,
-            )
+        values = _per_token_list(values, key=key, of="numbers", num_response=num_response, where=where)
         for j, v in enumerate(values):
             if not _is_number(v):
                 raise UserError(f"field {key!r} value {j} is {v!r}, not a number", where=where)
