@@ -190,6 +190,18 @@ def test_policy_every_schedule_equals_per_rollout_training_float64(case: str) ->
         assert max_err(got, want) <= 1e-9, schedule
 
 
+@pytest.mark.slow
+def test_policy_float32_tree_schedules_equal_per_rollout_training() -> None:
+    """float32 model: the tree schedules against the same per-rollout oracle, 1e-5 per parameter."""
+    model = tiny_branch_model(torch.float32, seed=2)
+    rollouts = masked_rollouts(8)
+    case = POLICY["agg_seq-mean-token-mean"]
+    _, want = policy_oracle(model, rollouts, case)
+    for schedule, kw in SCHEDULES[1:4]:
+        _, got = run(model, rollouts, policy_objective(rollouts, case), schedule, **kw)
+        assert max_err(got, want) <= 1e-5, schedule
+
+
 def test_pg_and_metrics_count_trained_tokens_only() -> None:
     """The linear pg objective (grad's default) and the token-mean metrics: T = trained tokens."""
     model = tiny_branch_model(torch.float64, seed=2)
