@@ -408,3 +408,27 @@ def test_all_masked_batch_is_refused_and_token_sum_exists() -> None:
     assert "token-sum" in AGG_MODES
     agg = Aggregation.of_batch(masked_rollouts(5), "token-sum")
     assert agg.rollout_weight(3) == 1.0 and agg.rollout_weight(0) == 0.0
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_aggregation_weights_equal_verls_agg_loss(mode: str) -> None:
+    """Our per-rollout weights on a masked batch == verl's own agg_loss with that loss_mask over the whole batch
+    (padding masked too; one wholly masked rollout; verl's 1e-8 in seq-mean-token-mean bounds the tolerance)."""
+    verl_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
+    g = torch.Generator().manual_seed(11)
+    lengths, width = [5, 3, 6, 4, 2], 6
+    loss = torch.randn(len(lengths), width, generator=g, dtype=torch.float64)
+    mask = torch.zeros(len(lengths), width, dtype=torch.float64)
+    rollouts = []
+    for i, n in enumerate(lengths):
+        m = [0] * n if i == 3 else [int(x) for x in (torch.rand(n, generator=g) > 0.3)]
+        m[0] = int(i != 3)
+        mask[i, :n] = torch.tensor(m, dtype=torch.float64)
+        rollouts.append(Rollout(prompt=(1,), response=(2,) * n, loss_mask=m))
+    norm = NORM if mode.endswith("norm") else None
+    agg = Aggregation.of_batch(rollouts, mode, norm=norm)
+    ours = sum(
+        agg.rollout_weight(r.num_trained) * float((loss[i] * mask[i]).sum()) for i, r in enumerate(rollouts)
+    )
+    want = verl_algos.agg_loss(loss, mask, mode, loss_scale_factor=norm)
+    assert ours == pytest.approx(float(want), rel=1e-7)
