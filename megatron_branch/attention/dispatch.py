@@ -84,6 +84,12 @@ def executor(name: str | None) -> Executor:
     return EXECUTORS[resolved]
 
 
+def plan_executor(name: str | None) -> Executor:
+    """The executor that runs a plan for backend `name` where a baseline has no way of its own (decode,
+    generation/kv_cache.py): the named executor, or the default one for a one-rank baseline."""
+    return executor(None if resolve_backend(name) in BASELINES else name)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor | Sequence[torch.Tensor],

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_branch.attention.context import BranchContext
-from megatron_branch.attention.dispatch import executor
+from megatron_branch.attention.dispatch import plan_executor
 from megatron_branch.attention.kernels import lse_dtype
 from megatron_branch.attention.merge import lse_merge
 from megatron_branch.attention.plan import BlockPlan, Runs, plan_block
@@ -156,7 +156,8 @@ class DecodeContext:
     next_states: dict[int, Tensors] = field(default_factory=dict)
     """layer -> the state table after this step (one row per branch fed), for a recurrent layer."""
     backend: str | None = None
-    """The attention backend whose executor runs part A (attention/dispatch.py; None: the default)."""
+    """The attention backend whose executor runs part A (attention/dispatch.py plan_executor; None, or a one-rank
+    baseline without an executor: the default)."""
     _plan: BlockPlan | None = field(default=None, repr=False)
     """Part A's plan: the same for every layer of the step, built once."""
 
@@ -207,7 +208,9 @@ class DecodeContext:
         vs = [self.cache.prompt_v[layer_number][p].permute(2, 0, 1, 3) for p in prompts]
         if self._plan is None:
             self._plan = prompt_plan(st, [k.shape[0] for k in ks])
-        o, lse = executor(self.backend).forward(q[:a], ks, vs, self._plan, scale)  # [A,1,n,h], [A,1,n] acc
+        o, lse = plan_executor(self.backend).forward(
+            q[:a], ks, vs, self._plan, scale
+        )  # [A,1,n,h], [A,1,n] acc
         out_a = o.reshape(a, g, r, h).permute(1, 0, 2, 3).to(acc)  # [g,A,r,h]
         lse_a = lse.reshape(a, g, r).permute(1, 0, 2).to(acc)  # [g,A,r]
 
