@@ -53,7 +53,7 @@ summed by megatron's embedding-group reduction (finalize_model_grads, or paralle
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -75,10 +75,12 @@ from megatron_branch.schedule.common import (
     StepResult,
     Store,
     check_recompute_layers,
+    chunk_rows,
     forward_chunk,
     model_device,
     prepare_chunk,
 )
+from megatron_branch.schedule.hooks import Rows, hook_forwards
 from megatron_branch.schedule.prefix_cache import PrefixCache
 from megatron_branch.schedule.replay import child_groups
 
@@ -179,7 +181,12 @@ class _Stage:
                     device=self.device,
                 )  # fmt: skip
                 ids, pos = chunk.input_ids.to(self.device)[None], chunk.position_ids.to(self.device)[None]
-                with attach_context(self.model, ctx):
+                where = (
+                    Rows(rollouts=chunk.rollouts, rows=ids.shape[1])
+                    if isinstance(chunk, _RolloutChunk)
+                    else chunk_rows(chunk, ids.shape[1])
+                )
+                with attach_context(self.model, ctx), hook_forwards(self.model, self.opts, where):
                     hidden = self.model(ids, pos, None)  # [rows, 1, h]: megatron returns the block's output
                 return _Run(chunk, x, hidden, ctx.captured, None)
             finally:
@@ -354,20 +361,7 @@ def run_pipeline(
 ) -> StepResult:
     """Schedule `name` (replay or packed) on this rank's pipeline stage; gradients accumulate in the stage's
     parameters, every stage returns the same StepResult. Collective over the pipeline group (and TP/CP)."""
-    arch = getattr(_unwrap(model), "arch", None)
-    try:  # the rules every entry point checks up front (rules.py)
-        check_run(name, cp=opts.cp_size, recompute=opts.recompute, recompute_layers=opts.recompute_layers)
-        check_pipeline(
-            name,
-            pp=opts.pp_size,
-            num_layers=int(_unwrap(model).config.num_layers),
-            hybrid=bool(getattr(arch, "is_hybrid", False)),
-            moe=bool(getattr(arch, "is_moe", False)),
-            critic=bool(getattr(_unwrap(model), "is_critic", False)),
-            root_pieces=opts.root_pieces,
-        )
-    except SettingError as e:
-        raise e.spelled(API) from None
+    check_pipeline_step(name, model, opts)
     # replay's roots as chains of pieces (data/pieces.py): the same packed tokens, so the objective, the kept
     # logprobs and the result are the unsplit tree's; every stage cuts the same tree the same way
     tree = split_roots(tree, opts.root_pieces)
@@ -389,6 +383,41 @@ def run_pipeline(
         positions_recomputed=p.recomputed,
         forwards=p.forwards,
     )
+
+
+def check_pipeline_step(name: str, model: torch.nn.Module, opts: ScheduleOptions) -> None:
+    """The rules every entry point checks up front (rules.py), for schedule `name` on this stage's model."""
+    arch = getattr(_unwrap(model), "arch", None)
+    try:
+        check_run(name, cp=opts.cp_size, recompute=opts.recompute, recompute_layers=opts.recompute_layers)
+        check_pipeline(
+            name,
+            pp=opts.pp_size,
+            num_layers=int(_unwrap(model).config.num_layers),
+            hybrid=bool(getattr(arch, "is_hybrid", False)),
+            moe=bool(getattr(arch, "is_moe", False)),
+            critic=bool(getattr(_unwrap(model), "is_critic", False)),
+            root_pieces=opts.root_pieces,
+        )
+    except SettingError as e:
+        raise e.spelled(API) from None
+
+
+def pipelined(name: str) -> Callable[..., StepResult]:
+    """Schedule `name` under pipeline parallelism, called as the one-rank schedules are:
+    fn(model, tree, objective, opts, forward_only=...) (what run_schedule wraps in the step's hooks)."""
+
+    def fn(
+        model: torch.nn.Module,
+        tree: PrefixTree,
+        objective: Objective | None,
+        opts: ScheduleOptions,
+        *,
+        forward_only: bool = False,
+    ) -> StepResult:
+        return run_pipeline(name, model, tree, objective, opts, forward_only=forward_only)
+
+    return fn
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
