@@ -9,7 +9,8 @@ Every stage runs the SAME program over the same prefix tree: each stage builds t
 integration/schedule.py), and a fingerprint gathered over the pipeline group checks that the stages agree. So every
 message has its partner and its shape is known on both sides (no shape exchange): a chunk's rows on this rank.
 
-replay (the depth-first walk of schedule/replay.py, each step spread over the stages):
+replay (the depth-first walk of schedule/walk.py, written once for one rank and every stage; each step spread
+over the stages):
     F(root)       receive the root's hidden states from stage r-1, run this stage's layers CAPTURING their prefix
                   state (K/V rows; a recurrent layer's state at the fork) into THIS stage's prefix cache
                   (schedule/prefix_cache.py, unchanged), send the output to stage r+1; the last stage computes the
@@ -82,7 +83,7 @@ from megatron_branch.schedule.common import (
 )
 from megatron_branch.schedule.hooks import Rows, hook_forwards
 from megatron_branch.schedule.prefix_cache import PrefixCache
-from megatron_branch.schedule.replay import child_groups
+from megatron_branch.schedule.walk import DepthFirstWalk
 
 
 @dataclass(frozen=True)
@@ -212,8 +213,9 @@ class _Stage:
         return run.input.grad if run.input.grad is not None else torch.zeros_like(run.input)
 
 
-class _Pipeline:
-    """The per-stage program of one step (see the module doc)."""
+class _Pipeline(DepthFirstWalk):
+    """The per-stage program of one step (see the module doc): replay's walk (schedule/walk.py) with this stage's
+    steps."""
 
     def __init__(
         self,
@@ -231,6 +233,7 @@ class _Pipeline:
         self.stage = _Stage(model, tree, objective, opts, self.link, self.store)
         self.cache = PrefixCache(grad=self.grad)
         self.path: list[int] = []
+        self.micro = opts.branch_micro_batch
         self.forwards = self.positions = self.recomputed = 0
 
     # ---- one chunk ---------------------------------------------------------------------------------------------
@@ -248,9 +251,9 @@ class _Pipeline:
         if run.out is not None:  # the last stage: the counted forward's results
             self.store.add(run.chunk.targets, run.out)
 
-    # ---- replay ------------------------------------------------------------------------------------------------
-    def run_segment(self, seg_id: int) -> None:
-        """F(X), X's children (inner ones recursively, leaves in waves), B(X) once."""
+    # ---- replay: the walk's steps on this stage (schedule/walk.py walks) ------------------------------------------
+    def open_segment(self, seg_id: int) -> tuple[Chunk | CPChunk, torch.Tensor | None, _Run, bool]:
+        """F(X): receive, run this stage's layers capturing their state, send; the state cached on this stage."""
         keep_graph = self.grad and not self.opts.recompute
         chunk = self._chunk([seg_id])
         received = self.link.recv_forward(self.stage.shape(chunk))
@@ -258,9 +261,13 @@ class _Pipeline:
         self.link.send_forward(run.output)
         self.positions += chunk.num_real
         self.cache.push(seg_id, run.captured, chunk.cache_rows, meta=chunk.cache_meta)
-        self.path.append(seg_id)
-        self.run_children(self.tree.segments[seg_id].children)
-        self.path.pop()
+        return chunk, received, run, keep_graph
+
+    def close_segment(
+        self, seg_id: int, opened: tuple[Chunk | CPChunk, torch.Tensor | None, _Run, bool]
+    ) -> None:
+        """B(X) once, after every descendant: the next stage's gradient and the subtree's summed dK/dV."""
+        chunk, received, run, keep_graph = opened
         if not self.grad:
             self.cache.drop(seg_id)
             self._record(run)
@@ -274,20 +281,8 @@ class _Pipeline:
         self.cache.drop(seg_id)
         self._record(run)
 
-    def run_children(self, children: Sequence[int]) -> None:
-        """Inner children one at a time; runs of consecutive leaf micro-batches as one wave each."""
-        wave: list[list[int]] = []
-        for group in child_groups(self.tree, tuple(children), self.opts.branch_micro_batch):
-            if len(group) == 1 and self.tree.segments[group[0]].children:
-                self._wave(wave)
-                wave = []
-                self.run_segment(group[0])
-            else:
-                wave.append(group)
-        self._wave(wave)
-
     # ---- a wave of independent micro-batches -------------------------------------------------------------------
-    def _wave(self, groups: list[list[int]]) -> None:
+    def run_wave(self, groups: list[list[int]]) -> None:
         if groups:
             self.wave([self._chunk(g) for g in groups])
 
@@ -369,7 +364,7 @@ def run_pipeline(
     bound = objective.bind(tree) if objective is not None else None
     p = _Pipeline(model, tree, bound, opts, forward_only=forward_only)
     if name == "packed":
-        p._wave([list(tree.subtree_segments(r)) for r in tree.roots])
+        p.run_wave([list(tree.subtree_segments(r)) for r in tree.roots])
         return p.result("packed", bound, positions_computed=p.positions, forwards=p.forwards)
     if name == "naive-fused":
         p.wave([_RolloutChunk.of(tree, [i], opts) for i in range(len(tree.rollouts))])
