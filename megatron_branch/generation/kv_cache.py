@@ -208,9 +208,8 @@ class DecodeContext:
         vs = [self.cache.prompt_v[layer_number][p].permute(2, 0, 1, 3) for p in prompts]
         if self._plan is None:
             self._plan = prompt_plan(st, [k.shape[0] for k in ks])
-        o, lse = plan_executor(self.backend).forward(
-            q[:a], ks, vs, self._plan, scale
-        )  # [A,1,n,h], [A,1,n] acc
+        executor = plan_executor(self.backend)
+        o, lse = executor.forward(q[:a], ks, vs, self._plan, scale)  # [A,1,n,h], [A,1,n] acc
         out_a = o.reshape(a, g, r, h).permute(1, 0, 2, 3).to(acc)  # [g,A,r,h]
         lse_a = lse.reshape(a, g, r).permute(1, 0, 2).to(acc)  # [g,A,r]
 

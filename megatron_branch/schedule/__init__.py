@@ -9,6 +9,7 @@ logical-batch loss; they differ only in what is computed once and what is kept a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -72,10 +73,10 @@ def run_schedule(
             raise e.spelled(API) from None
     fn = SCHEDULES[name]
     if opts.pp_size > 1:  # this rank's pipeline stage runs its part of the walk (schedule/pipeline.py)
-        from megatron_branch.schedule.pipeline import check_pipeline_step, pipelined
+        from megatron_branch.schedule.pipeline import check_pipeline_step, run_pipeline
 
         check_pipeline_step(name, model, opts)  # before any hook binds: refusals first
-        fn = pipelined(name)
+        fn = functools.partial(run_pipeline, name)  # called as the one-rank schedules are
     hooks = (*HOOKS, *opts.hooks)  # per-step features (MoE's router plan): no schedule names them
     return run_hooked(fn, name, model, tree, objective, opts, hooks, forward_only=forward_only)
 

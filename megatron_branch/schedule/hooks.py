@@ -19,6 +19,7 @@ itself: what it attaches (a router context) is what the model reads.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -115,8 +116,6 @@ def _around(hook: StepHook, inner: Step, forward_only: bool) -> Step:
 
 
 def _with_bound(opts: ScheduleOptions, bound: tuple[StepHook, ...]) -> ScheduleOptions:
-    import dataclasses
-
     return dataclasses.replace(opts, step_hooks=bound)
 
 

@@ -54,7 +54,7 @@ summed by megatron's embedding-group reduction (finalize_model_grads, or paralle
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -214,8 +214,7 @@ class _Stage:
 
 
 class _Pipeline(DepthFirstWalk):
-    """The per-stage program of one step (see the module doc): replay's walk (schedule/walk.py) with this stage's
-    steps."""
+    """The per-stage program of one step (see the module doc): the walk of schedule/walk.py, this stage's steps."""
 
     def __init__(
         self,
@@ -283,8 +282,7 @@ class _Pipeline(DepthFirstWalk):
 
     # ---- a wave of independent micro-batches -------------------------------------------------------------------
     def run_wave(self, groups: list[list[int]]) -> None:
-        if groups:
-            self.wave([self._chunk(g) for g in groups])
+        self.wave([self._chunk(g) for g in groups])
 
     def wave(self, chunks: Sequence[AnyChunk]) -> None:
         """Independent micro-batches through the pipeline: forward-only in order, or megatron's 1F1B."""
@@ -355,8 +353,8 @@ def run_pipeline(
     forward_only: bool = False,
 ) -> StepResult:
     """Schedule `name` (replay or packed) on this rank's pipeline stage; gradients accumulate in the stage's
-    parameters, every stage returns the same StepResult. Collective over the pipeline group (and TP/CP)."""
-    check_pipeline_step(name, model, opts)
+    parameters, every stage returns the same StepResult. Collective over the pipeline group (and TP/CP). The caller
+    (run_schedule) has checked the step (check_pipeline_step)."""
     # replay's roots as chains of pieces (data/pieces.py): the same packed tokens, so the objective, the kept
     # logprobs and the result are the unsplit tree's; every stage cuts the same tree the same way
     tree = split_roots(tree, opts.root_pieces)
@@ -396,23 +394,6 @@ def check_pipeline_step(name: str, model: torch.nn.Module, opts: ScheduleOptions
         )
     except SettingError as e:
         raise e.spelled(API) from None
-
-
-def pipelined(name: str) -> Callable[..., StepResult]:
-    """Schedule `name` under pipeline parallelism, called as the one-rank schedules are:
-    fn(model, tree, objective, opts, forward_only=...) (what run_schedule wraps in the step's hooks)."""
-
-    def fn(
-        model: torch.nn.Module,
-        tree: PrefixTree,
-        objective: Objective | None,
-        opts: ScheduleOptions,
-        *,
-        forward_only: bool = False,
-    ) -> StepResult:
-        return run_pipeline(name, model, tree, objective, opts, forward_only=forward_only)
-
-    return fn
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
