@@ -43,7 +43,7 @@ def _overrides(tmp: Path, out: str, *extra: str) -> list[str]:
 _ONE_PROCESS = """
 import json, sys, torch
 from pathlib import Path
-sys.path.insert(0, "tests/distributed")
+sys.path[:0] = ["tests/distributed", "tests"]
 from test_resume_layouts import _overrides
 from megatron_branch.errors import UserError
 from megatron_branch.train.config_io import load_config
