@@ -151,7 +151,11 @@ torch.save(out, tmp / "dp1.pt")
 def _dp1(tmp: Path) -> dict:
     rc = [None]
     if dist.get_rank() == 0:
-        rc = [subprocess.call([sys.executable, "-c", _DP1, str(tmp)], env=single_process_env(OMP_NUM_THREADS="1"))]
+        rc = [
+            subprocess.call(
+                [sys.executable, "-c", _DP1, str(tmp)], env=single_process_env(OMP_NUM_THREADS="1")
+            )
+        ]
     dist.broadcast_object_list(rc, src=0)
     assert rc == [0], "the DP1 run ran into an error"
     return torch.load(tmp / "dp1.pt", weights_only=True)
