@@ -42,10 +42,10 @@ class ArchConfig(ModelArch):
     every field is a key; the fields below are the ones whose default differs. `resolve` is the validated arch."""
 
     family: str = "llama"
-    """A registered family (models/families/: llama, qwen2, qwen3, qwen3_5, the mixtures of experts qwen3_moe,
-    mixtral, qwen2_moe and the MoE hybrids qwen3_5_moe, qwen3_next); its spec gives the defaults of qkv_bias,
-    qk_norm, zero_centered_norm and attention_output_gate. A hybrid needs layer_types and the linear_* widths, a
-    MoE num_experts, moe_top_k and moe_ffn_hidden_size."""
+    """"llama" or another registered family (models/families/: qwen2, qwen3, the hybrid qwen3_5, the mixtures of
+    experts qwen3_moe, mixtral, qwen2_moe, the MoE hybrids qwen3_5_moe, qwen3_next); the family's spec gives the
+    defaults of qkv_bias, qk_norm, zero_centered_norm and attention_output_gate. A hybrid needs layer_types and the
+    linear_* widths, a MoE num_experts, moe_top_k and moe_ffn_hidden_size."""
     vocab_size: int | None = None  # type: ignore[assignment]
     """None = the tokenizer's vocabulary size."""
     hidden_size: int = 64
