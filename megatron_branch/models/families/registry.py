@@ -100,7 +100,7 @@ class FamilyRegistry:
                 clash = sorted(set(mine) & set(theirs))
                 if clash:
                     raise ValueError(
-                        f"{what} {clash[0]!r} of family {spec.name!r} is already {other.name!r}'s"
+                        f"{what} {clash[0]!r} of family {spec.name!r} is already claimed by family {other.name!r}"
                     )
         self._specs[spec.name] = spec
         return spec
