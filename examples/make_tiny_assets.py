@@ -30,17 +30,12 @@ import torch
 
 
 def routed_experts(model: Any, tokens: list[int]) -> list[list[list[int]]]:
-    """[token][MoE layer][k]: the experts transformers' routers pick for each token of `tokens`."""
-    picks: list[torch.Tensor] = []
-    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
-    hooks = [r.register_forward_hook(lambda _m, _i, out: picks.append(out[2])) for r in routers]
-    try:
-        with torch.no_grad():
-            model(input_ids=torch.tensor([tokens]), use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    assert picks, "a mixture of experts has routers"
+    """[token][MoE layer][k]: the experts the HF model routes each token of `tokens` to (the top-k of its routers'
+    logits, transformers' `output_router_logits`: softmax and renormalisation keep the order)."""
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([tokens]), use_cache=False, output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    picks = [logits.topk(k, dim=-1).indices for logits in out.router_logits]  # per MoE layer [tokens, k]
     return torch.stack(picks, dim=1).tolist()  # [tokens, layers, k]
 
 
