@@ -45,7 +45,7 @@ from megatron_branch.testing import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-EVERY_FAMILY = (
+EVERY_FAMILY = (  # the families the package ships; the per-family tests below run over every registered one
     "llama", "qwen2", "qwen3", "qwen3_5", "qwen3_moe", "mixtral", "qwen2_moe", "qwen3_5_moe", "qwen3_next",
 )  # fmt: skip
 
@@ -56,7 +56,7 @@ def test_every_existing_family_is_registered_once_with_its_own_file() -> None:
         assert (ROOT / "megatron_branch" / "models" / "families" / f"{name}.py").is_file(), name
 
 
-@pytest.mark.parametrize("name", EVERY_FAMILY)
+@pytest.mark.parametrize("name", families())
 def test_a_familys_tables_agree_with_its_tiny_model(name: str) -> None:
     spec = get_family(name)
     cfg = tiny_hf_config(name)
@@ -214,7 +214,7 @@ def test_a_family_registered_from_a_test_works_in_grad_convert_and_verify(
 
 # --- make_tiny_assets for every family ----------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("name", EVERY_FAMILY)
+@pytest.mark.parametrize("name", families())
 def test_make_tiny_assets_then_grad(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import importlib.util
 
