@@ -13,12 +13,14 @@ Additions (other objectives, docs/design.md "Objectives"; verl's names, the olde
                                    objectives become --objective names (repeatable)
     --clip-ratio-low 0.2 --clip-ratio-high 0.2 [--clip-ratio-c C]       (aliases --clip-low --clip-high --clip-c)
     --kl-loss-coef 0.0 --kl-loss-type k1|k2|k3 --entropy-coeff 0.0      (aliases --kl-coef --kl-type --entropy-coef)
-    --loss-agg-mode token-mean|seq-mean-token-mean|seq-mean-token-sum|seq-mean-token-sum-norm [--loss-agg-norm L]
+    --loss-agg-mode token-mean|token-sum|seq-mean-token-mean|seq-mean-token-sum|seq-mean-token-sum-norm
+                                   [--loss-agg-norm L]
                                                                         (alias --loss-agg)
     --dpo-beta 0.1 --dpo-loss sigmoid|ipo                               (alias --beta)
     Rollout fields: advantage (float) or advantages (one per response token); old_logprobs, ref_logprobs (one per
     response token; old_logprobs absent = on-policy); DPO: pair (a JSON scalar shared by the pair), chosen (bool),
-    ref_logprobs required. A missing field or a malformed pair: a one-line error naming file:line.
+    ref_logprobs required; loss_mask (0/1 per response token, 0 = context: no loss term, in no count).
+    A missing field, a malformed pair or mask: a one-line error naming file:line.
 GRADS: dL/dparam for every trainable parameter, full unsharded, HF names, in --dtype (bfloat16 / float16: the fp32
 main gradients megatron's optimizer steps on). The last stdout line is JSON.
 Mixture-of-experts policies (Qwen3-MoE, Mixtral, Qwen2-MoE; docs/design.md "Mixture of experts"):

@@ -116,7 +116,7 @@ def _as_rollouts(item: Any, where: str) -> list[Rollout]:
     if isinstance(item, Rollout):
         return [item]
     if isinstance(item, dict):
-        fields = {k: v for k, v in item.items() if k not in ("prompt", "response", "advantage")}
+        fields = {k: v for k, v in item.items() if k not in ("prompt", "response", "advantage", "loss_mask")}
         try:
             return [
                 Rollout(
@@ -124,6 +124,7 @@ def _as_rollouts(item: Any, where: str) -> list[Rollout]:
                     response=item["response"],
                     advantage=item.get("advantage", 0.0),
                     token_fields={k: v for k, v in fields.items() if isinstance(v, (list, tuple))},
+                    loss_mask=item.get("loss_mask"),
                 )
             ]
         except KeyError as e:
@@ -181,7 +182,7 @@ class BranchForwardBackward:
         base = _unwrap(model)
         vocab = self.vocab_size or base.vocab_size
         tree = PrefixTree.build(rollouts, vocab_size=vocab)
-        T = _global_count(tree.num_response_tokens_logical(), groups["dp"])
+        T = _global_count(tree.num_trained_tokens_logical(), groups["dp"])
         opts = ScheduleOptions(
             groups=ParallelGroups(
                 tp=groups["tp"],

@@ -43,9 +43,9 @@ class ObjectiveConfig:
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient (the loss subtracts entropy_coeff * H)."""
     loss_agg_mode: Literal[
-        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+        "token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
     ] = "token-mean"
-    """How per-token losses aggregate over the GLOBAL batch (losses/aggregation.py)."""
+    """How per-token losses aggregate over the GLOBAL batch's trained tokens (losses/aggregation.py)."""
     loss_agg_norm: float | None = None
     """L_norm of seq-mean-token-sum-norm (required there, refused elsewhere)."""
     entropy_metric: bool = False
