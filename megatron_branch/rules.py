@@ -65,8 +65,10 @@ Rules (a flag that would do nothing is refused, not ignored):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from megatron_branch.errors import SettingError, Spelling
+from megatron_branch import spelling as _spelling
+from megatron_branch.errors import SettingError
 
 TRAIN_SCHEDULES = ("replay", "packed", "naive", "naive-fused", "packed-nosharing", "replay-stopgrad")
 """Schedules a training run (`train`'s schedule.name) can step with; all but replay-stopgrad are exact."""
@@ -398,29 +400,44 @@ def check_verl_model(
         )
 
 
-API = Spelling(
-    names={
-        "schedule": "schedule",
-        "cp": "cp_size",
-        "pp": "pp_size",
-        "vp": "vp_size",
-        "tp": "tp_size",
-        "recompute": "ScheduleOptions.recompute",
-        "recompute_layers": "ScheduleOptions.recompute_layers",
-        "backend": "ScheduleOptions.backend",
-        "n": "SamplingParams.n",
-        "max_new_tokens": "SamplingParams.max_new_tokens",
-        "temperature": "SamplingParams.temperature",
-        "top_k": "SamplingParams.top_k",
-        "top_p": "SamplingParams.top_p",
-        "stop_token_ids": "SamplingParams.stop_token_ids",
-        "root_pieces": "ScheduleOptions.root_pieces",
-        "branch_at": "SamplingParams.branch_at",
-        "branch_factor": "SamplingParams.branch_factor",
-        "share_prefix": "SamplingParams.share_prefix",
-        "capacity_factor": "TransformerConfig.moe_expert_capacity_factor",
-    },
-    assign="=",
-)
-"""How a library caller names the settings (run_schedule's name, ScheduleOptions, SamplingParams): the schedules'
-and the sampler's own checks."""
+def check(spec: Any) -> None:
+    """The one check sequence of a run (assembly/spec.py RunSpec), before any work: the layout's no-ops, the
+    precision, the schedule's options, the pipeline, then (when the architecture is known) the model's schedule
+    and MoE rules. A SettingError in command-line wording; each entry point re-spells it (spelling.py)."""
+    s, layout, arch = spec.schedule, spec.layout, spec.arch
+    layout.check_no_op()
+    check_precision(spec.dtype, grad_sync=spec.grad_sync, training=spec.training)
+    check_run(s.name, cp=layout.cp, recompute=s.recompute, recompute_layers=s.enable_gradient_checkpointing,
+              backend=s.backend)  # fmt: skip
+    if spec.grad_sync == "manual" and layout.ep > 1:
+        raise SettingError(
+            lambda w: (
+                f"{w.value('grad_sync', 'manual')} does not reduce expert-parallel gradients (over the expert "
+                f"data-parallel group); use {w.value('grad_sync', 'ddp')} with {w.name('ep')}"
+            )
+        )
+    check_pipeline(
+        s.name, pp=layout.pp, num_layers=None if arch is None else arch.num_layers, critic=spec.critic,
+        hybrid=arch is not None and arch.is_hybrid, moe=arch is not None and arch.is_moe, root_pieces=s.root_pieces,
+    )  # fmt: skip
+    if arch is None:
+        return
+    if arch.is_hybrid:  # (models/arch.py check_schedule_supports reads the same two rules off the arch)
+        model = f"{arch.family}, {arch.num_linear_layers} of {arch.num_layers} layers gated delta net"
+        check_hybrid_schedule(s.name, model=model)
+        check_gdn_context_parallel(
+            key_heads=arch.linear_num_key_heads,
+            value_heads=arch.linear_num_value_heads,
+            tp=layout.tp,
+            cp=layout.cp,
+        )
+    m = spec.moe
+    check_moe_run(
+        s.name, moe=arch.is_moe, tp=layout.tp, sequence_parallel=layout.sequence_parallel, ep=layout.ep,
+        router_settings=m.router_settings, capacity_factor=m.expert_capacity_factor,
+    )  # fmt: skip
+
+
+API = _spelling.API
+"""How a library caller names the settings (spelling.py's library column): the schedules' and the sampler's own
+checks."""
