@@ -72,6 +72,8 @@ from megatron_branch.errors import SettingError
 
 TRAIN_SCHEDULES = ("replay", "packed", "naive", "naive-fused", "packed-nosharing", "replay-stopgrad")
 """Schedules a training run (`train`'s schedule.name) can step with; all but replay-stopgrad are exact."""
+GRAD_SCHEDULES = ("replay", "packed", "naive")
+"""The schedules of `grad`'s stable contract and of megatron's drop-in (integration/schedule.py)."""
 UNSHARED = ("naive", "naive-fused", "packed-nosharing")
 """Schedules that compute every rollout's every position (nothing shared): the baselines."""
 NO_RING = ("naive", "naive-fused", "packed-nosharing", "replay-stopgrad")
@@ -402,9 +404,10 @@ def check_verl_model(
 
 def check(spec: Any) -> None:
     """The one check sequence of a run (assembly/spec.py RunSpec), before any work: the layout's no-ops, the
-    precision, the schedule's options, the pipeline, then (when the architecture is known) the model's schedule
-    and MoE rules. A SettingError in command-line wording; each entry point re-spells it (spelling.py)."""
-    s, layout, arch = spec.schedule, spec.layout, spec.arch
+    precision, the schedule's options, the pipeline; with spec.arch, the model's rules too (check_model: an entry
+    point that reads the model later calls that then). A SettingError in command-line wording; each entry point
+    re-spells it (spelling.py)."""
+    s, layout = spec.schedule, spec.layout
     layout.check_no_op()
     check_precision(spec.dtype, grad_sync=spec.grad_sync, training=spec.training)
     check_run(s.name, cp=layout.cp, recompute=s.recompute, recompute_layers=s.enable_gradient_checkpointing,
@@ -416,13 +419,21 @@ def check(spec: Any) -> None:
                 f"data-parallel group); use {w.value('grad_sync', 'ddp')} with {w.name('ep')}"
             )
         )
+    check_pipeline(s.name, pp=layout.pp, critic=spec.critic, root_pieces=s.root_pieces)
+    if spec.arch is not None:
+        check_model(spec)
+
+
+def check_model(spec: Any) -> None:
+    """The rules between a run and its model (spec.arch, a models.ModelArch): the pipeline's split of its layers,
+    a hybrid's schedules and CP split (models/arch.py check_schedule_supports reads the same two rules off the
+    arch), the mixture-of-experts rules."""
+    s, layout, arch, m = spec.schedule, spec.layout, spec.arch, spec.moe
     check_pipeline(
-        s.name, pp=layout.pp, num_layers=None if arch is None else arch.num_layers, critic=spec.critic,
-        hybrid=arch is not None and arch.is_hybrid, moe=arch is not None and arch.is_moe, root_pieces=s.root_pieces,
+        s.name, pp=layout.pp, num_layers=arch.num_layers, hybrid=arch.is_hybrid, moe=arch.is_moe,
+        critic=spec.critic, root_pieces=s.root_pieces,
     )  # fmt: skip
-    if arch is None:
-        return
-    if arch.is_hybrid:  # (models/arch.py check_schedule_supports reads the same two rules off the arch)
+    if arch.is_hybrid:
         model = f"{arch.family}, {arch.num_linear_layers} of {arch.num_layers} layers gated delta net"
         check_hybrid_schedule(s.name, model=model)
         check_gdn_context_parallel(
@@ -431,7 +442,6 @@ def check(spec: Any) -> None:
             tp=layout.tp,
             cp=layout.cp,
         )
-    m = spec.moe
     check_moe_run(
         s.name, moe=arch.is_moe, tp=layout.tp, sequence_parallel=layout.sequence_parallel, ep=layout.ep,
         router_settings=m.router_settings, capacity_factor=m.expert_capacity_factor,

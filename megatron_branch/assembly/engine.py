@@ -86,6 +86,8 @@ def build_stage(spec: RunSpec, groups: ParallelGroups, **config_overrides: Any) 
     from megatron_branch.models import build_model
 
     arch, dtype = spec.arch, torch_dtype(spec.dtype)
+    if spec.moe.expert_capacity_factor is not None:  # token dropping (naive only: rules.check_moe_run)
+        config_overrides.setdefault("moe_expert_capacity_factor", spec.moe.expert_capacity_factor)
     shape = {"dtype": dtype, "tp": groups.tp_size, "sequence_parallel": groups.sequence_parallel,
              "ep": groups.ep_size, **config_overrides}  # fmt: skip
     stage = {"pp": groups.pp_size, "pp_rank": groups.pp_rank}

@@ -108,7 +108,8 @@ class RunSpec:
     objective: ObjectiveConfig | None = None
     """The policy objective (losses/config.py); None where the caller brings its own (drop-in, verl, bench)."""
     dtype: DtypeName = "float32"
-    """Parameter and compute dtype (precision.py); bfloat16 / float16: megatron's mixed precision."""
+    """Parameters and compute (precision.py); bfloat16 / float16: megatron's mixed precision (fp32 main gradients;
+    softmax, logprobs and dK/dV sums in fp32; grad writes its gradients in fp32)."""
     grad_sync: Literal["ddp", "manual"] = "ddp"
     """Multi-process gradient reduction: megatron-core DDP + finalize_model_grads, or parallel/grads.py's plain
     one."""

@@ -170,7 +170,7 @@ def run_spec(cfg: Any, arch: ModelArch | None = None) -> RunSpec:
 
 def check_model(cfg: Any) -> None:
     """The architecture exists and splits over parallel.tp and parallel.pp, and the run's rules hold for it
-    (rules.check with the arch; reads only config.json)."""
+    (rules.check_model; reads only config.json)."""
     arch = model_arch(cfg)
     if arch.is_moe and cfg.moe.expert_capacity_factor is not None:
         # train runs no schedule that drops tokens per rollout (the sampler and the update share prefixes)
@@ -179,7 +179,7 @@ def check_model(cfg: Any) -> None:
             "on which tokens share its batch); train dropless (null)"
         )
     try:
-        rules.check(run_spec(cfg, arch))
+        rules.check_model(run_spec(cfg, arch))
     except SettingError as e:
         raise e.spelled(SPELLING) from None
     try:
