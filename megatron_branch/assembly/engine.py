@@ -68,11 +68,12 @@ def schedule_options(spec: RunSpec, groups: ParallelGroups, vocab_size: int, **e
     moe = extra.pop("moe", None)
     if moe is None and spec.arch is not None and getattr(spec.arch, "is_moe", False):
         moe = spec.moe.options()
-    return ScheduleOptions(
-        groups=groups, vocab_size=vocab_size, backend=s.backend, branch_micro_batch=s.branch_micro_batch,
-        recompute=s.recompute, recompute_layers=s.enable_gradient_checkpointing, root_pieces=s.root_pieces,
-        moe=moe, **extra,
+    kw = dict(
+        backend=s.backend, branch_micro_batch=s.branch_micro_batch, recompute=s.recompute,
+        recompute_layers=s.enable_gradient_checkpointing, root_pieces=s.root_pieces, moe=moe,
     )  # fmt: skip
+    kw.update(extra)  # the caller's own options win (the drop-in's keyword arguments)
+    return ScheduleOptions(groups=groups, vocab_size=vocab_size, **kw)
 
 
 def build_stage(spec: RunSpec, groups: ParallelGroups, **config_overrides: Any) -> torch.nn.Module:
