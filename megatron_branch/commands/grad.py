@@ -44,11 +44,22 @@ import os
 from typing import Any
 
 from megatron_branch import outputs, rules
-from megatron_branch.commands.grad_flags import SPELLING, add_grad_command, objective_config, run_spec
+from megatron_branch.commands.grad_flags import SPELLING, add_grad_flags, objective_config, run_spec
 from megatron_branch.errors import SettingError, UserError
 from megatron_branch.parallel.agree import check_on_every_rank
 
 __all__ = ["SPELLING", "add_grad_command", "objective_config", "run_grad"]
+
+
+def add_grad_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "grad",
+        help="gradient of the GRPO loss over a rollout file (parity checks from outside)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_grad_flags(p)  # commands/grad_flags.py: generated from the run's dataclasses
+    p.set_defaults(func=run_grad)
 
 
 def run_grad(args: argparse.Namespace) -> int:

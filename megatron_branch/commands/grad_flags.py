@@ -43,19 +43,11 @@ SPELLING = spelling.FLAGS
 """How grad's messages name a setting: its flag (spelling.py's flag column)."""
 
 
-def add_grad_command(sub: Any) -> None:
-    from megatron_branch.commands import grad
-
-    p = sub.add_parser(
-        "grad",
-        help="gradient of the GRPO loss over a rollout file (parity checks from outside)",
-        description=grad.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_grad_flags(p: argparse.ArgumentParser) -> None:
+    """Every flag of grad: the contract's own, then the generated ones (see the module doc)."""
     _contract_flags(p)
     add_setting_flags(p)
     outputs.add_overwrite_argument(p)
-    p.set_defaults(func=grad.run_grad)
 
 
 def _contract_flags(p: argparse.ArgumentParser) -> None:
