@@ -121,7 +121,7 @@ def validate(args: argparse.Namespace) -> tuple[Any, ...]:
     if arch.is_moe:
         rollouts = check_routing_records(rollouts, arch, replay=spec.moe.router_replay == "R3")
     full_tree = PrefixTree.build(rollouts, vocab_size=arch.vocab_size)
-    objective = make_objective(args, rollouts, full_tree)
+    objective = make_objective(args, spec.objective, rollouts, full_tree)
     return spec, rollouts, full_tree, objective
 
 
@@ -168,7 +168,7 @@ def _megatron_ddp(model: Any, spec: Any, world: int) -> tuple[Any, Any]:
     return wrap_megatron_ddp(model, dtype=torch_dtype(spec.dtype), pg_collection=pg_collection), pg_collection
 
 
-def make_objective(args: argparse.Namespace, rollouts: list[Any], full_tree: Any) -> Any:
+def make_objective(args: argparse.Namespace, cfg: Any, rollouts: list[Any], full_tree: Any) -> Any:
     """The objective the flags describe (the registry's builder, as `train` uses), normalised on the whole batch,
     validated on every rollout (UserError naming file:line for a missing field or a malformed pair) before any
     collective."""
@@ -176,7 +176,7 @@ def make_objective(args: argparse.Namespace, rollouts: list[Any], full_tree: Any
 
     try:
         load_plugins(args.plugins)
-        objective = build_objective(objective_config(args), rollouts)
+        objective = build_objective(cfg, rollouts)
     except SettingError as e:
         raise e.spelled(SPELLING) from None
     except UserError:

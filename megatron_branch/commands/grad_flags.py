@@ -118,7 +118,8 @@ def run_spec(args: argparse.Namespace, arch: Any = None) -> Any:
     return RunSpec(
         hf_path=args.hf, arch=arch, layout=ParallelLayout(**read_fields(args, ParallelLayout)),
         schedule=ScheduleConfig(**read_fields(args, ScheduleConfig, dests=SCHEDULE["dests"])),
-        dtype=args.dtype, grad_sync=args.grad_sync, moe=MoEConfig(**read_fields(args, MoEConfig, prefix="moe_")),
+        objective=objective_config(args), dtype=args.dtype, grad_sync=args.grad_sync,
+        moe=MoEConfig(**read_fields(args, MoEConfig, prefix="moe_")),
     )  # fmt: skip
 
 
