@@ -239,6 +239,19 @@ def gdn_context_parallel_sizes(*, key_heads: int, value_heads: int, tp: int) -> 
     return [c for c in range(1, nv + 1) if nv % c == 0 and (nk % c == 0 or c % nk == 0)]
 
 
+def check_hybrid_run(arch: Any, schedule: str, *, cp: int = 1, tp: int = 1) -> None:
+    """A hybrid (gated delta net) model's rules read off its arch (a models.ModelArch): its schedules and the CP
+    split of its GDN heads; nothing for a model without GDN layers."""
+    if not arch.is_hybrid:
+        return
+    check_hybrid_schedule(
+        schedule, model=f"{arch.family}, {arch.num_linear_layers} of {arch.num_layers} layers gated delta net"
+    )
+    check_gdn_context_parallel(
+        key_heads=arch.linear_num_key_heads, value_heads=arch.linear_num_value_heads, tp=tp, cp=cp
+    )
+
+
 def check_gdn_context_parallel(*, key_heads: int, value_heads: int, tp: int, cp: int) -> None:
     """Refuse a CP size the head exchange cannot split a hybrid's gated delta net layers over: each CP rank runs a
     block of value heads with the key heads they read (whole key heads, or one key head shared by cp / key heads
@@ -426,22 +439,13 @@ def check(spec: Any) -> None:
 
 def check_model(spec: Any) -> None:
     """The rules between a run and its model (spec.arch, a models.ModelArch): the pipeline's split of its layers,
-    a hybrid's schedules and CP split (models/arch.py check_schedule_supports reads the same two rules off the
-    arch), the mixture-of-experts rules."""
+    a hybrid's schedules and CP split (check_hybrid_run), the mixture-of-experts rules."""
     s, layout, arch, m = spec.schedule, spec.layout, spec.arch, spec.moe
     check_pipeline(
         s.name, pp=layout.pp, num_layers=arch.num_layers, hybrid=arch.is_hybrid, moe=arch.is_moe,
         critic=spec.critic, root_pieces=s.root_pieces,
     )  # fmt: skip
-    if arch.is_hybrid:
-        model = f"{arch.family}, {arch.num_linear_layers} of {arch.num_layers} layers gated delta net"
-        check_hybrid_schedule(s.name, model=model)
-        check_gdn_context_parallel(
-            key_heads=arch.linear_num_key_heads,
-            value_heads=arch.linear_num_value_heads,
-            tp=layout.tp,
-            cp=layout.cp,
-        )
+    check_hybrid_run(arch, s.name, cp=layout.cp, tp=layout.tp)
     check_moe_run(
         s.name, moe=arch.is_moe, tp=layout.tp, sequence_parallel=layout.sequence_parallel, ep=layout.ep,
         router_settings=m.router_settings, capacity_factor=m.expert_capacity_factor,
