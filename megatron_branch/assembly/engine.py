@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from megatron_branch.assembly.spec import RunSpec
-from megatron_branch.parallel.groups import ParallelGroups
+from megatron_branch.parallel.groups import ParallelGroups, initialize_parallel
 from megatron_branch.precision import torch_dtype
 from megatron_branch.schedule.options import ScheduleOptions
 
@@ -43,19 +43,16 @@ def build_engine(
     model: Any = None,
     groups: ParallelGroups | None = None,
     vocab_size: int | None = None,
-    build_model: bool = True,
     **extra: Any,
 ) -> Engine:
     """The engine of a checked `spec`. `groups`: given, or laid out now on megatron's parallel_state from
     spec.layout (parallel/groups.py initialize_parallel). `model`: given, or built on this rank (HF weights of
-    spec.hf_path, or a seeded random init of spec.arch) unless `build_model` is False. `vocab_size`: the real
+    spec.hf_path, or a seeded random init of spec.arch: build_stage). `vocab_size`: the real
     vocabulary (default spec.arch's). `extra`: further ScheduleOptions fields of the caller (keep_logprobs,
     ring_stats, ...)."""
     if groups is None:
-        from megatron_branch.parallel.groups import initialize_parallel
-
         groups = initialize_parallel(spec.layout)
-    if model is None and build_model:
+    if model is None:
         model = build_stage(spec, groups)
     if vocab_size is None:
         vocab_size = spec.arch.vocab_size
