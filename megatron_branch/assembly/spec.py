@@ -70,9 +70,10 @@ class MoEConfig:
 
     @property
     def router_settings(self) -> bool:
-        """Router losses or routing replay were asked for."""
+        """Router losses or routing replay were asked for (any coefficient set, a bad one included: a dense model
+        refuses it rather than ignore it)."""
         coeffs = (self.aux_loss_coeff, self.seq_aux_loss_coeff, self.global_aux_loss_coeff, self.z_loss_coeff)
-        return any(v > 0 for v in coeffs) or self.router_replay != "disabled"
+        return any(v != 0 for v in coeffs) or self.router_replay != "disabled"
 
     @property
     def active(self) -> bool:

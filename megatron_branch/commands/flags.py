@@ -12,7 +12,7 @@ default or a choice is written once. What a command spells differently is said p
              `flags` renames it; `aliases` are further spellings of the same flag (the older ones keep working)
     dest     prefix + field name (`args.clip_ratio_low`), unless `dests` renames it
     type     bool: a switch (store_true); Literal[...]: its choices; int / float / str (optional or not): that
-             type, unless `types_` gives a parser (`positive_int`); `choices` narrows a Literal; a field of
+             type, unless `types_` gives a parser (`_positive_int`); `choices` narrows a Literal; a field of
              another type (a list, a section) or without a plain default has no flag (its default applies)
     default  the field's default, unless `defaults` says what this command's contract fixes
     help     the field's docstring
@@ -30,7 +30,7 @@ from typing import Any
 from megatron_branch.train.reference import field_docs
 
 
-def positive_int(text: str) -> int:
+def _positive_int(text: str) -> int:  # (argparse names it in its error: "invalid _positive_int value")
     """An argparse type: a positive integer (argparse's one-line error otherwise)."""
     value = int(text)
     if value <= 0:

@@ -18,7 +18,7 @@ import argparse
 from typing import Any
 
 from megatron_branch import outputs, spelling
-from megatron_branch.commands.flags import add_fields, positive_int, read_fields
+from megatron_branch.commands.flags import _positive_int, add_fields, read_fields
 from megatron_branch.data.rollouts import CONTEXT_OVERRIDE_FLAG
 
 SCHEDULE = {
@@ -88,10 +88,10 @@ def add_setting_flags(p: argparse.ArgumentParser) -> None:
 
     s = p.add_argument_group("schedule")
     add_fields(s, ScheduleConfig, **SCHEDULE, choices={"name": GRAD_SCHEDULES},
-               types_={"branch_micro_batch": positive_int}, notes={"name": "grad runs replay, packed or naive."},
+               types_={"branch_micro_batch": _positive_int}, notes={"name": "grad runs replay, packed or naive."},
                aliases={"enable_gradient_checkpointing": ["--enable-gradient-checkpointing"]})  # fmt: skip
     lay = p.add_argument_group("layout (world = tp * cp * pp * dp under torchrun)")
-    add_fields(lay, ParallelLayout, skip=("dp",), types_={"ep": positive_int})
+    add_fields(lay, ParallelLayout, skip=("dp",), types_={"ep": _positive_int})
     add_fields(p.add_argument_group("precision"), RunSpec, skip=_all_but(RunSpec, "dtype", "grad_sync"))
     o = p.add_argument_group("objective (verl's names, older flags as aliases)")
     add_fields(o, ObjectiveConfig, flags={"policy_loss": "--objective"}, aliases=OBJECTIVE_ALIASES,
