@@ -39,7 +39,8 @@ class ObjectiveConfig:
     kl_loss_coef: float = 0.0
     """KL-to-reference coefficient (needs ref_logprobs: scored by a frozen reference when it is > 0)."""
     kl_loss_type: Literal["k1", "k2", "k3", "kl", "mse", "low_var_kl"] = "low_var_kl"
-    """KL estimator (verl's names are aliases: kl = k1, mse = k2, low_var_kl = k3)."""
+    """KL estimator (verl's names are aliases: kl = k1, mse = k2, low_var_kl = k3). The default is verl's actor
+    default (verl/trainer/config/actor/actor.yaml: kl_loss_type: low_var_kl), for train and grad alike."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient (the loss subtracts entropy_coeff * H)."""
     loss_agg_mode: Literal[
