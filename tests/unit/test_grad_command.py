@@ -128,6 +128,22 @@ def test_bad_configuration_refused_before_work(workdir: Path, capsys: pytest.Cap
     assert rc == 2 and "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("folder", ["/proc", "/sys"])
+def test_unwritable_out_refused_before_work(
+    workdir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, folder: str
+) -> None:
+    """Issue 35 item 8: os.access says yes there (as root), creating a file does not; refused before loading."""
+    import megatron_branch.commands.grad as grad_cmd
+
+    monkeypatch.setattr(grad_cmd, "load_policy", lambda *a, **k: pytest.fail("the model was loaded"))
+    rc = main(argv(workdir / "hf", workdir / "r.jsonl", f"{folder}/o.safetensors"))
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err, err
+    assert err.startswith(
+        f"megatron-branch: error: output '{folder}/o.safetensors': cannot create a file in folder"
+    )
+
+
 @pytest.mark.slow
 def test_module_entry_point_has_no_traceback(workdir: Path) -> None:
     bad = workdir / "bad.jsonl"
