@@ -49,6 +49,7 @@ from megatron_branch.data.rollouts import CONTEXT_OVERRIDE_FLAG
 from megatron_branch.errors import SettingError, Spelling, UserError
 from megatron_branch.parallel.agree import check_on_every_rank, write_on_rank0
 from megatron_branch.precision import DTYPE_NAMES, accumulation_dtype, is_half, torch_dtype
+from megatron_branch.progress import Progress, add_quiet_argument
 
 DTYPES = {name: torch_dtype(name) for name in DTYPE_NAMES}
 """--dtype: float32, float64, or megatron's mixed precision (bfloat16, float16: fp32 main gradients, written fp32)."""
@@ -185,6 +186,7 @@ def add_grad_command(sub: Any) -> None:
         help="accept rollouts longer than the model's max_position_embeddings (RoPE extrapolates; off by default)",
     )
     outputs.add_overwrite_argument(p)
+    add_quiet_argument(p)
     p.set_defaults(func=run_grad)
 
 
@@ -367,6 +369,8 @@ def run_grad(args: argparse.Namespace) -> int:
         objective = make_objective(args, rollouts, full_tree)
         return pcfg, arch, rollouts, full_tree, objective, moe
 
+    # its first line comes after the checks: a bad input stays one line on stderr
+    progress = Progress("grad", quiet=args.quiet)
     pcfg, arch, rollouts, full_tree, objective, moe = check_on_every_rank(validate)
     rank, world = init_distributed()
 
@@ -382,8 +386,11 @@ def run_grad(args: argparse.Namespace) -> int:
                     check_cp_fits(sub, pcfg.cp)
 
     check_on_every_rank(validate_layout)
+    progress.phase(f"inputs checked; prefix tree: {len(rollouts)} rollouts, {full_tree.positions_logical:,} "
+                   f"positions, {full_tree.positions_computed:,} distinct")  # fmt: skip
 
     groups = initialize_parallel(pcfg)
+    progress.phase(f"loading the model from {args.hf}")
     model = load_policy(args.hf, arch, groups, dtype, capacity_factor=args.moe_expert_capacity_factor)
     # megatron's DDP: main_grad buffers, SUM over dp x cp, SP norm sum over TP; with more than one process, and
     # always for bf16 / fp16 parameters (each backward's gradient is added into its fp32 main gradient)
@@ -412,6 +419,7 @@ def run_grad(args: argparse.Namespace) -> int:
     )
     plan = UpdatePlan(opts=opts, schedule=args.schedule, pg_collection=pg_collection)
     model.zero_grad(set_to_none=True)
+    progress.phase(f"{args.schedule} schedule: forward and backward")
     acc = accumulate_gradients(
         ddp if ddp is not None else model,
         rollouts,
@@ -452,7 +460,9 @@ def run_grad(args: argparse.Namespace) -> int:
         "metrics": fold_expert_metrics(metrics),  # MoE: tokens per expert as one list per layer
     }
     # rank 0 writes; a failure there must reach every rank, which would otherwise wait forever
+    progress.phase(f"writing {args.out}")
     write_on_rank0(lambda: _write_outputs(args, grads, lp_rows, accumulation_dtype(dtype)))
+    progress.done()
     if rank == 0:
         print(json.dumps(summary), flush=True)
     return 0

@@ -233,3 +233,18 @@ def test_tiny_assets_example_feeds_the_commands(tmp_path: Path, capsys: pytest.C
     rc = main(argv(tmp_path / "hf", tmp_path / "rollouts.jsonl", tmp_path / "g.st"))
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and summary["positions_computed"] < summary["positions_logical"]
+
+
+def test_progress_lines_on_stderr_and_quiet(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 35 item 9: grad says what it is doing (loading, tree, schedule, writing) on stderr, stdout keeps only
+    the JSON line; --quiet silences the phases."""
+    rc, summary, err = grad(workdir, capsys, out="p.safetensors")
+    assert rc == 0 and summary["out"].endswith("p.safetensors")
+    lines = err.strip().splitlines()
+    phases = [ln.split("] ", 1)[1] for ln in lines]
+    assert all(ln.startswith("grad: [") for ln in lines), lines
+    assert phases[0].startswith("inputs checked; prefix tree: ") and phases[1].startswith("loading the model")
+    assert phases[2] == "replay schedule: forward and backward" and phases[3].startswith("writing ")
+    assert phases[4] == "done" and len(phases) == 5
+    rc, _, err = grad(workdir, capsys, "--quiet", out="p.safetensors")
+    assert rc == 0 and err == ""
