@@ -32,6 +32,11 @@ def add_train_command(sub: Any) -> None:
         default=None,
         help="auto: continue from the newest checkpoint",
     )
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config (the file, the overrides and every default, as YAML) and exit",
+    )
     p.set_defaults(func=run_train, collect_extra=True)
 
 
@@ -47,6 +52,12 @@ def run_train(args: argparse.Namespace) -> int:
 
     # all checks that need no data, before any work; under torchrun the verdict is shared (printed once)
     cfg = check_on_every_rank(lambda: load_config(args.config, overrides))
+    if args.print_config:  # as Hydra's `--cfg job`: what would run, nothing done
+        from megatron_branch.train.config_io import resolved_yaml
+
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(resolved_yaml(cfg), end="", flush=True)
+        return 0
 
     from megatron_branch.train.loop import Trainer
     from megatron_branch.train.metrics import read_metrics, run_summary

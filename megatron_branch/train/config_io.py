@@ -245,10 +245,16 @@ def _check_override(parts: list[str], value: Any) -> None:
         cls = inner[0]
 
 
-def write_resolved(cfg: TrainConfig, path: Path) -> None:
-    """OUT/config.yaml, replaced whole (a resume rewrites it: a crash keeps the previous one)."""
+def resolved_yaml(cfg: TrainConfig) -> str:
+    """The whole config, every default filled in, as YAML that `load_config` reads back (`train --print-config`,
+    OUT/config.yaml)."""
     import yaml
 
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def write_resolved(cfg: TrainConfig, path: Path) -> None:
+    """OUT/config.yaml, replaced whole (a resume rewrites it: a crash keeps the previous one)."""
     from megatron_branch.outputs import write_text
 
-    write_text(path, yaml.safe_dump(to_dict(cfg), sort_keys=False), overwrite=True, what="resolved config")
+    write_text(path, resolved_yaml(cfg), overwrite=True, what="resolved config")

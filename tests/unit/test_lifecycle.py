@@ -265,3 +265,39 @@ def test_what_megatron_cannot_reshard_is_refused_naming_both_layouts() -> None:
     with pytest.raises(UserError, match=r"saved at tp=2 cp=1 dp=1 with the vocabulary padded to 18 rows, this run "
                        r"is tp=1 cp=1 dp=1 which pads it to 17"):  # fmt: skip
         check_resharding(layout(2, 1), layout(1, 1, rows=17), where="ckpt")
+
+
+# ---- issue 35 item 9: what a resumed or finished run says ----------------------------------------------------
+def test_resume_auto_on_a_new_folder_says_it_starts_fresh(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    assert train(tmp_path, out, "trainer.total_training_steps=1", "--resume", "auto") == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"no checkpoint found under {out / 'checkpoints'}, starting fresh" in lines, lines
+
+
+def test_nothing_to_do_is_one_clean_line_and_names_the_export(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    assert train(tmp_path, out, "trainer.total_training_steps=1") == 0
+    capsys.readouterr()
+    again = ("trainer.total_training_steps=1", "logging.progress_bar=true", "--resume", "auto")
+    assert train(tmp_path, out, *again) == 0
+    cap = capsys.readouterr()
+    lines = cap.out.splitlines()
+    assert lines[0].startswith("resumed from") and len(lines) == 3, lines
+    assert lines[1].startswith(f"nothing to do: {out} is at step 1"), lines
+    assert "train:" not in cap.err and "step/s" not in cap.err, cap.err  # no tqdm bar across the line
+    summary = json.loads(lines[-1])
+    assert summary["nothing_to_do"] and summary["hf"] == str(out / "hf") and (out / "hf").is_dir()
+
+
+def test_print_config_prints_the_resolved_config_and_exits(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("{}\n")
+    assert main(["train", str(empty), *overrides(out, "rollout.n=4"), "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    (tmp_path / "printed.yaml").write_text(printed)
+    again = load_config(tmp_path / "printed.yaml")
+    assert again == cfg(out, "rollout.n=4") and again.rollout.n == 4
+    assert "optim:" in printed and "trainer:" in printed  # every section, defaults included
+    assert not out.exists()  # nothing run, nothing written
