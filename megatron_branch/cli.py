@@ -29,7 +29,7 @@ class ArgumentParser(argparse.ArgumentParser):
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "grad": (
         "megatron_branch.commands.grad", "add_grad_command",
-        "gradient of the GRPO loss over a rollout file (parity checks from outside)",
+        "gradient of a policy loss (default --objective pg) over a rollout file (parity checks from outside)",
     ),
     "bench": (
         "megatron_branch.commands.bench", "add_bench_command",

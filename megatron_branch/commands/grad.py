@@ -58,7 +58,7 @@ DTYPES = {name: torch_dtype(name) for name in DTYPE_NAMES}
 def add_grad_command(sub: Any) -> None:
     p = sub.add_parser(
         "grad",
-        help="gradient of the GRPO loss over a rollout file (parity checks from outside)",
+        help="gradient of a policy loss (default --objective pg) over a rollout file (parity checks from outside)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -230,6 +230,25 @@ def test_override_errors_are_blamed_on_the_override(tmp_path: Path) -> None:
         load_config(yaml, base)
 
 
+def test_texts_of_issue_35_name_the_field_and_the_override(tmp_path: Path) -> None:
+    """A bad family says which families there are (not "must be a mapping | null"), and a rule between fields
+    that names a section's field ("model.arch: family ...") or its wildcard ("moe.*") blames the override."""
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("rollout: {n: 4}\n")
+    base = [o for o in overrides(tmp_path / "run") if not o.startswith("rollout.n=")]
+    with pytest.raises(UserError) as e:
+        load_config(yaml, [*base, "model.arch.family=gpt2"])
+    assert str(e.value).startswith(
+        "override 'model.arch.family=gpt2': model.arch: family must be one of llama"
+    )
+    with pytest.raises(UserError) as e:
+        load_config(yaml, [*base, "moe.aux_loss_coeff=0.1"])  # a dense model
+    assert str(e.value).startswith("override 'moe.aux_loss_coeff=0.1': parallel.ep / moe.* need a mixture")
+    yaml.write_text("rollout: {n: 4}\nmoe: {aux_loss_coeff: 0.1}\n")  # the file's own: still the file's
+    with pytest.raises(UserError, match=rf"^{yaml}: parallel.ep / moe.\* need"):
+        load_config(yaml, base)
+
+
 def test_run_failing_in_its_first_step_leaves_no_folder(tmp_path: Path, monkeypatch) -> None:
     out = tmp_path / "run"
     tr = Trainer(cfg(out, "trainer.total_training_steps=2", "checkpoint.hf_export=false"))

@@ -201,6 +201,22 @@ def test_fits_says_so_first_and_exits_0(capsys: pytest.CaptureFixture[str]) -> N
     assert lines[2].startswith("layout: tp ")
 
 
+@pytest.mark.parametrize(
+    ("sizes", "says"),
+    [
+        (["--tp", "4", "--cp", "4"], "--tp 4 x --cp 4 = 16 GPUs > --gpus 8"),
+        (["--tp", "1", "--cp", "3"], "--tp 1 x --cp 3 = 3 GPUs does not divide --gpus 8"),
+    ],
+)
+def test_fixed_sizes_that_do_not_fit_the_gpus_say_why(
+    sizes: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 35 item 10: `--tp 4 --cp 4` on 8 GPUs says 16 > 8, not "no layout satisfies"."""
+    assert main(["plan", "--model", "qwen2.5-7b", *TARGET, "--gpu", "h100", *sizes]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"megatron-branch: error: {says}", err
+
+
 def test_plan_reads_a_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = MODEL_PRESETS["qwen2.5-7b"].to_hf_config().to_dict()
     (tmp_path / "config.json").write_text(json.dumps(cfg))
@@ -213,7 +229,8 @@ def test_plan_reads_a_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[
     "argv,msg",
     [
         (["--model", "nope-7b"], "neither a preset"),
-        (["--model", "qwen2.5-7b", "--tp", "3"], "no layout"),
+        (["--model", "qwen2.5-7b", "--tp", "3"], "--tp 3 = 3 GPUs does not divide --gpus 8"),
+        (["--model", "qwen2.5-7b", "--tp", "2", "--pp", "3", "--gpus", "12"], "no layout"),
         (["--model", "qwen2.5-7b", "--shared-response-length", "9000"], "--shared-response-length"),
     ],
 )
