@@ -196,3 +196,29 @@ def test_readme_grad_lines_run_on_every_family(family: str, tmp_path: Path, caps
         assert rc == 0, (family, argv, capsys.readouterr().err[-2000:])
         ran += 1
     assert ran >= 3 + moe
+
+
+def test_demo_block_is_rewritten_from_a_runs_output(tmp_path: Path) -> None:
+    """tools/demo_block.py puts a run's printed lines into the README's and docs/training.md's demo blocks."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import demo_block
+
+    log = tmp_path / "demo.log"
+    log.write_text("supervised warm-up: ...\nwarm-up done after 7 steps; RL starts\nnoise\n"
+                   "mean reward, first 10 steps: 0.123    last 10 steps: 0.456    (40 steps)\n"
+                   "positions per step: logical 1000, computed 100\nmetrics:    runs/demo/metrics.jsonl\n")  # fmt: skip
+    docs = []
+    for src in demo_block.DOCS:
+        docs.append(tmp_path / src.name)
+        docs[-1].write_text(src.read_text())
+    assert demo_block.main([str(log), "--docs", *map(str, docs)]) == 0
+    for doc in docs:
+        text = doc.read_text()
+        assert ("```\nwarm-up done after 7 steps; RL starts\nmean reward, first 10 steps: 0.123    last 10 steps: "
+                "0.456    (40 steps)\npositions per step: logical 1000, computed 100\n```") in text  # fmt: skip
+    assert demo_block.main([str(log), "--check", "--docs", *map(str, docs)]) == 0  # now current
+    # the shipped docs hold one run's lines: the README's block, fed back, leaves both files as they are
+    readme = (ROOT / "README.md").read_text()
+    shown = readme[readme.index("warm-up done after") :].split("```")[0]
+    log.write_text(shown)
+    assert demo_block.main([str(log), "--check"]) == 0, "README.md and docs/training.md show different runs"
