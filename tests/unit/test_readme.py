@@ -166,7 +166,9 @@ def tiny_asset_families() -> list[str]:
     """The --family choices of examples/make_tiny_assets.py, as its own --help says them."""
     usage = subprocess.run([sys.executable, str(ROOT / "examples" / "make_tiny_assets.py"), "--help"],
                            capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
-    return re.search(r"--family \{([^}]*)\}", usage.stdout).group(1).split(",")
+    found = re.search(r"--family \{([^}]*)\}", usage.stdout)
+    assert found, f"make_tiny_assets.py --help shows no --family {{choices}}: {usage.stdout[:300]}"
+    return found.group(1).split(",")
 
 
 def test_tiny_asset_families_are_read() -> None:
