@@ -6,6 +6,7 @@ gated-delta-rule functions of its Qwen3.5 / Qwen3-Next modeling in a kernel-hub 
 from __future__ import annotations
 
 import re
+import sysconfig
 from importlib import metadata
 from pathlib import Path
 
@@ -35,7 +36,12 @@ def lock() -> dict[str, str]:
 
 
 def installed() -> dict[str, str]:
-    return {_norm(d.metadata["Name"]): d.version for d in metadata.distributions() if d.metadata["Name"]}
+    """What `pip freeze` lists: the venv's site-packages only (not sys.path at large: once setuptools is imported,
+    its vendored packages' metadata is on sys.path too)."""
+    paths = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    return {
+        _norm(d.metadata["Name"]): d.version for d in metadata.distributions(path=paths) if d.metadata["Name"]
+    }
 
 
 def test_the_venv_holds_the_locked_versions() -> None:
