@@ -133,10 +133,11 @@ class PolicyObjective(TokenObjective):
             data["ref"], _ = pairs.field("ref_logprobs")
         return data
 
-    def terms(
-        self, logp: torch.Tensor, entropy: torch.Tensor | None, d: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Per-pair loss [q] and stats, in `stat_names` order."""
+    def pg_terms(
+        self, logp: torch.Tensor, d: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(policy loss, clipped, dual-clipped) per pair [q]: verl's `vanilla`; a loss mode overrides this
+        (losses/policy_modes.py)."""
         adv = d["adv"]
         old = torch.where(d["has_old"], d["old"], logp.detach())  # on-policy: r = 1 with r's gradient
         neg_kl = (logp - old).clamp(-20.0, 20.0)  # verl clamps the log-ratio before exp
@@ -154,8 +155,17 @@ class PolicyObjective(TokenObjective):
             neg = adv < 0
             lower = ((pg > pg3) & neg).to(logp.dtype)
             pg = torch.where(neg, torch.minimum(pg, pg3), pg)
+        return pg, clipped, lower
+
+    def terms(
+        self, logp: torch.Tensor, entropy: torch.Tensor | None, d: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Per-pair loss [q] and stats, in `stat_names` order: the policy term `pg_terms`, then KL and entropy
+        (added outside the policy-loss function, as verl's actor does for every loss mode)."""
+        pg, clipped, lower = self.pg_terms(logp, d)
+        old = torch.where(d["has_old"], d["old"], logp.detach())
         loss = pg
-        stats = [pg, clipped, lower, -neg_kl]
+        stats = [pg, clipped, lower, -(logp - old).clamp(-20.0, 20.0)]
         if self.kl_coef != 0:
             kl = kl_penalty(logp, d["ref"], self.kl_type)
             loss = loss + self.kl_coef * kl
