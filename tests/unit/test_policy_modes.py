@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from megatron_branch.schedule import ScheduleOptions, run_schedule, score_rollou
 from megatron_branch.testing import random_tree_rollouts, tiny_branch_model
 
 VOCAB = 37
+DEMO = str(Path(__file__).resolve().parents[2] / "examples" / "configs" / "demo.yaml")
 SHIFTS = (
     -0.5,
     -0.12,
@@ -217,3 +219,25 @@ def test_mode_with_kl_entropy_and_empty_prompt_replay_equals_naive(mode: str) ->
         assert max_err(got, want) <= 1e-9
         for k, v in want_res.stats.items():
             assert res.stats[k] == pytest.approx(v, rel=1e-10, abs=1e-14), k
+
+
+def test_train_reads_verls_loss_mode_spelling(tmp_path) -> None:  # noqa: ANN001
+    """`actor.policy_loss.loss_mode` (verl's key) is an alias of `actor.policy_loss`, in the YAML and overrides."""
+    from megatron_branch.train.algorithm import resolve_algorithm
+    from megatron_branch.train.config_io import load_config
+
+    assert (
+        resolve_algorithm(load_config(DEMO, ["actor.policy_loss.loss_mode=gspo"])).objective.policy_loss
+        == "gspo"
+    )
+    import yaml
+
+    raw = yaml.safe_load(Path(DEMO).read_text())
+    f = tmp_path / "c.yaml"
+    raw["actor"]["policy_loss"] = {"loss_mode": "cispo"}
+    f.write_text(yaml.safe_dump(raw))
+    assert load_config(f).actor.policy_loss == "cispo"
+    raw["actor"]["policy_loss"]["clip_cov_ratio"] = 0.1
+    f.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ValueError, match=r"actor\.policy_loss\.clip_cov_ratio \(only loss_mode is read\)"):
+        load_config(f)
