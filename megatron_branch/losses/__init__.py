@@ -7,7 +7,7 @@ token.py       the base of per-token objectives (bind once, sum over (rollout, t
 pairs.py       the (rollout, token) pair index the per-token objectives share
 aggregation.py the four loss-aggregation modes over the GLOBAL batch
 policy.py      GRPO / PPO clipped surrogate, dual clip, KL (k1/k2/k3), entropy bonus ("vanilla", alias "grpo")
-policy_modes.py verl's other loss modes natively: GSPO ("gspo", a sequence-level ratio), CISPO ("cispo")
+policy_modes.py verl's other loss modes natively: "gspo" (a sequence-level ratio), "cispo", "sapo", "geo_mean"
 value.py       PPO's clipped value loss (the critic)
 advantages.py  group-relative advantages (GRPO, Dr. GRPO) and GAE: estimators "grpo", "gae"
 dpo.py         DPO (sigmoid) and IPO on preference pairs ("dpo")
@@ -33,7 +33,12 @@ from megatron_branch.losses.objective import (
     Prepared,
 )
 from megatron_branch.losses.policy import PolicyObjective, kl_penalty
-from megatron_branch.losses.policy_modes import CISPOObjective, GSPOObjective
+from megatron_branch.losses.policy_modes import (
+    CISPOObjective,
+    GMPOObjective,
+    GSPOObjective,
+    SAPOObjective,
+)
 from megatron_branch.losses.registry import (
     build_objective,
     get_adv_estimator,
@@ -50,7 +55,9 @@ __all__ = [
     "AdvantageConfig",
     "AdvantagePolicyGradient",
     "CISPOObjective",
+    "GMPOObjective",
     "GSPOObjective",
+    "SAPOObjective",
     "KL_ALIASES",
     "Aggregation",
     "DPOObjective",

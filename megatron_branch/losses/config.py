@@ -50,6 +50,10 @@ class ObjectiveConfig:
     """L_norm of seq-mean-token-sum-norm (required there, refused elsewhere)."""
     entropy_metric: bool = False
     """Report actor/entropy even when entropy_coeff is 0 (one sum per row in the fused projection)."""
+    tau_pos: float = 1.0
+    """sapo: temperature of the gate where A > 0 (verl's actor.tau_pos)."""
+    tau_neg: float = 1.05
+    """sapo: temperature of the gate where A <= 0 (verl's actor.tau_neg)."""
     dpo_beta: float = 0.1
     """DPO: beta (the IPO regulariser's 1/(2 beta) target)."""
     dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"
@@ -84,6 +88,9 @@ class ObjectiveConfig:
                     f"{s.value('loss_agg_mode', self.loss_agg_mode)}"
                 )
             )
+        for name in ("tau_pos", "tau_neg"):
+            if not getattr(self, name) > 0:
+                self._bad(name, "must be positive")
         if not self.dpo_beta > 0:
             self._bad("dpo_beta", "must be positive")
         if self.dpo_loss not in DPO_LOSSES:

@@ -1,5 +1,5 @@
 """`megatron-branch grad` with the objective additions: grpo (clip, dual clip, KL, entropy, aggregation), gspo,
-cispo and dpo, replay == naive in float64, grpo on-policy == pg, and one-line errors naming file:line for missing fields."""
+cispo, geo_mean and dpo, replay == naive in float64, grpo on-policy == pg, and one-line errors naming file:line for missing fields."""
 
 from __future__ import annotations
 
@@ -113,8 +113,9 @@ GRPO = [
         ["--objective", "dpo", "--dpo-loss", "ipo"],
         ["--objective", "gspo", "--clip-ratio-low", "0.0003", "--clip-ratio-high", "0.0004"],
         ["--objective", "cispo", "--clip-ratio-high", "0.28", "--kl-coef", "0.1"],
+        ["--objective", "geo_mean", "--clip-ratio-low", "0.4", "--clip-ratio-high", "0.4"],
     ],
-    ids=["grpo", "grpo_norm", "dpo", "ipo", "gspo", "cispo"],
+    ids=["grpo", "grpo_norm", "dpo", "ipo", "gspo", "cispo", "geo_mean"],
 )
 def test_objectives_replay_equals_naive(
     workdir: Path, capsys: pytest.CaptureFixture[str], extra: list[str]
@@ -134,7 +135,7 @@ def test_objectives_replay_equals_naive(
     for k, v in s_naive["metrics"].items():
         if not k.startswith("tree/"):
             assert s_replay["metrics"][k] == pytest.approx(v, rel=1e-10, abs=1e-14), k
-    if "gspo" in extra or "cispo" in extra:
+    if {"gspo", "cispo", "geo_mean"} & set(extra):
         assert 0 < s_naive["metrics"]["actor/pg_clipfrac"] < 1
     if "grpo" in extra:
         m = s_naive["metrics"]

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from megatron_branch.data import PrefixTree, Rollout
-from megatron_branch.losses import CISPOObjective, GSPOObjective
+from megatron_branch.losses import CISPOObjective, GMPOObjective, GSPOObjective, SAPOObjective
 from megatron_branch.losses.aggregation import Aggregation
 from megatron_branch.losses.pairs import TokenPairs
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
@@ -117,7 +117,7 @@ def max_err(got: dict, want: dict) -> float:
     return max(((got[k] - want[k]).norm() / want[k].norm().clamp_min(1e-30)).item() for k in want)
 
 
-MODES = {"gspo": GSPOObjective, "cispo": CISPOObjective}
+MODES = {"gspo": GSPOObjective, "cispo": CISPOObjective, "sapo": SAPOObjective, "geo_mean": GMPOObjective}
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
@@ -143,7 +143,8 @@ def test_mode_equals_verl_and_is_exact_under_sharing(mode: str, agg: str) -> Non
         assert max_err(got, per_rollout) <= 1e-9, schedule
         for k, v in naive.stats.items():
             assert res.stats[k] == pytest.approx(v, rel=1e-10, abs=1e-14), (schedule, k)
-    assert 0 < res.stats["actor/pg_clipfrac"] < 1
+    if mode != "sapo":  # SAPO gates, never clips
+        assert 0 < res.stats["actor/pg_clipfrac"] < 1
 
 
 def test_rollouts_sharing_a_token_have_different_sequence_ratios() -> None:
@@ -152,7 +153,8 @@ def test_rollouts_sharing_a_token_have_different_sequence_ratios() -> None:
     rollouts = mode_rollouts(model, seed=11)
     tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
     scores = score_rollouts("naive", model, tree, ScheduleOptions(vocab_size=VOCAB))
-    s = GSPOObjective.sequence_log_ratios(tree, scores).exp()
+    agg = Aggregation.of_batch(rollouts, "token-mean")
+    s = GSPOObjective(agg=agg, **CLIP).prepare(tree, scores).objective.seq.exp()
     pairs = TokenPairs(tree)
     holders: dict[int, set[int]] = {}
     for p in range(pairs.num_pairs):
