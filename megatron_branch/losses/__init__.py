@@ -10,6 +10,7 @@ policy.py      GRPO / PPO clipped surrogate, dual clip, KL (k1/k2/k3), entropy b
 policy_modes.py verl's other loss modes natively: "gspo" (a sequence-level ratio), "cispo", "sapo", "geo_mean"
 value.py       PPO's clipped value loss (the critic)
 advantages.py  group-relative advantages (GRPO, Dr. GRPO) and GAE: estimators "grpo", "gae"
+verl_loss.py   any verl policy loss through verl's own function ("verl:<loss_mode>", two passes)
 dpo.py         DPO (sigmoid) and IPO on preference pairs ("dpo")
 
 Importing this package registers every built-in objective and estimator (one import line each, below).
@@ -49,6 +50,7 @@ from megatron_branch.losses.registry import (
 )
 from megatron_branch.losses.token import TokenObjective
 from megatron_branch.losses.value import ValueObjective
+from megatron_branch.losses.verl_loss import VerlPolicyLoss
 
 __all__ = [
     "AGG_MODES",
@@ -68,6 +70,7 @@ __all__ = [
     "Prepared",
     "TokenObjective",
     "ValueObjective",
+    "VerlPolicyLoss",
     "build_objective",
     "gae",
     "get_adv_estimator",

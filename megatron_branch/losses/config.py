@@ -29,7 +29,8 @@ class ObjectiveConfig:
 
     policy_loss: str = "vanilla"
     """Registered objective (losses/registry.py): vanilla (= grpo: clipped surrogate + KL + entropy bonus), pg (the
-    linear policy gradient), dpo, or one a plugin registers."""
+    linear policy gradient), gspo, cispo, sapo, geo_mean, dpo, verl:<loss_mode> (verl's own function), or one a
+    plugin registers."""
     clip_ratio_low: float = 0.2
     """Lower clip of the importance ratio: 1 - clip_ratio_low."""
     clip_ratio_high: float = 0.2

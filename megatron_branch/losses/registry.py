@@ -85,7 +85,14 @@ def register_policy_loss(*names: str) -> Callable[[C], C]:
 
 
 def objective_class(name: str) -> Any:
-    """The registered objective class `name`; an unknown name is a SettingError listing the registered ones."""
+    """The registered objective class `name`; an unknown name is a SettingError listing the registered ones. A
+    name "family:member" is the class registered as "family:" (e.g. "verl:gspo": verl's own loss function), which
+    checks the member (`check_name`)."""
+    family, sep, member = name.partition(":")
+    if sep and member:
+        cls = POLICY_LOSSES.lookup(family + sep)
+        cls.check_name(name)
+        return cls
     return POLICY_LOSSES.lookup(name)
 
 

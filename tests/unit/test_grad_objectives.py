@@ -114,12 +114,15 @@ GRPO = [
         ["--objective", "gspo", "--clip-ratio-low", "0.0003", "--clip-ratio-high", "0.0004"],
         ["--objective", "cispo", "--clip-ratio-high", "0.28", "--kl-coef", "0.1"],
         ["--objective", "geo_mean", "--clip-ratio-low", "0.4", "--clip-ratio-high", "0.4"],
+        ["--objective", "verl:gspo", "--kl-coef", "0.1"],
     ],
-    ids=["grpo", "grpo_norm", "dpo", "ipo", "gspo", "cispo", "geo_mean"],
+    ids=["grpo", "grpo_norm", "dpo", "ipo", "gspo", "cispo", "geo_mean", "verl_gspo"],
 )
 def test_objectives_replay_equals_naive(
     workdir: Path, capsys: pytest.CaptureFixture[str], extra: list[str]
 ) -> None:
+    if any(x.startswith("verl:") for x in extra):
+        pytest.importorskip("verl", reason="the verl extra is not installed (make setup-verl)")
     data = "dpo.jsonl" if "dpo" in extra else "ppo.jsonl"
     out = {}
     for schedule in ("naive", "replay"):
@@ -187,6 +190,7 @@ def test_missing_fields_one_line_error_with_file_line(
     [
         (["--objective", "grpo", "--clip-c", "1"], "dual-clip"),
         (["--objective", "grpo", "--loss-agg", "seq-mean-token-sum-norm"], "L_norm"),
+        (["--objective", "verl:nope"], "--objective 'verl:nope'"),
     ],
 )
 def test_bad_objective_flags(

@@ -15,13 +15,22 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_branch.data import PrefixTree, Rollout
-from megatron_branch.losses import CISPOObjective, GMPOObjective, GSPOObjective, SAPOObjective
+from megatron_branch.losses import (
+    CISPOObjective,
+    GMPOObjective,
+    GSPOObjective,
+    ObjectiveConfig,
+    SAPOObjective,
+    build_objective,
+    objective_class,
+)
 from megatron_branch.losses.aggregation import Aggregation
 from megatron_branch.losses.pairs import TokenPairs
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
@@ -243,3 +252,32 @@ def test_train_reads_verls_loss_mode_spelling(tmp_path) -> None:  # noqa: ANN001
     f.write_text(yaml.safe_dump(raw))
     with pytest.raises(ValueError, match=r"actor\.policy_loss\.clip_cov_ratio \(only loss_mode is read\)"):
         load_config(f)
+
+
+VERL_MODES = ["vanilla", "gspo", "cispo", "sapo", "geo_mean", "kl_cov", "gpg"]
+
+
+@pytest.mark.parametrize("mode", VERL_MODES)
+def test_verl_loss_through_verls_function_is_exact_under_sharing(mode: str) -> None:
+    """policy_loss = "verl:<mode>": verl's function on the scored logprobs, its dL/dlogp through the tree."""
+    pytest.importorskip("verl", reason="the verl extra is not installed (make setup-verl)")
+    model = tiny_branch_model(torch.float64, seed=3)
+    rollouts = mode_rollouts(model, seed=11)
+    tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
+    want_loss, _, want = verl_oracle(model, rollouts, mode, "token-mean")
+    cfg = ObjectiveConfig(policy_loss=f"verl:{mode}", clip_ratio_low=0.2, clip_ratio_high=0.28)
+    objective = build_objective(cfg, rollouts)
+    for schedule, kw in [("naive", {}), ("packed", {}), ("replay", {"branch_micro_batch": 2})]:
+        res, got = run(model, tree, objective, schedule, **kw)
+        assert res.loss == pytest.approx(want_loss, rel=1e-10), schedule
+        assert max_err(got, want) <= 1e-9, schedule
+
+
+def test_verl_loss_names_are_checked_before_any_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("verl", reason="the verl extra is not installed (make setup-verl)")
+    with pytest.raises(ValueError, match=r"unknown --policy-loss 'verl:nope'; verl registers: .*gspo"):
+        objective_class("verl:nope")
+    monkeypatch.setitem(sys.modules, "verl.trainer.ppo.core_algos", None)  # as if verl were not installed
+    with pytest.raises(ValueError, match=r"^--policy-loss verl:gspo needs verl, which is not installed") as e:
+        objective_class("verl:gspo")
+    assert "\n" not in str(e.value)
