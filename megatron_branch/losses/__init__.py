@@ -10,6 +10,7 @@ policy.py      GRPO / PPO clipped surrogate, dual clip, KL (k1/k2/k3), entropy b
 policy_modes.py verl's other loss modes natively: "gspo" (a sequence-level ratio), "cispo", "sapo", "geo_mean"
 value.py       PPO's clipped value loss (the critic)
 advantages.py  group-relative advantages (GRPO, Dr. GRPO) and GAE: estimators "grpo", "gae"
+estimators.py  verl's outcome estimators: "rloo", "opo", "grpo_passk", "reinforce_plus_plus(_baseline)"
 verl_loss.py   any verl policy loss through verl's own function ("verl:<loss_mode>", two passes)
 dpo.py         DPO (sigmoid) and IPO on preference pairs ("dpo")
 
@@ -26,6 +27,13 @@ from megatron_branch.losses.advantages import (
 from megatron_branch.losses.aggregation import AGG_MODES, Aggregation
 from megatron_branch.losses.config import KL_ALIASES, ObjectiveConfig
 from megatron_branch.losses.dpo import DPOObjective, preference_pairs
+from megatron_branch.losses.estimators import (
+    grpo_passk_advantages,
+    opo_advantages,
+    reinforce_plus_plus_advantages,
+    reinforce_plus_plus_baseline_advantages,
+    rloo_advantages,
+)
 from megatron_branch.losses.logprobs import reference_logprobs, vocab_parallel_logprobs
 from megatron_branch.losses.objective import (
     AdvantagePolicyGradient,
@@ -73,6 +81,11 @@ __all__ = [
     "VerlPolicyLoss",
     "build_objective",
     "gae",
+    "grpo_passk_advantages",
+    "opo_advantages",
+    "reinforce_plus_plus_advantages",
+    "reinforce_plus_plus_baseline_advantages",
+    "rloo_advantages",
     "get_adv_estimator",
     "group_advantages",
     "kl_penalty",
