@@ -51,6 +51,12 @@ class ObjectiveConfig:
     """L_norm of seq-mean-token-sum-norm (required there, refused elsewhere)."""
     entropy_metric: bool = False
     """Report actor/entropy even when entropy_coeff is 0 (one sum per row in the fused projection)."""
+    use_bias_correction_kl: bool = False
+    """Multiply the KL estimate by the importance ratio r, with its gradient (TRL's use_bias_correction_kl,
+    DeepSeek-V3.2's unbiased KL; verl has none)."""
+    entropy_token_mean: bool = False
+    """Average the entropy bonus over all response tokens of the batch (TRL) instead of with loss_agg_mode
+    (verl)."""
     tau_pos: float = 1.0
     """sapo: temperature of the gate where A > 0 (verl's actor.tau_pos)."""
     tau_neg: float = 1.05

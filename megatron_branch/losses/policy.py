@@ -7,9 +7,11 @@ advantage (the rollout's scalar or its per-token value), r = exp(clamp(logp - ol
     pg  = min(pg, -A clip_c)                      for A < 0, only when clip_c is given (dual clip, c > 1)
     kl  = k(logp, ref):  k1 = logp - ref,  k2 = (logp - ref)^2 / 2,
                          k3 = clamp(e^x - x - 1, -10, 10), x = clamp(ref - logp, -20, 20)   (verl's low_var_kl)
+    kl  = r k(logp, ref)                          with kl_bias_correction (TRL's use_bias_correction_kl)
     l   = pg + kl_coef kl - entropy_coef H        H = the policy's full-vocabulary entropy at that position
 
-aggregated over the global batch (losses/aggregation.py). `old_logprobs` absent = on-policy: old = logp detached,
+aggregated over the global batch (losses/aggregation.py); with entropy_token_mean the bonus alone is a token mean
+over the global batch (TRL's), whatever the loss's aggregation. `old_logprobs` absent = on-policy: old = logp detached,
 so r = 1 with the gradient of r (the plain policy gradient). Every term is a function of this pair's logp (and
 entropy) and this pair's data, so under sharing each rollout's term at a shared token is evaluated separately
 (losses/pairs.py) and the gradient equals per-rollout training exactly.
@@ -70,6 +72,11 @@ class PolicyObjective(TokenObjective):
     """Coefficient of the entropy bonus (the loss subtracts entropy_coef * H)."""
     entropy_metric: bool = False
     """Report actor/entropy even when entropy_coef is 0 (costs one sum per row in the fused projection)."""
+    kl_bias_correction: bool = False
+    """Multiply the KL estimate by the importance ratio r (TRL's use_bias_correction_kl, DeepSeek-V3.2)."""
+    entropy_token_mean: bool = False
+    """Average the entropy bonus over every response token of the batch (TRL) instead of with the loss's
+    aggregation (verl)."""
 
     def __post_init__(self) -> None:
         if (self.clip_low is None) != (self.clip_high is None):
@@ -98,6 +105,8 @@ class PolicyObjective(TokenObjective):
             kl_type=cfg.kl_loss_type,
             entropy_coef=cfg.entropy_coeff,
             entropy_metric=cfg.entropy_metric,
+            kl_bias_correction=cfg.use_bias_correction_kl,
+            entropy_token_mean=cfg.entropy_token_mean,
         )
 
     @classmethod
@@ -131,6 +140,11 @@ class PolicyObjective(TokenObjective):
         data = {"adv": adv, "old": old, "has_old": has_old}
         if self.kl_coef != 0:
             data["ref"], _ = pairs.field("ref_logprobs")
+        if self.entropy_token_mean:  # the bonus's weight 1/T instead of the pair's aggregation weight
+            w = [self.agg.rollout_weight(len(r.response)) for r in pairs.tree.rollouts]
+            data["ent_scale"] = pairs.rollout_values(
+                self.agg.token_weight / torch.tensor(w, dtype=torch.float64)
+            )
         return data
 
     def pg_terms(
@@ -168,11 +182,14 @@ class PolicyObjective(TokenObjective):
         stats = [pg, clipped, lower, -(logp - old).clamp(-20.0, 20.0)]
         if self.kl_coef != 0:
             kl = kl_penalty(logp, d["ref"], self.kl_type)
+            if self.kl_bias_correction:  # TRL: k * r, r the token ratio with its gradient
+                kl = kl * (logp - old).clamp(-20.0, 20.0).exp()
             loss = loss + self.kl_coef * kl
             stats.append(kl)
         if self.needs_entropy:
             assert entropy is not None, "the schedule did not compute the entropy the objective needs"
             if self.entropy_coef != 0:
-                loss = loss - self.entropy_coef * entropy
+                bonus = entropy * d["ent_scale"] if self.entropy_token_mean else entropy
+                loss = loss - self.entropy_coef * bonus
             stats.append(entropy)
         return loss, stats

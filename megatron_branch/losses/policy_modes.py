@@ -57,6 +57,8 @@ def _clipped_only(cfg: Any, batch: Sequence[Rollout]) -> dict[str, Any]:
         kl_type=cfg.kl_loss_type,
         entropy_coef=cfg.entropy_coeff,
         entropy_metric=cfg.entropy_metric,
+        kl_bias_correction=cfg.use_bias_correction_kl,
+        entropy_token_mean=cfg.entropy_token_mean,
     )
 
 

@@ -281,3 +281,62 @@ def test_verl_loss_names_are_checked_before_any_work(monkeypatch: pytest.MonkeyP
     with pytest.raises(ValueError, match=r"^--policy-loss verl:gspo needs verl, which is not installed") as e:
         objective_class("verl:gspo")
     assert "\n" not in str(e.value)
+
+
+def test_trl_options_bias_corrected_kl_and_token_mean_entropy_equal_plain_formula() -> None:
+    """use_bias_correction_kl: k3 r (r with its gradient); entropy_token_mean: the bonus is sum H / T whatever the
+    loss's aggregation (seq-mean-token-sum here: the rest weighs 1/N)."""
+    model = tiny_branch_model(torch.float64, seed=4)
+    rng = random.Random(2)
+    rollouts = [
+        dataclasses.replace(
+            r,
+            token_fields={
+                **r.token_fields,
+                "ref_logprobs": tuple(x - rng.uniform(-1, 1) for x in r.field("old_logprobs")),
+            },
+        )
+        for r in mode_rollouts(model, seed=12)
+    ]
+    tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
+    N, T = len(rollouts), sum(len(r.response) for r in rollouts)
+    model.zero_grad(set_to_none=True)
+    total = torch.zeros((), dtype=torch.float64)
+    for r in rollouts:
+        seq = torch.tensor(r.prompt + r.response)
+        mask = torch.triu(torch.ones(len(seq), len(seq), dtype=torch.bool), diagonal=1)[None, None]
+        logq = torch.log_softmax(model(seq[None], torch.arange(len(seq))[None], mask)[0, :-1, :VOCAB], -1)
+        logq = logq[len(r.prompt) - 1 :]
+        logp = logq.gather(1, seq[len(r.prompt) :, None])[:, 0]
+        ent = -(logq.exp() * logq).sum(-1)
+        old, ref, adv = (
+            torch.tensor(r.field(k), dtype=torch.float64)
+            for k in ("old_logprobs", "ref_logprobs", "advantages")
+        )
+        ratio = (logp - old).exp()
+        pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.28))
+        x = ref - logp
+        kl = (x.exp() - x - 1).clamp(-10, 10) * ratio
+        total = total + (pg + 0.3 * kl).sum() / N - 0.05 * ent.sum() / T
+    total.backward()
+    want = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+    cfg = ObjectiveConfig(
+        policy_loss="vanilla",
+        clip_ratio_high=0.28,
+        kl_loss_coef=0.3,
+        kl_loss_type="k3",
+        entropy_coeff=0.05,
+        loss_agg_mode="seq-mean-token-sum",
+        use_bias_correction_kl=True,
+        entropy_token_mean=True,
+    )
+    objective = build_objective(cfg, rollouts)
+    for schedule in ("naive", "replay"):
+        res, got = run(model, tree, objective, schedule)
+        assert res.loss == pytest.approx(float(total), rel=1e-10), schedule
+        assert max_err(got, want) <= 1e-9, schedule
+    plain = build_objective(
+        dataclasses.replace(cfg, use_bias_correction_kl=False, entropy_token_mean=False), rollouts
+    )
+    _, other = run(model, tree, plain, "replay")
+    assert max_err(other, want) > 1e-4  # the options change the gradient
