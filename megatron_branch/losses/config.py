@@ -21,6 +21,8 @@ KL_TYPES = ("k1", "k2", "k3")
 KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 """verl's names for the same estimators."""
 DPO_LOSSES = ("sigmoid", "ipo")
+IS_LEVELS = ("token", "sequence")
+"""gspo's importance-sampling level: verl's GSPO-token, or TRL's importance_sampling_level="sequence"."""
 
 
 @dataclass(kw_only=True)
@@ -57,6 +59,9 @@ class ObjectiveConfig:
     entropy_token_mean: bool = False
     """Average the entropy bonus over all response tokens of the batch (TRL) instead of with loss_agg_mode
     (verl)."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """gspo: token = verl's GSPO-token (each token's gradient weighted by s_i); sequence = TRL's
+    importance_sampling_level="sequence" (the gradient of the sequence ratio itself)."""
     tau_pos: float = 1.0
     """sapo: temperature of the gate where A > 0 (verl's actor.tau_pos)."""
     tau_neg: float = 1.05
@@ -93,6 +98,15 @@ class ObjectiveConfig:
                 lambda s: (
                     f"{s.name('loss_agg_norm')} is only used by seq-mean-token-sum-norm, not "
                     f"{s.value('loss_agg_mode', self.loss_agg_mode)}"
+                )
+            )
+        if self.importance_sampling_level not in IS_LEVELS:
+            self._bad("importance_sampling_level", f"must be one of {', '.join(IS_LEVELS)}")
+        if self.importance_sampling_level != "token" and self.policy_loss != "gspo":
+            raise SettingError(
+                lambda s: (
+                    f"{s.value('importance_sampling_level', self.importance_sampling_level)} is gspo's (TRL's GSPO); "
+                    f"{s.name('policy_loss')} is {self.policy_loss!r}"
                 )
             )
         for name in ("tau_pos", "tau_neg"):

@@ -19,7 +19,9 @@ clip_ratio_low / clip_ratio_high, verl 0.9.1's `compute_policy_loss_gspo` / `_ci
            L         = (1/N) sum_i -Abar_i exp(m_i)       (a mean over rollouts, whatever loss_agg_mode says)
 
 sapo's and geo_mean's policy terms carry their own aggregation as verl's functions do; the KL and entropy terms
-keep loss_agg_mode's. With a scalar advantage and seq-mean-token-mean, GSPO-token's gradient is the sequence-level GSPO's.
+keep loss_agg_mode's. With a scalar advantage and seq-mean-token-mean, GSPO-token's gradient is the sequence-level GSPO's; the
+sequence-level form itself is TRL's importance_sampling_level="sequence" (`level`): the same value, the gradient of
+s_i through all the rollout's tokens, d/dlogp_u = (s_i/|o_i|) sum_t (-A_t) [the unclipped term is taken at t].
 
 Sharing. s_i depends on rollout i's WHOLE response: at a token shared by rollouts i and j the two terms carry
 s_i and s_j, which differ. So s_i is a per-rollout datum, never a per-token one: a forward-only pass scores the
@@ -41,6 +43,7 @@ import torch
 
 from megatron_branch.data import PrefixTree, Rollout
 from megatron_branch.losses.aggregation import Aggregation
+from megatron_branch.losses.config import IS_LEVELS
 from megatron_branch.losses.objective import Prepared, SequenceScores
 from megatron_branch.losses.pairs import TokenPairs
 from megatron_branch.losses.policy import PolicyObjective
@@ -116,17 +119,47 @@ def _log_ratio(pairs: TokenPairs, cur: torch.Tensor) -> torch.Tensor:
 class GSPOObjective(SequenceScoredObjective):
     """GSPO: the clipped surrogate on the rollout's sequence-level ratio s_i (module doc); seq = log s_i."""
 
+    level: str = "token"
+    """token: verl's GSPO-token (gradient s_i at each token); sequence: TRL's importance_sampling_level="sequence"
+    (the gradient of s_i itself, through every token of the rollout; no clamp of log s_i)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.level not in IS_LEVELS:
+            raise ValueError(
+                f"importance_sampling_level must be one of {', '.join(IS_LEVELS)}, got {self.level!r}"
+            )
+
     @classmethod
     def from_config(cls, cfg: Any, batch: Sequence[Rollout]) -> GSPOObjective:
-        return cls(**_clipped_only(cfg, batch))
+        return cls(**_clipped_only(cfg, batch), level=cfg.importance_sampling_level)
 
     def reduce(self, pairs: TokenPairs, cur: torch.Tensor) -> torch.Tensor:
         return _per_rollout_mean(pairs, _log_ratio(pairs, cur))
+
+    def pair_data(self, pairs: TokenPairs) -> dict[str, torch.Tensor]:
+        data = super().pair_data(pairs)
+        if self.level == "sequence":
+            # d(sum_t w pg_t)/dlogp_u = w (s_i/|o_i|) sum_t dpg_t/ds: -A_t where the unclipped term is taken (or
+            # s_i is inside the clip range), 0 where the clipped one is. One coefficient K_i per rollout.
+            assert self.clip_low is not None and self.clip_high is not None
+            s, adv = data["seq"].exp(), data["adv"]
+            unclipped = -adv * s >= -adv * s.clamp(1.0 - self.clip_low, 1.0 + self.clip_high)
+            k = torch.where(unclipped, -adv * s, torch.zeros_like(s))
+            k_sum = torch.zeros(len(pairs.tree.rollouts), dtype=torch.float64).index_add_(0, pairs.rollout, k)
+            data["k"] = pairs.rollout_values(k_sum / _pair_counts(pairs).clamp(min=1.0))
+        return data
 
     def pg_terms(
         self, logp: torch.Tensor, d: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         adv = d["adv"]
+        if self.level == "sequence":
+            s = d["seq"].exp()
+            assert self.clip_low is not None and self.clip_high is not None
+            pg1, pg2 = -adv * s, -adv * s.clamp(1.0 - self.clip_low, 1.0 + self.clip_high)
+            pg = torch.maximum(pg1, pg2) + d["k"] * (logp - logp.detach())
+            return pg, (pg2 > pg1).to(logp.dtype), torch.zeros_like(pg1)
         ratio = (logp - logp.detach() + d["seq"]).clamp(max=10.0).exp()  # value s_i, gradient s_i dlogp
         pg1 = -adv * ratio
         assert self.clip_low is not None and self.clip_high is not None

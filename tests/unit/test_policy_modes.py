@@ -340,3 +340,37 @@ def test_trl_options_bias_corrected_kl_and_token_mean_entropy_equal_plain_formul
     )
     _, other = run(model, tree, plain, "replay")
     assert max_err(other, want) > 1e-4  # the options change the gradient
+
+
+def test_gspo_sequence_level_equals_trls_formula() -> None:
+    """importance_sampling_level="sequence" (TRL's GSPO): L = sum_t -min(A_t s_i, A_t clip(s_i)) / T with s_i =
+    exp(mean_t(logp - old)) differentiated whole; per-token advantages make it differ from GSPO-token (asserted)."""
+    model = tiny_branch_model(torch.float64, seed=3)
+    rollouts = mode_rollouts(model, seed=11)
+    tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
+    T = sum(len(r.response) for r in rollouts)
+    model.zero_grad(set_to_none=True)
+    total = torch.zeros((), dtype=torch.float64)
+    for r in rollouts:
+        logp = response_logprobs(model, r)
+        old, adv = (torch.tensor(r.field(k), dtype=torch.float64) for k in ("old_logprobs", "advantages"))
+        coef1 = ((logp - old).sum() / len(logp)).exp()
+        coef2 = coef1.clamp(1 - CLIP["clip_low"], 1 + CLIP["clip_high"])
+        total = total - torch.minimum(coef1 * adv, coef2 * adv).sum() / T
+    total.backward()
+    want = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+    cfg = ObjectiveConfig(policy_loss="gspo", clip_ratio_high=0.28, importance_sampling_level="sequence")
+    objective = build_objective(cfg, rollouts)
+    for schedule, kw in [("naive", {}), ("packed", {}), ("replay", {"branch_micro_batch": 2})]:
+        res, got = run(model, tree, objective, schedule, **kw)
+        assert res.loss == pytest.approx(float(total), rel=1e-10), schedule
+        assert max_err(got, want) <= 1e-9, schedule
+    _, token_level = run(
+        model,
+        tree,
+        build_objective(dataclasses.replace(cfg, importance_sampling_level="token"), rollouts),
+        "replay",
+    )
+    assert max_err(token_level, want) > 1e-4
+    with pytest.raises(ValueError, match="importance-sampling-level sequence is gspo's"):
+        ObjectiveConfig(policy_loss="vanilla", importance_sampling_level="sequence")
