@@ -11,6 +11,7 @@ policy_modes.py verl's other loss modes natively: "gspo" (a sequence-level ratio
 value.py       PPO's clipped value loss (the critic)
 advantages.py  group-relative advantages (GRPO, Dr. GRPO) and GAE: estimators "grpo", "gae"
 estimators.py  verl's outcome estimators: "rloo", "opo", "grpo_passk", "reinforce_plus_plus(_baseline)"
+verl_estimators.py any other verl outcome estimator through verl's own function ("verl:<name>")
 verl_loss.py   any verl policy loss through verl's own function ("verl:<loss_mode>", two passes)
 dpo.py         DPO (sigmoid) and IPO on preference pairs ("dpo")
 
@@ -58,6 +59,7 @@ from megatron_branch.losses.registry import (
 )
 from megatron_branch.losses.token import TokenObjective
 from megatron_branch.losses.value import ValueObjective
+from megatron_branch.losses.verl_estimators import verl_estimator
 from megatron_branch.losses.verl_loss import VerlPolicyLoss
 
 __all__ = [
@@ -95,6 +97,7 @@ __all__ = [
     "reference_logprobs",
     "register_adv_est",
     "register_policy_loss",
+    "verl_estimator",
     "vocab_parallel_logprobs",
     "with_gae",
     "with_group_advantages",

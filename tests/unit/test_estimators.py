@@ -74,3 +74,50 @@ def test_grpo_passk_refuses_a_group_of_one() -> None:
     rollouts, rewards, index = batch(3, singleton=True)
     with pytest.raises(UserError, match="grpo_passk needs at least 2 rollouts per prompt, got 1"):
         get_adv_estimator("grpo_passk").compute(rollouts, rewards, index, AdvantageConfig())
+
+
+@pytest.mark.parametrize("name", ["rloo", "opo", "grpo_passk", "reinforce_plus_plus_baseline"])
+def test_verl_family_equals_native(name: str) -> None:
+    """`verl:<name>` (verl's own function, our layout) equals the native estimator, token by token."""
+    pytest.importorskip("verl", reason="the verl extra is not installed (make setup-verl)")
+    cfg = AdvantageConfig(gamma=0.9)
+    rollouts, rewards, index = batch(4, singleton=name != "grpo_passk")
+    via_verl = get_adv_estimator(f"verl:{name}").compute(rollouts, rewards, index, cfg)
+    native = get_adv_estimator(name).compute(rollouts, rewards, index, cfg)
+    for a, b in zip(via_verl, native):
+        want = b.field("advantages") or (b.advantage,) * len(b.response)
+        assert a.field("advantages") == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+
+def test_verl_family_runs_verls_other_estimators_and_refuses_what_it_cannot_feed() -> None:
+    pytest.importorskip("verl", reason="the verl extra is not installed (make setup-verl)")
+    cfg = AdvantageConfig()
+    rollouts, rewards, index = batch(5, singleton=False)
+    want = verl_advantages("gpg", rollouts, rewards, index, cfg)
+    got = get_adv_estimator("verl:gpg").compute(rollouts, rewards, index, cfg)
+    for i, r in enumerate(got):
+        assert r.field("advantages") == pytest.approx(
+            want[i, : len(r.response)].tolist(), rel=1e-12, abs=1e-12
+        )
+    with pytest.raises(
+        UserError, match="^--adv-estimator verl:remax needs a greedy rollout's reward per prompt"
+    ):
+        get_adv_estimator("verl:remax")
+    with pytest.raises(UserError, match="^unknown --adv-estimator 'verl:nope'; verl's usable here: .*gpg"):
+        get_adv_estimator("verl:nope")
+
+
+def test_train_resolves_verl_estimators_before_any_work() -> None:
+    pytest.importorskip("verl", reason="the verl extra is not installed (make setup-verl)")
+    from pathlib import Path
+
+    from megatron_branch.train.algorithm import resolve_algorithm
+    from megatron_branch.train.config_io import load_config
+
+    demo = str(Path(__file__).resolve().parents[2] / "examples" / "configs" / "demo.yaml")
+    assert (
+        resolve_algorithm(load_config(demo, ["algorithm.adv_estimator=verl:gpg"])).estimator.name
+        == "verl:gpg"
+    )
+    with pytest.raises(UserError, match="algorithm.adv_estimator=verl:remax needs"):
+        resolve_algorithm(load_config(demo, ["algorithm.adv_estimator=verl:remax"]))
