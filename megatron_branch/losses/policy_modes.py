@@ -3,7 +3,7 @@
 Each is `PolicyObjective` (losses/policy.py) with another policy term: the KL penalty, the entropy bonus, the
 aggregation and the metrics are the vanilla loss's. Per (rollout i, response token t), A the advantage, old the
 sampling policy's logprob (absent: on-policy, old = logp detached), sg = stop-gradient, eps_lo / eps_hi =
-clip_ratio_low / clip_ratio_high, verl 0.9.1's `compute_policy_loss_gspo` / `_cispo` term by term:
+clip_ratio_low / clip_ratio_high, verl 0.9.1's `compute_policy_loss_<mode>` term by term:
 
     gspo   (Zheng et al. 2025, arXiv:2507.18071; verl's form is the paper's GSPO-token)
            log s_i   = (1/|o_i|) sum_t (logp_{i,t} - old_{i,t})                 the rollout's mean log-ratio
@@ -19,9 +19,10 @@ clip_ratio_low / clip_ratio_high, verl 0.9.1's `compute_policy_loss_gspo` / `_ci
            L         = (1/N) sum_i -Abar_i exp(m_i)       (a mean over rollouts, whatever loss_agg_mode says)
 
 sapo's and geo_mean's policy terms carry their own aggregation as verl's functions do; the KL and entropy terms
-keep loss_agg_mode's. With a scalar advantage and seq-mean-token-mean, GSPO-token's gradient is the sequence-level GSPO's; the
-sequence-level form itself is TRL's importance_sampling_level="sequence" (`level`): the same value, the gradient of
-s_i through all the rollout's tokens, d/dlogp_u = (s_i/|o_i|) sum_t (-A_t) [the unclipped term is taken at t].
+keep loss_agg_mode's. With a scalar advantage and seq-mean-token-mean, GSPO-token's gradient is the
+sequence-level GSPO's; the sequence-level form itself is TRL's importance_sampling_level="sequence" (`level`): the
+same value, the gradient of s_i through all the rollout's tokens, d/dlogp_u = (s_i/|o_i|) sum_t (-A_t) [the
+unclipped term is taken at t] (TRL does not clamp log s_i).
 
 Sharing. s_i depends on rollout i's WHOLE response: at a token shared by rollouts i and j the two terms carry
 s_i and s_j, which differ. So s_i is a per-rollout datum, never a per-token one: a forward-only pass scores the
