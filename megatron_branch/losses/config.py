@@ -62,6 +62,11 @@ class ObjectiveConfig:
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """gspo: token = verl's GSPO-token (each token's gradient weighted by s_i); sequence = TRL's
     importance_sampling_level="sequence" (the gradient of the sequence ratio itself)."""
+    rollout_is: Literal["token", "sequence"] | None = None
+    """Rollout correction (verl's algorithm.rollout_correction.rollout_is): truncated importance weights
+    exp(old_logprobs - rollout_logprobs) on the policy term, per token or per sequence; None = off."""
+    rollout_is_threshold: float = 2.0
+    """Upper truncation of those weights (verl's rollout_is_threshold, TIS)."""
     tau_pos: float = 1.0
     """sapo: temperature of the gate where A > 0 (verl's actor.tau_pos)."""
     tau_neg: float = 1.05
@@ -109,6 +114,18 @@ class ObjectiveConfig:
                     f"{s.name('policy_loss')} is {self.policy_loss!r}"
                 )
             )
+        if self.rollout_is is not None:
+            if self.rollout_is not in ("token", "sequence"):
+                self._bad("rollout_is", "must be token or sequence")
+            if self.policy_loss not in (None, "vanilla", "grpo", "gspo", "cispo", "sapo"):
+                raise SettingError(
+                    lambda s: (
+                        f"{s.name('rollout_is')} weights the per-token policy term of vanilla, gspo, cispo and "
+                        f"sapo, not {self.policy_loss!r}"
+                    )
+                )
+        if not self.rollout_is_threshold > 0:
+            self._bad("rollout_is_threshold", "must be positive")
         for name in ("tau_pos", "tau_neg"):
             if not getattr(self, name) > 0:
                 self._bad(name, "must be positive")

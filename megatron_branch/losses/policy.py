@@ -10,6 +10,7 @@ advantage (the rollout's scalar or its per-token value), r = exp(clamp(logp - ol
     kl  = r k(logp, ref)                          with kl_bias_correction (TRL's use_bias_correction_kl)
     l   = pg + kl_coef kl - entropy_coef H        H = the policy's full-vocabulary entropy at that position
 
+and with rollout_is the policy term pg is multiplied by the rollout-correction weight (losses/rollout_correction.py),
 aggregated over the global batch (losses/aggregation.py); with entropy_token_mean the bonus alone is a token mean
 over the global batch (TRL's), whatever the loss's aggregation. `old_logprobs` absent = on-policy: old = logp detached,
 so r = 1 with the gradient of r (the plain policy gradient). Every term is a function of this pair's logp (and
@@ -34,6 +35,7 @@ from megatron_branch.losses.aggregation import Aggregation
 from megatron_branch.losses.config import KL_ALIASES, KL_TYPES
 from megatron_branch.losses.pairs import TokenPairs
 from megatron_branch.losses.registry import register_policy_loss
+from megatron_branch.losses.rollout_correction import rollout_is_weights
 from megatron_branch.losses.token import TokenObjective
 
 __all__ = ["KL_ALIASES", "KL_TYPES", "PolicyObjective", "kl_penalty"]
@@ -50,6 +52,23 @@ def kl_penalty(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tensor
         x = (ref - logp).clamp(-20.0, 20.0)
         return (x.exp() - x - 1).clamp(-10.0, 10.0)
     raise ValueError(f"unknown KL type {kind!r}; choose one of {', '.join(KL_TYPES + tuple(KL_ALIASES))}")
+
+
+def policy_settings(cfg: Any, batch: Sequence[Rollout]) -> dict[str, Any]:
+    """The settings every loss mode shares (aggregation, KL, entropy, TRL's options, rollout correction) from
+    verl's actor keys (losses.config.ObjectiveConfig): the one mapping."""
+    return dict(
+        agg=Aggregation.of_batch(batch, cfg.loss_agg_mode, cfg.loss_agg_norm),
+        kl_coef=cfg.kl_loss_coef,
+        kl_type=cfg.kl_loss_type,
+        entropy_coef=cfg.entropy_coeff,
+        entropy_metric=cfg.entropy_metric,
+        kl_bias_correction=cfg.use_bias_correction_kl,
+        entropy_token_mean=cfg.entropy_token_mean,
+        rollout_is=cfg.rollout_is,
+        rollout_is_threshold=cfg.rollout_is_threshold,
+        rollout_metrics=bool(batch) and all(r.field("rollout_logprobs") is not None for r in batch),
+    )
 
 
 @register_policy_loss("vanilla", "grpo")
@@ -77,6 +96,13 @@ class PolicyObjective(TokenObjective):
     entropy_token_mean: bool = False
     """Average the entropy bonus over every response token of the batch (TRL) instead of with the loss's
     aggregation (verl)."""
+    rollout_is: str | None = None
+    """Truncated importance weights of old_logprobs over rollout_logprobs on the policy term: token | sequence
+    (losses/rollout_correction.py); None = off."""
+    rollout_is_threshold: float = 2.0
+    """Their upper truncation."""
+    rollout_metrics: bool = False
+    """Report training/rollout_probs_diff_mean (every rollout carries rollout_logprobs)."""
 
     def __post_init__(self) -> None:
         if (self.clip_low is None) != (self.clip_high is None):
@@ -95,18 +121,12 @@ class PolicyObjective(TokenObjective):
 
     @classmethod
     def from_config(cls, cfg: Any, batch: Sequence[Rollout]) -> PolicyObjective:
-        """verl's actor keys (losses.config.ObjectiveConfig) onto the loss's own parameters: the one mapping."""
+        """verl's actor keys (losses.config.ObjectiveConfig) onto the loss's own parameters."""
         return cls(
-            agg=Aggregation.of_batch(batch, cfg.loss_agg_mode, cfg.loss_agg_norm),
+            **policy_settings(cfg, batch),
             clip_low=cfg.clip_ratio_low,
             clip_high=cfg.clip_ratio_high,
             clip_c=cfg.clip_ratio_c,
-            kl_coef=cfg.kl_loss_coef,
-            kl_type=cfg.kl_loss_type,
-            entropy_coef=cfg.entropy_coeff,
-            entropy_metric=cfg.entropy_metric,
-            kl_bias_correction=cfg.use_bias_correction_kl,
-            entropy_token_mean=cfg.entropy_token_mean,
         )
 
     @classmethod
@@ -132,6 +152,10 @@ class PolicyObjective(TokenObjective):
             names.append(("actor/kl_loss", "agg"))
         if self.needs_entropy:
             names.append(("actor/entropy", "agg"))
+        if self.rollout_is is not None:
+            names.append(("rollout_corr/rollout_is_mean", "token"))
+        if self.rollout_metrics:
+            names.append(("training/rollout_probs_diff_mean", "token"))
         return tuple(names)
 
     def pair_data(self, pairs: TokenPairs) -> dict[str, torch.Tensor]:
@@ -140,6 +164,10 @@ class PolicyObjective(TokenObjective):
         data = {"adv": adv, "old": old, "has_old": has_old}
         if self.kl_coef != 0:
             data["ref"], _ = pairs.field("ref_logprobs")
+        if self.rollout_is is not None:
+            data["is_w"] = rollout_is_weights(pairs, self.rollout_is, self.rollout_is_threshold)
+        if self.rollout_metrics:
+            data["rollout"], _ = pairs.field("rollout_logprobs")
         if self.entropy_token_mean:  # the bonus's weight 1/T instead of the pair's aggregation weight
             w = [self.agg.rollout_weight(len(r.response)) for r in pairs.tree.rollouts]
             data["ent_scale"] = pairs.rollout_values(
@@ -177,6 +205,8 @@ class PolicyObjective(TokenObjective):
         """Per-pair loss [q] and stats, in `stat_names` order: the policy term `pg_terms`, then KL and entropy
         (added outside the policy-loss function, as verl's actor does for every loss mode)."""
         pg, clipped, lower = self.pg_terms(logp, d)
+        if self.rollout_is is not None:  # verl multiplies the policy term (pg_losses) by the weights
+            pg = pg * d["is_w"]
         old = torch.where(d["has_old"], d["old"], logp.detach())
         loss = pg
         stats = [pg, clipped, lower, -(logp - old).clamp(-20.0, 20.0)]
@@ -192,4 +222,8 @@ class PolicyObjective(TokenObjective):
                 bonus = entropy * d["ent_scale"] if self.entropy_token_mean else entropy
                 loss = loss - self.entropy_coef * bonus
             stats.append(entropy)
+        if self.rollout_is is not None:
+            stats.append(d["is_w"])
+        if self.rollout_metrics:
+            stats.append((logp.detach().exp() - d["rollout"].exp()).abs())
         return loss, stats

@@ -43,27 +43,16 @@ from typing import Any
 import torch
 
 from megatron_branch.data import PrefixTree, Rollout
-from megatron_branch.losses.aggregation import Aggregation
 from megatron_branch.losses.config import IS_LEVELS
 from megatron_branch.losses.objective import Prepared, SequenceScores
 from megatron_branch.losses.pairs import TokenPairs
-from megatron_branch.losses.policy import PolicyObjective
+from megatron_branch.losses.policy import PolicyObjective, policy_settings
 from megatron_branch.losses.registry import register_policy_loss
 
 
 def _clipped_only(cfg: Any, batch: Sequence[Rollout]) -> dict[str, Any]:
     """The vanilla loss's settings from cfg, less the dual clip (verl applies it in `vanilla` only)."""
-    return dict(
-        agg=Aggregation.of_batch(batch, cfg.loss_agg_mode, cfg.loss_agg_norm),
-        clip_low=cfg.clip_ratio_low,
-        clip_high=cfg.clip_ratio_high,
-        kl_coef=cfg.kl_loss_coef,
-        kl_type=cfg.kl_loss_type,
-        entropy_coef=cfg.entropy_coeff,
-        entropy_metric=cfg.entropy_metric,
-        kl_bias_correction=cfg.use_bias_correction_kl,
-        entropy_token_mean=cfg.entropy_token_mean,
-    )
+    return dict(**policy_settings(cfg, batch), clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high)
 
 
 @dataclass(kw_only=True)

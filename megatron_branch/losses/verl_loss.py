@@ -34,7 +34,7 @@ from megatron_branch.errors import SettingError, UserError
 from megatron_branch.losses.aggregation import Aggregation
 from megatron_branch.losses.objective import Prepared, SequenceScores
 from megatron_branch.losses.pairs import TokenPairs
-from megatron_branch.losses.policy import PolicyObjective
+from megatron_branch.losses.policy import PolicyObjective, policy_settings
 from megatron_branch.losses.registry import register_policy_loss
 
 PREFIX = "verl:"
@@ -120,18 +120,8 @@ class VerlPolicyLoss(PolicyObjective):
     def from_config(cls, cfg: Any, batch: Sequence[Rollout]) -> VerlPolicyLoss:
         mode = cfg.policy_loss[len(PREFIX) :]
         verl_loss_fn(mode)
-        agg = Aggregation.of_batch(batch, cfg.loss_agg_mode, cfg.loss_agg_norm)
-        return cls(
-            agg=agg,
-            mode=mode,
-            verl_config=_verl_config(cfg, mode, agg),
-            kl_coef=cfg.kl_loss_coef,
-            kl_type=cfg.kl_loss_type,
-            entropy_coef=cfg.entropy_coeff,
-            entropy_metric=cfg.entropy_metric,
-            kl_bias_correction=cfg.use_bias_correction_kl,
-            entropy_token_mean=cfg.entropy_token_mean,
-        )
+        settings = policy_settings(cfg, batch)
+        return cls(**settings, mode=mode, verl_config=_verl_config(cfg, mode, settings["agg"]))
 
     def check(self, tree: PrefixTree) -> None:
         pairs = TokenPairs(tree)
