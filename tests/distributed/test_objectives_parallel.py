@@ -7,7 +7,8 @@
   * the clipped surrogate with dual clip, KL and entropy (float64 1e-9, float32 1e-5), against an HF float64 oracle
     that runs every rollout alone and evaluates the SAME bound objective's per-rollout loss on HF's logprobs and
     entropies (so the vocab-parallel entropy is checked too);
-  * GSPO and CISPO (float64 1e-9) with KL and entropy, the same oracle (GSPO's s_i from HF's own logprobs);
+  * GSPO and CISPO (float64 1e-9) with KL and entropy, the same oracle (GSPO's s_i from HF's own logprobs), and
+    verl's own cispo function (`verl:cispo`, replay) against the native cispo's oracle;
   * DPO, sigmoid and ipo (float64 1e-9, float32 1e-5): the forward-only pass, then the linearised gradient pass,
     against autograd through HF's per-rollout logprob sums; the two responses of a pair share their first tokens;
   * the critic's value loss with clipping (float64 1e-9, float32 1e-5), against HF's hidden states through the same head.
@@ -185,6 +186,26 @@ def test_policy_modes_under_tp_sp_cp_and_dp(layout: str, mode: str) -> None:
         assert metrics["actor/loss"] == pytest.approx(want_loss, rel=1e-9)
         _close(mcore_to_hf_state(grads, arch), want, 1e-9)
         assert 0 < metrics["actor/pg_clipfrac"] < 1
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_verl_loss_function_under_tp_sp_cp_and_dp(layout: str) -> None:
+    """verl:cispo (verl's own function, linearised per micro-batch with the GLOBAL counts) equals the native
+    cispo's oracle; under DP2 each rank calls verl's function on its own share."""
+    pytest.importorskip("verl", reason="the verl extra is not installed (make setup-verl)")
+    from megatron_branch.losses import ObjectiveConfig, build_objective
+
+    hf, rollouts = _hf(), _rollouts()
+    cfg = ObjectiveConfig(policy_loss="verl:cispo", clip_ratio_high=0.28, kl_loss_coef=0.1, kl_loss_type="k3")
+    native = dataclasses.replace(cfg, policy_loss="cispo")
+    want_loss, want = _oracle(hf, rollouts, build_objective(native, rollouts))
+    groups = _layout(layout)
+    model = _policy(hf, groups, torch.float64)
+    arch = ModelArch.from_hf_config(hf.config)
+    metrics, grads = _layout_grads(model, rollouts, build_objective(cfg, rollouts), groups, "replay")
+    assert metrics["actor/loss"] == pytest.approx(want_loss, rel=1e-9)
+    _close(mcore_to_hf_state(grads, arch), want, 1e-9)
 
 
 def _dpo_rollouts() -> list[Rollout]:
