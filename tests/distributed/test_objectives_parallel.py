@@ -7,7 +7,8 @@
   * the clipped surrogate with dual clip, KL and entropy (float64 1e-9, float32 1e-5), against an HF float64 oracle
     that runs every rollout alone and evaluates the SAME bound objective's per-rollout loss on HF's logprobs and
     entropies (so the vocab-parallel entropy is checked too);
-  * GSPO and CISPO (float64 1e-9) with KL and entropy, the same oracle (GSPO's s_i from HF's own logprobs), and
+  * GSPO, CISPO and GMPO (float64 1e-9) with KL and entropy, the same oracle (GSPO's s_i and GMPO's m_i from HF's
+    own logprobs), and
     verl's own cispo function (`verl:cispo`, replay) against the native cispo's oracle;
   * DPO, sigmoid and ipo (float64 1e-9, float32 1e-5): the forward-only pass, then the linearised gradient pass,
     against autograd through HF's per-rollout logprob sums; the two responses of a pair share their first tokens;
@@ -28,7 +29,13 @@ import torch
 from megatron_branch.checkpoint.param_map import hf_to_mcore_state, mcore_to_hf_state
 from megatron_branch.checkpoint.tp import gather_full_grads, load_full_state
 from megatron_branch.data import PrefixTree, Rollout
-from megatron_branch.losses import Aggregation, CISPOObjective, GSPOObjective, PolicyObjective
+from megatron_branch.losses import (
+    Aggregation,
+    CISPOObjective,
+    GMPOObjective,
+    GSPOObjective,
+    PolicyObjective,
+)
 from megatron_branch.models import ModelArch, build_model
 from megatron_branch.parallel.groups import ParallelConfig, ParallelGroups, initialize_parallel
 from megatron_branch.schedule import ScheduleOptions
@@ -163,12 +170,13 @@ def test_policy_objective_under_tp_sp_cp_and_dp(layout: str, dtype: torch.dtype)
 
 
 @pytest.mark.world(2)
-@pytest.mark.parametrize("mode", ["gspo", "cispo"])
+@pytest.mark.parametrize("mode", ["gspo", "cispo", "geo_mean"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_policy_modes_under_tp_sp_cp_and_dp(layout: str, mode: str) -> None:
-    """GSPO (the forward-only pass gives each rollout its s_i, then the gradient pass) and CISPO, float64."""
+    """GSPO and GMPO (the forward-only pass gives each rollout its s_i / m_i, then the gradient pass) and CISPO,
+    float64."""
     hf, rollouts = _hf(), _rollouts()
-    cls = {"gspo": GSPOObjective, "cispo": CISPOObjective}[mode]
+    cls = {"gspo": GSPOObjective, "cispo": CISPOObjective, "geo_mean": GMPOObjective}[mode]
     objective = cls(
         agg=Aggregation.of_batch(rollouts, "token-mean"),
         clip_low=0.2,
