@@ -12,6 +12,7 @@ value.py       PPO's clipped value loss (the critic)
 advantages.py  group-relative advantages (GRPO, Dr. GRPO) and GAE: estimators "grpo", "gae"
 estimators.py  verl's outcome estimators: "rloo", "opo", "grpo_passk", "reinforce_plus_plus(_baseline)"
 verl_estimators.py any other verl outcome estimator through verl's own function ("verl:<name>")
+cov_modes.py   Clip-Cov and KL-Cov ("clip_cov", "kl_cov": a batch-wide covariance ranking of (rollout, token) pairs)
 verl_loss.py   any verl policy loss through verl's own function ("verl:<loss_mode>", two passes)
 dpo.py         DPO (sigmoid) and IPO on preference pairs ("dpo")
 
@@ -27,6 +28,7 @@ from megatron_branch.losses.advantages import (
 )
 from megatron_branch.losses.aggregation import AGG_MODES, Aggregation
 from megatron_branch.losses.config import KL_ALIASES, ObjectiveConfig
+from megatron_branch.losses.cov_modes import ClipCovObjective, KLCovObjective
 from megatron_branch.losses.dpo import DPOObjective, preference_pairs
 from megatron_branch.losses.estimators import (
     grpo_passk_advantages,
@@ -67,8 +69,10 @@ __all__ = [
     "AdvantageConfig",
     "AdvantagePolicyGradient",
     "CISPOObjective",
+    "ClipCovObjective",
     "GMPOObjective",
     "GSPOObjective",
+    "KLCovObjective",
     "SAPOObjective",
     "KL_ALIASES",
     "Aggregation",

@@ -31,8 +31,8 @@ class ObjectiveConfig:
 
     policy_loss: str = "vanilla"
     """Registered objective (losses/registry.py): vanilla (= grpo: clipped surrogate + KL + entropy bonus), pg (the
-    linear policy gradient), gspo, cispo, sapo, geo_mean, dpo, verl:<loss_mode> (verl's own function), or one a
-    plugin registers."""
+    linear policy gradient), gspo, cispo, sapo, geo_mean, clip_cov, kl_cov, dpo, verl:<loss_mode> (verl's own
+    function), or one a plugin registers."""
     clip_ratio_low: float = 0.2
     """Lower clip of the importance ratio: 1 - clip_ratio_low."""
     clip_ratio_high: float = 0.2
@@ -67,6 +67,17 @@ class ObjectiveConfig:
     exp(old_logprobs - rollout_logprobs) on the policy term, per token or per sequence; None = off."""
     rollout_is_threshold: float = 2.0
     """Upper truncation of those weights (verl's rollout_is_threshold, TIS)."""
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: fraction of the batch's (rollout, token) pairs whose gradient is cut (verl's
+    policy_loss.clip_cov_ratio)."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: lower bound of a candidate's advantage-logprob covariance."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: upper bound of that covariance."""
+    kl_cov_ratio: float = 0.0002
+    """kl_cov: fraction of the batch's pairs that get the |log-ratio| penalty (verl's policy_loss.kl_cov_ratio)."""
+    ppo_kl_coef: float = 0.1
+    """kl_cov: coefficient of that penalty (verl's policy_loss.ppo_kl_coef)."""
     tau_pos: float = 1.0
     """sapo: temperature of the gate where A > 0 (verl's actor.tau_pos)."""
     tau_neg: float = 1.05
@@ -126,6 +137,11 @@ class ObjectiveConfig:
                 )
         if not self.rollout_is_threshold > 0:
             self._bad("rollout_is_threshold", "must be positive")
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            if not 0 < getattr(self, name) <= 1:
+                self._bad(name, "must be in (0, 1]")
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            self._bad("clip_cov_lb", f"must be below clip_cov_ub ({self.clip_cov_ub})")
         for name in ("tau_pos", "tau_neg"):
             if not getattr(self, name) > 0:
                 self._bad(name, "must be positive")

@@ -50,7 +50,7 @@ from megatron_branch.losses.policy import PolicyObjective, policy_settings
 from megatron_branch.losses.registry import register_policy_loss
 
 
-def _clipped_only(cfg: Any, batch: Sequence[Rollout]) -> dict[str, Any]:
+def clipped_settings(cfg: Any, batch: Sequence[Rollout]) -> dict[str, Any]:
     """The vanilla loss's settings from cfg, less the dual clip (verl applies it in `vanilla` only)."""
     return dict(**policy_settings(cfg, batch), clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high)
 
@@ -73,13 +73,9 @@ class SequenceScoredObjective(PolicyObjective):
             f"{type(self).__name__} needs the forward-only pass's logprobs (needs_scores)"
         )
         pairs = TokenPairs(tree)
-        cur = torch.cat(
-            [
-                scores.logprobs[i].to(torch.float64)[pairs.position[pairs.start[i] : pairs.start[i + 1]]]  # type: ignore[attr-defined]
-                for i in range(len(tree.rollouts))
-            ]
-        )  # [P] the current policy's logprob of every pair
-        return Prepared(objective=dataclasses.replace(self, seq=self.reduce(pairs, cur)))
+        return Prepared(
+            objective=dataclasses.replace(self, seq=self.reduce(pairs, pair_logprobs(pairs, scores)))
+        )
 
     def reduce(self, pairs: TokenPairs, cur: torch.Tensor) -> torch.Tensor:
         """[R] the per-rollout quantity from the current logprobs cur [P]."""
@@ -89,6 +85,16 @@ class SequenceScoredObjective(PolicyObjective):
         assert self.seq is not None, f"bind a prepared {type(self).__name__} (prepare(tree, scores))"
         assert len(self.seq) == len(pairs.tree.rollouts), "a per-rollout quantity of another micro-batch"
         return {**super().pair_data(pairs), "seq": pairs.rollout_values(self.seq)}
+
+
+def pair_logprobs(pairs: TokenPairs, scores: Any) -> torch.Tensor:
+    """[P] the forward-only pass's logprob of every pair (scores.logprobs: one [len(response)] per rollout)."""
+    return torch.cat(
+        [
+            scores.logprobs[i].to(torch.float64)[pairs.position[pairs.start[i] : pairs.start[i + 1]]]
+            for i in range(len(pairs.tree.rollouts))
+        ]
+    )
 
 
 def _per_rollout_mean(pairs: TokenPairs, x: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
@@ -122,7 +128,7 @@ class GSPOObjective(SequenceScoredObjective):
 
     @classmethod
     def from_config(cls, cfg: Any, batch: Sequence[Rollout]) -> GSPOObjective:
-        return cls(**_clipped_only(cfg, batch), level=cfg.importance_sampling_level)
+        return cls(**clipped_settings(cfg, batch), level=cfg.importance_sampling_level)
 
     def reduce(self, pairs: TokenPairs, cur: torch.Tensor) -> torch.Tensor:
         return _per_rollout_mean(pairs, _log_ratio(pairs, cur))
@@ -164,7 +170,7 @@ class CISPOObjective(PolicyObjective):
 
     @classmethod
     def from_config(cls, cfg: Any, batch: Sequence[Rollout]) -> CISPOObjective:
-        return cls(**_clipped_only(cfg, batch))
+        return cls(**clipped_settings(cfg, batch))
 
     def pg_terms(
         self, logp: torch.Tensor, d: dict[str, torch.Tensor]
@@ -208,7 +214,7 @@ class SAPOObjective(PolicyObjective):
 
     @classmethod
     def from_config(cls, cfg: Any, batch: Sequence[Rollout]) -> SAPOObjective:
-        return cls(**_clipped_only(cfg, batch), tau_pos=cfg.tau_pos, tau_neg=cfg.tau_neg)
+        return cls(**clipped_settings(cfg, batch), tau_pos=cfg.tau_pos, tau_neg=cfg.tau_neg)
 
     def pair_data(self, pairs: TokenPairs) -> dict[str, torch.Tensor]:
         n = self.agg.num_rollouts * (_pair_counts(pairs) + 1e-8)  # verl: seq-mean-token-mean, |o| + 1e-8
@@ -240,7 +246,7 @@ class GMPOObjective(SequenceScoredObjective):
 
     @classmethod
     def from_config(cls, cfg: Any, batch: Sequence[Rollout]) -> GMPOObjective:
-        return cls(**_clipped_only(cfg, batch))
+        return cls(**clipped_settings(cfg, batch))
 
     def reduce(self, pairs: TokenPairs, cur: torch.Tensor) -> torch.Tensor:
         adv, _ = pairs.field("advantages", scalar="advantage")
