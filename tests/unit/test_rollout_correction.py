@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_policy_modes import VOCAB, response_logprobs
 
 from megatron_branch.data import PrefixTree, Rollout
 from megatron_branch.losses import ObjectiveConfig, build_objective
@@ -21,19 +22,10 @@ from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
 from megatron_branch.schedule import ScheduleOptions, run_schedule
 from megatron_branch.testing import random_tree_rollouts, tiny_branch_model
 
-VOCAB = 37
-
 
 @pytest.fixture(scope="module", autouse=True)
 def _single_process() -> None:
     initialize_parallel(ParallelConfig())
-
-
-def response_logprobs(model: torch.nn.Module, r: Rollout) -> torch.Tensor:
-    seq = torch.tensor(r.prompt + r.response)
-    mask = torch.triu(torch.ones(len(seq), len(seq), dtype=torch.bool), diagonal=1)[None, None]
-    logits = model(seq[None], torch.arange(len(seq))[None], mask)[0, :-1, :VOCAB]
-    return torch.log_softmax(logits, -1).gather(1, seq[1:, None])[len(r.prompt) - 1 :, 0]
 
 
 def corrected_rollouts(model: torch.nn.Module, seed: int) -> list[Rollout]:
