@@ -67,6 +67,9 @@ class ObjectiveConfig:
     exp(old_logprobs - rollout_logprobs) on the policy term, per token or per sequence; None = off."""
     rollout_is_threshold: float = 2.0
     """Upper truncation of those weights (verl's rollout_is_threshold, TIS)."""
+    rollout_is_threshold_lower: float | None = None
+    """IcePop (masked IS): weights outside [rollout_is_threshold_lower, rollout_is_threshold] are zeroed instead of
+    truncated (verl's rollout_is_threshold "lower_upper"); None = TIS."""
     clip_cov_ratio: float = 0.0002
     """clip_cov: fraction of the batch's (rollout, token) pairs whose gradient is cut (verl's
     policy_loss.clip_cov_ratio)."""
@@ -137,6 +140,12 @@ class ObjectiveConfig:
                 )
         if not self.rollout_is_threshold > 0:
             self._bad("rollout_is_threshold", "must be positive")
+        low = self.rollout_is_threshold_lower
+        if low is not None and not 0 <= low < self.rollout_is_threshold:
+            self._bad(
+                "rollout_is_threshold_lower",
+                f"must be in [0, rollout_is_threshold={self.rollout_is_threshold})",
+            )
         for name in ("clip_cov_ratio", "kl_cov_ratio"):
             if not 0 < getattr(self, name) <= 1:
                 self._bad(name, "must be in (0, 1]")

@@ -67,6 +67,7 @@ def policy_settings(cfg: Any, batch: Sequence[Rollout]) -> dict[str, Any]:
         entropy_token_mean=cfg.entropy_token_mean,
         rollout_is=cfg.rollout_is,
         rollout_is_threshold=cfg.rollout_is_threshold,
+        rollout_is_threshold_lower=cfg.rollout_is_threshold_lower,
         rollout_metrics=bool(batch) and all(r.field("rollout_logprobs") is not None for r in batch),
     )
 
@@ -100,7 +101,9 @@ class PolicyObjective(TokenObjective):
     """Truncated importance weights of old_logprobs over rollout_logprobs on the policy term: token | sequence
     (losses/rollout_correction.py); None = off."""
     rollout_is_threshold: float = 2.0
-    """Their upper truncation."""
+    """Their upper truncation (or IcePop's upper bound)."""
+    rollout_is_threshold_lower: float | None = None
+    """IcePop's lower bound: weights outside [lower, upper] are zeroed instead of truncated."""
     rollout_metrics: bool = False
     """Report training/rollout_probs_diff_mean (every rollout carries rollout_logprobs)."""
 
@@ -165,7 +168,9 @@ class PolicyObjective(TokenObjective):
         if self.kl_coef != 0:
             data["ref"], _ = pairs.field("ref_logprobs")
         if self.rollout_is is not None:
-            data["is_w"] = rollout_is_weights(pairs, self.rollout_is, self.rollout_is_threshold)
+            data["is_w"] = rollout_is_weights(
+                pairs, self.rollout_is, self.rollout_is_threshold, self.rollout_is_threshold_lower
+            )
         if self.rollout_metrics:
             data["rollout"], _ = pairs.field("rollout_logprobs")
         if self.entropy_token_mean:  # the bonus's weight 1/T instead of the pair's aggregation weight

@@ -55,7 +55,7 @@ def padded(rollouts: list[Rollout], name: str) -> torch.Tensor:
     return out
 
 
-def verl_weights(rollouts: list[Rollout], level: str, threshold: float) -> torch.Tensor:
+def verl_weights(rollouts: list[Rollout], level: str, threshold: float | str) -> torch.Tensor:
     from verl.protocol import DataProto
     from verl.trainer.config.algorithm import RolloutCorrectionConfig
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
@@ -74,6 +74,19 @@ def verl_weights(rollouts: list[Rollout], level: str, threshold: float) -> torch
     out, metrics = compute_rollout_correction_and_add_to_batch(batch, cfg)
     assert any(k.startswith("rollout_corr/") for k in metrics)
     return out.batch["rollout_is_weights"]
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_icepop_masked_weights_equal_verls(level: str) -> None:
+    """rollout_is_threshold_lower: verl's "lower_upper" threshold (IcePop): outside the band the weight is 0."""
+    pytest.importorskip("verl", reason="the verl extra is not installed (make setup-verl)")
+    model = tiny_branch_model(torch.float64, seed=3)
+    rollouts = corrected_rollouts(model, seed=11)
+    pairs = TokenPairs(PrefixTree.build(rollouts, vocab_size=VOCAB))
+    want = verl_weights(rollouts, level, "0.8_1.5")[pairs.rollout, pairs.position]
+    got = rollout_is_weights(pairs, level, 1.5, 0.8)
+    assert got.tolist() == pytest.approx(want.tolist(), rel=1e-12)
+    assert bool((got == 0).any()) and bool((got > 0).any())
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
