@@ -15,6 +15,7 @@ old/ref logprobs and per-token advantages, so a shared token has different loss 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 from pathlib import Path
@@ -231,6 +232,37 @@ def test_pipeline_planted_bugs_are_caught(bug: str, monkeypatch: pytest.MonkeyPa
         monkeypatch.setattr(pipeline_mod._Pipeline, "run_segment", _early_backward)
     _, grads = _pp_grads(hf, model, rollouts, objective, groups, "replay")
     assert _worst(grads, want) > 1e-3, bug
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("schedule", ["replay", "packed", "naive-fused"])
+def test_pipeline_runs_the_schedule_hooks_on_every_stage(
+    schedule: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller's hook (schedule/hooks.py) is bound once per step on every stage and sees every forward of the
+    stage (the last stage's and the others'); planted: the non-last stages' forwards outside the hooks."""
+    from hook_helpers import CountingHook
+
+    from megatron_branch.schedule import run_schedule
+
+    hf, rollouts = _hf(), _rollouts()
+    objective = _objective(rollouts)
+    groups = initialize_parallel(ParallelConfig(pp=2))
+    model = _stage_policy(hf, groups, torch.float64)
+    tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
+
+    def step() -> tuple[CountingHook, Any]:
+        hook = CountingHook()
+        opts = ScheduleOptions(groups=groups, vocab_size=VOCAB, branch_micro_batch=2, hooks=(hook,))
+        model.zero_grad(set_to_none=True)
+        return hook, run_schedule(schedule, model, tree, objective, opts)
+
+    hook, res = step()
+    assert hook.events == [f"bind {schedule}", "run", "finish"]
+    assert len(hook.rows) == res.forwards > 0, (groups.pp_rank, len(hook.rows), res.forwards)
+    monkeypatch.setattr(pipeline_mod, "hook_forwards", lambda model, opts, where: contextlib.nullcontext())
+    hook, res = step()
+    assert (len(hook.rows) == res.forwards) == (groups.pp_rank == 1)  # only the last stage's forwards counted
 
 
 def _early_backward(self: Any, seg_id: int) -> None:

@@ -10,28 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_helpers import KV_TASK, QUIET, TINY_ARCH, params
 
 from megatron_branch.cli import main
 from megatron_branch.errors import SettingError, UserError
 from megatron_branch.train.config_io import load_config
 from megatron_branch.train.loop import Trainer
-from megatron_branch.train.models import unwrap
 from megatron_branch.train.validate import SPELLING
 
-BASE = [
-    "model.arch={hidden_size: 16, num_layers: 2, num_attention_heads: 2, num_query_groups: 2, "
-    "ffn_hidden_size: 32, max_position_embeddings: 64}",
-    "data.task=kv_retrieval",
-    "data.task_args={num_pairs: 2, value_len: 2, value_chars: abcd}",
-    "data.num_prompts=16",
-    "data.train_batch_size=2",
-    "rollout.n=2",
-    "rollout.response_length=3",
-    "optim.lr=0.01",
-    "logging.progress_bar=false",
-    "logging.tensorboard=false",
-    "logging.plot=false",
-]
+BASE = [TINY_ARCH, *KV_TASK, *QUIET]
 
 
 def overrides(out: Path, *extra: str) -> list[str]:
@@ -46,14 +33,6 @@ def train(tmp_path: Path, out: Path, *extra: str) -> int:
     empty = tmp_path / "empty.yaml"
     empty.write_text("{}\n")
     return main(["train", str(empty), *overrides(out, *extra)])
-
-
-def params(tr: Trainer) -> dict[str, torch.Tensor]:
-    return {
-        k: v.detach().clone()
-        for k, v in unwrap(tr.policy).state_dict().items()
-        if isinstance(v, torch.Tensor)
-    }
 
 
 # ---- 1. resume and extend ----------------------------------------------------------------------------------------
