@@ -31,9 +31,9 @@ SCHEDULES = ("naive", "packed", "replay")
 
 
 def bf16_weights(seed: int, *, scale: float = 3.0) -> dict[str, torch.Tensor]:
-    """A tiny Llama's weights (testing.tiny_branch_model's init, x `scale`: peaked distributions), rounded to bf16:
+    """A tiny Llama's weights (models/tiny.py tiny_branch_model's init, x `scale`: peaked distributions), rounded to bf16:
     every dtype below holds exactly these values."""
-    from megatron_branch.testing import tiny_branch_model
+    from megatron_branch.models.tiny import tiny_branch_model
 
     model = tiny_branch_model(torch.float32, seed=seed, scale=scale, vocab_size=VOCAB)
     return {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
@@ -41,7 +41,7 @@ def bf16_weights(seed: int, *, scale: float = 3.0) -> dict[str, torch.Tensor]:
 
 def model_with(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.nn.Module:
     """The tiny Llama in `dtype` holding `weights` (on the current single-process parallel state)."""
-    from megatron_branch.testing import tiny_branch_model
+    from megatron_branch.models.tiny import tiny_branch_model
 
     model = tiny_branch_model(dtype, vocab_size=VOCAB)
     with torch.no_grad():

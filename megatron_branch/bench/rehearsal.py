@@ -76,9 +76,9 @@ class RehearsalBatch:
 def rehearsal_arch(
     *, hidden: int = 32, layers: int = 1, vocab: int = 64, max_positions: int = 262_144
 ) -> ModelArch:
-    """A tiny Llama (testing.py tiny_arch: 4 heads / 2 KV groups, SwiGLU ffn = 2 * hidden) whose RoPE table covers
+    """A tiny Llama (models/tiny.py tiny_arch: 4 heads / 2 KV groups, SwiGLU ffn = 2 * hidden) whose RoPE table covers
     `max_positions`."""
-    from megatron_branch.testing import tiny_arch
+    from megatron_branch.models.tiny import tiny_arch
 
     return tiny_arch(hidden=hidden, layers=layers, vocab_size=vocab, max_position_embeddings=max_positions)
 

@@ -7,11 +7,12 @@ import json
 import sys
 from typing import Any
 
+from megatron_branch.models.families import supported_architectures
 from megatron_branch.outputs import add_overwrite_argument
 
 SUPPORTED = (
-    "Supported: LlamaForCausalLM and Qwen2ForCausalLM (RMSNorm, SwiGLU, RoPE without scaling), GQA/MQA, "
-    "Qwen2 QKV bias, tied or untied embeddings, any vocabulary size (padded to a multiple of TP). Refused: "
+    f"Supported: {', '.join(supported_architectures())} (the registered families: RMSNorm, SwiGLU, RoPE without "
+    "scaling), GQA/MQA, tied or untied embeddings, any vocabulary size (padded to a multiple of TP). Refused: "
     "other architectures, rope scaling (llama3, yarn, ...), sliding window, MLP or o_proj bias, a TP that does "
     "not divide the heads, and pipeline parallel conversion."
 )

@@ -25,7 +25,8 @@ from typing import Any, Literal
 
 from megatron_branch.losses.config import ObjectiveConfig
 from megatron_branch.models.arch import ModelArch
-from megatron_branch.models.hf_families import HYBRID_FAMILIES
+from megatron_branch.models.families import families, get_family
+from megatron_branch.models.families.registry import TRAIN_DEFAULT_FIELDS
 from megatron_branch.parallel.layout import ParallelLayout
 from megatron_branch.precision import DtypeName
 from megatron_branch.rules import TRAIN_SCHEDULES
@@ -41,11 +42,10 @@ class ArchConfig(ModelArch):
     every field is a key; the fields below are the ones whose default differs. `resolve` is the validated arch."""
 
     family: str = "llama"
-    """"llama" (no QKV bias), "qwen2" (QKV bias), "qwen3" (q/k norms), "qwen3_5" (a hybrid: set layer_types
-    and the linear_* widths; q/k norms, zero-centred norms and the attention output gate by default), or a mixture of
-    experts on megatron's MoELayer: "qwen3_moe" (q/k norms), "mixtral", "qwen2_moe" (QKV bias; a shared expert with
-    shared_expert_ffn_hidden_size), or a MoE hybrid: "qwen3_5_moe", "qwen3_next" (as qwen3_5, with experts); MoE
-    needs num_experts, moe_top_k and moe_ffn_hidden_size."""
+    """"llama" or another registered family (models/families/: qwen2, qwen3, the hybrid qwen3_5, the mixtures of
+    experts qwen3_moe, mixtral, qwen2_moe, the MoE hybrids qwen3_5_moe, qwen3_next); the family's spec gives the
+    defaults of qkv_bias, qk_norm, zero_centered_norm and attention_output_gate. A hybrid needs layer_types and the
+    linear_* widths, a MoE num_experts, moe_top_k and moe_ffn_hidden_size."""
     vocab_size: int | None = None  # type: ignore[assignment]
     """None = the tokenizer's vocabulary size."""
     hidden_size: int = 64
@@ -61,7 +61,7 @@ class ArchConfig(ModelArch):
     max_position_embeddings: int = 1024
     """The model's context: prompt + response must fit."""
     qkv_bias: bool | None = None  # type: ignore[assignment]
-    """Bias on the Q/K/V projections; None = the family's (qwen2, qwen2_moe: true)."""
+    """Bias on the Q/K/V projections; None = the family's (FamilySpec.train_defaults; qwen2, qwen2_moe: true)."""
     qk_norm: bool | None = None  # type: ignore[assignment]
     """RMSNorm on each head's query and key; None = the family's (qwen3, qwen3_moe and the hybrids: true)."""
     zero_centered_norm: bool | None = None  # type: ignore[assignment]
@@ -76,13 +76,11 @@ class ArchConfig(ModelArch):
         """The ModelArch this section describes, its vocabulary `vocab_size` unless the config gives one."""
         kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(ModelArch)}
         kw["vocab_size"] = self.vocab_size or vocab_size
-        if kw["qkv_bias"] is None:
-            kw["qkv_bias"] = self.family in ("qwen2", "qwen2_moe")
-        if kw["qk_norm"] is None:
-            kw["qk_norm"] = self.family in ("qwen3", "qwen3_moe", *HYBRID_FAMILIES)
-        for name in ("zero_centered_norm", "attention_output_gate"):
+        # an unknown family: ModelArch's own check names the registered ones
+        spec = get_family(self.family) if self.family in families() else None
+        for name in TRAIN_DEFAULT_FIELDS:
             if kw[name] is None:
-                kw[name] = self.family in HYBRID_FAMILIES
+                kw[name] = spec is not None and spec.train_default(name)
         return ModelArch(**kw)
 
 
