@@ -43,6 +43,10 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "megatron_branch.commands.train", "add_train_command",
         "RL post-training (GRPO / PPO / DPO) with exact shared-prefix replay",
     ),
+    "import-traces": (
+        "megatron_branch.commands.import_traces", "add_import_traces_command",
+        "agent traces (chat messages) -> rollouts with loss masks, by the model's chat template",
+    ),
     "convert": (
         "megatron_branch.checkpoint.cli", "add_convert_commands",
         "convert checkpoints between Hugging Face and megatron-core",

@@ -174,7 +174,7 @@ class PolicyObjective(TokenObjective):
         if self.rollout_metrics:
             data["rollout"], _ = pairs.field("rollout_logprobs")
         if self.entropy_token_mean:  # the bonus's weight 1/T instead of the pair's aggregation weight
-            w = [self.agg.rollout_weight(len(r.response)) for r in pairs.tree.rollouts]
+            w = [self.agg.rollout_weight(r.num_trained) for r in pairs.tree.rollouts]
             data["ent_scale"] = pairs.rollout_values(
                 self.agg.token_weight / torch.tensor(w, dtype=torch.float64)
             )

@@ -187,7 +187,7 @@ def _own_aggregation(obj: PolicyObjective, pairs: TokenPairs, target: torch.Tens
     """[P] factor turning the configured aggregation's weight of each pair into `target` [R] (a loss mode that
     fixes its own aggregation, as verl's sapo and geo_mean do; KL and entropy keep the configured one)."""
     w = torch.tensor(
-        [obj.agg.rollout_weight(len(r.response)) for r in pairs.tree.rollouts], dtype=torch.float64
+        [obj.agg.rollout_weight(r.num_trained) for r in pairs.tree.rollouts], dtype=torch.float64
     )
     return pairs.rollout_values(target / w)
 

@@ -165,7 +165,7 @@ class VerlPolicyLoss(PolicyObjective):
             (g,) = torch.autograd.grad(loss, logp, allow_unused=True)
         g = torch.zeros_like(logp) if g is None else g
         w = self.agg.rollout_weight
-        weight = torch.tensor([w(len(r.response)) for r in tree.rollouts], dtype=torch.float64)[rows]
+        weight = torch.tensor([w(r.num_trained) for r in tree.rollouts], dtype=torch.float64)[rows]
         return Prepared(
             objective=dataclasses.replace(
                 self,
