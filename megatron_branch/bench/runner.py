@@ -327,7 +327,10 @@ def profile_step(
 
 def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     """The whole benchmark: every (P, G) of the grid, every variant; a JSON-ready dict."""
+    from megatron_branch.bench.load import LoadMeter, warnings
+
     arch, model = build_bench_model(cfg)
+    meter = LoadMeter.start()  # what else ran on the machine meanwhile (bench/load.py)
     rows, profiled = [], None
     for prompt in cfg.prompts:
         for branches in cfg.branches:
@@ -337,7 +340,9 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
             if cfg.profile is not None and profiled is None:
                 profiled = dict(variant=cfg.profile, prompt=prompt, branches=branches,
                                 **profile_step(cfg, arch, model, case, cfg.profile))  # fmt: skip
-    report = dict(config=cfg.to_dict(), arch=arch.to_dict(), machine=machine(), baseline=BASELINE, rows=rows)
+    load = meter.read()
+    report = dict(config=cfg.to_dict(), arch=arch.to_dict(), machine=machine(), baseline=BASELINE, rows=rows,
+                  load=load, warnings=warnings(load, rows))  # fmt: skip
     if profiled is not None:
         report["profile"] = profiled
     return report

@@ -49,6 +49,7 @@ from megatron_branch import outputs, rules
 from megatron_branch.commands.grad_flags import SPELLING, add_grad_flags, objective_config, run_spec
 from megatron_branch.errors import SettingError, UserError
 from megatron_branch.parallel.agree import check_on_every_rank
+from megatron_branch.progress import Progress, add_quiet_argument
 
 __all__ = ["SPELLING", "add_grad_command", "objective_config", "run_grad"]
 
@@ -56,11 +57,12 @@ __all__ = ["SPELLING", "add_grad_command", "objective_config", "run_grad"]
 def add_grad_command(sub: Any) -> None:
     p = sub.add_parser(
         "grad",
-        help="gradient of the GRPO loss over a rollout file (parity checks from outside)",
+        help="gradient of a policy loss (default --objective pg) over a rollout file (parity checks from outside)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_grad_flags(p)  # commands/grad_flags.py: generated from the run's dataclasses
+    add_quiet_argument(p)
     p.set_defaults(func=run_grad)
 
 
@@ -72,9 +74,14 @@ def run_grad(args: argparse.Namespace) -> int:
     from megatron_branch.precision import torch_dtype
     from megatron_branch.update import UpdatePlan, accumulate_gradients, finalize, reduce_metrics
 
+    # its first line comes after the checks: a bad input stays one line on stderr
+    progress = Progress("grad", quiet=args.quiet)
     spec, rollouts, full_tree, objective = check_on_every_rank(lambda: validate(args))
     _, world = init_distributed()
     check_on_every_rank(lambda: validate_layout(spec, rollouts, full_tree, world))
+    progress.phase(f"inputs checked; prefix tree: {len(rollouts)} rollouts, {full_tree.positions_logical:,} "
+                   f"positions, {full_tree.positions_computed:,} distinct")  # fmt: skip
+    progress.phase(f"loading the model from {args.hf}")
     engine = build_engine(
         spec
     )  # megatron's parallel_state, this rank's stage with the HF weights, the options
@@ -83,13 +90,16 @@ def run_grad(args: argparse.Namespace) -> int:
     ddp, pg_collection = _megatron_ddp(model, spec, world)
     plan = UpdatePlan(opts=engine.opts, schedule=spec.schedule.name, pg_collection=pg_collection)
     model.zero_grad(set_to_none=True)
+    progress.phase(f"{spec.schedule.name} schedule: forward and backward")
     trained = ddp if ddp is not None else model
     acc = accumulate_gradients(
         trained, rollouts, objective, plan, keep_logprobs=args.logprobs_out is not None
     )
     finalize(trained, plan)
     metrics = reduce_metrics(acc, objective, groups)
+    progress.phase(f"writing {args.out}")
     write_results(args, spec, model, groups, acc, metrics, objective, full_tree, dtype)
+    progress.done()
     return 0
 
 

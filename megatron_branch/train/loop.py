@@ -116,6 +116,8 @@ class Trainer(RunCheckpoints):
             self.saved_step: int | None = None
             notice = lambda text: lifecycle.say(text, enabled=self.is_main)  # noqa: E731
             latest = self.store.newest_verified(notice) if resume and not self.fresh else None
+            if resume and latest is None:  # --resume auto on a new or empty folder: say so, never silently
+                notice(f"no checkpoint found under {self.store.root}, starting fresh")
             if latest is not None:
                 self._load(latest)
             else:
@@ -128,7 +130,8 @@ class Trainer(RunCheckpoints):
             start_step=self.step,
             enabled=self.is_main,
             tensorboard=cfg.logging.tensorboard,
-            progress_bar=cfg.logging.progress_bar,
+            # no bar when there is no step to run: it would cross the "nothing to do" line
+            progress_bar=cfg.logging.progress_bar and self.step < t.total_training_steps,
         )
 
     def _read_data(self, setup_dir: Path) -> None:
@@ -254,7 +257,7 @@ class Trainer(RunCheckpoints):
                 enabled=self.is_main,
             )
             self.logger.close()
-            return self._summary(None, last, nothing_to_do=True)
+            return self._summary(self._current_export(), last, nothing_to_do=True)
         try:
             with lifecycle.SignalStop(enabled=cfg.save_on_signal) as stop:
                 while self.step < cfg.total_training_steps:
@@ -322,6 +325,11 @@ class Trainer(RunCheckpoints):
         if not self.cfg.checkpoint.hf_export or not self._exportable():
             return True
         return lifecycle.exports_step(self.out) == self.step
+
+    def _current_export(self) -> Path | None:
+        """The run's HF export when it is there and holds this step (a finished run resumed: "nothing to do")."""
+        current = self.cfg.checkpoint.hf_export and lifecycle.exports_step(self.out) == self.step
+        return self.out / "hf" if current else None
 
     def _export(self) -> Path | None:
         if not self.cfg.checkpoint.hf_export:

@@ -75,6 +75,15 @@ CASES = {
         "__0_0.distcp is missing",
     ),
     "existing-ckpt": (["convert", "hf-to-mcore", "--out", "{d}/mc"], "pass --overwrite"),
+    "train-dp": (  # issue 35: was printed by rank 0 and again by "[rank 1]"
+        [
+            "train",
+            str(Path(__file__).resolve().parents[2] / "examples/configs/demo.yaml"),
+            "parallel.dp=4",
+            "trainer.default_local_dir={d}/out/run",
+        ],
+        "parallel.dp=4 does not match the world: 2 ranks",
+    ),  # fmt: skip
 }
 
 
