@@ -225,3 +225,55 @@ def test_rollout_correction_with_loss_mask_equals_verl(level: str, mode: str) ->
         policy_loss=mode, clip_ratio_high=CLIP["clip_high"], rollout_is=level, rollout_is_threshold=1.5
     )
     check_schedules(model, tree, build_objective(cfg, rollouts), want_loss, want, 1e-9)
+
+
+@pytest.mark.parametrize(
+    "rs, threshold",
+    [
+        ("token_k1", "0.7_1.4"),
+        ("seq_sum_k1", "0.5_2.0"),
+        ("seq_mean_k3,token_k2", "0.05,0.2"),
+        ("seq_max_k2", 0.3),
+    ],
+)
+def test_rejection_equals_verls_mask_and_metrics_and_the_loss(rs: str, threshold: str | float) -> None:
+    """rollout_rs: the rejected tokens' loss_mask is 0 exactly where verl's compute_rollout_correction_and_add_to_batch
+    zeroes its response_mask, the rollout_corr/ metrics are verl's, and the loss on the rejected batch is verl's
+    function given that response_mask (naive, packed, replay)."""
+    pytest.importorskip("verl", reason="the verl extra is not installed (make setup-verl)")
+    from test_rollout_correction import padded
+    from verl.protocol import DataProto
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
+
+    from megatron_branch.losses.rollout_correction import reject_rollouts
+
+    model = tiny_branch_model(torch.float64, seed=3)
+    rollouts = with_rollout_logprobs(masked_rollouts(model, seed=11), seed=5)
+    batch = DataProto.from_dict(
+        tensors={
+            "old_log_probs": padded(rollouts, "old_logprobs"),
+            "rollout_log_probs": padded(rollouts, "rollout_logprobs"),
+            "response_mask": response_mask(rollouts),
+        }
+    )
+    out, want_metrics = compute_rollout_correction_and_add_to_batch(
+        batch, RolloutCorrectionConfig(rollout_rs=rs, rollout_rs_threshold=threshold)
+    )
+    cfg = ObjectiveConfig(
+        policy_loss="gspo",
+        clip_ratio_high=CLIP["clip_high"],
+        rollout_rs=rs,
+        rollout_rs_threshold=str(threshold),
+    )
+    kept, metrics = reject_rollouts(rollouts, cfg.rollout_rs, cfg.rollout_rs_threshold)
+    assert torch.equal(response_mask(kept), out.batch["response_mask"])
+    assert 0 < metrics["rollout_corr/rollout_rs_masked_fraction"] < 1  # some rejected, some kept
+    for k, v in metrics.items():
+        assert want_metrics[k] == pytest.approx(v, rel=1e-12, abs=1e-15), k
+    assert {k for k in want_metrics if k.startswith("rollout_corr/rollout_rs")} == set(metrics)
+
+    tree = PrefixTree.build(kept, vocab_size=VOCAB)
+    want_loss, want = verl_oracle(model, kept, "gspo", "seq-mean-token-mean")
+    objective = build_objective(dataclasses.replace(cfg, loss_agg_mode="seq-mean-token-mean"), kept)
+    check_schedules(model, tree, objective, want_loss, want, 1e-8)
