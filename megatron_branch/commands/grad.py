@@ -76,7 +76,7 @@ def run_grad(args: argparse.Namespace) -> int:
 
     # its first line comes after the checks: a bad input stays one line on stderr
     progress = Progress("grad", quiet=args.quiet)
-    spec, rollouts, full_tree, objective = check_on_every_rank(lambda: validate(args))
+    spec, rollouts, full_tree, objective, rejection = check_on_every_rank(lambda: validate(args))
     _, world = init_distributed()
     check_on_every_rank(lambda: validate_layout(spec, rollouts, full_tree, world))
     progress.phase(f"inputs checked; prefix tree: {len(rollouts)} rollouts, {full_tree.positions_logical:,} "
@@ -96,7 +96,7 @@ def run_grad(args: argparse.Namespace) -> int:
         trained, rollouts, objective, plan, keep_logprobs=args.logprobs_out is not None
     )
     finalize(trained, plan)
-    metrics = reduce_metrics(acc, objective, groups)
+    metrics = {**reduce_metrics(acc, objective, groups), **rejection}
     progress.phase(f"writing {args.out}")
     write_results(args, spec, model, groups, acc, metrics, objective, full_tree, dtype)
     progress.done()
@@ -132,9 +132,15 @@ def validate(args: argparse.Namespace) -> tuple[Any, ...]:
     rollouts = read_rollouts_jsonl(args.rollouts, vocab_size=arch.vocab_size, max_positions=max_positions)
     if arch.is_moe:
         rollouts = check_routing_records(rollouts, arch, replay=spec.moe.router_replay == "R3")
+    rejection: dict[str, float] = {}
+    if spec.objective.rollout_rs is not None:  # verl's rollout_rs: rejected tokens get loss_mask 0
+        from megatron_branch.losses.rollout_correction import reject_rollouts
+
+        rs = spec.objective
+        rollouts, rejection = reject_rollouts(rollouts, rs.rollout_rs, str(rs.rollout_rs_threshold))
     full_tree = PrefixTree.build(rollouts, vocab_size=arch.vocab_size)
     objective = make_objective(args, spec.objective, rollouts, full_tree)
-    return spec, rollouts, full_tree, objective
+    return spec, rollouts, full_tree, objective, rejection
 
 
 def validate_layout(spec: Any, rollouts: list[Any], full_tree: Any, world: int) -> None:

@@ -90,10 +90,11 @@ class ObjectiveConfig:
     rollout_rs: str | None = None
     """Rollout rejection sampling (verl's algorithm.rollout_correction.rollout_rs): comma-separated criteria on
     log(old / rollout) of verl 0.9.1 (token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2, seq_max_k3); a
-    rejected token, or every token of a rejected rollout, leaves the loss as loss_mask 0 does; None = off."""
+    rejected token, or every token of a rejected rollout, leaves the loss as loss_mask 0 does (computed by verl's own
+    compute_rollout_rejection_mask: needs the verl extra); None = off."""
     rollout_rs_threshold: str | None = None
     """Thresholds of rollout_rs (verl's rollout_rs_threshold): one for all criteria or one per criterion,
-    comma-separated; *_k1 take ratio bounds "lower_upper" (or an upper u, lower 1/u), k2/k3 an upper bound."""
+    comma-separated; *_k1 take ratio bounds "lower_upper" (or an upper u, lower 1/u), k2/k3 an upper bound. A string: quote a bare number in YAML ("2.0")."""
     clip_cov_ratio: float = 0.0002
     """clip_cov: fraction of the batch's (rollout, token) pairs whose gradient is cut (verl's
     policy_loss.clip_cov_ratio)."""

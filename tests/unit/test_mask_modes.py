@@ -12,7 +12,9 @@ masked_mean): a planted bug taking GSPO's mean over every response token must fa
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -277,3 +279,48 @@ def test_rejection_equals_verls_mask_and_metrics_and_the_loss(rs: str, threshold
     want_loss, want = verl_oracle(model, kept, "gspo", "seq-mean-token-mean")
     objective = build_objective(dataclasses.replace(cfg, loss_agg_mode="seq-mean-token-mean"), kept)
     check_schedules(model, tree, objective, want_loss, want, 1e-8)
+
+
+def test_grad_rejects_like_loss_mask_zero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`grad --rollout-rs`: the gradient equals grad's on the same rollouts with the rejected tokens' loss_mask set
+    to 0 by hand (one mechanism), and the rollout_corr/ metrics come out."""
+    pytest.importorskip("verl", reason="the verl extra is not installed (make setup-verl)")
+    from safetensors.torch import load_file
+
+    from megatron_branch.cli import main
+    from megatron_branch.data import write_rollouts_jsonl
+    from megatron_branch.losses.rollout_correction import reject_rollouts
+    from megatron_branch.testing import random_tree_rollouts, tiny_hf_config, tiny_hf_model
+
+    rng = random.Random(7)
+    rollouts = []
+    for r in random_tree_rollouts(groups=2, levels=2, branches=3, seed=4):
+        old = tuple(-rng.uniform(0.5, 3.0) for _ in r.response)
+        shift = rng.choice((-0.9, 0.0, 0.4))
+        eng = tuple(o + shift + rng.uniform(-0.2, 0.2) for o in old)
+        fields = {
+            "old_logprobs": old,
+            "rollout_logprobs": eng,
+            "advantages": tuple(rng.uniform(-1, 1) for _ in old),
+        }
+        rollouts.append(dataclasses.replace(r, token_fields=fields))
+    rs, threshold = "seq_mean_k1", "0.6_1.5"
+    kept, _ = reject_rollouts(rollouts, rs, threshold)
+    assert 0 < sum(r.num_trained for r in kept) < sum(r.num_trained for r in rollouts)
+    tiny_hf_model(tiny_hf_config("llama"), seed=3).save_pretrained(tmp_path / "hf")
+    write_rollouts_jsonl(tmp_path / "all.jsonl", rollouts)
+    write_rollouts_jsonl(tmp_path / "kept.jsonl", kept)
+
+    def grad(name: str, *flags: str) -> dict:
+        argv = ["grad", "--hf", str(tmp_path / "hf"), "--rollouts", str(tmp_path / f"{name}.jsonl")]
+        argv += ["--out", str(tmp_path / f"{name}.st"), "--dtype", "float64", "--objective", "gspo", *flags]
+        assert main(argv) == 0
+        return json.loads([ln for ln in capsys.readouterr().out.splitlines() if ln.strip()][-1])
+
+    got = grad("all", "--rollout-rs", rs, "--rollout-rs-threshold", threshold)
+    want = grad("kept")
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-12)
+    g, w = load_file(tmp_path / "all.st"), load_file(tmp_path / "kept.st")
+    for k in w:
+        assert torch.equal(g[k], w[k]), k
+    assert 0 < got["metrics"]["rollout_corr/rollout_rs_masked_fraction"] < 1
