@@ -324,3 +324,37 @@ def test_grad_rejects_like_loss_mask_zero(tmp_path: Path, capsys: pytest.Capture
     for k in w:
         assert torch.equal(g[k], w[k]), k
     assert 0 < got["metrics"]["rollout_corr/rollout_rs_masked_fraction"] < 1
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"rollout_rs": "token_k4", "rollout_rs_threshold": "2"}, "comma-separated criteria among token_k1"),
+        ({"rollout_rs": "token_k2"}, "is required with rollout_rs"),
+        (
+            {"rollout_rs": "token_k2", "rollout_rs_threshold": "0.1_2"},
+            "for token_k2 must be one positive bound",
+        ),
+        (
+            {"rollout_rs": "seq_sum_k1", "rollout_rs_threshold": "2_0.5"},
+            "for seq_sum_k1 must be a positive upper",
+        ),
+        (
+            {"rollout_rs": "token_k1,token_k2", "rollout_rs_threshold": "1,2,3"},
+            "one per rollout_rs criterion",
+        ),
+        ({"rollout_rs_threshold": "2"}, "rollout_rs is off"),
+        (
+            {"rollout_rs": "token_k1", "rollout_rs_threshold": "2", "rollout_is": "sequence"},
+            "reject whole rollouts",
+        ),
+    ],
+)
+def test_rollout_rs_settings_are_checked(kw: dict, message: str) -> None:
+    from megatron_branch.errors import SettingError
+
+    with pytest.raises(SettingError, match=message):
+        ObjectiveConfig(**kw)
+    ObjectiveConfig(
+        rollout_rs="seq_mean_k3,token_k1", rollout_rs_threshold="0.05,0.5_2"
+    )  # verl accepts these
