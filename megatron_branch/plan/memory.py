@@ -81,8 +81,9 @@ class Peak:
     activations: int
     """Saved activations of the chunks alive at the peak (for replay: the path's graphs and the running chunk)."""
     cached_kv: int
-    """Replay: cached ancestor K/V not already counted in a live graph (with per-layer checkpointing, also a
-    recomputed segment's captured K/V, held outside autograd beside the cache until its injection)."""
+    """Replay: cached ancestor K/V not already counted in a live graph (with per-layer checkpointing, at a
+    recomputed segment's backward: its captured K/V, held outside autograd in place of its released cache entry
+    until the injection)."""
     kv_grads: int
     """Replay: their dK/dV accumulators."""
     ring_buffers: int
@@ -189,16 +190,22 @@ def step_peak(
     # (the root's captured K/V, when its graph is kept, are the cache's storage: counted once)
     root_graph = 0 if seg_rc else root["held"]
     phase_leaves = root_graph + cached + grads + alive * (leaf["kv"] + leaf["other"])
-    # phase 2, the root's own backward: cache + grads + the root's graph; with segment recompute its graph is the
-    # recomputed one, whose captured K/V are new storages beside the no-grad cache (held until the accumulated
-    # grads are injected). Without any recompute this never exceeds phase 1 (which holds the same graph).
+    # phase 2, the root's own backward: grads + the root's graph (+ the cache, unless recomputed). With segment
+    # recompute the root's cache entry is released before its forward runs again (schedule/prefix_cache.py
+    # `release`: only the accumulated grads are kept) and its recomputed K/V take its place: one copy, not two.
+    # Without any recompute this never exceeds phase 1 (which holds the same graph).
+    # (a hybrid's GDN fork states stay counted once: the recomputed states replace the released ones)
+    released = dm.attn_layers * layer_kv_bytes(dm, r_root) if seg_rc else 0
     if seg_rc and root_pieces > 1:
-        # one piece recomputed at a time: the longest, with the root's loss rows (a bound)
+        # one piece recomputed at a time: the longest, with the root's loss rows (a bound); the earlier pieces stay
+        # cached and only the piece's own entry is released (the last piece's: the shortest, a bound)
         p = piece_lengths(R, root_pieces)[0]
         root = chunk_saved_bytes(dm, local_rows(p, 1, layout), m_root, cp=cp, layer_recompute=lay_rc,
                                  capture=True, sequences=[(p, 1)])  # fmt: skip
+        last = piece_lengths(R, root_pieces)[-1]
+        released = dm.attn_layers * layer_kv_bytes(dm, local_rows(last, 1, layout))
     root_kv = root["kv"] if seg_rc else 0
-    phase_root = cached + root_kv + root["other"] + grads
+    phase_root = cached - released + root_kv + root["other"] + grads
     ring = max(
         ring_buffer_bytes(dm, r_root, r_root, cp),
         ring_buffer_bytes(dm, r_leaf, r_root + r_leaf, cp),
@@ -207,12 +214,12 @@ def step_peak(
     logits = max(logits_bytes(dm, m_root, logprob_chunk_rows), logits_bytes(dm, m_leaf, logprob_chunk_rows))
     dispatch = max(dispatcher_bytes(dm, r_root), dispatcher_bytes(dm, r_leaf))
     if phase_root > phase_leaves:
-        # under per-layer checkpointing the recomputed root's captured K/V live outside autograd, beside the
-        # no-grad cache until the injection (the meter sees them registered with it): counted with cached_kv
+        # under per-layer checkpointing the recomputed root's captured K/V live outside autograd in place of the
+        # released cache entry until the injection (the meter sees them registered with it): counted as cached_kv
         outside = root_kv if lay_rc else 0
         return Peak(
             activations=root_kv - outside + root["other"],
-            cached_kv=cached + outside,
+            cached_kv=cached - released + outside,
             kv_grads=grads,
             ring_buffers=ring,
             logits=logits,

@@ -15,6 +15,8 @@ arXiv 2602.00482), and only one root-to-leaf path (plus one micro-batch of leave
 
 With `recompute`, step 1 runs without a graph for segments that have children, and step 4 recomputes the forward
 before its backward: memory then holds only the path's K/V, at the price of one more forward per inner segment.
+Before that recomputation X's cache entry is released (only its accumulated gradients are kept): the recomputed
+K/V replace the cached ones, so X's K/V are held once at its backward, not twice (prefix_cache.release).
 Dropout is 0 in every model we build, so the recomputed forward is bit-identical (no RNG state to replay).
 
 `forward_only` (scoring: old-policy, reference and DPO logprobs, evaluation) runs the same DFS under no_grad:
@@ -104,7 +106,7 @@ class _Replay(DepthFirstWalk):
         self.positions += chunk.num_real
         self.store.add(chunk.targets, out)
 
-    def open_segment(self, seg_id: int) -> tuple[Chunk | CPChunk, ChunkOut, bool]:
+    def open_segment(self, seg_id: int) -> tuple[Chunk | CPChunk, ChunkOut | None, bool]:
         keep_graph = not self.opts.recompute and not self.forward_only
         chunk, out = self._forward([seg_id], capture=True, grad=keep_graph)
         self.positions += chunk.num_real
@@ -113,15 +115,19 @@ class _Replay(DepthFirstWalk):
         # constant: none (exact) except in replay-stopgrad, where they are the segment's prompt rows.
         frozen = self.tree.response_starts()[seg_id] if self.stop_prompt_gradient else 0
         self.cache.push(seg_id, out.captured, chunk.cache_rows, frozen=frozen, meta=chunk.cache_meta)
+        if not keep_graph and not self.forward_only:
+            out = None  # recomputed at B(X): the cache's leaves are then the only holders of X's state
         return chunk, out, keep_graph
 
-    def close_segment(self, seg_id: int, opened: tuple[Chunk | CPChunk, ChunkOut, bool]) -> None:
+    def close_segment(self, seg_id: int, opened: tuple[Chunk | CPChunk, ChunkOut | None, bool]) -> None:
         chunk, out, keep_graph = opened
         if self.forward_only:  # scoring: no backward, and the first forward is the one counted
             self.cache.drop(seg_id)
             self.store.add(chunk.targets, out)
             return
         if not keep_graph:
+            # the recomputed state replaces the cache entry (one copy at X's backward; prefix_cache.release)
+            self.cache.release(seg_id)
             chunk, out = self._forward([seg_id], capture=True, grad=True)
             self.recomputed += chunk.num_real
         # ONE backward of the segment: its own loss and the SUM of its descendants' gradients into its state
