@@ -120,6 +120,13 @@ def add_grad_command(sub: Any) -> None:
     p.add_argument(
         "--branch-micro-batch", type=_positive_int, default=8, help="replay: sibling leaves per forward"
     )
+    p.add_argument(
+        "--chunk-tokens",
+        type=_positive_int,
+        default=None,
+        help="replay: pack small subtrees (leaves, short turns, small prompt groups) into chunks of at most this "
+        "many tokens, one forward each (default: leaf micro-batches only)",
+    )
     p.add_argument("--logprobs-out", default=None, help="write each rollout's response logprobs (JSONL)")
     o = p.add_argument_group("objective (additions to the contract; verl's names, older flags as aliases)")
     o.add_argument(
@@ -405,6 +412,7 @@ def run_grad(args: argparse.Namespace) -> int:
         vocab_size=arch.vocab_size,
         backend=args.backend,
         branch_micro_batch=args.branch_micro_batch,
+        chunk_tokens=args.chunk_tokens,
         recompute=args.recompute,
         recompute_layers=args.recompute_layers,
         root_pieces=args.root_pieces,

@@ -233,6 +233,7 @@ class _Pipeline(DepthFirstWalk):
         self.cache = PrefixCache(grad=self.grad)
         self.path: list[int] = []
         self.micro = opts.branch_micro_batch
+        self.chunk_tokens = opts.chunk_tokens
         self.forwards = self.positions = self.recomputed = 0
 
     # ---- one chunk ---------------------------------------------------------------------------------------------

@@ -5,8 +5,9 @@ For a segment X with ancestors A (cached) and children C:
   1. forward X against A's cached state, capturing what each layer hands down (attention: X's own K/V; another
      layer kind: its state at the fork; attention/prefix_state.py), in X's graph;
   2. cache it as DETACHED leaves that require grad (schedule/prefix_cache.py, the same for every layer kind);
-  3. replay every child (recursively; sibling leaves in micro-batches): each child's backward adds its gradient
-     into the leaves it read (attention: X's and every ancestor's K/V, as key blocks in place);
+  3. replay every child (recursively; sibling leaves in micro-batches, or with `chunk_tokens` small subtrees packed
+     into one chunk: schedule/walk.py): each child's backward adds its gradient into the leaves it read (attention:
+     X's and every ancestor's K/V, as key blocks in place);
   4. backward X once with the accumulated gradients injected into its captured state
      (torch.autograd.backward([loss_X, k_1, v_1, ...], [1, dk_1, dv_1, ...])), which sends X's own share on into
      A's leaves, then drop X's cache.
@@ -72,6 +73,8 @@ class _Replay(DepthFirstWalk):
         self.cache = PrefixCache(grad=not forward_only)  # segment -> layer -> what it hands down (leaves)
         self.path: list[int] = []  # cached ancestors of what runs next, root first
         self.micro = opts.branch_micro_batch
+        # replay-stopgrad freezes the prompt rows of CACHED segments only: it keeps one forward per segment
+        self.chunk_tokens = None if stop_prompt_gradient else opts.chunk_tokens
         self.forwards = 0
         self.positions = 0
         self.recomputed = 0
@@ -149,8 +152,7 @@ def run_replay(
 ) -> StepResult:
     bound = objective.bind(tree) if objective is not None else None
     r = _Replay(model, tree, bound, opts, forward_only, stop_prompt_gradient)
-    for root in tree.roots:
-        r.run_segment(root)
+    r.run_forest(tree.roots)
     assert r.positions == tree.positions_computed, (r.positions, tree.positions_computed)
     return r.store.result(
         "replay-stopgrad" if stop_prompt_gradient else "replay",

@@ -108,7 +108,8 @@ class Actor:
         )  # fmt: skip
         opts = ScheduleOptions(
             groups=groups, vocab_size=arch.vocab_size, backend=cfg.schedule.backend,
-            branch_micro_batch=cfg.schedule.branch_micro_batch, recompute=cfg.schedule.recompute,
+            branch_micro_batch=cfg.schedule.branch_micro_batch, chunk_tokens=cfg.schedule.chunk_tokens,
+            recompute=cfg.schedule.recompute,
             recompute_layers=cfg.schedule.enable_gradient_checkpointing, root_pieces=cfg.schedule.root_pieces,
             moe=moe_opts,
         )  # fmt: skip
