@@ -19,6 +19,10 @@ Additions (other objectives, docs/design.md "Objectives"; verl's names, the olde
     Rollout fields: advantage (float) or advantages (one per response token); old_logprobs, ref_logprobs (one per
     response token; old_logprobs absent = on-policy); DPO: pair (a JSON scalar shared by the pair), chosen (bool),
     ref_logprobs required. A missing field or a malformed pair: a one-line error naming file:line.
+    --schedule auto [--memory-budget GB]   packed when its planned activation peak fits the budget (on a CPU
+                                 --memory-budget; on a GPU the free device memory), replay otherwise (plan/auto.py);
+                                 the JSON's schedule_auto says which and why
+    --chunk-tokens N             replay: small subtrees packed into chunks of <= N tokens, one forward each
 GRADS: dL/dparam for every trainable parameter, full unsharded, HF names, in --dtype (bfloat16 / float16: the fp32
 main gradients megatron's optimizer steps on). The last stdout line is JSON.
 Mixture-of-experts policies (Qwen3-MoE, Mixtral, Qwen2-MoE; docs/design.md "Mixture of experts"):
@@ -73,7 +77,20 @@ def add_grad_command(sub: Any) -> None:
     p.add_argument(
         "--out", required=True, help="where to write the gradients (.safetensors, HF names; see --overwrite)"
     )
-    p.add_argument("--schedule", default="replay", choices=["replay", "packed", "naive"])
+    p.add_argument(
+        "--schedule",
+        default="replay",
+        choices=["replay", "packed", "naive", "auto"],
+        help="auto: packed when its planned activation peak fits --memory-budget (on a GPU by default the free "
+        "device memory), replay otherwise; the JSON says which and why (plan/auto.py)",
+    )
+    p.add_argument(
+        "--memory-budget",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="--schedule auto: GB per rank for the step's activations (needed on a CPU)",
+    )
     p.add_argument(
         "--dtype",
         default="float32",
@@ -298,6 +315,34 @@ def check_routing_records(rollouts: list[Any], arch: Any, *, replay: bool) -> li
     return rollouts
 
 
+def auto_choice(
+    args: argparse.Namespace, arch: Any, rollouts: list[Any], pcfg: Any, world: int, dtype: Any
+) -> Any:
+    """--schedule auto (plan/auto.py): the budget is --memory-budget, or the free device memory now (after the model
+    is loaded), the smallest over the ranks, so every rank picks the same."""
+    from megatron_branch.plan import Layout
+    from megatron_branch.plan.auto import grad_choice
+    from megatron_branch.rules import check_run
+
+    if args.memory_budget is not None:
+        budget = int(args.memory_budget * 1e9)
+    else:
+        free = torch.tensor([torch.cuda.mem_get_info()[0]], dtype=torch.long, device="cuda")
+        if dist.is_initialized():
+            dist.all_reduce(free, op=dist.ReduceOp.MIN)
+        budget = int(free.item())
+    try:  # what packed refuses (segment recompute, chunk_tokens are replay's options)
+        check_run("packed", cp=pcfg.cp, recompute=args.recompute, recompute_layers=args.recompute_layers,
+                  backend=args.backend)  # fmt: skip
+        problem = "--chunk-tokens is replay's" if args.chunk_tokens is not None else None
+    except (UserError, SettingError) as e:
+        problem = str(e)
+    layout = Layout(tp=pcfg.tp, cp=pcfg.cp, pp=pcfg.pp, dp=pcfg.data_parallel_size(world),
+                    sequence_parallel=pcfg.sequence_parallel)  # fmt: skip
+    return grad_choice(arch, rollouts, layout, act_bytes=dtype.itemsize, layer_recompute=args.recompute_layers,
+                       budget_bytes=budget, packed_problem=problem)  # fmt: skip
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -340,6 +385,11 @@ def run_grad(args: argparse.Namespace) -> int:
     from megatron_branch.update import UpdatePlan, accumulate_gradients, finalize, reduce_metrics
 
     dtype = DTYPES[args.dtype]
+    auto = args.schedule == "auto"
+    if (
+        auto
+    ):  # checked as replay (what auto falls back to); packed is asked after the model loads (auto_choice)
+        args.schedule = "replay"
 
     def validate() -> tuple[Any, ...]:
         # Everything the user gave, before any collective or model work (on every rank, one verdict).
@@ -372,6 +422,12 @@ def run_grad(args: argparse.Namespace) -> int:
             rollouts = check_routing_records(rollouts, arch, replay=args.routing_replay)
         full_tree = PrefixTree.build(rollouts, vocab_size=arch.vocab_size)
         objective = make_objective(args, rollouts, full_tree)
+        if auto and args.memory_budget is None and not torch.cuda.is_available():
+            raise UserError(
+                "--schedule auto on a CPU needs --memory-budget GB (per rank, for the activations)"
+            )
+        if auto and args.memory_budget is not None and args.memory_budget <= 0:
+            raise UserError(f"--memory-budget must be positive, got {args.memory_budget}")
         return pcfg, arch, rollouts, full_tree, objective, moe
 
     pcfg, arch, rollouts, full_tree, objective, moe = check_on_every_rank(validate)
@@ -418,6 +474,10 @@ def run_grad(args: argparse.Namespace) -> int:
         root_pieces=args.root_pieces,
         moe=moe,
     )
+    choice = None
+    if auto:
+        choice = auto_choice(args, arch, rollouts, pcfg, world, dtype)
+        args.schedule = choice.schedule
     plan = UpdatePlan(opts=opts, schedule=args.schedule, pg_collection=pg_collection)
     model.zero_grad(set_to_none=True)
     acc = accumulate_gradients(
@@ -439,6 +499,7 @@ def run_grad(args: argparse.Namespace) -> int:
 
     summary = {
         "schedule": args.schedule,
+        "schedule_auto": None if choice is None else choice.to_json(),
         "backend": _backend_ran(args),
         "loss": metrics.pop(f"{objective.role}/loss"),
         "positions_logical": full_tree.positions_logical,
