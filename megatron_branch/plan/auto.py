@@ -18,16 +18,8 @@ from typing import Any
 
 from megatron_branch.data import PrefixTree
 from megatron_branch.models.arch import ModelArch
-from megatron_branch.plan.activations import (
-    Dims,
-    cdiv,
-    chunk_saved_bytes,
-    dispatcher_bytes,
-    exchange_buffer_bytes,
-    local_rows,
-    logits_bytes,
-    ring_buffer_bytes,
-)
+from megatron_branch.plan.activations import Dims, cdiv, local_rows
+from megatron_branch.plan.memory import packed_peak
 from megatron_branch.plan.model import Layout
 
 
@@ -75,20 +67,21 @@ def packed_peak_bytes(
     layer_recompute: bool = False,
     logprob_chunk_rows: int = 256,
 ) -> int:
-    """Planned activation peak of `packed` over `tree` (one rank's share, in one chunk): the chunk's saved tensors
-    and the transient buffers beside them (the terms of plan/memory.py step_peak for packed, from the tree itself
-    rather than a RolloutShape)."""
+    """Planned activation peak of `packed` over `tree` (one rank's share, in one chunk): plan/memory.py's packed
+    terms (packed_peak), with the rows, targets and sequences read off the tree rather than a RolloutShape."""
     dm = Dims.of(arch, layout, act_bytes, gdn_kernel="torch")
-    r = local_rows(tree.positions_computed, 1, layout)
-    starts = tree.response_starts()
-    # every response token once: the rows of the chunk that reach the output projection (schedule/chunks.py)
-    m = cdiv(sum(s.length - starts[s.id] for s in tree.segments), layout.cp)
     seqs = sorted(
         Counter(s.length for s in tree.segments).items()
     )  # a GDN layer: each segment its own sequence
-    c = chunk_saved_bytes(dm, r, m, cp=layout.cp, layer_recompute=layer_recompute, sequences=seqs)
-    ring = max(ring_buffer_bytes(dm, r, r, layout.cp), exchange_buffer_bytes(dm, r))
-    return c["kv"] + c["other"] + ring + logits_bytes(dm, m, logprob_chunk_rows) + dispatcher_bytes(dm, r)
+    per_cp_rank = Layout(cp=layout.cp, tp=1, sequence_parallel=False)  # zigzag pieces per segment under CP
+    r = sum(local_rows(length, n, per_cp_rank) for length, n in seqs)
+    r = local_rows(r, 1, Layout(tp=layout.tp, sequence_parallel=layout.sequence_parallel))  # SP padding
+    starts = tree.response_starts()
+    # every response token once: the rows of the chunk that reach the output projection (schedule/chunks.py)
+    m = cdiv(sum(s.length - starts[s.id] for s in tree.segments), layout.cp)
+    pk = packed_peak(dm, r, m, cp=layout.cp, layer_recompute=layer_recompute, sequences=seqs,
+                     logprob_chunk_rows=logprob_chunk_rows)  # fmt: skip
+    return pk.saved + pk.ring_buffers + pk.logits + pk.dispatcher
 
 
 def grad_choice(

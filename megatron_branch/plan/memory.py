@@ -157,15 +157,8 @@ def step_peak(
         r = local_rows(r, 1, Layout(tp=layout.tp, sequence_parallel=layout.sequence_parallel))
         m = cdiv(groups * (shape.shared_response_length + G * L), cp)  # every response token once
         seqs = [(R, groups), (L, groups * G)]  # a GDN layer: each whole segment its own sequence
-        c = chunk_saved_bytes(dm, r, m, cp=cp, layer_recompute=lay_rc, sequences=seqs)
-        return Peak(
-            activations=alive * (c["kv"] + c["other"]),
-            cached_kv=0,
-            kv_grads=0,
-            ring_buffers=max(ring_buffer_bytes(dm, r, r, cp), exchange_buffer_bytes(dm, r)),
-            logits=logits_bytes(dm, m, logprob_chunk_rows),
-            dispatcher=dispatcher_bytes(dm, r),
-        )
+        return packed_peak(dm, r, m, cp=cp, layer_recompute=lay_rc, sequences=seqs,
+                           logprob_chunk_rows=logprob_chunk_rows, alive=alive)  # fmt: skip
     assert schedule == "replay", schedule
     r_root = local_rows(R, 1, layout)
     # only rows that predict a response token reach the output projection (schedule/chunks.py, targets="loss"):
@@ -232,6 +225,30 @@ def step_peak(
         ring_buffers=ring,
         logits=logits,
         dispatcher=dispatch,
+    )
+
+
+def packed_peak(
+    dm: Dims,
+    r: int,
+    m: int,
+    *,
+    cp: int,
+    layer_recompute: bool,
+    sequences: list[tuple[int, int]],
+    logprob_chunk_rows: int,
+    alive: int = 1,
+) -> Peak:
+    """One packed chunk of r local rows and m local targets (`alive` of them in flight under PP): its saved tensors
+    and the transient buffers beside them (also `schedule: auto`'s packed side, plan/auto.py)."""
+    c = chunk_saved_bytes(dm, r, m, cp=cp, layer_recompute=layer_recompute, sequences=sequences)
+    return Peak(
+        activations=alive * (c["kv"] + c["other"]),
+        cached_kv=0,
+        kv_grads=0,
+        ring_buffers=max(ring_buffer_bytes(dm, r, r, cp), exchange_buffer_bytes(dm, r)),
+        logits=logits_bytes(dm, m, logprob_chunk_rows),
+        dispatcher=dispatcher_bytes(dm, r),
     )
 
 
