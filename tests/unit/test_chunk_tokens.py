@@ -142,3 +142,17 @@ def test_planted_sibling_visibility_is_caught(
 def test_chunk_tokens_must_be_positive() -> None:
     with pytest.raises(ValueError, match="chunk_tokens must be positive"):
         ScheduleOptions(vocab_size=VOCAB, chunk_tokens=0)
+
+
+def test_scoring_with_packed_subtrees_is_naives(model: torch.nn.Module) -> None:
+    """Forward only (old-policy / reference logprobs): the same walk, no graph; every target's logprob equals
+    naive's."""
+    rollouts = forest()
+    tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
+    opts = ScheduleOptions(vocab_size=VOCAB, keep_logprobs=True, chunk_tokens=30)
+    with torch.no_grad():
+        got = run_schedule("replay", model, tree, None, opts, forward_only=True)
+        want = run_schedule("naive", model, tree, None, opts, forward_only=True)
+    torch.testing.assert_close(got.target_logprobs, want.target_logprobs, rtol=0, atol=1e-11, equal_nan=True)
+    assert got.forwards < run_schedule("replay", model, tree, None, ScheduleOptions(vocab_size=VOCAB),
+                                       forward_only=True).forwards  # fmt: skip
