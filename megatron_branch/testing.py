@@ -1,9 +1,10 @@
 """Helpers for tests, examples and the demo: tiny random models, rollout sets with sharing, and the HF oracle.
 
-Nothing here downloads anything: models are built from configs with random weights, data is generated. The package
-imports this module only inside the bench's functions that build its tiny models (test-only code stays out of what
-a training run loads); `random_tree_rollouts`, which the bench uses too, lives in megatron_branch/data/random_trees.py
-and is re-exported here.
+Nothing here downloads anything: models are built from configs with random weights, data is generated. No module
+of the package imports this one (test-only code stays out of what a run loads; tests/unit/test_families.py checks
+it): what production code needs too lives there and is re-exported here: the tiny HF configs (the family specs',
+models/families/), the tiny megatron models (models/tiny.py), `random_tree_rollouts` (data/random_trees.py) and
+`hf_experts_kwargs` (checkpoint/hf_io.py).
 """
 
 from __future__ import annotations
@@ -13,11 +14,15 @@ from typing import Any
 
 import torch
 
+from megatron_branch.checkpoint.hf_io import hf_experts_kwargs
 from megatron_branch.data import Rollout
 from megatron_branch.data.random_trees import random_tree_rollouts
+from megatron_branch.models.families import tiny_hf_config
+from megatron_branch.models.tiny import tiny_arch, tiny_branch_model
 
 __all__ = [
     "exact_hf_norms",
+    "hf_experts_kwargs",
     "hf_policy_gradient",
     "random_tree_rollouts",
     "rollout_set_strategy",
@@ -27,97 +32,6 @@ __all__ = [
     "tiny_hf_model",
     "tiny_qwen2",
 ]
-
-
-def tiny_hf_config(
-    family: str = "llama",
-    *,
-    vocab_size: int = 37,
-    hidden_size: int = 32,
-    num_layers: int = 2,
-    heads: int = 4,
-    kv_heads: int = 2,
-    ffn: int = 64,
-    tie: bool = False,
-    rope_theta: float = 10000.0,
-    head_dim: int | None = None,
-    layer_types: Sequence[str] | None = None,
-    moe: dict[str, Any] | None = None,
-) -> Any:
-    """A transformers config for a tiny Llama, Qwen2 (QKV bias), Qwen3 (q/k norms; head_dim defaults to 16, not
-    hidden/heads) or Qwen3.5 text model ("qwen3_5": 3 linear-attention layers to 1 full by default, head_dim 16,
-    partial RoPE 0.5 so that 8 of 16 dims rotate, multimodal RoPE sections, 2 key / 4 value GDN heads of 8), or a
-    mixture of experts: "qwen3_moe" (4 experts of width 16, top-2, norm_topk_prob), "mixtral" (4 experts of width
-    `ffn`, top-2), "qwen2_moe" (as qwen3_moe plus a shared expert of width 24), or a MoE hybrid: "qwen3_5_moe"
-    (qwen3_5's layers, every one with qwen2_moe's experts; no dense MLP) or "qwen3_next" (the same, text-only RoPE,
-    its GDN projections fused per key head; MoE layers by decoder_sparse_step / mlp_only_layers); `moe` overrides
-    their fields."""
-    import transformers
-
-    kw: dict[str, Any] = dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=ffn,
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        tie_word_embeddings=tie,
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-    )
-    if family == "llama":
-        return transformers.LlamaConfig(architectures=["LlamaForCausalLM"], **kw)
-    if family == "qwen2":
-        return transformers.Qwen2Config(architectures=["Qwen2ForCausalLM"], **kw)
-    if family == "qwen3":
-        return transformers.Qwen3Config(architectures=["Qwen3ForCausalLM"], head_dim=head_dim or 16, **kw)
-    moe_kw: dict[str, Any] = dict(num_experts_per_tok=2)
-    if family in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
-        kw["rope_parameters"]["partial_rotary_factor"] = 0.5
-        if family != "qwen3_next":
-            kw["rope_parameters"].update(mrope_section=[2, 1, 1], mrope_interleaved=True)
-        if layer_types is None:
-            layer_types = ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(num_layers)]
-        kw.update(
-            head_dim=head_dim or 16,
-            layer_types=list(layer_types),
-            linear_conv_kernel_dim=4,
-            linear_key_head_dim=8,
-            linear_value_head_dim=8,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-        )
-        if family == "qwen3_5":
-            from transformers.models.qwen3_5 import Qwen3_5TextConfig
-
-            return Qwen3_5TextConfig(architectures=["Qwen3_5ForCausalLM"], **kw)
-        moe_kw.update(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=24)
-        if family == "qwen3_next":
-            moe_kw.update(norm_topk_prob=True, **(moe or {}))
-            return transformers.Qwen3NextConfig(architectures=["Qwen3NextForCausalLM"], **moe_kw, **kw)
-        from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
-
-        del kw["intermediate_size"]  # no dense MLP
-        moe_kw.update(moe or {})
-        return Qwen3_5MoeTextConfig(architectures=["Qwen3_5MoeForCausalLM"], **moe_kw, **kw)
-    if family == "qwen3_moe":
-        moe_kw.update(num_experts=4, moe_intermediate_size=16, norm_topk_prob=True)
-        moe_kw.update(moe or {})
-        return transformers.Qwen3MoeConfig(
-            architectures=["Qwen3MoeForCausalLM"], head_dim=head_dim or 16, **moe_kw, **kw
-        )
-    if family == "qwen2_moe":
-        moe_kw.update(
-            num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=24, norm_topk_prob=False
-        )
-        moe_kw.update(moe or {})
-        return transformers.Qwen2MoeConfig(architectures=["Qwen2MoeForCausalLM"], **moe_kw, **kw)
-    if family == "mixtral":
-        moe_kw.update(num_local_experts=4)
-        moe_kw.update(moe or {})
-        return transformers.MixtralConfig(architectures=["MixtralForCausalLM"], **moe_kw, **kw)
-    raise ValueError(family)
 
 
 def hf_checkpoint_names(model: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -132,13 +46,6 @@ def hf_checkpoint_names(model: Any, tensors: dict[str, torch.Tensor]) -> dict[st
 def hf_state(model: Any) -> dict[str, torch.Tensor]:
     """The model's weights under its checkpoint names (what save_pretrained writes)."""
     return hf_checkpoint_names(model, model.state_dict())
-
-
-def hf_experts_kwargs(config: Any) -> dict[str, Any]:
-    """transformers' loader kwargs for the reference implementation of a MoE model's experts (the per-expert loop;
-    its default grouped_mm path refuses float64)."""
-    moe = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
-    return {"experts_implementation": "eager"} if moe else {}
 
 
 def exact_hf_routers(model: Any) -> Any:
@@ -216,68 +123,28 @@ def exact_hf_norms(model: Any) -> Any:
 
 
 def hf_policy_gradient(model: Any, rollouts: Sequence[Rollout]) -> tuple[float, dict[str, torch.Tensor]]:
-    """The oracle: L = -(1/T) sum_i sum_{t in response_i} A_i logp(i,t) computed rollout by rollout in HF.
+    """The oracle: L = -(1/T) sum_i sum_{t in response_i} m_{i,t} A_i logp(i,t) computed rollout by rollout in HF
+    (m the rollout's loss_mask, all ones when absent; T the trained tokens).
 
     Returns (loss, grads by HF parameter name). Gradients accumulate from zero.
     """
     model.zero_grad(set_to_none=True)
-    T = sum(len(r.response) for r in rollouts)
+    T = sum(r.num_trained for r in rollouts)
     total = 0.0
     for r in rollouts:
         seq = torch.tensor([list(r.prompt) + list(r.response)])
         logits = model(input_ids=seq).logits[0]  # [L, V]
         logp = torch.log_softmax(logits[:-1], dim=-1).gather(1, seq[0, 1:, None]).squeeze(1)  # [L-1]
-        loss = -(r.advantage / T) * logp[len(r.prompt) - 1 :].sum() if r.prompt else None
-        if loss is None:  # empty prompt: the first response token has no predictor
-            loss = -(r.advantage / T) * logp.sum()
+        mask = torch.tensor(r.loss_mask or [1] * len(r.response), dtype=logp.dtype)
+        # empty prompt: the first response token has no predictor
+        resp = logp[len(r.prompt) - 1 :] if r.prompt else logp
+        loss = -(r.advantage / T) * (resp * (mask if r.prompt else mask[1:])).sum()
         loss.backward()
         total += float(loss.detach())
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     if getattr(model.config, "num_experts", None) or getattr(model.config, "num_local_experts", None):
         grads = hf_checkpoint_names(model, grads)  # one gradient per expert, as the checkpoint names them
     return total, grads
-
-
-def tiny_arch(
-    family: str = "llama", *, hidden: int = 32, layers: int = 2, vocab_size: int = 37, **fields: Any
-) -> Any:
-    """A tiny model shape (models/arch.py ModelArch): 4 heads / 2 KV groups, SwiGLU ffn = 2 x hidden, Qwen2's QKV
-    bias for "qwen2"; `fields` set ModelArch's other fields (max_position_embeddings, ...)."""
-    from megatron_branch.models import ModelArch
-
-    return ModelArch(
-        family=family,
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        num_layers=layers,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=2 * hidden,
-        qkv_bias=family == "qwen2",
-        **fields,
-    )
-
-
-def tiny_branch_model(
-    dtype: torch.dtype = torch.float64,
-    *,
-    seed: int = 0,
-    vocab_size: int = 37,
-    scale: float = 3.0,
-    tp: int = 1,
-    sequence_parallel: bool = False,
-) -> Any:
-    """A tiny megatron-core Llama (GQA) with random weights scaled by `scale` (peaked distributions), built on the
-    current parallel state; the same seed gives the same full weights at any TP size only through checkpoints."""
-    from megatron_branch.models import build_model
-
-    torch.manual_seed(seed)
-    arch = tiny_arch(vocab_size=vocab_size)
-    model = build_model(arch, dtype=dtype, tp=tp, sequence_parallel=sequence_parallel)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(scale)
-    return model
 
 
 def tiny_qwen2(

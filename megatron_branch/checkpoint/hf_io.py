@@ -47,7 +47,7 @@ def load_hf_config(hf_dir: str | os.PathLike) -> Any:
         raise UserError("no config.json in the Hugging Face model folder", where=str(d))
     from transformers import AutoConfig
 
-    from megatron_branch.models.hf_families import check_supported_architecture
+    from megatron_branch.models.families import check_supported_architecture
 
     where = str(d / "config.json")
     try:
@@ -64,6 +64,13 @@ def load_hf_config(hf_dir: str | os.PathLike) -> Any:
     except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"cannot read config: {msg}", where=str(d / "config.json")) from None
+
+
+def hf_experts_kwargs(config: Any) -> dict[str, Any]:
+    """transformers' loader kwargs for the reference implementation of a MoE model's experts (the per-expert loop;
+    its default grouped_mm path refuses float64): what verify-conversion's reference and the tests' oracle use."""
+    moe = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    return {"experts_implementation": "eager"} if moe else {}
 
 
 class HFTensorReader:

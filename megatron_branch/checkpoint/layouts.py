@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from megatron_branch.models.arch import ModelArch
+from megatron_branch.models.families.param_rules import TRANSFORM_NAMES
 
 
 # --- HF shapes --------------------------------------------------------------------------------------------------------
@@ -185,6 +186,7 @@ TRANSFORMS: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., list[torc
     "vocab_pad": (_vocab_pad, lambda t, arch: [t[: arch.vocab_size]]),
 }
 """name -> (HF tensors -> megatron tensor, megatron tensor -> HF tensors)."""
+assert tuple(TRANSFORMS) == TRANSFORM_NAMES, "the rules name the transforms this table implements"
 
 
 # --- fused sections under tensor parallelism -----------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The one map between Hugging Face and megatron-core parameter names, for every family: which of the declarative
-rules (checkpoint/param_rules.py: one `Rule` per megatron tensor, its HF tensors and transform; the layouts they
-follow) apply to an arch and which layers, the HF container's names, and the conversions in both directions.
+rules (the family's `param_rules`, from models/families/param_rules.py: one `Rule` per megatron tensor, its HF
+tensors and transform; the layouts they follow) apply to an arch and which layers, the HF container's names, and the conversions in both directions.
 
 Streaming: `iter_hf_to_mcore` / `iter_mcore_to_hf` ask for the source tensors of one rule at a time, so a caller
 that reads lazily (hf_io) holds about one layer in memory.
@@ -13,24 +13,15 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 import torch
 
 from megatron_branch.checkpoint.layouts import TRANSFORMS, hf_shape, mcore_rows
-from megatron_branch.checkpoint.param_rules import (
-    HF_NOT_CONVERTED,
-    HF_TEXT_PREFIXES,
-    IGNORED_HF_SUFFIXES,
-    PARAM_MAPS,
-    Rule,
-)
 from megatron_branch.errors import UserError
 from megatron_branch.models.arch import ModelArch
+from megatron_branch.models.families import get_family
+from megatron_branch.models.families.param_rules import IGNORED_HF_SUFFIXES, Rule
 
 
 # --- which rules, which layers ---------------------------------------------------------------------------------------
 def _rules(arch: ModelArch) -> tuple[Rule, ...]:
-    if arch.family not in PARAM_MAPS:
-        raise UserError(
-            f"no parameter map for model family {arch.family!r}; supported: {', '.join(PARAM_MAPS)}"
-        )
-    return PARAM_MAPS[arch.family]
+    return get_family(arch.family).param_rules  # an unknown family: one line naming the registered ones
 
 
 def _applies(rule: Rule, arch: ModelArch, layer: int | None) -> bool:
@@ -108,8 +99,8 @@ def detect_spec(names: Iterable[str]) -> str:
 def hf_name_map(hf_names: Iterable[str], arch: ModelArch) -> dict[str, str]:
     """canonical HF name (the rules' names) -> the name stored in the checkpoint, for every stored tensor that is
     part of the policy (a container's text model renamed; vision tower, MTP head and rotary buffers dropped)."""
-    prefixes = HF_TEXT_PREFIXES.get(arch.family, ())
-    skip = HF_NOT_CONVERTED.get(arch.family, ())
+    spec = get_family(arch.family)
+    prefixes, skip = spec.hf_text_prefixes, spec.hf_not_converted
     out: dict[str, str] = {}
     for stored in hf_names:
         if stored.endswith(IGNORED_HF_SUFFIXES) or stored.startswith(skip):

@@ -11,14 +11,13 @@ from typing import Any
 
 import torch
 
-from megatron_branch.checkpoint.hf_io import HFTensorReader, load_hf_config
-from megatron_branch.checkpoint.param_rules import IGNORED_HF_SUFFIXES
+from megatron_branch.checkpoint.hf_io import HFTensorReader, hf_experts_kwargs, load_hf_config
 from megatron_branch.errors import UserError
 from megatron_branch.models.arch import ModelArch
-from megatron_branch.models.hf_families import EXPORT_CLASS
+from megatron_branch.models.families import get_family
+from megatron_branch.models.families.param_rules import IGNORED_HF_SUFFIXES
 
 DEFAULT_TOL = 1e-4
-FAMILY_CLASS = EXPORT_CLASS
 
 
 def megatron_logits(
@@ -48,8 +47,8 @@ def check_same_model(hf_arch: ModelArch, ck_arch: ModelArch, *, hf_dir: str, mco
     if hf_arch.family != ck_arch.family:
         raise UserError(
             f"architecture mismatch: the HF folder {hf_dir!r} is {hf_arch.family} "
-            f"({FAMILY_CLASS[hf_arch.family]}), the megatron checkpoint {mcore_dir!r} is {ck_arch.family} "
-            f"({FAMILY_CLASS[ck_arch.family]})"
+            f"({get_family(hf_arch.family).export_class}), the megatron checkpoint {mcore_dir!r} is "
+            f"{ck_arch.family} ({get_family(ck_arch.family).export_class})"
         )
     a, b = hf_arch.to_dict(), ck_arch.to_dict()
     diff = [k for k in a if a[k] != b.get(k)]
@@ -67,8 +66,6 @@ def _hf_reference(cfg: Any, weights: dict[str, torch.Tensor], *, where: str) -> 
     are ours. A MoE model's experts are fused into 3-D tensors in memory (checkpoint names: one per expert): its
     weights go through transformers' own loading conversion, from a safetensors file written here."""
     from transformers import AutoModelForCausalLM
-
-    from megatron_branch.testing import hf_experts_kwargs
 
     kw = dict(dtype=torch.float32, attn_implementation="eager", **hf_experts_kwargs(cfg))
     if hf_experts_kwargs(cfg):

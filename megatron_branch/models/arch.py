@@ -1,28 +1,13 @@
 """The architecture description shared by model building, checkpoint conversion, the planner and the CLI.
 
 `ModelArch` is the one place where a model family is mapped to megatron-core's `TransformerConfig`; the Hugging
-Face config side (which config.json fields mean what, per family) is models/hf_families.py. Everything that is not
-reproduced exactly (rope scaling, sliding windows, MLP bias, other activations) is refused there with a one-line
-`UserError` instead of being silently approximated.
+Face config side (which config.json fields mean what, per family) is the family's file in models/families/.
+Everything that is not reproduced exactly (rope scaling, sliding windows, MLP bias, other activations) is refused
+there with a one-line `UserError` instead of being silently approximated.
 
-Families (decoder-only, RMSNorm, SwiGLU, RoPE, GQA):
-    llama     LlamaForCausalLM
-    qwen2     Qwen2ForCausalLM: QKV bias
-    qwen3     Qwen3ForCausalLM: RMSNorm on each head's q and k (megatron's qk_layernorm), head_dim free
-    qwen3_5   Qwen3_5ForCausalLM / Qwen3_5ForConditionalGeneration (Qwen3.5 and Qwen3.6 text models): per-layer
-              gated delta net (megatron's GatedDeltaNet) or gated full attention (attention_output_gate, q/k norm,
-              partial RoPE), zero-centred RMSNorm weights (megatron's layernorm_zero_centered_gamma)
-Mixture-of-experts families (megatron's MoELayer: top-k router, SequentialMLP experts; models/moe.py):
-    qwen3_moe Qwen3MoeForCausalLM: Qwen3 attention; top-k softmax routing with or without norm_topk_prob, dense
-              layers where decoder_sparse_step / mlp_only_layers say so
-    mixtral   MixtralForCausalLM: Llama attention; every layer MoE, top-k renormalised
-    qwen2_moe Qwen2MoeForCausalLM: Qwen2 attention (QKV bias); routed experts plus a shared expert with its
-              sigmoid gate (megatron's SharedExpertMLP, moe_shared_expert_gate)
-Mixture-of-experts hybrids (both of the above in one model: a gated delta net or gated attention, then a MoELayer):
-    qwen3_5_moe  Qwen3_5MoeForCausalLM / Qwen3_5MoeForConditionalGeneration (Qwen3.5 / Qwen3.6 MoE text models):
-              qwen3_5's layers with a MoE block (top-k renormalised, gated shared expert) in every layer
-    qwen3_next   Qwen3NextForCausalLM: the same layers (its GDN projections stored fused per key head), MoE layers
-              as qwen3_moe's rule decides, gated shared expert
+Families (decoder-only, RMSNorm, SwiGLU, RoPE, GQA): one file each in models/families/ (llama.py, qwen3_5.py, ...),
+whose docstring says what its config means; the mixtures of experts run on megatron's MoELayer (models/moe.py),
+the hybrids' gated delta nets on megatron's GatedDeltaNet (models/gdn.py).
 """
 
 from __future__ import annotations
@@ -34,30 +19,20 @@ from typing import Any
 import torch
 
 from megatron_branch.errors import UserError
-from megatron_branch.rules import check_gdn_context_parallel, check_hybrid_schedule
+from megatron_branch.models.families import arch_fields_from_hf, families, get_family, hf_config_of
+from megatron_branch.rules import check_hybrid_run
 
-FAMILIES = (
-    "llama",
-    "qwen2",
-    "qwen3",
-    "qwen3_5",
-    "qwen3_moe",
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_5_moe",
-    "qwen3_next",
-)
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "qwen3_5_moe", "qwen3_next")
 LAYER_TYPES = ("full_attention", "linear_attention")
 """HF's names for the two kinds of token mixer (Qwen3.5 `layer_types`)."""
 
 
 @dataclass(kw_only=True)
 class ModelArch:
-    """A decoder-only transformer of one of `FAMILIES`."""
+    """A decoder-only transformer of one of the registered families (models/families/)."""
 
     family: str
-    """One of FAMILIES; decides the HF class written back on export and the parameter map."""
+    """A registered family (models/families/); decides the HF class written back on export and the parameter
+    map."""
     vocab_size: int
     """Vocabulary size of the tokenizer (unpadded). Megatron pads it to a multiple of TP; see `padded_vocab_size`."""
     hidden_size: int
@@ -131,8 +106,8 @@ class ModelArch:
     """The shared expert's output is scaled by sigmoid(x . w_gate) (Qwen2-MoE shared_expert_gate)."""
 
     def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
-            raise ValueError(f"family must be one of {', '.join(FAMILIES)}, not {self.family!r}")
+        if self.family not in families():
+            raise ValueError(f"family must be one of {', '.join(families())}, not {self.family!r}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -160,7 +135,7 @@ class ModelArch:
         self._check_moe()
 
     def _check_moe(self) -> None:
-        if self.family in MOE_FAMILIES and self.num_experts <= 0:
+        if get_family(self.family).moe and self.num_experts <= 0:
             raise ValueError(f"family {self.family} needs num_experts > 0")
         if self.num_experts <= 0:
             if self.moe_layer_pattern is not None or self.shared_expert_ffn_hidden_size:
@@ -302,8 +277,6 @@ class ModelArch:
     @classmethod
     def from_hf_config(cls, cfg: Any, *, where: str = "config.json") -> ModelArch:
         """Map a transformers `PretrainedConfig` (or its dict) to a ModelArch, refusing what we cannot reproduce."""
-        from megatron_branch.models.hf_families import arch_fields_from_hf
-
         try:
             return cls(**arch_fields_from_hf(cfg, where=where))
         except ValueError as e:
@@ -313,8 +286,6 @@ class ModelArch:
 
     def to_hf_config(self) -> Any:
         """The transformers config that `from_hf_config` maps back to this arch."""
-        from megatron_branch.models.hf_families import hf_config_of
-
         return hf_config_of(self)
 
     def to_dict(self) -> dict[str, Any]:
@@ -434,14 +405,6 @@ def gdn_block_heads(key_heads: int, value_heads: int, cp: int) -> tuple[int, int
 
 
 def check_schedule_supports(arch: ModelArch, schedule: str, *, cp: int = 1, tp: int = 1) -> None:
-    """Refuse, in one line, a schedule or layout that cannot run `arch` exactly (before any work): the rules
-    rules.check_hybrid_schedule and rules.check_gdn_context_parallel, read off the arch (SettingErrors: re-spell them
-    at entry points with other names)."""
-    if not arch.is_hybrid:
-        return
-    check_hybrid_schedule(
-        schedule, model=f"{arch.family}, {arch.num_linear_layers} of {arch.num_layers} layers gated delta net"
-    )
-    check_gdn_context_parallel(
-        key_heads=arch.linear_num_key_heads, value_heads=arch.linear_num_value_heads, tp=tp, cp=cp
-    )
+    """Refuse, in one line, a schedule or layout that cannot run `arch` exactly (before any work): the hybrid
+    rules, rules.check_hybrid_run (SettingErrors: re-spell them at entry points with other names)."""
+    check_hybrid_run(arch, schedule, cp=cp, tp=tp)

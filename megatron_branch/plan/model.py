@@ -89,7 +89,7 @@ MODEL_PRESETS: dict[str, ModelArch] = {
 }
 
 # The config.json fields of the published checkpoints, mapped by the same code as any HF folder
-# (models/hf_families.py): Qwen/Qwen3-8B and Qwen/Qwen3-32B config.json; Qwen/Qwen3.6-27B config.json's
+# (models/families/): Qwen/Qwen3-8B and Qwen/Qwen3-32B config.json; Qwen/Qwen3.6-27B config.json's
 # text_config (revision 6a9e13bd; model card: hidden 5120, 64 layers = 16 x (3 x (Gated DeltaNet -> FFN) + 1 x
 # (Gated Attention -> FFN)), GDN 16 QK / 48 V heads of 128, attention 24 Q / 4 KV heads of 256, RoPE dim 64, FFN
 # 17408, vocabulary 248320). The multimodal checkpoint's vision tower and MTP head are not part of the policy.

@@ -7,7 +7,8 @@ seam of what a layer hands down). A feature that must see every step and every f
     around the step StepHook.run(step, opts, forward_only): calls step(opts) once (or more: the router plan runs a
                     counting pass first with step(opts, score_only=True))
     each forward    StepHook.forward(model, where): a context around ONE model forward of the step, told which rows
-                    it runs (`Rows`: a tree chunk's packed token indices, or whole rollouts laid end to end)
+                    it runs (`Rows`: a tree chunk's packed token indices, or whole rollouts laid end to end);
+                    every bound hook sees every forward, another hook's extra pass included
     end of step     StepHook.finish(result, forward_only): check, add metrics to result.stats
 
 run_schedule binds the registered hooks (schedule/__init__.py `HOOKS`) and the caller's (`ScheduleOptions.hooks`)

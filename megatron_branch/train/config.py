@@ -10,8 +10,9 @@ Key names follow verl where verl has one (`rollout.n`, `actor.clip_ratio_low`, `
 
 Sections that describe something the engine has one type for ARE that type (derived, not mirrored): `parallel` is
 the ParallelLayout (parallel/layout.py), `actor` the ObjectiveConfig (losses/config.py) plus the update split,
-`algorithm` the estimators' AdvantageConfig plus the recipe, `model.arch` a ModelArch (models/arch.py). Their
-rules are checked where they live; refusals name the config key (validate.SPELLING).
+`algorithm` the estimators' AdvantageConfig plus the recipe, `model.arch` a ModelArch (models/arch.py), `schedule`
+and `moe` the run assembly's ScheduleConfig and MoEConfig (assembly/spec.py, the same fields grad's flags are
+generated from). Their rules are checked where they live; refusals name the config key (validate.SPELLING).
 
 This file: the sections and TrainConfig. Reading YAML and overrides: config_io.py (`load_config`); the checks
 between fields, run by TrainConfig on construction: validate.py.
@@ -23,14 +24,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from megatron_branch.assembly.spec import MoEConfig, ScheduleConfig
 from megatron_branch.losses.config import ObjectiveConfig
 from megatron_branch.models.arch import ModelArch
-from megatron_branch.models.hf_families import HYBRID_FAMILIES
+from megatron_branch.models.families import families, get_family
+from megatron_branch.models.families.registry import TRAIN_DEFAULT_FIELDS
 from megatron_branch.parallel.layout import ParallelLayout
 from megatron_branch.precision import DtypeName
-from megatron_branch.rules import TRAIN_SCHEDULES
 from megatron_branch.train.algorithm import AlgorithmConfig
-from megatron_branch.train.moe import MoEConfig
 
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -41,11 +42,10 @@ class ArchConfig(ModelArch):
     every field is a key; the fields below are the ones whose default differs. `resolve` is the validated arch."""
 
     family: str = "llama"
-    """"llama" (no QKV bias), "qwen2" (QKV bias), "qwen3" (q/k norms), "qwen3_5" (a hybrid: set layer_types
-    and the linear_* widths; q/k norms, zero-centred norms and the attention output gate by default), or a mixture of
-    experts on megatron's MoELayer: "qwen3_moe" (q/k norms), "mixtral", "qwen2_moe" (QKV bias; a shared expert with
-    shared_expert_ffn_hidden_size), or a MoE hybrid: "qwen3_5_moe", "qwen3_next" (as qwen3_5, with experts); MoE
-    needs num_experts, moe_top_k and moe_ffn_hidden_size."""
+    """"llama" or another registered family (models/families/: qwen2, qwen3, the hybrid qwen3_5, the mixtures of
+    experts qwen3_moe, mixtral, qwen2_moe, the MoE hybrids qwen3_5_moe, qwen3_next); the family's spec gives the
+    defaults of qkv_bias, qk_norm, zero_centered_norm and attention_output_gate. A hybrid needs layer_types and the
+    linear_* widths, a MoE num_experts, moe_top_k and moe_ffn_hidden_size."""
     vocab_size: int | None = None  # type: ignore[assignment]
     """None = the tokenizer's vocabulary size."""
     hidden_size: int = 64
@@ -61,7 +61,7 @@ class ArchConfig(ModelArch):
     max_position_embeddings: int = 1024
     """The model's context: prompt + response must fit."""
     qkv_bias: bool | None = None  # type: ignore[assignment]
-    """Bias on the Q/K/V projections; None = the family's (qwen2, qwen2_moe: true)."""
+    """Bias on the Q/K/V projections; None = the family's (FamilySpec.train_defaults; qwen2, qwen2_moe: true)."""
     qk_norm: bool | None = None  # type: ignore[assignment]
     """RMSNorm on each head's query and key; None = the family's (qwen3, qwen3_moe and the hybrids: true)."""
     zero_centered_norm: bool | None = None  # type: ignore[assignment]
@@ -76,13 +76,11 @@ class ArchConfig(ModelArch):
         """The ModelArch this section describes, its vocabulary `vocab_size` unless the config gives one."""
         kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(ModelArch)}
         kw["vocab_size"] = self.vocab_size or vocab_size
-        if kw["qkv_bias"] is None:
-            kw["qkv_bias"] = self.family in ("qwen2", "qwen2_moe")
-        if kw["qk_norm"] is None:
-            kw["qk_norm"] = self.family in ("qwen3", "qwen3_moe", *HYBRID_FAMILIES)
-        for name in ("zero_centered_norm", "attention_output_gate"):
+        # an unknown family: ModelArch's own check names the registered ones
+        spec = get_family(self.family) if self.family in families() else None
+        for name in TRAIN_DEFAULT_FIELDS:
             if kw[name] is None:
-                kw[name] = self.family in HYBRID_FAMILIES
+                kw[name] = spec is not None and spec.train_default(name)
         return ModelArch(**kw)
 
 
@@ -178,8 +176,9 @@ class ActorConfig(ObjectiveConfig):
     batch is split into updates."""
 
     policy_loss: str | None = None  # type: ignore[assignment]
-    """A registered objective (vanilla = grpo, pg, dpo, or a plugin's); None = the algorithm's (grpo, ppo:
-    vanilla; dpo: dpo)."""
+    """A registered objective (vanilla = grpo, pg, gspo, cispo, sapo, geo_mean, clip_cov, kl_cov, dpo,
+    verl:<loss_mode>, or a plugin's); None = the algorithm's (grpo, ppo: vanilla; dpo: dpo). verl's
+    actor.policy_loss.loss_mode is an alias."""
     entropy_metric: bool = True
     """Report actor/entropy even when entropy_coeff is 0."""
     ppo_epochs: int = 1
@@ -242,36 +241,6 @@ class OptimConfig:
     """Adam's first moment (not fp32: NOT exact; TransformerEngine's FusedAdam on a GPU only)."""
     exp_avg_sq_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Adam's second moment (as exp_avg_dtype)."""
-
-
-@dataclass(kw_only=True)
-class ScheduleConfig:
-    """How the engine runs a batch of rollouts (all give the same gradient)."""
-
-    name: Literal[TRAIN_SCHEDULES] = "replay"  # rules.TRAIN_SCHEDULES
-    """replay (DFS over the prefix tree), packed (one pass), naive (one rollout at a time, megatron's own
-    attention); the baselines without sharing on the engine's kernels: naive-fused (each rollout alone) and
-    packed-nosharing (all rollouts block-diagonal in one pass); replay-stopgrad is NOT exact, a comparison only:
-    the prompt's K/V as constants (the announced stop-gradient system)."""
-    backend: Literal["merge", "packed", "reference"] | None = None
-    """Attention backend override."""
-    branch_micro_batch: int = 8
-    """replay: sibling leaves per forward."""
-    chunk_tokens: int | None = None
-    """replay: pack small subtrees (sibling leaves, short turns, small prompt groups) into chunks of at most this
-    many tokens, one forward and backward each against their ancestors' cached state (exact); None: leaf
-    micro-batches of branch_micro_batch only (ScheduleOptions.chunk_tokens)."""
-    recompute: bool = False
-    """replay: recompute inner segments at backward."""
-    root_pieces: int = 1
-    """replay under pipeline parallelism (parallel.pp > 1): cut each shared root (prompt) into this many sequence
-    pieces, which flow through the stages like micro-batches (exact; 1 = whole roots; docs/parallelism.md)."""
-    enable_gradient_checkpointing: bool = False
-    """Per-layer activation checkpointing inside every chunk (ScheduleOptions.recompute_layers): each transformer
-    layer keeps only its input and is recomputed in backward, one layer at a time; with `recompute` it is the
-    planner's `recompute full`. verl's name (actor_rollout_ref.model.enable_gradient_checkpointing) rather than
-    megatron's `recompute_granularity`: the engine has one granularity (every layer, non-reentrant), which a
-    boolean states, and megatron's "selective" would mean something else here (planner: segment recompute)."""
 
 
 @dataclass(kw_only=True)
@@ -368,7 +337,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Steps, saving, resuming, run folder."""
     moe: MoEConfig = field(default_factory=MoEConfig)
-    """A mixture-of-experts policy's router losses and routing replay (train/moe.py)."""
+    """A mixture-of-experts policy's router losses and routing replay (assembly/spec.py MoEConfig)."""
 
     def __post_init__(self) -> None:
         from megatron_branch.train.validate import validate  # it reads these sections: imported when run

@@ -7,6 +7,9 @@
   * the clipped surrogate with dual clip, KL and entropy (float64 1e-9, float32 1e-5), against an HF float64 oracle
     that runs every rollout alone and evaluates the SAME bound objective's per-rollout loss on HF's logprobs and
     entropies (so the vocab-parallel entropy is checked too);
+  * GSPO, CISPO and GMPO (float64 1e-9) with KL and entropy, the same oracle (GSPO's s_i and GMPO's m_i from HF's
+    own logprobs), and
+    verl's own cispo function (`verl:cispo`, replay) against the native cispo's oracle;
   * DPO, sigmoid and ipo (float64 1e-9, float32 1e-5): the forward-only pass, then the linearised gradient pass,
     against autograd through HF's per-rollout logprob sums; the two responses of a pair share their first tokens;
   * the critic's value loss with clipping (float64 1e-9, float32 1e-5), against HF's hidden states through the same head.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -26,7 +30,13 @@ import torch
 from megatron_branch.checkpoint.param_map import hf_to_mcore_state, mcore_to_hf_state
 from megatron_branch.checkpoint.tp import gather_full_grads, load_full_state
 from megatron_branch.data import PrefixTree, Rollout
-from megatron_branch.losses import Aggregation, PolicyObjective
+from megatron_branch.losses import (
+    Aggregation,
+    CISPOObjective,
+    GMPOObjective,
+    GSPOObjective,
+    PolicyObjective,
+)
 from megatron_branch.models import ModelArch, build_model
 from megatron_branch.parallel.groups import ParallelConfig, ParallelGroups, initialize_parallel
 from megatron_branch.schedule import ScheduleOptions
@@ -67,15 +77,27 @@ def _hf() -> torch.nn.Module:
     )
 
 
+def _seq(r: Rollout) -> torch.Tensor:
+    return torch.tensor([list(r.prompt) + list(r.response)])
+
+
+def _hf_logq(hf: torch.nn.Module, r: Rollout) -> torch.Tensor:
+    return torch.log_softmax(hf(input_ids=_seq(r)).logits[0, :-1], dim=-1)
+
+
 def _oracle(hf: torch.nn.Module, rollouts: list[Rollout], objective: PolicyObjective) -> tuple[float, dict]:
     """HF float64, rollout by rollout, through the objective's own per-rollout loss (naive's formula)."""
     tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
+    if objective.needs_scores:  # GSPO: s_i from HF's own forward-only logprobs, then the same per-pair loss
+        with torch.no_grad():
+            lp = [_hf_logq(hf, r).gather(1, _seq(r)[0, 1:, None])[len(r.prompt) - 1 :, 0] for r in rollouts]
+        objective = objective.prepare(tree, SimpleNamespace(logprobs=lp)).objective
     bound = objective.bind(tree)
     hf.zero_grad(set_to_none=True)
     total = 0.0
     for i, r in enumerate(rollouts):
-        seq = torch.tensor([list(r.prompt) + list(r.response)])
-        logq = torch.log_softmax(hf(input_ids=seq).logits[0, :-1], dim=-1)  # [L-1, V]
+        seq = _seq(r)
+        logq = _hf_logq(hf, r)  # [L-1, V]
         logp = logq.gather(1, seq[0, 1:, None]).squeeze(1)
         ent = -(logq.exp() * logq).sum(-1)
         loss, _ = bound.rollout_loss(i, logp, ent)
@@ -152,6 +174,53 @@ def test_policy_objective_under_tp_sp_cp_and_dp(layout: str, dtype: torch.dtype)
         assert metrics["actor/loss"] == pytest.approx(want_loss, rel=tol)
         _close(mcore_to_hf_state(grads, arch), want, tol)
         assert 0 < metrics["actor/pg_clipfrac"] < 1 and metrics["actor/entropy"] > 0
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("mode", ["gspo", "cispo", "geo_mean"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_policy_modes_under_tp_sp_cp_and_dp(layout: str, mode: str) -> None:
+    """GSPO and GMPO (the forward-only pass gives each rollout its s_i / m_i, then the gradient pass) and CISPO,
+    float64."""
+    hf, rollouts = _hf(), _rollouts()
+    cls = {"gspo": GSPOObjective, "cispo": CISPOObjective, "geo_mean": GMPOObjective}[mode]
+    objective = cls(
+        agg=Aggregation.of_batch(rollouts, "token-mean"),
+        clip_low=0.2,
+        clip_high=0.28,
+        kl_coef=0.1,
+        kl_type="k3",
+        entropy_coef=0.05,
+    )
+    want_loss, want = _oracle(hf, rollouts, objective)
+    groups = _layout(layout)
+    model = _policy(hf, groups, torch.float64)
+    arch = ModelArch.from_hf_config(hf.config)
+    for schedule in ("replay", "packed"):
+        metrics, grads = _layout_grads(model, rollouts, objective, groups, schedule)
+        assert metrics["actor/loss"] == pytest.approx(want_loss, rel=1e-9)
+        _close(mcore_to_hf_state(grads, arch), want, 1e-9)
+        assert 0 < metrics["actor/pg_clipfrac"] < 1
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_verl_loss_function_under_tp_sp_cp_and_dp(layout: str) -> None:
+    """verl:cispo (verl's own function, linearised per micro-batch with the GLOBAL counts) equals the native
+    cispo's oracle; under DP2 each rank calls verl's function on its own share."""
+    pytest.importorskip("verl", reason="the verl extra is not installed (make setup-verl)")
+    from megatron_branch.losses import ObjectiveConfig, build_objective
+
+    hf, rollouts = _hf(), _rollouts()
+    cfg = ObjectiveConfig(policy_loss="verl:cispo", clip_ratio_high=0.28, kl_loss_coef=0.1, kl_loss_type="k3")
+    native = dataclasses.replace(cfg, policy_loss="cispo")
+    want_loss, want = _oracle(hf, rollouts, build_objective(native, rollouts))
+    groups = _layout(layout)
+    model = _policy(hf, groups, torch.float64)
+    arch = ModelArch.from_hf_config(hf.config)
+    metrics, grads = _layout_grads(model, rollouts, build_objective(cfg, rollouts), groups, "replay")
+    assert metrics["actor/loss"] == pytest.approx(want_loss, rel=1e-9)
+    _close(mcore_to_hf_state(grads, arch), want, 1e-9)
 
 
 def _dpo_rollouts() -> list[Rollout]:
@@ -342,3 +411,110 @@ def test_attach_scores_gathers_the_whole_batch_over_dp() -> None:
     both: list = [None, None]
     dist.all_gather_object(both, [r.field("values") for r in dp2], group=groups.dp)
     assert both[0] == both[1]
+
+
+# ---- loss masks (issue 31): context tokens inside responses, per rollout -----------------------------------------
+
+
+def _mask(rollouts: list[Rollout], seed: int) -> list[Rollout]:
+    """Per-rollout loss masks (about a third context; masks differ at shared response tokens), rollout 1 wholly
+    context (the sequence modes must not count it)."""
+    rng = random.Random(seed)
+    out = []
+    for k, r in enumerate(rollouts):
+        mask = [0] * len(r.response) if k == 1 else [int(rng.random() > 0.35) for _ in r.response]
+        if k != 1:
+            mask[-1] = 1
+        out.append(dataclasses.replace(r, loss_mask=mask))
+    return out
+
+
+def _m(r: Rollout) -> tuple[bool, ...]:
+    return r.loss_mask or (True,) * len(r.response)
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_masked_policy_under_tp_sp_cp_and_dp(layout: str, mode: str) -> None:
+    """GRPO with dual clip, k3 KL and entropy on masked rollouts: replay and packed equal HF's per-rollout
+    masked loss (float64, 1e-9 per parameter); the trained-token fraction is global."""
+    hf, rollouts = _hf(), _mask(_rollouts(), seed=61)
+    objective = dataclasses.replace(_objective(rollouts), agg=Aggregation.of_batch(rollouts, mode))
+    want_loss, want = _oracle(hf, rollouts, objective)
+    groups = _layout(layout)
+    model = _policy(hf, groups, torch.float64)
+    arch = ModelArch.from_hf_config(hf.config)
+    fraction = sum(r.num_trained for r in rollouts) / sum(len(r.response) for r in rollouts)
+    for schedule in ("replay", "packed"):
+        metrics, grads = _layout_grads(model, rollouts, objective, groups, schedule)
+        assert metrics["actor/loss"] == pytest.approx(want_loss, rel=1e-9)
+        assert metrics["tree/trained_token_fraction"] == pytest.approx(fraction, rel=1e-12)
+        _close(mcore_to_hf_state(grads, arch), want, 1e-9)
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_masked_dpo_and_critic_under_tp_sp_cp_and_dp(layout: str) -> None:
+    """IPO (pi, ref and |o| over trained tokens) and the clipped value loss on masked rollouts, float64 1e-9."""
+    from megatron_branch.losses import DPOObjective, ValueObjective
+    from megatron_branch.models import build_critic
+
+    hf = _hf()
+    pairs = _mask(_dpo_rollouts(), seed=62)
+    pairs = [dataclasses.replace(r, loss_mask=[*_m(r)[:-1], 1]) for r in pairs]  # every response trains
+    tree = PrefixTree.build(pairs, vocab_size=VOCAB)
+    dpo = DPOObjective(num_pairs=4, beta=0.5, loss_type="ipo")
+    hf.zero_grad(set_to_none=True)
+    pis = []
+    for r in pairs:
+        seq = torch.tensor([list(r.prompt) + list(r.response)])
+        logq = torch.log_softmax(hf(input_ids=seq).logits[0, :-1], dim=-1)
+        lp = logq.gather(1, seq[0, 1:, None]).squeeze(1)[len(r.prompt) - 1 :]
+        pis.append((lp * torch.tensor(_m(r), dtype=lp.dtype)).sum())
+    oracle, _ = dpo.loss(tree, torch.stack(pis))
+    oracle.backward()
+    want = {n: p.grad.clone() for n, p in hf.named_parameters()}
+    groups = _layout(layout)
+    model = _policy(hf, groups, torch.float64)
+    arch = ModelArch.from_hf_config(hf.config)
+    for schedule in ("replay", "packed"):
+        metrics, grads = _layout_grads(model, pairs, dpo, groups, schedule)
+        assert metrics["actor/loss"] == pytest.approx(float(oracle), rel=1e-9)
+        _close(mcore_to_hf_state(grads, arch), want, 1e-9)
+
+    rng = random.Random(63)
+    rollouts = [
+        dataclasses.replace(
+            r,
+            token_fields={
+                "values": tuple(rng.uniform(-1, 1) for _ in r.response),
+                "returns": tuple(rng.uniform(-1, 1) for _ in r.response),
+            },
+        )  # fmt: skip
+        for r in _mask(_rollouts(), seed=64)
+    ]
+    objective = ValueObjective(agg=Aggregation.of_batch(rollouts, "seq-mean-token-mean"), clip=0.2)
+    g = torch.Generator().manual_seed(6)
+    head_w = torch.randn(1, hf.config.hidden_size, generator=g, dtype=torch.float64)
+    head_b = torch.randn(1, generator=g, dtype=torch.float64)
+    bound = objective.bind(PrefixTree.build(rollouts, vocab_size=VOCAB))
+    w, b = head_w.clone().requires_grad_(), head_b.clone().requires_grad_()
+    hf.zero_grad(set_to_none=True)
+    for i, r in enumerate(rollouts):
+        h = hf.model(input_ids=torch.tensor([list(r.prompt) + list(r.response)])).last_hidden_state[0, :-1]
+        bound.rollout_loss(i, (h @ w.t() + b).squeeze(-1))[0].backward()
+    critic = build_critic(
+        arch, dtype=torch.float64, tp=groups.tp_size, sequence_parallel=groups.sequence_parallel
+    )
+    state = hf_to_mcore_state(hf.state_dict(), arch, padded_vocab=arch.padded_vocab_size(groups.tp_size))
+    load_full_state(critic, {**state, "value_head.weight": head_w, "value_head.bias": head_b}, groups.tp)
+    body = {n: p.grad.clone() for n, p in hf.named_parameters() if p.grad is not None}
+    for schedule in ("replay", "packed"):
+        _, full = _layout_grads(critic, rollouts, objective, groups, schedule)
+        _close(
+            {"w": full.pop("value_head.weight"), "b": full.pop("value_head.bias")},
+            {"w": w.grad, "b": b.grad},
+            1e-9,
+        )
+        _close({n: t for n, t in mcore_to_hf_state(full, arch).items() if n in body}, body, 1e-9)

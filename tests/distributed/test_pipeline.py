@@ -16,6 +16,7 @@ old/ref logprobs and per-token advantages, so a shared token has different loss 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -25,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
-from test_objectives_parallel import VOCAB, _close, _dpo_rollouts, _objective, _oracle, _rollouts
+from test_objectives_parallel import VOCAB, _close, _dpo_rollouts, _m, _mask, _objective, _oracle, _rollouts
 
 from megatron_branch.checkpoint.param_map import hf_to_mcore_state, mcore_to_hf_state
 from megatron_branch.checkpoint.stages import gather_model_grads, load_stage
@@ -129,6 +130,48 @@ def test_pipeline_policy_objective_pp2(dtype: torch.dtype, tie: bool) -> None:
 @pytest.mark.parametrize("layout", list(LAYOUTS[4]))
 def test_pipeline_policy_objective_world4(layout: str, dtype: torch.dtype) -> None:
     _policy_case(layout, dtype, tie=layout == "tp2pp2sp")
+
+
+@pytest.mark.world(2)
+def test_pipeline_masked_policy_and_dpo_pp2() -> None:
+    """Loss masks (issue 31) through the stages: GRPO with seq-mean-token-sum (an all-context rollout must not
+    count) under replay, packed, root pieces and the unshared naive-fused baseline, and IPO over trained tokens;
+    float64 1e-9 against HF per rollout."""
+    from megatron_branch.losses import Aggregation, DPOObjective
+
+    hf, rollouts = _hf(), _mask(_rollouts(), seed=71)
+    objective = _objective(rollouts)
+    objective.agg = Aggregation.of_batch(rollouts, "seq-mean-token-sum")
+    want_loss, want = _oracle(hf, rollouts, objective)
+    groups = initialize_parallel(LAYOUTS[2]["pp2"])
+    model = _stage_policy(hf, groups, torch.float64)
+    for schedule, options in [
+        ("replay", {}),
+        ("packed", {}),
+        ("replay", {"root_pieces": 3}),
+        ("naive-fused", {}),
+    ]:
+        metrics, grads = _pp_grads(hf, model, rollouts, objective, groups, schedule, **options)
+        assert metrics["actor/loss"] == pytest.approx(want_loss, rel=1e-9), (schedule, options)
+        _close(grads, want, 1e-9)
+
+    pairs = [dataclasses.replace(r, loss_mask=[*_m(r)[:-1], 1]) for r in _mask(_dpo_rollouts(), seed=72)]
+    dpo = DPOObjective(num_pairs=4, beta=0.5, loss_type="ipo")
+    hf.zero_grad(set_to_none=True)
+    pis = []
+    for r in pairs:
+        seq = torch.tensor([list(r.prompt) + list(r.response)])
+        lp = (
+            torch.log_softmax(hf(input_ids=seq).logits[0, :-1], dim=-1).gather(1, seq[0, 1:, None]).squeeze(1)
+        )
+        pis.append((lp[len(r.prompt) - 1 :] * torch.tensor(_m(r), dtype=lp.dtype)).sum())
+    oracle, _ = dpo.loss(PrefixTree.build(pairs, vocab_size=VOCAB), torch.stack(pis))
+    oracle.backward()
+    want = {n: p.grad.clone() for n, p in hf.named_parameters()}
+    for schedule in ("replay", "packed"):
+        metrics, grads = _pp_grads(hf, model, pairs, dpo, groups, schedule)
+        assert metrics["actor/loss"] == pytest.approx(float(oracle), rel=1e-9)
+        _close(grads, want, 1e-9)
 
 
 def _dpo_case(layout: str, dtype: torch.dtype) -> None:
@@ -404,7 +447,6 @@ def _pieces_backward_in_forward_order(
 def _blind_pieces(tree: PrefixTree, cut: PrefixTree) -> PrefixTree:
     """The cut tree with every piece attending to itself only (its earlier pieces dropped from its ancestors; the
     leaves below still see them all)."""
-    import dataclasses
 
     cut_roots = [tree.segments[r] for r in tree.roots if tree.segments[r].children]
     pieces = {

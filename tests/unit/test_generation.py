@@ -281,6 +281,19 @@ def test_a_registered_executor_runs_decode_and_greedy_equals_hf_generate(
             assert list(s.response) == want[0, len(prompt) :].tolist()
 
 
+def test_a_baseline_backend_without_an_executor_decodes_with_the_default() -> None:
+    """`repeat` (a one-rank baseline, no executor) prefills with its own method and decodes with the default
+    executor (dispatch.plan_executor): the same greedy tokens and logprobs as the default backend."""
+    model, _ = make_model(torch.float64)
+    prompts = prompts_of([7, 4], seed=5)
+    sp = SamplingParams(n=2, max_new_tokens=4, temperature=0)
+    want = BranchSampler(model, vocab_size=VOCAB).generate(prompts, sp).flat()
+    got = BranchSampler(model, vocab_size=VOCAB, backend="repeat").generate(prompts, sp).flat()
+    assert [list(s.response) for s in got] == [list(s.response) for s in want]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-10, atol=1e-10)
+
+
 def test_task_tokenizer_sampler_reward_pipeline(tmp_path) -> None:  # noqa: ANN001
     """The pieces the training loop chains: task prompts -> tokenizer -> sampler -> decoded text -> reward."""
     from megatron_branch.tasks import get_task, load_reward, score_responses

@@ -87,3 +87,33 @@ def test_planted_bug_a_forward_outside_the_hooks_is_caught(monkeypatch: pytest.M
     hook = CountingHook()
     res = run_schedule("replay", model, tree, obj, ScheduleOptions(vocab_size=arch.vocab_size, hooks=(hook,)))
     assert len(hook.rows) != res.forwards
+
+
+def test_a_caller_hook_composes_with_the_router_plan_and_sees_its_counting_pass() -> None:
+    """A MoE policy with a balancing loss: the router plan (registered) binds first and runs its counting pass, a
+    caller's hook binds after it and sees the counting pass's forwards as well as the step's; the gradients are
+    the ones without the caller's hook, bit for bit."""
+    from megatron_branch.losses.router import MoEOptions, RouterLossConfig
+
+    arch = ModelArch.from_hf_config(tiny_hf_config("qwen3_moe", ffn=48, moe={"norm_topk_prob": False}))
+    torch.manual_seed(3)
+    model = build_model(arch, dtype=torch.float64)
+    rollouts = random_tree_rollouts(prompt_len=5, branches=3, levels=2, seed=9)
+    tree = PrefixTree.build(rollouts, vocab_size=arch.vocab_size)
+    obj = PolicyGradientObjective.grpo([r.advantage for r in rollouts], tree.num_response_tokens_logical())
+    moe = MoEOptions(losses=RouterLossConfig(aux_loss_coeff=0.1))
+    model.zero_grad(set_to_none=True)
+    plain = run_schedule("replay", model, tree, obj, ScheduleOptions(vocab_size=arch.vocab_size, moe=moe))
+    want = _grads(model)
+    hook = CountingHook()
+    model.zero_grad(set_to_none=True)
+    res = run_schedule(
+        "replay", model, tree, obj, ScheduleOptions(vocab_size=arch.vocab_size, moe=moe, hooks=(hook,))
+    )
+    assert hook.events == ["bind replay", "run", "finish"]
+    assert len(hook.rows) == 2 * res.forwards  # the counting pass (forward-only) and the step
+    assert any(k.startswith("moe/") or "router" in k or "aux" in k for k in res.stats), sorted(res.stats)
+    assert {k: v for k, v in res.stats.items() if k != "counting/forwards"} == plain.stats
+    got = _grads(model)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name

@@ -1,5 +1,6 @@
-"""The declarative rules of the one map between Hugging Face and megatron-core parameter names, for every family
-(the map's functions over them: checkpoint/param_map.py).
+"""The declarative rules of the one map between Hugging Face and megatron-core parameter names: the shared rows
+every family's spec picks its rules from (models/families/*.py `param_rules`; the map's functions over them:
+checkpoint/param_map.py).
 
 Each `Rule` pairs a megatron name with the HF names it is made from and a named transform. Every transform is a
 pure, linear re-arrangement of rows (concatenation, interleaving, zero padding), so the same map converts weights
@@ -49,22 +50,21 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megatron_branch.checkpoint.layouts import TRANSFORMS
-
 # Buffers some older HF checkpoints carry; recomputed from the config, never converted.
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
-HF_TEXT_PREFIXES: dict[str, tuple[tuple[str, str], ...]] = {
-    "qwen3_5": (("model.language_model.", "model."),),
-    "qwen3_5_moe": (("model.language_model.", "model."),),
-}
-"""family -> (stored prefix, canonical prefix): an HF container's text model under the names the rules use."""
-HF_NOT_CONVERTED: dict[str, tuple[str, ...]] = {
-    "qwen3_5": ("model.visual.", "mtp."),
-    "qwen3_5_moe": ("model.visual.", "mtp."),
-    "qwen3_next": ("mtp.",),
-}
-"""family -> HF tensor prefixes that are not part of the policy (vision tower, multi-token-prediction head)."""
-TRANSFORM_NAMES = tuple(TRANSFORMS)
+CONTAINER_TEXT_PREFIXES = (("model.language_model.", "model."),)
+"""(stored prefix, canonical prefix): a multimodal container's text model under the names the rules use."""
+TRANSFORM_NAMES = (
+    "identity",
+    "qkv_interleave",
+    "qkv_bias_interleave",
+    "qkv_gate_interleave",
+    "fused_gate_up",
+    "gdn_in_proj",
+    "gdn_in_proj_grouped",
+    "vocab_pad",
+)
+"""The transforms' names (checkpoint/layouts.py TRANSFORMS implements exactly these: asserted there)."""
 SPECS = ("local", "te")
 """megatron layer specs the map names tensors for: megatron-core's local spec and its TransformerEngine spec."""
 WHEN = (None, "qkv_bias", "untied", "qk_norm", "shared_expert", "shared_expert_gate")
@@ -77,7 +77,7 @@ class Rule:
     mcore: str
     hf: tuple[str, ...]
     transform: str
-    """One of checkpoint/layouts.py TRANSFORMS."""
+    """One of TRANSFORM_NAMES (checkpoint/layouts.py TRANSFORMS)."""
     when: str | None = None
     """None (always), "qkv_bias" (arch.qkv_bias), "untied" (not arch.tie_word_embeddings), "qk_norm"."""
     te: str | None = None
@@ -91,7 +91,7 @@ class Rule:
     is one key)."""
 
     def __post_init__(self) -> None:
-        assert self.transform in TRANSFORMS, self.transform
+        assert self.transform in TRANSFORM_NAMES, self.transform
         assert self.when in WHEN, self.when
         assert self.layers in (None, "full", "linear"), self.layers
         assert self.mlp in (None, "dense", "moe"), self.mlp
@@ -363,14 +363,3 @@ MIXTRAL_RULES: tuple[Rule, ...] = (
     *_moe("block_sparse_moe.", "w1", "w3", "w2"),
     *HEAD,
 )
-PARAM_MAPS: dict[str, tuple[Rule, ...]] = {
-    "llama": DECODER_RULES,
-    "qwen2": DECODER_RULES,
-    "qwen3": DECODER_RULES,
-    "qwen3_5": HYBRID_RULES,
-    "qwen3_moe": QWEN_MOE_RULES,
-    "qwen2_moe": QWEN_MOE_RULES,
-    "mixtral": MIXTRAL_RULES,
-    "qwen3_5_moe": QWEN3_5_MOE_RULES,
-    "qwen3_next": QWEN3_NEXT_RULES,
-}
