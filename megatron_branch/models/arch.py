@@ -13,6 +13,7 @@ the hybrids' gated delta nets on megatron's GatedDeltaNet (models/gdn.py).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +105,20 @@ class ModelArch:
     """Width of the shared expert every token also passes (Qwen2-MoE shared_expert_intermediate_size); 0 = none."""
     shared_expert_gate: bool = False
     """The shared expert's output is scaled by sigmoid(x . w_gate) (Qwen2-MoE shared_expert_gate)."""
+    moe_score_function: str = "softmax"
+    """The router's score function: "softmax" (the Qwen and Mixtral routers) or "sigmoid" (the DeepSeek-style
+    router of GLM-4.5: per-expert sigmoid scores, the top-k renormalised; megatron's moe_router_score_function)."""
+    moe_expert_bias: bool = False
+    """Sigmoid router: a per-expert correction bias added to the scores for the SELECTION only, never to the weights
+    (HF e_score_correction_bias; megatron's moe_router_enable_expert_bias, held fixed: models/moe.py)."""
+    moe_num_groups: int = 1
+    """Group-limited top-k: the experts split into this many equal groups (HF n_group; megatron's
+    moe_router_num_groups); 1 = no group limit."""
+    moe_group_topk: int = 1
+    """Group-limited top-k: the groups each token may route into (HF topk_group; megatron's moe_router_group_topk)."""
+    moe_routed_scaling_factor: float = 1.0
+    """The routed experts' weights are multiplied by this (HF routed_scaling_factor; megatron's
+    moe_router_topk_scaling_factor)."""
 
     def __post_init__(self) -> None:
         if self.family not in families():
@@ -159,6 +174,43 @@ class ModelArch:
                 raise ValueError("moe_layer_pattern has no MoE layer (mlp_only_layers lists every layer)")
         if self.shared_expert_gate and not self.shared_expert_ffn_hidden_size:
             raise ValueError("shared_expert_gate needs a shared expert (shared_expert_intermediate_size > 0)")
+        self._check_router()
+
+    def _check_router(self) -> None:
+        """The router settings megatron's topk_routing_with_score_function computes as HF does (moe_utils.py)."""
+        if self.moe_score_function not in ("softmax", "sigmoid"):
+            raise ValueError(
+                f"moe_score_function must be softmax or sigmoid, not {self.moe_score_function!r}"
+            )
+        if self.moe_expert_bias and self.moe_score_function != "sigmoid":
+            raise ValueError("an expert correction bias needs the sigmoid router (megatron's rule)")
+        if not (self.moe_routed_scaling_factor > 0 and math.isfinite(self.moe_routed_scaling_factor)):
+            raise ValueError(
+                f"routed_scaling_factor must be a positive number, got {self.moe_routed_scaling_factor}"
+            )
+        if self.moe_score_function == "sigmoid" and self.moe_norm_topk_prob != (self.moe_top_k > 1):
+            # megatron renormalises the sigmoid top-k exactly when k > 1 (probs / (sum + 1e-20), HF's formula)
+            raise ValueError(
+                f"norm_topk_prob={self.moe_norm_topk_prob} with num_experts_per_tok={self.moe_top_k}: megatron's "
+                "sigmoid router renormalises the top-k exactly when num_experts_per_tok > 1"
+            )
+        g, gk = self.moe_num_groups, self.moe_group_topk
+        if g < 1 or not 1 <= gk <= g or self.num_experts % g:
+            raise ValueError(
+                f"n_group={g}, topk_group={gk}: need 1 <= topk_group <= n_group and n_group dividing "
+                f"num_experts={self.num_experts}"
+            )
+        if g > 1 and (self.moe_top_k // gk != 2 or self.num_experts // g < 2):
+            # HF ranks groups by the sum of their top-2 scores, megatron by the sum of their top k // topk_group
+            raise ValueError(
+                f"n_group={g} with num_experts_per_tok={self.moe_top_k}, topk_group={gk}: HF ranks groups by "
+                "their top-2 scores, megatron by their top num_experts_per_tok // topk_group; they agree only "
+                "where that is 2"
+            )
+        if g > 1 and gk * (self.num_experts // g) < self.moe_top_k:
+            raise ValueError(
+                f"topk_group={gk} groups hold fewer than num_experts_per_tok={self.moe_top_k} experts"
+            )
 
     # --- mixture of experts ---------------------------------------------------------------------------------------
     @property

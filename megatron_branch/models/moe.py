@@ -52,6 +52,16 @@ class BranchRouter(TopKRouter):
 
     context: RouterContext | None = None
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.expert_bias is not None:
+            # megatron keeps the sigmoid router's correction bias as a buffer that its aux-loss-free balancing
+            # updates; here it is a checkpoint tensor RL holds fixed (HF's e_score_correction_bias): a frozen
+            # parameter, so that conversion, TP/EP gathering and loading (which walk parameters) carry it. Same
+            # name, dtype (float32) and state-dict key as megatron's buffer.
+            bias = self._buffers.pop("expert_bias")
+            self.expert_bias = torch.nn.Parameter(bias, requires_grad=False)
+
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None) -> Any:
         if self.context is None:
             return super().routing(logits, padding_mask=padding_mask)
@@ -75,8 +85,17 @@ def moe_config_kwargs(arch: Any) -> dict[str, Any]:
         moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
         # an int keeps megatron's stacked (homogeneous) checkpoint keys; a list names every layer by its index
         moe_layer_freq=1 if pattern is None else list(pattern),
-        moe_router_pre_softmax=not arch.moe_norm_topk_prob,
-        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not arch.moe_norm_topk_prob and arch.moe_score_function == "softmax",
+        moe_router_score_function=arch.moe_score_function,
+        moe_router_enable_expert_bias=arch.moe_expert_bias,
+        # the correction bias is a checkpoint tensor that RL keeps fixed (HF's buffer): finalize_model_grads'
+        # aux-loss-free update (megatron's _update_router_expert_bias) then adds sign(.) x 0
+        moe_router_bias_update_rate=0.0,
+        moe_router_num_groups=arch.moe_num_groups if arch.moe_num_groups > 1 else None,
+        moe_router_group_topk=arch.moe_group_topk if arch.moe_num_groups > 1 else None,
+        moe_router_topk_scaling_factor=(
+            arch.moe_routed_scaling_factor if arch.moe_routed_scaling_factor != 1.0 else None
+        ),
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_z_loss_coeff=None,
