@@ -33,7 +33,9 @@ from megatron_branch.checkpoint.tp import gather_full_grads
 from megatron_branch.checkpoint.verify import verify_conversion
 from megatron_branch.data import PrefixTree
 from megatron_branch.errors import UserError
+from megatron_branch.generation import BranchSampler, SamplingParams
 from megatron_branch.losses import PolicyGradientObjective
+from megatron_branch.losses.router import MoEOptions
 from megatron_branch.models import ModelArch, build_model
 from megatron_branch.models.moe import branch_routers
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
@@ -41,6 +43,7 @@ from megatron_branch.schedule import ScheduleOptions, run_schedule
 from megatron_branch.testing import (
     exact_hf_norms,
     exact_hf_routers,
+    hf_checkpoint_names,
     hf_policy_gradient,
     hf_state,
     random_tree_rollouts,
@@ -261,3 +264,70 @@ def test_planted_router_bugs_fail(plant, monkeypatch: pytest.MonkeyPatch) -> Non
     assert _worst(_schedule_grads(model, arch, rollouts, "replay"), want)[0] <= FP64_SIGMOID_BOUND
     plant(monkeypatch, model)
     assert _worst(_schedule_grads(model, arch, rollouts, "replay"), want)[0] > 1e-3
+
+
+# --- the sampler and routing replay (R3) ----------------------------------------------------------------------------
+def _prompts() -> list[list[int]]:
+    return [
+        [int(x) for x in torch.randint(0, 37, (n,), generator=torch.Generator().manual_seed(n))]
+        for n in (9, 4)
+    ]
+
+
+def test_sampler_greedy_equals_hf_generate() -> None:
+    hf = glm_hf(seed=3, dtype=torch.float32, exact=False)  # HF's own router, as generate runs it
+    _, model = megatron_of(hf, torch.float32)
+    out = BranchSampler(model.eval(), vocab_size=37).generate(
+        _prompts(), SamplingParams(n=2, max_new_tokens=6, temperature=0)
+    )
+    for p, prompt in enumerate(_prompts()):
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6)
+        for s in out.samples[p]:
+            assert list(s.response) == want[0, len(prompt) :].tolist()
+
+
+def hf_forced_gradient(hf, rollouts) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    """The oracle of routing replay: HF rollout by rollout, each router forced to the rollout's records (the
+    sigmoid scores at the recorded experts, renormalised, scaled: HF's weights for that choice)."""
+    routers = [m for m in hf.modules() if hasattr(m, "e_score_correction_bias")]
+    hf.zero_grad(set_to_none=True)
+    T = sum(len(r.response) for r in rollouts)
+    for r in rollouts:
+        for li, m in enumerate(routers):
+
+            def route(self, hidden, rec=r.routed_experts[:, li].long()):  # noqa: ANN001, ANN202, B008
+                logits = torch.nn.functional.linear(hidden.reshape(-1, self.hidden_dim), self.weight)
+                scores = logits.sigmoid()
+                assert (rec >= 0).all(-1)[:-1].all()  # every fed token has a record
+                idx = rec.clamp(min=0)  # the last token's (-1) output is not part of the loss
+                top = scores.gather(1, idx)
+                top = top / (top.sum(-1, keepdim=True) + 1e-20)
+                return logits, top * self.routed_scaling_factor, idx
+
+            m.forward = route.__get__(m)
+        seq = torch.tensor([list(r.sequence)])
+        logp = torch.log_softmax(hf(input_ids=seq).logits[0, :-1], -1).gather(1, seq[0, 1:, None])[:, 0]
+        (-(r.advantage / T) * logp[len(r.prompt) - 1 :].sum()).backward()
+    grads = {n: p.grad.detach().clone() for n, p in hf.named_parameters() if p.grad is not None}
+    return hf_checkpoint_names(hf, grads)
+
+
+def test_routing_replay_uses_the_records_and_equals_hf_forced_routing() -> None:
+    """Sample with records (forks after 2 and 4 tokens), move the router (its own choice now differs), then every
+    schedule with routing replay equals HF forced to the records; without replay it does not."""
+    hf = glm_hf(seed=4)
+    arch, model = megatron_of(hf, torch.float64)
+    sp = SamplingParams(n=4, max_new_tokens=6, temperature=1.0, branch_at=(2, 4), branch_factor=2)
+    gen = torch.Generator().manual_seed(0)
+    out = BranchSampler(model, vocab_size=37, record_routing=True).generate(_prompts(), sp, generator=gen)
+    rollouts = [s.to_rollout(advantage=float(torch.randn((), generator=gen))) for g in out.samples for s in g]
+    assert all(tuple(r.routed_experts.shape[1:]) == (1, 4) for r in rollouts)
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(hf.named_parameters()):
+            if name.endswith(("router.weight", "mlp.gate.weight")):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(9), dtype=p.dtype))
+    want = hf_forced_gradient(hf, rollouts)
+    for schedule in ("naive", "packed", "replay"):
+        got = _schedule_grads(model, arch, rollouts, schedule, moe=MoEOptions(routing_replay=True))
+        assert _worst(got, want)[0] <= FP64_SIGMOID_BOUND, schedule
+    assert _worst(_schedule_grads(model, arch, rollouts, "packed"), want)[0] > 1e-4  # without: other experts
