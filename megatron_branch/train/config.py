@@ -68,6 +68,10 @@ class ArchConfig(ModelArch):
     """RMSNorm weights stored as offsets from one; None = the family's (the hybrids: true)."""
     attention_output_gate: bool | None = None  # type: ignore[assignment]
     """Gated full attention (sigmoid gate from q_proj); None = the family's (the hybrids: true)."""
+    moe_score_function: str | None = None  # type: ignore[assignment]
+    """The MoE router's score function, softmax or sigmoid; None = the family's (glm4_moe: sigmoid)."""
+    moe_expert_bias: bool | None = None  # type: ignore[assignment]
+    """The sigmoid router's correction bias (in the expert choice only); None = the family's (glm4_moe: true)."""
 
     def __post_init__(self) -> None:
         self.resolve(1)  # ModelArch's own checks, before the tokenizer gives the vocabulary
@@ -80,7 +84,7 @@ class ArchConfig(ModelArch):
         spec = get_family(self.family) if self.family in families() else None
         for name in TRAIN_DEFAULT_FIELDS:
             if kw[name] is None:
-                kw[name] = spec is not None and spec.train_default(name)
+                kw[name] = spec.train_default(name) if spec is not None else TRAIN_DEFAULT_FIELDS[name]
         return ModelArch(**kw)
 
 

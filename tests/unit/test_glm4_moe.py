@@ -331,3 +331,52 @@ def test_routing_replay_uses_the_records_and_equals_hf_forced_routing() -> None:
         got = _schedule_grads(model, arch, rollouts, schedule, moe=MoEOptions(routing_replay=True))
         assert _worst(got, want)[0] <= FP64_SIGMOID_BOUND, schedule
     assert _worst(_schedule_grads(model, arch, rollouts, "packed"), want)[0] > 1e-4  # without: other experts
+
+
+# --- train ----------------------------------------------------------------------------------------------------------
+GLM_ARCH = (  # a config-defined tiny GLM MoE: the family's router (sigmoid, correction bias) by default
+    "model.arch={family: glm4_moe, hidden_size: 16, num_layers: 2, num_attention_heads: 2, num_query_groups: 1, "
+    "head_dim: 8, ffn_hidden_size: 32, num_experts: 8, moe_top_k: 4, moe_ffn_hidden_size: 8, "
+    "shared_expert_ffn_hidden_size: 8, moe_layer_pattern: [0, 1], moe_num_groups: 2, moe_group_topk: 2, "
+    "moe_routed_scaling_factor: 2.0, rotary_percent: 0.5, max_position_embeddings: 64}"
+)
+
+
+def test_train_runs_a_glm_policy_and_resumes_exactly(tmp_path: Path) -> None:
+    """Routing replay and router losses on (float64): a resumed run equals the uninterrupted one; replay computes
+    fewer positions than naive would."""
+    from test_train_moe import LOSSES, _cfg, _max_rel, _params, _run
+
+    extra = ("moe.router_replay=R3", *LOSSES)
+    full, mfull = _run(_cfg(tmp_path / "full", "trainer.total_training_steps=2", *extra, model=GLM_ARCH))
+    assert mfull[-1]["positions_computed"] < mfull[-1]["positions_logical"]
+    assert all(r is not None for m in mfull for r in m["_records"])
+    first, m1 = _run(_cfg(tmp_path / "part", "trainer.total_training_steps=1", *extra, model=GLM_ARCH))
+    first.save()
+    again, m2 = _run(
+        _cfg(
+            tmp_path / "part",
+            "trainer.total_training_steps=2",
+            "trainer.resume_mode=auto",
+            *extra,
+            model=GLM_ARCH,
+        )
+    )
+    assert again.step == 2 and len(m2) == 1
+    for x, y in zip(mfull, m1 + m2, strict=True):
+        assert x["_tokens"] == y["_tokens"] and abs(x["loss"] - y["loss"]) <= 1e-9
+    assert _max_rel(_params(full), _params(again)) < 1e-9
+    biases = [k for k in _params(full) if k.endswith("router.expert_bias")]
+    assert biases and all(torch.equal(_params(full)[k], _params(first)[k]) for k in biases)  # held fixed
+
+
+def test_config_defined_arch_gets_the_familys_router(tmp_path: Path) -> None:
+    from test_train_moe import _cfg
+
+    arch = _cfg(tmp_path, model=GLM_ARCH).model.arch.resolve(37)
+    assert (arch.moe_score_function, arch.moe_expert_bias, arch.qkv_bias, arch.qk_norm) == (
+        "sigmoid",
+        True,
+        True,
+        True,
+    )

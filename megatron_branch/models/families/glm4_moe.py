@@ -154,6 +154,6 @@ GLM4_MOE = register_family(
         tiny_hf_config=tiny_hf_config,
         layer_kinds=("attention", "mlp", "moe", "shared_expert"),
         moe=True,
-        train_defaults={"qkv_bias": True, "qk_norm": True},
+        train_defaults={"qkv_bias": True, "qk_norm": True, "moe_score_function": "sigmoid", "moe_expert_bias": True},
     )
 )
