@@ -380,3 +380,31 @@ def test_config_defined_arch_gets_the_familys_router(tmp_path: Path) -> None:
         True,
         True,
     )
+
+
+def test_tiny_assets_record_the_routers_own_choice() -> None:
+    """examples/make_tiny_assets.py records what GLM's router picks (bias and group limit), which is what
+    megatron's router picks for the same weights (not the top-k of the logits)."""
+    import importlib.util
+
+    from megatron_branch.losses.routing import RoutingRecorder
+    from megatron_branch.models.moe import attach_router_context
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "make_tiny_assets.py"
+    spec = importlib.util.spec_from_file_location("make_tiny_assets", path)
+    assert spec and spec.loader
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    hf = glm_hf(seed=5, dtype=torch.float64, exact=False)
+    arch, model = megatron_of(hf, torch.float64)
+    seq = [int(x) for x in torch.randint(0, 37, (20,), generator=torch.Generator().manual_seed(2))]
+    got = torch.tensor(script.routed_experts(hf, seq))  # [tokens, layers, k]
+    rec = RoutingRecorder()
+    mask = torch.triu(torch.ones(20, 20, dtype=torch.bool), 1)[None, None]
+    with torch.no_grad(), attach_router_context(model, rec):
+        model(torch.tensor([seq]), torch.arange(20)[None], mask)
+    assert torch.equal(got, rec.experts(arch.moe_layers, arch.moe_top_k).long())
+    with torch.no_grad():  # the top-k of the logits would have been another choice
+        out = hf(input_ids=torch.tensor([seq]), output_router_logits=True)
+    naive = out.router_logits[0].topk(4, dim=-1).indices.sort(dim=-1).values
+    assert not torch.equal(naive, got[:, 0])
