@@ -39,6 +39,11 @@ from megatron_branch.losses.router import MoEOptions
 from megatron_branch.models import ModelArch, build_model
 from megatron_branch.models.moe import branch_routers
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
+from megatron_branch.plan import MODEL_PRESETS, Layout
+from megatron_branch.plan.flops import step_flops
+from megatron_branch.plan.measure import measure_step
+from megatron_branch.plan.memory import step_peak
+from megatron_branch.plan.model import parameter_count
 from megatron_branch.schedule import ScheduleOptions, run_schedule
 from megatron_branch.testing import (
     exact_hf_norms,
@@ -408,3 +413,55 @@ def test_tiny_assets_record_the_routers_own_choice() -> None:
         out = hf(input_ids=torch.tensor([seq]), output_router_logits=True)
     naive = out.router_logits[0].topk(4, dim=-1).indices.sort(dim=-1).values
     assert not torch.equal(naive, got[:, 0])
+
+
+# --- the planner ----------------------------------------------------------------------------------------------------
+def test_preset_is_transformers_glm_4_5_air_configuration() -> None:
+    """plan's glm-4.5-air preset: transformers' Glm4MoeConfig defaults (its "GLM-4-MOE-100B-A10B style" config)
+    with the published head_dim 128 and q/k/v bias; 106.9B parameters, 13.4B passed per token."""
+    import transformers
+
+    from megatron_branch.plan.model import GLM4_5_AIR_CONFIG
+
+    defaults = transformers.Glm4MoeConfig().to_dict()
+    ours = {
+        k: v for k, v in GLM4_5_AIR_CONFIG.items() if k not in ("architectures", "head_dim", "attention_bias")
+    }
+    assert {k: defaults[k] for k in ours} == ours
+    arch = MODEL_PRESETS["glm-4.5-air"]
+    assert (arch.head_dim, arch.qkv_bias, arch.qk_norm, len(arch.moe_layers)) == (128, True, False, 45)
+    pc = parameter_count(arch)
+    active = pc["total"] - pc["experts"] + pc["active_experts"]
+    assert round(pc["total"] / 1e9, 1) == 106.9 and round(active / 1e9, 1) == 13.4
+
+
+def test_planner_counts_flops_and_bytes_of_a_tiny_glm() -> None:
+    """Parameters (the frozen correction biases included) equal the built model's; FLOPs of a replay step exactly
+    FlopCounterMode's; saved bytes within test_plan_moe.py's tolerance of the activation meter."""
+    from test_plan_moe import SHAPE
+    from test_plan_moe import TOL as PLAN_TOL
+
+    arch = ModelArch.from_hf_config(tiny_hf_config("glm4_moe", hidden_size=32, num_layers=3))
+    torch.manual_seed(0)
+    model = build_model(arch, dtype=torch.float32)
+    assert parameter_count(arch)["total"] == sum(p.numel() for p in model.parameters())
+    got = measure_step(model, SHAPE, vocab=37, branch_micro_batch=4, count_flops=True)
+    fl = step_flops(arch, SHAPE, "replay", Layout(recompute="none"))
+    assert fl.dense + fl.logits == pytest.approx(got.matmul_flops, rel=1e-9)
+    pk = step_peak(arch, SHAPE, Layout(), act_bytes=4, branch_micro_batch=4, segment_recompute=False,
+                   layer_recompute=False)  # fmt: skip
+    assert pk.saved == pytest.approx(got.saved_peak, rel=PLAN_TOL), (pk, got)
+
+
+def test_plan_glm_4_5_air_at_the_target(capsys: pytest.CaptureFixture[str]) -> None:
+    """2,097,152 positions (130048 prompt + 16 x 1024: the model's 131072 context) fit 16 x H20."""
+    from megatron_branch.cli import main
+
+    argv = ["plan", "--model", "glm-4.5-air", "--prompt-length", "130048", "--responses", "16",
+            "--response-length", "1024", "--gpus", "16", "--gpu", "h20", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    p = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert p["shape"]["positions_logical"] == 2_097_152
+    assert (
+        p["memory_bytes_per_rank"]["expert_parameters"] > 0 and p["flops"]["naive"] > 3 * p["flops"]["replay"]
+    )
