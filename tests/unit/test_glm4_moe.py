@@ -465,3 +465,36 @@ def test_plan_glm_4_5_air_at_the_target(capsys: pytest.CaptureFixture[str]) -> N
     assert (
         p["memory_bytes_per_rank"]["expert_parameters"] > 0 and p["flops"]["naive"] > 3 * p["flops"]["replay"]
     )
+
+
+def test_router_losses_by_multiplicity_replay_equals_packed_equals_naive() -> None:
+    """aux + seq-aux + z losses on megatron's sigmoid scores (compute_routing_scores_for_aux_loss), weighted by
+    multiplicity: the tree schedules equal naive (float64, the sigmoid bound), and the losses do move the gradient."""
+    from megatron_branch.losses.router import RouterLossConfig
+
+    hf = glm_hf()
+    arch, model = megatron_of(hf, torch.float64)
+    rollouts = _tree_rollouts()
+    losses = RouterLossConfig(aux_loss_coeff=0.3, seq_aux_loss_coeff=0.2, z_loss_coeff=0.05)
+    got = {
+        s: _schedule_grads(model, arch, rollouts, s, moe=MoEOptions(losses=losses))
+        for s in ("naive", "packed", "replay")
+    }
+    for s in ("packed", "replay"):
+        assert _worst(got[s], got["naive"])[0] <= FP64_SIGMOID_BOUND, s
+    assert _worst(got["naive"], _schedule_grads(model, arch, rollouts, "naive"))[0] > 1e-3
+
+
+def test_a_checkpoint_with_its_mtp_layer_is_refused_in_one_line() -> None:
+    """The published checkpoints store the multi-token-prediction layer as model.layers.{num_hidden_layers}.*;
+    it is not part of the policy and not converted: refused by name (not silently dropped, not half-read)."""
+    from megatron_branch.checkpoint.param_map import check_hf_names
+
+    hf = glm_hf(dtype=torch.float32, exact=False)
+    arch = ModelArch.from_hf_config(hf.config)
+    names = list(hf_state(hf)) + ["model.layers.2.eh_proj.weight", "model.layers.2.enorm.weight"]
+    with pytest.raises(
+        UserError, match="unexpected tensor 'model.layers.2.eh_proj.weight' \\(and 1 more\\)"
+    ) as e:
+        check_hf_names(names, arch)
+    assert "\n" not in str(e.value)
