@@ -13,7 +13,6 @@ the hybrids' gated delta nets on megatron's GatedDeltaNet (models/gdn.py).
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +20,7 @@ import torch
 
 from megatron_branch.errors import UserError
 from megatron_branch.models.families import arch_fields_from_hf, families, get_family, hf_config_of
+from megatron_branch.models.router_settings import check_router
 from megatron_branch.rules import check_gdn_context_parallel, check_hybrid_schedule
 
 LAYER_TYPES = ("full_attention", "linear_attention")
@@ -174,43 +174,7 @@ class ModelArch:
                 raise ValueError("moe_layer_pattern has no MoE layer (mlp_only_layers lists every layer)")
         if self.shared_expert_gate and not self.shared_expert_ffn_hidden_size:
             raise ValueError("shared_expert_gate needs a shared expert (shared_expert_intermediate_size > 0)")
-        self._check_router()
-
-    def _check_router(self) -> None:
-        """The router settings megatron's topk_routing_with_score_function computes as HF does (moe_utils.py)."""
-        if self.moe_score_function not in ("softmax", "sigmoid"):
-            raise ValueError(
-                f"moe_score_function must be softmax or sigmoid, not {self.moe_score_function!r}"
-            )
-        if self.moe_expert_bias and self.moe_score_function != "sigmoid":
-            raise ValueError("an expert correction bias needs the sigmoid router (megatron's rule)")
-        if not (self.moe_routed_scaling_factor > 0 and math.isfinite(self.moe_routed_scaling_factor)):
-            raise ValueError(
-                f"routed_scaling_factor must be a positive number, got {self.moe_routed_scaling_factor}"
-            )
-        if self.moe_score_function == "sigmoid" and self.moe_norm_topk_prob != (self.moe_top_k > 1):
-            # megatron renormalises the sigmoid top-k exactly when k > 1 (probs / (sum + 1e-20), HF's formula)
-            raise ValueError(
-                f"norm_topk_prob={self.moe_norm_topk_prob} with num_experts_per_tok={self.moe_top_k}: megatron's "
-                "sigmoid router renormalises the top-k exactly when num_experts_per_tok > 1"
-            )
-        g, gk = self.moe_num_groups, self.moe_group_topk
-        if g < 1 or not 1 <= gk <= g or self.num_experts % g:
-            raise ValueError(
-                f"n_group={g}, topk_group={gk}: need 1 <= topk_group <= n_group and n_group dividing "
-                f"num_experts={self.num_experts}"
-            )
-        if g > 1 and (self.moe_top_k // gk != 2 or self.num_experts // g < 2):
-            # HF ranks groups by the sum of their top-2 scores, megatron by the sum of their top k // topk_group
-            raise ValueError(
-                f"n_group={g} with num_experts_per_tok={self.moe_top_k}, topk_group={gk}: HF ranks groups by "
-                "their top-2 scores, megatron by their top num_experts_per_tok // topk_group; they agree only "
-                "where that is 2"
-            )
-        if g > 1 and gk * (self.num_experts // g) < self.moe_top_k:
-            raise ValueError(
-                f"topk_group={gk} groups hold fewer than num_experts_per_tok={self.moe_top_k} experts"
-            )
+        check_router(self)  # models/router_settings.py
 
     # --- mixture of experts ---------------------------------------------------------------------------------------
     @property

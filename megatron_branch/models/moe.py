@@ -35,6 +35,8 @@ from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_ba
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_branch.models.router_settings import router_config_kwargs
+
 
 class RouterContext(Protocol):
     """What a router asks of the context attached to it (losses/router.py implements it)."""
@@ -81,21 +83,10 @@ def moe_config_kwargs(arch: Any) -> dict[str, Any]:
     pattern = arch.moe_layer_pattern
     return dict(
         num_moe_experts=arch.num_experts,
-        moe_router_topk=arch.moe_top_k,
         moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
         # an int keeps megatron's stacked (homogeneous) checkpoint keys; a list names every layer by its index
         moe_layer_freq=1 if pattern is None else list(pattern),
-        moe_router_pre_softmax=not arch.moe_norm_topk_prob and arch.moe_score_function == "softmax",
-        moe_router_score_function=arch.moe_score_function,
-        moe_router_enable_expert_bias=arch.moe_expert_bias,
-        # the correction bias is a checkpoint tensor that RL keeps fixed (HF's buffer): finalize_model_grads'
-        # aux-loss-free update (megatron's _update_router_expert_bias) then adds sign(.) x 0
-        moe_router_bias_update_rate=0.0,
-        moe_router_num_groups=arch.moe_num_groups if arch.moe_num_groups > 1 else None,
-        moe_router_group_topk=arch.moe_group_topk if arch.moe_num_groups > 1 else None,
-        moe_router_topk_scaling_factor=(
-            arch.moe_routed_scaling_factor if arch.moe_routed_scaling_factor != 1.0 else None
-        ),
+        **router_config_kwargs(arch),
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_z_loss_coeff=None,

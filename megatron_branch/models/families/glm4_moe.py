@@ -12,7 +12,7 @@ MoE block (Glm4MoeMoE):
 
 megatron-core computes exactly this with moe_router_score_function="sigmoid", moe_router_enable_expert_bias (the
 bias held fixed: models/moe.py), moe_router_num_groups / moe_router_group_topk (megatron ranks a group by its top
-k // topk_group scores: equal to HF's top-2 where that quotient is 2, else refused in models/arch.py), and
+k // topk_group scores: equal to HF's top-2 where that quotient is 2, else refused: models/router_settings.py), and
 moe_router_topk_scaling_factor. The multi-token-prediction layers (num_nextn_predict_layers) are not part of the
 policy: transformers' Glm4MoeForCausalLM does not build them, and a checkpoint that stores them is refused by the
 parameter map (they sit at model.layers.{num_hidden_layers}); export writes num_nextn_predict_layers 0.
@@ -22,8 +22,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_branch.errors import UserError
-from megatron_branch.models.families.hf_fields import common_fields, rope_of
+from megatron_branch.models.families.hf_fields import (
+    common_fields,
+    deepseek_experts,
+    deepseek_experts_hf,
+    rope_of,
+)
 from megatron_branch.models.families.param_rules import GLM4_MOE_RULES
 from megatron_branch.models.families.registry import FamilySpec, register_family
 
@@ -34,18 +38,6 @@ PARTIAL_ROTARY_DEFAULT = 0.5
 def read_hf(d: dict[str, Any], where: str) -> dict[str, Any]:
     fields = common_fields("glm4_moe", d, where, qkv_bias=True)
     rope, _ = rope_of(d, where)
-    n = fields["num_layers"]
-    num = int(d["n_routed_experts"] if "n_routed_experts" in d else d["num_local_experts"])
-    first_dense = int(d.get("first_k_dense_replace", 1))
-    if not 0 <= first_dense < n:
-        raise UserError(
-            f"first_k_dense_replace={first_dense} leaves no MoE layer of {n}; convert it as a dense model",
-            where=where,
-        )
-    shared = int(d.get("n_shared_experts", 1))
-    if shared < 1:
-        raise UserError(f"n_shared_experts={shared} is not supported (GLM-4.5 has one)", where=where)
-    moe_width = int(d["moe_intermediate_size"])
     fields.update(
         head_dim=fields["head_dim"] or fields["hidden_size"] // fields["num_attention_heads"],
         qkv_bias=bool(d.get("attention_bias", False)),
@@ -53,36 +45,14 @@ def read_hf(d: dict[str, Any], where: str) -> dict[str, Any]:
         rotary_percent=float(
             rope.get("partial_rotary_factor", d.get("partial_rotary_factor", PARTIAL_ROTARY_DEFAULT))
         ),
-        num_experts=num,
-        moe_top_k=int(d["num_experts_per_tok"]),
-        moe_ffn_hidden_size=moe_width,
-        moe_norm_topk_prob=bool(d.get("norm_topk_prob", True)),
-        moe_layer_pattern=tuple(int(i >= first_dense) for i in range(n)) if first_dense else None,
-        shared_expert_ffn_hidden_size=shared * moe_width,
-        moe_score_function="sigmoid",
-        moe_expert_bias=True,
-        moe_num_groups=int(d.get("n_group", 1) or 1),
-        moe_group_topk=int(d.get("topk_group", 1) or 1),
-        moe_routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
     )
+    deepseek_experts("glm4_moe", d, fields, where)
     return fields
-
-
-def _first_dense(arch: Any) -> int:
-    """first_k_dense_replace of `arch`'s layer pattern (dense layers first, then MoE: the only pattern GLM has)."""
-    pattern = arch.moe_layer_pattern or (1,) * arch.num_layers
-    k = pattern.index(1)
-    if any(not m for m in pattern[k:]):
-        raise ValueError(f"glm4_moe: MoE layer pattern {list(pattern)} is not dense layers first, then MoE")
-    return k
 
 
 def hf_config(arch: Any, common: dict[str, Any]) -> Any:
     import transformers
 
-    shared, width = arch.shared_expert_ffn_hidden_size, arch.moe_ffn_hidden_size
-    if shared % width:
-        raise ValueError(f"glm4_moe: shared expert width {shared} is not a multiple of {width}")
     rope = {
         "rope_type": "default",
         "rope_theta": arch.rope_theta,
@@ -92,17 +62,7 @@ def hf_config(arch: Any, common: dict[str, Any]) -> Any:
         rope_parameters=rope,
         attention_bias=arch.qkv_bias,
         use_qk_norm=arch.qk_norm,
-        n_routed_experts=arch.num_experts,
-        num_experts_per_tok=arch.moe_top_k,
-        moe_intermediate_size=width,
-        n_shared_experts=shared // width,
-        norm_topk_prob=arch.moe_norm_topk_prob,
-        n_group=arch.moe_num_groups,
-        topk_group=arch.moe_group_topk,
-        routed_scaling_factor=arch.moe_routed_scaling_factor,
-        first_k_dense_replace=_first_dense(arch),
-        num_nextn_predict_layers=0,
-        output_router_logits=False,
+        **deepseek_experts_hf(arch),
         **common,
     )
 
@@ -154,6 +114,11 @@ GLM4_MOE = register_family(
         tiny_hf_config=tiny_hf_config,
         layer_kinds=("attention", "mlp", "moe", "shared_expert"),
         moe=True,
-        train_defaults={"qkv_bias": True, "qk_norm": True, "moe_score_function": "sigmoid", "moe_expert_bias": True},
+        train_defaults={
+            "qkv_bias": True,
+            "qk_norm": True,
+            "moe_score_function": "sigmoid",
+            "moe_expert_bias": True,
+        },
     )
 )
