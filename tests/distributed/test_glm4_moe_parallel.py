@@ -1,48 +1,36 @@
 """GLM-4.5 MoE (glm4_moe: the DeepSeek-style sigmoid router with its correction bias, group-limited top-k, routed
-scaling, shared experts, a first dense layer) under tensor and expert parallelism (the grad and convert commands,
+scaling, shared experts, a first dense layer) under tensor, context and expert parallelism (the grad and convert commands,
 in-process on every rank).
 
-    python tests/distributed/launch.py 2 -k glm     # TP2+SP and EP2 (across the two DP replicas)
+    python tests/distributed/launch.py 2 -k glm     # TP2+SP, CP2, EP2 (across the two DP replicas), CP2xEP2
 
 Router losses off: the gradient against Hugging Face's, per parameter: float64 at the float32-sigmoid bound 1e-6
 (megatron computes the sigmoid router's scores in float32: tests/unit/test_glm4_moe.py), float32 at 1e-5. Router
-losses on (aux + seq-aux + z), float64: replay == packed == naive within each layout at the same bound.
+losses on (aux + seq-aux + z), float64: replay == packed (== naive where it runs: no CP) within each layout at the
+same bound.
 Conversion: HF -> dist checkpoint at TP2 / EP2 -> HF, bit-exact (the correction biases included).
 """
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from test_moe_parallel import _rollouts, _shared_dir  # the MoE layouts' tree (forks under a shared beginning)
 
 from megatron_branch.cli import main
-from megatron_branch.data import Rollout, write_rollouts_jsonl
+from megatron_branch.data import write_rollouts_jsonl
 
 TOL = {"float64": 1e-6, "float32": 1e-5}
-LAYOUTS = {"tp2sp": ["--tp", "2", "--sequence-parallel"], "ep2": ["--ep", "2"]}
-
-
-def _rollouts() -> list[Rollout]:
-    """Two prompt groups, a shared response beginning with three branches under it."""
-    gen = torch.Generator().manual_seed(11)
-
-    def rand(n: int) -> list[int]:
-        return [int(x) for x in torch.randint(10, 37, (n,), generator=gen)]
-
-    pa, pb = rand(11), rand(9)
-    return [
-        Rollout(prompt=pa, response=[3, 4, 5, 6] + rand(4), advantage=1.25),
-        Rollout(prompt=pa, response=[3, 4, 5, 7], advantage=-0.5),
-        Rollout(prompt=pa, response=[3, 4, 5, 8] + rand(2), advantage=0.75),
-        Rollout(prompt=pa, response=[9] + rand(6), advantage=-1.0),
-        Rollout(prompt=pb, response=[1] + rand(4), advantage=0.5),
-        Rollout(prompt=pb, response=[2] + rand(2), advantage=-1.5),
-    ]
+LAYOUTS = {
+    "tp2sp": ["--tp", "2", "--sequence-parallel"],
+    "cp2": ["--cp", "2"],
+    "ep2": ["--ep", "2"],  # EP across the two DP replicas: lockstep
+    "cp2ep2": ["--cp", "2", "--ep", "2"],  # EP over the CP ranks
+}
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +47,7 @@ def glm_setup() -> tuple[Path, dict[str, torch.Tensor]]:
         tiny_hf_model,
     )
 
-    box: list[str | None] = [tempfile.mkdtemp(prefix="glm_parallel_") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    d = Path(box[0])
+    d = _shared_dir()
     rollouts = _rollouts()
     cfg = tiny_hf_config("glm4_moe")
     if dist.get_rank() == 0:
@@ -102,7 +88,7 @@ def _worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple
 
 
 @pytest.mark.world(2)
-def test_glm_grad_matches_hf_under_tp_and_ep(glm_setup) -> None:
+def test_glm_grad_matches_hf_under_every_layout(glm_setup) -> None:
     d, ref = glm_setup
     for name, layout in LAYOUTS.items():
         for schedule, dtype in (("replay", "float64"), ("packed", "float32")):
@@ -112,15 +98,17 @@ def test_glm_grad_matches_hf_under_tp_and_ep(glm_setup) -> None:
 
 
 @pytest.mark.world(2)
-def test_glm_router_losses_are_schedule_invariant_under_tp_and_ep(glm_setup) -> None:
+def test_glm_router_losses_are_schedule_invariant_under_every_layout(glm_setup) -> None:
     d, _ = glm_setup
     losses = ["--moe-aux-loss-coeff", "0.3", "--moe-seq-aux-loss-coeff", "0.2", "--moe-z-loss-coeff", "0.05"]
     for name, layout in LAYOUTS.items():
+        schedules = (
+            ("replay", "packed") if "--cp" in layout else ("replay", "packed", "naive")
+        )  # naive: no CP
         runs = {
-            s: _grad(d, f"glm_aux_{name}_{s}", s, "--dtype", "float64", *losses, *layout)
-            for s in ("replay", "packed", "naive")
+            s: _grad(d, f"glm_aux_{name}_{s}", s, "--dtype", "float64", *losses, *layout) for s in schedules
         }
-        for s in ("packed", "naive"):
+        for s in schedules[1:]:
             assert set(runs[s]) == set(runs["replay"])
             assert _worst(runs[s], runs["replay"])[0] <= 1e-6, (name, s)
 
