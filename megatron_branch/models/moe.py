@@ -7,7 +7,10 @@ E routed experts, k experts per token (top-k), E/ep experts held by this expert-
     dispatch  megatron's all-to-all token dispatcher (moe_token_dispatcher_type="alltoall") over the EP group
     experts   SequentialMLP on CPU (one SwiGLU MLP per local expert), TEGroupedMLP's grouped GEMM on a GPU with
               TransformerEngine; every expert's fc1 is [gate; up] as the dense MLP's
-    shared    Qwen2-MoE's shared expert (megatron's SharedExpertMLP) scaled by sigmoid(x . gate_weight)
+    shared    Qwen2-MoE's shared expert (megatron's SharedExpertMLP) scaled by sigmoid(x . gate_weight); GLM-4.5's
+              shared experts ungated
+    sigmoid   the DeepSeek-style router (GLM-4.5): sigmoid scores, the correction bias [E] (a frozen parameter,
+              float32) in the choice only, group-limited top-k, scaled weights (models/router_settings.py)
 
 Dropless only: megatron's capacity factor drops the tokens over an expert's capacity, and which tokens those are
 depends on which other tokens share the micro-batch, so a prefix computed once for many rollouts could keep a
