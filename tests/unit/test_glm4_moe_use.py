@@ -111,7 +111,16 @@ GLM_ARCH = (  # a config-defined tiny GLM MoE: the family's router (sigmoid, cor
 def test_train_runs_a_glm_policy_and_resumes_exactly(tmp_path: Path) -> None:
     """Routing replay and router losses on (float64): a resumed run equals the uninterrupted one; replay computes
     fewer positions than naive would."""
-    from test_train_moe import LOSSES, _cfg, _max_rel, _params, _run
+    from test_train_moe import LOSSES, _cfg, _max_rel, _run
+
+    from megatron_branch.train.models import unwrap
+
+    def _params(tr) -> dict:  # noqa: ANN001
+        return {
+            k: v.detach().clone()
+            for k, v in unwrap(tr.policy).state_dict().items()
+            if isinstance(v, torch.Tensor)
+        }
 
     extra = ("moe.router_replay=R3", *LOSSES)
     full, mfull = _run(_cfg(tmp_path / "full", "trainer.total_training_steps=2", *extra, model=GLM_ARCH))
