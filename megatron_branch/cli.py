@@ -29,7 +29,7 @@ class ArgumentParser(argparse.ArgumentParser):
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "grad": (
         "megatron_branch.commands.grad", "add_grad_command",
-        "gradient of the GRPO loss over a rollout file (parity checks from outside)",
+        "gradient of a policy loss (default --objective pg) over a rollout file (parity checks from outside)",
     ),
     "bench": (
         "megatron_branch.commands.bench", "add_bench_command",
@@ -42,6 +42,10 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": (
         "megatron_branch.commands.train", "add_train_command",
         "RL post-training (GRPO / PPO / DPO) with exact shared-prefix replay",
+    ),
+    "import-traces": (
+        "megatron_branch.commands.import_traces", "add_import_traces_command",
+        "agent traces (chat messages) -> rollouts with loss masks, by the model's chat template",
     ),
     "convert": (
         "megatron_branch.checkpoint.cli", "add_convert_commands",
@@ -105,17 +109,35 @@ def main(argv: list[str] | None = None) -> int:
 
     owns_distributed = not dist.is_initialized()  # in-process callers (tests) keep their own process group
     try:
-        return int(args.func(args) or 0)
+        rc = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit (`plan | head`)
+        return rc
     except UserError as e:
         report_user_error(e)
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return closed_pipe()
     finally:
         if owns_distributed and dist.is_initialized():
             from megatron_branch.parallel.groups import shutdown_distributed
 
             shutdown_distributed()
+
+
+CLOSED_PIPE = 141
+"""Exit status when the reader of stdout went away (`... | head`): 128 + SIGPIPE, as `yes | head` reports."""
+
+
+def closed_pipe() -> int:
+    """stdout's reader closed the pipe: stop quietly (no traceback, nothing more written). Python's recipe
+    (docs.python.org/3/library/signal.html#note-on-sigpipe): point stdout at /dev/null so that the interpreter's
+    own flush at exit does not raise again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return CLOSED_PIPE
 
 
 def report_user_error(e: UserError) -> None:

@@ -1,7 +1,8 @@
 """The one rule for writing outputs, shared by every command (grad, convert, train, bench, plan, ...).
 
 1. Validate before any work: a command calls `check_output_file` / `check_output_dir` for every output right
-   after parsing its arguments (before loading a model), so a bad output path costs nothing.
+   after parsing its arguments (before loading a model), so a bad output path costs nothing. Writability is
+   tried, not guessed: an empty file is created and removed in the target's folder (`probe_writable`).
 2. Missing parent folders are REFUSED, never created: a typo in `--out` should not silently grow a tree of
    folders somewhere (the same for every command; `mkdir -p` first when that is what you mean).
 3. An existing output is refused unless the command was given `--overwrite` (`add_overwrite_argument`, the same
@@ -50,6 +51,23 @@ def check_parent(target: Path, what: str) -> None:
         )
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"{what} {str(target)!r}: cannot write in folder {str(parent)!r} (permission denied)")
+    probe_writable(target, what)
+
+
+def probe_writable(target: Path, what: str) -> None:
+    """Create and remove an empty file beside `target`: `os.access` says yes for root, on /proc and on some
+    network filesystems where creating a file then fails; a model's worth of work must not come first (issue 35:
+    `grad --out /proc/o.safetensors` failed with safetensors' traceback after 35 s)."""
+    probe = temp_path_beside(target, "probe")
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except OSError as e:
+        raise UserError(
+            f"{what} {str(target)!r}: cannot create a file in folder {str(target.parent)!r} "
+            f"({e.strerror or one_line(e)})"
+        ) from None
+    with contextlib.suppress(FileNotFoundError):
+        probe.unlink()
 
 
 def check_output_file(path: str | os.PathLike, *, overwrite: bool, what: str = "output") -> Path:

@@ -36,14 +36,28 @@ DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
 DtypeName = Literal["float32", "float64", "bfloat16", "float16"]
 HALF_NAMES = ("bfloat16", "float16")
 """Mixed precision: fp32 main gradients and main parameters beside these parameters."""
+SHORT_NAMES = {"fp32": "float32", "fp64": "float64", "bf16": "bfloat16", "fp16": "float16"}
+"""megatron-LM's (and verl's) short names of the same dtypes: the optimizer's --main-grads-dtype, the planner."""
+BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+"""Bytes per element (the planner's memory terms)."""
+
+
+def long_name(name: str) -> str:
+    """A DTYPE_NAMES entry for a long or short name (`bf16` -> `bfloat16`)."""
+    return SHORT_NAMES.get(name, name)
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a DTYPE_NAMES entry."""
+    """The torch dtype of a DTYPE_NAMES entry or its short name: the one dtype table every part reads."""
     import torch
 
-    assert name in DTYPE_NAMES, name
-    return getattr(torch, name)
+    assert long_name(name) in DTYPE_NAMES, name
+    return getattr(torch, long_name(name))
+
+
+def dtype_table(names: tuple[str, ...] = DTYPE_NAMES) -> dict[str, torch.dtype]:
+    """{name: torch dtype} for the names a part accepts (its choices), read off the one table."""
+    return {n: torch_dtype(n) for n in names}
 
 
 def is_half(dtype: torch.dtype) -> bool:

@@ -65,11 +65,15 @@ Rules (a flag that would do nothing is refused, not ignored):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from megatron_branch.errors import SettingError, Spelling
+from megatron_branch import spelling as _spelling
+from megatron_branch.errors import SettingError
 
 TRAIN_SCHEDULES = ("replay", "packed", "naive", "naive-fused", "packed-nosharing", "replay-stopgrad")
 """Schedules a training run (`train`'s schedule.name) can step with; all but replay-stopgrad are exact."""
+GRAD_SCHEDULES = ("replay", "packed", "naive")
+"""The schedules of `grad`'s stable contract and of megatron's drop-in (integration/schedule.py)."""
 UNSHARED = ("naive", "naive-fused", "packed-nosharing")
 """Schedules that compute every rollout's every position (nothing shared): the baselines."""
 NO_RING = ("naive", "naive-fused", "packed-nosharing", "replay-stopgrad")
@@ -235,6 +239,19 @@ def gdn_context_parallel_sizes(*, key_heads: int, value_heads: int, tp: int) -> 
     return [c for c in range(1, nv + 1) if nv % c == 0 and (nk % c == 0 or c % nk == 0)]
 
 
+def check_hybrid_run(arch: Any, schedule: str, *, cp: int = 1, tp: int = 1) -> None:
+    """A hybrid (gated delta net) model's rules read off its arch (a models.ModelArch): its schedules and the CP
+    split of its GDN heads; nothing for a model without GDN layers."""
+    if not arch.is_hybrid:
+        return
+    check_hybrid_schedule(
+        schedule, model=f"{arch.family}, {arch.num_linear_layers} of {arch.num_layers} layers gated delta net"
+    )
+    check_gdn_context_parallel(
+        key_heads=arch.linear_num_key_heads, value_heads=arch.linear_num_value_heads, tp=tp, cp=cp
+    )
+
+
 def check_gdn_context_parallel(*, key_heads: int, value_heads: int, tp: int, cp: int) -> None:
     """Refuse a CP size the head exchange cannot split a hybrid's gated delta net layers over: each CP rank runs a
     block of value heads with the key heads they read (whole key heads, or one key head shared by cp / key heads
@@ -398,29 +415,43 @@ def check_verl_model(
         )
 
 
-API = Spelling(
-    names={
-        "schedule": "schedule",
-        "cp": "cp_size",
-        "pp": "pp_size",
-        "vp": "vp_size",
-        "tp": "tp_size",
-        "recompute": "ScheduleOptions.recompute",
-        "recompute_layers": "ScheduleOptions.recompute_layers",
-        "backend": "ScheduleOptions.backend",
-        "n": "SamplingParams.n",
-        "max_new_tokens": "SamplingParams.max_new_tokens",
-        "temperature": "SamplingParams.temperature",
-        "top_k": "SamplingParams.top_k",
-        "top_p": "SamplingParams.top_p",
-        "stop_token_ids": "SamplingParams.stop_token_ids",
-        "root_pieces": "ScheduleOptions.root_pieces",
-        "branch_at": "SamplingParams.branch_at",
-        "branch_factor": "SamplingParams.branch_factor",
-        "share_prefix": "SamplingParams.share_prefix",
-        "capacity_factor": "TransformerConfig.moe_expert_capacity_factor",
-    },
-    assign="=",
-)
-"""How a library caller names the settings (run_schedule's name, ScheduleOptions, SamplingParams): the schedules'
-and the sampler's own checks."""
+def check(spec: Any) -> None:
+    """The one check sequence of a run (assembly/spec.py RunSpec), before any work: the layout's no-ops, the
+    precision, the schedule's options, the pipeline; with spec.arch, the model's rules too (check_model: an entry
+    point that reads the model later calls that then). A SettingError in command-line wording; each entry point
+    re-spells it (spelling.py)."""
+    s, layout = spec.schedule, spec.layout
+    layout.check_no_op()
+    check_precision(spec.dtype, grad_sync=spec.grad_sync, training=spec.training)
+    check_run(s.name, cp=layout.cp, recompute=s.recompute, recompute_layers=s.enable_gradient_checkpointing,
+              backend=s.backend)  # fmt: skip
+    if spec.grad_sync == "manual" and layout.ep > 1:
+        raise SettingError(
+            lambda w: (
+                f"{w.value('grad_sync', 'manual')} does not reduce expert-parallel gradients (over the expert "
+                f"data-parallel group); use {w.value('grad_sync', 'ddp')} with {w.name('ep')}"
+            )
+        )
+    check_pipeline(s.name, pp=layout.pp, critic=spec.critic, root_pieces=s.root_pieces)
+    if spec.arch is not None:
+        check_model(spec)
+
+
+def check_model(spec: Any) -> None:
+    """The rules between a run and its model (spec.arch, a models.ModelArch): the pipeline's split of its layers,
+    a hybrid's schedules and CP split (check_hybrid_run), the mixture-of-experts rules."""
+    s, layout, arch, m = spec.schedule, spec.layout, spec.arch, spec.moe
+    check_pipeline(
+        s.name, pp=layout.pp, num_layers=arch.num_layers, hybrid=arch.is_hybrid, moe=arch.is_moe,
+        critic=spec.critic, root_pieces=s.root_pieces,
+    )  # fmt: skip
+    check_hybrid_run(arch, s.name, cp=layout.cp, tp=layout.tp)
+    check_moe_run(
+        s.name, moe=arch.is_moe, tp=layout.tp, sequence_parallel=layout.sequence_parallel, ep=layout.ep,
+        router_settings=m.router_settings, capacity_factor=m.expert_capacity_factor,
+    )  # fmt: skip
+
+
+API = _spelling.API
+"""How a library caller names the settings (spelling.py's library column): the schedules' and the sampler's own
+checks."""

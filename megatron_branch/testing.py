@@ -146,20 +146,22 @@ def exact_hf_norms(model: Any) -> Any:
 
 
 def hf_policy_gradient(model: Any, rollouts: Sequence[Rollout]) -> tuple[float, dict[str, torch.Tensor]]:
-    """The oracle: L = -(1/T) sum_i sum_{t in response_i} A_i logp(i,t) computed rollout by rollout in HF.
+    """The oracle: L = -(1/T) sum_i sum_{t in response_i} m_{i,t} A_i logp(i,t) computed rollout by rollout in HF
+    (m the rollout's loss_mask, all ones when absent; T the trained tokens).
 
     Returns (loss, grads by HF parameter name). Gradients accumulate from zero.
     """
     model.zero_grad(set_to_none=True)
-    T = sum(len(r.response) for r in rollouts)
+    T = sum(r.num_trained for r in rollouts)
     total = 0.0
     for r in rollouts:
         seq = torch.tensor([list(r.prompt) + list(r.response)])
         logits = model(input_ids=seq).logits[0]  # [L, V]
         logp = torch.log_softmax(logits[:-1], dim=-1).gather(1, seq[0, 1:, None]).squeeze(1)  # [L-1]
-        loss = -(r.advantage / T) * logp[len(r.prompt) - 1 :].sum() if r.prompt else None
-        if loss is None:  # empty prompt: the first response token has no predictor
-            loss = -(r.advantage / T) * logp.sum()
+        mask = torch.tensor(r.loss_mask or [1] * len(r.response), dtype=logp.dtype)
+        # empty prompt: the first response token has no predictor
+        resp = logp[len(r.prompt) - 1 :] if r.prompt else logp
+        loss = -(r.advantage / T) * (resp * (mask if r.prompt else mask[1:])).sum()
         loss.backward()
         total += float(loss.detach())
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}

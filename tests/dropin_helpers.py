@@ -68,7 +68,7 @@ def megatron_naive_step(
     `config.variable_seq_lengths`; the loss dicts on the last stage only)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_fb
 
-    T = sum(len(r.response) for r in rollouts)
+    T = sum(r.num_trained for r in rollouts)  # a loss_mask's context tokens count nowhere
     n = len(rollouts)
 
     def forward_step(data_iterator: Any, model: GPTModel) -> tuple[torch.Tensor, Any]:
@@ -82,6 +82,9 @@ def megatron_naive_step(
             logp = vocab_parallel_logprobs(out[0, : L - 1], seq[1:], vocab_size=VOCAB, tp_group=tp_group)
             w = torch.zeros(L - 1)
             w[max(len(r.prompt) - 1, 0) :] = r.advantage / T
+            if r.loss_mask is not None:  # megatron's loss_mask: the context tokens' terms are zeroed
+                m = torch.tensor(r.loss_mask, dtype=w.dtype)
+                w[max(len(r.prompt) - 1, 0) :] *= m if r.prompt else m[1:]
             loss = -(logp * w).sum()
             # megatron divides a 2-tuple loss by num_microbatches; the GRPO sum over rollouts wants none
             return loss * n, {"lm loss": torch.stack([loss.detach(), torch.ones(())])}

@@ -43,17 +43,22 @@ def grpo_batch(
     response_len: int = 8,
     shared: int = 3,
     temperature: float = 1.0,
+    multi_turn: bool = False,
 ) -> Any:
     """`groups` prompts x `n` rollouts (consecutive, as verl's `repeat(interleave=True)`), prompts of different
     lengths left-padded, responses of different lengths right-padded; the first half of each group shares its
-    first `shared` response tokens. Advantages per token, old logprobs near the policy's. verl's no-padding form."""
+    first `shared` response tokens. Advantages per token, old logprobs near the policy's. verl's no-padding form.
+
+    `multi_turn`: verl's multi-turn shape, a tool's output inside each response (response_mask 0 on a span that
+    starts at a different token per rollout, so rollouts sharing a token disagree on whether it is trained; the
+    last rollout is all tool output, response_mask 0 throughout)."""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
 
     g = torch.Generator().manual_seed(seed)
     P, R = prompt_len, response_len
-    prompts, responses, pmask, rmask = [], [], [], []
+    prompts, responses, pmask, rmask, tmask = [], [], [], [], []
     for gi in range(groups):
         plen = P - (gi % 3) * 2
         prompt = torch.randint(3, VOCAB, (plen,), generator=g)
@@ -67,6 +72,12 @@ def grpo_batch(
             pmask.append(torch.cat([torch.zeros(P - plen), torch.ones(plen)]))
             responses.append(torch.cat([resp, torch.zeros(R - rlen, dtype=torch.long)]))
             rmask.append(torch.cat([torch.ones(rlen), torch.zeros(R - rlen)]))
+            tmask.append(rmask[-1].clone())  # response_mask: the attention mask's response part, less tools
+            if multi_turn:
+                start = 1 + (j + gi) % 3
+                tmask[-1][start : start + 3] = 0  # the tool's tokens: context, not trained
+                if gi == groups - 1 and j == n - 1:
+                    tmask[-1][:] = 0
     prompts_t, responses_t = torch.stack(prompts), torch.stack(responses)
     mask = torch.cat([torch.stack(pmask), torch.stack(rmask)], 1).long()
     B = prompts_t.shape[0]
@@ -77,7 +88,7 @@ def grpo_batch(
             "input_ids": torch.cat([prompts_t, responses_t], 1),
             "attention_mask": mask,
             "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
-            "response_mask": torch.stack(rmask).long(),
+            "response_mask": torch.stack(tmask).long(),
             "advantages": torch.randn(B, R, generator=g),
             "old_log_probs": -4.0 + 0.2 * torch.randn(B, R, generator=g),
             "ref_log_prob": -4.0 + 0.2 * torch.randn(B, R, generator=g),

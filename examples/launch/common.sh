@@ -26,11 +26,12 @@ preflight() {
         run "${cmd[@]}"
         return
     fi
-    local out fits
-    out=$("${cmd[@]}")
+    local out fits rc=0
+    out=$("${cmd[@]}") || rc=$?   # 1: does not fit (read below); 2: bad input, already said in one line
+    if (( rc > 1 )); then exit "$rc"; fi
     fits=$(printf '%s\n' "$out" | tail -n 1 | $PYTHON -c 'import json, sys; print(json.load(sys.stdin)["fits"])')
     if [[ "$fits" != "True" && -z "${FORCE:-}" ]]; then
-        printf '%s\n' "$out" | tail -n 2 | head -n 1 >&2
+        printf '%s\n' "$out" | head -n 1 >&2   # the verdict
         echo "the planner says this layout does not fit (FORCE=1 to run anyway)" >&2
         exit 1
     fi

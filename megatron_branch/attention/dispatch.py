@@ -31,7 +31,8 @@ from megatron_branch.attention.reference import check_shapes
 from megatron_branch.attention.repeat_backend import repeat_prefix_attention
 
 EXECUTORS: dict[str, Executor] = {e.name: e for e in (MERGE, PACKED, REFERENCE, FLEX)}
-"""Every executor of the plan: each runs on one rank and as the ring's per-block executor under CP."""
+"""THE executor registry: each runs on one rank, as the ring's per-block executor under CP, and in decode
+(generation/kv_cache.py). A backend added here is found by name everywhere (resolve_backend reads it live)."""
 BASELINES = ("repeat",)
 """One-rank benchmark baselines that are not executors (no lse, no ring)."""
 BACKENDS: tuple[str, ...] = (*EXECUTORS, *BASELINES)
@@ -47,8 +48,9 @@ def resolve_backend(name: str | None) -> str:
     """The name that runs: `name`, or the default for None; ValueError for an unknown name."""
     if name is None:
         return default_backend()
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; valid: {', '.join(sorted(BACKENDS))}")
+    if name not in EXECUTORS and name not in BASELINES:
+        valid = sorted({*EXECUTORS, *BASELINES})
+        raise ValueError(f"unknown attention backend {name!r}; valid: {', '.join(valid)}")
     return name
 
 
@@ -80,6 +82,12 @@ def executor(name: str | None) -> Executor:
             f"attention backend {resolved!r} is a one-rank baseline, not an executor of the plan"
         )
     return EXECUTORS[resolved]
+
+
+def plan_executor(name: str | None) -> Executor:
+    """The executor that runs a plan for backend `name` where a baseline has no way of its own (decode,
+    generation/kv_cache.py): the named executor, or the default one for a one-rank baseline."""
+    return executor(None if resolve_backend(name) in BASELINES else name)
 
 
 def attention(

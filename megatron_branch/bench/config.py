@@ -21,6 +21,7 @@ import torch
 
 from megatron_branch.errors import UserError
 from megatron_branch.models import ModelArch
+from megatron_branch.precision import dtype_table
 
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "naive-fused": ("naive-fused", {}),
@@ -35,12 +36,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 """variant -> (schedule name, extra ScheduleOptions)."""
 
 BASELINE = "naive-fused"
-DTYPES = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+DTYPES = dtype_table()
+"""--dtype: every dtype of precision.py's table."""
 
 
 MODEL_FLAGS: dict[str, str] = {

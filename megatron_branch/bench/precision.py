@@ -108,16 +108,17 @@ def gradients(
     """The gradient of the batch's objective (`objective_config`) in `dtype` through megatron DDP (one process)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    from megatron_branch.assembly import RunSpec, ScheduleConfig, schedule_options
     from megatron_branch.losses import build_objective
     from megatron_branch.parallel.ddp import wrap_megatron_ddp
-    from megatron_branch.schedule import ScheduleOptions
     from megatron_branch.update import UpdatePlan, accumulate_gradients, finalize
 
     model = model_with(weights, dtype)
     pgc = ProcessGroupCollection.use_mpu_process_groups()
     fp32 = None if main_grads_fp32 else False
     ddp = wrap_megatron_ddp(model, dtype=dtype, pg_collection=pgc, grad_reduce_in_fp32=fp32)
-    opts = ScheduleOptions(groups=groups, vocab_size=VOCAB, branch_micro_batch=branch_micro_batch)
+    spec = RunSpec(schedule=ScheduleConfig(name=schedule, branch_micro_batch=branch_micro_batch))
+    opts = schedule_options(spec, groups, VOCAB)
     plan = UpdatePlan(opts=opts, schedule=schedule, pg_collection=pgc)
     objective = build_objective(objective_config(), rollouts)
     acc = accumulate_gradients(ddp, rollouts, objective, plan, keep_logprobs=True)

@@ -200,6 +200,7 @@ def run_step(
     """One step of `batch` under `groups` (initialize_parallel's; dp must be 1): collective over its tp x cp ranks,
     every rank returns the report. `groups=None`: a local step in this process alone (no collectives; megatron's
     parallel_state must have TP size 1), the CP1 reference inside a distributed test."""
+    from megatron_branch.assembly import RunSpec, ScheduleConfig, schedule_options
     from megatron_branch.checkpoint.tp import VOCAB_PARAMS, gather_full_grads, load_full_state
     from megatron_branch.losses import PolicyGradientObjective
     from megatron_branch.memory import ActivationMeter
@@ -208,7 +209,7 @@ def run_step(
     from megatron_branch.parallel.grads import finalize_grads
     from megatron_branch.parallel.groups import ParallelGroups
     from megatron_branch.parallel.ring import RingStats
-    from megatron_branch.schedule import ScheduleOptions, run_schedule
+    from megatron_branch.schedule import run_schedule
 
     layout = groups.layout if groups is not None else ParallelLayout(dp=1)
     tp, cp, sp = layout.tp, layout.cp, layout.sp
@@ -224,12 +225,9 @@ def run_step(
         [r.advantage for r in rollouts], tree.num_response_tokens_logical()
     )
     stats = RingStats()
-    opts = ScheduleOptions(
-        groups=groups if groups is not None else ParallelGroups.single(),
-        vocab_size=arch.vocab_size,
-        branch_micro_batch=branch_micro_batch,
-        ring_stats=stats,
-    )
+    spec = RunSpec(schedule=ScheduleConfig(name=schedule, branch_micro_batch=branch_micro_batch))
+    groups_or_one = groups if groups is not None else ParallelGroups.single()
+    opts = schedule_options(spec, groups_or_one, arch.vocab_size, ring_stats=stats)  # the run assembly
     model.zero_grad(set_to_none=True)
     rss_before = _rss_mb()
     largest = LargestTensorMode()

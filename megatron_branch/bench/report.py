@@ -28,7 +28,12 @@ def markdown(report: dict[str, Any]) -> str:
         f"after 1 warm-up, round-robin, order rotated. Machine: "
         + ", ".join(f"{k} {v}" for k, v in report["machine"].items())
     )
-    lines = [head, ""]
+    load = report.get("load", {})
+    if "foreign_cpu_fraction" in load:
+        head += (
+            f"; other processes' share of the CPUs during the run {100 * load['foreign_cpu_fraction']:.0f}%"
+        )
+    lines = [*report.get("warnings", []), head, ""]
     shapes = sorted({(r["prompt"], r["branches"]) for r in report["rows"]})
     mfu = any(r.get("mfu") is not None for r in report["rows"])
     for p, g in shapes:

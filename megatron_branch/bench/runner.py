@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from megatron_branch.assembly import RunSpec, ScheduleConfig, schedule_options
 from megatron_branch.bench.config import BASELINE, DTYPES, VARIANTS, BenchConfig, with_context
 from megatron_branch.bench.flops import Flops, variant_flops
 from megatron_branch.data import PrefixTree
@@ -32,7 +33,8 @@ from megatron_branch.errors import UserError
 from megatron_branch.losses import PolicyGradientObjective
 from megatron_branch.memory import ActivationMeter
 from megatron_branch.models import ModelArch, build_model
-from megatron_branch.schedule import ScheduleOptions, StepResult, run_schedule
+from megatron_branch.parallel.groups import ParallelGroups
+from megatron_branch.schedule import StepResult, run_schedule
 
 
 def _rss_bytes() -> int:
@@ -138,7 +140,8 @@ def _sync(device: str) -> None:
 def _step(cfg: BenchConfig, arch: ModelArch, model: torch.nn.Module, case: Case, variant: str) -> StepResult:
     schedule, kw = VARIANTS[variant]
     model.zero_grad(set_to_none=True)  # fresh grads: every step does the same accumulation work
-    opts = ScheduleOptions(vocab_size=arch.vocab_size, branch_micro_batch=cfg.micro, **kw)
+    spec = RunSpec(schedule=ScheduleConfig(branch_micro_batch=cfg.micro))
+    opts = schedule_options(spec, ParallelGroups.single(), arch.vocab_size, **kw)  # the run assembly
     return run_schedule(schedule, model, case.tree, case.objective, opts)
 
 
@@ -324,7 +327,10 @@ def profile_step(
 
 def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     """The whole benchmark: every (P, G) of the grid, every variant; a JSON-ready dict."""
+    from megatron_branch.bench.load import LoadMeter, warnings
+
     arch, model = build_bench_model(cfg)
+    meter = LoadMeter.start()  # what else ran on the machine meanwhile (bench/load.py)
     rows, profiled = [], None
     for prompt in cfg.prompts:
         for branches in cfg.branches:
@@ -334,7 +340,9 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
             if cfg.profile is not None and profiled is None:
                 profiled = dict(variant=cfg.profile, prompt=prompt, branches=branches,
                                 **profile_step(cfg, arch, model, case, cfg.profile))  # fmt: skip
-    report = dict(config=cfg.to_dict(), arch=arch.to_dict(), machine=machine(), baseline=BASELINE, rows=rows)
+    load = meter.read()
+    report = dict(config=cfg.to_dict(), arch=arch.to_dict(), machine=machine(), baseline=BASELINE, rows=rows,
+                  load=load, warnings=warnings(load, rows))  # fmt: skip
     if profiled is not None:
         report["profile"] = profiled
     return report

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -75,6 +76,16 @@ def add_convert_commands(subparsers: Any) -> None:
     ver.set_defaults(func=run)
 
 
+def _is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"  # torchrun's; a single process is rank 0
+
+
+def _say(text: str) -> None:
+    """Under torchrun (convert --tp 2) every rank converts its part; the result is said once, by rank 0."""
+    if _is_rank0():
+        print(text, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "convert_direction", None) == "hf-to-mcore":
         from megatron_branch.checkpoint.hf_to_mcore import convert_hf_to_mcore
@@ -82,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         out = convert_hf_to_mcore(
             args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype, overwrite=args.overwrite
         )
-        print(f"wrote {out}")
+        _say(f"wrote {out}")
         return 0
     if getattr(args, "convert_direction", None) == "mcore-to-hf":
         from megatron_branch.checkpoint.mcore_to_hf import convert_mcore_to_hf
@@ -94,13 +105,13 @@ def run(args: argparse.Namespace) -> int:
             max_shard_size=args.max_shard_size,
             overwrite=args.overwrite,
         )
-        print(f"wrote {out}")
+        _say(f"wrote {out}")
         return 0
     from megatron_branch.checkpoint.verify import verify_conversion
 
     report = verify_conversion(args.hf, args.mcore, tol=args.tol)
-    print(json.dumps(report, indent=2))
-    if not report["ok"]:
+    _say(json.dumps(report, indent=2))
+    if not report["ok"] and _is_rank0():
         print(
             f"megatron-branch: verify-conversion: max |logit diff| {report['max_abs_diff']:.3g} exceeds "
             f"--tol {report['tol']:.3g}",

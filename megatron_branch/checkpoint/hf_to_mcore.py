@@ -33,19 +33,21 @@ from megatron_branch.checkpoint.tp import load_full_tensor
 from megatron_branch.errors import UserError, launched_world_size
 from megatron_branch.models.arch import ModelArch
 from megatron_branch.parallel.agree import agree_on_error, check_on_every_rank
+from megatron_branch.precision import dtype_table, long_name
 
 META_FILE = "megatron_branch.json"
 FORMAT = "megatron-branch/mcore-checkpoint"
 FORMAT_VERSION = 2  # 2: "files" records every file of the checkpoint (size, sha256); 1 had no record
 TOKENIZER_SUBDIR = "tokenizer"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = dtype_table(("float32", "bfloat16", "float16"))
+"""What a converted checkpoint holds (an HF folder holds no float64); precision.py is the one table."""
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     key = dtype.removeprefix("torch.")
-    key = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(key, key)
+    key = long_name(key)
     if key not in DTYPES:
         raise UserError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     return DTYPES[key]

@@ -36,6 +36,7 @@ from megatron_branch.checkpoint.dist_ckpt import load_sharded, save_sharded
 from megatron_branch.checkpoint.hf_to_mcore import META_FILE, write_description
 from megatron_branch.checkpoint.integrity import verify_checkpoint
 from megatron_branch.errors import UserError
+from megatron_branch.outputs import apply_umask
 from megatron_branch.parallel.agree import agree_on_error
 
 STATE_FILE = "train_state.json"
@@ -147,6 +148,7 @@ class CheckpointStore:
                 body = {"format": FORMAT, "step": step, **common}
                 (tmp_path / STATE_FILE).write_text(json.dumps(body, indent=1) + "\n")
                 write_description(tmp_path, files, **(describe or {}), kind=FORMAT, step=step)
+                apply_umask(tmp_path)  # mkdtemp made it 0700: a checkpoint is as readable as the umask says
                 if target.exists():  # a re-save of the same step (after resume): replace it
                     shutil.rmtree(target)
                 os.replace(tmp_path, target)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,18 @@ def config_from_args(args: argparse.Namespace) -> Any:
     return BenchConfig(model=bench_model(**model_kw), **fields)
 
 
+def plot_impossible(cfg: Any) -> str | None:
+    """Why --plot cannot draw this grid, or None: a plot is drawn against P or G with at least two values
+    (bench/report.py `plot`); a one-point grid (presets A, B, C) used to write no PNG and say nothing."""
+    if len(cfg.prompts) >= 2 or len(cfg.branches) >= 2:
+        return None
+    return (
+        f"bench: --plot draws nothing for this grid: it is one point (P={cfg.prompts[0]}, G={cfg.branches[0]}) "
+        "and a plot needs two values or more of --prompt or --branches (e.g. --branches 4,8,16); no plot folder "
+        "is written"
+    )
+
+
 def run_bench_command(args: argparse.Namespace) -> int:
     from megatron_branch.bench.report import PLOT_MARKER, json_text, markdown, plot
     from megatron_branch.bench.runner import run_bench
@@ -120,14 +133,21 @@ def run_bench_command(args: argparse.Namespace) -> int:
         check_output_dir(args.plot, overwrite=args.overwrite, marker=PLOT_MARKER, what="plot folder")
         if importlib.util.find_spec("matplotlib") is None:
             raise UserError("--plot needs matplotlib (pip install 'megatron-branch[bench]')")
+    no_plot = plot_impossible(cfg) if args.plot else None
+    if no_plot:  # said before the run (it may be long) and again at the end
+        print(no_plot, file=sys.stderr, flush=True)
     report = run_bench(cfg)
     text = markdown(report)
     print(text)
+    for line in report["warnings"]:  # also on stderr: a figure read off the table must not miss them
+        print(line, file=sys.stderr, flush=True)
     if args.json:
         write_text(args.json, json_text(report), overwrite=args.overwrite)
     if args.markdown:
         write_text(args.markdown, text, overwrite=args.overwrite)
-    if args.plot:
+    if no_plot:
+        print(no_plot, file=sys.stderr, flush=True)
+    elif args.plot:
         with atomic_dir(args.plot, overwrite=args.overwrite, marker=PLOT_MARKER, what="plot folder") as tmp:
             names = [p.name for p in plot(report, tmp)]
             (tmp / PLOT_MARKER).write_text(json.dumps({"plots": names}) + "\n")

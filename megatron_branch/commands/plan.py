@@ -15,8 +15,10 @@ memory_bytes_per_rank (one key per term and total), flops {naive, replay, ratio,
 {name, use_distributed_optimizer, optimizer_cpu_offload, optimizer_offload_fraction}, host_memory_bytes_per_node,
 host_memory_bytes_per_rank (by term), branch_micro_batch, root_pieces (replay under PP: the sequence pieces each root
 is cut into), rejected (per other layout: its best choice and why it
-does not fit), and more. The command line and these keys are a stable contract. Exit status 0 whether or not it
-fits (read `fits`); 2 on bad input.
+does not fit), and more. The command line and these keys are a stable contract. The text opens with the verdict
+("fits: ..." or "does not fit: ... Would fit with: ...") and then describes the chosen (or the nearest, rejected)
+layout. Exit status 0 when it fits, 1 when nothing fits (as `grep` answers "no": scripts can test it), 2 on bad
+input.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from typing import Any
 from megatron_branch.plan.model import GPU_PRESETS, MODEL_PRESETS, RECOMPUTE, RolloutShape, load_model
 from megatron_branch.plan.result import HOST_TERMS, TERMS_IN_TOTAL, Plan
 from megatron_branch.plan.search import SCHEDULES, plan, what_would_fit
+
+NO_FIT = 1
+"""plan's exit status when nothing fits (0: it fits; 2: bad input)."""
 
 
 def add_plan_command(sub: Any) -> None:
@@ -154,7 +159,7 @@ def run_plan(args: argparse.Namespace) -> int:
     print(render(p, out.get("would_fit_with", [])))
     if args.json:
         print(json.dumps(out, sort_keys=True))
-    return 0
+    return 0 if p.fits else NO_FIT
 
 
 def _gb(b: float) -> str:
@@ -165,11 +170,13 @@ def render(p: Plan, fixes: list[str]) -> str:
     lay, mem, fl, t = p.layout, p.memory, p.flops, p.step_time
     s = p.shape
     lines = [
+        verdict(p, fixes),
         f"{p.model}: {s.prompts} x ({s.prompt_length} prompt + {s.responses} x {s.response_length} response"
         + (f", {s.shared_response_length} shared" if s.shared_response_length else "")
         + f") = {s.positions_logical:,} positions ({s.positions_computed:,} distinct) on {p.gpus} x {p.gpu.name} "
         f"({p.gpu.memory_gb:g} GB, {p.gpu.tflops:g} TFLOP/s, {p.gpu.link_gbps:g} GB/s)",
-        f"layout: tp {lay.tp} x cp {lay.cp} x pp {lay.pp} x dp {lay.dp}"
+        ("layout" if p.fits else "nearest layout (rejected)")
+        + f": tp {lay.tp} x cp {lay.cp} x pp {lay.pp} x dp {lay.dp}"
         + (f" (ep {lay.ep})" if p.arch.is_moe else "")
         + f", recompute {lay.recompute}, schedule {p.schedule}, {p.dtype}, optimizer {p.optimizer.name}, "
         f"branch micro-batch {p.branch_micro_batch}"
@@ -220,14 +227,21 @@ def render(p: Plan, fixes: list[str]) -> str:
                 + f", {lay_r['recompute']:<9} "
                 f"{r['optimizer']}, bmb {r['branch_micro_batch']}: {r['reason']}"
             )
-    if p.fits:
-        lines.append("fits")
-    else:
-        where = (
-            f"needs {mem['total'] / 1e9:.1f} GB per rank, {p.gpu.memory_gb:g} GB available; largest term "
-            f"{p.largest_term} ({mem[p.largest_term] / 1e9:.1f} GB)"
-            if not p.fits_device
-            else f"needs {host['per_node'] / 1e9:.0f} GB of host memory per node, {p.gpu.host_memory_gb:g} GB available"
-        )
-        lines.append(f"does not fit: {where}. Would fit with: " + "; ".join(fixes))
     return "\n".join(lines)
+
+
+def verdict(p: Plan, fixes: list[str]) -> str:
+    """The first line of the text: "fits: ..." or "does not fit: <why>. Would fit with: <fixes>"."""
+    mem, host, lay = p.memory, p.host_memory, p.layout
+    if p.fits:
+        return (
+            f"fits: {mem['total'] / 1e9:.1f} of {p.gpu.memory_gb:g} GB per rank at tp {lay.tp} x cp {lay.cp} x "
+            f"pp {lay.pp} x dp {lay.dp}, recompute {lay.recompute}"
+        )
+    where = (
+        f"needs {mem['total'] / 1e9:.1f} GB per rank, {p.gpu.memory_gb:g} GB available; largest term "
+        f"{p.largest_term} ({mem[p.largest_term] / 1e9:.1f} GB)"
+        if not p.fits_device
+        else f"needs {host['per_node'] / 1e9:.0f} GB of host memory per node, {p.gpu.host_memory_gb:g} GB available"
+    )
+    return f"does not fit: {where}. Would fit with: " + "; ".join(fixes)

@@ -32,7 +32,25 @@ def add_train_command(sub: Any) -> None:
         default=None,
         help="auto: continue from the newest checkpoint",
     )
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config (the file, the overrides and every default, as YAML) and exit",
+    )
     p.set_defaults(func=run_train, collect_extra=True)
+
+
+def fits_the_launch(cfg: Any) -> Any:
+    """The layout against the launch's world size, inside the shared verdict: `parallel.dp=4` on 2 ranks is one
+    line from rank 0 (checked later, in the trainer, every rank printed its own)."""
+    from megatron_branch.errors import SettingError, launched_world_size
+    from megatron_branch.train.validate import SPELLING
+
+    try:
+        cfg.parallel.data_parallel_size(launched_world_size())
+    except SettingError as e:
+        raise e.spelled(SPELLING) from None
+    return cfg
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -46,7 +64,13 @@ def run_train(args: argparse.Namespace) -> int:
     from megatron_branch.parallel.agree import check_on_every_rank
 
     # all checks that need no data, before any work; under torchrun the verdict is shared (printed once)
-    cfg = check_on_every_rank(lambda: load_config(args.config, overrides))
+    cfg = check_on_every_rank(lambda: fits_the_launch(load_config(args.config, overrides)))
+    if args.print_config:  # as Hydra's `--cfg job`: what would run, nothing done
+        from megatron_branch.train.config_io import resolved_yaml
+
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(resolved_yaml(cfg), end="", flush=True)
+        return 0
 
     from megatron_branch.train.loop import Trainer
     from megatron_branch.train.metrics import read_metrics, run_summary

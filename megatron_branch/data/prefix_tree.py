@@ -242,13 +242,18 @@ class PrefixTree:
     # ---- loss weights ------------------------------------------------------------------------------------
 
     def token_weights(
-        self, per_rollout: Sequence[float] | torch.Tensor, dtype: torch.dtype = torch.float64
+        self,
+        per_rollout: Sequence[float] | torch.Tensor,
+        dtype: torch.dtype = torch.float64,
+        *,
+        trained_only: bool = False,
     ) -> torch.Tensor:
         """[N]: w[t] = sum of per_rollout[i] over the rollouts i whose RESPONSE contains packed token t.
 
         Only response membership counts: a token that is prompt for one rollout and response for another gets
         only the latter's weight. Sums are exact slice additions in rollout order (no cumulative-sum
-        cancellation error), so tokens in no response are exactly 0.
+        cancellation error), so tokens in no response are exactly 0. `trained_only`: only the rollouts for which
+        t is TRAINED (loss_mask 1) count; the same token may be trained for one rollout and context for another.
         """
         values = torch.as_tensor(per_rollout, dtype=dtype).flatten()
         if values.numel() != len(self.rollouts):
@@ -257,6 +262,10 @@ class PrefixTree:
             )
         weights = torch.zeros(self.num_tokens, dtype=dtype)
         for i, r in enumerate(self.rollouts):
+            if trained_only and r.loss_mask is not None:
+                trained = torch.tensor(r.trained_positions(), dtype=torch.long)
+                weights[self.response_indices(i)[trained]] += values[i]  # one rollout: indices are distinct
+                continue
             response_start = len(r.prompt)  # logical position where the response begins
             for sid in self.rollout_segments(i):
                 s = self.segments[sid]
@@ -270,8 +279,12 @@ class PrefixTree:
         return self.token_weights(torch.ones(len(self.rollouts), dtype=torch.long), dtype=torch.long)
 
     def num_response_tokens_logical(self) -> int:
-        """Sum of len(response): the logical token count that token-mean losses divide by."""
+        """Sum of len(response): every response token, trained or context (loss_mask 0)."""
         return sum(len(r.response) for r in self.rollouts)
+
+    def num_trained_tokens_logical(self) -> int:
+        """Sum of the rollouts' trained response tokens (loss_mask 1): what token-mean losses divide by."""
+        return sum(r.num_trained for r in self.rollouts)
 
     # ---- structure ---------------------------------------------------------------------------------------
 

@@ -19,6 +19,11 @@ missing names the line.
 list per MoE layer of the k experts the token was routed to (-1: not recorded, e.g. the last sampled token, which
 the sampler never feeds); rollouts with records share a prefix-tree position only where the records agree.
 
+`loss_mask` (optional) is one 0/1 (or false/true) per response token: 1 = trained, 0 = context inside the response
+(a tool's output, a user turn: it stays in the sequence and conditions later tokens, but carries no loss term and
+counts in no token count). Absent (or all ones) = every response token is trained. Per-token fields still hold
+one value per response token; values at masked positions are never read.
+
 Any other key whose value is a non-empty list of numbers is a per-response-token field and must have one value
 per response token (a misaligned list is an error rather than silently dropped: it would train on wrong data).
 Other keys (scalars, strings, lists of non-numbers, empty lists) are ignored, so rollout files may carry metadata.
@@ -42,6 +47,7 @@ if TYPE_CHECKING:
 
 _REQUIRED = ("prompt", "response")
 _SCALARS = ("advantage", "pair", "chosen")  # top-level keys that are not per-token fields
+LOSS_MASK = "loss_mask"
 TOKEN_FIELDS = ("advantages", "old_logprobs", "ref_logprobs", "rewards", "values", "returns")
 """Per-response-token fields the objectives read (others are carried along untouched)."""
 
@@ -82,6 +88,49 @@ def validate_token_ids(
     return ids
 
 
+def _per_token_list(values: Any, *, key: str, of: str, num_response: int, where: str) -> Sequence[Any]:
+    """`values` as a list of one entry per response token (tensors and arrays converted), else a one-line
+    UserError naming field `key` (`of`: what its entries are, for the message)."""
+    if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
+        values = values.tolist()  # torch tensors and numpy arrays
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        got = "null" if values is None else type(values).__name__
+        raise UserError(
+            f"field {key!r} must be a list of {of} (one per response token), got {got}", where=where
+        )
+    if len(values) != num_response:
+        raise UserError(
+            f"field {key!r} has {len(values)} values but the response has {num_response} tokens "
+            "(length mismatch)",
+            where=where,
+        )
+    return values
+
+
+def validate_loss_mask(values: Any, *, num_response: int, where: str) -> tuple[bool, ...] | None:
+    """`loss_mask` as a tuple of bools, one per response token (None when every token is trained: the absent
+    mask's meaning, so an all-ones mask runs exactly as no mask), else a one-line UserError naming the field."""
+    values = _per_token_list(values, key=LOSS_MASK, of="0/1", num_response=num_response, where=where)
+    for j, v in enumerate(values):
+        # exactly 0, 1, false or true: 2, 0.5, -1, 1.0, "1", null or a list is a producer's bug, not a weight
+        if not (isinstance(v, bool) or (type(v) is int and v in (0, 1))):
+            raise UserError(
+                f"field 'loss_mask' value {j} is {json.dumps(v) if _jsonable(v) else repr(v)}: "
+                "must be 0, 1, false or true",
+                where=where,
+            )
+    mask = tuple(bool(v) for v in values)
+    return None if all(mask) else mask
+
+
+def _jsonable(v: Any) -> bool:
+    try:
+        json.dumps(v)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def _validate_token_fields(fields: Any, *, num_response: int, where: str) -> dict[str, tuple[float, ...]]:
     if not isinstance(fields, Mapping):
         raise UserError(f"token_fields must be a mapping, got {type(fields).__name__}", where=where)
@@ -89,18 +138,7 @@ def _validate_token_fields(fields: Any, *, num_response: int, where: str) -> dic
     for key, values in fields.items():
         if not isinstance(key, str):
             raise UserError(f"token_fields key {key!r} must be a string", where=where)
-        if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
-            values = values.tolist()
-        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-            raise UserError(
-                f"field {key!r} must be a list of numbers, got {type(values).__name__}", where=where
-            )
-        if len(values) != num_response:
-            raise UserError(
-                f"field {key!r} has {len(values)} values but the response has {num_response} tokens "
-                "(length mismatch)",
-                where=where,
-            )
+        values = _per_token_list(values, key=key, of="numbers", num_response=num_response, where=where)
         for j, v in enumerate(values):
             if not _is_number(v):
                 raise UserError(f"field {key!r} value {j} is {v!r}, not a number", where=where)
@@ -124,6 +162,9 @@ class Rollout:
     """DPO: the key shared by the two rollouts of a preference pair."""
     chosen: bool | None = None
     """DPO: whether this rollout is the pair's preferred one."""
+    loss_mask: tuple[bool, ...] | None = None
+    """Per response token: True = trained, False = context inside the response (no loss term, in no token count);
+    None = every token trained (an all-ones mask is stored as None). Lists of 0/1 are accepted."""
     where: str | None = field(default=None, compare=False)
     """Where it was read from (file:line), for error messages."""
     routed_experts: Any = field(default=None, compare=False)
@@ -151,6 +192,9 @@ class Rollout:
         if self.advantage is not None:
             object.__setattr__(self, "advantage", float(self.advantage))
         object.__setattr__(self, "token_fields", fields)
+        if self.loss_mask is not None:
+            mask = validate_loss_mask(self.loss_mask, num_response=len(response), where=where)
+            object.__setattr__(self, "loss_mask", mask)
         if self.routed_experts is not None:
             object.__setattr__(
                 self,
@@ -161,6 +205,15 @@ class Rollout:
     def field(self, name: str) -> tuple[float, ...] | None:
         """Per-response-token field `name`, or None when this rollout has none."""
         return self.token_fields.get(name)
+
+    @property
+    def num_trained(self) -> int:
+        """Response tokens that carry a loss term (loss_mask 1): what every token count counts."""
+        return len(self.response) if self.loss_mask is None else sum(self.loss_mask)
+
+    def trained_positions(self) -> tuple[int, ...] | None:
+        """Indices into the response of the trained tokens; None = all of them."""
+        return None if self.loss_mask is None else tuple(j for j, m in enumerate(self.loss_mask) if m)
 
     def describe(self, i: int) -> str:
         """Where this rollout is, for an error message: file:line, else its index."""
@@ -211,8 +264,11 @@ def _parse_line(obj: Any, *, where: str, vocab_size: int | None) -> Rollout:
     if advantage is not None and (not _is_number(advantage) or not math.isfinite(advantage)):
         raise UserError(f"advantage must be a finite number, got {advantage!r}", where=where)
     token_fields: dict[str, Any] = {}
+    loss_mask = None
+    if LOSS_MASK in obj:  # present: validated even when null (a producer's null is not "absent")
+        loss_mask = validate_loss_mask(obj[LOSS_MASK], num_response=len(response), where=where)
     for key, value in obj.items():
-        if key == "routed_experts":
+        if key in ("routed_experts", LOSS_MASK):
             continue
         if key in TOKEN_FIELDS and not (isinstance(value, list) and all(_is_number(v) for v in value)):
             raise UserError(f"field {key!r} must be a list of numbers, one per response token", where=where)
@@ -228,6 +284,7 @@ def _parse_line(obj: Any, *, where: str, vocab_size: int | None) -> Rollout:
         token_fields=fields,
         pair=obj.get("pair"),
         chosen=obj.get("chosen"),
+        loss_mask=loss_mask,
         where=where,
         routed_experts=obj.get("routed_experts"),
     )
@@ -292,9 +349,9 @@ def read_rollouts_jsonl(
     return rollouts
 
 
-def write_rollouts_jsonl(path: str | Path, rollouts: Sequence[Rollout]) -> None:
+def write_rollouts_jsonl(path: str | Path, rollouts: Sequence[Rollout], *, overwrite: bool = True) -> None:
     """Write rollouts in the format `read_rollouts_jsonl` reads (token fields as top-level keys); an existing file
-    is replaced, a missing folder refused (outputs.py)."""
+    is replaced (refused with `overwrite=False`), a missing folder refused (outputs.py)."""
     lines = []
     for rollout in rollouts:
         obj: dict[str, Any] = {"prompt": list(rollout.prompt), "response": list(rollout.response)}
@@ -307,8 +364,10 @@ def write_rollouts_jsonl(path: str | Path, rollouts: Sequence[Rollout]) -> None:
                     f"token field {key!r} would shadow the required field of that name", where=str(path)
                 )
             obj[key] = list(values)
+        if rollout.loss_mask is not None:
+            obj[LOSS_MASK] = [int(m) for m in rollout.loss_mask]
         if rollout.routed_experts is not None:
             obj["routed_experts"] = rollout.routed_experts.tolist()
         lines.append(json.dumps(obj))
     # replaced whole (temp file + rename, outputs.py): a failure keeps the previous file
-    write_text(path, "".join(line + "\n" for line in lines), overwrite=True, what="rollouts file")
+    write_text(path, "".join(line + "\n" for line in lines), overwrite=overwrite, what="rollouts file")

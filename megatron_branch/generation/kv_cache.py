@@ -13,9 +13,10 @@ SHAPE LEGEND (Megatron sequence-first at the boundary; per TP rank):
 A decode step is the prefix tree's own picture: every branch is a length-1 query segment whose ancestors are its
 prompt and the generated tokens above it. The attention uses that structure directly, in two parts merged by the
 engine's one log-sum-exp merge (attention/merge.py):
-    part A  all branches of prompt p vs prompt p's K/V: ONE fused non-causal call per prompt and layer, the
-            prompt's K/V read in place (the queries of every branch are stacked as rows per kv group, so GQA
-            needs no expanded copy of the prompt);
+    part A  all branches vs their prompts' K/V through the attention backend's EXECUTOR (attention/executor.py,
+            the contract training uses; the sampler's `backend`): one key block per live prompt, read in place,
+            and a plan (attention/plan.py) in which the branches of prompt p are one full group -- for `merge`
+            ONE fused non-causal call per prompt and layer, GQA folded, no expanded copy of the prompt;
     part B  each branch vs its own generated tokens (its path in the buffer, itself included): one batched,
             masked matmul over [A, L] for all branches (a tree-sampled shared response prefix is gathered per
             branch here; it is short, the prompt is not).
@@ -35,9 +36,10 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_branch.attention.context import BranchContext
-from megatron_branch.attention.heads import fold, unfold
-from megatron_branch.attention.kernels import fused_attention_forward, lse_dtype
+from megatron_branch.attention.dispatch import plan_executor
+from megatron_branch.attention.kernels import lse_dtype
 from megatron_branch.attention.merge import lse_merge
+from megatron_branch.attention.plan import BlockPlan, Runs, plan_block
 from megatron_branch.attention.prefix_state import (
     ATTENTION_KV,
     CACHED,
@@ -153,6 +155,11 @@ class DecodeContext:
     """Decoding runs on one rank: no head exchange."""
     next_states: dict[int, Tensors] = field(default_factory=dict)
     """layer -> the state table after this step (one row per branch fed), for a recurrent layer."""
+    backend: str | None = None
+    """The attention backend whose executor runs part A (attention/dispatch.py plan_executor; None, or a one-rank
+    baseline without an executor: the default)."""
+    _plan: BlockPlan | None = field(default=None, repr=False)
+    """Part A's plan: the same for every layer of the step, built once."""
 
     def __post_init__(self) -> None:
         if self.tree is None:
@@ -195,19 +202,40 @@ class DecodeContext:
         lse_b = torch.logsumexp(scores, dim=-1)  # [g,A,r]; finite: a branch always sees itself
         out_b = torch.matmul(torch.exp(scores - lse_b[..., None]), vp.to(acc))  # [g,A,r,h]
 
-        # part A: per prompt, all of its branches at once over the prompt's K/V, read in place; the queries
-        # FOLDED (heads.fold: a group's query heads of every branch stacked as rows), so GQA copies nothing
-        out_a = torch.zeros_like(out_b)
-        lse_a = torch.full_like(lse_b, float("-inf"))
-        for p, rows in st.groups:  # rows [a_p]
-            qa = fold(q[rows], g)  # [1, g, r*a_p, h]
-            pk, pv = self.cache.prompt_k[layer_number][p], self.cache.prompt_v[layer_number][p]  # [1,g,P,h]
-            o, lse = fused_attention_forward(qa, pk, pv, False, scale)  # [1,g,r*a_p,h], [1,g,r*a_p]
-            out_a[:, rows] = unfold(o, n).reshape(-1, g, r, h).permute(1, 0, 2, 3).to(acc)  # [g,a_p,r,h]
-            lse_a[:, rows] = unfold(lse.unsqueeze(-1), n).reshape(-1, g, r).permute(1, 0, 2).to(acc)
+        # part A: every branch over its prompt's K/V, read in place, through the backend's executor
+        prompts = [p for p, _ in st.groups]
+        ks = [self.cache.prompt_k[layer_number][p].permute(2, 0, 1, 3) for p in prompts]  # [P,1,g,h] views
+        vs = [self.cache.prompt_v[layer_number][p].permute(2, 0, 1, 3) for p in prompts]
+        if self._plan is None:
+            self._plan = prompt_plan(st, [k.shape[0] for k in ks])
+        executor = plan_executor(self.backend)
+        o, lse = executor.forward(q[:a], ks, vs, self._plan, scale)  # [A,1,n,h], [A,1,n] acc
+        out_a = o.reshape(a, g, r, h).permute(1, 0, 2, 3).to(acc)  # [g,A,r,h]
+        lse_a = lse.reshape(a, g, r).permute(1, 0, 2).to(acc)  # [g,A,r]
 
         out, _ = lse_merge(out_a, lse_a, out_b, lse_b)  # [g,A,r,h]
         out = out.permute(1, 0, 2, 3).reshape(a, 1, n * h).to(q.dtype)  # [A,1,n*h]
         if st.padded_rows:
             out = torch.cat([out, out.new_zeros(st.padded_rows, 1, n * h)])
         return out
+
+
+def prompt_plan(step: DecodeStep, prompt_sizes: list[int]) -> BlockPlan:
+    """Part A's visibility: query row i (branch i) sees, in full, the key block of its prompt (block j = the j-th
+    entry of step.groups, prompt_sizes[j] keys). Through THE planner, so every executor (flex's mask included)
+    reads it; the branches of one prompt see the same columns and become one full group."""
+    a = step.num_branches
+    block_of = [0] * a
+    for j, (_, rows) in enumerate(step.groups):
+        for i in rows.tolist():
+            block_of[i] = j
+    starts = [sum(prompt_sizes[:j]) for j in range(len(prompt_sizes))]
+    # query segments 0..A-1 (one per branch); key segments A + j (key-only ids: no query shares them)
+    q = Runs(start=tuple(range(a)), length=(1,) * a, segment=tuple(range(a)), offset=(0,) * a)
+    k = Runs(
+        start=tuple(starts),
+        length=tuple(prompt_sizes),
+        segment=tuple(a + j for j in range(len(prompt_sizes))),
+        offset=(0,) * len(prompt_sizes),
+    )
+    return plan_block(q, k, [(block_of[i],) for i in range(a)], a, prompt_sizes)

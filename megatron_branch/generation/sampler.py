@@ -264,7 +264,7 @@ class BranchSampler:
         ids = torch.tensor([b.tokens[-1] for b in feed] + [0] * (s - a), dtype=torch.long)
         # the fed token is response token t-1 (0-based): its true position is P + t - 1
         pos = torch.tensor([len(prompts[b.prompt]) + len(b.tokens) - 1 for b in feed] + [0] * (s - a))
-        ctx = DecodeContext(cache=cache, step=step.to(self.device))
+        ctx = DecodeContext(cache=cache, step=step.to(self.device), backend=self.backend)
         hidden, routes = self._forward(ids, pos, ctx)  # [s, h], [s, layers, k] | None
         if ctx.next_states:  # a hybrid: the state table is now one row per branch fed (forks share a row)
             cache.states = ctx.next_states

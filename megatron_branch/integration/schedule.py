@@ -47,12 +47,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_branch.assembly import RunSpec, build_engine
 from megatron_branch.data import PrefixTree, Rollout
 from megatron_branch.errors import SettingError, UserError
 from megatron_branch.losses import PolicyGradientObjective
 from megatron_branch.parallel.groups import ParallelGroups
-from megatron_branch.rules import API, check_pipeline
-from megatron_branch.schedule import ScheduleOptions, StepResult, run_schedule
+from megatron_branch.rules import API, GRAD_SCHEDULES, check_pipeline
+from megatron_branch.schedule import StepResult, run_schedule
 
 ObjectiveFactory = Callable[[list[Rollout], int], Any]
 """(this rank's rollouts, T = global response tokens) -> an Objective (losses/objective.py)."""
@@ -116,7 +117,7 @@ def _as_rollouts(item: Any, where: str) -> list[Rollout]:
     if isinstance(item, Rollout):
         return [item]
     if isinstance(item, dict):
-        fields = {k: v for k, v in item.items() if k not in ("prompt", "response", "advantage")}
+        fields = {k: v for k, v in item.items() if k not in ("prompt", "response", "advantage", "loss_mask")}
         try:
             return [
                 Rollout(
@@ -124,6 +125,7 @@ def _as_rollouts(item: Any, where: str) -> list[Rollout]:
                     response=item["response"],
                     advantage=item.get("advantage", 0.0),
                     token_fields={k: v for k, v in fields.items() if isinstance(v, (list, tuple))},
+                    loss_mask=item.get("loss_mask"),
                 )
             ]
         except KeyError as e:
@@ -176,32 +178,18 @@ class BranchForwardBackward:
             data_iterator = data_iterator[0]
         if num_microbatches <= 0:
             raise UserError(f"num_microbatches must be positive, got {num_microbatches}")
-        groups = _groups(pg_collection)
-        rollouts = self._rollouts(data_iterator, num_microbatches, groups)
         base = _unwrap(model)
+        pgc = _pg_collection(pg_collection)
+        groups = ParallelGroups.from_parallel_state(
+            sequence_parallel=bool(base.config.sequence_parallel), pg_collection=pgc, reduces_grads=False
+        )  # dp_cp None: gradients are finalised by megatron's finalize_model_grads_func, not by us
+        rollouts = self._rollouts(data_iterator, num_microbatches, groups)
         vocab = self.vocab_size or base.vocab_size
         tree = PrefixTree.build(rollouts, vocab_size=vocab)
-        T = _global_count(tree.num_response_tokens_logical(), groups["dp"])
-        opts = ScheduleOptions(
-            groups=ParallelGroups(
-                tp=groups["tp"],
-                cp=groups["cp"],
-                dp=groups["dp"],
-                dp_cp=None,  # gradients are finalised by megatron's finalize_model_grads_func, not by us
-                tp_size=groups["tp_size"],
-                cp_size=groups["cp_size"],
-                dp_size=groups["dp_size"],
-                sequence_parallel=bool(base.config.sequence_parallel) and groups["tp_size"] > 1,
-                pp=groups["pp"],
-                pp_size=groups["pp_size"],
-                pp_rank=groups["pp_rank"],
-                embd=groups["embd"],
-            ),
-            vocab_size=vocab,
-            **self.options,
-        )
+        T = _global_count(tree.num_trained_tokens_logical(), groups.dp)
+        opts = build_engine(RunSpec(), model=base, groups=groups, vocab_size=vocab, **self.options).opts
         objective = self.objective(rollouts, T)
-        scale = _ddp_mean_factor(model, groups["dp_size"] * groups["cp_size"])
+        scale = _ddp_mean_factor(model, groups.dp_size * groups.cp_size)
         if scale != 1.0:
             objective = ScaledObjective(objective, scale)
         config = base.config
@@ -210,32 +198,32 @@ class BranchForwardBackward:
             result = run_schedule(self.schedule, model, tree, objective, opts, forward_only=forward_only)
         if config.finalize_model_grads_func is not None and not forward_only:
             config.finalize_model_grads_func(
-                [model], None, pg_collection=groups["pg_collection"], force_all_reduce=force_all_reduce
+                [model], None, pg_collection=pgc, force_all_reduce=force_all_reduce
             )
         result.loss /= scale
         self.last_result = result
-        share = 1.0 / (groups["dp_size"] * groups["cp_size"])
+        share = 1.0 / (groups.dp_size * groups.cp_size)
         # StepResult.loss is already summed over CP: each CP rank reports loss/cp so that dp x cp sums to the total
-        first = torch.tensor([result.loss * share * groups["dp_size"], share], dtype=torch.float64)
+        first = torch.tensor([result.loss * share * groups.dp_size, share], dtype=torch.float64)
         zeros = torch.zeros(2, dtype=torch.float64)
-        if groups["pp_rank"] != groups["pp_size"] - 1:  # megatron: the loss dicts live on the last stage only
+        if groups.pp_rank != groups.pp_size - 1:  # megatron: the loss dicts live on the last stage only
             return []
         return [{"lm loss": first}] + [{"lm loss": zeros.clone()} for _ in range(num_microbatches - 1)]
 
-    def _rollouts(self, it: Iterator[Any] | None, n: int, groups: dict[str, Any]) -> list[Rollout]:
+    def _rollouts(self, it: Iterator[Any] | None, n: int, groups: ParallelGroups) -> list[Rollout]:
         """The step's rollouts: read from the iterator (under PP on the first stage, then broadcast: one tree on
         every stage)."""
-        if groups["pp_size"] == 1:
+        if groups.pp_size == 1:
             return self._read(it, n)
         mine: Any = None
         err = None
-        if groups["pp_rank"] == 0:
+        if groups.pp_rank == 0:
             try:
                 mine = self._read(it, n)
             except UserError as e:
                 err = str(e)
         box = [(mine, err)]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(groups["pp"], 0), group=groups["pp"])
+        dist.broadcast_object_list(box, src=dist.get_global_rank(groups.pp, 0), group=groups.pp)
         rollouts, err = box[0]
         if err is not None:
             raise UserError(err)
@@ -271,31 +259,12 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _groups(pg_collection: Any) -> dict[str, Any]:
-    """The process groups, from `pg_collection` when given (megatron's ProcessGroupCollection), else from
-    megatron's parallel_state, exactly as megatron's own schedule resolves them."""
-    from megatron.core import parallel_state as ps
+def _pg_collection(pg_collection: Any) -> Any:
+    """megatron's ProcessGroupCollection: the one given, else parallel_state's, as megatron's own schedule resolves
+    the groups."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    if pg_collection is None:
-        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-    tp, cp = pg_collection.tp, pg_collection.cp
-    dp = ps.get_data_parallel_group()
-    pp = getattr(pg_collection, "pp", None)
-    pp_size = dist.get_world_size(pp) if dist.is_initialized() and pp is not None else 1
-    return {
-        "pp": pp if pp_size > 1 else None,
-        "pp_size": pp_size,
-        "pp_rank": dist.get_rank(pp) if pp_size > 1 else 0,
-        "embd": getattr(pg_collection, "embd", None) if pp_size > 1 else None,
-        "pg_collection": pg_collection,
-        "tp": tp,
-        "cp": cp,
-        "dp": dp,
-        "tp_size": dist.get_world_size(tp) if dist.is_initialized() else 1,
-        "cp_size": dist.get_world_size(cp) if dist.is_initialized() else 1,
-        "dp_size": dist.get_world_size(dp) if dist.is_initialized() else 1,
-    }
+    return pg_collection if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
 
 
 def _global_count(n: int, dp_group: Any) -> int:
@@ -322,7 +291,7 @@ def get_forward_backward_func(
     `schedule`: replay | packed | naive; `objective(rollouts, T)` builds the loss; `options` are extra
     ScheduleOptions fields (branch_micro_batch, recompute, backend, ...).
     """
-    if schedule not in ("replay", "packed", "naive"):
+    if schedule not in GRAD_SCHEDULES:
         raise UserError(f"schedule must be replay, packed or naive, got {schedule!r}")
     try:  # the pipeline's rules (rules.py): the tree schedules only, no interleaved stages
         check_pipeline(schedule, pp=pp_size or 1, virtual=vp_size)

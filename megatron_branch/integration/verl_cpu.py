@@ -225,11 +225,10 @@ def build_cpu_gpt_model(hf_dir: str, hf_config: Any, *, dtype: torch.dtype) -> t
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from megatron_branch.checkpoint.hf_io import HFTensorReader
-    from megatron_branch.checkpoint.param_map import iter_hf_to_mcore
-    from megatron_branch.checkpoint.tp import load_full_tensor
+    from megatron_branch.assembly import load_hf_weights
     from megatron_branch.compat.norm import TorchNorm
     from megatron_branch.models import ModelArch
+    from megatron_branch.parallel.groups import ParallelGroups
 
     arch = ModelArch.from_hf_config(hf_config, where=f"{hf_dir}/config.json")
     tp = ps.get_tensor_model_parallel_world_size()
@@ -248,14 +247,8 @@ def build_cpu_gpt_model(hf_dir: str, hf_config: Any, *, dtype: torch.dtype) -> t
         position_embedding_type="rope",
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
     )
-    reader = HFTensorReader(hf_dir)
-    params = dict(model.named_parameters())
-    group = ps.get_tensor_model_parallel_group()
-    with torch.no_grad():
-        for name, full in iter_hf_to_mcore(
-            reader.keys(), reader.get, arch, padded_vocab=arch.padded_vocab_size(tp), where=hf_dir
-        ):
-            load_full_tensor(model, name, full.to(dtype), group, params=params)
+    groups = ParallelGroups.from_parallel_state(sequence_parallel=tp > 1)
+    load_hf_weights(model, hf_dir, arch, groups, dtype)  # the run assembly's one loader
     return model
 
 

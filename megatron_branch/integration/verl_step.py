@@ -135,25 +135,19 @@ class VerlTreeStep:
     # -- pieces ------------------------------------------------------------------------------------------------
 
     def _schedule_options(self, model_chunk: torch.nn.Module) -> Any:
-        from megatron.core import parallel_state as ps
-
+        """The step's ScheduleOptions through the run assembly: megatron's groups as verl's engine laid them out
+        (every axis, pp and ep included; dp_cp None: gradients are finalised by megatron's
+        finalize_model_grads_func, as verl's path does)."""
+        from megatron_branch.assembly import RunSpec, build_engine
         from megatron_branch.parallel.groups import ParallelGroups
-        from megatron_branch.schedule import ScheduleOptions
 
         base = unwrap(model_chunk)
-        tp = ps.get_tensor_model_parallel_world_size()
-        groups = ParallelGroups(
-            tp=ps.get_tensor_model_parallel_group(),
-            cp=ps.get_context_parallel_group(),
-            dp=ps.get_data_parallel_group(),
-            dp_cp=None,  # gradients are finalised by megatron's finalize_model_grads_func, as verl's path does
-            tp_size=tp,
-            cp_size=1,
-            dp_size=ps.get_data_parallel_world_size(),
-            sequence_parallel=bool(base.config.sequence_parallel) and tp > 1,
+        groups = ParallelGroups.from_parallel_state(
+            sequence_parallel=bool(base.config.sequence_parallel), reduces_grads=False
         )
         # the model's (padded) vocabulary: verl's vocab_parallel_log_probs_from_logits normalises over all of it
-        return ScheduleOptions(groups=groups, vocab_size=base.vocab_size, **self.options.schedule_options)
+        extra = self.options.schedule_options
+        return build_engine(RunSpec(), model=base, groups=groups, vocab_size=base.vocab_size, **extra).opts
 
     def _verl_postprocess(
         self,

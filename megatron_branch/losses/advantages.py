@@ -90,16 +90,24 @@ def with_group_advantages(
 
 
 def gae(
-    rewards: torch.Tensor, values: torch.Tensor, *, gamma: float = 1.0, lam: float = 1.0
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    mask: Sequence[bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages [n], returns [n]) of one rollout from per-token rewards [n] and values [n]."""
+    """(advantages [n], returns [n]) of one rollout from per-token rewards [n] and values [n].
+
+    `mask` (the rollout's loss_mask; None = all trained): as verl's `compute_gae_advantage_return`, a context token
+    (a tool's output) is skipped: the recursion carries the next trained token's value and advantage across it."""
     assert rewards.shape == values.shape and rewards.dim() == 1
     adv = torch.zeros_like(rewards, dtype=torch.float64)
-    last = 0.0
+    last = next_v = 0.0
     for t in range(rewards.numel() - 1, -1, -1):
-        next_v = float(values[t + 1]) if t + 1 < values.numel() else 0.0
         delta = float(rewards[t]) + gamma * next_v - float(values[t])
-        last = delta + gamma * lam * last
+        if mask is None or mask[t]:
+            next_v, last = float(values[t]), delta + gamma * lam * last
         adv[t] = last
     return adv, adv + values.to(torch.float64)
 
@@ -119,6 +127,7 @@ def with_gae(rollouts: Sequence[Rollout], *, gamma: float = 1.0, lam: float = 1.
             torch.tensor(val, dtype=torch.float64),
             gamma=gamma,
             lam=lam,
+            mask=r.loss_mask,
         )
         fields = {**r.token_fields, "advantages": tuple(adv.tolist()), "returns": tuple(ret.tolist())}
         out.append(dataclasses.replace(r, token_fields=fields))

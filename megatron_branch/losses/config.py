@@ -39,13 +39,14 @@ class ObjectiveConfig:
     kl_loss_coef: float = 0.0
     """KL-to-reference coefficient (needs ref_logprobs: scored by a frozen reference when it is > 0)."""
     kl_loss_type: Literal["k1", "k2", "k3", "kl", "mse", "low_var_kl"] = "low_var_kl"
-    """KL estimator (verl's names are aliases: kl = k1, mse = k2, low_var_kl = k3)."""
+    """KL estimator (verl's names are aliases: kl = k1, mse = k2, low_var_kl = k3). The default is verl's actor
+    default (verl/trainer/config/actor/actor.yaml: kl_loss_type: low_var_kl), for train and grad alike."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient (the loss subtracts entropy_coeff * H)."""
     loss_agg_mode: Literal[
-        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+        "token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
     ] = "token-mean"
-    """How per-token losses aggregate over the GLOBAL batch (losses/aggregation.py)."""
+    """How per-token losses aggregate over the GLOBAL batch's trained tokens (losses/aggregation.py)."""
     loss_agg_norm: float | None = None
     """L_norm of seq-mean-token-sum-norm (required there, refused elsewhere)."""
     entropy_metric: bool = False

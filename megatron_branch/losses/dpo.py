@@ -7,6 +7,9 @@ forward-only), over P pairs of the GLOBAL batch:
     sigmoid (Rafailov et al. 2023):  z = beta ((pi_c - ref_c) - (pi_r - ref_r)),   L = -(1/P) sum log sigmoid(z)
     ipo (TRL's form):                a = (pi - ref) / |o|,   L = (1/P) sum ((a_c - a_r) - 1/(2 beta))^2
 
+With a loss_mask, pi and ref sum the TRAINED tokens only (loss_mask 1) and |o| is their count: context tokens
+inside a response (a tool's output) condition the policy but are not its choice.
+
 L depends on the policy only through the sums pi. So with g_i = dL/dpi_i computed from a forward-only pass, the
 gradient is sum_i g_i dpi_i/dtheta: the linear per-rollout objective of losses/objective.py with coefficient
 -g_i per response logprob (PolicyGradientObjective). That pass is an ordinary schedule run, so sharing (the
@@ -42,6 +45,8 @@ def preference_pairs(rollouts: Sequence[Rollout]) -> list[tuple[int, int]]:
             raise UserError("missing field 'pair' (DPO needs preference pairs)", where=r.describe(i))
         if r.chosen is None:
             raise UserError("missing field 'chosen' (true or false)", where=r.describe(i))
+        if r.num_trained == 0:
+            raise UserError("loss_mask is all 0: a DPO response needs a trained token", where=r.describe(i))
         key = (type(r.pair).__name__, r.pair)  # 1 and "1" are different keys, as in JSON
         by_key.setdefault(key, []).append(i)
     out = []
@@ -61,14 +66,15 @@ def preference_pairs(rollouts: Sequence[Rollout]) -> list[tuple[int, int]]:
 
 
 def reference_sums(tree: PrefixTree) -> torch.Tensor:
-    """[R] float64 sum of each rollout's `ref_logprobs` over its scored response tokens (an empty prompt's first
-    token has no logprob, for the policy or the reference)."""
+    """[R] float64 sum of each rollout's `ref_logprobs` over its scored, trained response tokens (an empty
+    prompt's first token has no logprob, for the policy or the reference; loss_mask 0 tokens are context)."""
     out = torch.zeros(len(tree.rollouts), dtype=torch.float64)
     for i, r in enumerate(tree.rollouts):
         ref = r.field("ref_logprobs")
         if ref is None:
             raise UserError("missing field 'ref_logprobs' (one per response token)", where=r.describe(i))
-        out[i] = sum(ref[0 if r.prompt else 1 :])
+        mask = r.loss_mask or (True,) * len(ref)
+        out[i] = sum(x for j, (x, m) in enumerate(zip(ref, mask)) if m and (j or r.prompt))
     return out
 
 
@@ -130,7 +136,7 @@ class DPOObjective(ObjectiveBase):
             z = self.beta * (logratio[c] - logratio[r])
             per = -torch.nn.functional.logsigmoid(z)
         else:
-            n = torch.tensor([float(len(x.response)) for x in tree.rollouts], dtype=pi.dtype)  # |o|
+            n = torch.tensor([float(x.num_trained) for x in tree.rollouts], dtype=pi.dtype)  # |o| trained
             a = logratio / n
             per = ((a[c] - a[r]) - 1.0 / (2.0 * self.beta)).square()
         P = self.num_pairs

@@ -22,7 +22,8 @@ sequence-level objective (DPO) sets `needs_scores`: a forward-only pass scores t
 the one config (losses/config.py) by the registry (losses/registry.py): `from_config(cfg, batch)`.
 
 `PolicyGradientObjective` is the on-policy GRPO form used by `megatron-branch grad`:
-    L = -(1/T) * sum_i sum_{t in response_i} A_i * logp(i, t),   T = total response tokens (logical)
+    L = -(1/T) * sum_i sum_{t in response_i} m_{i,t} A_i * logp(i, t),   T = total trained response tokens
+(m the rollout's loss_mask: 1 = trained, absent = all ones; a context token carries no term for that rollout).
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ class PolicyGradientObjective(ObjectiveBase):
 
     @classmethod
     def grpo(cls, advantages: Sequence[float], num_response_tokens: int) -> PolicyGradientObjective:
-        """On-policy GRPO: coef_i = A_i / T with T the GLOBAL logical response-token count (all DP ranks)."""
+        """On-policy GRPO: coef_i = A_i / T with T the GLOBAL logical trained response-token count (all DP
+        ranks); each coefficient multiplies the rollout's trained tokens only."""
         if num_response_tokens <= 0:
             raise ValueError("the batch has no response tokens")
         return cls(coef=torch.tensor(list(advantages), dtype=torch.float64) / num_response_tokens)
@@ -141,8 +143,8 @@ class _BoundPolicyGradient:
 
     def __init__(self, objective: PolicyGradientObjective, tree: PrefixTree) -> None:
         self.objective, self.tree = objective, tree
-        # [N] weight of each packed token's logprob: the sum over the rollouts whose response holds it
-        self.weights = tree.token_weights(objective.coef)
+        # [N] weight of each packed token's logprob: the sum over the rollouts that TRAIN it (loss_mask 1)
+        self.weights = tree.token_weights(objective.coef, trained_only=True)
 
     def chunk_loss(
         self, logp: torch.Tensor, targets: torch.Tensor, entropy: torch.Tensor | None = None
@@ -156,6 +158,9 @@ class _BoundPolicyGradient:
         # logp[j] is the logprob of token j+1; response tokens start at index len(prompt)
         w = torch.zeros(len(r.prompt) + len(r.response) - 1, dtype=torch.float64)
         w[max(len(r.prompt) - 1, 0) :] = self.objective.coef[i]
+        if r.loss_mask is not None:  # context tokens carry no term (an empty prompt's first token has no row)
+            mask = torch.tensor(r.loss_mask, dtype=torch.float64)
+            w[max(len(r.prompt) - 1, 0) :] *= mask if r.prompt else mask[1:]
         return -(logp * w.to(device=logp.device, dtype=logp.dtype)).sum(), _NO_STATS
 
 
@@ -166,11 +171,11 @@ class AdvantagePolicyGradient(ObjectiveBase):
     update over micro-batches and DP shards needs (T is the GLOBAL response-token count)."""
 
     num_response_tokens: int
-    """T of the global batch."""
+    """T of the global batch: its trained response tokens (loss_mask 1)."""
 
     @classmethod
     def from_config(cls, cfg: Any, batch: Sequence[Rollout]) -> AdvantagePolicyGradient:
-        return cls(num_response_tokens=sum(len(r.response) for r in batch))
+        return cls(num_response_tokens=sum(r.num_trained for r in batch))
 
     def bind(self, tree: PrefixTree) -> _BoundPolicyGradient:
         for i, r in enumerate(tree.rollouts):

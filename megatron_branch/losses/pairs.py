@@ -1,6 +1,6 @@
 """The (rollout, response token) pairs of a prefix tree: the unit every per-token RL objective sums over.
 
-Shape legend: P pairs (sum over rollouts of their scored response tokens), m targets of a chunk, R rollouts.
+Shape legend: P pairs (sum over rollouts of their scored, trained response tokens), m targets of a chunk, R rollouts.
 
 A response token shared by k rollouts is ONE packed target but k loss terms, each with its own rollout's data
 (advantage, old and reference logprob, return, aggregation weight). Binding builds, once per tree, the pairs in
@@ -10,6 +10,10 @@ table over the whole tree), and naive's rollout i finds its own by slicing: both
 function on the same data, so the totals agree term by term.
 
 A first response token of a rollout with an empty prompt has no predictor (no logprob anywhere): it has no pair.
+A response token with loss_mask 0 for a rollout (context inside the response: a tool's output) has no pair for
+that rollout either: no term of any objective, no count in any token mean. Masks are per rollout like advantages,
+so a shared token may be a pair of one rollout and not of another; everything that sums over pairs (every
+per-token objective, its metrics, objectives added later) is masked by construction.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ class TokenPairs:
             j = torch.arange(len(r.response))
             if not r.prompt:  # nothing predicts the very first token
                 idx, j = idx[1:], j[1:]
+            if r.loss_mask is not None:  # context tokens (loss_mask 0) carry no term for this rollout
+                keep = torch.tensor(r.loss_mask, dtype=torch.bool)[j]
+                idx, j = idx[keep], j[keep]
             rollout.append(torch.full((j.numel(),), i, dtype=torch.long))
             token.append(idx)
             position.append(j)
@@ -40,7 +47,7 @@ class TokenPairs:
         self.tree = tree
         self.rollout = torch.cat(rollout)  # [P]
         self.token = torch.cat(token)  # [P] packed index
-        self.position = torch.cat(position)  # [P] index of the token in its rollout's response
+        self.position = torch.cat(position)  # [P] index of the token in its rollout's response (trained ones)
         prompt_len = torch.tensor([len(r.prompt) for r in tree.rollouts], dtype=torch.long)
         self.logical = prompt_len[self.rollout] + self.position - 1  # [P] row of naive's logp [L-1]
         self.start = start  # [R+1]

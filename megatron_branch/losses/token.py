@@ -70,9 +70,7 @@ class TokenObjective(ObjectiveBase):
     def bind(self, tree: PrefixTree) -> PairBound:
         pairs = TokenPairs(tree)
         weight = pairs.rollout_values(
-            torch.tensor(
-                [self.agg.rollout_weight(len(r.response)) for r in tree.rollouts], dtype=torch.float64
-            )
+            torch.tensor([self.agg.rollout_weight(r.num_trained) for r in tree.rollouts], dtype=torch.float64)
         )
         stats = self.stats()
         return PairBound(

@@ -21,7 +21,7 @@ import torch
 from megatron_branch.errors import UserError
 from megatron_branch.models.families import arch_fields_from_hf, families, get_family, hf_config_of
 from megatron_branch.models.router_settings import check_router
-from megatron_branch.rules import check_gdn_context_parallel, check_hybrid_schedule
+from megatron_branch.rules import check_hybrid_run
 
 LAYER_TYPES = ("full_attention", "linear_attention")
 """HF's names for the two kinds of token mixer (Qwen3.5 `layer_types`)."""
@@ -421,14 +421,6 @@ def gdn_block_heads(key_heads: int, value_heads: int, cp: int) -> tuple[int, int
 
 
 def check_schedule_supports(arch: ModelArch, schedule: str, *, cp: int = 1, tp: int = 1) -> None:
-    """Refuse, in one line, a schedule or layout that cannot run `arch` exactly (before any work): the rules
-    rules.check_hybrid_schedule and rules.check_gdn_context_parallel, read off the arch (SettingErrors: re-spell them
-    at entry points with other names)."""
-    if not arch.is_hybrid:
-        return
-    check_hybrid_schedule(
-        schedule, model=f"{arch.family}, {arch.num_linear_layers} of {arch.num_layers} layers gated delta net"
-    )
-    check_gdn_context_parallel(
-        key_heads=arch.linear_num_key_heads, value_heads=arch.linear_num_value_heads, tp=tp, cp=cp
-    )
+    """Refuse, in one line, a schedule or layout that cannot run `arch` exactly (before any work): the hybrid
+    rules, rules.check_hybrid_run (SettingErrors: re-spell them at entry points with other names)."""
+    check_hybrid_run(arch, schedule, cp=cp, tp=tp)

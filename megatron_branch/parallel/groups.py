@@ -70,11 +70,45 @@ class ParallelGroups:
         return self.pp_rank == self.pp_size - 1
 
     @classmethod
+    def from_parallel_state(
+        cls, *, sequence_parallel: bool, pg_collection: Any = None, reduces_grads: bool = True
+    ) -> ParallelGroups:
+        """The groups megatron's parallel_state holds (every axis: tp, cp, dp, pp and its embedding group, ep), as
+        megatron's own schedule resolves them: tp, cp, pp and embd from `pg_collection` when one is given (megatron's
+        ProcessGroupCollection). `sequence_parallel`: the model's setting (in effect only at tp > 1).
+        `reduces_grads`: the engine sums the gradients itself (dp_cp set); False where megatron's
+        finalize_model_grads_func does it (the drop-in, verl's engine)."""
+        from megatron.core import parallel_state as ps
+
+        pgc = pg_collection
+        tp = pgc.tp if pgc is not None else ps.get_tensor_model_parallel_group()
+        cp = pgc.cp if pgc is not None else ps.get_context_parallel_group()
+        pp = getattr(pgc, "pp", None) if pgc is not None else ps.get_pipeline_model_parallel_group()
+        dp = ps.get_data_parallel_group()
+        tp_size, pp_size, ep_size = _size(tp), _size(pp), ps.get_expert_model_parallel_world_size()
+        piped = pp_size > 1
+        embd = (
+            getattr(pgc, "embd", None) if pgc is not None else ps.get_embedding_group(check_initialized=False)
+        )
+        return cls(
+            tp=tp, cp=cp, dp=dp, dp_cp=ps.get_data_parallel_group(with_context_parallel=True) if reduces_grads else None,
+            tp_size=tp_size, cp_size=_size(cp), dp_size=_size(dp), sequence_parallel=sequence_parallel and tp_size > 1,
+            pp=pp if piped else None, pp_size=pp_size, pp_rank=dist.get_rank(pp) if piped else 0,
+            embd=embd if piped else None,  # None off stages 0, pp-1
+            ep=ps.get_expert_model_parallel_group() if ep_size > 1 else None, ep_size=ep_size,
+            ep_spans_dp=ep_size > 1 and _ep_spans_replicas(ps),
+        )  # fmt: skip
+
+    @classmethod
     def single(cls) -> ParallelGroups:
         """One process, no parallelism: no groups at all (the math never calls a collective on a size-1 axis)."""
         return cls(
             tp=None, cp=None, dp=None, dp_cp=None, tp_size=1, cp_size=1, dp_size=1, sequence_parallel=False
         )
+
+
+def _size(group: Any) -> int:
+    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
 
 
 def _free_port() -> int:
@@ -123,24 +157,10 @@ def initialize_parallel(cfg: ParallelLayout, *, seed: int = 1234) -> ParallelGro
     # torch 2.13 starts each process from a different CPU seed: seed explicitly so replicas agree.
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    piped = cfg.pp > 1
-    return ParallelGroups(
-        tp=ps.get_tensor_model_parallel_group(),
-        cp=ps.get_context_parallel_group(),
-        dp=ps.get_data_parallel_group(),
-        dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
-        tp_size=cfg.tp,
-        cp_size=cfg.cp,
-        dp_size=dp,
-        sequence_parallel=cfg.sp,
-        pp=ps.get_pipeline_model_parallel_group() if piped else None,
-        pp_size=cfg.pp,
-        pp_rank=ps.get_pipeline_model_parallel_rank() if piped else 0,
-        embd=ps.get_embedding_group(check_initialized=False) if piped else None,  # None off stages 0, pp-1
-        ep=ps.get_expert_model_parallel_group() if cfg.ep > 1 else None,
-        ep_size=cfg.ep,
-        ep_spans_dp=cfg.ep > 1 and _ep_spans_replicas(ps),
-    )
+    groups = ParallelGroups.from_parallel_state(sequence_parallel=cfg.sequence_parallel)
+    sizes = (groups.tp_size, groups.cp_size, groups.dp_size, groups.pp_size, groups.ep_size)
+    assert sizes == (cfg.tp, cfg.cp, dp, cfg.pp, cfg.ep), (sizes, cfg)
+    return groups
 
 
 def _ep_spans_replicas(ps: Any) -> bool:

@@ -84,6 +84,10 @@ class ParallelLayout:
         """dp for `world_size` ranks; a world that is not a multiple of tp*cp*pp, or contradicts a given dp, is
         refused."""
         mp = self.model_parallel
+        if mp > world_size:  # "16 > 8" said outright, not "8 is not a multiple of 16"
+            raise SettingError(
+                lambda s: f"{self._axes()} = {self._sizes()} = {mp} ranks > world size {world_size}"
+            )
         if world_size % mp:
             raise SettingError(
                 lambda s: (

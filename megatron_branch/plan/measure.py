@@ -14,11 +14,13 @@ from unittest import mock
 
 import torch
 
+from megatron_branch.assembly import RunSpec, ScheduleConfig, schedule_options
 from megatron_branch.data import PrefixTree, Rollout
 from megatron_branch.losses import PolicyGradientObjective
 from megatron_branch.memory import ActivationMeter
+from megatron_branch.parallel.groups import ParallelGroups
 from megatron_branch.plan.model import RolloutShape
-from megatron_branch.schedule import ScheduleOptions, run_schedule
+from megatron_branch.schedule import run_schedule
 
 
 def shape_rollouts(shape: RolloutShape, vocab: int, seed: int = 0) -> list[Rollout]:
@@ -74,13 +76,10 @@ def measure_step(
     rollouts = shape_rollouts(shape, vocab, seed)
     tree = PrefixTree.build(rollouts, vocab_size=vocab)
     obj = PolicyGradientObjective.grpo([r.advantage for r in rollouts], tree.num_response_tokens_logical())
-    opts = ScheduleOptions(
-        vocab_size=vocab,
-        branch_micro_batch=branch_micro_batch,
-        recompute=recompute,
-        recompute_layers=recompute_layers,
-        **parallel,
-    )
+    sched = ScheduleConfig(branch_micro_batch=branch_micro_batch, recompute=recompute,
+                           enable_gradient_checkpointing=recompute_layers)  # fmt: skip
+    groups = parallel.pop("groups", None) or ParallelGroups.single()
+    opts = schedule_options(RunSpec(schedule=sched), groups, vocab, **parallel)  # the run assembly
     cached: dict[int, int] = {}  # storage ptr -> bytes, of the cache registered so far and still alive
     peak_cached = 0
     real_track = cache_module.track_extra

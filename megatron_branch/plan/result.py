@@ -13,6 +13,7 @@ from typing import Any
 from megatron_branch.models.arch import ModelArch
 from megatron_branch.plan.model import GPU, Layout, RolloutShape
 from megatron_branch.plan.optimizer import OptimizerChoice
+from megatron_branch.precision import BYTES, long_name
 
 TERMS_IN_TOTAL = (
     "parameters",
@@ -28,7 +29,7 @@ TERMS_IN_TOTAL = (
 )
 
 
-DTYPE_BYTES = {"bf16": 2, "float32": 4}
+DTYPE_BYTES = {n: BYTES[long_name(n)] for n in ("bf16", "float32")}
 """--dtype: the model's parameter and activation dtype (bf16 training; float32 as `megatron-branch grad` runs)."""
 
 

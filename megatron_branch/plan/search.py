@@ -12,6 +12,7 @@ choice does not fit.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from megatron_branch.errors import SettingError, UserError
@@ -244,6 +245,17 @@ def _splits_gdn_heads(arch: ModelArch, tp: int, cp: int) -> bool:
     return cp in sizes
 
 
+def check_fixed_sizes(gpus: int, **sizes: int | None) -> None:
+    """The sizes given (--tp 4 --cp 4) must fit --gpus: their product, said outright when it is larger (16 > 8),
+    not the search's "no layout satisfies" that hides why."""
+    given = {k: v for k, v in sizes.items() if v}
+    product = math.prod(given.values())
+    if product > gpus or gpus % product:
+        names = " x ".join(f"--{k} {v}" for k, v in given.items())
+        relation = f"> --gpus {gpus}" if product > gpus else f"does not divide --gpus {gpus}"
+        raise UserError(f"{names} = {product} GPUs {relation}")
+
+
 def plan(
     model: str,
     arch: ModelArch,
@@ -288,6 +300,7 @@ def plan(
             check_gdn_context_parallel(
                 key_heads=arch.linear_num_key_heads, value_heads=arch.linear_num_value_heads, tp=tp, cp=cp
             )
+    check_fixed_sizes(gpus, tp=tp, cp=cp, pp=pp, dp=dp)
     fixed_pp = pp or (gpus // (tp * cp * dp) if tp and cp and dp and gpus % (tp * cp * dp) == 0 else 0)
     if tp and cp and dp and recompute and fixed_pp and (ep or not arch.is_moe):
         layouts = [Layout(tp=tp, cp=cp, dp=dp, pp=fixed_pp, recompute=recompute, ep=ep or 1)]

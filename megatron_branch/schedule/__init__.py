@@ -9,6 +9,7 @@ logical-batch loss; they differ only in what is computed once and what is kept a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -18,7 +19,8 @@ from megatron_branch.errors import SettingError
 from megatron_branch.losses.objective import Objective
 from megatron_branch.rules import API, check_gdn_context_parallel, check_hybrid_schedule, check_pipeline
 from megatron_branch.schedule.common import ScheduleOptions, StepResult
-from megatron_branch.schedule.moe import moe_arch, run_with_router
+from megatron_branch.schedule.hooks import ScheduleHook, run_hooked
+from megatron_branch.schedule.moe import ROUTER_PLAN
 from megatron_branch.schedule.naive import run_naive
 from megatron_branch.schedule.packed import run_packed
 from megatron_branch.schedule.replay import run_replay, run_replay_stopgrad
@@ -35,6 +37,10 @@ SCHEDULES: dict[str, Callable[..., StepResult]] = {
     # NOT exact, a comparison only: the prompt's K/V as constants (the announced stop-gradient system)
     "replay-stopgrad": run_replay_stopgrad,
 }
+
+HOOKS: tuple[ScheduleHook, ...] = (ROUTER_PLAN,)
+"""The registered per-step features (schedule/hooks.py), bound to every step of every schedule, one rank or
+pipelined; each binds to nothing where it does not apply (the router plan on a dense model)."""
 
 
 def run_schedule(
@@ -65,15 +71,14 @@ def run_schedule(
             check_pipeline(name, pp=1, root_pieces=opts.root_pieces)
         except SettingError as e:
             raise e.spelled(API) from None
+    fn = SCHEDULES[name]
     if opts.pp_size > 1:  # this rank's pipeline stage runs its part of the walk (schedule/pipeline.py)
-        from megatron_branch.schedule.pipeline import run_pipeline
+        from megatron_branch.schedule.pipeline import check_pipeline_step, run_pipeline
 
-        return run_pipeline(name, model, tree, objective, opts, forward_only=forward_only)
-    if (
-        moe_arch(model) is not None
-    ):  # router losses weighted by multiplicity, routing replay (schedule/moe.py)
-        return run_with_router(SCHEDULES[name], name, model, tree, objective, opts, forward_only=forward_only)
-    return SCHEDULES[name](model, tree, objective, opts, forward_only=forward_only)
+        check_pipeline_step(name, model, opts)  # before any hook binds: refusals first
+        fn = functools.partial(run_pipeline, name)  # called as the one-rank schedules are
+    hooks = (*HOOKS, *opts.hooks)  # per-step features (MoE's router plan): no schedule names them
+    return run_hooked(fn, name, model, tree, objective, opts, hooks, forward_only=forward_only)
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -104,6 +109,7 @@ def check_model_supports(model: torch.nn.Module, name: str, *, cp: int = 1, tp: 
 
 
 __all__ = [
+    "HOOKS",
     "SCHEDULES",
     "ScheduleOptions",
     "Scores",

@@ -21,10 +21,9 @@ from megatron_branch.losses.logprobs import vocab_parallel_entropy, vocab_parall
 from megatron_branch.losses.objective import BoundObjective
 from megatron_branch.models.gpt import BranchGPTModel
 from megatron_branch.models.layer_checkpoint import uses_layer_checkpointing
-from megatron_branch.models.moe import attach_router_context
 from megatron_branch.parallel.groups import comm_device
 from megatron_branch.schedule.chunks import Chunk, CPChunk, make_chunk, split_chunk
-from megatron_branch.schedule.moe import router_context
+from megatron_branch.schedule.hooks import Rows, hook_forwards
 from megatron_branch.schedule.options import ScheduleOptions
 
 
@@ -176,15 +175,20 @@ def forward_chunk(
     want_entropy = opts.keep_entropy or (objective is not None and objective.needs_entropy)
     ids, pos = chunk.input_ids.to(dev)[None], chunk.position_ids.to(dev)[None]  # [1, s]
     target_rows, target_ids = chunk.target_rows.to(dev), tree.tokens[chunk.targets].to(dev)  # [m]
-    rows = torch.full((ids.shape[1],), -1, dtype=torch.long)  # packed index per row, -1 = padding
-    rows[: chunk.token_index.numel()] = chunk.token_index
-    with attach_router_context(model, router_context(opts, token_index=rows)):
+    with hook_forwards(model, opts, chunk_rows(chunk, ids.shape[1])):
         logp, ent = row_logprobs(model, ctx, ids, pos, target_rows, target_ids, opts, entropy=want_entropy)
     if objective is None:
         loss, stats = logp.new_zeros(()), torch.zeros(0, dtype=torch.float64)
     else:
         loss, stats = objective.chunk_loss(logp, chunk.targets, ent)
     return ChunkOut(loss=loss, stats=stats, logp=logp, entropy=ent, captured=ctx.captured)
+
+
+def chunk_rows(chunk: Chunk | CPChunk, s: int) -> Rows:
+    """The rows of a chunk's forward of `s` rows for the schedule hooks: packed index per row, -1 = padding."""
+    rows = torch.full((s,), -1, dtype=torch.long)
+    rows[: chunk.token_index.numel()] = chunk.token_index
+    return Rows(token_index=rows)
 
 
 def check_recompute_layers(model: torch.nn.Module, opts: ScheduleOptions) -> None:

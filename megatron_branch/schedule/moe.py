@@ -1,19 +1,22 @@
 """A schedule call on a mixture-of-experts policy: bind the router work to the tree, count, train, check.
 
-    plan = bind_router_plan(name, model, tree, opts)   # groups, membership, forced routes (losses/router.py)
+    plan = bind_router_plan(name, model, tree, opts)   # at the hook's bind: groups, membership, forced routes
     counting pass (load-balancing losses on): the same schedule forward-only, every router counting its top-k
     maps per group; then the training call with every loss weighted by multiplicity; then `plan.finish()` checks
     that the training forward routed as the counting pass did and returns the routing metrics.
 
-The schedules attach `router_context(opts, ...)` to their forwards (forward_chunk for packed and replay, one per
-rollout for naive, one per packed group for the unshared baselines); for a dense model, or without MoE options,
-it is None and nothing changes.
+The plan enters the schedules as a schedule hook (schedule/hooks.py; `ROUTER_PLAN`, registered in
+schedule/__init__.py HOOKS): every schedule's forwards enter `hook_forwards` (forward_chunk for packed and replay,
+one per rollout for naive, one per packed group for the unshared baselines, every pipeline stage's forward), and
+the bound plan attaches its router context there; for a dense model it is not bound and nothing changes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,8 +24,8 @@ import torch
 from megatron_branch.data import PrefixTree
 from megatron_branch.losses.router import MoEOptions, check_dropless, pinned_aux_scale
 from megatron_branch.losses.router_plan import RouterPlan
-from megatron_branch.losses.routing import RowContext
-from megatron_branch.models.moe import release_dispatcher_state
+from megatron_branch.models.moe import attach_router_context, release_dispatcher_state
+from megatron_branch.schedule.hooks import Rows
 
 ROLLOUT_SCHEDULES = ("naive", "naive-fused", "packed-nosharing")
 """Schedules whose rows are whole rollouts (a rollout's tokens are its own group)."""
@@ -48,44 +51,55 @@ def bind_router_plan(name: str, model: torch.nn.Module, tree: PrefixTree, opts: 
     )
 
 
-def run_with_router(
-    fn: Callable[..., Any],
-    name: str,
-    model: torch.nn.Module,
-    tree: PrefixTree,
-    objective: Any,
-    opts: Any,
-    *,
-    forward_only: bool,
-) -> Any:
-    """`fn` (a schedule) on a MoE model: counting pass when a balancing loss is on, then the call; the routing
-    metrics are added to the result's stats (summed over TP x CP: they add over micro-batches and DP ranks)."""
-    plan = bind_router_plan(name, model, tree, opts)
-    bound = dataclasses.replace(opts, router_plan=plan)
-    try:
-        with pinned_aux_scale():
-            if plan.needs_counts and not forward_only:
-                counting = dataclasses.replace(
-                    bound, keep_logprobs=False, keep_entropy=False, ring_stats=None
-                )
-                with plan.counting_pass(), torch.no_grad():
-                    fn(model, tree, None, counting, forward_only=True)
-            result = fn(model, tree, objective, bound, forward_only=forward_only)
-    finally:
-        release_dispatcher_state(model)
-    metrics = plan.finish()
-    if not forward_only:
-        result.stats.update(metrics)
-    return result
+@dataclass(frozen=True)
+class RouterPlanHook:
+    """The router plan as a schedule hook (schedule/hooks.py): bound for a MoE policy, nothing for a dense one."""
+
+    name: str = "moe-router-plan"
+
+    def bind(
+        self, schedule: str, model: torch.nn.Module, tree: PrefixTree, opts: Any
+    ) -> BoundRouterPlan | None:
+        if moe_arch(model) is None:
+            return None
+        return BoundRouterPlan(bind_router_plan(schedule, model, tree, opts), model)
 
 
-def router_context(opts: Any, *, token_index: torch.Tensor | None = None, rollouts: Sequence[int] = (), rows: int = 0
-                   ) -> RowContext | None:  # fmt: skip
-    """The router context of one forward: a tree chunk's rows (`token_index`, -1 = padding) or rollouts laid end
-    to end (`rollouts`, padded to `rows`). None without a bound plan (a dense model)."""
-    plan = getattr(opts, "router_plan", None)
-    if plan is None:
-        return None
-    if token_index is not None:
-        return plan.chunk_context(token_index)
-    return plan.rollouts_context(rollouts, rows)
+@dataclass
+class BoundRouterPlan:
+    """One step's router plan: a counting pass when a balancing loss is on, then the call; every forward routes
+    its rows under the plan; at the end the routing metrics are added to the result's stats (summed over TP x CP:
+    they add over micro-batches and DP ranks)."""
+
+    plan: RouterPlan
+    model: torch.nn.Module
+
+    def run(self, step: Callable[..., Any], opts: Any, *, forward_only: bool) -> Any:
+        try:
+            with pinned_aux_scale():
+                if self.plan.needs_counts and not forward_only:
+                    counting = dataclasses.replace(
+                        opts, keep_logprobs=False, keep_entropy=False, ring_stats=None
+                    )
+                    with self.plan.counting_pass():
+                        step(counting, score_only=True)
+                return step(opts)
+        finally:
+            release_dispatcher_state(self.model)
+
+    def forward(self, model: torch.nn.Module, where: Rows) -> contextlib.AbstractContextManager[Any]:
+        """The router context of one forward: a tree chunk's rows or rollouts laid end to end."""
+        if where.token_index is not None:
+            ctx = self.plan.chunk_context(where.token_index)
+        else:
+            ctx = self.plan.rollouts_context(where.rollouts, where.rows)
+        return attach_router_context(model, ctx)
+
+    def finish(self, result: Any, *, forward_only: bool) -> None:
+        metrics = self.plan.finish()
+        if not forward_only:
+            result.stats.update(metrics)
+
+
+ROUTER_PLAN = RouterPlanHook()
+"""The registered hook (schedule/__init__.py HOOKS)."""

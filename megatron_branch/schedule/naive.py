@@ -14,7 +14,6 @@ from megatron_branch.errors import SettingError
 from megatron_branch.losses.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from megatron_branch.losses.objective import Objective
 from megatron_branch.models.gpt import BranchGPTModel
-from megatron_branch.models.moe import attach_router_context
 from megatron_branch.parallel.lockstep import backward
 from megatron_branch.rules import API, check_run
 from megatron_branch.schedule.common import (
@@ -25,7 +24,7 @@ from megatron_branch.schedule.common import (
     _to_replicated_region,
     model_device,
 )
-from megatron_branch.schedule.moe import router_context
+from megatron_branch.schedule.hooks import Rows, hook_forwards
 
 
 def run_naive(
@@ -55,8 +54,8 @@ def run_naive(
             None, None
         ]  # True = masked
         ent = None
-        router = attach_router_context(model, router_context(opts, rollouts=[i], rows=s))  # MoE: its rows
-        with torch.set_grad_enabled(not forward_only and torch.is_grad_enabled()), router:
+        hooks = hook_forwards(model, opts, Rows(rollouts=[i], rows=s))  # per-step features (MoE): its rows
+        with torch.set_grad_enabled(not forward_only and torch.is_grad_enabled()), hooks:
             if isinstance(base, BranchGPTModel) and base.is_critic:
                 with base.hidden_states_only():
                     hidden = model(ids[None], pos[None], mask)  # [s (/tp), 1, h]

@@ -8,6 +8,7 @@ from typing import Any
 
 from megatron_branch.attention.dispatch import backend_problem
 from megatron_branch.parallel.groups import ParallelGroups
+from megatron_branch.schedule.hooks import ScheduleHook, StepHook
 
 
 @dataclass(kw_only=True)
@@ -42,9 +43,12 @@ class ScheduleOptions:
     are never materialised. Needs a BranchGPTModel; False (or another model) = megatron's output layer + logprobs."""
     moe: Any = None
     """A MoE policy's router options (losses/router.py MoEOptions: router losses, routing replay); None = megatron's
-    routing, no router losses. Ignored for a dense model."""
-    router_plan: Any = None
-    """Set by run_schedule for a MoE policy (the bound losses/router.py RouterPlan); not a user option."""
+    routing, no router losses. Ignored for a dense model. The schedule hook schedule/moe.py ROUTER_PLAN reads them."""
+    hooks: tuple[ScheduleHook, ...] = ()
+    """Per-step features of the caller's own (schedule/hooks.py), bound by run_schedule after the registered ones
+    (schedule/__init__.py HOOKS)."""
+    step_hooks: tuple[StepHook, ...] = ()
+    """Set by run_schedule: the hooks bound to this step, entered around every forward; not a user option."""
     pipeline_order: str = "1f1b"
     """Under pipeline parallelism (schedule/pipeline.py): the order of each wave of leaf micro-batches on a stage,
     "1f1b" (megatron's: pp - 1 - stage forwards first, then one forward one backward; at most pp micro-batches

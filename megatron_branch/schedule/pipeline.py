@@ -9,7 +9,8 @@ Every stage runs the SAME program over the same prefix tree: each stage builds t
 integration/schedule.py), and a fingerprint gathered over the pipeline group checks that the stages agree. So every
 message has its partner and its shape is known on both sides (no shape exchange): a chunk's rows on this rank.
 
-replay (the depth-first walk of schedule/replay.py, each step spread over the stages):
+replay (the depth-first walk of schedule/walk.py, written once for one rank and every stage; each step spread
+over the stages):
     F(root)       receive the root's hidden states from stage r-1, run this stage's layers CAPTURING their prefix
                   state (K/V rows; a recurrent layer's state at the fork) into THIS stage's prefix cache
                   (schedule/prefix_cache.py, unchanged), send the output to stage r+1; the last stage computes the
@@ -75,12 +76,14 @@ from megatron_branch.schedule.common import (
     StepResult,
     Store,
     check_recompute_layers,
+    chunk_rows,
     forward_chunk,
     model_device,
     prepare_chunk,
 )
+from megatron_branch.schedule.hooks import Rows, hook_forwards
 from megatron_branch.schedule.prefix_cache import PrefixCache
-from megatron_branch.schedule.replay import child_groups
+from megatron_branch.schedule.walk import DepthFirstWalk
 
 
 @dataclass(frozen=True)
@@ -179,7 +182,12 @@ class _Stage:
                     device=self.device,
                 )  # fmt: skip
                 ids, pos = chunk.input_ids.to(self.device)[None], chunk.position_ids.to(self.device)[None]
-                with attach_context(self.model, ctx):
+                where = (
+                    Rows(rollouts=chunk.rollouts, rows=ids.shape[1])
+                    if isinstance(chunk, _RolloutChunk)
+                    else chunk_rows(chunk, ids.shape[1])
+                )
+                with attach_context(self.model, ctx), hook_forwards(self.model, self.opts, where):
                     hidden = self.model(ids, pos, None)  # [rows, 1, h]: megatron returns the block's output
                 return _Run(chunk, x, hidden, ctx.captured, None)
             finally:
@@ -205,8 +213,8 @@ class _Stage:
         return run.input.grad if run.input.grad is not None else torch.zeros_like(run.input)
 
 
-class _Pipeline:
-    """The per-stage program of one step (see the module doc)."""
+class _Pipeline(DepthFirstWalk):
+    """The per-stage program of one step (see the module doc): the walk of schedule/walk.py, this stage's steps."""
 
     def __init__(
         self,
@@ -224,6 +232,7 @@ class _Pipeline:
         self.stage = _Stage(model, tree, objective, opts, self.link, self.store)
         self.cache = PrefixCache(grad=self.grad)
         self.path: list[int] = []
+        self.micro = opts.branch_micro_batch
         self.forwards = self.positions = self.recomputed = 0
 
     # ---- one chunk ---------------------------------------------------------------------------------------------
@@ -241,9 +250,9 @@ class _Pipeline:
         if run.out is not None:  # the last stage: the counted forward's results
             self.store.add(run.chunk.targets, run.out)
 
-    # ---- replay ------------------------------------------------------------------------------------------------
-    def run_segment(self, seg_id: int) -> None:
-        """F(X), X's children (inner ones recursively, leaves in waves), B(X) once."""
+    # ---- replay: the walk's steps on this stage (schedule/walk.py walks) ------------------------------------------
+    def open_segment(self, seg_id: int) -> tuple[Chunk | CPChunk, torch.Tensor | None, _Run, bool]:
+        """F(X): receive, run this stage's layers capturing their state, send; the state cached on this stage."""
         keep_graph = self.grad and not self.opts.recompute
         chunk = self._chunk([seg_id])
         received = self.link.recv_forward(self.stage.shape(chunk))
@@ -251,9 +260,13 @@ class _Pipeline:
         self.link.send_forward(run.output)
         self.positions += chunk.num_real
         self.cache.push(seg_id, run.captured, chunk.cache_rows, meta=chunk.cache_meta)
-        self.path.append(seg_id)
-        self.run_children(self.tree.segments[seg_id].children)
-        self.path.pop()
+        return chunk, received, run, keep_graph
+
+    def close_segment(
+        self, seg_id: int, opened: tuple[Chunk | CPChunk, torch.Tensor | None, _Run, bool]
+    ) -> None:
+        """B(X) once, after every descendant: the next stage's gradient and the subtree's summed dK/dV."""
+        chunk, received, run, keep_graph = opened
         if not self.grad:
             self.cache.drop(seg_id)
             self._record(run)
@@ -267,22 +280,9 @@ class _Pipeline:
         self.cache.drop(seg_id)
         self._record(run)
 
-    def run_children(self, children: Sequence[int]) -> None:
-        """Inner children one at a time; runs of consecutive leaf micro-batches as one wave each."""
-        wave: list[list[int]] = []
-        for group in child_groups(self.tree, tuple(children), self.opts.branch_micro_batch):
-            if len(group) == 1 and self.tree.segments[group[0]].children:
-                self._wave(wave)
-                wave = []
-                self.run_segment(group[0])
-            else:
-                wave.append(group)
-        self._wave(wave)
-
     # ---- a wave of independent micro-batches -------------------------------------------------------------------
-    def _wave(self, groups: list[list[int]]) -> None:
-        if groups:
-            self.wave([self._chunk(g) for g in groups])
+    def run_wave(self, groups: list[list[int]]) -> None:
+        self.wave([self._chunk(g) for g in groups])
 
     def wave(self, chunks: Sequence[AnyChunk]) -> None:
         """Independent micro-batches through the pipeline: forward-only in order, or megatron's 1F1B."""
@@ -353,21 +353,8 @@ def run_pipeline(
     forward_only: bool = False,
 ) -> StepResult:
     """Schedule `name` (replay or packed) on this rank's pipeline stage; gradients accumulate in the stage's
-    parameters, every stage returns the same StepResult. Collective over the pipeline group (and TP/CP)."""
-    arch = getattr(_unwrap(model), "arch", None)
-    try:  # the rules every entry point checks up front (rules.py)
-        check_run(name, cp=opts.cp_size, recompute=opts.recompute, recompute_layers=opts.recompute_layers)
-        check_pipeline(
-            name,
-            pp=opts.pp_size,
-            num_layers=int(_unwrap(model).config.num_layers),
-            hybrid=bool(getattr(arch, "is_hybrid", False)),
-            moe=bool(getattr(arch, "is_moe", False)),
-            critic=bool(getattr(_unwrap(model), "is_critic", False)),
-            root_pieces=opts.root_pieces,
-        )
-    except SettingError as e:
-        raise e.spelled(API) from None
+    parameters, every stage returns the same StepResult. Collective over the pipeline group (and TP/CP). The caller
+    (run_schedule) has checked the step (check_pipeline_step)."""
     # replay's roots as chains of pieces (data/pieces.py): the same packed tokens, so the objective, the kept
     # logprobs and the result are the unsplit tree's; every stage cuts the same tree the same way
     tree = split_roots(tree, opts.root_pieces)
@@ -375,7 +362,7 @@ def run_pipeline(
     bound = objective.bind(tree) if objective is not None else None
     p = _Pipeline(model, tree, bound, opts, forward_only=forward_only)
     if name == "packed":
-        p._wave([list(tree.subtree_segments(r)) for r in tree.roots])
+        p.run_wave([list(tree.subtree_segments(r)) for r in tree.roots])
         return p.result("packed", bound, positions_computed=p.positions, forwards=p.forwards)
     if name == "naive-fused":
         p.wave([_RolloutChunk.of(tree, [i], opts) for i in range(len(tree.rollouts))])
@@ -389,6 +376,24 @@ def run_pipeline(
         positions_recomputed=p.recomputed,
         forwards=p.forwards,
     )
+
+
+def check_pipeline_step(name: str, model: torch.nn.Module, opts: ScheduleOptions) -> None:
+    """The rules every entry point checks up front (rules.py), for schedule `name` on this stage's model."""
+    arch = getattr(_unwrap(model), "arch", None)
+    try:
+        check_run(name, cp=opts.cp_size, recompute=opts.recompute, recompute_layers=opts.recompute_layers)
+        check_pipeline(
+            name,
+            pp=opts.pp_size,
+            num_layers=int(_unwrap(model).config.num_layers),
+            hybrid=bool(getattr(arch, "is_hybrid", False)),
+            moe=bool(getattr(arch, "is_moe", False)),
+            critic=bool(getattr(_unwrap(model), "is_critic", False)),
+            root_pieces=opts.root_pieces,
+        )
+    except SettingError as e:
+        raise e.spelled(API) from None
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -1,5 +1,6 @@
 """The replay schedule: depth-first over the prefix tree with per-layer dK/dV accumulators.
 
+The walk itself is schedule/walk.py (written once, also for every pipeline stage); here its steps on one rank.
 For a segment X with ancestors A (cached) and children C:
   1. forward X against A's cached state, capturing what each layer hands down (attention: X's own K/V; another
      layer kind: its state at the fork; attention/prefix_state.py), in X's graph;
@@ -31,8 +32,6 @@ in one forward) and is trained as in naive training.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
 from megatron_branch.data import PrefixTree
@@ -50,9 +49,12 @@ from megatron_branch.schedule.common import (
     prepare_chunk,
 )
 from megatron_branch.schedule.prefix_cache import PrefixCache
+from megatron_branch.schedule.walk import DepthFirstWalk
 
 
-class _Replay:
+class _Replay(DepthFirstWalk):
+    """The walk on one rank (schedule/walk.py): a wave's micro-batches one after another."""
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -67,6 +69,7 @@ class _Replay:
         self.stop_prompt_gradient = stop_prompt_gradient  # replay-stopgrad only (inexact, a comparison)
         self.cache = PrefixCache(grad=not forward_only)  # segment -> layer -> what it hands down (leaves)
         self.path: list[int] = []  # cached ancestors of what runs next, root first
+        self.micro = opts.branch_micro_batch
         self.forwards = 0
         self.positions = 0
         self.recomputed = 0
@@ -90,6 +93,10 @@ class _Replay:
         self.forwards += 1
         return chunk, out
 
+    def run_wave(self, groups: list[list[int]]) -> None:
+        for leaves in groups:  # one rank: each micro-batch forward and backward in turn
+            self.run_leaves(leaves)
+
     def run_leaves(self, leaves: list[int]) -> None:
         chunk, out = self._forward(leaves, capture=False)
         if not self.forward_only:
@@ -97,11 +104,7 @@ class _Replay:
         self.positions += chunk.num_real
         self.store.add(chunk.targets, out)
 
-    def run_segment(self, seg_id: int) -> None:
-        seg = self.tree.segments[seg_id]
-        if not seg.children:
-            self.run_leaves([seg_id])
-            return
+    def open_segment(self, seg_id: int) -> tuple[Chunk | CPChunk, ChunkOut, bool]:
         keep_graph = not self.opts.recompute and not self.forward_only
         chunk, out = self._forward([seg_id], capture=True, grad=keep_graph)
         self.positions += chunk.num_real
@@ -110,13 +113,10 @@ class _Replay:
         # constant: none (exact) except in replay-stopgrad, where they are the segment's prompt rows.
         frozen = self.tree.response_starts()[seg_id] if self.stop_prompt_gradient else 0
         self.cache.push(seg_id, out.captured, chunk.cache_rows, frozen=frozen, meta=chunk.cache_meta)
-        self.path.append(seg_id)
-        for group in self._child_groups(seg.children):
-            if len(group) == 1:
-                self.run_segment(group[0])
-            else:
-                self.run_leaves(group)
-        self.path.pop()
+        return chunk, out, keep_graph
+
+    def close_segment(self, seg_id: int, opened: tuple[Chunk | CPChunk, ChunkOut, bool]) -> None:
+        chunk, out, keep_graph = opened
         if self.forward_only:  # scoring: no backward, and the first forward is the one counted
             self.cache.drop(seg_id)
             self.store.add(chunk.targets, out)
@@ -130,25 +130,6 @@ class _Replay:
         backward(self.model, outputs, grads)  # plain autograd; paired across replicas under EP (lockstep)
         self.cache.drop(seg_id)
         self.store.add(chunk.targets, out)
-
-    def _child_groups(self, children: tuple[int, ...]) -> Iterator[list[int]]:
-        return child_groups(self.tree, children, self.opts.branch_micro_batch)
-
-
-def child_groups(tree: PrefixTree, children: tuple[int, ...], micro: int) -> Iterator[list[int]]:
-    """Inner children one at a time; leaf children in micro-batches of `micro` (replay's order, also under
-    pipeline parallelism: schedule/pipeline.py)."""
-    batch: list[int] = []
-    for c in children:
-        if tree.segments[c].children:
-            yield [c]
-        else:
-            batch.append(c)
-            if len(batch) == micro:
-                yield batch
-                batch = []
-    if batch:
-        yield batch
 
 
 def run_replay(

@@ -27,10 +27,19 @@ class Scores:
     """Per rollout: [len(response)] entropy of the distribution that predicted each token, when asked."""
     result: StepResult
     """The schedule's record (positions, forwards)."""
+    loss_masks: list[tuple[bool, ...] | None] | None = None
+    """Per rollout: its loss_mask (None: every response token trained)."""
 
     def sums(self) -> torch.Tensor:
-        """[R] float64: sum of each rollout's response logprobs over the scored tokens (DPO's pi)."""
-        return torch.stack([lp.nan_to_num(0.0).sum() for lp in self.logprobs])
+        """[R] float64: sum of each rollout's response logprobs over the scored TRAINED tokens (DPO's pi: a
+        context token, loss_mask 0, is not part of what the policy chose)."""
+        masks = self.loss_masks or [None] * len(self.logprobs)
+        return torch.stack(
+            [
+                (lp if m is None else lp[torch.tensor(m, dtype=torch.bool)]).nan_to_num(0.0).sum()
+                for lp, m in zip(self.logprobs, masks, strict=True)
+            ]
+        )
 
 
 def score_rollouts(
@@ -52,4 +61,5 @@ def score_rollouts(
         logprobs=[res.rollout_logprobs(tree, i) for i in range(n)],
         entropy=[res.rollout_entropy(tree, i) for i in range(n)] if entropy else None,
         result=res,
+        loss_masks=[r.loss_mask for r in tree.rollouts],
     )

@@ -26,7 +26,6 @@ from megatron_branch.attention.prefix_state import ChunkSegment, ChunkTree
 from megatron_branch.data import PrefixTree
 from megatron_branch.errors import SettingError
 from megatron_branch.losses.objective import BoundObjective, Objective
-from megatron_branch.models.moe import attach_router_context
 from megatron_branch.parallel.lockstep import backward
 from megatron_branch.rules import API, check_run
 from megatron_branch.schedule.common import (
@@ -38,7 +37,7 @@ from megatron_branch.schedule.common import (
     model_device,
     row_logprobs,
 )
-from megatron_branch.schedule.moe import router_context
+from megatron_branch.schedule.hooks import Rows, hook_forwards
 
 
 def _pack(tree: PrefixTree, rollouts: Sequence[int], pad_to: int) -> tuple[torch.Tensor, ...]:
@@ -96,7 +95,7 @@ def _forward(
         layout=layout, backend=opts.backend, recompute_layers=opts.recompute_layers, tree=roots
     )
     want_entropy = opts.keep_entropy or (bound is not None and bound.needs_entropy)
-    with attach_router_context(model, router_context(opts, rollouts=rollouts, rows=ids.shape[1])):
+    with hook_forwards(model, opts, Rows(rollouts=rollouts, rows=ids.shape[1])):
         x, ent = row_logprobs(model, ctx, ids, pos, rows, tgt, opts, entropy=want_entropy)
     total = x.new_zeros(())
     offset = 0

@@ -18,6 +18,7 @@ from typing import Any
 
 from megatron_branch.data.rollouts import iter_jsonl
 from megatron_branch.errors import UserError
+from megatron_branch.outputs import apply_umask
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,4 +71,5 @@ def write_prompts_jsonl(path: str | Path, rows: Sequence[PromptRow | Mapping[str
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write("".join(line + "\n" for line in lines))
+    apply_umask(tmp)  # mkstemp made it 0600
     os.replace(tmp, path)

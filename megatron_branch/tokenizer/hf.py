@@ -41,6 +41,11 @@ class HFTokenizer:
         self._tok = tok
 
     @property
+    def transformers(self) -> Any:
+        """The transformers tokenizer itself (its chat template: data/traces.py)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return len(self._tok)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_branch.errors import UserError
+from megatron_branch.outputs import apply_umask
 
 UNK_ID, EOS_ID, PAD_ID = 0, 1, 2
 SETTINGS_FILE = "spm_settings.json"
@@ -102,6 +103,7 @@ class SentencePieceTokenizer:
             fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{target.name}.")
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
+            apply_umask(tmp)  # mkstemp made it 0600
             os.replace(tmp, target)  # atomic: readers see the old file or the new one, never half of one
         return cls(model)
 

@@ -10,8 +10,9 @@ Key names follow verl where verl has one (`rollout.n`, `actor.clip_ratio_low`, `
 
 Sections that describe something the engine has one type for ARE that type (derived, not mirrored): `parallel` is
 the ParallelLayout (parallel/layout.py), `actor` the ObjectiveConfig (losses/config.py) plus the update split,
-`algorithm` the estimators' AdvantageConfig plus the recipe, `model.arch` a ModelArch (models/arch.py). Their
-rules are checked where they live; refusals name the config key (validate.SPELLING).
+`algorithm` the estimators' AdvantageConfig plus the recipe, `model.arch` a ModelArch (models/arch.py), `schedule`
+and `moe` the run assembly's ScheduleConfig and MoEConfig (assembly/spec.py, the same fields grad's flags are
+generated from). Their rules are checked where they live; refusals name the config key (validate.SPELLING).
 
 This file: the sections and TrainConfig. Reading YAML and overrides: config_io.py (`load_config`); the checks
 between fields, run by TrainConfig on construction: validate.py.
@@ -23,15 +24,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from megatron_branch.assembly.spec import MoEConfig, ScheduleConfig
 from megatron_branch.losses.config import ObjectiveConfig
 from megatron_branch.models.arch import ModelArch
 from megatron_branch.models.families import families, get_family
 from megatron_branch.models.families.registry import TRAIN_DEFAULT_FIELDS
 from megatron_branch.parallel.layout import ParallelLayout
 from megatron_branch.precision import DtypeName
-from megatron_branch.rules import TRAIN_SCHEDULES
 from megatron_branch.train.algorithm import AlgorithmConfig
-from megatron_branch.train.moe import MoEConfig
 
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -249,32 +249,6 @@ class OptimConfig:
 
 
 @dataclass(kw_only=True)
-class ScheduleConfig:
-    """How the engine runs a batch of rollouts (all give the same gradient)."""
-
-    name: Literal[TRAIN_SCHEDULES] = "replay"  # rules.TRAIN_SCHEDULES
-    """replay (DFS over the prefix tree), packed (one pass), naive (one rollout at a time, megatron's own
-    attention); the baselines without sharing on the engine's kernels: naive-fused (each rollout alone) and
-    packed-nosharing (all rollouts block-diagonal in one pass); replay-stopgrad is NOT exact, a comparison only:
-    the prompt's K/V as constants (the announced stop-gradient system)."""
-    backend: Literal["merge", "packed", "reference"] | None = None
-    """Attention backend override."""
-    branch_micro_batch: int = 8
-    """replay: sibling leaves per forward."""
-    recompute: bool = False
-    """replay: recompute inner segments at backward."""
-    root_pieces: int = 1
-    """replay under pipeline parallelism (parallel.pp > 1): cut each shared root (prompt) into this many sequence
-    pieces, which flow through the stages like micro-batches (exact; 1 = whole roots; docs/parallelism.md)."""
-    enable_gradient_checkpointing: bool = False
-    """Per-layer activation checkpointing inside every chunk (ScheduleOptions.recompute_layers): each transformer
-    layer keeps only its input and is recomputed in backward, one layer at a time; with `recompute` it is the
-    planner's `recompute full`. verl's name (actor_rollout_ref.model.enable_gradient_checkpointing) rather than
-    megatron's `recompute_granularity`: the engine has one granularity (every layer, non-reentrant), which a
-    boolean states, and megatron's "selective" would mean something else here (planner: segment recompute)."""
-
-
-@dataclass(kw_only=True)
 class WarmupConfig:
     """A short supervised warm-up on the task's reference answers before RL (the demo uses it; say so)."""
 
@@ -368,7 +342,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Steps, saving, resuming, run folder."""
     moe: MoEConfig = field(default_factory=MoEConfig)
-    """A mixture-of-experts policy's router losses and routing replay (train/moe.py)."""
+    """A mixture-of-experts policy's router losses and routing replay (assembly/spec.py MoEConfig)."""
 
     def __post_init__(self) -> None:
         from megatron_branch.train.validate import validate  # it reads these sections: imported when run

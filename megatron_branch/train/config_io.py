@@ -46,6 +46,11 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        arms = [a for a in args if a is not type(None)]
+        if (
+            len(arms) == 1
+        ):  # `X | None` given a value: X's own error ("model.arch.family must be one of ..."),
+            return _convert(value, arms[0], key)  # not "must be a mapping | null"
         for a in args:
             if a is type(None):
                 continue
@@ -218,9 +223,30 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         return from_dict(TrainConfig, raw)
     except UserError as e:
         # a rule between fields: blamed on the override that set one of them, else on the file
-        blamed = [t for k, t in keys if re.search(rf"(?<![\w.]){re.escape(k)}(?![\w])", str(e))]
+        blamed = [t for k, t in keys if _names_key(str(e), k)]
         where = f"override {blamed[-1]!r}" if blamed else (f"{path}" if path is not None else "config")
         raise UserError(str(e), where=where) from None
+
+
+def _names_key(message: str, key: str) -> bool:
+    """Whether an error `message` is about config key `key` ("a.b.c"): it names the key, its section and field
+    ("a.b: c must be ..."), or its section's wildcard ("a.* need ...")."""
+
+    def word(w: str) -> str:
+        return rf"(?<![\w.]){re.escape(w)}(?![\w])"
+
+    if re.search(word(key), message):
+        return True
+    parts = key.split(".")
+    for j in range(1, len(parts)):
+        section, rest = ".".join(parts[:j]), ".".join(parts[j:])
+        if re.search(word(section) + r"\.\*", message):
+            return True
+        if re.search(word(section) + ":", message) and re.search(
+            rf"(?<![\w.]){re.escape(rest)}(?![\w])", message
+        ):
+            return True
+    return False
 
 
 def _check_override(parts: list[str], value: Any) -> None:
@@ -245,10 +271,16 @@ def _check_override(parts: list[str], value: Any) -> None:
         cls = inner[0]
 
 
-def write_resolved(cfg: TrainConfig, path: Path) -> None:
-    """OUT/config.yaml, replaced whole (a resume rewrites it: a crash keeps the previous one)."""
+def resolved_yaml(cfg: TrainConfig) -> str:
+    """The whole config, every default filled in, as YAML that `load_config` reads back (`train --print-config`,
+    OUT/config.yaml)."""
     import yaml
 
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def write_resolved(cfg: TrainConfig, path: Path) -> None:
+    """OUT/config.yaml, replaced whole (a resume rewrites it: a crash keeps the previous one)."""
     from megatron_branch.outputs import write_text
 
-    write_text(path, yaml.safe_dump(to_dict(cfg), sort_keys=False), overwrite=True, what="resolved config")
+    write_text(path, resolved_yaml(cfg), overwrite=True, what="resolved config")

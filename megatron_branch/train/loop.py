@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_branch import outputs
+from megatron_branch.assembly import build_engine
 from megatron_branch.checkpoint.hf_io import HF_MARKER
 from megatron_branch.checkpoint.hf_to_mcore import META_FILE
 from megatron_branch.checkpoint.store import CheckpointStore
@@ -30,6 +31,7 @@ from megatron_branch.losses.router import fold_expert_metrics
 from megatron_branch.parallel import agree
 from megatron_branch.parallel.agree import agree_on_error
 from megatron_branch.parallel.groups import init_distributed, initialize_parallel
+from megatron_branch.precision import torch_dtype
 from megatron_branch.rules import UNSHARED
 from megatron_branch.train import lifecycle
 from megatron_branch.train import policy as policy_ops
@@ -39,11 +41,11 @@ from megatron_branch.train.config import TrainConfig
 from megatron_branch.train.config_io import write_resolved
 from megatron_branch.train.data import load_dataset
 from megatron_branch.train.metrics import RunLogger
-from megatron_branch.train.models import DTYPES, build_policy, frozen_copy
+from megatron_branch.train.models import frozen_copy
 from megatron_branch.train.record import engine_record, write_engine_record
 from megatron_branch.train.run_dir import HF_TOKENIZER, run_folder, save_tokenizer
 from megatron_branch.train.state import PromptOrder
-from megatron_branch.train.validate import SPELLING, check_fits_context, model_arch
+from megatron_branch.train.validate import SPELLING, check_fits_context, model_arch, run_spec
 
 
 def _gather_over(group: Any, obj: Any) -> list[Any]:
@@ -64,7 +66,7 @@ class Trainer(RunCheckpoints):
         t = cfg.trainer
         self.out = Path(t.default_local_dir)
         resume = t.resume_mode == "auto"
-        self.dtype = DTYPES[cfg.model.dtype]
+        self.dtype = torch_dtype(cfg.model.dtype)
         # Everything the user gave is read and checked before anything is written (one line on failure).
         self.algo = resolve_algorithm(cfg)  # validated with the config: here it cannot fail
         layout = cfg.parallel
@@ -90,13 +92,12 @@ class Trainer(RunCheckpoints):
             agree.write_on_rank0(lambda: write_resolved(cfg, setup_dir / "config.yaml"))
             self.groups = initialize_parallel(layout, seed=t.seed)
             self.dp_rank = dist.get_rank(self.groups.dp)
-            self.policy = build_policy(
-                self.arch, hf_path=cfg.model.hf_path, dtype=self.dtype, groups=self.groups,
-                init_seed=cfg.model.init_seed,
-            )  # fmt: skip
+            engine = build_engine(run_spec(cfg, self.arch), groups=self.groups)  # the run assembly
+            self.policy = engine.model
             self.actor = policy_ops.Actor(
-                cfg, self.policy, algo=self.algo, arch=self.arch, groups=self.groups, dtype=self.dtype
-            )
+                cfg, self.policy, opts=engine.opts, algo=self.algo, arch=self.arch, groups=self.groups,
+                dtype=self.dtype,
+            )  # fmt: skip
             self.actor.set_stop_tokens(self.dataset.stop_token_ids(cfg.rollout.stop))
             # what megatron and the engine were given (train/record.py), beside config.yaml
             agree.write_on_rank0(
@@ -115,6 +116,8 @@ class Trainer(RunCheckpoints):
             self.saved_step: int | None = None
             notice = lambda text: lifecycle.say(text, enabled=self.is_main)  # noqa: E731
             latest = self.store.newest_verified(notice) if resume and not self.fresh else None
+            if resume and latest is None:  # --resume auto on a new or empty folder: say so, never silently
+                notice(f"no checkpoint found under {self.store.root}, starting fresh")
             if latest is not None:
                 self._load(latest)
             else:
@@ -127,7 +130,8 @@ class Trainer(RunCheckpoints):
             start_step=self.step,
             enabled=self.is_main,
             tensorboard=cfg.logging.tensorboard,
-            progress_bar=cfg.logging.progress_bar,
+            # no bar when there is no step to run: it would cross the "nothing to do" line
+            progress_bar=cfg.logging.progress_bar and self.step < t.total_training_steps,
         )
 
     def _read_data(self, setup_dir: Path) -> None:
@@ -247,7 +251,7 @@ class Trainer(RunCheckpoints):
                 enabled=self.is_main,
             )
             self.logger.close()
-            return self._summary(None, last, nothing_to_do=True)
+            return self._summary(self._current_export(), last, nothing_to_do=True)
         try:
             with lifecycle.SignalStop(enabled=cfg.save_on_signal) as stop:
                 while self.step < cfg.total_training_steps:
@@ -315,6 +319,11 @@ class Trainer(RunCheckpoints):
         if not self.cfg.checkpoint.hf_export or not self._exportable():
             return True
         return lifecycle.exports_step(self.out) == self.step
+
+    def _current_export(self) -> Path | None:
+        """The run's HF export when it is there and holds this step (a finished run resumed: "nothing to do")."""
+        current = self.cfg.checkpoint.hf_export and lifecycle.exports_step(self.out) == self.step
+        return self.out / "hf" if current else None
 
     def _export(self) -> Path | None:
         if not self.cfg.checkpoint.hf_export:

@@ -78,13 +78,13 @@ class Actor:
     """Everything of a step that touches the policy (and the critic, for PPO)."""
 
     def __init__(
-        self, cfg: TrainConfig, model: torch.nn.Module, *, algo: Algorithm, arch: ModelArch, groups: ParallelGroups,
-        dtype: torch.dtype,
+        self, cfg: TrainConfig, model: torch.nn.Module, *, opts: Any, algo: Algorithm, arch: ModelArch,
+        groups: ParallelGroups, dtype: torch.dtype,
     ) -> None:  # fmt: skip
+        """`opts`: the run assembly's ScheduleOptions (assembly/engine.py build_engine)."""
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         from megatron_branch.generation import BranchSampler
-        from megatron_branch.schedule import ScheduleOptions
         from megatron_branch.update import UpdatePlan
 
         self.cfg, self.algo, self.arch, self.groups, self.dtype = cfg, algo, arch, groups, dtype
@@ -97,20 +97,12 @@ class Actor:
         self.policy = Trainee(
             model, dtype=dtype, settings=_settings(cfg, cfg.optim.lr, updates), pgc=self.pgc
         )
-        from megatron_branch.train import moe
-
-        moe_opts = moe.options(cfg) if arch.is_moe else None
+        moe_opts = opts.moe
         # under PP the sampler runs a whole-model copy refreshed from the stages (train/models.py whole_copy)
         self.whole = None if groups.pp_size == 1 else whole_copy(arch, dtype=dtype, groups=groups)
         self.sampler = BranchSampler(
             self.policy.ddp if self.whole is None else self.whole, vocab_size=arch.vocab_size, groups=groups,
             backend=cfg.schedule.backend, record_routing=moe_opts is not None and moe_opts.routing_replay,
-        )  # fmt: skip
-        opts = ScheduleOptions(
-            groups=groups, vocab_size=arch.vocab_size, backend=cfg.schedule.backend,
-            branch_micro_batch=cfg.schedule.branch_micro_batch, recompute=cfg.schedule.recompute,
-            recompute_layers=cfg.schedule.enable_gradient_checkpointing, root_pieces=cfg.schedule.root_pieces,
-            moe=moe_opts,
         )  # fmt: skip
         micro = -(-mini // (a.ppo_micro_batch_size or mini))  # micro-batches of a mini-batch
         self.plan = UpdatePlan(

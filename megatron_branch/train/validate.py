@@ -9,46 +9,21 @@ any work.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
-from megatron_branch.errors import SettingError, Spelling, UserError
+from megatron_branch import rules
+from megatron_branch.assembly.spec import RunSpec
+from megatron_branch.errors import SettingError, UserError
 from megatron_branch.losses.config import ObjectiveConfig
-from megatron_branch.models.arch import ModelArch, check_schedule_supports
+from megatron_branch.models.arch import ModelArch
 from megatron_branch.parallel.layout import ParallelLayout
-from megatron_branch.rules import check_moe_run, check_pipeline, check_precision, check_run
+from megatron_branch.spelling import config_spelling
 from megatron_branch.train.algorithm import AlgorithmConfig, resolve_algorithm
-from megatron_branch.train.moe import options as moe_options
 
-
-def _config_spelling() -> Spelling:
-    names = {f.name: f"actor.{f.name}" for f in dataclasses.fields(ObjectiveConfig)}
-    names.update({f.name: f"algorithm.{f.name}" for f in dataclasses.fields(AlgorithmConfig)})
-    names.update({f.name: f"parallel.{f.name}" for f in dataclasses.fields(ParallelLayout)})
-    names.update(
-        algorithm="algorithm.name",
-        schedule="schedule.name",
-        recompute="schedule.recompute",
-        root_pieces="schedule.root_pieces",
-        recompute_layers="schedule.enable_gradient_checkpointing",
-        backend="schedule.backend",
-        share_prefix="rollout.share_prefix",
-        n="rollout.n",
-        max_new_tokens="rollout.response_length",
-        temperature="rollout.temperature",
-        top_k="rollout.top_k",
-        top_p="rollout.top_p",
-        branch_at="rollout.branch_at",
-        branch_factor="rollout.branch_factor",
-        dtype="model.dtype",
-        moe="moe.*",
-        capacity_factor="moe.expert_capacity_factor",
-    )
-    return Spelling(names=names, assign="=")
-
-
-SPELLING = _config_spelling()
+SPELLING = config_spelling(
+    {"actor": ObjectiveConfig, "algorithm": AlgorithmConfig, "parallel": ParallelLayout}
+)
 """How the config names a setting in a refusal: `parallel.cp`, `schedule.name=naive`, `actor.clip_ratio_c`."""
 
 
@@ -77,15 +52,10 @@ def validate(cfg: Any) -> None:
         raise UserError(f"trainer.save_freq must be a positive number of steps or -1, got {t.save_freq}")
     if r.top_k == 0 or r.top_k < -1:  # verl's spelling of "off" (-1); the sampler's is 0
         raise UserError(f"rollout.top_k must be a positive number of tokens or -1 (off), got {r.top_k}")
-    sc = cfg.schedule
     try:
         sampling_params(cfg)  # the sampler's own rules (SamplingParams, rules.check_sampling), in config keys
-        cfg.parallel.check_no_op()
-        check_precision(cfg.model.dtype, training=True)
-        check_run(sc.name, cp=cfg.parallel.cp, recompute=sc.recompute,
-                  recompute_layers=sc.enable_gradient_checkpointing, backend=sc.backend)  # fmt: skip
         algo = resolve_algorithm(cfg)
-        check_pipeline(sc.name, pp=cfg.parallel.pp, critic=algo.trains_critic, root_pieces=sc.root_pieces)
+        rules.check(run_spec(cfg))  # the run's settings; the model's rules once it is read (check_model)
     except SettingError as e:
         raise e.spelled(SPELLING) from None
     if algo.estimator is not None and algo.estimator.group_relative and r.n == 1:
@@ -189,24 +159,33 @@ def model_arch(cfg: Any, vocab_size: int | None = None) -> ModelArch:
     return a.resolve(vocab_size or 1)
 
 
+def run_spec(cfg: Any, arch: ModelArch | None = None) -> RunSpec:
+    """The run assembly's RunSpec of the config (assembly/spec.py): its sections ARE the spec's parts."""
+    return RunSpec(
+        hf_path=cfg.model.hf_path, arch=arch, layout=cfg.parallel, schedule=cfg.schedule, objective=cfg.actor,
+        dtype=cfg.model.dtype, training=True, critic=resolve_algorithm(cfg).trains_critic, moe=cfg.moe,
+        init_seed=cfg.model.init_seed,
+    )  # fmt: skip
+
+
 def check_model(cfg: Any) -> None:
-    """The architecture exists and splits over parallel.tp and parallel.pp (reads only config.json)."""
+    """The architecture exists and splits over parallel.tp and parallel.pp, and the run's rules hold for it
+    (rules.check_model; reads only config.json)."""
     arch = model_arch(cfg)
+    if arch.is_moe and cfg.moe.expert_capacity_factor is not None:
+        # train runs no schedule that drops tokens per rollout (the sampler and the update share prefixes)
+        raise UserError(
+            "moe.expert_capacity_factor: token dropping is not exact under sharing (an expert's capacity depends "
+            "on which tokens share its batch); train dropless (null)"
+        )
     try:
-        check_pipeline(
-            cfg.schedule.name, pp=cfg.parallel.pp, num_layers=arch.num_layers, hybrid=arch.is_hybrid,
-            moe=arch.is_moe,
-        )  # fmt: skip
+        rules.check_model(run_spec(cfg, arch))
     except SettingError as e:
         raise e.spelled(SPELLING) from None
     try:
         arch.check_tensor_parallel(cfg.parallel.tp)
     except UserError as e:
         raise UserError(f"parallel.tp: {e}") from None
-    try:
-        check_schedule_supports(arch, cfg.schedule.name, cp=cfg.parallel.cp, tp=cfg.parallel.tp)
-    except SettingError as e:
-        raise e.spelled(SPELLING) from None
     check_moe(cfg, arch)
     if cfg.data.max_prompt_length is not None:
         check_fits_context(
@@ -229,26 +208,13 @@ def check_fits_context(cfg: Any, *, max_prompt_tokens: int, context: int, where:
 
 
 def check_moe(cfg: Any, arch: Any) -> None:
-    """The moe section and parallel.ep against the architecture (one line each, in config keys; the rules:
-    rules.check_moe_run)."""
+    """The moe section and parallel.ep against a MoE architecture (one line each, in config keys; the run's
+    MoE rules: rules.check)."""
     m, p = cfg.moe, cfg.parallel
-    if arch.is_moe and m.expert_capacity_factor is not None:
-        # train runs no schedule that drops tokens per rollout (the sampler and the update share prefixes)
-        raise UserError(
-            "moe.expert_capacity_factor: token dropping is not exact under sharing (an expert's capacity depends "
-            "on which tokens share its batch); train dropless (null)"
-        )
-    try:
-        check_moe_run(
-            cfg.schedule.name, moe=arch.is_moe, tp=p.tp, sequence_parallel=p.sequence_parallel, ep=p.ep,
-            router_settings=m.active, capacity_factor=m.expert_capacity_factor,
-        )  # fmt: skip
-    except SettingError as e:
-        raise e.spelled(SPELLING) from None
     if not arch.is_moe:
         return
     try:
-        moe_options(cfg)
+        m.options()
         arch.check_expert_parallel(p.ep, tp=p.tp)
     except UserError as e:
         raise UserError(f"parallel.ep: {e}") from None

@@ -29,8 +29,9 @@ from typing import Any
 import torch
 
 from megatron_branch.compat.optimizer import apply_optimizer_shims
+from megatron_branch.precision import dtype_table
 
-PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISION_DTYPES = dtype_table(("fp32", "bf16", "fp16"))
 """megatron-LM's names for the precision-aware optimizer's dtypes (--main-grads-dtype, --exp-avg-dtype, ...)."""
 
 

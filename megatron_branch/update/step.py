@@ -16,7 +16,9 @@ kind is special-cased here.
 
 Metrics (verl's names, `<role>/` = `actor/` or `critic/`): the objective's stats summed over micro-batches and
 DP (each already a global mean: a shared token counts once per rollout), `<role>/loss`, `<role>/grad_norm`,
-`<role>/lr`, `tree/positions_logical`, `tree/positions_computed` and `tree/token_ratio` (logical / computed).
+`<role>/lr`, `tree/positions_logical`, `tree/positions_computed`, `tree/token_ratio` (logical / computed) and
+`tree/trained_token_fraction` (response tokens with loss_mask 1 over all response tokens, a shared token counted
+once per rollout).
 """
 
 from __future__ import annotations
@@ -174,6 +176,10 @@ class Accumulated:
     """This rank's share of each metric (global means: they add over ranks)."""
     positions_logical: int = 0
     positions_computed: int = 0
+    response_tokens: int = 0
+    """This rank's logical response tokens (trained or context)."""
+    trained_tokens: int = 0
+    """This rank's logical trained response tokens (loss_mask 1)."""
     logprobs: dict[int, list[float]] = field(default_factory=dict)
     """Global rollout index -> response logprobs (NaN where unscored), when asked for."""
 
@@ -222,6 +228,8 @@ def _accumulate(
             acc.stats[k] = acc.stats.get(k, 0.0) + v
         acc.positions_logical += res.positions_logical
         acc.positions_computed += res.positions_computed
+        acc.response_tokens += tree.num_response_tokens_logical()
+        acc.trained_tokens += tree.num_trained_tokens_logical()
         if keep_logprobs:
             for j, i in enumerate(chunk):
                 acc.logprobs[i] = res.rollout_logprobs(tree, j).tolist()
@@ -267,13 +275,15 @@ def reduce_metrics(
         parts: list[Any] = [None] * groups.dp_size
         dist.all_gather_object(parts, names, group=groups.dp)
         names = sorted(set().union(*parts))
-    local = [acc.loss, acc.positions_logical, acc.positions_computed, *[acc.stats.get(k, 0.0) for k in names]]
+    counts = [acc.positions_logical, acc.positions_computed, acc.response_tokens, acc.trained_tokens]
+    local = [acc.loss, *counts, *[acc.stats.get(k, 0.0) for k in names]]
     total = _sum_over_dp(torch.tensor(local, dtype=torch.float64), groups)
     metrics = {f"{role}/loss": float(total[0])}
-    metrics.update({k: float(v) for k, v in zip(names, total[3:])})
+    metrics.update({k: float(v) for k, v in zip(names, total[5:])})
     metrics["tree/positions_logical"] = float(total[1])
     metrics["tree/positions_computed"] = float(total[2])
     metrics["tree/token_ratio"] = float(total[1] / total[2]) if total[2] > 0 else float("nan")
+    metrics["tree/trained_token_fraction"] = float(total[4] / total[3]) if total[3] > 0 else float("nan")
     return metrics
 
 

@@ -20,16 +20,15 @@ main parameters and both moments (megatron's fully_reshardable format).
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from dist_helpers import plain_tensors, shared_tmp, single_process_env
 
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
 
@@ -103,23 +102,6 @@ def reload_and_resave(name: str, src: Path, dst: Path) -> None:
     CheckpointStore(dst).save(2, {"policy": tr.sharded_state("", loading=False)}, common={})
 
 
-def plain_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint, whole."""
-    from megatron.core.dist_checkpointing import load_plain_tensors
-
-    flat: dict[str, torch.Tensor] = {}
-
-    def walk(prefix: str, d: object) -> None:
-        if isinstance(d, dict):
-            for k, v in d.items():
-                walk(f"{prefix}{k}.", v)
-        elif isinstance(d, torch.Tensor):
-            flat[prefix[:-1]] = d
-
-    walk("", load_plain_tensors(str(path)))
-    return flat
-
-
 def main_shards(trainee) -> dict[str, tuple[int, torch.Tensor]]:  # noqa: ANN001
     """name -> (offset, this rank's fp32 main values of the flat parameter from there)."""
     from megatron_branch.update.optimizer import inner_optimizers
@@ -164,24 +146,16 @@ initialize_parallel(ParallelConfig())
 t.reload_and_resave("packed-offload", tmp / "dp2" / "step_00000002", tmp / "resaved")
 torch.save(out, tmp / "dp1.pt")
 """
-_TORCHRUN_ENV = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
 
 
 def _dp1(tmp: Path) -> dict:
     rc = [None]
     if dist.get_rank() == 0:
-        env = {
-            k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC")
-        }
-        rc = [subprocess.call([sys.executable, "-c", _DP1, str(tmp)], env={**env, "OMP_NUM_THREADS": "1"})]
+        rc = [
+            subprocess.call(
+                [sys.executable, "-c", _DP1, str(tmp)], env=single_process_env(OMP_NUM_THREADS="1")
+            )
+        ]
     dist.broadcast_object_list(rc, src=0)
     assert rc == [0], "the DP1 run ran into an error"
     return torch.load(tmp / "dp1.pt", weights_only=True)
@@ -189,9 +163,7 @@ def _dp1(tmp: Path) -> dict:
 
 @pytest.mark.world(2)
 def test_bf16_main_parameters_dp2_equal_dp1() -> None:
-    box = [tempfile.mkdtemp(prefix="bf16-dp-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    tmp = Path(box[0])
+    tmp = shared_tmp("bf16-dp-")
     try:
         dp2 = {}
         for name in RUNS:  # DP2 first: the DP1 process reloads the offload run's checkpoint

@@ -4,12 +4,11 @@ checkpoint saved at one TP loads at another. Every rank runs the same collective
 from __future__ import annotations
 
 import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from dist_helpers import shared_tmp
 from megatron.core.dist_checkpointing import load_tensors_metadata
 
 from megatron_branch.checkpoint import (
@@ -32,12 +31,6 @@ from megatron_branch.testing import tiny_hf_config, tiny_hf_model
 def tiny_hf(family: str = "qwen2", tied: bool = False) -> torch.nn.Module:
     # the same seed on every rank: the same weights everywhere
     return tiny_hf_model(tiny_hf_config(family, tie=tied, ffn=48), seed=0).eval()
-
-
-def shared_tmp() -> Path:
-    box = [tempfile.mkdtemp(prefix="ckpt-tp-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return Path(box[0])
 
 
 def _check_against_hf(model, hf, groups) -> None:
@@ -90,7 +83,7 @@ def test_model_without_init_has_tp_attributes_at_world_tp() -> None:
 @pytest.mark.world(2, 4)
 def test_checkpoint_saved_at_one_tp_loads_at_another() -> None:
     world = dist.get_world_size()
-    tmp = shared_tmp()
+    tmp = shared_tmp("ckpt-tp-")
     try:
         hf = tiny_hf("qwen2", False)
         if dist.get_rank() == 0:

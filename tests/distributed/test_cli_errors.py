@@ -35,6 +35,10 @@ def assets() -> Path:
         long = Rollout(prompt=[1] * 500, response=[2] * 20, advantage=1.0)
         write_rollouts_jsonl(d / "long.jsonl", [*random_tree_rollouts(groups=1, branches=2, seed=1), long])
         write_rollouts_jsonl(d / "r.jsonl", random_tree_rollouts(groups=2, branches=2, seed=2))
+        (d / "mask.jsonl").write_text(
+            '{"prompt": [1], "response": [2, 3], "advantage": 1}\n'
+            '{"prompt": [1], "response": [2, 4], "advantage": 1, "loss_mask": [1, 0.5]}\n'
+        )
         (d / "out").mkdir()
         (d / "out" / "g.safetensors").write_bytes(b"old")
     dist.barrier()
@@ -58,6 +62,10 @@ CASES = {
         ["grad", "--rollouts", "{d}/r.jsonl", "--out", "{d}/out/g.safetensors"],
         "--overwrite",
     ),
+    "bad-loss-mask": (
+        ["grad", "--rollouts", "{d}/mask.jsonl", "--out", "{d}/out/new.safetensors"],
+        "mask.jsonl:2: field 'loss_mask' value 1 is 0.5",
+    ),
     "idle-sp": (
         ["grad", "--rollouts", "{d}/r.jsonl", "--out", "{d}/out/n.safetensors", "--sequence-parallel"],
         "--sequence-parallel does nothing at --tp 1",
@@ -67,6 +75,15 @@ CASES = {
         "__0_0.distcp is missing",
     ),
     "existing-ckpt": (["convert", "hf-to-mcore", "--out", "{d}/mc"], "pass --overwrite"),
+    "train-dp": (  # issue 35: was printed by rank 0 and again by "[rank 1]"
+        [
+            "train",
+            str(Path(__file__).resolve().parents[2] / "examples/configs/demo.yaml"),
+            "parallel.dp=4",
+            "trainer.default_local_dir={d}/out/run",
+        ],
+        "parallel.dp=4 does not match the world: 2 ranks",
+    ),  # fmt: skip
 }
 
 

@@ -16,17 +16,17 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from dist_helpers import plain_tensors, shared_tmp, single_process_env
+from optimizer_helpers import VARIANTS
 
 from megatron_branch.data import Rollout
 from megatron_branch.losses import Aggregation, PolicyObjective
@@ -48,16 +48,6 @@ LAYOUTS = [
     pytest.param("cp2", ParallelConfig(cp=2), marks=pytest.mark.world(2), id="cp2"),
     pytest.param("dp2cp2", ParallelConfig(cp=2), marks=pytest.mark.world(4), id="dp2cp2"),
 ]
-VARIANTS = {
-    "plain": {},
-    "distributed": {"use_distributed_optimizer": True},
-    "offload": {
-        "use_distributed_optimizer": True,
-        "use_precision_aware_optimizer": True,
-        "optimizer_cpu_offload": True,
-        "optimizer_offload_fraction": 0.5,
-    },
-}
 
 
 def _rollouts() -> list[Rollout]:
@@ -198,12 +188,6 @@ def test_distributed_and_offload_optimizers_equal_the_plain_one(
 
 
 # ---- checkpoints: save in one layout, load into another -------------------------------------------------------
-def _shared_tmp() -> Path:
-    box = [tempfile.mkdtemp(prefix="distopt-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return Path(box[0])
-
-
 def _save(store, step: int, trainee) -> Path:  # noqa: ANN001
     return store.save(step, {"policy": trainee.sharded_state("", loading=False)}, common={})
 
@@ -211,23 +195,6 @@ def _save(store, step: int, trainee) -> Path:  # noqa: ANN001
 def _load(store, path: Path, trainee) -> None:  # noqa: ANN001
     state, _ = store.load(path, {"policy": trainee.sharded_state("", loading=True)})
     trainee.load(state["policy"], "")
-
-
-def _plain_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint, whole (model weights and the optimizer's master copy and moments)."""
-    from megatron.core.dist_checkpointing import load_plain_tensors
-
-    flat: dict[str, torch.Tensor] = {}
-
-    def walk(prefix: str, d: object) -> None:
-        if isinstance(d, dict):
-            for k, v in d.items():
-                walk(f"{prefix}{k}.", v)
-        elif isinstance(d, torch.Tensor):
-            flat[prefix[:-1]] = d
-
-    walk("", load_plain_tensors(str(path)))
-    return flat
 
 
 def _unpadded(got: dict, like: dict) -> dict:
@@ -255,7 +222,7 @@ def _full_params(trainee, groups: ParallelGroups) -> dict[str, torch.Tensor]:  #
 _DP1 = """
 import json, sys, torch
 from pathlib import Path
-sys.path.insert(0, "tests/distributed")
+sys.path[:0] = ["tests/distributed", "tests"]
 import test_distrib_optimizer as t
 from megatron_branch.checkpoint.store import CheckpointStore
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
@@ -267,22 +234,13 @@ t._save(CheckpointStore(out / "resaved"), 2, trainee)
 t._steps(trainee, pgc, groups, 1)
 torch.save({"world": torch.distributed.get_world_size(), "params": t._full_params(trainee, groups)}, out / "dp1.pt")
 """
-_TORCHRUN_ENV = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
 
 
 @pytest.mark.world(2)
 def test_distributed_optimizer_checkpoints_reload_into_other_layouts() -> None:
     from megatron_branch.checkpoint.store import CheckpointStore
 
-    tmp = _shared_tmp()
+    tmp = shared_tmp("distopt-")
     settings = _settings(use_distributed_optimizer=True)
     try:
         for src_cfg, dst_cfg, name in (
@@ -293,22 +251,21 @@ def test_distributed_optimizer_checkpoints_reload_into_other_layouts() -> None:
             trainee, pgc = _trainee(groups, torch.float64, settings)
             _steps(trainee, pgc, groups, 2)
             path = _save(CheckpointStore(tmp / name / "src"), 2, trainee)
-            saved = _plain_tensors(path)
+            saved = plain_tensors(path)
             before = _full_params(trainee, groups)
             _steps(trainee, pgc, groups, 1)  # the run that never stopped
             want = _full_params(trainee, groups)
             if dst_cfg is None:  # DP1: a world of one, in a fresh process
                 rc = [None]
                 if dist.get_rank() == 0:
-                    env = {
-                        k: v
-                        for k, v in os.environ.items()
-                        if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC")
-                    }
-                    rc = [subprocess.call([sys.executable, "-c", _DP1, str(path), str(tmp / name)], env=env)]
+                    rc = [
+                        subprocess.call(
+                            [sys.executable, "-c", _DP1, str(path), str(tmp / name)], env=single_process_env()
+                        )
+                    ]
                 dist.broadcast_object_list(rc, src=0)
                 assert rc == [0], "the DP1 load ran into an error"
-                resaved = _plain_tensors(tmp / name / "resaved" / "step_00000002")
+                resaved = plain_tensors(tmp / name / "resaved" / "step_00000002")
                 dp1 = torch.load(tmp / name / "dp1.pt", weights_only=True)
                 assert dp1["world"] == 1
                 got = dp1["params"]
@@ -318,7 +275,7 @@ def test_distributed_optimizer_checkpoints_reload_into_other_layouts() -> None:
                 _load(CheckpointStore(path.parent), path, other)
                 loaded = _unpadded(_full_params(other, groups), before)
                 assert all(torch.equal(loaded[k], before[k]) for k in before)
-                resaved = _plain_tensors(_save(CheckpointStore(tmp / name / "resaved"), 2, other))
+                resaved = plain_tensors(_save(CheckpointStore(tmp / name / "resaved"), 2, other))
                 _steps(other, pgc, groups, 1)
                 got = _unpadded(_full_params(other, groups), want)
             _assert_same_tensors(

@@ -212,7 +212,7 @@ def test_grad_refusals_before_work(capsys: pytest.CaptureFixture[str]) -> None:
     cases = [
         (["--cp", "2"], "longest prefix-tree segment has 1 tokens"),
         (["--tp", "3"], "tensor parallel size 3"),  # 4 heads
-        (["--tp", "2", "--cp", "2"], "world size 2 is not a multiple of tp*cp"),
+        (["--tp", "2", "--cp", "2"], "tp*cp = 2*2 = 4 ranks > world size 2"),
         (["--cp", "2", "--schedule", "naive"], "--schedule naive has no context parallelism"),
     ]
     for i, (layout, words) in enumerate(cases):

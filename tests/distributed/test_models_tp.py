@@ -12,12 +12,12 @@ tests/unit/test_hybrid_models.py).
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from dist_helpers import shared_tmp
 from safetensors.torch import load_file
 
 from megatron_branch.checkpoint import (
@@ -47,12 +47,6 @@ FAMILIES = {
 def tiny(name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     # the same seed on every rank: the same weights everywhere
     return tiny_hf_model(tiny_hf_config(ffn=48, **FAMILIES[name]), seed=0, dtype=dtype).eval()
-
-
-def shared_tmp() -> Path:
-    box = [tempfile.mkdtemp(prefix="models-tp-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return Path(box[0])
 
 
 @pytest.mark.world(2)
@@ -86,7 +80,7 @@ def test_tp2_shards_round_trip_bit_exact_and_match_hf(name: str, sp: bool) -> No
 @pytest.mark.world(2)
 @pytest.mark.parametrize("name", ["qwen3_untied", "qwen3_5"])
 def test_dist_checkpoint_saved_at_tp2_loads_at_tp1_and_exports_bit_exact(name: str) -> None:
-    tmp = shared_tmp()
+    tmp = shared_tmp("models-tp-")
     hf = tiny(name)
     if dist.get_rank() == 0:
         hf.save_pretrained(str(tmp / "hf"))
@@ -127,7 +121,7 @@ def _rollouts() -> list[Rollout]:
 
 
 def _setup(name: str) -> tuple[Path, dict[str, torch.Tensor]]:
-    d = shared_tmp()
+    d = shared_tmp("models-tp-")
     rollouts = _rollouts()
     if dist.get_rank() == 0:
         tiny(name).save_pretrained(d / "hf")

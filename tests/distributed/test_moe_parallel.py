@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from train_helpers import KV_TASK, QUIET
 
 from megatron_branch.cli import main
 from megatron_branch.data import Rollout, write_rollouts_jsonl
@@ -189,20 +190,12 @@ def _train_cfg(hf: Path | None, out: Path, *overrides: str):  # noqa: ANN202
     base = [
         model,
         "model.dtype=float64",
-        "data.task=kv_retrieval",
-        "data.task_args={num_pairs: 2, value_len: 2, value_chars: abcd}",
-        "data.num_prompts=16",
-        "data.train_batch_size=2",
-        "rollout.n=2",
-        "rollout.response_length=3",
-        "optim.lr=0.01",
+        *KV_TASK,
         "moe.router_replay=R3",
         "moe.aux_loss_coeff=0.01",
         "moe.z_loss_coeff=0.001",
         f"trainer.default_local_dir={out}",
-        "logging.progress_bar=false",
-        "logging.tensorboard=false",
-        "logging.plot=false",
+        *QUIET,
         "checkpoint.hf_export=false",
     ]
     return load_config(None, [*base, *overrides])

@@ -335,3 +335,110 @@ def test_attach_scores_gathers_the_whole_batch_over_dp() -> None:
     both: list = [None, None]
     dist.all_gather_object(both, [r.field("values") for r in dp2], group=groups.dp)
     assert both[0] == both[1]
+
+
+# ---- loss masks (issue 31): context tokens inside responses, per rollout -----------------------------------------
+
+
+def _mask(rollouts: list[Rollout], seed: int) -> list[Rollout]:
+    """Per-rollout loss masks (about a third context; masks differ at shared response tokens), rollout 1 wholly
+    context (the sequence modes must not count it)."""
+    rng = random.Random(seed)
+    out = []
+    for k, r in enumerate(rollouts):
+        mask = [0] * len(r.response) if k == 1 else [int(rng.random() > 0.35) for _ in r.response]
+        if k != 1:
+            mask[-1] = 1
+        out.append(dataclasses.replace(r, loss_mask=mask))
+    return out
+
+
+def _m(r: Rollout) -> tuple[bool, ...]:
+    return r.loss_mask or (True,) * len(r.response)
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_masked_policy_under_tp_sp_cp_and_dp(layout: str, mode: str) -> None:
+    """GRPO with dual clip, k3 KL and entropy on masked rollouts: replay and packed equal HF's per-rollout
+    masked loss (float64, 1e-9 per parameter); the trained-token fraction is global."""
+    hf, rollouts = _hf(), _mask(_rollouts(), seed=61)
+    objective = dataclasses.replace(_objective(rollouts), agg=Aggregation.of_batch(rollouts, mode))
+    want_loss, want = _oracle(hf, rollouts, objective)
+    groups = _layout(layout)
+    model = _policy(hf, groups, torch.float64)
+    arch = ModelArch.from_hf_config(hf.config)
+    fraction = sum(r.num_trained for r in rollouts) / sum(len(r.response) for r in rollouts)
+    for schedule in ("replay", "packed"):
+        metrics, grads = _layout_grads(model, rollouts, objective, groups, schedule)
+        assert metrics["actor/loss"] == pytest.approx(want_loss, rel=1e-9)
+        assert metrics["tree/trained_token_fraction"] == pytest.approx(fraction, rel=1e-12)
+        _close(mcore_to_hf_state(grads, arch), want, 1e-9)
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_masked_dpo_and_critic_under_tp_sp_cp_and_dp(layout: str) -> None:
+    """IPO (pi, ref and |o| over trained tokens) and the clipped value loss on masked rollouts, float64 1e-9."""
+    from megatron_branch.losses import DPOObjective, ValueObjective
+    from megatron_branch.models import build_critic
+
+    hf = _hf()
+    pairs = _mask(_dpo_rollouts(), seed=62)
+    pairs = [dataclasses.replace(r, loss_mask=[*_m(r)[:-1], 1]) for r in pairs]  # every response trains
+    tree = PrefixTree.build(pairs, vocab_size=VOCAB)
+    dpo = DPOObjective(num_pairs=4, beta=0.5, loss_type="ipo")
+    hf.zero_grad(set_to_none=True)
+    pis = []
+    for r in pairs:
+        seq = torch.tensor([list(r.prompt) + list(r.response)])
+        logq = torch.log_softmax(hf(input_ids=seq).logits[0, :-1], dim=-1)
+        lp = logq.gather(1, seq[0, 1:, None]).squeeze(1)[len(r.prompt) - 1 :]
+        pis.append((lp * torch.tensor(_m(r), dtype=lp.dtype)).sum())
+    oracle, _ = dpo.loss(tree, torch.stack(pis))
+    oracle.backward()
+    want = {n: p.grad.clone() for n, p in hf.named_parameters()}
+    groups = _layout(layout)
+    model = _policy(hf, groups, torch.float64)
+    arch = ModelArch.from_hf_config(hf.config)
+    for schedule in ("replay", "packed"):
+        metrics, grads = _layout_grads(model, pairs, dpo, groups, schedule)
+        assert metrics["actor/loss"] == pytest.approx(float(oracle), rel=1e-9)
+        _close(mcore_to_hf_state(grads, arch), want, 1e-9)
+
+    rng = random.Random(63)
+    rollouts = [
+        dataclasses.replace(
+            r,
+            token_fields={
+                "values": tuple(rng.uniform(-1, 1) for _ in r.response),
+                "returns": tuple(rng.uniform(-1, 1) for _ in r.response),
+            },
+        )  # fmt: skip
+        for r in _mask(_rollouts(), seed=64)
+    ]
+    objective = ValueObjective(agg=Aggregation.of_batch(rollouts, "seq-mean-token-mean"), clip=0.2)
+    g = torch.Generator().manual_seed(6)
+    head_w = torch.randn(1, hf.config.hidden_size, generator=g, dtype=torch.float64)
+    head_b = torch.randn(1, generator=g, dtype=torch.float64)
+    bound = objective.bind(PrefixTree.build(rollouts, vocab_size=VOCAB))
+    w, b = head_w.clone().requires_grad_(), head_b.clone().requires_grad_()
+    hf.zero_grad(set_to_none=True)
+    for i, r in enumerate(rollouts):
+        h = hf.model(input_ids=torch.tensor([list(r.prompt) + list(r.response)])).last_hidden_state[0, :-1]
+        bound.rollout_loss(i, (h @ w.t() + b).squeeze(-1))[0].backward()
+    critic = build_critic(
+        arch, dtype=torch.float64, tp=groups.tp_size, sequence_parallel=groups.sequence_parallel
+    )
+    state = hf_to_mcore_state(hf.state_dict(), arch, padded_vocab=arch.padded_vocab_size(groups.tp_size))
+    load_full_state(critic, {**state, "value_head.weight": head_w, "value_head.bias": head_b}, groups.tp)
+    body = {n: p.grad.clone() for n, p in hf.named_parameters() if p.grad is not None}
+    for schedule in ("replay", "packed"):
+        _, full = _layout_grads(critic, rollouts, objective, groups, schedule)
+        _close(
+            {"w": full.pop("value_head.weight"), "b": full.pop("value_head.bias")},
+            {"w": w.grad, "b": b.grad},
+            1e-9,
+        )
+        _close({n: t for n, t in mcore_to_hf_state(full, arch).items() if n in body}, body, 1e-9)

@@ -15,6 +15,8 @@ old/ref logprobs and per-token advantages, so a shared token has different loss 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -24,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
-from test_objectives_parallel import VOCAB, _close, _dpo_rollouts, _objective, _oracle, _rollouts
+from test_objectives_parallel import VOCAB, _close, _dpo_rollouts, _m, _mask, _objective, _oracle, _rollouts
 
 from megatron_branch.checkpoint.param_map import hf_to_mcore_state, mcore_to_hf_state
 from megatron_branch.checkpoint.stages import gather_model_grads, load_stage
@@ -124,6 +126,48 @@ def test_pipeline_policy_objective_pp2(dtype: torch.dtype, tie: bool) -> None:
 @pytest.mark.parametrize("layout", list(LAYOUTS[4]))
 def test_pipeline_policy_objective_world4(layout: str, dtype: torch.dtype) -> None:
     _policy_case(layout, dtype, tie=layout == "tp2pp2sp")
+
+
+@pytest.mark.world(2)
+def test_pipeline_masked_policy_and_dpo_pp2() -> None:
+    """Loss masks (issue 31) through the stages: GRPO with seq-mean-token-sum (an all-context rollout must not
+    count) under replay, packed, root pieces and the unshared naive-fused baseline, and IPO over trained tokens;
+    float64 1e-9 against HF per rollout."""
+    from megatron_branch.losses import Aggregation, DPOObjective
+
+    hf, rollouts = _hf(), _mask(_rollouts(), seed=71)
+    objective = _objective(rollouts)
+    objective.agg = Aggregation.of_batch(rollouts, "seq-mean-token-sum")
+    want_loss, want = _oracle(hf, rollouts, objective)
+    groups = initialize_parallel(LAYOUTS[2]["pp2"])
+    model = _stage_policy(hf, groups, torch.float64)
+    for schedule, options in [
+        ("replay", {}),
+        ("packed", {}),
+        ("replay", {"root_pieces": 3}),
+        ("naive-fused", {}),
+    ]:
+        metrics, grads = _pp_grads(hf, model, rollouts, objective, groups, schedule, **options)
+        assert metrics["actor/loss"] == pytest.approx(want_loss, rel=1e-9), (schedule, options)
+        _close(grads, want, 1e-9)
+
+    pairs = [dataclasses.replace(r, loss_mask=[*_m(r)[:-1], 1]) for r in _mask(_dpo_rollouts(), seed=72)]
+    dpo = DPOObjective(num_pairs=4, beta=0.5, loss_type="ipo")
+    hf.zero_grad(set_to_none=True)
+    pis = []
+    for r in pairs:
+        seq = torch.tensor([list(r.prompt) + list(r.response)])
+        lp = (
+            torch.log_softmax(hf(input_ids=seq).logits[0, :-1], dim=-1).gather(1, seq[0, 1:, None]).squeeze(1)
+        )
+        pis.append((lp[len(r.prompt) - 1 :] * torch.tensor(_m(r), dtype=lp.dtype)).sum())
+    oracle, _ = dpo.loss(PrefixTree.build(pairs, vocab_size=VOCAB), torch.stack(pis))
+    oracle.backward()
+    want = {n: p.grad.clone() for n, p in hf.named_parameters()}
+    for schedule in ("replay", "packed"):
+        metrics, grads = _pp_grads(hf, model, pairs, dpo, groups, schedule)
+        assert metrics["actor/loss"] == pytest.approx(float(oracle), rel=1e-9)
+        _close(grads, want, 1e-9)
 
 
 def _dpo_case(layout: str, dtype: torch.dtype) -> None:
@@ -231,6 +275,37 @@ def test_pipeline_planted_bugs_are_caught(bug: str, monkeypatch: pytest.MonkeyPa
         monkeypatch.setattr(pipeline_mod._Pipeline, "run_segment", _early_backward)
     _, grads = _pp_grads(hf, model, rollouts, objective, groups, "replay")
     assert _worst(grads, want) > 1e-3, bug
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("schedule", ["replay", "packed", "naive-fused"])
+def test_pipeline_runs_the_schedule_hooks_on_every_stage(
+    schedule: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller's hook (schedule/hooks.py) is bound once per step on every stage and sees every forward of the
+    stage (the last stage's and the others'); planted: the non-last stages' forwards outside the hooks."""
+    from hook_helpers import CountingHook
+
+    from megatron_branch.schedule import run_schedule
+
+    hf, rollouts = _hf(), _rollouts()
+    objective = _objective(rollouts)
+    groups = initialize_parallel(ParallelConfig(pp=2))
+    model = _stage_policy(hf, groups, torch.float64)
+    tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
+
+    def step() -> tuple[CountingHook, Any]:
+        hook = CountingHook()
+        opts = ScheduleOptions(groups=groups, vocab_size=VOCAB, branch_micro_batch=2, hooks=(hook,))
+        model.zero_grad(set_to_none=True)
+        return hook, run_schedule(schedule, model, tree, objective, opts)
+
+    hook, res = step()
+    assert hook.events == [f"bind {schedule}", "run", "finish"]
+    assert len(hook.rows) == res.forwards > 0, (groups.pp_rank, len(hook.rows), res.forwards)
+    monkeypatch.setattr(pipeline_mod, "hook_forwards", lambda model, opts, where: contextlib.nullcontext())
+    hook, res = step()
+    assert (len(hook.rows) == res.forwards) == (groups.pp_rank == 1)  # only the last stage's forwards counted
 
 
 def _early_backward(self: Any, seg_id: int) -> None:
@@ -368,7 +443,6 @@ def _pieces_backward_in_forward_order(
 def _blind_pieces(tree: PrefixTree, cut: PrefixTree) -> PrefixTree:
     """The cut tree with every piece attending to itself only (its earlier pieces dropped from its ancestors; the
     leaves below still see them all)."""
-    import dataclasses
 
     cut_roots = [tree.segments[r] for r in tree.roots if tree.segments[r].children]
     pieces = {

@@ -20,10 +20,12 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
+from dist_helpers import shared_tmp
 from test_objectives_parallel import VOCAB, _objective, _rollouts
 from test_pipeline import _hf, _stage_policy
 from test_pipeline_pieces import spy_on_pieces
-from test_train_loop import _cfg, _run, shared_tmp
+from test_train_loop import _cfg
+from train_helpers import run_steps
 
 from megatron_branch.checkpoint.param_map import mcore_to_hf_state
 from megatron_branch.checkpoint.stages import gather_model_state
@@ -72,7 +74,7 @@ def test_pipeline_optimizer_step_equals_pp1(schedule: str) -> None:
         assert err <= 1e-9, f"{n}: {err:.2e}"
 
 
-def _same_run(mref: list[dict], mgot: list[dict]) -> None:
+def _samerun_steps(mref: list[dict], mgot: list[dict]) -> None:
     """Two runs' steps: the same sampled tokens and rewards, losses and gradient norms within 1e-9."""
     for x, y in zip(mref, mgot, strict=True):
         assert x["_tokens"] == y["_tokens"] and x["_rewards"] == y["_rewards"], x["step"]
@@ -94,21 +96,21 @@ def test_pipeline_train_three_steps_equal_naive(monkeypatch: pytest.MonkeyPatch)
         # a short supervised warm-up (through the pipelined update too) so that the sampled answers earn rewards
         f64 = ("model.dtype=float64", "trainer.total_training_steps=3", "model.arch.vocab_size=22",
                "warmup.steps=8", "warmup.batch_size=4", "warmup.lr=0.1", "rollout.n=4")  # fmt: skip
-        ref, mref = _run(_cfg(tmp / "tp2", *f64, "parallel.tp=2", "schedule.name=naive"))
+        ref, mref = run_steps(_cfg(tmp / "tp2", *f64, "parallel.tp=2", "schedule.name=naive"))
         a = gather_model_state(unwrap(ref.policy), ref.groups)  # before the next run lays out other groups
         assert all(m["actor/grad_norm"] > 0 for m in mref), "every step moves the policy"
-        got, mgot = _run(_cfg(tmp / "pp2", *f64, "parallel.pp=2"))
+        got, mgot = run_steps(_cfg(tmp / "pp2", *f64, "parallel.pp=2"))
         assert (got.groups.pp_size, got.groups.dp_size) == (2, 1) and got.actor.whole is not None
-        _same_run(mref, mgot)
+        _samerun_steps(mref, mgot)
         _same_parameters(a, gather_model_state(unwrap(got.policy), got.groups))
         cuts = spy_on_pieces(monkeypatch)
-        cut, mcut = _run(_cfg(tmp / "pp2_pieces", *f64, "parallel.pp=2", "schedule.root_pieces=3"))
+        cut, mcut = run_steps(_cfg(tmp / "pp2_pieces", *f64, "parallel.pp=2", "schedule.root_pieces=3"))
         # every pipelined pass was given 3 pieces; the RL steps' trees were cut (their prompts share the first token:
         # the root is that token, each prompt an inner segment with the rollouts under it, cut too); the warm-up's
         # one-answer-per-prompt trees have no long shared segment to cut
         assert cuts and all(k == 3 for k, _, _ in cuts), cuts
         assert sum(after > before for _, before, after in cuts) >= 3, cuts
-        _same_run(mref, mcut)
+        _samerun_steps(mref, mcut)
         _same_parameters(a, gather_model_state(unwrap(cut.policy), cut.groups))
     finally:
         dist.barrier()

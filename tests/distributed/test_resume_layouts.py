@@ -7,40 +7,31 @@ one line naming both layouts."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from dist_helpers import shared_tmp, single_process_env
+from train_helpers import QUIET, TINY_ARCH
 
 from megatron_branch.train.config_io import load_config
 from megatron_branch.train.loop import Trainer
 
 
-def _shared_tmp() -> Path:
-    box = [tempfile.mkdtemp(prefix="resume-layouts-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return Path(box[0])
-
-
 def _overrides(tmp: Path, out: str, *extra: str) -> list[str]:
     return [
-        "model.arch={hidden_size: 16, num_layers: 2, num_attention_heads: 2, num_query_groups: 2, "
-        "ffn_hidden_size: 32, max_position_embeddings: 64}",
+        TINY_ARCH,
         "model.dtype=float64",
         "model.arch.vocab_size=18",  # padded alike at TP1 and TP2 (else refused: lifecycle.check_resharding)
         "algorithm.name=dpo",
         f"data.pairs_file={tmp / 'pairs.jsonl'}",
         "data.train_batch_size=4",
         "optim.lr=0.01",
-        "logging.progress_bar=false",
-        "logging.tensorboard=false",
-        "logging.plot=false",
+        *QUIET,
         "checkpoint.hf_export=false",
         f"trainer.default_local_dir={tmp / out}",
         *extra,
@@ -52,7 +43,7 @@ def _overrides(tmp: Path, out: str, *extra: str) -> list[str]:
 _ONE_PROCESS = """
 import json, sys, torch
 from pathlib import Path
-sys.path.insert(0, "tests/distributed")
+sys.path[:0] = ["tests/distributed", "tests"]
 from test_resume_layouts import _overrides
 from megatron_branch.errors import UserError
 from megatron_branch.train.config_io import load_config
@@ -80,15 +71,6 @@ except UserError as e:
     result["refused"] = str(e)
 torch.save(result, tmp / "one_process.pt")
 """
-_TORCHRUN_ENV = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
 
 
 def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -98,7 +80,7 @@ def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 @pytest.mark.world(2)
 def test_tp2_and_dp2_checkpoints_resume_in_one_process_exactly() -> None:
-    tmp = _shared_tmp()
+    tmp = shared_tmp("resume-layouts-")
     try:
         if dist.get_rank() == 0:
             rows = [{"prompt": f"k{i}:ab ? k{i}:", "chosen": "ab", "rejected": "ba"} for i in range(8)]
@@ -114,14 +96,9 @@ def test_tp2_and_dp2_checkpoints_resume_in_one_process_exactly() -> None:
         dist.barrier()
         out = ""
         if dist.get_rank() == 0:
-            env = {
-                k: v
-                for k, v in os.environ.items()
-                if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC")
-            }
             p = subprocess.run(
                 [sys.executable, "-c", _ONE_PROCESS, str(tmp)],
-                env=env,
+                env=single_process_env(),
                 capture_output=True,
                 text=True,
                 timeout=600,

@@ -6,16 +6,16 @@ layers); schedule.name=naive is refused under CP."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from dist_helpers import shared_tmp, single_process_env
+from train_helpers import KV_TASK, QUIET, TINY_ARCH, params, run_steps
 
 from megatron_branch.cli import main
 from megatron_branch.train.config_io import load_config
@@ -24,52 +24,12 @@ from megatron_branch.train.metrics import read_metrics
 from megatron_branch.train.models import unwrap
 
 
-def shared_tmp() -> Path:
-    box = [tempfile.mkdtemp(prefix="train-dist-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return Path(box[0])
-
-
 def _cfg_overrides(out: Path) -> list[str]:
-    return [
-        "model.arch={hidden_size: 16, num_layers: 2, num_attention_heads: 2, num_query_groups: 2, "
-        "ffn_hidden_size: 32, max_position_embeddings: 64}",
-        "data.task=kv_retrieval",
-        "data.task_args={num_pairs: 2, value_len: 2, value_chars: abcd}",
-        "data.num_prompts=16",
-        "data.train_batch_size=2",
-        "rollout.n=2",
-        "rollout.response_length=3",
-        "optim.lr=0.01",
-        f"trainer.default_local_dir={out}",
-        "logging.progress_bar=false",
-        "logging.tensorboard=false",
-        "logging.plot=false",
-        "checkpoint.hf_export=false",
-    ]
+    return [TINY_ARCH, *KV_TASK, f"trainer.default_local_dir={out}", *QUIET, "checkpoint.hf_export=false"]
 
 
 def _cfg(out: Path, *overrides: str):
     return load_config(None, [*_cfg_overrides(out), *overrides])
-
-
-def _run(cfg) -> tuple[Trainer, list[dict]]:
-    tr = Trainer(cfg)
-    rows = []
-    while tr.step < cfg.trainer.total_training_steps:
-        m = tr.train_step()
-        m["_tokens"] = [r.response for r in tr.last_batch]
-        m["_rewards"] = list(tr.last_rewards)
-        rows.append(m)
-    return tr, rows
-
-
-def _params(tr: Trainer) -> dict[str, torch.Tensor]:
-    return {
-        k: v.detach().clone()
-        for k, v in unwrap(tr.policy).state_dict().items()
-        if isinstance(v, torch.Tensor)
-    }
 
 
 def _agree(value: object) -> None:
@@ -81,13 +41,13 @@ def _agree(value: object) -> None:
 
 @pytest.mark.world(2)
 def test_dp2_resume_equals_uninterrupted() -> None:
-    tmp = shared_tmp()
+    tmp = shared_tmp("train-dist-")
     try:
         f64 = "model.dtype=float64"
-        full, mfull = _run(_cfg(tmp / "full", f64, "trainer.total_training_steps=4"))
-        part, m1 = _run(_cfg(tmp / "part", f64, "trainer.total_training_steps=2"))
+        full, mfull = run_steps(_cfg(tmp / "full", f64, "trainer.total_training_steps=4"))
+        part, m1 = run_steps(_cfg(tmp / "part", f64, "trainer.total_training_steps=2"))
         part.save()
-        again, m2 = _run(
+        again, m2 = run_steps(
             _cfg(tmp / "part", f64, "trainer.total_training_steps=4", "trainer.resume_mode=auto")
         )
         assert again.groups.dp_size == 2 and again.step == 4
@@ -95,7 +55,7 @@ def test_dp2_resume_equals_uninterrupted() -> None:
             assert x["_tokens"] == y["_tokens"], x["step"]
             for k in ("reward_mean", "loss"):
                 assert abs(x[k] - y[k]) <= 1e-6, (x["step"], k)
-        a, b = _params(full), _params(again)
+        a, b = params(full), params(again)
         assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-9
         _agree([m["reward_mean"] for m in mfull])
     finally:
@@ -126,7 +86,7 @@ ALGOS = {
 @pytest.mark.parametrize("algo", sorted(ALGOS))
 @pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.tp=1"], ids=["tp2", "dp2"])
 def test_algorithms_run_tp2_and_dp2(layout: str, algo: str) -> None:
-    tmp = shared_tmp()
+    tmp = shared_tmp("train-dist-")
     try:
         extra = list(ALGOS[algo])
         if algo == "dpo":
@@ -165,34 +125,26 @@ while tr.step < cfg.trainer.total_training_steps:
 params = {k: v for k, v in unwrap(tr.policy).state_dict().items() if isinstance(v, torch.Tensor)}
 torch.save({"rows": rows, "params": params, "world": torch.distributed.get_world_size()}, sys.argv[2])
 """
-_TORCHRUN_ENV = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
 
 
 def _single_process(overrides: list[str], out: Path) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC")}
-    return subprocess.Popen([sys.executable, "-c", _SINGLE, json.dumps(overrides), str(out)], env=env)
+    return subprocess.Popen(
+        [sys.executable, "-c", _SINGLE, json.dumps(overrides), str(out)], env=single_process_env()
+    )
 
 
 @pytest.mark.world(2)
 def test_cp2_grpo_with_resume_equals_single_process() -> None:
-    tmp = shared_tmp()
+    tmp = shared_tmp("train-dist-")
     try:
         common = ["model.dtype=float64", "schedule.name=replay"]
         single = [*_cfg_overrides(tmp / "single"), *common, "trainer.total_training_steps=3"]
         ref_proc = _single_process(single, tmp / "single.pt") if dist.get_rank() == 0 else None
         cp2 = [*common, "parallel.cp=2"]
-        part, m1 = _run(_cfg(tmp / "cp2", *cp2, "trainer.total_training_steps=2"))
+        part, m1 = run_steps(_cfg(tmp / "cp2", *cp2, "trainer.total_training_steps=2"))
         assert (part.groups.cp_size, part.groups.dp_size, part.groups.tp_size) == (2, 1, 1)
         part.save()
-        again, m2 = _run(
+        again, m2 = run_steps(
             _cfg(tmp / "cp2", *cp2, "trainer.total_training_steps=3", "trainer.resume_mode=auto")
         )
         assert again.step == 3 and len(m2) == 1
@@ -204,7 +156,7 @@ def test_cp2_grpo_with_resume_equals_single_process() -> None:
         got = [(m["_tokens"], m["_rewards"]) for m in m1 + m2]
         assert got == ref["rows"]  # the same sampled tokens and rewards at every step (both CP ranks)
         assert len({tuple(map(tuple, t)) for t, _ in got}) == 3  # the steps sampled different batches
-        mine = _params(again)
+        mine = params(again)
         assert sorted(mine) == sorted(ref["params"])
         err = max(float((mine[k] - ref["params"][k]).abs().max()) for k in mine)
         assert err < 1e-9, err
@@ -230,19 +182,19 @@ def test_cp2_hybrid_grpo_equals_single_process() -> None:
     """A config-defined Qwen3.5-style hybrid trains with parallel.cp=2 (the ring for its attention layer, the head
     exchange for its gated delta net layer) and equals the single-process run: the same sampled tokens and rewards,
     parameters within the float32 delta rule's rounding (the rule computes in float32 whatever the model dtype)."""
-    tmp = shared_tmp()
+    tmp = shared_tmp("train-dist-")
     try:
         common = [HYBRID, "model.dtype=float64", "schedule.name=replay", "trainer.total_training_steps=2"]
         single = [*_cfg_overrides(tmp / "single"), *common]
         ref_proc = _single_process(single, tmp / "single.pt") if dist.get_rank() == 0 else None
-        tr, rows = _run(_cfg(tmp / "cp2", *common, "parallel.cp=2"))
+        tr, rows = run_steps(_cfg(tmp / "cp2", *common, "parallel.cp=2"))
         assert (tr.groups.cp_size, tr.groups.dp_size) == (2, 1) and unwrap(tr.policy).arch.is_hybrid
         rc = [ref_proc.wait(timeout=600) if ref_proc is not None else 0]
         dist.broadcast_object_list(rc, src=0)
         assert rc == [0], "the single-process reference run failed"
         ref = torch.load(tmp / "single.pt", weights_only=False)
         assert [(m["_tokens"], m["_rewards"]) for m in rows] == ref["rows"]
-        mine = _params(tr)
+        mine = params(tr)
         assert sorted(mine) == sorted(ref["params"])
         err = max(float((mine[k] - ref["params"][k]).abs().max()) for k in mine)
         assert err < 1e-6, err
@@ -254,7 +206,7 @@ def test_cp2_hybrid_grpo_equals_single_process() -> None:
 
 @pytest.mark.world(2)
 def test_naive_schedule_refused_under_cp(capsys) -> None:
-    tmp = shared_tmp()
+    tmp = shared_tmp("train-dist-")
     try:
         cfg_file = tmp / "empty.yaml"
         if dist.get_rank() == 0:

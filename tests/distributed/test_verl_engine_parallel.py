@@ -40,15 +40,18 @@ def _policy_dir() -> str:
 
 
 @pytest.mark.world(2)
-@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
-def test_verl_engine_switch_parallel(tp: int) -> None:
+@pytest.mark.parametrize(
+    ("tp", "multi_turn"), [(1, False), (2, False), (1, True)], ids=["dp2", "tp2", "dp2_multi_turn"]
+)
+def test_verl_engine_switch_parallel(tp: int, multi_turn: bool) -> None:
+    """multi_turn: verl's response_mask with tool tokens 0 inside responses (and one response all tool output)."""
     os.environ.setdefault("MASTER_PORT", "0")  # verl's Worker reads it; the process group already exists
     hf = _policy_dir()
     dp = dist.get_world_size() // tp
     rank = dist.get_rank() // tp  # megatron's default order: tp fastest, so ranks 0,1 are one TP group at TP2
 
     def td():  # 4 prompt groups of 4: at DP2 each rank gets 2 whole groups (prompts per step % DP == 0)
-        return dp_share(grpo_batch(seed=5, groups=4), rank, dp)
+        return dp_share(grpo_batch(seed=5, groups=4, multi_turn=multi_turn), rank, dp)
 
     set_switch(False)
     base = run_step(make_worker(hf, tp=tp), td)

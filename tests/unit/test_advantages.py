@@ -49,3 +49,32 @@ def test_with_gae_needs_rewards_and_values() -> None:
     )
     with pytest.raises(UserError, match="r.jsonl:3: missing field 'values'"):
         with_gae([Rollout(prompt=(1,), response=(2,), token_fields={"rewards": (1.0,)}, where="r.jsonl:3")])
+
+
+def test_gae_skips_context_tokens_as_verl_does() -> None:
+    """With a loss_mask (tool tokens 0), GAE equals verl's compute_gae_advantage_return with that response_mask on
+    the trained tokens (its returns, before verl whitens the advantages; float64 1e-12); without a mask it is
+    unchanged (bit for bit)."""
+    verl_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
+    g = torch.Generator().manual_seed(4)
+    n = 9
+    r, v = torch.randn(n, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64)
+    mask = [True, True, False, False, False, True, True, False, True]
+    adv, ret = gae(r, v, gamma=0.9, lam=0.8, mask=mask)
+    want_adv, want_ret = verl_algos.compute_gae_advantage_return(
+        r[None], v[None], torch.tensor(mask, dtype=torch.float64)[None], 0.9, 0.8
+    )
+    m = torch.tensor(mask)
+    # verl then whitens its advantages over the batch (masked_whiten); its returns are the raw GAE + values
+    torch.testing.assert_close(ret[m], want_ret[0][m], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(adv[m], (want_ret[0] - v)[m], rtol=1e-12, atol=1e-12)
+    assert want_adv.shape == want_ret.shape
+    plain, _ = gae(r, v, gamma=0.9, lam=0.8)
+    assert not torch.allclose(plain[m], adv[m])  # the mask matters
+    assert torch.equal(plain, gae(r, v, gamma=0.9, lam=0.8, mask=[True] * n)[0])
+    rollout = Rollout(
+        prompt=(1,), response=tuple(range(2, 2 + n)), loss_mask=mask,
+        token_fields={"rewards": tuple(r.tolist()), "values": tuple(v.tolist())},
+    )  # fmt: skip
+    (out,) = with_gae([rollout], gamma=0.9, lam=0.8)
+    assert out.field("advantages") == tuple(adv.tolist()) and out.loss_mask == tuple(mask)

@@ -91,6 +91,20 @@ def test_rollout_longer_than_context(assets: Path, tmp_path: Path, capsys) -> No
     assert (out / "g.safetensors").is_file()
 
 
+@pytest.mark.parametrize(
+    ("mask", "expect"),
+    [("[1, 2]", "value 1 is 2"), ("[1]", "has 1 values"), ('{"a": 1}', "got dict"), ("[1, null]", "is null")],
+)
+def test_malformed_loss_mask(mask: str, expect: str, assets: Path, tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "mask.jsonl"
+    bad.write_text(f'{{"prompt": [1], "response": [2, 3], "advantage": 1, "loss_mask": {mask}}}\n')
+    out = tmp_path / "out"
+    argv = ["grad", "--hf", str(assets / "hf"), "--rollouts", str(bad), "--out", str(out / "g.safetensors")]
+    refused(
+        [*argv, "--logprobs-out", str(out / "lp.jsonl")], out, capsys, "mask.jsonl:1", "loss_mask", expect
+    )
+
+
 # --- damaged checkpoints --------------------------------------------------------------------------------------------
 def _delete(ck: Path) -> None:
     (ck / "__0_0.distcp").unlink()

@@ -73,6 +73,10 @@ def test_bench_runs_every_variant_and_writes_json_and_plots(tmp_path, capsys) ->
         "bench_vs_G_prompt48.png",
     ]
     assert "analytic limit" in capsys.readouterr().out
+    # issue 35: the machine's load is recorded, and a busy machine is said in the report
+    load = report["load"]
+    assert {"foreign_cpu_s", "foreign_cpu_fraction", "busy", "load_average_start", "cpus"} <= set(load)
+    assert any(w.startswith("warning: the machine was busy") for w in report["warnings"]) == load["busy"]
 
 
 def test_bench_outputs_follow_the_outputs_rule(tmp_path, capsys) -> None:  # noqa: ANN001
@@ -231,3 +235,50 @@ def test_the_hybrid_preset_runs_at_a_reduced_size(tmp_path, capsys) -> None:  # 
     assert rows["replay"]["flop_ratio"] == pytest.approx(rows["replay"]["analytic_limit"])
     assert rows["replay"]["analytic_limit"] > 1
     assert "analytic limit" in capsys.readouterr().out
+
+
+def test_plot_of_a_one_point_grid_says_why_nothing_is_drawn(tmp_path, capsys) -> None:  # noqa: ANN001
+    """Issue 35 item 7: `--plot` with one P and one G used to write no PNG and say nothing."""
+    argv = [
+        "bench",
+        "--preset",
+        "tiny",
+        "--variants",
+        "replay",
+        "--no-meter",
+        "--plot",
+        str(tmp_path / "png"),
+    ]
+    assert main(argv) == 0
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("bench: --plot")]
+    assert len(err) == 2 and err[0] == err[1], err  # before the run and after it
+    assert (
+        "it is one point (P=48, G=4) and a plot needs two values or more of --prompt or --branches" in err[0]
+    )
+    assert not (tmp_path / "png").exists()
+
+
+def test_load_meter_sees_another_process_and_warnings_say_so() -> None:
+    import subprocess
+    import sys
+    import time
+
+    from megatron_branch.bench.load import LoadMeter, warnings
+
+    meter = LoadMeter.start()
+    busy = subprocess.Popen(
+        [sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"]
+    )
+    time.sleep(1.2)
+    load = meter.read()  # the child is not waited for yet: its CPU time is someone else's
+    busy.wait()
+    assert load["foreign_cpu_s"] >= 0.5 and load["foreign_cpu_fraction"] > 0
+    quiet = {**load, "busy": False, "foreign_cpu_fraction": 0.0}
+    row = {"variant": "replay", "prompt": 48, "branches": 4, "fraction_of_limit": 8.22}
+    assert warnings(quiet, [{**row, "fraction_of_limit": 0.9}]) == []
+    (above,) = warnings(quiet, [row])  # above the limit: always a warning, busy or not
+    assert "above the analytic limit (up to 822%, replay at P=48, G=4)" in above
+    loaded = warnings({**load, "busy": True, "foreign_cpu_fraction": 0.4, "cpus": 2}, [row])
+    assert loaded[0].startswith(
+        "warning: the machine was busy during this run (other processes used 40% of its 2"
+    )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from optimizer_helpers import VARIANTS
 
 from megatron_branch.bench import precision as bp
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
@@ -55,18 +56,6 @@ def test_float16_optimizer_shim_targets_megatron_and_is_still_needed(groups) -> 
     assert (
         "type" not in p.__dict__ and p.type() == "torch.BFloat16Tensor"
     )  # the scoped CUDA name is gone again
-
-
-VARIANTS = {
-    "plain": {},
-    "distributed": {"use_distributed_optimizer": True},
-    "offload": {
-        "use_distributed_optimizer": True,
-        "use_precision_aware_optimizer": True,
-        "optimizer_cpu_offload": True,
-        "optimizer_offload_fraction": 0.5,
-    },
-}
 
 
 def _trainee(weights: dict, **kw: object):  # noqa: ANN202

@@ -48,3 +48,9 @@ def test_stub_help_lines_are_the_commands_own() -> None:
     assert list(full) == list(COMMANDS)
     for name in COMMANDS:  # building one command in full keeps the others' lines
         assert _help_lines(build_parser(name)) == full
+
+
+def test_grad_help_names_the_default_objective() -> None:
+    """Issue 35 item 10: `grad --help` said "GRPO loss" while the default objective is pg."""
+    default = build_parser("grad")._subparsers._group_actions[0].choices["grad"].get_default("policy_loss")
+    assert f"(default --objective {default})" in COMMANDS["grad"][2] and "GRPO" not in COMMANDS["grad"][2]

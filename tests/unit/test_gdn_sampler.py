@@ -11,21 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 from gdn_helpers import plant_start_bug
+from sampler_helpers import VOCAB, _single_process, assert_greedy_equals_hf_generate, prompts  # noqa: F401 (the fixture)
 from test_gdn_replay import hybrid
 from test_hybrid_models import megatron_of
 
 from megatron_branch.data import PrefixTree
 from megatron_branch.generation import BranchSampler, SamplingParams
 from megatron_branch.losses import PolicyGradientObjective
-from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
 from megatron_branch.schedule import ScheduleOptions, run_schedule
-
-VOCAB = 37
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _single_process() -> None:
-    initialize_parallel(ParallelConfig())
 
 
 @pytest.fixture(scope="module")
@@ -35,24 +28,9 @@ def models():  # noqa: ANN201
     return hf.eval(), model.eval()
 
 
-def prompts() -> list[list[int]]:
-    return [
-        [int(x) for x in torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n))]
-        for n in (9, 4)
-    ]
-
-
 def test_greedy_equals_hf_generate_and_each_prompt_is_prefilled_once(models) -> None:  # noqa: ANN001
     hf, model = models
-    ps = prompts()
-    out = BranchSampler(model, vocab_size=VOCAB).generate(
-        ps, SamplingParams(n=2, max_new_tokens=6, temperature=0)
-    )
-    assert out.stats.prompt_prefills == [1, 1] and out.stats.prefill_forwards == 1
-    for p, prompt in enumerate(ps):
-        want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6)
-        for s in out.samples[p]:
-            assert list(s.response) == want[0, len(prompt) :].tolist()
+    assert_greedy_equals_hf_generate(hf, model)
 
 
 def _training_logprobs(model, samples, schedule: str) -> list[torch.Tensor]:  # noqa: ANN001

@@ -246,6 +246,54 @@ def test_planted_bug_ignoring_the_prompt_cache_is_caught(monkeypatch: pytest.Mon
     assert got != [cache_free_greedy(model, p, 6)[0] for p in prompts]
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_a_registered_executor_runs_decode_and_greedy_equals_hf_generate(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """The executor seam: a backend added to the registry (a wrapper that counts its forwards and delegates to
+    `packed`) runs decode with no edit of generation/kv_cache.py, and greedy tokens still equal HF generate."""
+    from dataclasses import replace
+
+    from megatron_branch.attention.dispatch import EXECUTORS
+
+    calls: list[int] = []
+
+    def counting_forward(q, ks, vs, plan, scale):  # noqa: ANN001, ANN202
+        calls.append(q.shape[0])
+        return EXECUTORS["packed"].forward(q, ks, vs, plan, scale)
+
+    monkeypatch.setitem(
+        EXECUTORS, "counting", replace(EXECUTORS["packed"], name="counting", forward=counting_forward)
+    )
+    cfg = tiny_hf_config("llama", vocab_size=VOCAB)
+    hf = tiny_hf_model(cfg, seed=3, dtype=dtype).eval()
+    model, _ = make_model(dtype)
+    prompts = prompts_of([9, 5], seed=2)
+    out = BranchSampler(model, vocab_size=VOCAB, backend="counting").generate(
+        prompts, SamplingParams(n=2, max_new_tokens=5, temperature=0)
+    )
+    layers = cfg.num_hidden_layers
+    decode_rows = [c for c in calls if c == 4]  # a decode step's rows: 2 prompts x 2 branches
+    assert len(decode_rows) == 4 * layers  # every decode step (the 1st token comes from prefill), every layer
+    for p, prompt in enumerate(prompts):
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False, min_new_tokens=5)
+        for s in out.samples[p]:
+            assert list(s.response) == want[0, len(prompt) :].tolist()
+
+
+def test_a_baseline_backend_without_an_executor_decodes_with_the_default() -> None:
+    """`repeat` (a one-rank baseline, no executor) prefills with its own method and decodes with the default
+    executor (dispatch.plan_executor): the same greedy tokens and logprobs as the default backend."""
+    model, _ = make_model(torch.float64)
+    prompts = prompts_of([7, 4], seed=5)
+    sp = SamplingParams(n=2, max_new_tokens=4, temperature=0)
+    want = BranchSampler(model, vocab_size=VOCAB).generate(prompts, sp).flat()
+    got = BranchSampler(model, vocab_size=VOCAB, backend="repeat").generate(prompts, sp).flat()
+    assert [list(s.response) for s in got] == [list(s.response) for s in want]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-10, atol=1e-10)
+
+
 def test_task_tokenizer_sampler_reward_pipeline(tmp_path) -> None:  # noqa: ANN001
     """The pieces the training loop chains: task prompts -> tokenizer -> sampler -> decoded text -> reward."""
     from megatron_branch.tasks import get_task, load_reward, score_responses

@@ -128,6 +128,22 @@ def test_bad_configuration_refused_before_work(workdir: Path, capsys: pytest.Cap
     assert rc == 2 and "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("folder", ["/proc", "/sys"])
+def test_unwritable_out_refused_before_work(
+    workdir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, folder: str
+) -> None:
+    """Issue 35 item 8: os.access says yes there (as root), creating a file does not; refused before loading."""
+    import megatron_branch.commands.grad as grad_cmd
+
+    monkeypatch.setattr(grad_cmd, "load_policy", lambda *a, **k: pytest.fail("the model was loaded"))
+    rc = main(argv(workdir / "hf", workdir / "r.jsonl", f"{folder}/o.safetensors"))
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err, err
+    assert err.startswith(
+        f"megatron-branch: error: output '{folder}/o.safetensors': cannot create a file in folder"
+    )
+
+
 @pytest.mark.slow
 def test_module_entry_point_has_no_traceback(workdir: Path) -> None:
     bad = workdir / "bad.jsonl"
@@ -217,3 +233,18 @@ def test_tiny_assets_example_feeds_the_commands(tmp_path: Path, capsys: pytest.C
     rc = main(argv(tmp_path / "hf", tmp_path / "rollouts.jsonl", tmp_path / "g.st"))
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and summary["positions_computed"] < summary["positions_logical"]
+
+
+def test_progress_lines_on_stderr_and_quiet(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 35 item 9: grad says what it is doing (loading, tree, schedule, writing) on stderr, stdout keeps only
+    the JSON line; --quiet silences the phases."""
+    rc, summary, err = grad(workdir, capsys, out="p.safetensors")
+    assert rc == 0 and summary["out"].endswith("p.safetensors")
+    lines = err.strip().splitlines()
+    phases = [ln.split("] ", 1)[1] for ln in lines]
+    assert all(ln.startswith("grad: [") for ln in lines), lines
+    assert phases[0].startswith("inputs checked; prefix tree: ") and phases[1].startswith("loading the model")
+    assert phases[2] == "replay schedule: forward and backward" and phases[3].startswith("writing ")
+    assert phases[4] == "done" and len(phases) == 5
+    rc, _, err = grad(workdir, capsys, "--quiet", out="p.safetensors")
+    assert rc == 0 and err == ""

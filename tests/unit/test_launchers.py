@@ -56,8 +56,10 @@ def grad_args(cmds: list[list[str]]) -> tuple[int, list[str]]:
 
 
 def plan_json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict:
-    assert main(argv) == 0
-    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rc = main(argv)
+    d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == (0 if d["fits"] else 1)  # 1: nothing fits
+    return d
 
 
 def test_launchers_use_the_checkouts_venv_without_path_changes(tmp_path: Path) -> None:
@@ -368,3 +370,22 @@ def test_two_node_launcher_scaled_down_trains_as_two_nodes(script: str, tmp_path
     steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]
     assert all(s["positions_computed"] < s["positions_logical"] for s in steps)  # replay shared the prompt
+
+
+@pytest.mark.parametrize(
+    ("plan_args", "rc", "first"),
+    [
+        (["--cp", "8", "--recompute", "none"], 1, "does not fit: needs"),  # the planner's exit status 1
+        (["--cp", "3"], 2, "megatron-branch: error: "),  # bad input: the planner's own line, exit 2
+    ],
+)
+def test_preflight_stops_with_the_planners_verdict(plan_args: list[str], rc: int, first: str) -> None:
+    """Issue 35: plan exits 1 when nothing fits; under `set -e` the preflight still prints the verdict (the plan's
+    first line) and stops, and a bad planner input stops it with the planner's line and status 2."""
+    script = (f"source {LAUNCH / 'common.sh'}; preflight --model qwen2.5-32b --prompt-length 122880 --responses 16 "
+              f"--response-length 8192 --gpus 8 --gpu h100 {' '.join(plan_args)}; echo launched")  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MB": f"{sys.executable} -m megatron_branch"}
+    env.pop("MB_DRY_RUN", None)
+    res = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == rc and "launched" not in res.stdout, (res.returncode, res.stderr)
+    assert res.stderr.splitlines()[0].startswith(first), res.stderr

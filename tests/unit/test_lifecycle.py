@@ -10,28 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_helpers import KV_TASK, QUIET, TINY_ARCH, params
 
 from megatron_branch.cli import main
 from megatron_branch.errors import SettingError, UserError
 from megatron_branch.train.config_io import load_config
 from megatron_branch.train.loop import Trainer
-from megatron_branch.train.models import unwrap
 from megatron_branch.train.validate import SPELLING
 
-BASE = [
-    "model.arch={hidden_size: 16, num_layers: 2, num_attention_heads: 2, num_query_groups: 2, "
-    "ffn_hidden_size: 32, max_position_embeddings: 64}",
-    "data.task=kv_retrieval",
-    "data.task_args={num_pairs: 2, value_len: 2, value_chars: abcd}",
-    "data.num_prompts=16",
-    "data.train_batch_size=2",
-    "rollout.n=2",
-    "rollout.response_length=3",
-    "optim.lr=0.01",
-    "logging.progress_bar=false",
-    "logging.tensorboard=false",
-    "logging.plot=false",
-]
+BASE = [TINY_ARCH, *KV_TASK, *QUIET]
 
 
 def overrides(out: Path, *extra: str) -> list[str]:
@@ -46,14 +33,6 @@ def train(tmp_path: Path, out: Path, *extra: str) -> int:
     empty = tmp_path / "empty.yaml"
     empty.write_text("{}\n")
     return main(["train", str(empty), *overrides(out, *extra)])
-
-
-def params(tr: Trainer) -> dict[str, torch.Tensor]:
-    return {
-        k: v.detach().clone()
-        for k, v in unwrap(tr.policy).state_dict().items()
-        if isinstance(v, torch.Tensor)
-    }
 
 
 # ---- 1. resume and extend ----------------------------------------------------------------------------------------
@@ -230,6 +209,25 @@ def test_override_errors_are_blamed_on_the_override(tmp_path: Path) -> None:
         load_config(yaml, base)
 
 
+def test_texts_of_issue_35_name_the_field_and_the_override(tmp_path: Path) -> None:
+    """A bad family says which families there are (not "must be a mapping | null"), and a rule between fields
+    that names a section's field ("model.arch: family ...") or its wildcard ("moe.*") blames the override."""
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("rollout: {n: 4}\n")
+    base = [o for o in overrides(tmp_path / "run") if not o.startswith("rollout.n=")]
+    with pytest.raises(UserError) as e:
+        load_config(yaml, [*base, "model.arch.family=gpt2"])
+    assert str(e.value).startswith(
+        "override 'model.arch.family=gpt2': model.arch: family must be one of llama"
+    )
+    with pytest.raises(UserError) as e:
+        load_config(yaml, [*base, "moe.aux_loss_coeff=0.1"])  # a dense model
+    assert str(e.value).startswith("override 'moe.aux_loss_coeff=0.1': parallel.ep / moe.* need a mixture")
+    yaml.write_text("rollout: {n: 4}\nmoe: {aux_loss_coeff: 0.1}\n")  # the file's own: still the file's
+    with pytest.raises(UserError, match=rf"^{yaml}: parallel.ep / moe.\* need"):
+        load_config(yaml, base)
+
+
 def test_run_failing_in_its_first_step_leaves_no_folder(tmp_path: Path, monkeypatch) -> None:
     out = tmp_path / "run"
     tr = Trainer(cfg(out, "trainer.total_training_steps=2", "checkpoint.hf_export=false"))
@@ -265,3 +263,39 @@ def test_what_megatron_cannot_reshard_is_refused_naming_both_layouts() -> None:
     with pytest.raises(UserError, match=r"saved at tp=2 cp=1 dp=1 with the vocabulary padded to 18 rows, this run "
                        r"is tp=1 cp=1 dp=1 which pads it to 17"):  # fmt: skip
         check_resharding(layout(2, 1), layout(1, 1, rows=17), where="ckpt")
+
+
+# ---- issue 35 item 9: what a resumed or finished run says ----------------------------------------------------
+def test_resume_auto_on_a_new_folder_says_it_starts_fresh(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    assert train(tmp_path, out, "trainer.total_training_steps=1", "--resume", "auto") == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"no checkpoint found under {out / 'checkpoints'}, starting fresh" in lines, lines
+
+
+def test_nothing_to_do_is_one_clean_line_and_names_the_export(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    assert train(tmp_path, out, "trainer.total_training_steps=1") == 0
+    capsys.readouterr()
+    again = ("trainer.total_training_steps=1", "logging.progress_bar=true", "--resume", "auto")
+    assert train(tmp_path, out, *again) == 0
+    cap = capsys.readouterr()
+    lines = cap.out.splitlines()
+    assert lines[0].startswith("resumed from") and len(lines) == 3, lines
+    assert lines[1].startswith(f"nothing to do: {out} is at step 1"), lines
+    assert "train:" not in cap.err and "step/s" not in cap.err, cap.err  # no tqdm bar across the line
+    summary = json.loads(lines[-1])
+    assert summary["nothing_to_do"] and summary["hf"] == str(out / "hf") and (out / "hf").is_dir()
+
+
+def test_print_config_prints_the_resolved_config_and_exits(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("{}\n")
+    assert main(["train", str(empty), *overrides(out, "rollout.n=4"), "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    (tmp_path / "printed.yaml").write_text(printed)
+    again = load_config(tmp_path / "printed.yaml")
+    assert again == cfg(out, "rollout.n=4") and again.rollout.n == 4
+    assert "optim:" in printed and "trainer:" in printed  # every section, defaults included
+    assert not out.exists()  # nothing run, nothing written

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from optimizer_helpers import OFFLOAD
 
 from megatron_branch.compat import offload as off
 from megatron_branch.compat.cpu import CompatError, _resolve
@@ -32,11 +33,6 @@ from megatron_branch.update import OptimizerSettings, UpdatePlan, update_step
 from megatron_branch.update.optimizer import inner_optimizers
 
 VOCAB = 37
-OFFLOAD = {
-    "use_distributed_optimizer": True,
-    "use_precision_aware_optimizer": True,
-    "optimizer_cpu_offload": True,
-}
 
 
 @pytest.fixture(scope="module")

@@ -160,3 +160,21 @@ def test_launcher_drops_only_user_error_notes() -> None:
     assert f.filter(rec("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", 1, 0, 1, "x"))
     assert f.filter(rec("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", -11, 0, 1, "x"))
     assert not f.filter(rec("Sending process %s closing signal %s", 12, "SIGTERM"))
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_convert_says_wrote_once_under_torchrun(
+    rank: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 35 item 10: under TP2 every rank converts its part; "wrote ..." is printed by rank 0 only."""
+    import argparse
+
+    import megatron_branch.checkpoint.hf_to_mcore as h2m
+    from megatron_branch.checkpoint.cli import run
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(h2m, "convert_hf_to_mcore", lambda hf, out, **kw: Path(out))
+    args = argparse.Namespace(convert_direction="hf-to-mcore", hf="hf", out=str(tmp_path / "m"), tp=2, pp=1,
+                              ep=1, dtype="bf16", overwrite=False)  # fmt: skip
+    assert run(args) == 0
+    assert capsys.readouterr().out == (f"wrote {tmp_path / 'm'}\n" if rank == "0" else "")

@@ -62,6 +62,8 @@ def test_parallel_config_sizes() -> None:
     assert ParallelConfig(tp=2, cp=2).data_parallel_size(8) == 2
     with pytest.raises(UserError, match="world size 6 is not a multiple of tp\\*cp"):
         ParallelConfig(tp=2, cp=2).data_parallel_size(6)
+    with pytest.raises(UserError, match=r"tp\*cp = 4\*4 = 16 ranks > world size 8"):  # issue 35: 16 > 8 said
+        ParallelConfig(tp=4, cp=4).data_parallel_size(8)
     with pytest.raises(UserError, match="--cp must be a positive integer"):
         ParallelConfig(cp=0)
 
@@ -80,7 +82,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     "layout,words",
     [
         (["--tp", "3"], "tensor parallel size 3"),  # 4 heads
-        (["--cp", "2"], "world size 1 is not a multiple of tp*cp"),
+        (["--cp", "2"], "tp*cp = 1*2 = 2 ranks > world size 1"),
         (["--cp", "2", "--schedule", "naive"], "--schedule naive has no context parallelism"),
     ],
 )

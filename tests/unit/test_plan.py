@@ -142,9 +142,10 @@ TARGET = ["--prompt-length", "122880", "--responses", "16", "--response-length",
 
 
 def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
-    assert main(["plan", *argv, "--json"]) == 0
-    out = capsys.readouterr().out.strip().splitlines()
-    return json.loads(out[-1])
+    rc = main(["plan", *argv, "--json"])
+    d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == (0 if d["fits"] else 1)  # 1: nothing fits
+    return d
 
 
 def test_plan_json_contract(capsys: pytest.CaptureFixture[str]) -> None:
@@ -181,14 +182,39 @@ def test_plan_fixed_layout_and_custom_gpu(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_does_not_fit_names_the_largest_term(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 35: nothing fits -> exit status 1 and the verdict FIRST (the rejected layout after it)."""
     assert (
         main(["plan", "--model", "qwen2.5-32b", *TARGET, "--gpu", "h100", "--cp", "8", "--recompute", "none"])
-        == 0
+        == 1
     )
-    text = capsys.readouterr().out
-    last = text.strip().splitlines()[-1]
-    assert last.startswith("does not fit: needs")
-    assert "largest term activations" in last and "Would fit with:" in last
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("does not fit: needs")
+    assert "largest term activations" in lines[0] and "Would fit with:" in lines[0]
+    assert lines[2].startswith("nearest layout (rejected): tp 1 x cp 8")
+    assert not any(ln.startswith(("fits", "does not fit")) for ln in lines[1:])
+
+
+def test_fits_says_so_first_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "qwen2.5-7b", *TARGET, "--gpu", "h20", "--recompute", "full"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("fits: ") and " of 96 GB per rank at tp " in lines[0]
+    assert lines[2].startswith("layout: tp ")
+
+
+@pytest.mark.parametrize(
+    ("sizes", "says"),
+    [
+        (["--tp", "4", "--cp", "4"], "--tp 4 x --cp 4 = 16 GPUs > --gpus 8"),
+        (["--tp", "1", "--cp", "3"], "--tp 1 x --cp 3 = 3 GPUs does not divide --gpus 8"),
+    ],
+)
+def test_fixed_sizes_that_do_not_fit_the_gpus_say_why(
+    sizes: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 35 item 10: `--tp 4 --cp 4` on 8 GPUs says 16 > 8, not "no layout satisfies"."""
+    assert main(["plan", "--model", "qwen2.5-7b", *TARGET, "--gpu", "h100", *sizes]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"megatron-branch: error: {says}", err
 
 
 def test_plan_reads_a_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -203,7 +229,8 @@ def test_plan_reads_a_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[
     "argv,msg",
     [
         (["--model", "nope-7b"], "neither a preset"),
-        (["--model", "qwen2.5-7b", "--tp", "3"], "no layout"),
+        (["--model", "qwen2.5-7b", "--tp", "3"], "--tp 3 = 3 GPUs does not divide --gpus 8"),
+        (["--model", "qwen2.5-7b", "--tp", "2", "--pp", "3", "--gpus", "12"], "no layout"),
         (["--model", "qwen2.5-7b", "--shared-response-length", "9000"], "--shared-response-length"),
     ],
 )

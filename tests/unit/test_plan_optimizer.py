@@ -107,9 +107,11 @@ def test_host_memory_limits_the_offload() -> None:
 
 
 def _run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[str, dict]:
-    assert main(["plan", *argv, "--json"]) == 0
+    rc = main(["plan", *argv, "--json"])
     out = capsys.readouterr().out.strip().splitlines()
-    return "\n".join(out[:-1]), json.loads(out[-1])
+    d = json.loads(out[-1])
+    assert rc == (0 if d["fits"] else 1)  # 1: nothing fits
+    return "\n".join(out[:-1]), d
 
 
 def test_the_32b_target_fits_on_8_h20_with_offload(capsys: pytest.CaptureFixture[str]) -> None:

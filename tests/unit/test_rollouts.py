@@ -148,3 +148,59 @@ def test_objective_fields_round_trip_and_remember_their_line(tmp_path) -> None: 
     assert b.field("advantages") == (0.25,) and b.field("old_logprobs") is None and b.where == f"{path}:2"
     write_rollouts_jsonl(tmp_path / "again.jsonl", [a, b])
     assert read_rollouts_jsonl(tmp_path / "again.jsonl") == [a, b]
+
+
+# ---- loss_mask (issue 31): one 0/1 per response token; absent = all ones ---------------------------------------
+
+BAD_MASKS = {
+    "wrong-length": ([1, 0], "has 2 values but the response has 3 tokens"),
+    "empty-list": ([], "has 0 values but the response has 3 tokens"),
+    "two": ([1, 2, 0], "value 1 is 2: must be 0, 1, false or true"),
+    "half": ([1, 0.5, 0], "value 1 is 0.5"),
+    "float-one": ([1.0, 1, 0], "value 0 is 1.0"),
+    "minus-one": ([1, -1, 0], "value 1 is -1"),
+    "string-one": ([1, "1", 0], 'value 1 is "1"'),
+    "null-value": ([1, None, 0], "value 1 is null"),
+    "nested": ([1, [1], 0], "value 1 is [1]"),
+    "scalar": (1, "must be a list of 0/1 (one per response token), got int"),
+    "string": ("110", "got str"),
+    "object": ({"0": 1}, "got dict"),
+    "null": (None, "got null"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_MASKS))
+def test_malformed_loss_mask_names_file_line_and_field(tmp_path: Path, case: str) -> None:
+    mask, what = BAD_MASKS[case]
+    bad = json.dumps({"prompt": [1], "response": [2, 3, 4], "advantage": 0.0, "loss_mask": mask})
+    path = _write(tmp_path, [GOOD, bad], name="mt.jsonl")
+    with pytest.raises(UserError) as info:
+        read_rollouts_jsonl(path)
+    message = str(info.value)
+    assert "\n" not in message and f"{path}:2" in message and "loss_mask" in message, message
+    assert what in message, message
+    with pytest.raises(UserError, match="loss_mask"):  # the record refuses it too (Python callers)
+        Rollout(prompt=(1,), response=(2, 3, 4), loss_mask=mask if mask is not None else "x", where="r")
+
+
+def test_loss_mask_reads_0_1_and_bools_round_trips_and_all_ones_is_absent(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        [
+            _line(prompt=[1], response=[2, 3, 4], advantage=1.0, loss_mask=[1, 0, 1]),
+            _line(prompt=[1], response=[2, 3, 5], advantage=1.0, loss_mask=[True, False, False]),
+            _line(prompt=[1], response=[2, 6], advantage=1.0, loss_mask=[1, 1]),
+            _line(prompt=[1], response=[7], advantage=1.0, loss_mask=[0]),
+        ],
+    )
+    rs = read_rollouts_jsonl(path)
+    assert [r.loss_mask for r in rs] == [(True, False, True), (True, False, False), None, (False,)]
+    assert [r.num_trained for r in rs] == [2, 1, 2, 0]
+    assert rs[0].trained_positions() == (0, 2) and rs[2].trained_positions() is None
+    assert rs[2] == Rollout(prompt=(1,), response=(2, 6), advantage=1.0)  # all ones == no mask, bit for bit
+    out = tmp_path / "back.jsonl"
+    write_rollouts_jsonl(out, rs)
+    assert read_rollouts_jsonl(out) == rs
+    assert json.loads(out.read_text().splitlines()[0])["loss_mask"] == [1, 0, 1]
+    assert "loss_mask" not in json.loads(out.read_text().splitlines()[2])
+    assert "loss_mask" not in rs[0].token_fields  # never mistaken for a per-token numeric field

@@ -158,14 +158,15 @@ def test_planted_bug_dropping_one_branch_is_caught(monkeypatch: pytest.MonkeyPat
     """Drop the first branch's contribution to its parent's dK/dV: the parity check must fail."""
 
     class DropFirstBranch(replay_mod._Replay):
-        def _child_groups(self, children):  # noqa: ANN001, ANN202
-            parent = self.path[-1]
-            for n, group in enumerate(super()._child_groups(children)):
-                yield group
-                if n == 0:
-                    for entry in self.cache.entries[parent].values():  # schedule/prefix_cache.py
-                        for leaf in entry.trainable:  # the parent's K/V leaves
-                            leaf.grad = None
+        dropped = False
+
+        def run_leaves(self, leaves):  # noqa: ANN001, ANN202
+            super().run_leaves(leaves)
+            if not self.dropped:  # right after the first leaf micro-batch's backward
+                self.dropped = True
+                for entry in self.cache.entries[self.path[-1]].values():  # schedule/prefix_cache.py
+                    for leaf in entry.trainable:  # the parent's K/V leaves
+                        leaf.grad = None
 
     _, model, arch = make_pair("llama", False, torch.float64)
     rollouts = random_tree_rollouts(seed=8, prompt_len=9, branches=4, levels=1)

@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_helpers import QUIET
+from train_helpers import params as _params  # noqa: F401 (tests beside it import these names)
+from train_helpers import run_steps as _run
 
 from megatron_branch.errors import UserError
 from megatron_branch.train.config_io import load_config
 from megatron_branch.train.loop import Trainer
-from megatron_branch.train.models import unwrap
 
 REWARD_MODULE = '''
 def reward(prompt, response, row):
@@ -56,31 +58,10 @@ def _cfg(task: Path, out: Path, *overrides: str):
         "optim.lr=0.01",
         "optim.clip_grad=0",
         f"trainer.default_local_dir={out}",
-        "logging.progress_bar=false",
-        "logging.tensorboard=false",
-        "logging.plot=false",
+        *QUIET,
         "checkpoint.hf_export=false",
     ]
     return load_config(None, [*base, *overrides])
-
-
-def _run(cfg) -> tuple[Trainer, list[dict]]:
-    tr = Trainer(cfg)
-    rows = []
-    while tr.step < cfg.trainer.total_training_steps:
-        m = tr.train_step()
-        m["_tokens"] = [(r.response) for r in tr.last_batch]
-        m["_rewards"] = list(tr.last_rewards)
-        rows.append(m)
-    return tr, rows
-
-
-def _params(tr: Trainer) -> dict[str, torch.Tensor]:
-    return {
-        k: v.detach().clone()
-        for k, v in unwrap(tr.policy).state_dict().items()
-        if isinstance(v, torch.Tensor)
-    }
 
 
 def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -9,13 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
+from train_helpers import QUIET, params
 
 from megatron_branch.errors import UserError
 from megatron_branch.train.config_io import load_config
 from megatron_branch.train.loop import Trainer
 from megatron_branch.train.metrics import read_metrics
-from megatron_branch.train.models import unwrap
 
 MOE = (
     "model.arch={family: qwen3_moe, hidden_size: 16, num_layers: 2, num_attention_heads: 2, num_query_groups: 1, "
@@ -46,9 +45,7 @@ def _cfg(out: Path, *overrides: str, model: str = MOE):  # noqa: ANN202
         "optim.clip_grad=0",
         "model.dtype=float64",
         f"trainer.default_local_dir={out}",
-        "logging.progress_bar=false",
-        "logging.tensorboard=false",
-        "logging.plot=false",
+        *QUIET,
         "checkpoint.hf_export=false",
     ]
     return load_config(None, [*base, *overrides])
@@ -64,14 +61,6 @@ def _run(cfg) -> tuple[Trainer, list[dict]]:  # noqa: ANN001
         m["_records"] = [r.routed_experts for r in tr.last_batch]
         rows.append(m)
     return tr, rows
-
-
-def _params(tr: Trainer) -> dict[str, torch.Tensor]:
-    return {
-        k: v.detach().clone()
-        for k, v in unwrap(tr.policy).state_dict().items()
-        if isinstance(v, torch.Tensor)
-    }
 
 
 def _max_rel(a: dict, b: dict) -> float:
@@ -90,7 +79,7 @@ def test_naive_and_replay_same_run_with_router_losses(tmp_path: Path, replay: st
         assert x["_tokens"] == y["_tokens"], x["step"]
         for k in ("loss", "load_balancing_loss", "seq_load_balancing_loss", "z_loss"):
             assert x[k] == pytest.approx(y[k], rel=1e-9, abs=1e-12), (x["step"], k)
-    assert _max_rel(_params(a), _params(b)) < 1e-9
+    assert _max_rel(params(a), params(b)) < 1e-9
     assert mb[-1]["positions_computed"] < mb[-1]["positions_logical"]
     recorded = all(r is not None for m in mb for r in m["_records"])
     assert recorded == (replay == "R3")
@@ -119,7 +108,7 @@ def test_moe_hybrid_trains_and_resumes_exactly(tmp_path: Path) -> None:
                           model=HYBRID))  # fmt: skip
     for x, y in zip(mfull, m1 + m2, strict=True):
         assert x["_tokens"] == y["_tokens"] and abs(x["loss"] - y["loss"]) <= 1e-9
-    assert _max_rel(_params(full), _params(again)) < 1e-9
+    assert _max_rel(params(full), params(again)) < 1e-9
 
 
 def test_resume_equals_uninterrupted_with_replay(tmp_path: Path) -> None:
@@ -134,7 +123,7 @@ def test_resume_equals_uninterrupted_with_replay(tmp_path: Path) -> None:
     for x, y in zip(mfull, m1 + m2, strict=True):
         assert x["_tokens"] == y["_tokens"]
         assert abs(x["loss"] - y["loss"]) <= 1e-9
-    assert _max_rel(_params(full), _params(again)) < 1e-9
+    assert _max_rel(params(full), params(again)) < 1e-9
 
 
 @pytest.mark.parametrize(

@@ -204,3 +204,32 @@ def test_patched_model_keeps_verls_own_path(single_process: str) -> None:
     after = infer(worker, grpo_batch(seed=4))
     for a, b in zip(after, before):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_multi_turn_response_mask_matches_verl(single_process: str, mode: str) -> None:
+    """verl's multi-turn batches (response_mask 0 on tool tokens inside responses, one response all tool output):
+    the switch equals verl without it (old logprobs, every gradient, fp32 1e-5). The tree step linearises verl's own
+    loss, so the mask reaches the gradient through verl's ppo_loss; planted: the tree step on the same batch with
+    the mask dropped (tool tokens trained) is caught."""
+    actor = actor_config(loss_agg_mode=mode, kl_loss_type="low_var_kl")
+
+    def td() -> object:
+        return grpo_batch(seed=5, multi_turn=True)
+
+    masked = td()["response_mask"]  # type: ignore[index]
+    assert (masked == 0).any() and (masked.sum(-1) == 0).any()
+    set_switch(False)
+    base = run_step(make_worker(single_process), td, actor=actor)
+    set_switch(True)
+    tree = run_step(make_worker(single_process), td, actor=actor)
+    ignored = run_step(make_worker(single_process), lambda: grpo_batch(seed=5), actor=actor)
+    set_switch(False)
+    torch.testing.assert_close(tree.log_probs, base.log_probs, rtol=1e-5, atol=1e-5)
+    err, name = max_rel_grad_error(base.grads, tree.grads)
+    assert err <= 1e-5, f"{name}: {err:.2e}"
+    assert max_rel_grad_error(base.grads, ignored.grads)[0] > 1e-3
+    for key in ("actor/pg_loss", "actor/pg_clipfrac"):
+        if key in base.metrics:
+            got, want = float(tree.metrics[key][0]), float(base.metrics[key][0])
+            assert math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-6), (key, got, want)

@@ -11,6 +11,7 @@ uses are its own settings (train config `actor.moe`, grad's --moe-* flags).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import Any
 
 from megatron_branch.errors import UserError
@@ -268,10 +269,10 @@ def default_rope(arch: Any) -> dict[str, Any]:
 
 
 # --- tiny test configs ------------------------------------------------------------------------------------------
-TINY_EXPERTS = dict(num_experts=4, moe_intermediate_size=16, num_experts_per_tok=2)
+TINY_EXPERTS = MappingProxyType(dict(num_experts=4, moe_intermediate_size=16, num_experts_per_tok=2))
 """The tiny MoE's routed experts: 4 of width 16, top-2."""
-TINY_SHARED_EXPERT = 24
-"""The tiny MoE's shared expert width."""
+TINY_EXPERTS_SHARED = MappingProxyType({**TINY_EXPERTS, "shared_expert_intermediate_size": 24})
+"""The tiny MoE's routed experts and a shared expert of width 24."""
 
 
 def tiny_hybrid(

@@ -7,8 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_branch.models.families.hf_fields import (
-    TINY_EXPERTS,
-    TINY_SHARED_EXPERT,
+    TINY_EXPERTS_SHARED,
     common_fields,
     default_rope,
     qwen_experts,
@@ -41,8 +40,7 @@ def tiny_hf_config(common: dict[str, Any], *, moe: dict[str, Any] | None = None,
     import transformers
 
     experts = {
-        **TINY_EXPERTS,
-        "shared_expert_intermediate_size": TINY_SHARED_EXPERT,
+        **TINY_EXPERTS_SHARED,
         "norm_topk_prob": False,
         **(moe or {}),
     }

@@ -7,13 +7,16 @@ Qwen3_5ForCausalLM drops them on load)."""
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 from megatron_branch.models.families.hf_fields import common_fields, hybrid_hf, hybrid_layers, tiny_hybrid
 from megatron_branch.models.families.param_rules import CONTAINER_TEXT_PREFIXES, HYBRID_RULES
 from megatron_branch.models.families.registry import FamilySpec, register_family
 
-HYBRID_DEFAULTS = {"qk_norm": True, "zero_centered_norm": True, "attention_output_gate": True}
+HYBRID_DEFAULTS = MappingProxyType(
+    {"qk_norm": True, "zero_centered_norm": True, "attention_output_gate": True}
+)
 """A config-defined hybrid's defaults (the Qwen3.5 family's layers)."""
 
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_branch.models.families.hf_fields import (
-    TINY_EXPERTS,
-    TINY_SHARED_EXPERT,
+    TINY_EXPERTS_SHARED,
     common_fields,
     hybrid_hf,
     hybrid_layers,
@@ -52,7 +51,7 @@ def tiny_hf_config(
 
     kw = tiny_hybrid(common, head_dim=head_dim, layer_types=layer_types)
     del kw["intermediate_size"]
-    experts = {**TINY_EXPERTS, "shared_expert_intermediate_size": TINY_SHARED_EXPERT, **(moe or {})}
+    experts = {**TINY_EXPERTS_SHARED, **(moe or {})}
     return Qwen3_5MoeTextConfig(architectures=["Qwen3_5MoeForCausalLM"], **experts, **kw)
 
 

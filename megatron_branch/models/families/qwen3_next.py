@@ -9,8 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_branch.models.families.hf_fields import (
-    TINY_EXPERTS,
-    TINY_SHARED_EXPERT,
+    TINY_EXPERTS_SHARED,
     common_fields,
     hybrid_hf,
     hybrid_layers,
@@ -51,8 +50,7 @@ def tiny_hf_config(
 
     kw = tiny_hybrid(common, head_dim=head_dim, layer_types=layer_types, mrope=False)
     experts = {
-        **TINY_EXPERTS,
-        "shared_expert_intermediate_size": TINY_SHARED_EXPERT,
+        **TINY_EXPERTS_SHARED,
         "norm_topk_prob": True,
         **(moe or {}),
     }
