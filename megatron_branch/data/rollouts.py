@@ -11,8 +11,8 @@ JSONL format, one rollout a line (blank lines skipped):
 
 `advantage` (a float) is what the policy objectives need unless `advantages` (one per response token) is given;
 DPO rollouts carry `pair` (any JSON scalar shared by the two rollouts of a pair) and `chosen` (true/false) instead.
-The per-token fields the objectives read (`TOKEN_FIELDS`: advantages, old_logprobs, ref_logprobs, rewards, values, returns)
-must be finite. Each rollout remembers where it came from (`where`, file:line), so an objective that finds a field
+The per-token fields the objectives read (`TOKEN_FIELDS`: advantages, old_logprobs, ref_logprobs, rollout_logprobs
+(the inference engine's own, for rollout correction), rewards, values, returns) must be finite. Each rollout remembers where it came from (`where`, file:line), so an objective that finds a field
 missing names the line.
 
 `routed_experts` (MoE routing replay, recorded by the sampler) is one entry per token of prompt + response, each a
@@ -48,7 +48,15 @@ if TYPE_CHECKING:
 _REQUIRED = ("prompt", "response")
 _SCALARS = ("advantage", "pair", "chosen")  # top-level keys that are not per-token fields
 LOSS_MASK = "loss_mask"
-TOKEN_FIELDS = ("advantages", "old_logprobs", "ref_logprobs", "rewards", "values", "returns")
+TOKEN_FIELDS = (
+    "advantages",
+    "old_logprobs",
+    "ref_logprobs",
+    "rollout_logprobs",
+    "rewards",
+    "values",
+    "returns",
+)
 """Per-response-token fields the objectives read (others are carried along untouched)."""
 
 

@@ -21,6 +21,8 @@ KL_TYPES = ("k1", "k2", "k3")
 KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 """verl's names for the same estimators."""
 DPO_LOSSES = ("sigmoid", "ipo")
+IS_LEVELS = ("token", "sequence")
+"""gspo's importance-sampling level: verl's GSPO-token, or TRL's importance_sampling_level="sequence"."""
 
 
 @dataclass(kw_only=True)
@@ -29,7 +31,8 @@ class ObjectiveConfig:
 
     policy_loss: str = "vanilla"
     """Registered objective (losses/registry.py): vanilla (= grpo: clipped surrogate + KL + entropy bonus), pg (the
-    linear policy gradient), dpo, or one a plugin registers."""
+    linear policy gradient), gspo, cispo, sapo, geo_mean, clip_cov, kl_cov, dpo, verl:<loss_mode> (verl's own
+    function), or one a plugin registers."""
     clip_ratio_low: float = 0.2
     """Lower clip of the importance ratio: 1 - clip_ratio_low."""
     clip_ratio_high: float = 0.2
@@ -51,6 +54,38 @@ class ObjectiveConfig:
     """L_norm of seq-mean-token-sum-norm (required there, refused elsewhere)."""
     entropy_metric: bool = False
     """Report actor/entropy even when entropy_coeff is 0 (one sum per row in the fused projection)."""
+    use_bias_correction_kl: bool = False
+    """Multiply the KL estimate by the importance ratio r, with its gradient (TRL's use_bias_correction_kl,
+    DeepSeek-V3.2's unbiased KL; verl has none)."""
+    entropy_token_mean: bool = False
+    """Average the entropy bonus over all response tokens of the batch (TRL) instead of with loss_agg_mode
+    (verl)."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """gspo: token = verl's GSPO-token (each token's gradient weighted by s_i); sequence = TRL's
+    importance_sampling_level="sequence" (the gradient of the sequence ratio itself)."""
+    rollout_is: Literal["token", "sequence"] | None = None
+    """Rollout correction (verl's algorithm.rollout_correction.rollout_is): truncated importance weights
+    exp(old_logprobs - rollout_logprobs) on the policy term, per token or per sequence; None = off."""
+    rollout_is_threshold: float = 2.0
+    """Upper truncation of those weights (verl's rollout_is_threshold, TIS)."""
+    rollout_is_threshold_lower: float | None = None
+    """IcePop (masked IS): weights outside [rollout_is_threshold_lower, rollout_is_threshold] are zeroed instead of
+    truncated (verl's rollout_is_threshold "lower_upper"); None = TIS."""
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: fraction of the batch's (rollout, token) pairs whose gradient is cut (verl's
+    policy_loss.clip_cov_ratio)."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: lower bound of a candidate's advantage-logprob covariance."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: upper bound of that covariance."""
+    kl_cov_ratio: float = 0.0002
+    """kl_cov: fraction of the batch's pairs that get the |log-ratio| penalty (verl's policy_loss.kl_cov_ratio)."""
+    ppo_kl_coef: float = 0.1
+    """kl_cov: coefficient of that penalty (verl's policy_loss.ppo_kl_coef)."""
+    tau_pos: float = 1.0
+    """sapo: temperature of the gate where A > 0 (verl's actor.tau_pos)."""
+    tau_neg: float = 1.05
+    """sapo: temperature of the gate where A <= 0 (verl's actor.tau_neg)."""
     dpo_beta: float = 0.1
     """DPO: beta (the IPO regulariser's 1/(2 beta) target)."""
     dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"
@@ -85,6 +120,41 @@ class ObjectiveConfig:
                     f"{s.value('loss_agg_mode', self.loss_agg_mode)}"
                 )
             )
+        if self.importance_sampling_level not in IS_LEVELS:
+            self._bad("importance_sampling_level", f"must be one of {', '.join(IS_LEVELS)}")
+        if self.importance_sampling_level != "token" and self.policy_loss != "gspo":
+            raise SettingError(
+                lambda s: (
+                    f"{s.value('importance_sampling_level', self.importance_sampling_level)} is gspo's (TRL's GSPO); "
+                    f"{s.name('policy_loss')} is {self.policy_loss!r}"
+                )
+            )
+        if self.rollout_is is not None:
+            if self.rollout_is not in ("token", "sequence"):
+                self._bad("rollout_is", "must be token or sequence")
+            if self.policy_loss not in (None, "vanilla", "grpo", "gspo", "cispo", "sapo"):
+                raise SettingError(
+                    lambda s: (
+                        f"{s.name('rollout_is')} weights the per-token policy term of vanilla, gspo, cispo and "
+                        f"sapo, not {self.policy_loss!r}"
+                    )
+                )
+        if not self.rollout_is_threshold > 0:
+            self._bad("rollout_is_threshold", "must be positive")
+        low = self.rollout_is_threshold_lower
+        if low is not None and not 0 <= low < self.rollout_is_threshold:
+            self._bad(
+                "rollout_is_threshold_lower",
+                f"must be in [0, rollout_is_threshold={self.rollout_is_threshold})",
+            )
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            if not 0 < getattr(self, name) <= 1:
+                self._bad(name, "must be in (0, 1]")
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            self._bad("clip_cov_lb", f"must be below clip_cov_ub ({self.clip_cov_ub})")
+        for name in ("tau_pos", "tau_neg"):
+            if not getattr(self, name) > 0:
+                self._bad(name, "must be positive")
         if not self.dpo_beta > 0:
             self._bad("dpo_beta", "must be positive")
         if self.dpo_loss not in DPO_LOSSES:

@@ -92,6 +92,10 @@ class ObjectiveBase:
         raise NotImplementedError(f"{cls.__name__} is not built from a config")
 
     @classmethod
+    def check_name(cls, name: str) -> None:
+        """Refuse a member name of a "family:" registration ("verl:<loss_mode>") before any work."""
+
+    @classmethod
     def requires_reference(cls, cfg: Any) -> bool:
         """Whether the objective `cfg` describes reads `ref_logprobs` (a frozen reference must score them)."""
         return False

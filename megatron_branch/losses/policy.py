@@ -7,9 +7,12 @@ advantage (the rollout's scalar or its per-token value), r = exp(clamp(logp - ol
     pg  = min(pg, -A clip_c)                      for A < 0, only when clip_c is given (dual clip, c > 1)
     kl  = k(logp, ref):  k1 = logp - ref,  k2 = (logp - ref)^2 / 2,
                          k3 = clamp(e^x - x - 1, -10, 10), x = clamp(ref - logp, -20, 20)   (verl's low_var_kl)
+    kl  = r k(logp, ref)                          with kl_bias_correction (TRL's use_bias_correction_kl)
     l   = pg + kl_coef kl - entropy_coef H        H = the policy's full-vocabulary entropy at that position
 
-aggregated over the global batch (losses/aggregation.py). `old_logprobs` absent = on-policy: old = logp detached,
+and with rollout_is the policy term pg is multiplied by the rollout-correction weight (losses/rollout_correction.py),
+aggregated over the global batch (losses/aggregation.py); with entropy_token_mean the bonus alone is a token mean
+over the global batch (TRL's), whatever the loss's aggregation. `old_logprobs` absent = on-policy: old = logp detached,
 so r = 1 with the gradient of r (the plain policy gradient). Every term is a function of this pair's logp (and
 entropy) and this pair's data, so under sharing each rollout's term at a shared token is evaluated separately
 (losses/pairs.py) and the gradient equals per-rollout training exactly.
@@ -32,6 +35,7 @@ from megatron_branch.losses.aggregation import Aggregation
 from megatron_branch.losses.config import KL_ALIASES, KL_TYPES
 from megatron_branch.losses.pairs import TokenPairs
 from megatron_branch.losses.registry import register_policy_loss
+from megatron_branch.losses.rollout_correction import rollout_is_weights
 from megatron_branch.losses.token import TokenObjective
 
 __all__ = ["KL_ALIASES", "KL_TYPES", "PolicyObjective", "kl_penalty"]
@@ -48,6 +52,24 @@ def kl_penalty(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tensor
         x = (ref - logp).clamp(-20.0, 20.0)
         return (x.exp() - x - 1).clamp(-10.0, 10.0)
     raise ValueError(f"unknown KL type {kind!r}; choose one of {', '.join(KL_TYPES + tuple(KL_ALIASES))}")
+
+
+def policy_settings(cfg: Any, batch: Sequence[Rollout]) -> dict[str, Any]:
+    """The settings every loss mode shares (aggregation, KL, entropy, TRL's options, rollout correction) from
+    verl's actor keys (losses.config.ObjectiveConfig): the one mapping."""
+    return dict(
+        agg=Aggregation.of_batch(batch, cfg.loss_agg_mode, cfg.loss_agg_norm),
+        kl_coef=cfg.kl_loss_coef,
+        kl_type=cfg.kl_loss_type,
+        entropy_coef=cfg.entropy_coeff,
+        entropy_metric=cfg.entropy_metric,
+        kl_bias_correction=cfg.use_bias_correction_kl,
+        entropy_token_mean=cfg.entropy_token_mean,
+        rollout_is=cfg.rollout_is,
+        rollout_is_threshold=cfg.rollout_is_threshold,
+        rollout_is_threshold_lower=cfg.rollout_is_threshold_lower,
+        rollout_metrics=bool(batch) and all(r.field("rollout_logprobs") is not None for r in batch),
+    )
 
 
 @register_policy_loss("vanilla", "grpo")
@@ -70,6 +92,20 @@ class PolicyObjective(TokenObjective):
     """Coefficient of the entropy bonus (the loss subtracts entropy_coef * H)."""
     entropy_metric: bool = False
     """Report actor/entropy even when entropy_coef is 0 (costs one sum per row in the fused projection)."""
+    kl_bias_correction: bool = False
+    """Multiply the KL estimate by the importance ratio r (TRL's use_bias_correction_kl, DeepSeek-V3.2)."""
+    entropy_token_mean: bool = False
+    """Average the entropy bonus over every response token of the batch (TRL) instead of with the loss's
+    aggregation (verl)."""
+    rollout_is: str | None = None
+    """Truncated importance weights of old_logprobs over rollout_logprobs on the policy term: token | sequence
+    (losses/rollout_correction.py); None = off."""
+    rollout_is_threshold: float = 2.0
+    """Their upper truncation (or IcePop's upper bound)."""
+    rollout_is_threshold_lower: float | None = None
+    """IcePop's lower bound: weights outside [lower, upper] are zeroed instead of truncated."""
+    rollout_metrics: bool = False
+    """Report training/rollout_probs_diff_mean (every rollout carries rollout_logprobs)."""
 
     def __post_init__(self) -> None:
         if (self.clip_low is None) != (self.clip_high is None):
@@ -88,16 +124,12 @@ class PolicyObjective(TokenObjective):
 
     @classmethod
     def from_config(cls, cfg: Any, batch: Sequence[Rollout]) -> PolicyObjective:
-        """verl's actor keys (losses.config.ObjectiveConfig) onto the loss's own parameters: the one mapping."""
+        """verl's actor keys (losses.config.ObjectiveConfig) onto the loss's own parameters."""
         return cls(
-            agg=Aggregation.of_batch(batch, cfg.loss_agg_mode, cfg.loss_agg_norm),
+            **policy_settings(cfg, batch),
             clip_low=cfg.clip_ratio_low,
             clip_high=cfg.clip_ratio_high,
             clip_c=cfg.clip_ratio_c,
-            kl_coef=cfg.kl_loss_coef,
-            kl_type=cfg.kl_loss_type,
-            entropy_coef=cfg.entropy_coeff,
-            entropy_metric=cfg.entropy_metric,
         )
 
     @classmethod
@@ -123,6 +155,10 @@ class PolicyObjective(TokenObjective):
             names.append(("actor/kl_loss", "agg"))
         if self.needs_entropy:
             names.append(("actor/entropy", "agg"))
+        if self.rollout_is is not None:
+            names.append(("rollout_corr/rollout_is_mean", "token"))
+        if self.rollout_metrics:
+            names.append(("training/rollout_probs_diff_mean", "token"))
         return tuple(names)
 
     def pair_data(self, pairs: TokenPairs) -> dict[str, torch.Tensor]:
@@ -131,12 +167,24 @@ class PolicyObjective(TokenObjective):
         data = {"adv": adv, "old": old, "has_old": has_old}
         if self.kl_coef != 0:
             data["ref"], _ = pairs.field("ref_logprobs")
+        if self.rollout_is is not None:
+            data["is_w"] = rollout_is_weights(
+                pairs, self.rollout_is, self.rollout_is_threshold, self.rollout_is_threshold_lower
+            )
+        if self.rollout_metrics:
+            data["rollout"], _ = pairs.field("rollout_logprobs")
+        if self.entropy_token_mean:  # the bonus's weight 1/T instead of the pair's aggregation weight
+            w = [self.agg.rollout_weight(r.num_trained) for r in pairs.tree.rollouts]
+            data["ent_scale"] = pairs.rollout_values(
+                self.agg.token_weight / torch.tensor(w, dtype=torch.float64)
+            )
         return data
 
-    def terms(
-        self, logp: torch.Tensor, entropy: torch.Tensor | None, d: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Per-pair loss [q] and stats, in `stat_names` order."""
+    def pg_terms(
+        self, logp: torch.Tensor, d: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(policy loss, clipped, dual-clipped) per pair [q]: verl's `vanilla`; a loss mode overrides this
+        (losses/policy_modes.py)."""
         adv = d["adv"]
         old = torch.where(d["has_old"], d["old"], logp.detach())  # on-policy: r = 1 with r's gradient
         neg_kl = (logp - old).clamp(-20.0, 20.0)  # verl clamps the log-ratio before exp
@@ -154,15 +202,33 @@ class PolicyObjective(TokenObjective):
             neg = adv < 0
             lower = ((pg > pg3) & neg).to(logp.dtype)
             pg = torch.where(neg, torch.minimum(pg, pg3), pg)
+        return pg, clipped, lower
+
+    def terms(
+        self, logp: torch.Tensor, entropy: torch.Tensor | None, d: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Per-pair loss [q] and stats, in `stat_names` order: the policy term `pg_terms`, then KL and entropy
+        (added outside the policy-loss function, as verl's actor does for every loss mode)."""
+        pg, clipped, lower = self.pg_terms(logp, d)
+        if self.rollout_is is not None:  # verl multiplies the policy term (pg_losses) by the weights
+            pg = pg * d["is_w"]
+        old = torch.where(d["has_old"], d["old"], logp.detach())
         loss = pg
-        stats = [pg, clipped, lower, -neg_kl]
+        stats = [pg, clipped, lower, -(logp - old).clamp(-20.0, 20.0)]
         if self.kl_coef != 0:
             kl = kl_penalty(logp, d["ref"], self.kl_type)
+            if self.kl_bias_correction:  # TRL: k * r, r the token ratio with its gradient
+                kl = kl * (logp - old).clamp(-20.0, 20.0).exp()
             loss = loss + self.kl_coef * kl
             stats.append(kl)
         if self.needs_entropy:
             assert entropy is not None, "the schedule did not compute the entropy the objective needs"
             if self.entropy_coef != 0:
-                loss = loss - self.entropy_coef * entropy
+                bonus = entropy * d["ent_scale"] if self.entropy_token_mean else entropy
+                loss = loss - self.entropy_coef * bonus
             stats.append(entropy)
+        if self.rollout_is is not None:
+            stats.append(d["is_w"])
+        if self.rollout_metrics:
+            stats.append((logp.detach().exp() - d["rollout"].exp()).abs())
         return loss, stats

@@ -85,7 +85,14 @@ def register_policy_loss(*names: str) -> Callable[[C], C]:
 
 
 def objective_class(name: str) -> Any:
-    """The registered objective class `name`; an unknown name is a SettingError listing the registered ones."""
+    """The registered objective class `name`; an unknown name is a SettingError listing the registered ones. A
+    name "family:member" is the class registered as "family:" (e.g. "verl:gspo": verl's own loss function), which
+    checks the member (`check_name`)."""
+    family, sep, member = name.partition(":")
+    if sep and member:
+        cls = POLICY_LOSSES.lookup(family + sep)
+        cls.check_name(name)
+        return cls
     return POLICY_LOSSES.lookup(name)
 
 
@@ -134,7 +141,29 @@ def register_adv_est(
     return deco
 
 
+ADV_FAMILIES: dict[str, Callable[[str], AdvantageEstimator]] = {}
+"""prefix ("verl:") -> factory of the estimator "prefix + member" (a one-line SettingError for a member it cannot
+run)."""
+
+
+def register_adv_family(
+    prefix: str,
+) -> Callable[[Callable[[str], AdvantageEstimator]], Callable[[str], AdvantageEstimator]]:
+    """Function decorator: estimators named `prefix + member`, built by the decorated factory(member)."""
+    assert prefix.endswith(":"), "a family prefix ends with ':'"
+
+    def deco(factory: Callable[[str], AdvantageEstimator]) -> Callable[[str], AdvantageEstimator]:
+        ADV_FAMILIES[prefix] = factory
+        return factory
+
+    return deco
+
+
 def get_adv_estimator(name: str) -> AdvantageEstimator:
+    """The estimator `name`: a registered one, or a family's member ("verl:gpg": verl's own function)."""
+    family, sep, member = name.partition(":")
+    if sep and member and family + sep in ADV_FAMILIES:
+        return ADV_FAMILIES[family + sep](member)
     return ADV_ESTIMATORS.lookup(name)
 
 

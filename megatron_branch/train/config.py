@@ -182,8 +182,9 @@ class ActorConfig(ObjectiveConfig):
     batch is split into updates."""
 
     policy_loss: str | None = None  # type: ignore[assignment]
-    """A registered objective (vanilla = grpo, pg, dpo, or a plugin's); None = the algorithm's (grpo, ppo:
-    vanilla; dpo: dpo)."""
+    """A registered objective (vanilla = grpo, pg, gspo, cispo, sapo, geo_mean, clip_cov, kl_cov, dpo,
+    verl:<loss_mode>, or a plugin's); None = the algorithm's (grpo, ppo: vanilla; dpo: dpo). verl's
+    actor.policy_loss.loss_mode is an alias."""
     entropy_metric: bool = True
     """Report actor/entropy even when entropy_coeff is 0."""
     ppo_epochs: int = 1

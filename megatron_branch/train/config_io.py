@@ -190,6 +190,27 @@ def _fix_yaml_floats(node: Any) -> Any:
     return node
 
 
+VERL_KEYS = {("actor", "policy_loss", "loss_mode"): ("actor", "policy_loss")}
+"""verl's spellings of a key, accepted as aliases: verl nests the loss mode (`actor.policy_loss.loss_mode`)."""
+
+
+def _verl_keys(raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw` with each verl-spelled key (VERL_KEYS) moved to the config's own key."""
+    for (*section, leaf), (*target, name) in VERL_KEYS.items():
+        node: Any = raw
+        for p in section:
+            node = node.get(p) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            extra = sorted(set(node) - {leaf})
+            if extra:
+                raise UserError(f"unknown config key {'.'.join(section)}.{extra[0]} (only {leaf} is read)")
+            parent: Any = raw
+            for p in target:
+                parent = parent[p]
+            parent[name] = node[leaf]
+    return raw
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:  # type: ignore[assignment]
     """Read the YAML file (None = all defaults), apply dotted overrides, build and validate the config."""
     import yaml
@@ -213,6 +234,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
     keys = []
     for text in overrides:
         parts, value = parse_override(text)
+        parts = list(VERL_KEYS.get(tuple(parts), parts))
         try:
             _check_override(parts, value)
         except UserError as e:
@@ -220,7 +242,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         _set_path(raw, parts, value, text)
         keys.append((".".join(parts), text))
     try:
-        return from_dict(TrainConfig, raw)
+        return from_dict(TrainConfig, _verl_keys(raw))
     except UserError as e:
         # a rule between fields: blamed on the override that set one of them, else on the file
         blamed = [t for k, t in keys if _names_key(str(e), k)]

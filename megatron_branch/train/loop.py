@@ -162,9 +162,15 @@ class Trainer(RunCheckpoints):
         rows.sort(key=lambda r: r[0])  # the global batch in the step's prompt order (stable within a group)
         rewards = [r[4] for r in rows]
         rollouts = [
-            Rollout(prompt=r[1], response=r[2], token_fields={"old_logprobs": r[3]}, routed_experts=r[5])
+            Rollout(
+                prompt=r[1],
+                response=r[2],
+                token_fields={"old_logprobs": r[3], "rollout_logprobs": r[3]},
+                routed_experts=r[5],
+            )
             for r in rows
-        ]  # routed_experts: MoE routing replay's records (moe.router_replay: R3), else None
+        ]  # the sampler's logprobs: old (one update per sampling) and rollout's (the mismatch metric);
+        # routed_experts: MoE routing replay's records (moe.router_replay: R3), else None
         stats = {
             "gen/prefill_positions": out.stats.prefill_positions,
             "gen/decode_steps": out.stats.decode_steps,

@@ -7,6 +7,9 @@
   * the clipped surrogate with dual clip, KL and entropy (float64 1e-9, float32 1e-5), against an HF float64 oracle
     that runs every rollout alone and evaluates the SAME bound objective's per-rollout loss on HF's logprobs and
     entropies (so the vocab-parallel entropy is checked too);
+  * GSPO, CISPO and GMPO (float64 1e-9) with KL and entropy, the same oracle (GSPO's s_i and GMPO's m_i from HF's
+    own logprobs), and
+    verl's own cispo function (`verl:cispo`, replay) against the native cispo's oracle;
   * DPO, sigmoid and ipo (float64 1e-9, float32 1e-5): the forward-only pass, then the linearised gradient pass,
     against autograd through HF's per-rollout logprob sums; the two responses of a pair share their first tokens;
   * the critic's value loss with clipping (float64 1e-9, float32 1e-5), against HF's hidden states through the same head.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,7 +29,13 @@ import torch
 from megatron_branch.checkpoint.param_map import hf_to_mcore_state, mcore_to_hf_state
 from megatron_branch.checkpoint.tp import gather_full_grads, load_full_state
 from megatron_branch.data import PrefixTree, Rollout
-from megatron_branch.losses import Aggregation, PolicyObjective
+from megatron_branch.losses import (
+    Aggregation,
+    CISPOObjective,
+    GMPOObjective,
+    GSPOObjective,
+    PolicyObjective,
+)
 from megatron_branch.models import ModelArch, build_model
 from megatron_branch.parallel.groups import ParallelConfig, ParallelGroups, initialize_parallel
 from megatron_branch.schedule import ScheduleOptions
@@ -66,15 +76,27 @@ def _hf() -> torch.nn.Module:
     )
 
 
+def _seq(r: Rollout) -> torch.Tensor:
+    return torch.tensor([list(r.prompt) + list(r.response)])
+
+
+def _hf_logq(hf: torch.nn.Module, r: Rollout) -> torch.Tensor:
+    return torch.log_softmax(hf(input_ids=_seq(r)).logits[0, :-1], dim=-1)
+
+
 def _oracle(hf: torch.nn.Module, rollouts: list[Rollout], objective: PolicyObjective) -> tuple[float, dict]:
     """HF float64, rollout by rollout, through the objective's own per-rollout loss (naive's formula)."""
     tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
+    if objective.needs_scores:  # GSPO: s_i from HF's own forward-only logprobs, then the same per-pair loss
+        with torch.no_grad():
+            lp = [_hf_logq(hf, r).gather(1, _seq(r)[0, 1:, None])[len(r.prompt) - 1 :, 0] for r in rollouts]
+        objective = objective.prepare(tree, SimpleNamespace(logprobs=lp)).objective
     bound = objective.bind(tree)
     hf.zero_grad(set_to_none=True)
     total = 0.0
     for i, r in enumerate(rollouts):
-        seq = torch.tensor([list(r.prompt) + list(r.response)])
-        logq = torch.log_softmax(hf(input_ids=seq).logits[0, :-1], dim=-1)  # [L-1, V]
+        seq = _seq(r)
+        logq = _hf_logq(hf, r)  # [L-1, V]
         logp = logq.gather(1, seq[0, 1:, None]).squeeze(1)
         ent = -(logq.exp() * logq).sum(-1)
         loss, _ = bound.rollout_loss(i, logp, ent)
@@ -145,6 +167,53 @@ def test_policy_objective_under_tp_sp_cp_and_dp(layout: str, dtype: torch.dtype)
         assert metrics["actor/loss"] == pytest.approx(want_loss, rel=tol)
         _close(mcore_to_hf_state(grads, arch), want, tol)
         assert 0 < metrics["actor/pg_clipfrac"] < 1 and metrics["actor/entropy"] > 0
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("mode", ["gspo", "cispo", "geo_mean"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_policy_modes_under_tp_sp_cp_and_dp(layout: str, mode: str) -> None:
+    """GSPO and GMPO (the forward-only pass gives each rollout its s_i / m_i, then the gradient pass) and CISPO,
+    float64."""
+    hf, rollouts = _hf(), _rollouts()
+    cls = {"gspo": GSPOObjective, "cispo": CISPOObjective, "geo_mean": GMPOObjective}[mode]
+    objective = cls(
+        agg=Aggregation.of_batch(rollouts, "token-mean"),
+        clip_low=0.2,
+        clip_high=0.28,
+        kl_coef=0.1,
+        kl_type="k3",
+        entropy_coef=0.05,
+    )
+    want_loss, want = _oracle(hf, rollouts, objective)
+    groups = _layout(layout)
+    model = _policy(hf, groups, torch.float64)
+    arch = ModelArch.from_hf_config(hf.config)
+    for schedule in ("replay", "packed"):
+        metrics, grads = _layout_grads(model, rollouts, objective, groups, schedule)
+        assert metrics["actor/loss"] == pytest.approx(want_loss, rel=1e-9)
+        _close(mcore_to_hf_state(grads, arch), want, 1e-9)
+        assert 0 < metrics["actor/pg_clipfrac"] < 1
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_verl_loss_function_under_tp_sp_cp_and_dp(layout: str) -> None:
+    """verl:cispo (verl's own function, linearised per micro-batch with the GLOBAL counts) equals the native
+    cispo's oracle; under DP2 each rank calls verl's function on its own share."""
+    pytest.importorskip("verl", reason="the verl extra is not installed (make setup-verl)")
+    from megatron_branch.losses import ObjectiveConfig, build_objective
+
+    hf, rollouts = _hf(), _rollouts()
+    cfg = ObjectiveConfig(policy_loss="verl:cispo", clip_ratio_high=0.28, kl_loss_coef=0.1, kl_loss_type="k3")
+    native = dataclasses.replace(cfg, policy_loss="cispo")
+    want_loss, want = _oracle(hf, rollouts, build_objective(native, rollouts))
+    groups = _layout(layout)
+    model = _policy(hf, groups, torch.float64)
+    arch = ModelArch.from_hf_config(hf.config)
+    metrics, grads = _layout_grads(model, rollouts, build_objective(cfg, rollouts), groups, "replay")
+    assert metrics["actor/loss"] == pytest.approx(want_loss, rel=1e-9)
+    _close(mcore_to_hf_state(grads, arch), want, 1e-9)
 
 
 def _dpo_rollouts() -> list[Rollout]:

@@ -133,9 +133,9 @@ def test_unwritable_out_refused_before_work(
     workdir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, folder: str
 ) -> None:
     """Issue 35 item 8: os.access says yes there (as root), creating a file does not; refused before loading."""
-    import megatron_branch.commands.grad as grad_cmd
+    import megatron_branch.assembly.engine as engine
 
-    monkeypatch.setattr(grad_cmd, "load_policy", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(engine, "build_stage", lambda *a, **k: pytest.fail("the model was loaded"))
     rc = main(argv(workdir / "hf", workdir / "r.jsonl", f"{folder}/o.safetensors"))
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "\n" not in err, err

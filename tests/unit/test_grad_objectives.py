@@ -1,5 +1,5 @@
-"""`megatron-branch grad` with the objective additions: grpo (clip, dual clip, KL, entropy, aggregation) and dpo,
-replay == naive in float64, grpo on-policy == pg, and one-line errors naming file:line for missing fields."""
+"""`megatron-branch grad` with the objective additions: grpo (clip, dual clip, KL, entropy, aggregation), gspo,
+cispo, geo_mean and dpo, replay == naive in float64, grpo on-policy == pg, and one-line errors naming file:line for missing fields."""
 
 from __future__ import annotations
 
@@ -111,12 +111,18 @@ GRPO = [
         [*GRPO, "--loss-agg", "seq-mean-token-sum-norm", "--loss-agg-norm", "8", "--clip-high", "0.28"],
         ["--objective", "dpo", "--beta", "0.2"],
         ["--objective", "dpo", "--dpo-loss", "ipo"],
+        ["--objective", "gspo", "--clip-ratio-low", "0.0003", "--clip-ratio-high", "0.0004"],
+        ["--objective", "cispo", "--clip-ratio-high", "0.28", "--kl-coef", "0.1"],
+        ["--objective", "geo_mean", "--clip-ratio-low", "0.4", "--clip-ratio-high", "0.4"],
+        ["--objective", "verl:gspo", "--kl-coef", "0.1"],
     ],
-    ids=["grpo", "grpo_norm", "dpo", "ipo"],
+    ids=["grpo", "grpo_norm", "dpo", "ipo", "gspo", "cispo", "geo_mean", "verl_gspo"],
 )
 def test_objectives_replay_equals_naive(
     workdir: Path, capsys: pytest.CaptureFixture[str], extra: list[str]
 ) -> None:
+    if any(x.startswith("verl:") for x in extra):
+        pytest.importorskip("verl", reason="the verl extra is not installed (make setup-verl)")
     data = "dpo.jsonl" if "dpo" in extra else "ppo.jsonl"
     out = {}
     for schedule in ("naive", "replay"):
@@ -132,6 +138,8 @@ def test_objectives_replay_equals_naive(
     for k, v in s_naive["metrics"].items():
         if not k.startswith("tree/"):
             assert s_replay["metrics"][k] == pytest.approx(v, rel=1e-10, abs=1e-14), k
+    if {"gspo", "cispo", "geo_mean"} & set(extra):
+        assert 0 < s_naive["metrics"]["actor/pg_clipfrac"] < 1
     if "grpo" in extra:
         m = s_naive["metrics"]
         assert (
@@ -182,6 +190,7 @@ def test_missing_fields_one_line_error_with_file_line(
     [
         (["--objective", "grpo", "--clip-c", "1"], "dual-clip"),
         (["--objective", "grpo", "--loss-agg", "seq-mean-token-sum-norm"], "L_norm"),
+        (["--objective", "verl:nope"], "--objective 'verl:nope'"),
     ],
 )
 def test_bad_objective_flags(
