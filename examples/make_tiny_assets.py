@@ -31,11 +31,26 @@ import torch
 
 def routed_experts(model: Any, tokens: list[int]) -> list[list[list[int]]]:
     """[token][MoE layer][k]: the experts the HF model routes each token of `tokens` to (the top-k of its routers'
-    logits, transformers' `output_router_logits`: softmax and renormalisation keep the order)."""
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor([tokens]), use_cache=False, output_router_logits=True)
-    k = model.config.num_experts_per_tok
-    picks = [logits.topk(k, dim=-1).indices for logits in out.router_logits]  # per MoE layer [tokens, k]
+    logits, transformers' `output_router_logits`: softmax and renormalisation keep the order). A DeepSeek-style
+    router (GLM-4.5's: a correction bias and a group limit decide, not the logits' order) is asked for its own
+    choice: its forward returns (logits, weights, indices)."""
+    biased = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+    chosen: dict[int, torch.Tensor] = {}
+    hooks = [
+        m.register_forward_hook(lambda _m, _i, out, li=li: chosen.__setitem__(li, out[2].sort(dim=-1).values))
+        for li, m in enumerate(biased)
+    ]
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([tokens]), use_cache=False, output_router_logits=not biased)
+    finally:
+        for h in hooks:
+            h.remove()
+    if biased:
+        picks = [chosen[li] for li in range(len(biased))]
+    else:
+        k = model.config.num_experts_per_tok
+        picks = [logits.topk(k, dim=-1).indices for logits in out.router_logits]  # per MoE layer [tokens, k]
     return torch.stack(picks, dim=1).tolist()  # [tokens, layers, k]
 
 

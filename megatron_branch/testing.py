@@ -64,7 +64,30 @@ def exact_hf_routers(model: Any) -> Any:
     for m in model.modules():
         if type(m).__name__.endswith("TopKRouter"):
             m.forward = route.__get__(m)
+        elif type(m).__name__.endswith("TopkRouter") and hasattr(m, "e_score_correction_bias"):
+            m.forward = _sigmoid_route.__get__(m)
     return model
+
+
+def _sigmoid_route(self: Any, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """transformers' DeepSeek-style router (Glm4MoeTopkRouter, DeepseekV3TopkRouter: sigmoid scores, the
+    correction bias in the choice only, group-limited top-k by each group's top-2, renormalised, scaled), line
+    for line, in the hidden states' dtype instead of float32."""
+    hidden = hidden.reshape(-1, self.hidden_dim)
+    logits = torch.nn.functional.linear(hidden, self.weight.to(hidden.dtype))
+    scores = logits.sigmoid()
+    choice = scores + self.e_score_correction_bias.to(scores.dtype)
+    per_group = self.num_experts // self.num_group
+    group_scores = choice.view(-1, self.num_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, self.num_group, per_group).reshape(-1, self.num_experts)
+    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    idx = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, idx)
+    if self.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return logits, weights * self.routed_scaling_factor, idx
 
 
 def tiny_hf_model(config: Any, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:

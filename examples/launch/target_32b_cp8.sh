@@ -5,9 +5,9 @@
 # Settings from the planner (docs/planner.md):
 #     megatron-branch plan --model qwen2.5-32b --prompt-length 122880 --responses 16 --response-length 8192 \
 #         --gpus 8 --gpu h20 --tp 1 --cp 8 --dp 1 --recompute full --branch-micro-batch 8 --optimizer distributed --offload-fraction 0
-# -> does NOT fit on 8 x H20 (no layout without offload): 306.4 GB per rank at CP8 even with full recompute (largest term:
+# -> does NOT fit on 8 x H20 (no layout without offload): 302.0 GB per rank at CP8 even with full recompute (largest term:
 #    gradients, 131 GB: weights and grads are not sharded by CP). The planner's nearest: TP4 x CP2 + full recompute
-#    on 8 x H200 with a quarter of the optimizer state on the host (131.7 GB of 141), or 16 x H20 (TP8 x CP2); with
+#    on 8 x H200 with the distributed optimizer (140.6 GB of 141), or 16 x H20 (TP8 x CP2); with
 #    the optimizer state offloaded to the host (a training run), TP8 + full recompute fits on 8 x H20
 #    (docs/planner.md).
 #

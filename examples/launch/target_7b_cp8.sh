@@ -5,10 +5,10 @@
 # Settings from the planner (docs/planner.md):
 #     megatron-branch plan --model qwen2.5-7b --prompt-length 122880 --responses 16 --response-length 8192 \
 #         --gpus 8 --gpu h20 --tp 1 --cp 8 --dp 1 --recompute full --branch-micro-batch 8 --optimizer distributed --offload-fraction 0
-# -> fits: 78.3 GB per rank of 96 (bf16, full recompute), step ~108 s on H20, 4.48x fewer FLOPs than naive.
-#    With segment recompute only (selective): does NOT fit (186.3 GB bf16, 316.0 GB float32; largest term:
+# -> fits: 77.3 GB per rank of 96 (bf16, full recompute), step ~108 s on H20, 4.48x fewer FLOPs than naive.
+#    With segment recompute only (selective): does NOT fit (185.3 GB bf16, 314.1 GB float32; largest term:
 #    activations of the 15,360-row prompt shard). In float32 (what grad computes in) full does not fit at CP8
-#    either (100.0 GB: float32 weights and grads, which CP does not shard): the preflight stops this script;
+#    either (98.1 GB: float32 weights and grads, which CP does not shard): the preflight stops this script;
 #    target_7b_tp2cp4.sh fits in float32.
 #
 # Runs `megatron-branch grad`: one step's exact gradient in float32, without an optimizer step (the TRAINING run of

@@ -5,9 +5,9 @@
 # Settings from the planner (docs/planner.md):
 #     megatron-branch plan --model qwen2.5-7b --prompt-length 122880 --responses 16 --response-length 8192 \
 #         --gpus 8 --gpu h20 --tp 2 --cp 4 --dp 1 --recompute full --branch-micro-batch 8 --optimizer distributed --offload-fraction 0
-# -> fits: 52.4 GB per rank of 96 (bf16, full recompute), step ~108 s on H20, 4.48x fewer FLOPs than naive,
-#    and in float32 (what grad computes in) too: 65.9 GB. With segment recompute only (selective): does NOT fit
-#    (160.9 GB bf16, 282.8 GB float32; largest term: activations).
+# -> fits: 51.4 GB per rank of 96 (bf16, full recompute), step ~108 s on H20, 4.48x fewer FLOPs than naive,
+#    and in float32 (what grad computes in) too: 64.0 GB. With segment recompute only (selective): does NOT fit
+#    (159.9 GB bf16, 280.9 GB float32; largest term: activations).
 #
 # Runs `megatron-branch grad`: one step's exact gradient in float32, without an optimizer step (the TRAINING run of
 # the 2.1M target with the planner's own layout is target_32b_train.sh / target_27b_train.sh, in bf16). Before launching, the planner is

@@ -66,7 +66,8 @@ def schedule_options(spec: RunSpec, groups: ParallelGroups, vocab_size: int, **e
     if moe is None and spec.arch is not None and getattr(spec.arch, "is_moe", False):
         moe = spec.moe.options()
     kw = dict(
-        backend=s.backend, branch_micro_batch=s.branch_micro_batch, recompute=s.recompute,
+        backend=s.backend, branch_micro_batch=s.branch_micro_batch, chunk_tokens=s.chunk_tokens,
+        recompute=s.recompute,
         recompute_layers=s.enable_gradient_checkpointing, root_pieces=s.root_pieces, moe=moe,
     )  # fmt: skip
     kw.update(extra)  # the caller's own options win (the drop-in's keyword arguments)

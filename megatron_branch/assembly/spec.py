@@ -36,6 +36,10 @@ class ScheduleConfig:
     refused."""
     branch_micro_batch: int = 8
     """replay: sibling leaves per forward."""
+    chunk_tokens: int | None = None
+    """replay: pack small subtrees (sibling leaves, short turns, small prompt groups) into chunks of at most this
+    many tokens, one forward and backward each against their ancestors' cached state (exact); None: leaf
+    micro-batches of branch_micro_batch only (ScheduleOptions.chunk_tokens)."""
     recompute: bool = False
     """replay: recompute inner segments at backward."""
     root_pieces: int = 1

@@ -32,6 +32,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "replay": ("replay", {}),
     "replay+recompute": ("replay", {"recompute": True}),
     "replay+recompute-full": ("replay", {"recompute": True, "recompute_layers": True}),
+    # small subtrees packed into chunks of <= 4096 tokens (ScheduleOptions.chunk_tokens): many short prompts and
+    # sibling leaves in one forward each; not timed yet (no quiet machine since it was added)
+    "replay+chunks": ("replay", {"chunk_tokens": 4096}),
 }
 """variant -> (schedule name, extra ScheduleOptions)."""
 

@@ -79,11 +79,13 @@ def _moe_shape(name: str, arch: ModelArch) -> tuple[int, ...] | None:
     h, e = arch.hidden_size, arch.moe_ffn_hidden_size
     if ".experts." in name:  # routed expert j: gate/up (Mixtral w1/w3) [e, h], down (w2) [h, e]
         return (h, e) if name.endswith(("down_proj.weight", ".w2.weight")) else (e, h)
-    if ".shared_expert." in name:
+    if ".shared_expert." in name or ".shared_experts." in name:
         sh = arch.shared_expert_ffn_hidden_size
         return (h, sh) if name.endswith("down_proj.weight") else (sh, h)
     if name.endswith("shared_expert_gate.weight"):
         return (1, h)
+    if name.endswith("mlp.gate.e_score_correction_bias"):
+        return (arch.num_experts,)
     if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
         return (arch.num_experts, h)
     return None

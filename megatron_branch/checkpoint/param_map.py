@@ -35,6 +35,8 @@ def _applies(rule: Rule, arch: ModelArch, layer: int | None) -> bool:
         return False
     if rule.when == "shared_expert_gate" and not arch.shared_expert_gate:
         return False
+    if rule.when == "expert_bias" and not arch.moe_expert_bias:
+        return False
     if layer is not None and rule.mlp is not None and (rule.mlp == "moe") != arch.is_moe_layer(layer):
         return False
     if rule.layers is None or layer is None:

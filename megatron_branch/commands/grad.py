@@ -24,6 +24,10 @@ Additions (other objectives, docs/design.md "Objectives"; verl's names, the olde
     A missing field, a malformed pair or mask: a one-line error naming file:line.
     Every setting's flag, choices, default and help come from the dataclass the train config uses for it
     (commands/grad_flags.py): `grad --help` lists them all.
+    --schedule auto [--memory-budget GB]   packed when its planned activation peak fits the budget (on a CPU
+                                 --memory-budget; on a GPU the free device memory), replay otherwise (plan/auto.py);
+                                 the JSON's schedule_auto says which and why
+    --chunk-tokens N             replay: small subtrees packed into chunks of <= N tokens, one forward each
 GRADS: dL/dparam for every trainable parameter, full unsharded, HF names, in --dtype (bfloat16 / float16: the fp32
 main gradients megatron's optimizer steps on). The last stdout line is JSON.
 Mixture-of-experts policies (Qwen3-MoE, Mixtral, Qwen2-MoE; docs/design.md "Mixture of experts"):
@@ -44,6 +48,8 @@ import argparse
 import dataclasses
 import os
 from typing import Any
+
+import torch
 
 from megatron_branch import outputs, rules
 from megatron_branch.commands.grad_flags import SPELLING, add_grad_flags, objective_config, run_spec
@@ -76,7 +82,12 @@ def run_grad(args: argparse.Namespace) -> int:
 
     # its first line comes after the checks: a bad input stays one line on stderr
     progress = Progress("grad", quiet=args.quiet)
-    spec, rollouts, full_tree, objective, rejection = check_on_every_rank(lambda: validate(args))
+    auto = args.schedule == "auto"
+    if (
+        auto
+    ):  # checked as replay (what auto falls back to); packed is asked once the model is loaded (auto_choice)
+        args.schedule = "replay"
+    spec, rollouts, full_tree, objective, rejection = check_on_every_rank(lambda: validate(args, auto=auto))
     _, world = init_distributed()
     check_on_every_rank(lambda: validate_layout(spec, rollouts, full_tree, world))
     progress.phase(f"inputs checked; prefix tree: {len(rollouts)} rollouts, {full_tree.positions_logical:,} "
@@ -88,6 +99,10 @@ def run_grad(args: argparse.Namespace) -> int:
     model, groups = engine.model, engine.groups
     dtype = torch_dtype(spec.dtype)
     ddp, pg_collection = _megatron_ddp(model, spec, world)
+    choice = None
+    if auto:
+        choice = auto_choice(args, spec, rollouts, world)
+        spec = dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, name=choice.schedule))
     plan = UpdatePlan(opts=engine.opts, schedule=spec.schedule.name, pg_collection=pg_collection)
     model.zero_grad(set_to_none=True)
     progress.phase(f"{spec.schedule.name} schedule: forward and backward")
@@ -98,12 +113,13 @@ def run_grad(args: argparse.Namespace) -> int:
     finalize(trained, plan)
     metrics = {**reduce_metrics(acc, objective, groups), **rejection}
     progress.phase(f"writing {args.out}")
-    write_results(args, spec, model, groups, acc, metrics, objective, full_tree, dtype)
+    write_results(args, spec, model, groups, acc, metrics, objective, full_tree, dtype,
+                  auto=None if choice is None else choice.to_json())  # fmt: skip
     progress.done()
     return 0
 
 
-def validate(args: argparse.Namespace) -> tuple[Any, ...]:
+def validate(args: argparse.Namespace, *, auto: bool = False) -> tuple[Any, ...]:
     """Everything the user gave, before any collective or model work (on every rank, one verdict): the run's
     settings (rules.check), the outputs, the model's config and its rules, the weights' headers, the rollouts and
     the objective."""
@@ -140,7 +156,40 @@ def validate(args: argparse.Namespace) -> tuple[Any, ...]:
         rollouts, rejection = reject_rollouts(rollouts, rs.rollout_rs, str(rs.rollout_rs_threshold))
     full_tree = PrefixTree.build(rollouts, vocab_size=arch.vocab_size)
     objective = make_objective(args, spec.objective, rollouts, full_tree)
+    if auto and args.memory_budget is None and not torch.cuda.is_available():
+        raise UserError("--schedule auto on a CPU needs --memory-budget GB (per rank, for the activations)")
+    if args.memory_budget is not None and args.memory_budget <= 0:
+        raise UserError(f"--memory-budget must be positive, got {args.memory_budget}")
     return spec, rollouts, full_tree, objective, rejection
+
+
+def auto_choice(args: argparse.Namespace, spec: Any, rollouts: list[Any], world: int) -> Any:
+    """--schedule auto (plan/auto.py): the budget is --memory-budget, or the free device memory now (after the model
+    is loaded), the smallest over the ranks, so every rank picks the same."""
+    import torch.distributed as dist
+
+    from megatron_branch.plan import Layout
+    from megatron_branch.plan.auto import grad_choice
+    from megatron_branch.precision import torch_dtype
+
+    if args.memory_budget is not None:
+        budget = int(args.memory_budget * 1e9)
+    else:
+        free = torch.tensor([torch.cuda.mem_get_info()[0]], dtype=torch.long, device="cuda")
+        if dist.is_initialized():
+            dist.all_reduce(free, op=dist.ReduceOp.MIN)
+        budget = int(free.item())
+    problem = "--chunk-tokens is replay's" if spec.schedule.chunk_tokens is not None else None
+    try:  # what packed refuses (segment recompute is replay's)
+        rules.check(dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, name="packed")))
+    except SettingError as e:
+        problem = str(e.spelled(SPELLING))
+    lay = spec.layout
+    layout = Layout(tp=lay.tp, cp=lay.cp, pp=lay.pp, dp=lay.data_parallel_size(world),
+                    sequence_parallel=lay.sequence_parallel)  # fmt: skip
+    return grad_choice(spec.arch, rollouts, layout, act_bytes=torch_dtype(spec.dtype).itemsize,
+                       layer_recompute=spec.schedule.enable_gradient_checkpointing, budget_bytes=budget,
+                       packed_problem=problem)  # fmt: skip
 
 
 def validate_layout(spec: Any, rollouts: list[Any], full_tree: Any, world: int) -> None:

@@ -65,6 +65,13 @@ def _contract_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--logprobs-out", default=None, help="write each rollout's response logprobs (JSONL)")
     p.add_argument(
+        "--memory-budget",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="--schedule auto: GB per rank for the step's activations (needed on a CPU)",
+    )
+    p.add_argument(
         CONTEXT_OVERRIDE_FLAG,
         action="store_true",
         help="accept rollouts longer than the model's max_position_embeddings (RoPE extrapolates; off by default)",
@@ -87,8 +94,9 @@ def add_setting_flags(p: argparse.ArgumentParser) -> None:
     from megatron_branch.rules import GRAD_SCHEDULES
 
     s = p.add_argument_group("schedule")
-    add_fields(s, ScheduleConfig, **SCHEDULE, choices={"name": GRAD_SCHEDULES},
-               types_={"branch_micro_batch": _positive_int}, notes={"name": "grad runs replay, packed or naive."},
+    add_fields(s, ScheduleConfig, **SCHEDULE, choices={"name": (*GRAD_SCHEDULES, "auto")},
+               types_={"branch_micro_batch": _positive_int, "chunk_tokens": _positive_int}, notes={"name": "grad runs replay, packed or naive; auto: packed when its planned activation peak fits "
+               "--memory-budget (on a GPU the free device memory), replay otherwise (plan/auto.py)."},
                aliases={"enable_gradient_checkpointing": ["--enable-gradient-checkpointing"]})  # fmt: skip
     lay = p.add_argument_group("layout (world = tp * cp * pp * dp under torchrun)")
     add_fields(lay, ParallelLayout, skip=("dp",), types_={"ep": _positive_int})

@@ -26,8 +26,11 @@ def write_results(
     objective: Any,
     full_tree: Any,
     dtype: torch.dtype,
+    *,
+    auto: dict[str, Any] | None = None,
 ) -> None:
-    """Gather the gradients (and logprobs) of every rank, write them on rank 0, print the summary there."""
+    """Gather the gradients (and logprobs) of every rank, write them on rank 0, print the summary there (`auto`:
+    what --schedule auto picked and why)."""
     from megatron_branch.checkpoint.param_map import mcore_to_hf_state
     from megatron_branch.checkpoint.stages import gather_model_grads
 
@@ -37,7 +40,7 @@ def write_results(
         gathered: list[Any] = [None] * groups.dp_size
         dist.all_gather_object(gathered, lp_rows, group=groups.dp)
         lp_rows = [row for part in gathered for row in part]
-    summary = _summary(args, spec, groups, metrics, objective, full_tree, dtype)
+    summary = {**_summary(args, spec, groups, metrics, objective, full_tree, dtype), "schedule_auto": auto}
     write_on_rank0(lambda: _write_outputs(args, grads, lp_rows, accumulation_dtype(dtype)))
     if dist.get_rank() == 0:
         print(json.dumps(summary), flush=True)

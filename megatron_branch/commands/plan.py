@@ -66,7 +66,12 @@ def add_plan_command(sub: Any) -> None:
     p.add_argument("--pp", type=int, help="pipeline stages (replay or packed; default: searched 1, 2, 4, 8)")
     p.add_argument("--recompute", choices=RECOMPUTE)
     p.add_argument("--ep", type=int, help="expert-parallel size of a MoE model (inside cp x dp)")
-    p.add_argument("--schedule", choices=SCHEDULES, default="replay")
+    p.add_argument(
+        "--schedule",
+        choices=[*SCHEDULES, "auto"],
+        default="replay",
+        help="auto: packed when its plan fits the device, replay otherwise (plan/auto.py, as grad --schedule auto)",
+    )
     p.add_argument(
         "--optimizer",
         choices=["plain", "distributed"],
@@ -138,25 +143,31 @@ def run_plan(args: argparse.Namespace) -> int:
         "distributed_optimizer": None if args.optimizer is None else args.optimizer == "distributed",
         "offload_fraction": args.offload_fraction,
     }
-    p = plan(
-        name,
-        arch,
-        shape,
-        gpu,
-        args.gpus,
-        tp=args.tp,
-        cp=args.cp,
-        dp=args.dp,
-        pp=args.pp,
-        recompute=args.recompute,
-        schedule=args.schedule,
-        ep=args.ep,
-        **kw,
-    )
+
+    def search(schedule: str) -> Any:
+        return plan(name, arch, shape, gpu, args.gpus, tp=args.tp, cp=args.cp, dp=args.dp, pp=args.pp,
+                    recompute=args.recompute, schedule=schedule, ep=args.ep, **kw)  # fmt: skip
+
+    choice = None
+    if args.schedule == "auto":  # the rule of grad --schedule auto, with the device's memory as the budget
+        from megatron_branch.plan.auto import AutoChoice, choose
+
+        packed = search("packed")
+        choice = choose(packed.memory["total"], int(packed.gpu.memory_gb * 1e9))
+        if choice.schedule == "packed" and not packed.fits:  # the device fits, the host does not
+            choice = AutoChoice(schedule="replay", reason=f"packed: {packed.why_not()}",
+                                packed_bytes=choice.packed_bytes, budget_bytes=choice.budget_bytes)  # fmt: skip
+        p = packed if choice.schedule == "packed" else search("replay")
+    else:
+        p = search(args.schedule)
     out = p.to_json()
+    if choice is not None:
+        out["schedule_auto"] = choice.to_json()
     if not p.fits:
         out["would_fit_with"] = what_would_fit(p, **kw)
     print(render(p, out.get("would_fit_with", [])))
+    if choice is not None:
+        print(f"schedule auto: {choice.schedule} ({choice.reason})")
     if args.json:
         print(json.dumps(out, sort_keys=True))
     return 0 if p.fits else NO_FIT

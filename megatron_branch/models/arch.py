@@ -20,6 +20,7 @@ import torch
 
 from megatron_branch.errors import UserError
 from megatron_branch.models.families import arch_fields_from_hf, families, get_family, hf_config_of
+from megatron_branch.models.router_settings import check_router
 from megatron_branch.rules import check_hybrid_run
 
 LAYER_TYPES = ("full_attention", "linear_attention")
@@ -104,6 +105,20 @@ class ModelArch:
     """Width of the shared expert every token also passes (Qwen2-MoE shared_expert_intermediate_size); 0 = none."""
     shared_expert_gate: bool = False
     """The shared expert's output is scaled by sigmoid(x . w_gate) (Qwen2-MoE shared_expert_gate)."""
+    moe_score_function: str = "softmax"
+    """The router's score function: "softmax" (the Qwen and Mixtral routers) or "sigmoid" (the DeepSeek-style
+    router of GLM-4.5: per-expert sigmoid scores, the top-k renormalised; megatron's moe_router_score_function)."""
+    moe_expert_bias: bool = False
+    """Sigmoid router: a per-expert correction bias added to the scores for the SELECTION only, never to the weights
+    (HF e_score_correction_bias; megatron's moe_router_enable_expert_bias, held fixed: models/moe.py)."""
+    moe_num_groups: int = 1
+    """Group-limited top-k: the experts split into this many equal groups (HF n_group; megatron's
+    moe_router_num_groups); 1 = no group limit."""
+    moe_group_topk: int = 1
+    """Group-limited top-k: the groups each token may route into (HF topk_group; megatron's moe_router_group_topk)."""
+    moe_routed_scaling_factor: float = 1.0
+    """The routed experts' weights are multiplied by this (HF routed_scaling_factor; megatron's
+    moe_router_topk_scaling_factor)."""
 
     def __post_init__(self) -> None:
         if self.family not in families():
@@ -159,6 +174,7 @@ class ModelArch:
                 raise ValueError("moe_layer_pattern has no MoE layer (mlp_only_layers lists every layer)")
         if self.shared_expert_gate and not self.shared_expert_ffn_hidden_size:
             raise ValueError("shared_expert_gate needs a shared expert (shared_expert_intermediate_size > 0)")
+        check_router(self)  # models/router_settings.py
 
     # --- mixture of experts ---------------------------------------------------------------------------------------
     @property

@@ -7,7 +7,10 @@ E routed experts, k experts per token (top-k), E/ep experts held by this expert-
     dispatch  megatron's all-to-all token dispatcher (moe_token_dispatcher_type="alltoall") over the EP group
     experts   SequentialMLP on CPU (one SwiGLU MLP per local expert), TEGroupedMLP's grouped GEMM on a GPU with
               TransformerEngine; every expert's fc1 is [gate; up] as the dense MLP's
-    shared    Qwen2-MoE's shared expert (megatron's SharedExpertMLP) scaled by sigmoid(x . gate_weight)
+    shared    Qwen2-MoE's shared expert (megatron's SharedExpertMLP) scaled by sigmoid(x . gate_weight); GLM-4.5's
+              shared experts ungated
+    sigmoid   the DeepSeek-style router (GLM-4.5): sigmoid scores, the correction bias [E] (a frozen parameter,
+              float32) in the choice only, group-limited top-k, scaled weights (models/router_settings.py)
 
 Dropless only: megatron's capacity factor drops the tokens over an expert's capacity, and which tokens those are
 depends on which other tokens share the micro-batch, so a prefix computed once for many rollouts could keep a
@@ -35,6 +38,8 @@ from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_ba
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_branch.models.router_settings import router_config_kwargs
+
 
 class RouterContext(Protocol):
     """What a router asks of the context attached to it (losses/router.py implements it)."""
@@ -51,6 +56,16 @@ class BranchRouter(TopKRouter):
     stay megatron's own."""
 
     context: RouterContext | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.expert_bias is not None:
+            # megatron keeps the sigmoid router's correction bias as a buffer that its aux-loss-free balancing
+            # updates; here it is a checkpoint tensor RL holds fixed (HF's e_score_correction_bias): a frozen
+            # parameter, so that conversion, TP/EP gathering and loading (which walk parameters) carry it. Same
+            # name, dtype (float32) and state-dict key as megatron's buffer.
+            bias = self._buffers.pop("expert_bias")
+            self.expert_bias = torch.nn.Parameter(bias, requires_grad=False)
 
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None) -> Any:
         if self.context is None:
@@ -71,12 +86,10 @@ def moe_config_kwargs(arch: Any) -> dict[str, Any]:
     pattern = arch.moe_layer_pattern
     return dict(
         num_moe_experts=arch.num_experts,
-        moe_router_topk=arch.moe_top_k,
         moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
         # an int keeps megatron's stacked (homogeneous) checkpoint keys; a list names every layer by its index
         moe_layer_freq=1 if pattern is None else list(pattern),
-        moe_router_pre_softmax=not arch.moe_norm_topk_prob,
-        moe_router_score_function="softmax",
+        **router_config_kwargs(arch),
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_z_loss_coeff=None,

@@ -81,8 +81,9 @@ class Peak:
     activations: int
     """Saved activations of the chunks alive at the peak (for replay: the path's graphs and the running chunk)."""
     cached_kv: int
-    """Replay: cached ancestor K/V not already counted in a live graph (with per-layer checkpointing, also a
-    recomputed segment's captured K/V, held outside autograd beside the cache until its injection)."""
+    """Replay: cached ancestor K/V not already counted in a live graph (with per-layer checkpointing, at a
+    recomputed segment's backward: its captured K/V, held outside autograd in place of its released cache entry
+    until the injection)."""
     kv_grads: int
     """Replay: their dK/dV accumulators."""
     ring_buffers: int
@@ -156,15 +157,8 @@ def step_peak(
         r = local_rows(r, 1, Layout(tp=layout.tp, sequence_parallel=layout.sequence_parallel))
         m = cdiv(groups * (shape.shared_response_length + G * L), cp)  # every response token once
         seqs = [(R, groups), (L, groups * G)]  # a GDN layer: each whole segment its own sequence
-        c = chunk_saved_bytes(dm, r, m, cp=cp, layer_recompute=lay_rc, sequences=seqs)
-        return Peak(
-            activations=alive * (c["kv"] + c["other"]),
-            cached_kv=0,
-            kv_grads=0,
-            ring_buffers=max(ring_buffer_bytes(dm, r, r, cp), exchange_buffer_bytes(dm, r)),
-            logits=logits_bytes(dm, m, logprob_chunk_rows),
-            dispatcher=dispatcher_bytes(dm, r),
-        )
+        return packed_peak(dm, r, m, cp=cp, layer_recompute=lay_rc, sequences=seqs,
+                           logprob_chunk_rows=logprob_chunk_rows, alive=alive)  # fmt: skip
     assert schedule == "replay", schedule
     r_root = local_rows(R, 1, layout)
     # only rows that predict a response token reach the output projection (schedule/chunks.py, targets="loss"):
@@ -189,16 +183,22 @@ def step_peak(
     # (the root's captured K/V, when its graph is kept, are the cache's storage: counted once)
     root_graph = 0 if seg_rc else root["held"]
     phase_leaves = root_graph + cached + grads + alive * (leaf["kv"] + leaf["other"])
-    # phase 2, the root's own backward: cache + grads + the root's graph; with segment recompute its graph is the
-    # recomputed one, whose captured K/V are new storages beside the no-grad cache (held until the accumulated
-    # grads are injected). Without any recompute this never exceeds phase 1 (which holds the same graph).
+    # phase 2, the root's own backward: grads + the root's graph (+ the cache, unless recomputed). With segment
+    # recompute the root's cache entry is released before its forward runs again (schedule/prefix_cache.py
+    # `release`: only the accumulated grads are kept) and its recomputed K/V take its place: one copy, not two.
+    # Without any recompute this never exceeds phase 1 (which holds the same graph).
+    # (a hybrid's GDN fork states stay counted once: the recomputed states replace the released ones)
+    released = dm.attn_layers * layer_kv_bytes(dm, r_root) if seg_rc else 0
     if seg_rc and root_pieces > 1:
-        # one piece recomputed at a time: the longest, with the root's loss rows (a bound)
+        # one piece recomputed at a time: the longest, with the root's loss rows (a bound); the earlier pieces stay
+        # cached and only the piece's own entry is released (the last piece's: the shortest, a bound)
         p = piece_lengths(R, root_pieces)[0]
         root = chunk_saved_bytes(dm, local_rows(p, 1, layout), m_root, cp=cp, layer_recompute=lay_rc,
                                  capture=True, sequences=[(p, 1)])  # fmt: skip
+        last = piece_lengths(R, root_pieces)[-1]
+        released = dm.attn_layers * layer_kv_bytes(dm, local_rows(last, 1, layout))
     root_kv = root["kv"] if seg_rc else 0
-    phase_root = cached + root_kv + root["other"] + grads
+    phase_root = cached - released + root_kv + root["other"] + grads
     ring = max(
         ring_buffer_bytes(dm, r_root, r_root, cp),
         ring_buffer_bytes(dm, r_leaf, r_root + r_leaf, cp),
@@ -207,12 +207,12 @@ def step_peak(
     logits = max(logits_bytes(dm, m_root, logprob_chunk_rows), logits_bytes(dm, m_leaf, logprob_chunk_rows))
     dispatch = max(dispatcher_bytes(dm, r_root), dispatcher_bytes(dm, r_leaf))
     if phase_root > phase_leaves:
-        # under per-layer checkpointing the recomputed root's captured K/V live outside autograd, beside the
-        # no-grad cache until the injection (the meter sees them registered with it): counted with cached_kv
+        # under per-layer checkpointing the recomputed root's captured K/V live outside autograd in place of the
+        # released cache entry until the injection (the meter sees them registered with it): counted as cached_kv
         outside = root_kv if lay_rc else 0
         return Peak(
             activations=root_kv - outside + root["other"],
-            cached_kv=cached + outside,
+            cached_kv=cached - released + outside,
             kv_grads=grads,
             ring_buffers=ring,
             logits=logits,
@@ -225,6 +225,30 @@ def step_peak(
         ring_buffers=ring,
         logits=logits,
         dispatcher=dispatch,
+    )
+
+
+def packed_peak(
+    dm: Dims,
+    r: int,
+    m: int,
+    *,
+    cp: int,
+    layer_recompute: bool,
+    sequences: list[tuple[int, int]],
+    logprob_chunk_rows: int,
+    alive: int = 1,
+) -> Peak:
+    """One packed chunk of r local rows and m local targets (`alive` of them in flight under PP): its saved tensors
+    and the transient buffers beside them (also `schedule: auto`'s packed side, plan/auto.py)."""
+    c = chunk_saved_bytes(dm, r, m, cp=cp, layer_recompute=layer_recompute, sequences=sequences)
+    return Peak(
+        activations=alive * (c["kv"] + c["other"]),
+        cached_kv=0,
+        kv_grads=0,
+        ring_buffers=max(ring_buffer_bytes(dm, r, r, cp), exchange_buffer_bytes(dm, r)),
+        logits=logits_bytes(dm, m, logprob_chunk_rows),
+        dispatcher=dispatcher_bytes(dm, r),
     )
 
 

@@ -141,6 +141,25 @@ MODEL_PRESETS["qwen3.5-35b-a3b"] = ModelArch.from_hf_config(
 )
 
 
+# GLM-4.5-Air (zai-org/GLM-4.5-Air, 106B total / 12B active): transformers' Glm4MoeConfig defaults are this
+# "GLM-4-MOE-100B-A10B style configuration" (configuration_glm4_moe.py: hidden 4096, 46 layers of which the first
+# dense (first_k_dense_replace 1, intermediate 10944), 96 query / 8 KV heads, 128 routed experts of width 1408, top-8,
+# one shared expert, one group, norm_topk_prob, partial_rotary_factor 0.5, context 131072, vocabulary 151552,
+# rms_norm_eps 1e-5); the published config.json sets head_dim 128 (4096 / 96 is not whole) and attention_bias true
+# (accelerate's glm4_moe Megatron parser: add_qkv_bias; use_qk_norm "false for glm4.5-air"). rope_theta is left at
+# transformers' default: it changes neither memory nor FLOPs. Its MTP layer is not part of the policy.
+# (tests/unit/test_glm4_moe.py checks these numbers against transformers' defaults.)
+GLM4_5_AIR_CONFIG = dict(
+    model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], vocab_size=151552, hidden_size=4096,
+    intermediate_size=10944, num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8, head_dim=128,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu",
+    attention_bias=True, use_qk_norm=False, moe_intermediate_size=1408, num_experts_per_tok=8, n_shared_experts=1,
+    n_routed_experts=128, routed_scaling_factor=1.0, n_group=1, topk_group=1, first_k_dense_replace=1,
+    norm_topk_prob=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+)  # fmt: skip
+MODEL_PRESETS["glm-4.5-air"] = ModelArch.from_hf_config(GLM4_5_AIR_CONFIG, where="preset glm-4.5-air")
+
+
 @dataclass(frozen=True, kw_only=True)
 class GPU:
     """One accelerator as the planner sees it."""
@@ -325,7 +344,10 @@ def parameter_count(arch: ModelArch) -> dict[str, int]:
     n_moe = len(arch.moe_layers)
     sh = arch.shared_expert_ffn_hidden_size
     dense_mlp = 3 * h * arch.ffn_hidden_size
-    moe_block = arch.num_experts * h + 3 * h * sh + (h if arch.shared_expert_gate else 0)  # router + shared
+    # router (+ its correction bias) + shared expert (+ its gate)
+    moe_block = (
+        arch.num_experts * (h + arch.moe_expert_bias) + 3 * h * sh + (h if arch.shared_expert_gate else 0)
+    )
     moe_layer = layer - dense_mlp + moe_block
     experts = n_moe * arch.num_experts * 3 * h * arch.moe_ffn_hidden_size
     return {

@@ -24,6 +24,11 @@ class ScheduleOptions:
     block under CP; None = `default_backend()`. A baseline without a ring executor is refused under CP."""
     branch_micro_batch: int = 8
     """replay: how many sibling LEAF segments share one forward/backward."""
+    chunk_tokens: int | None = None
+    """replay: pack small subtrees into chunks of at most this many tokens (schedule/walk.py): consecutive siblings
+    whose whole subtree fits (leaves, short turns, small prompt groups at the top) share one forward and backward
+    against their ancestors' cached state instead of one per segment (or per `branch_micro_batch` leaves); a larger
+    subtree is walked as before. Exact (the same layout rules as `packed`). None: leaf micro-batches only."""
     recompute: bool = False
     """replay: keep no graph for a segment with children; recompute its forward at its backward."""
     recompute_layers: bool = False
@@ -74,6 +79,8 @@ class ScheduleOptions:
             raise ValueError(f"vocab_size must be positive, got {self.vocab_size}")
         if self.branch_micro_batch <= 0:
             raise ValueError(f"branch_micro_batch must be positive, got {self.branch_micro_batch}")
+        if self.chunk_tokens is not None and self.chunk_tokens <= 0:
+            raise ValueError(f"chunk_tokens must be positive, got {self.chunk_tokens}")
         if self.root_pieces <= 0:
             raise ValueError(f"root_pieces must be positive, got {self.root_pieces}")
         if self.pipeline_order not in ("1f1b", "gpipe"):

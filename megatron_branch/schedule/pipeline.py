@@ -55,7 +55,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -233,6 +233,7 @@ class _Pipeline(DepthFirstWalk):
         self.cache = PrefixCache(grad=self.grad)
         self.path: list[int] = []
         self.micro = opts.branch_micro_batch
+        self.chunk_tokens = opts.chunk_tokens
         self.forwards = self.positions = self.recomputed = 0
 
     # ---- one chunk ---------------------------------------------------------------------------------------------
@@ -260,6 +261,9 @@ class _Pipeline(DepthFirstWalk):
         self.link.send_forward(run.output)
         self.positions += chunk.num_real
         self.cache.push(seg_id, run.captured, chunk.cache_rows, meta=chunk.cache_meta)
+        if self.grad and not keep_graph:
+            # recomputed at B(X): the cache's leaves are then the only holders of X's state
+            run = replace(run, captured={})
         return chunk, received, run, keep_graph
 
     def close_segment(
@@ -272,6 +276,7 @@ class _Pipeline(DepthFirstWalk):
             self._record(run)
             return
         if not keep_graph:  # recompute from the input this stage received in F(X): no message, same numbers
+            self.cache.release(seg_id)  # the recomputed state replaces the cache entry (one copy at B(X))
             run = self._forward(chunk, received, capture=True, grad=True)
             self.recomputed += chunk.num_real
         outputs, grads = self.cache.injection(seg_id, run.captured)

@@ -84,6 +84,7 @@ class PrefixCache:
         self.entries: dict[int, dict[int, _Entry]] = {}  # segment -> layer -> entry
         self.meta: dict[int, torch.Tensor] = {}  # segment -> metadata of its cached rows (CP: [2, rows])
         self.rows: dict[int, tuple[int, int]] = {}  # segment -> (cached rows, frozen rows)
+        self.released: dict[int, dict[int, list[torch.Tensor | None]]] = {}  # segment -> layer -> leaf grads
 
     def push(
         self,
@@ -122,20 +123,40 @@ class PrefixCache:
         metas = [self.meta[a] for a in path if a in self.meta]
         return torch.cat(metas, dim=1) if metas else None
 
+    def release(self, seg_id: int) -> None:
+        """Free `seg_id`'s cached state, keeping only what its descendants sent into it (after the last child,
+        before its forward is recomputed: the recomputed state then replaces the entry, never sits beside it)."""
+        self.released[seg_id] = self._grads(seg_id)
+        # a float32 / float64 leaf's `.grad` is counted by the activation meter until its leaf is garbage; it
+        # outlives the leaf now, so it is counted on its own (a no-op without a meter; WideSum's sums already are)
+        entries = self.entries.pop(seg_id)
+        track_extra(
+            (leaf.grad for e in entries.values() for leaf in e.trainable if leaf.grad is not None),
+            kind="registered_grad",
+        )
+
+    def _grads(self, seg_id: int) -> dict[int, list[torch.Tensor | None]]:
+        """layer -> what the descendants sent into each trainable leaf of `seg_id` (None: nothing)."""
+        if seg_id in self.released:
+            return self.released[seg_id]
+        entries = self.entries[seg_id]
+        return {
+            layer: [e.wide.grad(j, leaf) for j, leaf in enumerate(e.trainable)]
+            for layer, e in entries.items()
+        }
+
     def injection(
         self, seg_id: int, captured: dict[int, Handoff]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(outputs, grads) that push the descendants' summed gradient through `seg_id`'s final forward, whose
         capture is `captured`: every trainable leaf that received a gradient, with the tensor it stands for (the
         gradient rounded to that tensor's dtype once, here)."""
-        entries = self.entries[seg_id]
+        received = self._grads(seg_id)
         rows, frozen = self.rows[seg_id]
         outputs, grads = [], []
         for layer, h in captured.items():
-            entry = entries[layer]
             srcs = h.kind.sources(h.tensors, rows, frozen)
-            for j, (src, leaf) in enumerate(zip(srcs, entry.trainable, strict=True)):
-                g = entry.wide.grad(j, leaf)
+            for src, g in zip(srcs, received[layer], strict=True):
                 if g is not None:
                     outputs.append(src)
                     grads.append(g.to(src.dtype))
@@ -143,6 +164,7 @@ class PrefixCache:
 
     def drop(self, seg_id: int) -> None:
         """Forget `seg_id`'s entry (after its backward: the leaves and their accumulators are held until then)."""
-        self.entries.pop(seg_id)
+        self.entries.pop(seg_id, None)
+        self.released.pop(seg_id, None)
         self.rows.pop(seg_id)
         self.meta.pop(seg_id, None)

@@ -5,8 +5,9 @@ For a segment X with ancestors A (cached) and children C:
   1. forward X against A's cached state, capturing what each layer hands down (attention: X's own K/V; another
      layer kind: its state at the fork; attention/prefix_state.py), in X's graph;
   2. cache it as DETACHED leaves that require grad (schedule/prefix_cache.py, the same for every layer kind);
-  3. replay every child (recursively; sibling leaves in micro-batches): each child's backward adds its gradient
-     into the leaves it read (attention: X's and every ancestor's K/V, as key blocks in place);
+  3. replay every child (recursively; sibling leaves in micro-batches, or with `chunk_tokens` small subtrees packed
+     into one chunk: schedule/walk.py): each child's backward adds its gradient into the leaves it read (attention:
+     X's and every ancestor's K/V, as key blocks in place);
   4. backward X once with the accumulated gradients injected into its captured state
      (torch.autograd.backward([loss_X, k_1, v_1, ...], [1, dk_1, dv_1, ...])), which sends X's own share on into
      A's leaves, then drop X's cache.
@@ -15,6 +16,8 @@ arXiv 2602.00482), and only one root-to-leaf path (plus one micro-batch of leave
 
 With `recompute`, step 1 runs without a graph for segments that have children, and step 4 recomputes the forward
 before its backward: memory then holds only the path's K/V, at the price of one more forward per inner segment.
+Before that recomputation X's cache entry is released (only its accumulated gradients are kept): the recomputed
+K/V replace the cached ones, so X's K/V are held once at its backward, not twice (prefix_cache.release).
 Dropout is 0 in every model we build, so the recomputed forward is bit-identical (no RNG state to replay).
 
 `forward_only` (scoring: old-policy, reference and DPO logprobs, evaluation) runs the same DFS under no_grad:
@@ -70,6 +73,8 @@ class _Replay(DepthFirstWalk):
         self.cache = PrefixCache(grad=not forward_only)  # segment -> layer -> what it hands down (leaves)
         self.path: list[int] = []  # cached ancestors of what runs next, root first
         self.micro = opts.branch_micro_batch
+        # replay-stopgrad freezes the prompt rows of CACHED segments only: it keeps one forward per segment
+        self.chunk_tokens = None if stop_prompt_gradient else opts.chunk_tokens
         self.forwards = 0
         self.positions = 0
         self.recomputed = 0
@@ -104,7 +109,7 @@ class _Replay(DepthFirstWalk):
         self.positions += chunk.num_real
         self.store.add(chunk.targets, out)
 
-    def open_segment(self, seg_id: int) -> tuple[Chunk | CPChunk, ChunkOut, bool]:
+    def open_segment(self, seg_id: int) -> tuple[Chunk | CPChunk, ChunkOut | None, bool]:
         keep_graph = not self.opts.recompute and not self.forward_only
         chunk, out = self._forward([seg_id], capture=True, grad=keep_graph)
         self.positions += chunk.num_real
@@ -113,15 +118,19 @@ class _Replay(DepthFirstWalk):
         # constant: none (exact) except in replay-stopgrad, where they are the segment's prompt rows.
         frozen = self.tree.response_starts()[seg_id] if self.stop_prompt_gradient else 0
         self.cache.push(seg_id, out.captured, chunk.cache_rows, frozen=frozen, meta=chunk.cache_meta)
+        if not keep_graph and not self.forward_only:
+            out = None  # recomputed at B(X): the cache's leaves are then the only holders of X's state
         return chunk, out, keep_graph
 
-    def close_segment(self, seg_id: int, opened: tuple[Chunk | CPChunk, ChunkOut, bool]) -> None:
+    def close_segment(self, seg_id: int, opened: tuple[Chunk | CPChunk, ChunkOut | None, bool]) -> None:
         chunk, out, keep_graph = opened
         if self.forward_only:  # scoring: no backward, and the first forward is the one counted
             self.cache.drop(seg_id)
             self.store.add(chunk.targets, out)
             return
         if not keep_graph:
+            # the recomputed state replaces the cache entry (one copy at X's backward; prefix_cache.release)
+            self.cache.release(seg_id)
             chunk, out = self._forward([seg_id], capture=True, grad=True)
             self.recomputed += chunk.num_real
         # ONE backward of the segment: its own loss and the SUM of its descendants' gradients into its state
@@ -143,8 +152,7 @@ def run_replay(
 ) -> StepResult:
     bound = objective.bind(tree) if objective is not None else None
     r = _Replay(model, tree, bound, opts, forward_only, stop_prompt_gradient)
-    for root in tree.roots:
-        r.run_segment(root)
+    r.run_forest(tree.roots)
     assert r.positions == tree.positions_computed, (r.positions, tree.positions_computed)
     return r.store.result(
         "replay-stopgrad" if stop_prompt_gradient else "replay",

@@ -11,6 +11,14 @@ stage (schedule/pipeline.py) run this walk and differ only in its three steps.
                        before the next inner child and at the end
 A childless segment walked on its own (a root without branches) is a wave of one micro-batch of itself.
 
+With a token budget (`chunk_tokens`, ScheduleOptions) the groups are packed sub-forests instead (issue 33 item 1):
+consecutive children whose WHOLE subtree has at most `chunk_tokens` tokens are packed, subtree by subtree in
+pre-order, into one chunk of at most that many tokens that runs against the path's cache like a leaf micro-batch
+(one forward and one backward: inside it the subtrees attend as in `packed`); a child whose subtree is larger is
+walked as before (an inner child: F, its children, B; a leaf: a group of its own). At the top (`run_forest`) the
+roots are the children of an empty path, so many small prompt groups share one chunk. Exact as before: a chunk's
+layout lets each segment see its own ancestors only, wherever they live (schedule/chunks.py make_chunk).
+
 On one rank a wave is its micro-batches one after another (forward + backward each); on a pipeline stage it is
 megatron's 1F1B over the stages. The order of every forward and backward is the walk's, so both compute the same
 sums (tests/unit/test_schedules.py, tests/distributed/test_pipeline.py).
@@ -24,9 +32,14 @@ from typing import Any
 from megatron_branch.data import PrefixTree
 
 
-def child_groups(tree: PrefixTree, children: tuple[int, ...], micro: int) -> Iterator[list[int]]:
+def child_groups(
+    tree: PrefixTree, children: tuple[int, ...], micro: int, chunk_tokens: int | None = None
+) -> Iterator[list[int]]:
     """Inner children one at a time; leaf children in micro-batches of `micro` (replay's order, also under
-    pipeline parallelism)."""
+    pipeline parallelism). With `chunk_tokens`: small subtrees packed by tokens (`packed_groups`)."""
+    if chunk_tokens is not None:
+        yield from packed_groups(tree, children, chunk_tokens)
+        return
     batch: list[int] = []
     for c in children:
         if tree.segments[c].children:
@@ -40,6 +53,26 @@ def child_groups(tree: PrefixTree, children: tuple[int, ...], micro: int) -> Ite
         yield batch
 
 
+def packed_groups(tree: PrefixTree, children: tuple[int, ...], budget: int) -> Iterator[list[int]]:
+    """Consecutive children whose whole subtrees fit `budget` tokens, packed (each subtree in pre-order) into
+    groups of at most `budget` tokens; a child whose subtree is larger alone, as `[child]`."""
+    batch: list[int] = []
+    tokens = 0
+    for c in children:
+        size = tree.num_tokens_of_root(c)  # the subtree's tokens (a contiguous id range)
+        if size > budget or tokens + size > budget:
+            if batch:
+                yield batch
+            batch, tokens = [], 0
+        if size > budget:
+            yield [c]
+            continue
+        batch.extend(tree.subtree_segments(c))
+        tokens += size
+    if batch:
+        yield batch
+
+
 class DepthFirstWalk:
     """The walk (see the module doc); a subclass sets `tree`, `path` and `micro` and gives the three steps."""
 
@@ -48,6 +81,17 @@ class DepthFirstWalk:
     """The cached ancestors of what runs next, root first (the walk keeps it)."""
     micro: int
     """Leaves per micro-batch (ScheduleOptions.branch_micro_batch)."""
+    chunk_tokens: int | None = None
+    """Tokens per packed sub-forest chunk (ScheduleOptions.chunk_tokens); None: leaf micro-batches only."""
+
+    def run_forest(self, roots: Sequence[int]) -> None:
+        """Every prompt group: root by root; with a token budget as the children of an empty path (small groups
+        packed together)."""
+        if self.chunk_tokens is None:
+            for root in roots:
+                self.run_segment(root)
+        else:
+            self.run_children(roots)
 
     def run_segment(self, seg_id: int) -> None:
         """F(X), X's subtree, B(X) once; a childless X alone: a wave of one micro-batch."""
@@ -75,7 +119,7 @@ class DepthFirstWalk:
             self.run_wave(wave)
 
     def _child_groups(self, children: tuple[int, ...]) -> Iterator[list[int]]:
-        return child_groups(self.tree, children, self.micro)
+        return child_groups(self.tree, children, self.micro, self.chunk_tokens)
 
     # ---- the steps -----------------------------------------------------------------------------------------------
     def open_segment(self, seg_id: int) -> Any:
@@ -87,5 +131,6 @@ class DepthFirstWalk:
         raise NotImplementedError
 
     def run_wave(self, groups: list[list[int]]) -> None:
-        """Independent leaf micro-batches (each a list of leaf segments) reading the path's cache."""
+        """Independent micro-batches reading the path's cache: each a list of leaf segments, or with a token budget
+        packed sub-forests (whole subtrees in pre-order)."""
         raise NotImplementedError

@@ -43,9 +43,10 @@ class ArchConfig(ModelArch):
 
     family: str = "llama"
     """"llama" or another registered family (models/families/: qwen2, qwen3, the hybrid qwen3_5, the mixtures of
-    experts qwen3_moe, mixtral, qwen2_moe, the MoE hybrids qwen3_5_moe, qwen3_next); the family's spec gives the
-    defaults of qkv_bias, qk_norm, zero_centered_norm and attention_output_gate. A hybrid needs layer_types and the
-    linear_* widths, a MoE num_experts, moe_top_k and moe_ffn_hidden_size."""
+    experts qwen3_moe, mixtral, qwen2_moe, glm4_moe, the MoE hybrids qwen3_5_moe, qwen3_next); the family's spec
+    gives the defaults of qkv_bias, qk_norm, zero_centered_norm, attention_output_gate, moe_score_function and
+    moe_expert_bias. A hybrid needs layer_types and the linear_* widths, a MoE num_experts, moe_top_k and
+    moe_ffn_hidden_size."""
     vocab_size: int | None = None  # type: ignore[assignment]
     """None = the tokenizer's vocabulary size."""
     hidden_size: int = 64
@@ -68,6 +69,10 @@ class ArchConfig(ModelArch):
     """RMSNorm weights stored as offsets from one; None = the family's (the hybrids: true)."""
     attention_output_gate: bool | None = None  # type: ignore[assignment]
     """Gated full attention (sigmoid gate from q_proj); None = the family's (the hybrids: true)."""
+    moe_score_function: str | None = None  # type: ignore[assignment]
+    """The MoE router's score function, softmax or sigmoid; None = the family's (glm4_moe: sigmoid)."""
+    moe_expert_bias: bool | None = None  # type: ignore[assignment]
+    """The sigmoid router's correction bias (in the expert choice only); None = the family's (glm4_moe: true)."""
 
     def __post_init__(self) -> None:
         self.resolve(1)  # ModelArch's own checks, before the tokenizer gives the vocabulary
@@ -80,7 +85,7 @@ class ArchConfig(ModelArch):
         spec = get_family(self.family) if self.family in families() else None
         for name in TRAIN_DEFAULT_FIELDS:
             if kw[name] is None:
-                kw[name] = spec is not None and spec.train_default(name)
+                kw[name] = spec.train_default(name) if spec is not None else TRAIN_DEFAULT_FIELDS[name]
         return ModelArch(**kw)
 
 
@@ -90,7 +95,8 @@ class ModelConfig:
 
     hf_path: str | None = None
     """Hugging Face folder (config.json + safetensors: Llama, Qwen2, Qwen3, Qwen3.5/3.6 hybrids, the mixtures of
-    experts Qwen3-MoE, Mixtral, Qwen2-MoE, Qwen3.5-MoE, Qwen3-Next) to start from; loaded through the converter."""
+    experts Qwen3-MoE, Mixtral, Qwen2-MoE, GLM-4.5 / 4.6 MoE, Qwen3.5-MoE, Qwen3-Next) to start from; loaded
+    through the converter."""
     arch: ArchConfig | None = None
     """A config-defined architecture with random weights (used when hf_path is not given)."""
     dtype: DtypeName = "float32"

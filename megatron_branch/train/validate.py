@@ -44,6 +44,7 @@ def validate(cfg: Any) -> None:
         ("trainer.total_training_steps", t.total_training_steps),
         ("optim.lr", cfg.optim.lr),
         ("schedule.branch_micro_batch", cfg.schedule.branch_micro_batch),
+        ("schedule.chunk_tokens", cfg.schedule.chunk_tokens),
         ("tokenizer.vocab_size", cfg.tokenizer.vocab_size),
         ("data.max_prompt_length", d.max_prompt_length),
     ]:

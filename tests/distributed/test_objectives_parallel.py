@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -133,7 +134,12 @@ def _policy(hf: torch.nn.Module, groups: ParallelGroups, dtype: torch.dtype) -> 
 
 
 def _layout_grads(
-    model: torch.nn.Module, rollouts: list[Rollout], objective: object, groups: ParallelGroups, schedule: str
+    model: torch.nn.Module,
+    rollouts: list[Rollout],
+    objective: object,
+    groups: ParallelGroups,
+    schedule: str,
+    **options: Any,
 ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     """(global metrics, full gradients) of one gradient pass over the GLOBAL batch under `groups`.
 
@@ -142,7 +148,7 @@ def _layout_grads(
     """
     from megatron_branch.update import UpdatePlan, accumulate_gradients, finalize, reduce_metrics
 
-    kw = {"branch_micro_batch": 2} if schedule == "replay" else {}
+    kw = {"branch_micro_batch": 2, **options} if schedule == "replay" else options
     plan = UpdatePlan(opts=ScheduleOptions(groups=groups, vocab_size=VOCAB, **kw), schedule=schedule)
     model.zero_grad(set_to_none=True)
     acc = accumulate_gradients(model, rollouts, objective, plan)  # type: ignore[arg-type]
@@ -162,8 +168,9 @@ def test_policy_objective_under_tp_sp_cp_and_dp(layout: str, dtype: torch.dtype)
     model = _policy(hf, groups, dtype)
     arch = ModelArch.from_hf_config(hf.config)
     tol = 1e-9 if dtype == torch.float64 else 1e-5  # float32 against the float64 oracle
-    for schedule in ("replay", "packed"):
-        metrics, grads = _layout_grads(model, rollouts, objective, groups, schedule)
+    # replay with small subtrees packed by a token budget (schedule/walk.py) too: under SP, the ring and DP
+    for schedule, options in (("replay", {}), ("packed", {}), ("replay", {"chunk_tokens": 16})):
+        metrics, grads = _layout_grads(model, rollouts, objective, groups, schedule, **options)
         assert metrics["actor/loss"] == pytest.approx(want_loss, rel=tol)
         _close(mcore_to_hf_state(grads, arch), want, tol)
         assert 0 < metrics["actor/pg_clipfrac"] < 1 and metrics["actor/entropy"] > 0

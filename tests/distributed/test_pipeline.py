@@ -106,6 +106,10 @@ def _policy_case(layout: str, dtype: torch.dtype, *, tie: bool = False) -> None:
             ("replay", {"recompute": True}),
             ("replay", {"recompute": True, "root_pieces": 3}),
             ("naive-fused", {}),
+            # small subtrees packed by a token budget (schedule/walk.py), the whole forest in one chunk, and with
+            # segment recompute the roots too large for a budget of 16 tokens cached
+            ("replay", {"chunk_tokens": 10_000}),
+            ("replay", {"chunk_tokens": 16, "recompute": True}),
         ]
     for schedule, options in runs:
         metrics, grads = _pp_grads(hf, model, rollouts, objective, groups, schedule, **options)

@@ -96,7 +96,7 @@ def test_grad_defaults_and_choices_agree_with_train() -> None:
     assert "low_var_kl" in a["kl_loss_type"].help
     assert set(a["backend"].choices) == set(BACKENDS)
     assert typing.get_args(typing.get_type_hints(ScheduleConfig)["backend"])[0].__args__ == BACKENDS
-    assert list(a["schedule"].choices) == list(rules.GRAD_SCHEDULES)
+    assert list(a["schedule"].choices) == [*rules.GRAD_SCHEDULES, "auto"]  # auto: plan/auto.py picks one
     assert a["dtype"].default == RunSpec().dtype and list(a["dtype"].choices) == [
         "float32",
         "float64",

@@ -170,10 +170,19 @@ def test_replay_equals_naive_on_a_small_tree() -> None:
         ("packed", {}),
         ("replay", {"branch_micro_batch": 1}),
         ("replay", {"recompute": True, "recompute_layers": True}),
+        ("replay", {"chunk_tokens": 12}),
         ("packed-nosharing", {}),
         ("naive-fused", {}),
     ],
-    ids=["replay", "packed", "replay-mb1", "replay-recompute", "packed-nosharing", "naive-fused"],
+    ids=[
+        "replay",
+        "packed",
+        "replay-mb1",
+        "replay-recompute",
+        "replay-chunk-tokens",
+        "packed-nosharing",
+        "naive-fused",
+    ],  # fmt: skip
 )
 def test_tree_schedules_equal_naive_fp32(fp32, schedule: str, kw: dict) -> None:  # noqa: ANN001
     _, arch, model, rs, (base, naive) = fp32

@@ -172,7 +172,7 @@ def test_module_entry_point_has_no_traceback(workdir: Path) -> None:
 
 def test_bad_options_refused_before_work(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base = argv(workdir / "hf", workdir / "r.jsonl", workdir / "o.st")
-    for extra in (["--backend", "foo"], ["--branch-micro-batch", "0"]):
+    for extra in (["--backend", "foo"], ["--branch-micro-batch", "0"], ["--chunk-tokens", "0"]):
         with pytest.raises(SystemExit) as e:  # argparse: usage + one error line, status 2
             main([*base, *extra])
         assert e.value.code == 2
@@ -205,7 +205,8 @@ def test_backend_that_cannot_run_is_refused_in_one_line(
 
 @pytest.mark.slow
 def test_replay_options_keep_parity(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """--recompute, --recompute-layers and --branch-micro-batch change what is kept alive, never the gradient."""
+    """--recompute, --recompute-layers, --branch-micro-batch and --chunk-tokens change what is kept alive and how
+    many forwards run, never the gradient."""
     rc, _, _ = grad(workdir, capsys, "--schedule", "naive", "--dtype", "float64", out="opt_naive.safetensors")
     assert rc == 0
     want = load_file(workdir / "opt_naive.safetensors")
@@ -213,6 +214,8 @@ def test_replay_options_keep_parity(workdir: Path, capsys: pytest.CaptureFixture
         ["--recompute", "--branch-micro-batch", "1"],
         ["--recompute", "--recompute-layers", "--branch-micro-batch", "2"],
         ["--backend", "packed", "--branch-micro-batch", "3"],
+        ["--chunk-tokens", "24"],
+        ["--recompute", "--recompute-layers", "--chunk-tokens", "10000"],
     ):
         rc, summary, _ = grad(
             workdir, capsys, "--schedule", "replay", "--dtype", "float64", *extra, out="opt.safetensors"

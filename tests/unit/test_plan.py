@@ -73,7 +73,10 @@ def test_planner_bytes_match_the_meter(
     # the cache: K and the fused QKV storage V views, per layer, for the root's rows
     dm = Dims.of(arch, Layout(), dtype.itemsize)
     assert got.cached_kv == layers * layer_kv_bytes(dm, shape.root_length)
-    assert pk.cached_kv == got.cached_kv
+    # at the peak: the cache (the leaves' phase), or none when the root's own backward is the peak (with segment
+    # recompute its entry is released there and the recomputed K/V, saved by its graph, take its place)
+    assert pk.cached_kv == got.cached_at_peak
+    assert pk.cached_kv in (0, got.cached_kv)
 
 
 def test_packed_bytes_match_the_meter() -> None:

@@ -19,6 +19,7 @@ from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
 from megatron_branch.plan import Layout, RolloutShape
 from megatron_branch.plan.measure import measure_step, per_term
 from megatron_branch.plan.memory import Peak, step_peak
+from megatron_branch.schedule.prefix_cache import PrefixCache
 
 TOL = 0.05
 VOCAB = 64
@@ -90,3 +91,26 @@ def test_bf16_cache_and_its_fp32_sums_match_the_planner() -> None:
     kv = 2 * SHAPE.prompt_length * arch.num_query_groups * arch.head_dim * 2  # K and V of the root, bf16
     assert got.kv_grads == want.kv_grads == 2 * kv  # fp32 sums
     assert got.cached_at_peak == want.cached_kv
+
+
+def test_one_copy_of_the_prefix_cache_at_the_roots_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 33 item 3: under recompute full the root's cache entry is released before its forward runs again, so
+    at the root's backward its K/V are held once (the recomputed ones), as the planner's cached_kv says. Planted:
+    a cache that keeps the entry beside the recomputed K/V (a `release` that frees nothing) holds them twice."""
+    arch = rank_arch()
+    kv = 2 * SHAPE.prompt_length * arch.num_query_groups * arch.head_dim * 4  # K and V of the root, float32
+    want = step_peak(arch, SHAPE, Layout(), act_bytes=4, branch_micro_batch=8, segment_recompute=True,
+                     layer_recompute=True)  # fmt: skip
+    assert want.cached_kv == kv
+
+    def measure() -> int:
+        torch.manual_seed(0)
+        model = build_model(arch)
+        got = measure_step(
+            model, SHAPE, vocab=VOCAB, branch_micro_batch=8, recompute=True, recompute_layers=True
+        )
+        return got.cached_at_peak
+
+    assert measure() == kv
+    monkeypatch.setattr(PrefixCache, "release", lambda self, seg_id: None)
+    assert measure() == 2 * kv

@@ -145,6 +145,65 @@ def qwen_experts_hf(arch: Any, *, every_layer: bool = False, shared_expert: bool
     return out
 
 
+def deepseek_experts(family: str, d: dict[str, Any], fields: dict[str, Any], where: str) -> None:
+    """The DeepSeek-style MoE block (transformers' DeepseekV3MoE and its heirs, GLM-4.5's Glm4MoeMoE):
+    n_routed_experts of moe_intermediate_size, num_experts_per_tok, n_shared_experts x moe_intermediate_size shared
+    experts (ungated), the first first_k_dense_replace layers dense (intermediate_size); the sigmoid router with its
+    correction bias, n_group / topk_group, norm_topk_prob (HF default true), routed_scaling_factor (what megatron
+    computes otherwise: models/router_settings.py)."""
+    n = fields["num_layers"]
+    first_dense = int(d.get("first_k_dense_replace", 1))
+    if not 0 <= first_dense < n:
+        raise UserError(
+            f"first_k_dense_replace={first_dense} leaves no MoE layer of {n}; convert it as a dense model",
+            where=where,
+        )
+    shared = int(d.get("n_shared_experts", 1))
+    if shared < 1:
+        raise UserError(f"n_shared_experts={shared} is not supported ({family}: one or more)", where=where)
+    width = int(d["moe_intermediate_size"])
+    fields.update(
+        num_experts=int(d["n_routed_experts"] if "n_routed_experts" in d else d["num_local_experts"]),
+        moe_top_k=int(d["num_experts_per_tok"]),
+        moe_ffn_hidden_size=width,
+        moe_norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+        moe_layer_pattern=tuple(int(i >= first_dense) for i in range(n)) if first_dense else None,
+        shared_expert_ffn_hidden_size=shared * width,
+        moe_score_function="sigmoid",
+        moe_expert_bias=True,
+        moe_num_groups=int(d.get("n_group", 1) or 1),
+        moe_group_topk=int(d.get("topk_group", 1) or 1),
+        moe_routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+    )
+
+
+def deepseek_experts_hf(arch: Any) -> dict[str, Any]:
+    """The HF config fields of `arch`'s DeepSeek-style MoE block (what `deepseek_experts` reads back); the
+    multi-token-prediction layers are not part of the policy: num_nextn_predict_layers 0."""
+    pattern = arch.moe_layer_pattern or (1,) * arch.num_layers
+    first_dense = pattern.index(1)
+    if any(not m for m in pattern[first_dense:]):
+        raise ValueError(
+            f"{arch.family}: MoE layer pattern {list(pattern)} is not dense layers first, then MoE"
+        )
+    shared, width = arch.shared_expert_ffn_hidden_size, arch.moe_ffn_hidden_size
+    if shared % width:
+        raise ValueError(f"{arch.family}: shared expert width {shared} is not a multiple of {width}")
+    return dict(
+        n_routed_experts=arch.num_experts,
+        num_experts_per_tok=arch.moe_top_k,
+        moe_intermediate_size=width,
+        n_shared_experts=shared // width,
+        norm_topk_prob=arch.moe_norm_topk_prob,
+        n_group=arch.moe_num_groups,
+        topk_group=arch.moe_group_topk,
+        routed_scaling_factor=arch.moe_routed_scaling_factor,
+        first_k_dense_replace=first_dense,
+        num_nextn_predict_layers=0,
+        output_router_logits=False,
+    )
+
+
 def hybrid_layers(d: dict[str, Any], fields: dict[str, Any], where: str) -> None:
     """The Qwen3.5 hybrid's layers: per layer a gated delta net or gated full attention (layer_types; default
     every `full_attention_interval`-th layer full, HF's rule), q/k norms, zero-centred norms, partial RoPE (HF

@@ -67,7 +67,7 @@ TRANSFORM_NAMES = (
 """The transforms' names (checkpoint/layouts.py TRANSFORMS implements exactly these: asserted there)."""
 SPECS = ("local", "te")
 """megatron layer specs the map names tensors for: megatron-core's local spec and its TransformerEngine spec."""
-WHEN = (None, "qkv_bias", "untied", "qk_norm", "shared_expert", "shared_expert_gate")
+WHEN = (None, "qkv_bias", "untied", "qk_norm", "shared_expert", "shared_expert_gate", "expert_bias")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,6 +221,23 @@ SHARED_EXPERT = (
 )
 
 
+# The DeepSeek-style MoE block (GLM-4.5's Glm4MoeMoE, DeepSeek-V3's): the sigmoid router's correction bias (a
+# float32 buffer in HF, megatron's router `expert_bias`: models/moe.py keeps it a frozen parameter) and the shared
+# experts, plural and ungated, one SwiGLU of n_shared_experts x moe_intermediate_size.
+EXPERT_BIAS = Rule(
+    mcore=_M + "mlp.router.expert_bias",
+    hf=(_L + "mlp.gate.e_score_correction_bias",),
+    transform="identity",
+    when="expert_bias",
+    mlp="moe",
+)
+SHARED_EXPERTS = tuple(
+    dataclasses.replace(r, hf=tuple(h.replace("mlp.shared_expert.", "mlp.shared_experts.") for h in r.hf))
+    for r in SHARED_EXPERT
+    if r.when == "shared_expert"
+)
+
+
 def _attention(qkv: str, layers: str | None) -> tuple[Rule, ...]:
     """A full-attention block whose fused QKV is assembled by transform `qkv`."""
     return (
@@ -361,5 +378,16 @@ MIXTRAL_RULES: tuple[Rule, ...] = (
     EMBEDDING,
     *_attention("qkv_interleave", None),
     *_moe("block_sparse_moe.", "w1", "w3", "w2"),
+    *HEAD,
+)
+# GLM-4.5 / 4.6 MoE: Qwen2's attention names (q/k/v bias, Qwen3's q/k norms when use_qk_norm), dense layers first
+# (first_k_dense_replace), then the DeepSeek-style MoE block.
+GLM4_MOE_RULES: tuple[Rule, ...] = (
+    EMBEDDING,
+    *_attention("qkv_interleave", None),
+    *_mlp("dense"),
+    *_moe("mlp.", "gate_proj", "up_proj", "down_proj"),
+    EXPERT_BIAS,
+    *SHARED_EXPERTS,
     *HEAD,
 )

@@ -27,8 +27,18 @@ LAYER_KINDS = ("attention", "gated_attention", "gdn", "mlp", "moe", "shared_expe
 """The layer kinds a family is made of; the planner prices each kind (plan/layers.py, plan/flops.py,
 plan/memory.py read them off ModelArch: attention and its gate, GDN layers, dense MLP, routed and shared experts).
 A family made of these needs no planner term of its own; a new kind is a new mechanism (docs/design.md)."""
-TRAIN_DEFAULT_FIELDS = ("qkv_bias", "qk_norm", "zero_centered_norm", "attention_output_gate")
-"""ModelArch fields whose default, in a config-defined architecture (train config `model.arch`), is the family's."""
+TRAIN_DEFAULT_FIELDS: Mapping[str, Any] = MappingProxyType(
+    {
+        "qkv_bias": False,
+        "qk_norm": False,
+        "zero_centered_norm": False,
+        "attention_output_gate": False,
+        "moe_score_function": "softmax",
+        "moe_expert_bias": False,
+    }
+)
+"""ModelArch fields whose default, in a config-defined architecture (train config `model.arch`), is the family's
+(field -> the value of a family that does not say)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -64,8 +74,8 @@ class FamilySpec:
     """(stored prefix, canonical prefix): a container checkpoint's text-model tensors under the rules' names."""
     hf_not_converted: tuple[str, ...] = ()
     """HF tensor prefixes that are not part of the policy (vision tower, multi-token-prediction head)."""
-    train_defaults: Mapping[str, bool] = field(default_factory=dict)
-    """Defaults of TRAIN_DEFAULT_FIELDS in a config-defined architecture (a field not given: False)."""
+    train_defaults: Mapping[str, Any] = field(default_factory=dict)
+    """Defaults of TRAIN_DEFAULT_FIELDS in a config-defined architecture (a field not given: TRAIN_DEFAULT_FIELDS')."""
 
     def __post_init__(self) -> None:
         assert self.name.isidentifier(), self.name
@@ -76,10 +86,10 @@ class FamilySpec:
         assert set(self.train_defaults) <= set(TRAIN_DEFAULT_FIELDS), (self.name, self.train_defaults)
         object.__setattr__(self, "train_defaults", MappingProxyType(dict(self.train_defaults)))
 
-    def train_default(self, field_name: str) -> bool:
+    def train_default(self, field_name: str) -> Any:
         """The family's default of one of TRAIN_DEFAULT_FIELDS."""
         assert field_name in TRAIN_DEFAULT_FIELDS, field_name
-        return bool(self.train_defaults.get(field_name, False))
+        return self.train_defaults.get(field_name, TRAIN_DEFAULT_FIELDS[field_name])
 
 
 class FamilyRegistry:
