@@ -75,6 +75,7 @@ def add_grad_command(sub: Any) -> None:
 def run_grad(args: argparse.Namespace) -> int:
     """The thin command around the update's gradient part (update.accumulate_gradients + finalize)."""
     from megatron_branch.assembly import build_engine
+    from megatron_branch.commands.grad_auto import auto_choice
     from megatron_branch.commands.grad_outputs import write_results
     from megatron_branch.parallel.groups import init_distributed
     from megatron_branch.precision import torch_dtype
@@ -161,35 +162,6 @@ def validate(args: argparse.Namespace, *, auto: bool = False) -> tuple[Any, ...]
     if args.memory_budget is not None and args.memory_budget <= 0:
         raise UserError(f"--memory-budget must be positive, got {args.memory_budget}")
     return spec, rollouts, full_tree, objective, rejection
-
-
-def auto_choice(args: argparse.Namespace, spec: Any, rollouts: list[Any], world: int) -> Any:
-    """--schedule auto (plan/auto.py): the budget is --memory-budget, or the free device memory now (after the model
-    is loaded), the smallest over the ranks, so every rank picks the same."""
-    import torch.distributed as dist
-
-    from megatron_branch.plan import Layout
-    from megatron_branch.plan.auto import grad_choice
-    from megatron_branch.precision import torch_dtype
-
-    if args.memory_budget is not None:
-        budget = int(args.memory_budget * 1e9)
-    else:
-        free = torch.tensor([torch.cuda.mem_get_info()[0]], dtype=torch.long, device="cuda")
-        if dist.is_initialized():
-            dist.all_reduce(free, op=dist.ReduceOp.MIN)
-        budget = int(free.item())
-    problem = "--chunk-tokens is replay's" if spec.schedule.chunk_tokens is not None else None
-    try:  # what packed refuses (segment recompute is replay's)
-        rules.check(dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, name="packed")))
-    except SettingError as e:
-        problem = str(e.spelled(SPELLING))
-    lay = spec.layout
-    layout = Layout(tp=lay.tp, cp=lay.cp, pp=lay.pp, dp=lay.data_parallel_size(world),
-                    sequence_parallel=lay.sequence_parallel)  # fmt: skip
-    return grad_choice(spec.arch, rollouts, layout, act_bytes=torch_dtype(spec.dtype).itemsize,
-                       layer_recompute=spec.schedule.enable_gradient_checkpointing, budget_bytes=budget,
-                       packed_problem=problem)  # fmt: skip
 
 
 def validate_layout(spec: Any, rollouts: list[Any], full_tree: Any, world: int) -> None:

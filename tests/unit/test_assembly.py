@@ -186,3 +186,11 @@ def test_build_engine_loads_hf_weights_into_the_stage(tmp_path: Path) -> None:
     assert all(torch.equal(again[n], got[n]) for n in got)
     with pytest.raises(UserError):  # the loader names what is wrong with a folder
         load_hf_weights(engine.model, str(tmp_path / "nope"), arch, engine.groups, torch.float32)
+
+
+def test_grad_command_stays_thin() -> None:
+    """Issue 29: the command is flags (generated), checks and one call into the assembly; its size is the symptom
+    that the assembly leaked back into it (it was 504 lines)."""
+    import megatron_branch.commands.grad as grad
+
+    assert len(Path(grad.__file__).read_text().splitlines()) < 250
