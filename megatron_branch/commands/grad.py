@@ -88,7 +88,7 @@ def run_grad(args: argparse.Namespace) -> int:
         auto
     ):  # checked as replay (what auto falls back to); packed is asked once the model is loaded (auto_choice)
         args.schedule = "replay"
-    spec, rollouts, full_tree, objective = check_on_every_rank(lambda: validate(args, auto=auto))
+    spec, rollouts, full_tree, objective, rejection = check_on_every_rank(lambda: validate(args, auto=auto))
     _, world = init_distributed()
     check_on_every_rank(lambda: validate_layout(spec, rollouts, full_tree, world))
     progress.phase(f"inputs checked; prefix tree: {len(rollouts)} rollouts, {full_tree.positions_logical:,} "
@@ -112,7 +112,7 @@ def run_grad(args: argparse.Namespace) -> int:
         trained, rollouts, objective, plan, keep_logprobs=args.logprobs_out is not None
     )
     finalize(trained, plan)
-    metrics = reduce_metrics(acc, objective, groups)
+    metrics = {**reduce_metrics(acc, objective, groups), **rejection}
     progress.phase(f"writing {args.out}")
     write_results(args, spec, model, groups, acc, metrics, objective, full_tree, dtype,
                   auto=None if choice is None else choice.to_json())  # fmt: skip
@@ -149,13 +149,19 @@ def validate(args: argparse.Namespace, *, auto: bool = False) -> tuple[Any, ...]
     rollouts = read_rollouts_jsonl(args.rollouts, vocab_size=arch.vocab_size, max_positions=max_positions)
     if arch.is_moe:
         rollouts = check_routing_records(rollouts, arch, replay=spec.moe.router_replay == "R3")
+    rejection: dict[str, float] = {}
+    if spec.objective.rollout_rs is not None:  # verl's rollout_rs: rejected tokens get loss_mask 0
+        from megatron_branch.losses.rollout_correction import reject_rollouts
+
+        rs = spec.objective
+        rollouts, rejection = reject_rollouts(rollouts, rs.rollout_rs, str(rs.rollout_rs_threshold))
     full_tree = PrefixTree.build(rollouts, vocab_size=arch.vocab_size)
     objective = make_objective(args, spec.objective, rollouts, full_tree)
     if auto and args.memory_budget is None and not torch.cuda.is_available():
         raise UserError("--schedule auto on a CPU needs --memory-budget GB (per rank, for the activations)")
     if args.memory_budget is not None and args.memory_budget <= 0:
         raise UserError(f"--memory-budget must be positive, got {args.memory_budget}")
-    return spec, rollouts, full_tree, objective
+    return spec, rollouts, full_tree, objective, rejection
 
 
 def validate_layout(spec: Any, rollouts: list[Any], full_tree: Any, world: int) -> None:

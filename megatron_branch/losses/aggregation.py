@@ -46,6 +46,9 @@ class Aggregation:
     """sum_i n_i: trained response tokens in the global batch (a shared token counts once per rollout)."""
     norm: float | None = None
     """L_norm for seq-mean-token-sum-norm (required there, refused elsewhere)."""
+    batch_rollouts: int | None = None
+    """N: every rollout of the global batch, those without a trained token included (verl's row count: its
+    geo_mean's plain mean over rows, and what a loss reading the whole batch at once must see); None: N'."""
 
     def __post_init__(self) -> None:
         if self.mode not in AGG_MODES:
@@ -54,6 +57,7 @@ class Aggregation:
             raise ValueError(
                 "the batch has no trained response tokens (no rollouts, or every loss_mask is 0)"
             )
+        assert self.batch_rollouts is None or self.batch_rollouts >= self.num_rollouts, "N < N'"
         if self.mode == "seq-mean-token-sum-norm":
             if self.norm is None or not self.norm > 0:
                 raise ValueError("seq-mean-token-sum-norm needs a positive L_norm (--loss-agg-norm)")
@@ -70,7 +74,13 @@ class Aggregation:
             num_rollouts=sum(r.num_trained > 0 for r in rollouts),
             num_tokens=sum(r.num_trained for r in rollouts),
             norm=norm,
+            batch_rollouts=len(rollouts),
         )
+
+    @property
+    def rows(self) -> int:
+        """N: the global batch's rollouts, all-context ones included (`batch_rollouts`, else N')."""
+        return self.num_rollouts if self.batch_rollouts is None else self.batch_rollouts
 
     def rollout_weight(self, trained: int) -> float:
         """The weight of each per-token term of a rollout with `trained` trained response tokens (0: the rollout

@@ -17,6 +17,22 @@ from typing import Literal
 from megatron_branch.errors import SettingError
 from megatron_branch.losses.aggregation import AGG_MODES
 
+RS_OPTIONS = (
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+)
+"""verl 0.9.1's rollout_rs criteria (rollout_corr_helper.SUPPORTED_ROLLOUT_RS_OPTIONS)."""
+TOKEN_RS_OPTIONS = ("token_k1", "token_k2", "token_k3")
+
 KL_TYPES = ("k1", "k2", "k3")
 KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 """verl's names for the same estimators."""
@@ -71,6 +87,14 @@ class ObjectiveConfig:
     rollout_is_threshold_lower: float | None = None
     """IcePop (masked IS): weights outside [rollout_is_threshold_lower, rollout_is_threshold] are zeroed instead of
     truncated (verl's rollout_is_threshold "lower_upper"); None = TIS."""
+    rollout_rs: str | None = None
+    """Rollout rejection sampling (verl's algorithm.rollout_correction.rollout_rs): comma-separated criteria on
+    log(old / rollout) of verl 0.9.1 (token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2, seq_max_k3); a
+    rejected token, or every token of a rejected rollout, leaves the loss as loss_mask 0 does (computed by verl's own
+    compute_rollout_rejection_mask: needs the verl extra); None = off."""
+    rollout_rs_threshold: str | None = None
+    """Thresholds of rollout_rs (verl's rollout_rs_threshold): one for all criteria or one per criterion,
+    comma-separated; *_k1 take ratio bounds "lower_upper" (or an upper u, lower 1/u), k2/k3 an upper bound. A string: quote a bare number in YAML ("2.0")."""
     clip_cov_ratio: float = 0.0002
     """clip_cov: fraction of the batch's (rollout, token) pairs whose gradient is cut (verl's
     policy_loss.clip_cov_ratio)."""
@@ -139,6 +163,10 @@ class ObjectiveConfig:
                         f"sapo, not {self.policy_loss!r}"
                     )
                 )
+        if self.rollout_rs is not None:
+            self._check_rollout_rs()
+        elif self.rollout_rs_threshold is not None:
+            self._bad("rollout_rs_threshold", "is rollout_rs's threshold; rollout_rs is off")
         if not self.rollout_is_threshold > 0:
             self._bad("rollout_is_threshold", "must be positive")
         low = self.rollout_is_threshold_lower
@@ -159,6 +187,37 @@ class ObjectiveConfig:
             self._bad("dpo_beta", "must be positive")
         if self.dpo_loss not in DPO_LOSSES:
             self._bad("dpo_loss", f"must be one of {', '.join(DPO_LOSSES)}")
+
+    def _check_rollout_rs(self) -> None:
+        """verl's rules for rollout_rs and its thresholds (rollout_corr_helper._parse_rollout_rs_thresholds)."""
+        options = [o.strip() for o in str(self.rollout_rs).split(",") if o.strip()]
+        bad = [o for o in options if o not in RS_OPTIONS]
+        if not options or bad:
+            self._bad("rollout_rs", f"must be comma-separated criteria among {', '.join(RS_OPTIONS)}")
+        if self.rollout_rs_threshold is None:
+            self._bad("rollout_rs_threshold", f"is required with rollout_rs={self.rollout_rs!r}")
+        specs = [p.strip() for p in str(self.rollout_rs_threshold).split(",") if p.strip()]
+        if len(specs) not in (1, len(dict.fromkeys(options))):
+            self._bad("rollout_rs_threshold", "must hold one threshold, or one per rollout_rs criterion")
+        for option, spec in zip(dict.fromkeys(options), specs * len(options) if len(specs) == 1 else specs):
+            bounds = spec.split("_", 1) if option.endswith("k1") else [spec]
+            try:  # float() reads "0.1_2" as 0.12: an "_" is a bound separator, never a digit separator
+                values = (
+                    [float(b) for b in bounds if "_" not in b] if len(bounds) == spec.count("_") + 1 else []
+                )
+            except ValueError:
+                values = []
+            if not values or min(values) <= 0 or values != sorted(values):
+                what = (
+                    "a positive upper ratio bound or lower_upper"
+                    if option.endswith("k1")
+                    else "one positive bound"
+                )
+                self._bad("rollout_rs_threshold", f"for {option} must be {what}")
+        if self.rollout_is == "sequence" and any(o in TOKEN_RS_OPTIONS for o in options):
+            # verl weighs a sequence by ALL its tokens before rejecting some; here a rejected token leaves the
+            # rollout's pairs, so the sequence weight would differ: refused rather than silently different
+            self._bad("rollout_rs", "rejects tokens; with rollout_is=sequence reject whole rollouts (seq_*)")
 
     def _bad(self, name: str, problem: str) -> None:
         value = getattr(self, name)

@@ -57,10 +57,10 @@ class _CovObjective(PolicyObjective):
 
     def prepare(self, tree: PrefixTree, scores: SequenceScores | None) -> Prepared:
         assert scores is not None, f"{type(self).__name__} needs the forward-only pass's logprobs"
-        if len(tree.rollouts) != self.agg.num_rollouts:
+        if len(tree.rollouts) != self.agg.rows:
             raise UserError(
                 f"{type(self).NAME} ranks the whole batch at once: run the update as one micro-batch on one DP "
-                f"rank ({len(tree.rollouts)} of {self.agg.num_rollouts} rollouts here)"
+                f"rank ({len(tree.rollouts)} of {self.agg.rows} rollouts here)"
             )
         pairs = TokenPairs(tree)
         selected = self.select(pairs, pair_logprobs(pairs, scores))

@@ -16,7 +16,8 @@ clip_ratio_low / clip_ratio_high, verl 0.9.1's `compute_policy_loss_<mode>` term
            pg        = -A (4 / tau) sigmoid(tau (r - 1)),    aggregated seq-mean-token-mean (verl's, always)
     geo_mean (GMPO, arXiv:2507.20673)  d = logp - old, h = sgn(A) min(sgn(A) d, sgn(A) clip(d, -eps_lo, eps_hi))
            m_i       = sum_t h_{i,t} / (|o_i| + 1e-8),  Abar_i = sum_t A_{i,t} / (|o_i| + 1e-8)
-           L         = (1/N) sum_i -Abar_i exp(m_i)       (a mean over rollouts, whatever loss_agg_mode says)
+           L         = (1/N) sum_i -Abar_i exp(m_i)       (a mean over rollouts, whatever loss_agg_mode says;
+                                                          N counts a rollout without trained tokens, as verl's does)
 
 sapo's and geo_mean's policy terms carry their own aggregation as verl's functions do; the KL and entropy terms
 keep loss_agg_mode's. With a scalar advantage and seq-mean-token-mean, GSPO-token's gradient is the
@@ -259,7 +260,8 @@ class GMPOObjective(SequenceScoredObjective):
         n = _pair_counts(pairs)
         data["abar"] = pairs.rollout_values(_per_rollout_mean(pairs, data["adv"], eps=1e-8))
         data["count"] = pairs.rollout_values(n)
-        data["own"] = _own_aggregation(self, pairs, torch.full_like(n, 1.0 / self.agg.num_rollouts))
+        # verl's torch.mean over the batch's rows: a rollout without a trained token counts in N (unlike agg_loss)
+        data["own"] = _own_aggregation(self, pairs, torch.full_like(n, 1.0 / self.agg.rows))
         return data
 
     def pg_terms(

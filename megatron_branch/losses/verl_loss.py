@@ -130,10 +130,10 @@ class VerlPolicyLoss(PolicyObjective):
 
     def prepare(self, tree: PrefixTree, scores: SequenceScores | None) -> Prepared:
         assert scores is not None, "a verl loss needs the forward-only pass's logprobs (needs_scores)"
-        if self.mode in WHOLE_BATCH and len(tree.rollouts) != self.agg.num_rollouts:
+        if self.mode in WHOLE_BATCH and len(tree.rollouts) != self.agg.rows:
             raise UserError(
                 f"verl's {self.mode} reads the whole batch in one call: run the update as one micro-batch on one "
-                f"DP rank ({len(tree.rollouts)} of {self.agg.num_rollouts} rollouts here)"
+                f"DP rank ({len(tree.rollouts)} of {self.agg.rows} rollouts here)"
             )
         pairs = TokenPairs(tree)
         rows, cols = pairs.rollout, pairs.position

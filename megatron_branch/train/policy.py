@@ -180,6 +180,15 @@ class Actor:
         from megatron_branch.update import update_step
 
         cfg, algo = self.cfg, self.algo
+        rejection: dict[str, float] = {}
+        if (
+            algo.objective.rollout_rs is not None
+        ):  # verl's rollout_rs: rejected tokens get loss_mask 0, step-wide
+            from megatron_branch.losses.rollout_correction import reject_rollouts
+
+            batch, rejection = reject_rollouts(
+                batch, algo.objective.rollout_rs, str(algo.objective.rollout_rs_threshold)
+            )
         group = 2 if algo.offline else cfg.rollout.n
         minis = []
         scoring = 0.0  # seconds of forward-only scoring (values, reference logprobs): verl's timing_s/ref
@@ -226,6 +235,7 @@ class Actor:
         out = {k: v / count for k, v in sums.items()}  # means over the step's updates
         out["loss"] = out.pop(f"{objective.role}/loss")
         out["timing_s/ref"] = scoring
+        out.update(rejection)
         return out
 
     # ---- supervised warm-up (a separate optimizer: RL starts with fresh Adam moments) -------------------------

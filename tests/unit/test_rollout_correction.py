@@ -182,6 +182,8 @@ def test_train_fills_rollout_logprobs_and_the_mismatch_is_zero_on_cpu(
             "logging.plot=false",
             "checkpoint.hf_export=false",
             "actor.rollout_is=token",
+            "actor.rollout_rs=token_k1,seq_max_k2",
+            "actor.rollout_rs_threshold=0.5_2.0,0.1",
         ],
     )
     tr = Trainer(cfg)
@@ -189,3 +191,6 @@ def test_train_fills_rollout_logprobs_and_the_mismatch_is_zero_on_cpu(
     assert all(r.field("rollout_logprobs") == r.field("old_logprobs") for r in tr.last_batch)
     assert 0 <= row["training/rollout_probs_diff_mean"] < 1e-5
     assert row["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-12)  # the sampler's own: weight 1
+    # rollout_rs runs on the step's batch: the sampler's own logprobs reject nothing
+    assert row["rollout_corr/rollout_rs_masked_fraction"] == 0.0
+    assert row["rollout_corr/rollout_rs_token_k1_masked_fraction"] == 0.0
