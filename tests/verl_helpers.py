@@ -8,11 +8,13 @@ The entry is the one verl's trainer calls through Ray: `TrainingWorker.infer_bat
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 VOCAB = 64
@@ -246,3 +248,28 @@ def max_rel_grad_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
     worst = max(((b[k] - a[k]).norm() / a[k].norm().clamp_min(1e-30)).item() for k in a)
     name = max(a, key=lambda k: ((b[k] - a[k]).norm() / a[k].norm().clamp_min(1e-30)).item())
     return worst, name
+
+
+def one_rank_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A one-rank gloo group (verl's engine needs torch.distributed) and the tiny policy: each one-process test
+    module makes it its module fixture, `single_process = pytest.fixture(scope="module")(one_rank_world)`."""
+    import torch.distributed as dist
+
+    from megatron_branch.parallel.groups import destroy_parallel, init_distributed
+
+    init_distributed()  # a world of one
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # verl's Worker reads them (the group above already exists)
+    try:
+        yield write_tiny_policy(tmp_path_factory.mktemp("verl") / "hf")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        set_switch(False)
+        destroy_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
