@@ -7,6 +7,7 @@ The entry is the one verl's trainer calls through Ray: `TrainingWorker.infer_bat
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,15 +21,16 @@ import torch
 VOCAB = 64
 
 
-def write_tiny_policy(out: Path, *, family: str = "qwen2") -> str:
-    """A tiny random HF policy and a word-level tokenizer (verl's model config loads both); returns the path."""
+def write_tiny_policy(out: Path, *, family: str = "qwen2", **shape: Any) -> str:
+    """A tiny random HF policy and a word-level tokenizer (verl's model config loads both); returns the path.
+    `shape`: tiny_hf_config's size overrides (hidden_size, num_layers, ...; the bench's larger model)."""
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
     from megatron_branch.testing import tiny_hf_config, tiny_hf_model
 
     if not (out / "config.json").exists():
-        tiny_hf_model(tiny_hf_config(family, vocab_size=VOCAB), seed=0).save_pretrained(out)
+        tiny_hf_model(tiny_hf_config(family, vocab_size=VOCAB, **shape), seed=0).save_pretrained(out)
         tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
         PreTrainedTokenizerFast(
             tokenizer_object=tok, pad_token="t0", eos_token="t1", bos_token="t2"
@@ -215,7 +217,15 @@ def run_step(worker: Any, td_fn: Any, *, actor: Any = None) -> StepOut:
     if inferred is not None:
         lp = no_padding_2_padding(tu.get(inferred, "log_probs"), td)
         ent = no_padding_2_padding(tu.get(inferred, "entropy"), td)
-    td = td_fn()
+    out = worker.train_mini_batch(as_update(td_fn()))
+    metrics = tu.get(out, "metrics") if out is not None else {}
+    return StepOut(type(engine).__name__, lp, ent, metrics, grads)
+
+
+def as_update(td: Any) -> Any:
+    """`td` marked as verl's trainer marks update_actor's batch: one mini-batch of the whole batch."""
+    from verl.utils import tensordict_utils as tu
+
     tu.assign_non_tensor(
         td,
         calculate_entropy=True,
@@ -226,9 +236,7 @@ def run_step(worker: Any, td_fn: Any, *, actor: Any = None) -> StepOut:
         dataloader_kwargs={"shuffle": False},
         compute_loss=True,
     )
-    out = worker.train_mini_batch(td)
-    metrics = tu.get(out, "metrics") if out is not None else {}
-    return StepOut(type(engine).__name__, lp, ent, metrics, grads)
+    return td
 
 
 def set_switch(on: bool) -> None:
@@ -253,6 +261,13 @@ def max_rel_grad_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
 def one_rank_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A one-rank gloo group (verl's engine needs torch.distributed) and the tiny policy: each one-process test
     module makes it its module fixture, `single_process = pytest.fixture(scope="module")(one_rank_world)`."""
+    with one_rank(tmp_path_factory.mktemp("verl") / "hf") as hf:
+        yield hf
+
+
+@contextlib.contextmanager
+def one_rank(out: Path, **shape: Any) -> Iterator[str]:
+    """A one-rank gloo group and the tiny policy written to `out` (`shape`: write_tiny_policy's); yields its path."""
     import torch.distributed as dist
 
     from megatron_branch.parallel.groups import destroy_parallel, init_distributed
@@ -262,7 +277,7 @@ def one_rank_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # verl's Worker reads them (the group above already exists)
     try:
-        yield write_tiny_policy(tmp_path_factory.mktemp("verl") / "hf")
+        yield write_tiny_policy(out, **shape)
     finally:
         for k, v in saved.items():
             if v is None:
