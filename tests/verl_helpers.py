@@ -48,11 +48,13 @@ def grpo_batch(
     shared: int = 3,
     temperature: float = 1.0,
     multi_turn: bool = False,
+    critic: bool = False,
 ) -> Any:
     """`groups` prompts x `n` rollouts (consecutive, as verl's `repeat(interleave=True)`), prompts of different
     lengths left-padded, responses of different lengths right-padded; the first half of each group shares its
     first `shared` response tokens. Advantages per token, old logprobs near the policy's. verl's no-padding form.
 
+    `critic`: with PPO's critic fields (`values`, `returns`).
     `multi_turn`: verl's multi-turn shape, a tool's output inside each response (response_mask 0 on a span that
     starts at a different token per rollout, so rollouts sharing a token disagree on whether it is trained; the
     last rollout is all tool output, response_mask 0 throughout)."""
@@ -99,6 +101,9 @@ def grpo_batch(
         },
         batch_size=[B],
     )
+    if critic:  # PPO's critic: the values at sampling time and the returns (verl's value_loss reads both)
+        td["values"] = 0.05 * torch.randn(B, R, generator=g)
+        td["returns"] = 0.3 * torch.randn(B, R, generator=g)
     td = left_right_2_no_padding(td)
     tu.assign_non_tensor(td, temperature=temperature)  # the rollout's sampling temperature (verl's meta_info)
     return td
@@ -122,8 +127,11 @@ class StepOut:
     grads: dict[str, torch.Tensor]  # this rank's main_grad per parameter, before the optimizer step
 
 
-def make_worker(hf_dir: str, *, tp: int = 1, dynamic_bsz: bool = False, forward_only: bool = False) -> Any:
-    """verl's TrainingWorker for a Megatron language model (float32 on CPU), built through verl's EngineRegistry."""
+def make_worker(
+    hf_dir: str, *, tp: int = 1, dynamic_bsz: bool = False, forward_only: bool = False, value: bool = False
+) -> Any:
+    """verl's TrainingWorker for a Megatron language model (`value`: verl's value model, PPO's critic; float32 on
+    CPU), built through verl's EngineRegistry."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import (
         HFModelConfig,
@@ -137,6 +145,7 @@ def make_worker(hf_dir: str, *, tp: int = 1, dynamic_bsz: bool = False, forward_
 
     use_cpu_platform()
     register_cpu_engine()
+    model_type = "value_model" if value else "language_model"
     engine = McoreEngineConfig(
         tensor_model_parallel_size=tp,
         use_distributed_optimizer=False,  # megatron's distributed optimizer needs CUDA
@@ -152,8 +161,10 @@ def make_worker(hf_dir: str, *, tp: int = 1, dynamic_bsz: bool = False, forward_
     )
     object.__setattr__(engine, "dtype", "fp32")  # verl's config allows bf16/fp16 only; the CPU test runs fp32
     config = TrainingWorkerConfig(
-        model_type="language_model",
-        model_config=HFModelConfig(path=hf_dir, override_config={"attn_implementation": "sdpa"}),
+        model_type=model_type,
+        model_config=HFModelConfig(
+            path=hf_dir, override_config={"attn_implementation": "sdpa"}, model_type=model_type
+        ),
         engine_config=engine,
         optimizer_config=McoreOptimizerConfig(lr=1e-3, total_training_steps=10),
         checkpoint_config=CheckpointConfig(),
@@ -161,6 +172,20 @@ def make_worker(hf_dir: str, *, tp: int = 1, dynamic_bsz: bool = False, forward_
     worker = TrainingWorker(config)
     worker.reset()
     return worker
+
+
+def critic_config(**overrides: Any) -> Any:
+    from verl.workers.config import CriticConfig
+
+    kw = dict(
+        strategy="megatron",
+        ppo_mini_batch_size=8,
+        ppo_micro_batch_size_per_gpu=4,
+        rollout_n=4,
+        cliprange_value=0.05,
+    )
+    kw.update(overrides)
+    return CriticConfig(**kw)
 
 
 def actor_config(**overrides: Any) -> Any:
@@ -194,13 +219,19 @@ def infer(worker: Any, td: Any) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def run_step(worker: Any, td_fn: Any, *, actor: Any = None) -> StepOut:
-    """compute_log_prob then one update_actor mini-batch through the worker, as verl's trainer calls them."""
+def run_step(worker: Any, td_fn: Any, *, actor: Any = None, critic: Any = None) -> StepOut:
+    """compute_log_prob then one update_actor mini-batch through the worker, as verl's trainer calls them; with
+    `critic` (a CriticConfig, a value-model worker): compute_values then update_critic (StepOut.log_probs holds the
+    values, entropy None)."""
     from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.losses import ppo_loss, value_loss
     from verl.workers.utils.padding import no_padding_2_padding
 
-    worker.set_loss_fn(partial(ppo_loss, config=actor or actor_config()))
+    value = critic is not None
+    if value:
+        worker.set_loss_fn(partial(value_loss, config=critic))
+    else:
+        worker.set_loss_fn(partial(ppo_loss, config=actor or actor_config()))
     engine = worker.engine
     grads: dict[str, torch.Tensor] = {}
     step = engine.optimizer_step
@@ -211,12 +242,12 @@ def run_step(worker: Any, td_fn: Any, *, actor: Any = None) -> StepOut:
 
     engine.optimizer_step = snapshot_then_step
     td = td_fn()
-    tu.assign_non_tensor(td, calculate_entropy=True, compute_loss=False)
+    tu.assign_non_tensor(td, calculate_entropy=not value, compute_loss=False)
     inferred = worker.infer_batch(td)  # None on ranks that do not collect outputs (tp rank > 0)
     lp = ent = None
     if inferred is not None:
-        lp = no_padding_2_padding(tu.get(inferred, "log_probs"), td)
-        ent = no_padding_2_padding(tu.get(inferred, "entropy"), td)
+        lp = no_padding_2_padding(tu.get(inferred, "values" if value else "log_probs"), td)
+        ent = None if value else no_padding_2_padding(tu.get(inferred, "entropy"), td)
     out = worker.train_mini_batch(as_update(td_fn()))
     metrics = tu.get(out, "metrics") if out is not None else {}
     return StepOut(type(engine).__name__, lp, ent, metrics, grads)

@@ -23,7 +23,9 @@ global counts, never logprobs); the entropy bonus; every KL loss type (kl/k1, ab
 their "+" forms). Two passes (the value at one token depends on others' logprobs): gspo (the rollout's mean
 log-ratio s_i), geo_mean (the rollout's mean clipped log-ratio), clip_cov and kl_cov (a covariance ranking over
 the micro-batch), bypass_mode (IS weights / rejection from the current logprobs, per sequence or batch), any
-mode a plugin registers, any loss function other than verl's `ppo_loss`, and the `naive` schedule.
+mode a plugin registers, any loss function other than verl's `ppo_loss` / `value_loss`, and the `naive` schedule.
+verl's `value_loss` (the critic's clipped value loss, any loss_agg_mode) is per token: one pass, the values of
+the critic's one-output head standing where the policy's logprobs do.
 """
 
 from __future__ import annotations
@@ -52,14 +54,30 @@ _FILL = -1.0
 _NO_STATS = torch.zeros(0, dtype=torch.float64)
 
 
+def verl_model_output(
+    slots: TreeSlots, k: int, values: torch.Tensor, entropy: torch.Tensor | None, *, value_model: bool
+) -> Any:
+    """Micro-batch k's [N] slot values as verl's `prepare_model_outputs` takes them: the language-model engine a
+    dict of `log_probs` (and `entropy`), the value engine the values themselves (it makes `{"values": ...}`)."""
+    if value_model:
+        return slots.as_nested(k, values)
+    out = {"log_probs": slots.as_nested(k, values)}
+    if entropy is not None:
+        out["entropy"] = slots.as_nested(k, entropy)
+    return out
+
+
 def two_pass_reason(postprocess: Callable[..., Any], schedule: str) -> str | None:
     """None when verl's loss behind `postprocess` (verl's partial of `postprocess_micro_batch_func`) runs in one
     tree pass; otherwise why the update keeps the two-pass path (one line, for the log)."""
-    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.losses import ppo_loss, value_loss
 
     if schedule not in ONE_PASS_SCHEDULES:
         return f"schedule {schedule!r} evaluates rollouts one by one"
     fn = getattr(postprocess, "keywords", {}).get("loss_function")
+    if isinstance(fn, functools.partial) and fn.func is value_loss and "config" in fn.keywords:
+        agg = fn.keywords["config"].loss_agg_mode  # the clipped value loss is per token
+        return None if agg in AGG_MODES else f"loss_agg_mode={agg} is not one of verl 0.9.1's"
     if not (isinstance(fn, functools.partial) and fn.func is ppo_loss and "config" in fn.keywords):
         return f"the loss {getattr(fn, 'func', fn)!r} is not verl's ppo_loss"
     cfg = fn.keywords["config"]
@@ -82,6 +100,8 @@ class VerlOnePassObjective:
     scale: Callable[[torch.Tensor], torch.Tensor]
     entropy: bool
     device: torch.device
+    value_model: bool = False
+    """verl's value model: the pass's per-row values stand where the policy's logprobs do."""
 
     def bind(self, tree: PrefixTree) -> _BoundOnePass:
         assert tree is self.slots.tree
@@ -119,12 +139,12 @@ class _BoundOnePass:
             lp = self._live(k, where, logp)
             if lp is None:
                 continue
-            model_output = {"log_probs": slots.as_nested(k, lp)}
+            ent = None
             if self.needs_entropy:
                 assert entropy is not None, "the schedule did not compute the entropy verl's loss reads"
                 ent = self._live(k, where, entropy)
-                model_output["entropy"] = slots.as_nested(k, ent)  # type: ignore[arg-type]
-            loss, _ = self.o.postprocess(model_output, data=mb)
+            output = verl_model_output(slots, k, lp, ent, value_model=self.o.value_model)
+            loss, _ = self.o.postprocess(output, data=mb)
             total = total + loss
         return self.o.scale(total).to(logp.dtype), _NO_STATS
 
@@ -164,6 +184,7 @@ def run_one_pass(
         scale=scale,
         entropy=entropy,
         device=device,
+        value_model=step.value_model,
     )
     opts = dataclasses.replace(opts, keep_logprobs=True, keep_entropy=entropy)
     result = step._gradient_pass(model_chunk, slots, objective, opts, run_schedule)

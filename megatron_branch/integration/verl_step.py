@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_branch.integration.verl_batch import LinearSlotObjective, TreeSlots
-from megatron_branch.integration.verl_onepass import run_one_pass, two_pass_reason
+from megatron_branch.integration.verl_onepass import run_one_pass, two_pass_reason, verl_model_output
 
 logger = logging.getLogger(__name__)
 
@@ -118,9 +118,11 @@ class VerlTreeStep:
             _refuse_batch(mb)
         opts = self._schedule_options(model_chunk)
         slots = TreeSlots.build(micro_batches, vocab_size=opts.vocab_size)
-        want_entropy = _wants_entropy(micro_batches)
+        value = self.value_model
+        want_entropy = not value and _wants_entropy(micro_batches)
+        temperature = 1.0 if value else _uniform_temperature(micro_batches)  # verl's value forward reads none
         two_pass = None if forward_only else self._two_pass_reason(postprocess)
-        with _temperature(model_chunk, _uniform_temperature(micro_batches)):
+        with _temperature(model_chunk, temperature):
             if not forward_only and two_pass is None:
                 outputs = run_one_pass(
                     self,
@@ -179,6 +181,11 @@ class VerlTreeStep:
                 logger.warning("megatron-branch: verl's update runs in two tree passes: %s", reason)
         return reason
 
+    @property
+    def value_model(self) -> bool:
+        """verl's value model (the critic): values per response token where the policy has logprobs."""
+        return bool(getattr(self.engine, "is_value_model", False))
+
     # -- pieces ------------------------------------------------------------------------------------------------
 
     def _schedule_options(self, model_chunk: torch.nn.Module) -> Any:
@@ -219,12 +226,11 @@ class VerlTreeStep:
             lp = slots.nested(k, logp_tok, dtype=torch.float32, device=device).requires_grad_(
                 not forward_only
             )
-            model_output = {"log_probs": slots.as_nested(k, lp)}
             ent = None
             if ent_tok is not None:
                 ent = slots.nested(k, ent_tok, dtype=torch.float32, device=device)
                 ent.requires_grad_(not forward_only)
-                model_output["entropy"] = slots.as_nested(k, ent)
+            model_output = verl_model_output(slots, k, lp, ent, value_model=self.value_model)
             with torch.enable_grad():
                 result = postprocess(model_output, data=mb)
             assert len(result) == 2, "calculate_per_token_loss is refused at initialize()"
