@@ -145,3 +145,28 @@ def test_gspo_needs_the_two_pass_path(single_process: str, monkeypatch: pytest.M
     forced = _tree_step(single_process, actor, one_pass=True, seed=6)
     assert forced.metrics["tree/update_passes"][0] == 1
     assert max_rel_grad_error(base.grads, forced.grads)[0] > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("schedule", "options"),
+    [("packed", {}), ("replay", {"recompute": True, "branch_micro_batch": 2})],
+    ids=["packed", "replay_recompute"],
+)
+def test_one_pass_under_other_schedules(single_process: str, schedule: str, options: dict) -> None:
+    """The one-pass objective under the packed schedule and under replay with recomputation (a segment's chunk
+    forwarded twice): still verl's gradient."""
+    from megatron_branch.integration.verl import BranchOptions
+
+    actor = _actor("vanilla", "seq-mean-token-mean")
+    set_switch(False)
+    base = run_step(make_worker(single_process), lambda: grpo_batch(seed=6), actor=actor)
+    set_switch(True)
+    try:
+        worker = make_worker(single_process)
+        worker.engine.branch_options = BranchOptions(schedule=schedule, schedule_options=options)
+        got = run_step(worker, lambda: grpo_batch(seed=6), actor=actor)
+    finally:
+        set_switch(False)
+    assert got.metrics["tree/update_passes"][0] == 1
+    err, name = max_rel_grad_error(base.grads, got.grads)
+    assert err <= 1e-5, f"{schedule} {options}: {name}: {err:.2e}"
