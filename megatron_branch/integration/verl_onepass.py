@@ -154,42 +154,31 @@ class _BoundOnePass:
         raise AssertionError("the naive schedule keeps verl's two-pass path (two_pass_reason)")
 
 
-def run_one_pass(
-    step: Any,
+def one_pass_objective(
     model_chunk: torch.nn.Module,
     config: Any,
     postprocess: Callable[..., Any],
     micro_batches: list[Any],
     slots: TreeSlots,
-    opts: Any,
+    *,
     entropy: bool,
-    run_schedule: Callable[..., Any],
-) -> list[dict[str, Any]]:
-    """The update in one tree pass of `step` (verl_step.VerlTreeStep; `config` the model's TransformerConfig):
-    gradients accumulate and megatron's finalize_model_grads runs; then verl's post-processing of each
-    micro-batch on the pass's values for verl's outputs and metrics."""
-    import dataclasses
-
-    device = next(model_chunk.parameters()).device
+    value_model: bool,
+) -> VerlOnePassObjective:
+    """The objective of the step's one training pass: verl's loss per micro-batch, scaled as megatron's schedule
+    scales what it back-propagates (/ num_microbatches, then `grad_scale_func` of `config`, the model's
+    TransformerConfig)."""
     n = len(micro_batches)
 
     def scale(loss: torch.Tensor) -> torch.Tensor:
         loss = loss / n  # megatron's forward_step divides each micro-batch loss by num_microbatches
         return config.grad_scale_func(loss) if config.grad_scale_func is not None else loss
 
-    objective = VerlOnePassObjective(
+    return VerlOnePassObjective(
         postprocess=postprocess,
         micro_batches=micro_batches,
         slots=slots,
         scale=scale,
         entropy=entropy,
-        device=device,
-        value_model=step.value_model,
+        device=next(model_chunk.parameters()).device,
+        value_model=value_model,
     )
-    opts = dataclasses.replace(opts, keep_logprobs=True, keep_entropy=entropy)
-    result = step._gradient_pass(model_chunk, slots, objective, opts, run_schedule)
-    ent_tok = result.target_entropy if entropy else None
-    outputs, _, _ = step._verl_postprocess(
-        postprocess, micro_batches, slots, result.target_logprobs, ent_tok, device, forward_only=True
-    )
-    return outputs

@@ -17,6 +17,7 @@ update (`tree/update_passes` says which ran; one log line per engine says why):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_branch.integration.verl_batch import LinearSlotObjective, TreeSlots
-from megatron_branch.integration.verl_onepass import run_one_pass, two_pass_reason, verl_model_output
+from megatron_branch.integration.verl_onepass import one_pass_objective, two_pass_reason, verl_model_output
 
 logger = logging.getLogger(__name__)
 
@@ -124,16 +125,8 @@ class VerlTreeStep:
         two_pass = None if forward_only else self._two_pass_reason(postprocess)
         with _temperature(model_chunk, temperature):
             if not forward_only and two_pass is None:
-                outputs = run_one_pass(
-                    self,
-                    model_chunk,
-                    unwrap(model_chunk).config,
-                    postprocess,
-                    micro_batches,
-                    slots,
-                    opts,
-                    want_entropy,
-                    run_schedule,
+                outputs = self._one_pass(
+                    model_chunk, postprocess, micro_batches, slots, opts, want_entropy, run_schedule
                 )
                 return self._finish(outputs, slots, passes=1)
             scores = score_rollouts(
@@ -202,6 +195,36 @@ class VerlTreeStep:
         # the model's (padded) vocabulary: verl's vocab_parallel_log_probs_from_logits normalises over all of it
         extra = self.options.schedule_options
         return build_engine(RunSpec(), model=base, groups=groups, vocab_size=base.vocab_size, **extra).opts
+
+    def _one_pass(
+        self,
+        model_chunk: torch.nn.Module,
+        postprocess: Callable[..., Any],
+        micro_batches: list[Any],
+        slots: TreeSlots,
+        opts: Any,
+        entropy: bool,
+        run_schedule: Callable[..., Any],
+    ) -> list[dict[str, Any]]:
+        """The update in one tree pass with verl's loss inside (verl_onepass.py), then verl's post-processing on
+        the pass's own values for verl's outputs and metrics (no model work)."""
+        objective = one_pass_objective(
+            model_chunk,
+            unwrap(model_chunk).config,
+            postprocess,
+            micro_batches,
+            slots,
+            entropy=entropy,
+            value_model=self.value_model,
+        )
+        opts = dataclasses.replace(opts, keep_logprobs=True, keep_entropy=entropy)
+        res = self._gradient_pass(model_chunk, slots, objective, opts, run_schedule)
+        device = next(model_chunk.parameters()).device
+        ent_tok = res.target_entropy if entropy else None
+        outputs, _, _ = self._verl_postprocess(
+            postprocess, micro_batches, slots, res.target_logprobs, ent_tok, device, forward_only=True
+        )
+        return outputs
 
     def _verl_postprocess(
         self,
