@@ -31,12 +31,14 @@ single_process = pytest.fixture(scope="module", name="single_process")(one_rank_
 CRITIC_METRICS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "loss")
 
 
-def _critic_step(hf: str, *, switch: bool, agg: str = "token-mean", one_pass: bool = True) -> object:
+def _critic_step(
+    hf: str, *, switch: bool, agg: str = "token-mean", one_pass: bool = True, dynamic_bsz: bool = False
+) -> object:
     from megatron_branch.integration.verl import BranchOptions
 
     set_switch(switch)
     try:
-        worker = make_worker(hf, value=True)
+        worker = make_worker(hf, value=True, dynamic_bsz=dynamic_bsz)
         if switch:
             worker.engine.branch_options = BranchOptions(one_pass=one_pass)
         return run_step(
@@ -84,6 +86,15 @@ def test_value_loss_modes_one_and_two_passes(single_process: str, agg: str) -> N
     for got in (one, two):
         err, name = max_rel_grad_error(base.grads, got.grads)
         assert err <= 1e-5, f"{name}: {err:.2e}"
+
+
+def test_dynamic_batch_size(single_process: str) -> None:
+    """verl's token-budget micro-batches (they may cut a group): values and every gradient still verl's."""
+    base = _critic_step(single_process, switch=False, dynamic_bsz=True)
+    tree = _critic_step(single_process, switch=True, dynamic_bsz=True)
+    torch.testing.assert_close(tree.log_probs, base.log_probs, rtol=1e-5, atol=1e-5)
+    err, name = max_rel_grad_error(base.grads, tree.grads)
+    assert err <= 1e-5, f"{name}: {err:.2e}"
 
 
 def test_planted_bug_shared_value_withheld_is_caught(single_process: str, critic_both: tuple) -> None:
