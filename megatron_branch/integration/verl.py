@@ -154,7 +154,12 @@ def register(options: BranchOptions | None = None) -> type:
     check_verl_version()
     out = []
     for model_type in MODEL_TYPES:
-        current = EngineRegistry.get_engine_cls(model_type=model_type, backend="megatron")
+        try:
+            current = EngineRegistry.get_engine_cls(model_type=model_type, backend="megatron")
+        except (AssertionError, ValueError):  # verl's lookup: no engine of this kind for this device
+            if model_type == "language_model":
+                raise
+            continue  # a platform without verl's Megatron value engine: the actor alone runs with the tree
         if getattr(current, "branch_options", None) is not None:
             out.append(current)
             continue
