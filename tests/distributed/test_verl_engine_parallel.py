@@ -19,6 +19,7 @@ import torch.distributed as dist
 pytest.importorskip("verl", reason="the verl extra is not installed (make setup-verl)")
 
 from verl_helpers import (  # noqa: E402
+    actor_config,
     critic_config,
     dp_share,
     grpo_batch,
@@ -71,6 +72,35 @@ def test_verl_engine_switch_parallel(tp: int, multi_turn: bool) -> None:
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
         assert tree.metrics["tree/positions_computed"][0] < tree.metrics["tree/positions_logical"][0]
         assert tree.metrics["tree/prompts_split_over_dp"][0] == 0  # whole groups per rank (prompts % DP == 0)
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-sum"])
+def test_verl_one_pass_global_normalisers_dp2(agg: str) -> None:
+    """DP2: verl's loss normalised by the GLOBAL counts (all-reduced over DP by verl) inside the one-pass update:
+    every gradient shard equals verl's and the two-pass path's."""
+    from megatron_branch.integration.verl import BranchOptions
+
+    os.environ.setdefault("MASTER_PORT", "0")
+    hf = _policy_dir()
+
+    def td():
+        return dp_share(grpo_batch(seed=10, groups=4), dist.get_rank(), 2)
+
+    actor = actor_config(loss_agg_mode=agg)
+    set_switch(False)
+    base = run_step(make_worker(hf), td, actor=actor)
+    set_switch(True)
+    runs = []
+    for one_pass in (True, False):
+        worker = make_worker(hf)
+        worker.engine.branch_options = BranchOptions(one_pass=one_pass)
+        runs.append(run_step(worker, td, actor=actor))
+    set_switch(False)
+    assert [r.metrics["tree/update_passes"][0] for r in runs] == [1, 2]
+    for got in runs:
+        err, name = max_rel_grad_error(base.grads, got.grads)
+        assert err <= 1e-5, f"{agg} rank {dist.get_rank()} {name}: {err:.2e}"
 
 
 @pytest.mark.world(2)
