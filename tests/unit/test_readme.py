@@ -180,3 +180,40 @@ def test_demo_block_is_rewritten_from_a_runs_output(tmp_path: Path) -> None:
     shown = readme[readme.index("warm-up done after") :].split("```")[0]
     log.write_text(shown)
     assert demo_block.main([str(log), "--check"]) == 0, "README.md and docs/training.md show different runs"
+
+
+def test_make_demo_checks_its_figures_against_the_readme_within_the_tolerance(tmp_path: Path) -> None:
+    """`make demo` ends with `tools/demo_block.py runs/demo.log --within`: the figures it printed must be the README
+    block's within demo_block.TOLERANCE (rewards 0.05 absolute, positions 3%, warm-up 10 steps, RL steps exact)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import demo_block
+
+    make = (ROOT / "Makefile").read_text()
+    recipe = make[make.index("\ndemo:") :].split("\n\n")[0]
+    assert "pipefail" in recipe and "| tee runs/demo.log" in recipe, recipe
+    assert recipe.rstrip().endswith("tools/demo_block.py runs/demo.log --within"), recipe
+    readme = (ROOT / "README.md").read_text()
+    shown = readme[readme.index("warm-up done after") :].split("```")[0]
+    shown_figures = demo_block.figures(shown.splitlines())
+    assert set(shown_figures) == {
+        "warm-up", "reward first", "reward last", "steps", "positions logical", "positions computed"
+    }  # fmt: skip
+
+    def run_with(**changes: float) -> int:
+        f = {**shown_figures, **changes}
+        log = tmp_path / "demo.log"
+        log.write_text(
+            f"noise\nwarm-up done after {f['warm-up']:.0f} steps; RL starts\n  step 3 ...\n"
+            f"mean reward, first 10 steps: {f['reward first']:.3f}    last 10 steps: {f['reward last']:.3f}    "
+            f"({f['steps']:.0f} steps)\npositions per step: logical {f['positions logical']:.0f}, computed "
+            f"{f['positions computed']:.0f}\n"
+        )
+        return demo_block.main([str(log), "--within"])
+
+    assert run_with() == 0
+    assert run_with(**{"reward last": shown_figures["reward last"] - 0.04}) == 0  # another machine's figure
+    assert run_with(**{"positions computed": shown_figures["positions computed"] * 1.02}) == 0
+    assert run_with(**{"reward last": shown_figures["reward last"] - 0.1}) == 1  # a demo that learns less
+    assert run_with(**{"positions logical": shown_figures["positions logical"] * 1.1}) == 1
+    assert run_with(**{"warm-up": shown_figures["warm-up"] + 20}) == 1
+    assert run_with(steps=shown_figures["steps"] + 1) == 1
