@@ -38,6 +38,14 @@ def _positive_int(text: str) -> int:  # (argparse names it in its error: "invali
     return value
 
 
+def _positive_float(text: str) -> float:
+    """An argparse type: a positive number (argparse's one-line error otherwise)."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 def _base(tp: Any) -> Any:
     """`X | None` -> X; anything else as it is."""
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
