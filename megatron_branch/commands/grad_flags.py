@@ -18,7 +18,13 @@ import argparse
 from typing import Any
 
 from megatron_branch import outputs, spelling
-from megatron_branch.commands.flags import _positive_float, _positive_int, add_fields, read_fields
+from megatron_branch.commands.flags import (
+    _number_or_text,
+    _positive_float,
+    _positive_int,
+    add_fields,
+    read_fields,
+)
 from megatron_branch.data.rollouts import CONTEXT_OVERRIDE_FLAG
 
 SCHEDULE = {
@@ -105,6 +111,7 @@ def add_setting_flags(p: argparse.ArgumentParser) -> None:
     add_fields(p.add_argument_group("precision"), RunSpec, skip=_all_but(RunSpec, "dtype", "grad_sync"))
     o = p.add_argument_group("objective (verl's names, older flags as aliases)")
     add_fields(o, ObjectiveConfig, flags={"policy_loss": "--objective"}, aliases=OBJECTIVE_ALIASES,
+               types_={"rollout_rs_threshold": _number_or_text},
                defaults=GRAD_DEFAULTS, notes={"policy_loss": "grad's contract default: pg."})  # fmt: skip
     m = p.add_argument_group("mixture of experts")
     add_fields(m, MoEConfig, prefix="moe-")

@@ -193,12 +193,15 @@ class Actor:
             from megatron_branch.losses.rollout_correction import reject_rollouts
 
             batch, rejection = reject_rollouts(
-                batch, algo.objective.rollout_rs, str(algo.objective.rollout_rs_threshold)
+                batch, algo.objective.rollout_rs, algo.objective.rollout_rs_threshold
             )
-        minis = []
+        minis, skipped = [], 0
         scoring = 0.0  # seconds of forward-only scoring (values, reference logprobs): verl's timing_s/ref
         for lo, hi in self._mini_batches(batch, group):  # what the updates need, once per step
             mb = batch[lo:hi]
+            if not any(r.num_trained for r in mb):  # every token masked (rollout_rs rejected all): no update
+                skipped += 1
+                continue
             if algo.estimator is not None:
                 assert rewards is not None
                 if algo.estimator.needs_values:
@@ -237,13 +240,33 @@ class Actor:
                 for key, v in metrics.items():
                     sums[key] = sums.get(key, 0.0) + v
                 count += 1
-        out = {k: v / count for k, v in sums.items()}  # means over the step's updates
-        out["loss"] = out.pop(f"{objective.role}/loss")
+        out = {k: v / count for k, v in sums.items()} if count else {}  # means over the step's updates
+        out["loss"] = (
+            out.pop(f"{objective.role}/loss") if count else float("nan")
+        )  # JSON null: nothing trained
         out["timing_s/ref"] = scoring
         out.update(rejection)
+        if rejection:
+            out["actor/skipped_updates"] = float(skipped * cfg.actor.ppo_epochs)
+        if skipped:
+            self._warn_skipped(skipped, len(minis) + skipped)
         if self.auto is not None:
             out.update(self.auto.metrics())
         return out
+
+    def _warn_skipped(self, skipped: int, total: int) -> None:
+        """One line on rank 0 when a step trains nothing in some mini-batches (every token masked: verl's
+        rollout_rs rejected them all): those updates are skipped, not an error (actor/skipped_updates)."""
+        import torch.distributed as dist
+
+        from megatron_branch.train.lifecycle import say
+
+        what = (
+            "actor.rollout_rs rejected" if self.algo.objective.rollout_rs is not None else "loss_mask masks"
+        )
+        say(f"megatron-branch: warning: {what} every response token of {skipped} of {total} mini-batches: their "
+            "updates are skipped (actor/skipped_updates)", enabled=not dist.is_initialized() or dist.get_rank() == 0,
+            err=True)  # fmt: skip
 
     def _pick(self, batches: list[list[Rollout]]) -> None:
         """schedule.name: auto: the plan's schedule for the updates of `batches` (train/auto_schedule.py)."""
