@@ -104,18 +104,18 @@ def auto_schedule(
     cfg: Any, arch: Any, groups: Any, *, micro_batches: int, act_bytes: int
 ) -> AutoSchedule | None:
     """The run's AutoSchedule when `schedule.name` is auto, else None."""
-    from megatron_branch.rules import AUTO_SCHEDULE
+    import torch.distributed as dist
+
     from megatron_branch.train.validate import SPELLING, run_spec
 
     s = cfg.schedule
-    if s.name != AUTO_SCHEDULE:
+    if s.name != rules.AUTO_SCHEDULE:
         return None
     layout = Layout(tp=groups.tp_size, cp=groups.cp_size, pp=groups.pp_size, dp=groups.dp_size,
                     sequence_parallel=groups.sequence_parallel)  # fmt: skip
-    import torch.distributed as dist
-
     return AutoSchedule(
         arch=arch, layout=layout, act_bytes=act_bytes, layer_recompute=s.enable_gradient_checkpointing,
-        micro_batches=micro_batches, budget_gb=s.memory_budget_gb, problem=packed_problem(run_spec(cfg, arch),
-        SPELLING), is_main=not dist.is_initialized() or dist.get_rank() == 0,
+        micro_batches=micro_batches, budget_gb=s.memory_budget_gb,
+        problem=packed_problem(run_spec(cfg, arch), SPELLING),
+        is_main=not dist.is_initialized() or dist.get_rank() == 0,
     )  # fmt: skip
