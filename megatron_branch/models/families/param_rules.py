@@ -67,7 +67,19 @@ TRANSFORM_NAMES = (
 """The transforms' names (checkpoint/layouts.py TRANSFORMS implements exactly these: asserted there)."""
 SPECS = ("local", "te")
 """megatron layer specs the map names tensors for: megatron-core's local spec and its TransformerEngine spec."""
-WHEN = (None, "qkv_bias", "untied", "qk_norm", "shared_expert", "shared_expert_gate", "expert_bias")
+WHEN = (
+    None,
+    "qkv_bias",
+    "untied",
+    "qk_norm",
+    "shared_expert",
+    "shared_expert_gate",
+    "expert_bias",
+    "mamba_conv_bias",
+)
+PATTERN_LAYERS = ("M", "*", "-")
+"""`Rule.layers` of a hybrid_override_pattern model (Nemotron-H): the rule applies to the layers of that character
+(models/mamba_arch.py)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,7 +105,7 @@ class Rule:
     def __post_init__(self) -> None:
         assert self.transform in TRANSFORM_NAMES, self.transform
         assert self.when in WHEN, self.when
-        assert self.layers in (None, "full", "linear"), self.layers
+        assert self.layers in (None, "full", "linear", *PATTERN_LAYERS), self.layers
         assert self.mlp in (None, "dense", "moe"), self.mlp
 
     def name(self, spec: str = "local") -> str:
@@ -390,4 +402,48 @@ GLM4_MOE_RULES: tuple[Rule, ...] = (
     EXPERT_BIAS,
     *SHARED_EXPERTS,
     *HEAD,
+)
+
+# Nemotron-H (models/families/nemotron_h.py): each layer is `norm` and ONE `mixer` (hybrid_override_pattern: "M"
+# Mamba-2, "*" attention without RoPE, "-" a squared-ReLU MLP without gate), in megatron's slots of that block
+# (models/mamba.py). megatron's MambaMixer in_proj rows [z; x; B; C; dt] and conv1d channels [x; B; C] are HF's.
+_MX = _L + "mixer."
+_SA = _M + "self_attention."
+
+
+def _mamba(name: str, hf: str, when: str | None = None) -> Rule:
+    return Rule(mcore=_SA + name, hf=(_MX + hf,), transform="identity", when=when, layers="M")
+
+
+NEMOTRON_H_RULES: tuple[Rule, ...] = (
+    Rule(mcore="embedding.word_embeddings.weight", hf=("model.embeddings.weight",), transform="vocab_pad"),
+    *(
+        Rule(mcore=_M + "input_layernorm.weight", hf=(_L + "norm.weight",), transform="identity", layers=kind)
+        for kind in ("M", "*")
+    ),
+    *(
+        _mamba(n, n, when)
+        for n, when in (
+            ("in_proj.weight", None),
+            ("conv1d.weight", None),
+            ("conv1d.bias", "mamba_conv_bias"),
+            ("dt_bias", None),
+            ("A_log", None),
+            ("D", None),
+            ("norm.weight", None),
+            ("out_proj.weight", None),
+        )
+    ),
+    Rule(
+        mcore=_SA + "linear_qkv.weight",
+        hf=tuple(_MX + f"{p}_proj.weight" for p in "qkv"),
+        transform="qkv_interleave",
+        layers="*",
+    ),
+    Rule(mcore=_SA + "linear_proj.weight", hf=(_MX + "o_proj.weight",), transform="identity", layers="*"),
+    Rule(mcore=_M + "pre_mlp_layernorm.weight", hf=(_L + "norm.weight",), transform="identity", layers="-"),
+    Rule(mcore=_M + "mlp.linear_fc1.weight", hf=(_MX + "up_proj.weight",), transform="identity", layers="-"),
+    Rule(mcore=_M + "mlp.linear_fc2.weight", hf=(_MX + "down_proj.weight",), transform="identity", layers="-"),
+    Rule(mcore="decoder.final_layernorm.weight", hf=("model.norm_f.weight",), transform="identity"),
+    HEAD[1],
 )
