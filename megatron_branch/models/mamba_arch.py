@@ -82,6 +82,10 @@ def mamba_config_kwargs(arch: Any) -> dict[str, Any]:
     if arch.mlp_activation == "relu2":
         from megatron.core.activations import squared_relu
 
+        from megatron_branch.compat.cpu import needs_cpu_shims
+
+        if needs_cpu_shims():  # megatron's jit_fuser is torch.compile: on CPU, inductor per shape; the same math
+            squared_relu = getattr(squared_relu, "_torchdynamo_orig_callable", squared_relu)
         kwargs.update(gated_linear_unit=False, activation_func=squared_relu)
     if "M" in arch.hybrid_override_pattern:
         kwargs.update(
