@@ -39,7 +39,7 @@ def hf_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
     qk, vd, nv = arch.linear_qk_dim, arch.linear_v_dim, arch.linear_num_value_heads
     table: Sequence[tuple[str, tuple[int, ...]]] = (
         ("embed_tokens.weight", (v, h)),
-        ("model.embeddings.weight", (v, h)),
+        ("backbone.embeddings.weight", (v, h)),
         ("norm_f.weight", (h,)),
         ("lm_head.weight", (v, h)),
         ("linear_attn.in_proj_qkv.weight", (2 * qk + vd, h)),

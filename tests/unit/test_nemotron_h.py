@@ -25,7 +25,7 @@ from megatron_branch.errors import UserError
 from megatron_branch.models import ModelArch, build_model
 from megatron_branch.models.mamba import BranchMambaMixer
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
-from megatron_branch.testing import hf_policy_gradient, tiny_hf_config, tiny_hf_model
+from megatron_branch.testing import hf_policy_gradient, hf_state, tiny_hf_config, tiny_hf_model
 
 BOUND = 1e-5
 START_BUGS = ("zero_parent_state", "drop_parent_tail")
@@ -49,9 +49,9 @@ def megatron_of(hf: Any, dtype: torch.dtype = torch.float32) -> tuple[ModelArch,
 
 
 def hf_grads(hf: Any, rs: list) -> dict[str, torch.Tensor]:
-    """HF's per-rollout gradient under the checkpoint's names (its parameters are named `backbone.` in memory)."""
+    """HF's per-rollout gradient under the checkpoint's names (`backbone.`; `model.` in memory)."""
     _, grads = hf_policy_gradient(hf, rs)
-    return {n.replace("backbone.", "model.", 1): g for n, g in grads.items()}
+    return {n.replace("model.", "backbone.", 1): g for n, g in grads.items()}
 
 
 # --- the architecture ---------------------------------------------------------------------------------------------------
@@ -112,14 +112,12 @@ def test_logits_match_hf(dtype: torch.dtype) -> None:
 def test_conversion_round_trip_is_bit_exact(dtype: torch.dtype) -> None:
     hf = nemotron(dtype, seed=3)
     arch, model = megatron_of(hf, dtype)
-    want = hf.state_dict()
+    want = hf_state(hf)  # the checkpoint's names: `backbone.` (megatron_of read the in-memory `model.` names)
     assert {n: tuple(t.shape) for n, t in want.items()} == hf_shapes(arch)
     back = mcore_to_hf_state(gather_full_state(model, None), arch)
     assert back.keys() == want.keys()
     assert all(torch.equal(back[n], want[n]) and back[n].dtype == want[n].dtype for n in want)
-    # a published checkpoint's `backbone.` names read the same (transformers' own renaming)
-    renamed = {n.replace("model.", "backbone.", 1): t for n, t in want.items()}
-    mc = hf_to_mcore_state(renamed, arch, padded_vocab=arch.padded_vocab_size(1))
+    mc = hf_to_mcore_state(want, arch, padded_vocab=arch.padded_vocab_size(1))
     assert all(torch.equal(t, gather_full_state(model, None)[n]) for n, t in mc.items())
 
 

@@ -6,7 +6,8 @@ an MLP up -> squared ReLU -> down (no gate, HF mlp_hidden_act relu2); each layer
 (NemotronHBlock). Every norm uses layer_norm_epsilon, the mixer's grouped gated norm too. What the engine would
 not compute exactly is refused in one line: MoE layers ("E": Nemotron 3's latent MoE router is not built here),
 biases (attention_bias, mlp_bias, use_bias / mamba_proj_bias), sliding windows, other activations. Published
-checkpoints name the model `backbone.` (transformers renames it to `model.` on load, as here); the
+checkpoints name the model `backbone.` (the parameter map's names; transformers renames it `model.` in memory,
+read here too); the
 multi-token-prediction head (`mtp.`) is not part of the policy (transformers ignores it on load).
 """
 
@@ -131,7 +132,7 @@ NEMOTRON_H = register_family(
         param_rules=NEMOTRON_H_RULES,
         tiny_hf_config=tiny_hf_config,
         layer_kinds=("attention", "mamba", "mlp"),
-        hf_text_prefixes=(("backbone.", "model."),),
+        hf_text_prefixes=(("model.", "backbone."),),
         hf_not_converted=("mtp.",),
     )
 )

@@ -407,7 +407,10 @@ GLM4_MOE_RULES: tuple[Rule, ...] = (
 # Nemotron-H (models/families/nemotron_h.py): each layer is `norm` and ONE `mixer` (hybrid_override_pattern: "M"
 # Mamba-2, "*" attention without RoPE, "-" a squared-ReLU MLP without gate), in megatron's slots of that block
 # (models/mamba.py). megatron's MambaMixer in_proj rows [z; x; B; C; dt] and conv1d channels [x; B; C] are HF's.
-_MX = _L + "mixer."
+# Names are the checkpoint's (`backbone.`: what save_pretrained writes; transformers renames it `model.` in memory).
+_B = "backbone."
+_NL = _B + "layers.{i}."
+_MX = _NL + "mixer."
 _SA = _M + "self_attention."
 
 
@@ -416,9 +419,9 @@ def _mamba(name: str, hf: str, when: str | None = None) -> Rule:
 
 
 NEMOTRON_H_RULES: tuple[Rule, ...] = (
-    Rule(mcore="embedding.word_embeddings.weight", hf=("model.embeddings.weight",), transform="vocab_pad"),
+    Rule(mcore="embedding.word_embeddings.weight", hf=(_B + "embeddings.weight",), transform="vocab_pad"),
     *(
-        Rule(mcore=_M + "input_layernorm.weight", hf=(_L + "norm.weight",), transform="identity", layers=kind)
+        Rule(mcore=_M + "input_layernorm.weight", hf=(_NL + "norm.weight",), transform="identity", layers=kind)
         for kind in ("M", "*")
     ),
     *(
@@ -441,9 +444,9 @@ NEMOTRON_H_RULES: tuple[Rule, ...] = (
         layers="*",
     ),
     Rule(mcore=_SA + "linear_proj.weight", hf=(_MX + "o_proj.weight",), transform="identity", layers="*"),
-    Rule(mcore=_M + "pre_mlp_layernorm.weight", hf=(_L + "norm.weight",), transform="identity", layers="-"),
+    Rule(mcore=_M + "pre_mlp_layernorm.weight", hf=(_NL + "norm.weight",), transform="identity", layers="-"),
     Rule(mcore=_M + "mlp.linear_fc1.weight", hf=(_MX + "up_proj.weight",), transform="identity", layers="-"),
     Rule(mcore=_M + "mlp.linear_fc2.weight", hf=(_MX + "down_proj.weight",), transform="identity", layers="-"),
-    Rule(mcore="decoder.final_layernorm.weight", hf=("model.norm_f.weight",), transform="identity"),
+    Rule(mcore="decoder.final_layernorm.weight", hf=(_B + "norm_f.weight",), transform="identity"),
     HEAD[1],
 )
