@@ -222,7 +222,10 @@ def tp_sections(name: str, config: Any) -> tuple[int, ...] | None:
     if ".linear_fc1." in name and getattr(config, "gated_linear_unit", True):
         return (1, 1)  # two equal halves
     if getattr(config, "mamba_num_heads", None) and ".self_attention." in name:  # megatron's MambaMixer
-        di, gn = config.mamba_num_heads * config.mamba_head_dim, config.mamba_num_groups * config.mamba_state_dim
+        di, gn = (
+            config.mamba_num_heads * config.mamba_head_dim,
+            config.mamba_num_groups * config.mamba_state_dim,
+        )
         if name.endswith("self_attention.in_proj.weight"):
             return (di, di, gn, gn, config.mamba_num_heads)
         if name.endswith(("self_attention.conv1d.weight", "self_attention.conv1d.bias")):

@@ -44,6 +44,7 @@ def importable_mamba_mixer() -> None:
         setattr(stub, name, refuse)
     sys.modules[_TENSOR_OPS] = stub
 
+
 _APPLIED: dict[str, bool] = {}
 _MIXER = "megatron.core.ssm.mamba_mixer"
 _CP = "megatron.core.ssm.mamba_context_parallel"
@@ -60,7 +61,9 @@ def _gated_norm(hidden_size: int, eps: float, group_size: int, dtype: Any = None
 def _shim_no_mamba_ssm() -> None:
     mod, _ = _resolve(_MIXER, "HAVE_MAMBA_SSM")
     _resolve(_MIXER, "ExtendedRMSNorm")
-    mod.HAVE_MAMBA_SSM = True  # the constructor's check only: models/mamba.py calls none of mamba_ssm's kernels
+    mod.HAVE_MAMBA_SSM = (
+        True  # the constructor's check only: models/mamba.py calls none of mamba_ssm's kernels
+    )
     mod.ExtendedRMSNorm = _gated_norm  # without mamba_ssm, a subclass of a MagicMock
 
 

@@ -91,14 +91,18 @@ class BranchMambaMixer(MambaMixer, TakesBranchContext):
             group_size=self.d_inner_local_tp // self.ngroups_local_tp,
             eps=config.layernorm_epsilon,
         ).to(config.params_dtype)
-        if config.params_dtype == torch.float64:  # megatron keeps A_log and D in float32: never narrower than HF
+        if (
+            config.params_dtype == torch.float64
+        ):  # megatron keeps A_log and D in float32: never narrower than HF
             self.A_log = torch.nn.Parameter(self.A_log.detach().double())
             self.D = torch.nn.Parameter(self.D.detach().double())
         for p in (self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D, self.norm.weight):
             if p is not None:
                 p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Any = None, *args: Any, **kwargs: Any) -> Any:
+    def forward(
+        self, hidden_states: torch.Tensor, attention_mask: Any = None, *args: Any, **kwargs: Any
+    ) -> Any:
         """hidden_states [s(/tp under SP), b, h] -> (out [s(/tp), b, h], None)."""
         zxBCdt, _ = self.in_proj(hidden_states)  # [s, b, proj/tp]; sequence gathered under SP
         s, b, _ = zxBCdt.shape
@@ -161,7 +165,9 @@ class BranchMambaMixer(MambaMixer, TakesBranchContext):
         s = xBC.shape[0]
         y = xBC.new_zeros(s, self.d_inner_local_tp, dtype=torch.float32)  # rows in no segment stay 0
         states: dict[int, State] = {}
-        cached = {i: r for r, i in enumerate(i for i, g in enumerate(ctx.tree.segments) if g.parent == CACHED)}
+        cached = {
+            i: r for r, i in enumerate(i for i, g in enumerate(ctx.tree.segments) if g.parent == CACHED)
+        }
         for depth in tree_depths(ctx.tree):
             segs = [ctx.tree.segments[i] for i in depth]
             rows = Rows.of([(g.start, g.end) for g in segs], xBC.device)

@@ -23,7 +23,9 @@ def check_mamba_arch(arch: Any) -> None:
     """ValueErrors (one line) for a hybrid_override_pattern arch that megatron's MambaMixer cannot build."""
     pattern = arch.hybrid_override_pattern
     if len(pattern) != arch.num_layers:
-        raise ValueError(f"hybrid_override_pattern has {len(pattern)} layers for num_hidden_layers={arch.num_layers}")
+        raise ValueError(
+            f"hybrid_override_pattern has {len(pattern)} layers for num_hidden_layers={arch.num_layers}"
+        )
     bad = sorted(set(pattern) - set(PATTERN_KINDS))
     if bad:
         raise ValueError(f"hybrid_override_pattern layer {bad[0]!r} is not supported; supported: M, *, -")
@@ -35,7 +37,13 @@ def check_mamba_arch(arch: Any) -> None:
         raise ValueError(f"position_embedding must be rope or none, got {arch.position_embedding!r}")
     if "M" not in pattern:
         return
-    for name in ("mamba_num_heads", "mamba_head_dim", "mamba_state_dim", "mamba_num_groups", "mamba_conv_kernel"):
+    for name in (
+        "mamba_num_heads",
+        "mamba_head_dim",
+        "mamba_state_dim",
+        "mamba_num_groups",
+        "mamba_conv_kernel",
+    ):
         if getattr(arch, name) <= 0:
             raise ValueError(f"{name} must be positive for Mamba layers, got {getattr(arch, name)}")
     if arch.mamba_num_heads % arch.mamba_num_groups:
@@ -45,7 +53,7 @@ def check_mamba_arch(arch: Any) -> None:
 
 
 def layer_kind(arch: Any, layer: int) -> str | None:
-    """"mamba", "attention" or "mlp" for a hybrid_override_pattern arch's layer (0-based); None otherwise."""
+    """ "mamba", "attention" or "mlp" for a hybrid_override_pattern arch's layer (0-based); None otherwise."""
     if arch.hybrid_override_pattern is None:
         return None
     return PATTERN_KINDS[arch.hybrid_override_pattern[layer]]
@@ -84,7 +92,9 @@ def mamba_config_kwargs(arch: Any) -> dict[str, Any]:
 
         from megatron_branch.compat.cpu import needs_cpu_shims
 
-        if needs_cpu_shims():  # megatron's jit_fuser is torch.compile: on CPU, inductor per shape; the same math
+        if (
+            needs_cpu_shims()
+        ):  # megatron's jit_fuser is torch.compile: on CPU, inductor per shape; the same math
             squared_relu = getattr(squared_relu, "_torchdynamo_orig_callable", squared_relu)
         kwargs.update(gated_linear_unit=False, activation_func=squared_relu)
     if "M" in arch.hybrid_override_pattern:

@@ -17,7 +17,12 @@ import pytest
 import torch
 from test_gdn_replay import rollouts, step, worst
 
-from megatron_branch.checkpoint import gather_full_state, hf_to_mcore_state, load_full_state, mcore_to_hf_state
+from megatron_branch.checkpoint import (
+    gather_full_state,
+    hf_to_mcore_state,
+    load_full_state,
+    mcore_to_hf_state,
+)
 from megatron_branch.checkpoint.param_map import hf_shapes
 from megatron_branch.compat import mamba as compat_mamba
 from megatron_branch.compat.cpu import CompatError
@@ -44,7 +49,9 @@ def nemotron(dtype: torch.dtype = torch.float32, seed: int = 5, **kw: Any) -> An
 def megatron_of(hf: Any, dtype: torch.dtype = torch.float32) -> tuple[ModelArch, torch.nn.Module]:
     arch = ModelArch.from_hf_config(hf.config)
     model = build_model(arch, dtype=dtype)
-    load_full_state(model, hf_to_mcore_state(hf.state_dict(), arch, padded_vocab=arch.padded_vocab_size(1)), None)
+    load_full_state(
+        model, hf_to_mcore_state(hf.state_dict(), arch, padded_vocab=arch.padded_vocab_size(1)), None
+    )
     return arch, model
 
 
@@ -57,16 +64,32 @@ def hf_grads(hf: Any, rs: list) -> dict[str, torch.Tensor]:
 # --- the architecture ---------------------------------------------------------------------------------------------------
 def test_config_maps_both_ways() -> None:
     arch = ModelArch.from_hf_config(tiny_hf_config("nemotron_h", num_layers=5, ffn=48))
-    assert (arch.hybrid_override_pattern, arch.mlp_activation, arch.position_embedding) == ("M*-M-", "relu2", "none")
-    assert (arch.mamba_num_heads, arch.mamba_head_dim, arch.mamba_state_dim, arch.mamba_num_groups) == (4, 8, 8, 2)
+    assert (arch.hybrid_override_pattern, arch.mlp_activation, arch.position_embedding) == (
+        "M*-M-",
+        "relu2",
+        "none",
+    )
+    assert (arch.mamba_num_heads, arch.mamba_head_dim, arch.mamba_state_dim, arch.mamba_num_groups) == (
+        4,
+        8,
+        8,
+        2,
+    )
     assert arch.mamba_dt_min == 0.001 and arch.rms_norm_eps == 1e-5
     assert ModelArch.from_hf_config(arch.to_hf_config()) == arch
     cfg = arch.to_transformer_config()
     assert not cfg.gated_linear_unit and cfg.activation_func(torch.tensor([-2.0, 3.0])).tolist() == [0.0, 9.0]
-    assert (cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_num_groups, cfg.mamba_state_dim) == (4, 8, 2, 8)
+    assert (cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_num_groups, cfg.mamba_state_dim) == (
+        4,
+        8,
+        2,
+        8,
+    )
     # an older config.json: the pattern string (transformers reads it into layers_block_type)
     d = {k: v for k, v in arch.to_hf_config().to_dict().items() if k != "layers_block_type"}
-    assert ModelArch.from_hf_config({**d, "hybrid_override_pattern": "M-M*-"}).hybrid_override_pattern == "M-M*-"
+    assert (
+        ModelArch.from_hf_config({**d, "hybrid_override_pattern": "M-M*-"}).hybrid_override_pattern == "M-M*-"
+    )
 
 
 @pytest.mark.parametrize(
@@ -196,3 +219,16 @@ def test_planted_state_bugs_fail(fp32: Any, bug: str, monkeypatch: pytest.Monkey
     _, grads = step(model, arch, "replay", rs, branch_micro_batch=1)
     err, name = worst(grads, naive)
     assert err > 100 * BOUND, (bug, err, name)
+
+
+def test_context_parallel_and_non_recurrent_schedules_are_refused_in_one_line() -> None:
+    from megatron_branch.errors import SettingError
+    from megatron_branch.models.arch import check_schedule_supports
+
+    arch = ModelArch.from_hf_config(tiny_hf_config("nemotron_h", num_layers=5, ffn=48))
+    check_schedule_supports(arch, "replay", cp=1)
+    for schedule, cp, words in (("replay", 2, "context parallelism cannot run a Mamba-2 hybrid"),
+                                ("replay-stopgrad", 1, "cannot run a hybrid model (nemotron_h, 2 of 5 layers")):  # fmt: skip
+        with pytest.raises(SettingError) as e:
+            check_schedule_supports(arch, schedule, cp=cp)
+        assert words in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -98,7 +98,9 @@ def hf_config(arch: Any, common: dict[str, Any]) -> Any:
     return transformers.NemotronHConfig(**common, **_mamba_hf(arch))
 
 
-def tiny_hf_config(common: dict[str, Any], *, head_dim: int | None = None, layer_types: Any = None, **_: Any) -> Any:
+def tiny_hf_config(
+    common: dict[str, Any], *, head_dim: int | None = None, layer_types: Any = None, **_: Any
+) -> Any:
     """Mamba, attention, MLP, Mamba, MLP (`layer_types`: a hybrid_override_pattern string instead); 4 Mamba heads
     of 8 channels in 2 groups, state 8, chunk 8 (so a test's sequences span several chunks)."""
     import transformers

@@ -421,7 +421,9 @@ def _mamba(name: str, hf: str, when: str | None = None) -> Rule:
 NEMOTRON_H_RULES: tuple[Rule, ...] = (
     Rule(mcore="embedding.word_embeddings.weight", hf=(_B + "embeddings.weight",), transform="vocab_pad"),
     *(
-        Rule(mcore=_M + "input_layernorm.weight", hf=(_NL + "norm.weight",), transform="identity", layers=kind)
+        Rule(
+            mcore=_M + "input_layernorm.weight", hf=(_NL + "norm.weight",), transform="identity", layers=kind
+        )
         for kind in ("M", "*")
     ),
     *(
@@ -446,7 +448,9 @@ NEMOTRON_H_RULES: tuple[Rule, ...] = (
     Rule(mcore=_SA + "linear_proj.weight", hf=(_MX + "o_proj.weight",), transform="identity", layers="*"),
     Rule(mcore=_M + "pre_mlp_layernorm.weight", hf=(_NL + "norm.weight",), transform="identity", layers="-"),
     Rule(mcore=_M + "mlp.linear_fc1.weight", hf=(_MX + "up_proj.weight",), transform="identity", layers="-"),
-    Rule(mcore=_M + "mlp.linear_fc2.weight", hf=(_MX + "down_proj.weight",), transform="identity", layers="-"),
+    Rule(
+        mcore=_M + "mlp.linear_fc2.weight", hf=(_MX + "down_proj.weight",), transform="identity", layers="-"
+    ),
     Rule(mcore="decoder.final_layernorm.weight", hf=(_B + "norm_f.weight",), transform="identity"),
     HEAD[1],
 )
