@@ -203,10 +203,10 @@ def test_fp64_replay_matches_naive_and_hf() -> None:
     assert worst(grads, hf_grads(hf, rs))[0] <= BOUND
 
 
-@pytest.mark.parametrize("bug", START_BUGS)
-def test_planted_state_bugs_fail(fp32: Any, bug: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A child starting from a zero SSM state, or without its parent's conv inputs: far beyond rounding."""
-    _, arch, model, rs, (_, naive) = fp32
+def plant_start_bug(monkeypatch: pytest.MonkeyPatch, bug: str) -> None:
+    """Break `BranchMambaMixer._start` for every segment with a parent (in the chunk, cached, or a decode row):
+    zero_parent_state starts it from a zero SSM state, drop_parent_tail without its parent's conv inputs."""
+    assert bug in START_BUGS, bug
     original = BranchMambaMixer._start
 
     def planted(self: BranchMambaMixer, parent: int | None, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,6 +216,13 @@ def test_planted_state_bugs_fail(fp32: Any, bug: str, monkeypatch: pytest.Monkey
         return (torch.zeros_like(S), tail) if bug == "zero_parent_state" else (S, torch.zeros_like(tail))
 
     monkeypatch.setattr(BranchMambaMixer, "_start", planted)
+
+
+@pytest.mark.parametrize("bug", START_BUGS)
+def test_planted_state_bugs_fail(fp32: Any, bug: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child starting from a zero SSM state, or without its parent's conv inputs: far beyond rounding."""
+    _, arch, model, rs, (_, naive) = fp32
+    plant_start_bug(monkeypatch, bug)
     _, grads = step(model, arch, "replay", rs, branch_micro_batch=1)
     err, name = worst(grads, naive)
     assert err > 100 * BOUND, (bug, err, name)
