@@ -100,6 +100,28 @@ class BranchMambaMixer(MambaMixer, TakesBranchContext):
             if p is not None:
                 p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None) -> Any:
+        """megatron's, with the gated norm's weight split over TP along its channels (as megatron's
+        ExtendedRMSNorm.sharded_state_dict does; HF's norm module has no sharded_state_dict of its own)."""
+        from megatron.core.transformer.utils import (
+            ensure_metadata_has_dp_cp_group,
+            make_sharded_tensors_for_checkpoint,
+        )
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        out.update(
+            make_sharded_tensors_for_checkpoint(
+                {"weight": self.norm.weight},
+                f"{prefix}norm.",
+                {"weight": 0},
+                sharded_offsets,
+                tp_group=self.tp_group,
+                dp_cp_group=metadata["dp_cp_group"],
+            )
+        )
+        return out
+
     def forward(
         self, hidden_states: torch.Tensor, attention_mask: Any = None, *args: Any, **kwargs: Any
     ) -> Any:
@@ -221,6 +243,9 @@ def hybrid_layer_specs(arch: Any, attention_layer_spec: ModuleSpec) -> dict[str,
             dt_min=arch.mamba_dt_min,
         ),
     )
+    # dist-checkpoint names of the norms as megatron's TE Mamba stack fuses them (mamba_layer_specs.py: into
+    # in_proj, linear_qkv, linear_fc1), so that one checkpoint serves both specs (models/families/param_rules.py)
+    mamba.submodules.sharded_state_dict_keys_map = {"input_layernorm.": "self_attention.in_proj.layer_norm_"}
     return {"attention": attention, "mlp": mlp, "mamba": mamba}
 
 

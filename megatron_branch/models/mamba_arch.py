@@ -107,4 +107,6 @@ def mamba_config_kwargs(arch: Any) -> dict[str, Any]:
             # (models/mamba.py), so the flag only keeps megatron's constructor off that path
             use_mamba_mem_eff_path=False,
         )
+    # the layers differ: a dist checkpoint names each by its index (transformer_block.py sharded_state_dict)
+    kwargs["hetereogenous_dist_checkpoint"] = True
     return kwargs

@@ -19,9 +19,11 @@ from safetensors.torch import load_file
 from test_models_tp import _check, _rollouts
 
 from megatron_branch.checkpoint import (
+    convert_hf_to_mcore,
     gather_full_state,
     hf_to_mcore_state,
     load_full_state,
+    load_mcore_checkpoint,
     mcore_to_hf_state,
 )
 from megatron_branch.checkpoint.verify import megatron_logits
@@ -91,3 +93,20 @@ def test_grad_nemotron_h_under_tp2(capsys: pytest.CaptureFixture[str]) -> None:
     err = capsys.readouterr().err.strip()
     if dist.get_rank() == 0:  # the one line is printed once, by rank 0
         assert "context parallelism cannot run a Mamba-2 hybrid" in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.world(2)
+def test_nemotron_h_dist_checkpoint_saved_at_tp2_loads_at_tp1_bit_exact() -> None:
+    """Every layer named by its index (the layers differ), the Mamba in_proj / conv1d parts and the gated norm's
+    weight split over TP."""
+    tmp = shared_tmp("nemotron-h-ckpt-")
+    hf = tiny()
+    if dist.get_rank() == 0:
+        hf.save_pretrained(str(tmp / "hf"))
+    dist.barrier()
+    convert_hf_to_mcore(tmp / "hf", tmp / "mc", tp=2, progress=False)
+    groups = initialize_parallel(ParallelConfig(tp=1))  # dp 2: both ranks load the whole model
+    model, arch, meta = load_mcore_checkpoint(tmp / "mc", tp_group=groups.tp, tp=1)
+    assert meta["saved_tensor_parallel"] == 2
+    full, want = mcore_to_hf_state(gather_full_state(model, groups.tp), arch), hf_state(hf)
+    assert full.keys() == want.keys() and all(torch.equal(full[k], v) for k, v in want.items())

@@ -422,9 +422,13 @@ NEMOTRON_H_RULES: tuple[Rule, ...] = (
     Rule(mcore="embedding.word_embeddings.weight", hf=(_B + "embeddings.weight",), transform="vocab_pad"),
     *(
         Rule(
-            mcore=_M + "input_layernorm.weight", hf=(_NL + "norm.weight",), transform="identity", layers=kind
+            mcore=_M + "input_layernorm.weight",
+            hf=(_NL + "norm.weight",),
+            transform="identity",
+            te=_SA + fused + ".layer_norm_weight",
+            layers=kind,
         )
-        for kind in ("M", "*")
+        for kind, fused in (("M", "in_proj"), ("*", "linear_qkv"))
     ),
     *(
         _mamba(n, n, when)
@@ -446,7 +450,13 @@ NEMOTRON_H_RULES: tuple[Rule, ...] = (
         layers="*",
     ),
     Rule(mcore=_SA + "linear_proj.weight", hf=(_MX + "o_proj.weight",), transform="identity", layers="*"),
-    Rule(mcore=_M + "pre_mlp_layernorm.weight", hf=(_NL + "norm.weight",), transform="identity", layers="-"),
+    Rule(
+        mcore=_M + "pre_mlp_layernorm.weight",
+        hf=(_NL + "norm.weight",),
+        transform="identity",
+        te=_M + "mlp.linear_fc1.layer_norm_weight",
+        layers="-",
+    ),
     Rule(mcore=_M + "mlp.linear_fc1.weight", hf=(_MX + "up_proj.weight",), transform="identity", layers="-"),
     Rule(
         mcore=_M + "mlp.linear_fc2.weight", hf=(_MX + "down_proj.weight",), transform="identity", layers="-"
