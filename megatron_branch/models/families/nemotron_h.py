@@ -16,12 +16,75 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_branch.errors import UserError
-from megatron_branch.models.families.param_rules import NEMOTRON_H_RULES
+from megatron_branch.models.families.param_rules import HEAD, Rule
 from megatron_branch.models.families.registry import FamilySpec, register_family
 
 _KINDS = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
 """transformers' layers_block_type names -> megatron's hybrid_override_pattern characters (HF's own mapping,
 NemotronHConfig._list_to_pattern)."""
+
+# The parameter map's rules (checkpoint/param_map.py; Rule.layers = the pattern character a rule applies to): each
+# layer is `norm` and ONE `mixer`, in megatron's slots of that block (models/mamba.py). megatron's MambaMixer in_proj
+# rows [z; x; B; C; dt] and conv1d channels [x; B; C] are HF's. Names are the checkpoint's (`backbone.`: what
+# save_pretrained writes; transformers renames it `model.` in memory). The norms' TE names: megatron's TE Mamba
+# stack fuses them into in_proj / linear_qkv / linear_fc1 (mamba_layer_specs.py).
+_M = "decoder.layers.{i}."
+_B = "backbone."
+_NL = _B + "layers.{i}."
+_MX = _NL + "mixer."
+_SA = _M + "self_attention."
+
+
+def _mamba(name: str, hf: str, when: str | None = None) -> Rule:
+    return Rule(mcore=_SA + name, hf=(_MX + hf,), transform="identity", when=when, layers="M")
+
+
+NEMOTRON_H_RULES: tuple[Rule, ...] = (
+    Rule(mcore="embedding.word_embeddings.weight", hf=(_B + "embeddings.weight",), transform="vocab_pad"),
+    *(
+        Rule(
+            mcore=_M + "input_layernorm.weight",
+            hf=(_NL + "norm.weight",),
+            transform="identity",
+            te=_SA + fused + ".layer_norm_weight",
+            layers=kind,
+        )
+        for kind, fused in (("M", "in_proj"), ("*", "linear_qkv"))
+    ),
+    *(
+        _mamba(n, n, when)
+        for n, when in (
+            ("in_proj.weight", None),
+            ("conv1d.weight", None),
+            ("conv1d.bias", "mamba_conv_bias"),
+            ("dt_bias", None),
+            ("A_log", None),
+            ("D", None),
+            ("norm.weight", None),
+            ("out_proj.weight", None),
+        )
+    ),
+    Rule(
+        mcore=_SA + "linear_qkv.weight",
+        hf=tuple(_MX + f"{p}_proj.weight" for p in "qkv"),
+        transform="qkv_interleave",
+        layers="*",
+    ),
+    Rule(mcore=_SA + "linear_proj.weight", hf=(_MX + "o_proj.weight",), transform="identity", layers="*"),
+    Rule(
+        mcore=_M + "pre_mlp_layernorm.weight",
+        hf=(_NL + "norm.weight",),
+        transform="identity",
+        te=_M + "mlp.linear_fc1.layer_norm_weight",
+        layers="-",
+    ),
+    Rule(mcore=_M + "mlp.linear_fc1.weight", hf=(_MX + "up_proj.weight",), transform="identity", layers="-"),
+    Rule(
+        mcore=_M + "mlp.linear_fc2.weight", hf=(_MX + "down_proj.weight",), transform="identity", layers="-"
+    ),
+    Rule(mcore="decoder.final_layernorm.weight", hf=(_B + "norm_f.weight",), transform="identity"),
+    HEAD[1],
+)
 
 
 def _pattern(d: dict[str, Any], where: str) -> str:
