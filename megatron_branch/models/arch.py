@@ -172,7 +172,7 @@ class ModelArch:
             self.mrope_section = tuple(int(x) for x in self.mrope_section)
         self._check_layer_types()
         self._check_moe()
-        if self.hybrid_override_pattern is not None:
+        if self.hybrid_override_pattern is not None or "mamba" in get_family(self.family).layer_kinds:
             from megatron_branch.models.mamba_arch import check_mamba_arch
 
             check_mamba_arch(self)

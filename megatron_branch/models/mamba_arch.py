@@ -21,7 +21,16 @@ PATTERN_KINDS = {"M": "mamba", "*": "attention", "-": "mlp"}
 
 def check_mamba_arch(arch: Any) -> None:
     """ValueErrors (one line) for a hybrid_override_pattern arch that megatron's MambaMixer cannot build."""
+    from megatron_branch.models.families import get_family
+
     pattern = arch.hybrid_override_pattern
+    mamba_family = "mamba" in get_family(arch.family).layer_kinds
+    if pattern is None or not mamba_family:  # the pattern and the family's parameter map go together
+        raise ValueError(
+            f"family {arch.family} needs hybrid_override_pattern"
+            if pattern is None
+            else f"hybrid_override_pattern needs a Mamba hybrid family (nemotron_h), not {arch.family}"
+        )
     if len(pattern) != arch.num_layers:
         raise ValueError(
             f"hybrid_override_pattern has {len(pattern)} layers for num_hidden_layers={arch.num_layers}"

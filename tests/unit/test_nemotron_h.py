@@ -11,6 +11,7 @@ BOUND = 1e-5 (gradients) for both dtypes, as the gated delta net's (tests/unit/t
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -108,6 +109,14 @@ def test_refusals_are_one_line(change: dict, words: str) -> None:
     with pytest.raises(UserError, match=words) as e:
         ModelArch.from_hf_config(d)
     assert "\n" not in str(e.value) and "config.json" in str(e.value)
+
+
+def test_the_pattern_and_the_family_go_together() -> None:
+    arch = ModelArch.from_hf_config(tiny_hf_config("nemotron_h", num_layers=5, ffn=48))
+    with pytest.raises(ValueError, match="family nemotron_h needs hybrid_override_pattern"):
+        dataclasses.replace(arch, hybrid_override_pattern=None)
+    with pytest.raises(ValueError, match="needs a Mamba hybrid family"):
+        dataclasses.replace(arch, family="llama")
 
 
 def test_tensor_parallel_must_split_the_mamba_groups() -> None:
