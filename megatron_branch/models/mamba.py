@@ -37,7 +37,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron_branch.attention.context import TakesBranchContext
 from megatron_branch.attention.prefix_state import CACHED, StateKind
 from megatron_branch.compat.mamba import importable_mamba_mixer
-from megatron_branch.models.gdn_tree import Rows, conv_with_tail, tree_depths
+from megatron_branch.models.gdn_tree import Rows, conv_with_tail, hand_down_states, tree_depths
 
 importable_mamba_mixer()  # compat/mamba.py shim 0: megatron's module imports triton at the top
 from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules  # noqa: E402
@@ -200,10 +200,8 @@ class BranchMambaMixer(MambaMixer, TakesBranchContext):
             y = y.index_put((rows.index[rows.valid],), out[rows.valid].float())
             for j, i in enumerate(depth):
                 states[i] = (S[j : j + 1], tail[j : j + 1])
-        if ctx.capture:  # each segment's state at its end, one row per segment in chunk order (replay: one)
-            n = len(ctx.tree.segments)
-            down = states[0] if n == 1 else tuple(torch.cat([states[i][j] for i in range(n)]) for j in (0, 1))
-            ctx.hand_down(self.layer_number, MAMBA_STATE, down)
+        if ctx.capture:
+            hand_down_states(ctx, self.layer_number, MAMBA_STATE, states)
         return y
 
     def _start(self, parent: int | None, cached: int, states: dict[int, State], like: torch.Tensor) -> State:
