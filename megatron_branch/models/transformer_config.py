@@ -74,6 +74,10 @@ def transformer_config_of(
             # torch's conv1d and megatron's torch_chunk_gated_delta_rule where fla's kernels cannot run
             deterministic_mode=gdn_uses_torch_path(),
         )
+    if arch.hybrid_override_pattern is not None:
+        from megatron_branch.models.mamba_arch import mamba_config_kwargs
+
+        kwargs.update(mamba_config_kwargs(arch))
     if arch.is_moe:
         from megatron_branch.models.moe import moe_config_kwargs
 
