@@ -118,8 +118,19 @@ class StepOut:
     grads: dict[str, torch.Tensor]  # this rank's main_grad per parameter, before the optimizer step
 
 
-def make_worker(hf_dir: str, *, tp: int = 1, dynamic_bsz: bool = False, forward_only: bool = False) -> Any:
-    """verl's TrainingWorker for a Megatron language model (float32 on CPU), built through verl's EngineRegistry."""
+def make_worker(
+    hf_dir: str,
+    *,
+    tp: int = 1,
+    ep: int = 1,
+    dynamic_bsz: bool = False,
+    forward_only: bool = False,
+    override_transformer_config: dict[str, Any] | None = None,
+    router_replay: str = "disabled",
+) -> Any:
+    """verl's TrainingWorker for a Megatron language model (float32 on CPU), built through verl's EngineRegistry.
+    `ep`: verl's expert_model_parallel_size; `override_transformer_config`: verl's (e.g. the MoE load balancing);
+    `router_replay`: verl's router_replay.mode (disabled, R2, R3)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import (
         HFModelConfig,
@@ -135,6 +146,8 @@ def make_worker(hf_dir: str, *, tp: int = 1, dynamic_bsz: bool = False, forward_
     register_cpu_engine()
     engine = McoreEngineConfig(
         tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        override_transformer_config=dict(override_transformer_config or {}),
         use_distributed_optimizer=False,  # megatron's distributed optimizer needs CUDA
         use_dynamic_bsz=dynamic_bsz,
         micro_batch_size_per_gpu=4,

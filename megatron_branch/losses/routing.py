@@ -85,7 +85,7 @@ class RowContext:
         if (
             train and plan.cfg.z_loss_coeff > 0
         ):  # megatron: on the logits, before the top-k (router.apply_z_loss)
-            logits = MoEAuxLossAutoScaler.apply(logits, plan.z_loss(layer, logits, w, record=record))
+            logits = MoEAuxLossAutoScaler.apply(logits, plan.z_loss(layer, logits, groups, record=record))
         replay = None
         if plan.routes is not None:
             li = plan.moe_layers.index(layer)
@@ -131,6 +131,28 @@ class RowContext:
             add = torch.stack([routed.sum(dim=0), (routed * w[real, None]).sum(dim=0)])  # [2, E]
             plan.tokens[layer] = plan.tokens[layer] + add if layer in plan.tokens else add
         return probs, routing_map
+
+
+class PlainRouting:
+    """megatron's top-k routing of a router's config without any loss attached: what a lockstep dummy forward
+    routes with (parallel/lockstep.py), whatever router losses the model's own config sets (verl's engine sets
+    megatron's aux and z losses there; a dummy's one token must add nothing to the gradient)."""
+
+    def route(self, router: BranchRouter, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+        cfg = router.config
+        return topk_routing_with_score_function(
+            logits.view(-1, cfg.num_moe_experts),
+            router.topk,
+            use_pre_softmax=cfg.moe_router_pre_softmax,
+            num_groups=cfg.moe_router_num_groups,
+            group_topk=cfg.moe_router_group_topk,
+            scaling_factor=cfg.moe_router_topk_scaling_factor,
+            score_function=router.score_function,
+            expert_bias=router.expert_bias,
+            fused=False,
+        )
 
 
 class RoutingRecorder:
