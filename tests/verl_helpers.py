@@ -126,11 +126,9 @@ def make_worker(
     dynamic_bsz: bool = False,
     forward_only: bool = False,
     override_transformer_config: dict[str, Any] | None = None,
-    router_replay: str = "disabled",
 ) -> Any:
     """verl's TrainingWorker for a Megatron language model (float32 on CPU), built through verl's EngineRegistry.
-    `ep`: verl's expert_model_parallel_size; `override_transformer_config`: verl's (e.g. the MoE load balancing);
-    `router_replay`: verl's router_replay.mode (disabled, R2, R3)."""
+    `ep`: verl's expert_model_parallel_size; `override_transformer_config`: verl's (e.g. the MoE load balancing)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import (
         HFModelConfig,

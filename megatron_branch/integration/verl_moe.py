@@ -111,8 +111,4 @@ def moe_step_options(model: torch.nn.Module, rollout_offset: list[int], num_roll
     if config.grad_scale_func is not None:  # megatron's forward_step: loss_scale / num_microbatches
         one = torch.ones(1, device=next(model.parameters()).device)
         scale = float(config.grad_scale_func(one).item())
-    return {
-        "moe": MoEOptions(
-            losses=RouterLossConfig(**coeff), loss_scale=scale / n, micro_batches=batches
-        )
-    }
+    return {"moe": MoEOptions(losses=RouterLossConfig(**coeff), loss_scale=scale / n, micro_batches=batches)}

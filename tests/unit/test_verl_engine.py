@@ -158,8 +158,13 @@ def test_refusals_are_one_line(single_process: str) -> None:
         refuse_unsupported(cfg)
     from types import SimpleNamespace
 
-    moe = SimpleNamespace(calculate_per_token_loss=False, num_moe_experts=8)
-    with pytest.raises(VerlBranchError, match="dense models only"):
+    moe = SimpleNamespace(
+        calculate_per_token_loss=False,
+        num_moe_experts=8,
+        moe_router_load_balancing_type="global_aux_loss",
+        moe_expert_capacity_factor=None,
+    )
+    with pytest.raises(VerlBranchError, match="global_aux_loss"):
         refuse_unsupported(McoreEngineConfig(), moe)
 
 
