@@ -44,6 +44,7 @@ def grpo_batch(
     shared: int = 3,
     temperature: float = 1.0,
     multi_turn: bool = False,
+    routes: tuple[int, int, int] | None = None,
 ) -> Any:
     """`groups` prompts x `n` rollouts (consecutive, as verl's `repeat(interleave=True)`), prompts of different
     lengths left-padded, responses of different lengths right-padded; the first half of each group shares its
@@ -51,7 +52,12 @@ def grpo_batch(
 
     `multi_turn`: verl's multi-turn shape, a tool's output inside each response (response_mask 0 on a span that
     starts at a different token per rollout, so rollouts sharing a token disagree on whether it is trained; the
-    last rollout is all tool output, response_mask 0 throughout)."""
+    last rollout is all tool output, response_mask 0 throughout).
+
+    `routes` (MoE layers, k, experts): verl's `routed_experts` for router replay R3, as a rollout engine records
+    them: one record per token, equal within a group where the rollouts share the tokens, except that rollout 1 of
+    each group disagrees with the others at prompt position 2 (a shared prompt token routed differently: the tree
+    must split there)."""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
@@ -79,6 +85,9 @@ def grpo_batch(
                 if gi == groups - 1 and j == n - 1:
                     tmask[-1][:] = 0
     prompts_t, responses_t = torch.stack(prompts), torch.stack(responses)
+    extra = {}
+    if routes is not None:
+        extra["routed_experts"] = _r3_records(g, groups, n, P, R, shared, routes)
     mask = torch.cat([torch.stack(pmask), torch.stack(rmask)], 1).long()
     B = prompts_t.shape[0]
     td = TensorDict(
@@ -92,12 +101,37 @@ def grpo_batch(
             "advantages": torch.randn(B, R, generator=g),
             "old_log_probs": -4.0 + 0.2 * torch.randn(B, R, generator=g),
             "ref_log_prob": -4.0 + 0.2 * torch.randn(B, R, generator=g),
+            **extra,
         },
         batch_size=[B],
     )
     td = left_right_2_no_padding(td)
     tu.assign_non_tensor(td, temperature=temperature)  # the rollout's sampling temperature (verl's meta_info)
     return td
+
+
+def _r3_records(
+    g: torch.Generator, groups: int, n: int, P: int, R: int, shared: int, routes: tuple[int, int, int]
+) -> torch.Tensor:
+    """[B, P + R, layers, k] distinct experts per row (grpo_batch's layout: prompts left-padded to P)."""
+    layers, k, experts = routes
+
+    def rows(count: int) -> torch.Tensor:
+        return torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(count * layers)]).view(
+            count, layers, k
+        )
+
+    out = []
+    for _ in range(groups):
+        prompt, start = rows(P), rows(shared)
+        for j in range(n):
+            rec = torch.cat([prompt.clone(), rows(R)])
+            if j < n // 2:
+                rec[P : P + shared] = start
+            if j == 1:
+                rec[P - 3] = (rec[P - 3] + 1) % experts  # differs from the group's record at this prompt token
+            out.append(rec)
+    return torch.stack(out)
 
 
 def dp_share(td: Any, dp_rank: int, dp_size: int) -> Any:
@@ -126,9 +160,11 @@ def make_worker(
     dynamic_bsz: bool = False,
     forward_only: bool = False,
     override_transformer_config: dict[str, Any] | None = None,
+    router_replay: str = "disabled",
 ) -> Any:
     """verl's TrainingWorker for a Megatron language model (float32 on CPU), built through verl's EngineRegistry.
-    `ep`: verl's expert_model_parallel_size; `override_transformer_config`: verl's (e.g. the MoE load balancing)."""
+    `ep`: verl's expert_model_parallel_size; `override_transformer_config`: verl's (e.g. the MoE load balancing);
+    `router_replay`: verl's router_replay.mode (disabled, R2, R3)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import (
         HFModelConfig,
@@ -136,6 +172,7 @@ def make_worker(
         McoreOptimizerConfig,
         TrainingWorkerConfig,
     )
+    from verl.workers.config.engine import EngineRouterReplayConfig
     from verl.workers.engine_workers import TrainingWorker
 
     from megatron_branch.integration.verl_cpu import register_cpu_engine, use_cpu_platform
@@ -146,6 +183,7 @@ def make_worker(
         tensor_model_parallel_size=tp,
         expert_model_parallel_size=ep,
         override_transformer_config=dict(override_transformer_config or {}),
+        router_replay=EngineRouterReplayConfig(mode=router_replay),
         use_distributed_optimizer=False,  # megatron's distributed optimizer needs CUDA
         use_dynamic_bsz=dynamic_bsz,
         micro_batch_size_per_gpu=4,

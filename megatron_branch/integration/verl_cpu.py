@@ -148,6 +148,9 @@ def use_cpu_platform() -> None:
     current = platform_manager._current_platform  # verl's singleton: set it once, keep it afterwards
     if current is None or current.device_name != "cpu":
         platform_manager.set_platform(make_cpu_platform())
+    import verl.utils.megatron.router_replay_utils as router_replay_utils
+
+    router_replay_utils.device_name = "cpu"  # read once at its import (CUDA then): where router replay moves routes
     apply_cpu_shims()
     apply_optimizer_shims()
 
@@ -240,13 +243,15 @@ def cpu_layer_specs(arch: Any) -> list[Any]:
 def verl_moe_overrides(engine_config: Any) -> dict[str, Any]:
     """The MoE fields verl's `_build_tf_config` sets on the bridge's provider (transformer_impl.py: EP / ETP from
     the engine config, the all-to-all dispatcher, no load balancing), then the user's
-    `override_transformer_config`, which wins there too."""
+    `override_transformer_config`, which wins there too; under router replay, megatron's routing-replay flag."""
     out: dict[str, Any] = {
         "expert_model_parallel_size": engine_config.expert_model_parallel_size,
         "expert_tensor_parallel_size": engine_config.expert_tensor_parallel_size,
         "moe_token_dispatcher_type": "alltoall",
         "moe_router_load_balancing_type": "none",
     }
+    if engine_config.router_replay.mode != "disabled":  # verl sets it on the config it built
+        out["moe_enable_routing_replay"] = True
     out.update(dict(engine_config.override_transformer_config or {}))
     return out
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_moe", "moe_step_options", "patch_verl_moe"]
+__all__ = ["is_moe", "moe_step_options", "patch_verl_moe", "r3_routes"]
 
 BALANCING = {"none": None, "aux_loss": "aux_loss_coeff", "seq_aux_loss": "seq_aux_loss_coeff"}
 """verl's / megatron's moe_router_load_balancing_type -> the RouterLossConfig field its coefficient sets (none: no
@@ -90,9 +90,47 @@ def patch_verl_moe(chunk: torch.nn.Module, hf_config: Any) -> None:
         lockstep.install(base, rows=groups.tp_size if groups.sequence_parallel else 1)
 
 
-def moe_step_options(model: torch.nn.Module, rollout_offset: list[int], num_rollouts: int) -> dict[str, Any]:
+def r3_routes(engine: Any, micro_batches: list[Any]) -> list[list[torch.Tensor]] | None:
+    """verl's router replay R3 (`enable_routing_replay` in the batch, `router_replay.mode=R3`): per micro-batch,
+    per rollout, the rollout engine's recorded experts [n, MoE layers, k] where verl replays them and -1 where it
+    routes natively, from verl's own alignment (`align_r3_router_replay_data`) and mask (`build_r3_replay_mask`:
+    every row but a sequence's last). None without replay. R2 (routes recorded by compute_log_prob) is refused."""
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.megatron.router_replay_utils import align_r3_router_replay_data, build_r3_replay_mask
+
+    from megatron_branch.integration.verl_step import VerlBranchError, unwrap
+
+    if not tu.get_non_tensor_data(micro_batches[0], key="enable_routing_replay", default=False):
+        return None
+    mode = engine.engine_config.router_replay.mode
+    if mode != "R3":
+        raise VerlBranchError(
+            f"branch replay in verl's engine supports router_replay.mode=R3, not {mode} (R2's routes recorded "
+            "by compute_log_prob are not produced by the tree's scoring pass yet)"
+        )
+    base = unwrap(engine.module[0])
+    moe_layers = list(base.arch.moe_layers)
+    out = []
+    for mb in micro_batches:
+        ids = mb["input_ids"]
+        routes = align_r3_router_replay_data(mb["routed_experts"], ids).unbind()
+        masks = build_r3_replay_mask(ids, mb["response_mask"]).unbind()
+        rows = []
+        for rec, mask in zip(routes, masks, strict=True):
+            rec = rec.to(device="cpu", dtype=torch.long)
+            if rec.shape[1] == base.config.num_layers and rec.shape[1] != len(moe_layers):
+                rec = rec[:, moe_layers]  # verl indexes by layer when it records every layer
+            rows.append(torch.where(mask.cpu()[:, None, None].bool(), rec, torch.full_like(rec, -1)))
+        out.append(rows)
+    return out
+
+
+def moe_step_options(
+    model: torch.nn.Module, rollout_offset: list[int], num_rollouts: int, *, routing_replay: bool = False
+) -> dict[str, Any]:
     """ScheduleOptions fields of one verl step on a MoE model (empty for a dense one): the router options with
-    verl's micro-batches (rollouts [rollout_offset[k], rollout_offset[k+1])) as the loss groups."""
+    verl's micro-batches (rollouts [rollout_offset[k], rollout_offset[k+1])) as the loss groups; `routing_replay`:
+    the rollouts' records (r3_routes) force their routing."""
     from megatron_branch.losses.router import MoEOptions, RouterLossConfig
 
     config = model.config
@@ -111,4 +149,11 @@ def moe_step_options(model: torch.nn.Module, rollout_offset: list[int], num_roll
     if config.grad_scale_func is not None:  # megatron's forward_step: loss_scale / num_microbatches
         one = torch.ones(1, device=next(model.parameters()).device)
         scale = float(config.grad_scale_func(one).item())
-    return {"moe": MoEOptions(losses=RouterLossConfig(**coeff), loss_scale=scale / n, micro_batches=batches)}
+    return {
+        "moe": MoEOptions(
+            losses=RouterLossConfig(**coeff),
+            loss_scale=scale / n,
+            micro_batches=batches,
+            routing_replay=routing_replay,
+        )
+    }

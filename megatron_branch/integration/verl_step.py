@@ -60,7 +60,6 @@ def _refuse_batch(data: Any) -> None:
         "distillation_use_topk",
         "distillation_only",
         "calculate_sum_pi_squared",
-        "enable_routing_replay",
     ):
         if tu.get_non_tensor_data(data, key=key, default=False):
             raise VerlBranchError(f"branch replay in verl's engine does not support {key}=True")
@@ -99,7 +98,7 @@ class VerlTreeStep:
         forward_only: bool = False,
         **_: Any,
     ) -> list[dict[str, Any]]:
-        from megatron_branch.integration.verl_moe import moe_step_options
+        from megatron_branch.integration.verl_moe import moe_step_options, r3_routes
         from megatron_branch.parallel import lockstep
         from megatron_branch.schedule import run_schedule, score_rollouts
 
@@ -111,10 +110,15 @@ class VerlTreeStep:
         for mb in micro_batches:
             _refuse_batch(mb)
         opts = self._schedule_options(model_chunk)
-        slots = TreeSlots.build(micro_batches, vocab_size=opts.vocab_size)
-        opts = dataclasses.replace(
-            opts, **moe_step_options(unwrap(model_chunk), slots.rollout_offset, len(slots.tree.rollouts))
+        routes = r3_routes(self.engine, micro_batches)  # verl's router replay R3, or None
+        slots = TreeSlots.build(micro_batches, vocab_size=opts.vocab_size, routes=routes)
+        moe = moe_step_options(
+            unwrap(model_chunk),
+            slots.rollout_offset,
+            len(slots.tree.rollouts),
+            routing_replay=routes is not None,
         )
+        opts = dataclasses.replace(opts, **moe)
         want_entropy = _wants_entropy(micro_batches)
         with _temperature(model_chunk, _uniform_temperature(micro_batches)):
             with lockstep.region(model_chunk):  # EP across DP replicas: their model calls pair up

@@ -80,3 +80,79 @@ def test_verl_moe_ep2_switch_equals_verl() -> None:
     tree = run_step(worker(), td)
     set_switch(False)
     _compare(base, tree, "aux_loss + z_loss")
+
+
+@pytest.fixture
+def verl_router_replay_patch_undone():
+    """verl's router replay patches megatron's classes process-wide (router_replay_patch.py
+    apply_router_replay_patch); undone after the test, so that later tests in this process run megatron's own."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    names = (
+        "__init__", "routing", "_hash_routing", "_router_replay_patched", "preprocess", "_preprocess_patched",
+        "_verl_router_patched",
+    )  # fmt: skip
+    classes = (TopKRouter, MoEAlltoAllTokenDispatcher, TransformerConfig)
+    saved = {cls: {n: cls.__dict__[n] for n in names if n in cls.__dict__} for cls in classes}
+    yield
+    for cls in classes:
+        for n in names:
+            if n in saved[cls]:
+                setattr(cls, n, saved[cls][n])
+            elif n in cls.__dict__:
+                delattr(cls, n)
+
+
+@pytest.mark.world(2)
+def test_verl_router_replay_r3_ep2_switch_equals_verl(
+    monkeypatch: pytest.MonkeyPatch, verl_router_replay_patch_undone: None
+) -> None:
+    """verl's router replay R3 at EP2: the rollout engine's records (one rollout per group disagreeing with its
+    group at a shared prompt token) replayed by verl's own path and by the tree (a shared token keeps one routing
+    only where the records agree): logprobs, entropies, gradients, metrics equal. Planted: the tree takes that
+    token's routing from another rollout of the group (records merged), and the update differs."""
+    from verl.utils import tensordict_utils as tu
+
+    from megatron_branch.integration import verl_moe
+
+    os.environ.setdefault("MASTER_PORT", "0")
+    hf = _moe_policy_dir()
+    rank, dp = dist.get_rank(), dist.get_world_size()
+
+    def td():
+        batch = dp_share(grpo_batch(seed=13, groups=4, routes=(2, 2, 4)), rank, dp)
+        tu.assign_non_tensor(batch, enable_routing_replay=True)
+        return batch
+
+    def worker():
+        return make_worker(hf, ep=2, dynamic_bsz=True, router_replay="R3")
+
+    set_switch(False)
+    base = run_step(worker(), td)
+    set_switch(True)
+    tree = run_step(worker(), td)
+    _compare(base, tree, "R3")
+
+    real = verl_moe.r3_routes
+    planted = 0
+
+    def from_the_wrong_rollout(engine, micro_batches):  # planted: rollout 1 takes rollout 0's prompt records
+        nonlocal planted
+        routes = real(engine, micro_batches)
+        for mb, rows in zip(micro_batches, routes, strict=True):
+            ids = mb["input_ids"].unbind()
+            for i in range(1, len(rows)):
+                m = min(len(ids[i]), len(ids[i - 1]))
+                same = (ids[i][:m] == ids[i - 1][:m]).long().cumprod(0).sum()  # the common prefix
+                rows[i][:same] = rows[i - 1][:same]
+                planted += int(same)
+        return routes
+
+    monkeypatch.setattr(verl_moe, "r3_routes", from_the_wrong_rollout)
+    wrong = run_step(worker(), td)
+    set_switch(False)
+    assert planted > 0
+    err, _ = max_rel_grad_error(base.grads, wrong.grads)
+    assert err > 1e-4, f"the planted routing went unnoticed ({err:.2e})"
