@@ -166,6 +166,18 @@ def test_refusals_are_one_line(single_process: str) -> None:
     )
     with pytest.raises(VerlBranchError, match="global_aux_loss"):
         refuse_unsupported(McoreEngineConfig(), moe)
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config.engine import EngineRouterReplayConfig
+
+    from megatron_branch.integration.verl_moe import r3_routes
+
+    batch = grpo_batch(seed=0)
+    assert r3_routes(None, [batch]) is None  # no router replay asked: nothing read
+    tu.assign_non_tensor(batch, enable_routing_replay=True)
+    r2 = SimpleNamespace(engine_config=McoreEngineConfig(router_replay=EngineRouterReplayConfig(mode="R2")))
+    with pytest.raises(VerlBranchError, match=r"router_replay.mode=R3, not R2") as e:
+        r3_routes(r2, [batch])
+    assert "\n" not in str(e.value)
 
 
 def test_kl_and_loss_modes_reach_the_gradient(single_process: str) -> None:
