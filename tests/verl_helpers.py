@@ -129,7 +129,9 @@ def _r3_records(
             if j < n // 2:
                 rec[P : P + shared] = start
             if j == 1:
-                rec[P - 3] = (rec[P - 3] + 1) % experts  # differs from the group's record at this prompt token
+                rec[P - 3] = (
+                    rec[P - 3] + 1
+                ) % experts  # differs from the group's record at this prompt token
             out.append(rec)
     return torch.stack(out)
 
@@ -150,6 +152,7 @@ class StepOut:
     entropy: torch.Tensor | None  # [B, R]
     metrics: dict[str, Any]  # train_mini_batch's metrics
     grads: dict[str, torch.Tensor]  # this rank's main_grad per parameter, before the optimizer step
+    routes: Any = None  # router replay R2: compute_log_prob's routed_experts (jagged [B, j, MoE layers, k])
 
 
 def make_worker(
@@ -239,8 +242,9 @@ def infer(worker: Any, td: Any) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def run_step(worker: Any, td_fn: Any, *, actor: Any = None) -> StepOut:
-    """compute_log_prob then one update_actor mini-batch through the worker, as verl's trainer calls them."""
+def run_step(worker: Any, td_fn: Any, *, actor: Any = None, r2: bool = False) -> StepOut:
+    """compute_log_prob then one update_actor mini-batch through the worker, as verl's trainer calls them. `r2`:
+    router replay R2, compute_log_prob's routed_experts carried into the update's batch (ray_trainer.py)."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import no_padding_2_padding
@@ -262,7 +266,10 @@ def run_step(worker: Any, td_fn: Any, *, actor: Any = None) -> StepOut:
     if inferred is not None:
         lp = no_padding_2_padding(tu.get(inferred, "log_probs"), td)
         ent = no_padding_2_padding(tu.get(inferred, "entropy"), td)
+    routes = tu.get(inferred, "routed_experts") if r2 and inferred is not None else None
     td = td_fn()
+    if routes is not None:
+        td["routed_experts"] = routes
     tu.assign_non_tensor(
         td,
         calculate_entropy=True,
@@ -275,7 +282,7 @@ def run_step(worker: Any, td_fn: Any, *, actor: Any = None) -> StepOut:
     )
     out = worker.train_mini_batch(td)
     metrics = tu.get(out, "metrics") if out is not None else {}
-    return StepOut(type(engine).__name__, lp, ent, metrics, grads)
+    return StepOut(type(engine).__name__, lp, ent, metrics, grads, routes)
 
 
 def set_switch(on: bool) -> None:

@@ -150,7 +150,8 @@ def use_cpu_platform() -> None:
         platform_manager.set_platform(make_cpu_platform())
     import verl.utils.megatron.router_replay_utils as router_replay_utils
 
-    router_replay_utils.device_name = "cpu"  # read once at its import (CUDA then): where router replay moves routes
+    # verl read the device once, at its import (CUDA then): where router replay moves routes
+    router_replay_utils.device_name = "cpu"
     apply_cpu_shims()
     apply_optimizer_shims()
 

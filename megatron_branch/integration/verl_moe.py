@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_moe", "moe_step_options", "patch_verl_moe", "r3_routes"]
+__all__ = ["hand_r2_routes", "is_moe", "moe_step_options", "patch_verl_moe", "r2_record", "r3_routes"]
 
 BALANCING = {"none": None, "aux_loss": "aux_loss_coeff", "seq_aux_loss": "seq_aux_loss_coeff"}
 """verl's / megatron's moe_router_load_balancing_type -> the RouterLossConfig field its coefficient sets (none: no
@@ -91,30 +91,34 @@ def patch_verl_moe(chunk: torch.nn.Module, hf_config: Any) -> None:
 
 
 def r3_routes(engine: Any, micro_batches: list[Any]) -> list[list[torch.Tensor]] | None:
-    """verl's router replay R3 (`enable_routing_replay` in the batch, `router_replay.mode=R3`): per micro-batch,
-    per rollout, the rollout engine's recorded experts [n, MoE layers, k] where verl replays them and -1 where it
-    routes natively, from verl's own alignment (`align_r3_router_replay_data`) and mask (`build_r3_replay_mask`:
-    every row but a sequence's last). None without replay. R2 (routes recorded by compute_log_prob) is refused."""
+    """verl's router replay (`enable_routing_replay` in the batch) where it replays: per micro-batch, per rollout,
+    the recorded experts [n, MoE layers, k] where verl replays them and -1 where it routes natively. R3 (the
+    rollout engine's records): verl's own alignment (`align_r3_router_replay_data`) and mask
+    (`build_r3_replay_mask`: every row but a sequence's last). R2 (compute_log_prob's records, `r2_record`): every
+    row. None without replay (the flag off or router_replay.mode disabled), and in R2's recording pass."""
     from verl.utils import tensordict_utils as tu
     from verl.utils.megatron.router_replay_utils import align_r3_router_replay_data, build_r3_replay_mask
 
-    from megatron_branch.integration.verl_step import VerlBranchError, unwrap
+    from megatron_branch.integration.verl_step import unwrap
 
     if not tu.get_non_tensor_data(micro_batches[0], key="enable_routing_replay", default=False):
         return None
     mode = engine.engine_config.router_replay.mode
-    if mode != "R3":
-        raise VerlBranchError(
-            f"branch replay in verl's engine supports router_replay.mode=R3, not {mode} (R2's routes recorded "
-            "by compute_log_prob are not produced by the tree's scoring pass yet)"
-        )
+    if mode not in ("R2", "R3"):
+        return None  # verl's engine replays nothing then either (its forward_step checks the mode)
+    if tu.get_non_tensor_data(micro_batches[0], key="record_r2_routes", default=False):
+        return None  # R2's recording pass: routed natively, recorded (r2_record)
     base = unwrap(engine.module[0])
     moe_layers = list(base.arch.moe_layers)
     out = []
     for mb in micro_batches:
         ids = mb["input_ids"]
-        routes = align_r3_router_replay_data(mb["routed_experts"], ids).unbind()
-        masks = build_r3_replay_mask(ids, mb["response_mask"]).unbind()
+        if mode == "R3":
+            routes = align_r3_router_replay_data(mb["routed_experts"], ids).unbind()
+            masks = build_r3_replay_mask(ids, mb["response_mask"]).unbind()
+        else:  # R2: verl replays every row (set_router_replay_data without a mask)
+            routes = mb["routed_experts"].unbind()
+            masks = [torch.ones(len(r), dtype=torch.bool) for r in routes]
         rows = []
         for rec, mask in zip(routes, masks, strict=True):
             rec = rec.to(device="cpu", dtype=torch.long)
@@ -125,8 +129,51 @@ def r3_routes(engine: Any, micro_batches: list[Any]) -> list[list[torch.Tensor]]
     return out
 
 
+def r2_record(engine: Any, micro_batches: list[Any], num_tokens: int) -> Any:
+    """verl's R2 recording pass (compute_log_prob with `record_r2_routes`): the table the tree's scoring forward
+    writes each packed token's experts into (losses/router.py RouteRecord), or None."""
+    from verl.utils import tensordict_utils as tu
+
+    from megatron_branch.integration.verl_step import unwrap
+    from megatron_branch.losses.router import RouteRecord
+
+    if not tu.get_non_tensor_data(micro_batches[0], key="record_r2_routes", default=False):
+        return None
+    base = unwrap(engine.module[0])
+    shape = (num_tokens, len(base.arch.moe_layers), base.config.moe_router_topk)
+    return RouteRecord(table=torch.full(shape, -1, dtype=torch.long))
+
+
+def hand_r2_routes(engine: Any, record: Any, slots: Any) -> None:
+    """The recorded routes in the form verl's `merge_router_topk_indices` appends per micro-batch to
+    `engine.mini_layer_topk_idx_list` (a jagged int16 tensor [B, j, MoE layers, k]); verl's forward_backward_batch
+    merges them, restores the dynamic-batch order and returns them as `routed_experts`."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_branch.integration.verl_step import VerlBranchError
+
+    table = record.table
+    tp = ps.get_tensor_model_parallel_group()
+    if tp.size() > 1:  # under sequence parallel each TP rank routed its own rows
+        table = table.to(next(engine.module[0].parameters()).device)
+        torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.MAX, group=tp)
+        table = table.cpu()
+    if bool((table < 0).any()):
+        raise VerlBranchError("router replay R2: the tree's scoring pass left tokens unrouted (a bug)")
+    tree = slots.tree
+    bounds = [*slots.rollout_offset, len(tree.rollouts)]
+    for k in range(len(slots.rollout_offset)):
+        seqs = [table[tree.rollout_indices(i)].to(torch.int16) for i in range(bounds[k], bounds[k + 1])]
+        engine.mini_layer_topk_idx_list.append(torch.nested.as_nested_tensor(seqs, layout=torch.jagged))
+
+
 def moe_step_options(
-    model: torch.nn.Module, rollout_offset: list[int], num_rollouts: int, *, routing_replay: bool = False
+    model: torch.nn.Module,
+    rollout_offset: list[int],
+    num_rollouts: int,
+    *,
+    routing_replay: bool = False,
+    route_record: Any = None,
 ) -> dict[str, Any]:
     """ScheduleOptions fields of one verl step on a MoE model (empty for a dense one): the router options with
     verl's micro-batches (rollouts [rollout_offset[k], rollout_offset[k+1])) as the loss groups; `routing_replay`:
@@ -155,5 +202,6 @@ def moe_step_options(
             loss_scale=scale / n,
             micro_batches=batches,
             routing_replay=routing_replay,
+            route_record=route_record,
         )
     }

@@ -98,7 +98,12 @@ class VerlTreeStep:
         forward_only: bool = False,
         **_: Any,
     ) -> list[dict[str, Any]]:
-        from megatron_branch.integration.verl_moe import moe_step_options, r3_routes
+        from megatron_branch.integration.verl_moe import (
+            hand_r2_routes,
+            moe_step_options,
+            r2_record,
+            r3_routes,
+        )
         from megatron_branch.parallel import lockstep
         from megatron_branch.schedule import run_schedule, score_rollouts
 
@@ -110,13 +115,15 @@ class VerlTreeStep:
         for mb in micro_batches:
             _refuse_batch(mb)
         opts = self._schedule_options(model_chunk)
-        routes = r3_routes(self.engine, micro_batches)  # verl's router replay R3, or None
+        routes = r3_routes(self.engine, micro_batches)  # verl's router replay (replaying), or None
         slots = TreeSlots.build(micro_batches, vocab_size=opts.vocab_size, routes=routes)
+        record = r2_record(self.engine, micro_batches, slots.tree.num_tokens)  # R2's recording pass, or None
         moe = moe_step_options(
             unwrap(model_chunk),
             slots.rollout_offset,
             len(slots.tree.rollouts),
             routing_replay=routes is not None,
+            route_record=record,
         )
         opts = dataclasses.replace(opts, **moe)
         want_entropy = _wants_entropy(micro_batches)
@@ -125,6 +132,8 @@ class VerlTreeStep:
                 scores = score_rollouts(
                     self.options.schedule, model_chunk, slots.tree, opts, entropy=want_entropy
                 )
+            if record is not None:
+                hand_r2_routes(self.engine, record, slots)
             logp_tok = scores.result.target_logprobs  # [P] float64 (NaN outside responses)
             ent_tok = scores.result.target_entropy if want_entropy else None
             outputs, G, H = self._verl_postprocess(

@@ -103,6 +103,10 @@ class RowContext:
             fused=False,
             router_replay=replay,
         )
+        if plan.opts.route_record is not None and record and not plan.counting:  # verl's R2 RECORD
+            li = plan.moe_layers.index(layer)
+            ids = routing_map[real].nonzero()[:, 1].view(-1, router.topk)  # [n_real, k] ascending
+            plan.opts.route_record.table[packed[real].cpu(), li] = ids.cpu()
         if (
             cfg.moe_expert_capacity_factor is not None
         ):  # naive only (check_dropless): megatron's token dropping

@@ -156,3 +156,59 @@ def test_verl_router_replay_r3_ep2_switch_equals_verl(
     assert planted > 0
     err, _ = max_rel_grad_error(base.grads, wrong.grads)
     assert err > 1e-4, f"the planted routing went unnoticed ({err:.2e})"
+
+
+@pytest.mark.world(2)
+def test_verl_router_replay_r2_ep2_switch_equals_verl(
+    monkeypatch: pytest.MonkeyPatch, verl_router_replay_patch_undone: None
+) -> None:
+    """verl's router replay R2 at EP2: compute_log_prob records every token's experts (the tree: each shared token
+    once, handed to verl per rollout in verl's layout), the update replays them: the records equal verl's own,
+    and logprobs, entropies, gradients and metrics equal. Planted: the records handed back from the wrong
+    rollouts (rotated within a micro-batch) differ from verl's."""
+    from verl.utils import tensordict_utils as tu
+
+    from megatron_branch.integration import verl_moe
+
+    os.environ.setdefault("MASTER_PORT", "0")
+    hf = _moe_policy_dir()
+    rank, dp = dist.get_rank(), dist.get_world_size()
+
+    def td():
+        batch = dp_share(grpo_batch(seed=17, groups=4), rank, dp)
+        tu.assign_non_tensor(batch, enable_routing_replay=True)
+        return batch
+
+    def worker():
+        return make_worker(hf, ep=2, dynamic_bsz=True, router_replay="R2")
+
+    def records(out):  # each row's experts as a set (verl keeps torch.topk's order, the tree ascending)
+        return [r.long().sort(dim=-1).values for r in out.routes.unbind()]
+
+    set_switch(False)
+    base = run_step(worker(), td, r2=True)
+    set_switch(True)
+    tree = run_step(worker(), td, r2=True)
+    assert len(records(base)) == len(records(tree)) == 8
+    for a, b in zip(records(base), records(tree), strict=True):
+        assert torch.equal(a, b)
+    _compare(base, tree, "R2")
+
+    real = verl_moe.hand_r2_routes
+
+    def from_the_wrong_rollouts(engine, record, slots):  # planted: a micro-batch's records rotated by one
+        real(engine, record, slots)
+        for k in range(len(slots.rollout_offset)):
+            seqs = list(engine.mini_layer_topk_idx_list[-1 - k].unbind())
+            engine.mini_layer_topk_idx_list[-1 - k] = torch.nested.as_nested_tensor(
+                [
+                    s[: len(seqs[i])] if len(s) >= len(seqs[i]) else seqs[i]
+                    for i, s in enumerate(seqs[1:] + seqs[:1])
+                ],
+                layout=torch.jagged,
+            )
+
+    monkeypatch.setattr(verl_moe, "hand_r2_routes", from_the_wrong_rollouts)
+    planted = run_step(worker(), td, r2=True)
+    set_switch(False)
+    assert any(not torch.equal(a, b) for a, b in zip(records(base), records(planted), strict=True))
