@@ -109,7 +109,7 @@ def branch_engine_class(base: type, options: BranchOptions | None = None) -> typ
             refuse_unsupported(self.engine_config, self.tf_config)
             for chunk in self.module:
                 patch_verl_model(unwrap(chunk))
-                verl_moe.patch_verl_moe(chunk, self.model_config.hf_config)
+                verl_moe.patch_verl_moe(unwrap(chunk), self.model_config.hf_config)
 
         def forward_backward_batch(
             self, data: Any, loss_function: Callable, forward_only: bool = False

@@ -65,18 +65,16 @@ def refusal_reason(tf_config: Any) -> str | None:
     return None
 
 
-def patch_verl_moe(chunk: torch.nn.Module, hf_config: Any) -> None:
-    """Make the MoE model verl built (`chunk`, any DDP wrapper) routable by the tree schedules (module doc);
+def patch_verl_moe(base: torch.nn.Module, hf_config: Any) -> None:
+    """Make the MoE GPTModel verl built (`base`, unwrapped from DDP) routable by the tree schedules (module doc);
     idempotent; nothing for a dense model."""
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from megatron_branch.integration.verl_step import unwrap
     from megatron_branch.models import ModelArch
     from megatron_branch.models.moe import BranchRouter
     from megatron_branch.parallel import lockstep
     from megatron_branch.parallel.groups import ParallelGroups
 
-    base = unwrap(chunk)
     if not is_moe(base.config):
         return
     for m in base.modules():
@@ -90,7 +88,7 @@ def patch_verl_moe(chunk: torch.nn.Module, hf_config: Any) -> None:
         lockstep.install(base, rows=groups.tp_size if groups.sequence_parallel else 1)
 
 
-def r3_routes(engine: Any, micro_batches: list[Any]) -> list[list[torch.Tensor]] | None:
+def r3_routes(mode: str, base: Any, micro_batches: list[Any]) -> list[list[torch.Tensor]] | None:
     """verl's router replay (`enable_routing_replay` in the batch) where it replays: per micro-batch, per rollout,
     the recorded experts [n, MoE layers, k] where verl replays them and -1 where it routes natively. R3 (the
     rollout engine's records): verl's own alignment (`align_r3_router_replay_data`) and mask
@@ -99,16 +97,12 @@ def r3_routes(engine: Any, micro_batches: list[Any]) -> list[list[torch.Tensor]]
     from verl.utils import tensordict_utils as tu
     from verl.utils.megatron.router_replay_utils import align_r3_router_replay_data, build_r3_replay_mask
 
-    from megatron_branch.integration.verl_step import unwrap
-
     if not tu.get_non_tensor_data(micro_batches[0], key="enable_routing_replay", default=False):
         return None
-    mode = engine.engine_config.router_replay.mode
     if mode not in ("R2", "R3"):
         return None  # verl's engine replays nothing then either (its forward_step checks the mode)
     if tu.get_non_tensor_data(micro_batches[0], key="record_r2_routes", default=False):
         return None  # R2's recording pass: routed natively, recorded (r2_record)
-    base = unwrap(engine.module[0])
     moe_layers = list(base.arch.moe_layers)
     out = []
     for mb in micro_batches:
@@ -129,42 +123,38 @@ def r3_routes(engine: Any, micro_batches: list[Any]) -> list[list[torch.Tensor]]
     return out
 
 
-def r2_record(engine: Any, micro_batches: list[Any], num_tokens: int) -> Any:
+def r2_record(base: Any, micro_batches: list[Any], num_tokens: int) -> Any:
     """verl's R2 recording pass (compute_log_prob with `record_r2_routes`): the table the tree's scoring forward
     writes each packed token's experts into (losses/router.py RouteRecord), or None."""
     from verl.utils import tensordict_utils as tu
 
-    from megatron_branch.integration.verl_step import unwrap
     from megatron_branch.losses.router import RouteRecord
 
     if not tu.get_non_tensor_data(micro_batches[0], key="record_r2_routes", default=False):
         return None
-    base = unwrap(engine.module[0])
     shape = (num_tokens, len(base.arch.moe_layers), base.config.moe_router_topk)
     return RouteRecord(table=torch.full(shape, -1, dtype=torch.long))
 
 
-def hand_r2_routes(engine: Any, record: Any, slots: Any) -> None:
-    """The recorded routes in the form verl's `merge_router_topk_indices` appends per micro-batch to
-    `engine.mini_layer_topk_idx_list` (a jagged int16 tensor [B, j, MoE layers, k]); verl's forward_backward_batch
-    merges them, restores the dynamic-batch order and returns them as `routed_experts`."""
+def hand_r2_routes(record: Any, slots: Any, into: list[Any], device: Any) -> None:
+    """The recorded routes in the form verl's `merge_router_topk_indices` appends per micro-batch to the engine's
+    `mini_layer_topk_idx_list` (`into`; a jagged int16 tensor [B, j, MoE layers, k]); verl's
+    forward_backward_batch merges them, restores the dynamic-batch order and returns them as `routed_experts`.
+    `device`: the model's (the TP reduction's)."""
     from megatron.core import parallel_state as ps
-
-    from megatron_branch.integration.verl_step import VerlBranchError
 
     table = record.table
     tp = ps.get_tensor_model_parallel_group()
     if tp.size() > 1:  # under sequence parallel each TP rank routed its own rows
-        table = table.to(next(engine.module[0].parameters()).device)
+        table = table.to(device)
         torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.MAX, group=tp)
         table = table.cpu()
-    if bool((table < 0).any()):
-        raise VerlBranchError("router replay R2: the tree's scoring pass left tokens unrouted (a bug)")
+    assert not bool((table < 0).any()), "router replay R2: the tree's scoring pass left tokens unrouted"
     tree = slots.tree
     bounds = [*slots.rollout_offset, len(tree.rollouts)]
     for k in range(len(slots.rollout_offset)):
         seqs = [table[tree.rollout_indices(i)].to(torch.int16) for i in range(bounds[k], bounds[k + 1])]
-        engine.mini_layer_topk_idx_list.append(torch.nested.as_nested_tensor(seqs, layout=torch.jagged))
+        into.append(torch.nested.as_nested_tensor(seqs, layout=torch.jagged))
 
 
 def moe_step_options(

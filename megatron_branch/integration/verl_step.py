@@ -115,11 +115,12 @@ class VerlTreeStep:
         for mb in micro_batches:
             _refuse_batch(mb)
         opts = self._schedule_options(model_chunk)
-        routes = r3_routes(self.engine, micro_batches)  # verl's router replay (replaying), or None
+        base, mode = unwrap(model_chunk), self.engine.engine_config.router_replay.mode
+        routes = r3_routes(mode, base, micro_batches)  # verl's router replay (replaying), or None
         slots = TreeSlots.build(micro_batches, vocab_size=opts.vocab_size, routes=routes)
-        record = r2_record(self.engine, micro_batches, slots.tree.num_tokens)  # R2's recording pass, or None
+        record = r2_record(base, micro_batches, slots.tree.num_tokens)  # R2's recording pass, or None
         moe = moe_step_options(
-            unwrap(model_chunk),
+            base,
             slots.rollout_offset,
             len(slots.tree.rollouts),
             routing_replay=routes is not None,
@@ -133,7 +134,7 @@ class VerlTreeStep:
                     self.options.schedule, model_chunk, slots.tree, opts, entropy=want_entropy
                 )
             if record is not None:
-                hand_r2_routes(self.engine, record, slots)
+                hand_r2_routes(record, slots, self.engine.mini_layer_topk_idx_list, device)
             logp_tok = scores.result.target_logprobs  # [P] float64 (NaN outside responses)
             ent_tok = scores.result.target_entropy if want_entropy else None
             outputs, G, H = self._verl_postprocess(

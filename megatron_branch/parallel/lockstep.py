@@ -177,8 +177,7 @@ def _swapped(base: torch.nn.Module, ctx: Any) -> Iterator[None]:
     """`ctx` on every module that reads a branch context (attention, a recurrent mixer), routers routing plainly
     (no loss), hidden states out; whatever was there restored after."""
     from megatron_branch.attention.context import context_modules
-    from megatron_branch.losses.routing import PlainRouting
-    from megatron_branch.models.moe import branch_routers
+    from megatron_branch.models.moe import PlainRouting, branch_routers
 
     mods, routers = context_modules(base), branch_routers(base)
     # a BranchGPTModel returns hidden states (cheaper); another GPTModel (verl's) its logits, a dummy's all the same

@@ -138,9 +138,11 @@ def test_verl_router_replay_r3_ep2_switch_equals_verl(
     real = verl_moe.r3_routes
     planted = 0
 
-    def from_the_wrong_rollout(engine, micro_batches):  # planted: rollout 1 takes rollout 0's prompt records
+    def from_the_wrong_rollout(
+        mode, base, micro_batches
+    ):  # planted: a rollout takes the previous one's records
         nonlocal planted
-        routes = real(engine, micro_batches)
+        routes = real(mode, base, micro_batches)
         for mb, rows in zip(micro_batches, routes, strict=True):
             ids = mb["input_ids"].unbind()
             for i in range(1, len(rows)):
@@ -196,11 +198,13 @@ def test_verl_router_replay_r2_ep2_switch_equals_verl(
 
     real = verl_moe.hand_r2_routes
 
-    def from_the_wrong_rollouts(engine, record, slots):  # planted: a micro-batch's records rotated by one
-        real(engine, record, slots)
+    def from_the_wrong_rollouts(
+        record, slots, into, device
+    ):  # planted: a micro-batch's records rotated by one
+        real(record, slots, into, device)
         for k in range(len(slots.rollout_offset)):
-            seqs = list(engine.mini_layer_topk_idx_list[-1 - k].unbind())
-            engine.mini_layer_topk_idx_list[-1 - k] = torch.nested.as_nested_tensor(
+            seqs = list(into[-1 - k].unbind())
+            into[-1 - k] = torch.nested.as_nested_tensor(
                 [
                     s[: len(seqs[i])] if len(s) >= len(seqs[i]) else seqs[i]
                     for i, s in enumerate(seqs[1:] + seqs[:1])

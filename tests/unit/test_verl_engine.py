@@ -167,19 +167,15 @@ def test_refusals_are_one_line(single_process: str) -> None:
     with pytest.raises(VerlBranchError, match="global_aux_loss"):
         refuse_unsupported(McoreEngineConfig(), moe)
     from verl.utils import tensordict_utils as tu
-    from verl.workers.config.engine import EngineRouterReplayConfig
 
     from megatron_branch.integration.verl_moe import r3_routes
 
     batch = grpo_batch(seed=0)
-    assert r3_routes(None, [batch]) is None  # no router replay asked: nothing read
+    assert r3_routes("R3", None, [batch]) is None  # no router replay asked: nothing read
     tu.assign_non_tensor(batch, enable_routing_replay=True)
-    # router_replay.mode disabled: verl replays nothing
-    off = SimpleNamespace(engine_config=McoreEngineConfig())
-    assert r3_routes(off, [batch]) is None
+    assert r3_routes("disabled", None, [batch]) is None  # verl replays nothing then either
     tu.assign_non_tensor(batch, record_r2_routes=True)  # R2's recording pass routes natively
-    r2 = SimpleNamespace(engine_config=McoreEngineConfig(router_replay=EngineRouterReplayConfig(mode="R2")))
-    assert r3_routes(r2, [batch]) is None
+    assert r3_routes("R2", None, [batch]) is None
 
 
 def test_kl_and_loss_modes_reach_the_gradient(single_process: str) -> None:
