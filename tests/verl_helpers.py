@@ -267,6 +267,8 @@ def run_step(worker: Any, td_fn: Any, *, actor: Any = None, r2: bool = False) ->
         lp = no_padding_2_padding(tu.get(inferred, "log_probs"), td)
         ent = no_padding_2_padding(tu.get(inferred, "entropy"), td)
     routes = tu.get(inferred, "routed_experts") if r2 and inferred is not None else None
+    if r2:
+        routes = _to_tp_group(routes)  # verl's trainer dispatches the batch, routes included, to every rank
     td = td_fn()
     if routes is not None:
         td["routed_experts"] = routes
@@ -283,6 +285,19 @@ def run_step(worker: Any, td_fn: Any, *, actor: Any = None, r2: bool = False) ->
     out = worker.train_mini_batch(td)
     metrics = tu.get(out, "metrics") if out is not None else {}
     return StepOut(type(engine).__name__, lp, ent, metrics, grads, routes)
+
+
+def _to_tp_group(routes: Any) -> Any:
+    """The collecting rank's (tp rank 0) jagged routes, on every rank of its TP group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    if group.size() == 1:
+        return routes
+    box = [None if routes is None else [t.clone() for t in routes.unbind()]]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return torch.nested.as_nested_tensor(box[0], layout=torch.jagged)
 
 
 def set_switch(on: bool) -> None:
