@@ -397,7 +397,7 @@ def check_verl_model(
     attention_variant: str | None = None,
     multi_latent_attention: bool = False,
     rotary_interleaved: bool = False,
-    moe: bool = False,
+    moe_reason: str | None = None,
 ) -> None:
     """Refuse a model verl's engine built that branch replay cannot run inside it (see the module doc): the
     fields of megatron's TransformerConfig. A SettingError; the settings are the model's, not a flag's."""
@@ -430,13 +430,8 @@ def check_verl_model(
                 f"{where} does not support interleaved RoPE (rotary_interleaved=True); use the default layout"
             )
         )
-    if moe:
-        raise SettingError(
-            lambda _: (
-                f"{where} supports dense models only (MoE not wired yet: megatron's router losses would count a "
-                "token shared by several rollouts once; megatron-branch's own MoE path weights them)"
-            )
-        )
+    if moe_reason is not None:  # integration/verl_moe.py refusal_reason: what of a MoE model is not wired
+        raise SettingError(lambda _: f"{where} cannot run this MoE model: {moe_reason}")
 
 
 def check(spec: Any) -> None:
