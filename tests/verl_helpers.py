@@ -118,7 +118,9 @@ class StepOut:
     grads: dict[str, torch.Tensor]  # this rank's main_grad per parameter, before the optimizer step
 
 
-def make_worker(hf_dir: str, *, tp: int = 1, dynamic_bsz: bool = False, forward_only: bool = False) -> Any:
+def make_worker(
+    hf_dir: str, *, tp: int = 1, cp: int = 1, dynamic_bsz: bool = False, forward_only: bool = False
+) -> Any:
     """verl's TrainingWorker for a Megatron language model (float32 on CPU), built through verl's EngineRegistry."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import (
@@ -135,6 +137,7 @@ def make_worker(hf_dir: str, *, tp: int = 1, dynamic_bsz: bool = False, forward_
     register_cpu_engine()
     engine = McoreEngineConfig(
         tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
         use_distributed_optimizer=False,  # megatron's distributed optimizer needs CUDA
         use_dynamic_bsz=dynamic_bsz,
         micro_batch_size_per_gpu=4,

@@ -59,12 +59,10 @@ def check_verl_version() -> None:
 def refuse_unsupported(engine_config: Any, tf_config: Any = None) -> None:
     """One clear line for each verl setting the tree step does not support; with `tf_config` (after verl built the
     model), for each kind of model it cannot run (rules.check_verl_model)."""
-    cp = engine_config.context_parallel_size
-    if cp > 1 or engine_config.dynamic_context_parallel:
+    if engine_config.dynamic_context_parallel:  # context_parallel_size > 1 runs (verl_cp.py)
         raise VerlBranchError(
-            f"branch replay in verl's engine does not support context parallelism yet "
-            f"(context_parallel_size={cp}, dynamic_context_parallel={engine_config.dynamic_context_parallel}); "
-            "set actor_rollout_ref.actor.megatron.context_parallel_size=1"
+            "branch replay in verl's engine does not support dynamic_context_parallel (a CP group per "
+            "micro-batch; megatron-core 0.16.1 has no dynamic DPxCP groups): use context_parallel_size"
         )
     if (
         engine_config.pipeline_model_parallel_size > 1

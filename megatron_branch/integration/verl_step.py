@@ -117,7 +117,7 @@ class VerlTreeStep:
             logp_tok = scores.result.target_logprobs  # [P] float64 (NaN outside responses)
             ent_tok = scores.result.target_entropy if want_entropy else None
             outputs, G, H = self._verl_postprocess(
-                postprocess, micro_batches, slots, logp_tok, ent_tok, device, forward_only
+                postprocess, micro_batches, slots, logp_tok, ent_tok, device, forward_only, opts.cp_size
             )
             if not forward_only:
                 self._gradient_pass(model_chunk, slots, G, H, opts, run_schedule)
@@ -158,6 +158,7 @@ class VerlTreeStep:
         ent_tok: torch.Tensor | None,
         device: torch.device,
         forward_only: bool,
+        cp_size: int = 1,
     ) -> tuple[list[dict[str, Any]], torch.Tensor, torch.Tensor | None]:
         """verl's post-processing of each micro-batch on the tree's values; returns megatron's
         `forward_data_store` and the tree's per-token weights (dJ/dlogp, dJ/dentropy) of the loss megatron would
@@ -185,7 +186,9 @@ class VerlTreeStep:
             outputs.append(out)
             if forward_only:
                 continue
-            loss = loss / n  # megatron's forward_step divides each micro-batch loss by num_microbatches
+            # megatron's forward_step_calc_loss (a 2-tuple loss): times the CP size (DDP averages over dp x cp
+            # while the CP ranks' gradients are partial sums), over num_microbatches
+            loss = loss * cp_size / n
             if config.grad_scale_func is not None:
                 loss = config.grad_scale_func(loss)
             leaves = [lp] + ([ent] if ent is not None else [])

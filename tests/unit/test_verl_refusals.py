@@ -86,3 +86,15 @@ def test_patch_refuses_a_hybrid_without_changing_it() -> None:
     assert "\n" not in str(e.value)
     assert not any(isinstance(m, BranchFallbackAttention) for m in hybrid.modules())
     assert [(name, type(m)) for name, m in hybrid.named_modules()] == before
+
+
+def test_context_parallel_runs_and_dynamic_cp_is_refused() -> None:
+    """context_parallel_size > 1 runs the tree under megatron-branch's ring (tests/distributed/
+    test_verl_engine_cp.py); dynamic_context_parallel (a CP group per micro-batch) is refused in one line."""
+    refuse_unsupported(SimpleNamespace(**{**vars(ENGINE), "context_parallel_size": 2}))
+    dynamic = SimpleNamespace(
+        **{**vars(ENGINE), "context_parallel_size": 2, "dynamic_context_parallel": True}
+    )
+    with pytest.raises(VerlBranchError, match=r"does not support dynamic_context_parallel") as e:
+        refuse_unsupported(dynamic)
+    assert "\n" not in str(e.value)

@@ -1,0 +1,121 @@
+"""verl's MegatronEngine with and without the branch-replay switch under context parallelism (gloo, CPU), through
+verl's TrainingWorker with dynamic batch size: CP2 (zigzag) at world 2, TP2 x CP2 (+SP) at world 4. With the
+switch the tree runs under megatron-branch's own CP layout (ring attention over the CP group); verl's own path
+runs its THD zigzag split (verl_cpu.CpuVarlenAttention gathers K/V over CP, TE's all-gather CP on a GPU).
+Compared: compute_log_prob's logprobs and entropies on the collecting rank AND the engine's nested outputs on
+every CP rank (verl's postprocess_thd_engine all-gathers them over CP), every gradient shard (fp32 1e-5), verl's
+metrics.
+
+    python tests/distributed/launch.py 2 -k verl_engine_cp
+    python tests/distributed/launch.py 4 -k verl_engine_cp
+
+Skipped (on every rank alike) without the verl extra.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("verl", reason="the verl extra is not installed (make setup-verl)")
+
+from verl_helpers import (  # noqa: E402
+    grpo_batch,
+    make_worker,
+    max_rel_grad_error,
+    run_step,
+    set_switch,
+    write_tiny_policy,
+)
+
+
+def _policy_dir() -> str:
+    # rank 0 writes (transformers' save_pretrained writes on the main process only), every rank reads
+    box = [tempfile.mkdtemp(prefix="verl-policy-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    if dist.get_rank() == 0:
+        write_tiny_policy(Path(box[0]) / "hf")
+    dist.barrier()
+    return str(Path(box[0]) / "hf")
+
+
+def _record_engine_outputs(worker: Any, into: list[dict[str, torch.Tensor]]) -> None:
+    """Keep what the engine's forward-only `forward_backward_batch` returns on THIS rank (every CP rank)."""
+    engine = worker.engine
+    inner = engine.forward_backward_batch
+
+    def recording(data: Any, loss_function: Any, forward_only: bool = False) -> Any:
+        out = inner(data, loss_function, forward_only=forward_only)
+        if forward_only:
+            mo = out["model_output"]
+            into.append({k: mo[k].detach().clone() for k in ("log_probs", "entropy")})
+        return out
+
+    engine.forward_backward_batch = recording
+
+
+def _first(value: Any) -> Any:
+    return value[0] if isinstance(value, list | tuple) else value
+
+
+def _batch() -> Any:
+    return grpo_batch(seed=11, groups=2)
+
+
+def _step(hf: str, tp: int, cp: int, switch: bool) -> tuple[Any, list[dict[str, torch.Tensor]]]:
+    set_switch(switch)
+    worker = make_worker(hf, tp=tp, cp=cp, dynamic_bsz=True)
+    seen: list[dict[str, torch.Tensor]] = []
+    _record_engine_outputs(worker, seen)
+    from verl_helpers import actor_config
+
+    out = run_step(worker, _batch, actor=actor_config(use_dynamic_bsz=True))
+    set_switch(False)
+    return out, seen
+
+
+def _check(tp: int, cp: int) -> None:
+    os.environ.setdefault("MASTER_PORT", "0")  # verl's Worker reads it; the process group already exists
+    hf = _policy_dir()
+    base, base_seen = _step(hf, tp, cp, switch=False)
+    tree, tree_seen = _step(hf, tp, cp, switch=True)
+    assert tree.engine.startswith("BranchReplay") and not base.engine.startswith("BranchReplay")
+    collects = dist.get_rank() == 0  # tp rank 0 and cp rank 0 (the one DP replica)
+    assert (base.log_probs is None) == (tree.log_probs is None) == (not collects)
+    if collects:
+        torch.testing.assert_close(tree.log_probs, base.log_probs, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(tree.entropy, base.entropy, rtol=1e-5, atol=1e-5)
+    assert len(tree_seen) == len(base_seen) == 1
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    td = _batch()
+    for key in (
+        "log_probs",
+        "entropy",
+    ):  # this CP rank's nested outputs (full sequences), read as verl reads them
+        got, want = (no_padding_2_padding(seen[0][key], td) for seen in (tree_seen, base_seen))
+        assert got.shape == want.shape == td["responses"].shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    err, name = max_rel_grad_error(base.grads, tree.grads)
+    assert err <= 1e-5, f"tp={tp} cp={cp} rank {dist.get_rank()} {name}: {err:.2e}"
+    if collects:
+        for key in ("actor/pg_loss", "actor/entropy_loss", "actor/ppo_kl", "kl_loss", "loss", "grad_norm"):
+            got, want = float(_first(tree.metrics[key])), float(_first(base.metrics[key]))
+            assert got == pytest.approx(want, rel=1e-5, abs=1e-6), key
+        assert tree.metrics["tree/positions_computed"][0] < tree.metrics["tree/positions_logical"][0]
+
+
+@pytest.mark.world(2)
+def test_verl_engine_cp2() -> None:
+    _check(tp=1, cp=2)
+
+
+@pytest.mark.world(4)
+def test_verl_engine_tp2_cp2() -> None:
+    _check(tp=2, cp=2)
