@@ -119,7 +119,13 @@ class StepOut:
 
 
 def make_worker(
-    hf_dir: str, *, tp: int = 1, cp: int = 1, dynamic_bsz: bool = False, forward_only: bool = False
+    hf_dir: str,
+    *,
+    tp: int = 1,
+    cp: int = 1,
+    dynamic_bsz: bool = False,
+    forward_only: bool = False,
+    per_token_loss: bool = False,
 ) -> Any:
     """verl's TrainingWorker for a Megatron language model (float32 on CPU), built through verl's EngineRegistry."""
     from verl.trainer.config import CheckpointConfig
@@ -148,6 +154,8 @@ def make_worker(
         dist_checkpointing_path=os.devnull,
         seed=7,
         forward_only=forward_only,  # the reference policy's engine
+        # megatron's per-token loss regime (Megatron-Bridge turns it on at CP > 1 on a GPU)
+        override_transformer_config={"calculate_per_token_loss": True} if per_token_loss else {},
     )
     object.__setattr__(engine, "dtype", "fp32")  # verl's config allows bf16/fp16 only; the CPU test runs fp32
     config = TrainingWorkerConfig(

@@ -335,6 +335,10 @@ class CpuModelBuild:
         model = build_cpu_gpt_model(
             self.model_config.local_path, self.model_config.hf_config, dtype=self.param_dtype
         )
+        # the one transformer override the CPU tests exercise (Megatron-Bridge sets it at CP > 1 on a GPU); it
+        # must be set before DDP is built (DDP averages over dp x cp only without it)
+        per_token = self.engine_config.override_transformer_config.get("calculate_per_token_loss", False)
+        model.config.calculate_per_token_loss = bool(per_token)
         self.tf_config = model.config
         if self.engine_config.forward_only:
             return [model]

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_branch.integration.verl_batch import LinearSlotObjective, TreeSlots
+from megatron_branch.integration.verl_cp import scale_micro_batch_loss
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,8 @@ class VerlTreeStep:
 
     engine: Any
     options: BranchOptions
+    num_tokens: torch.Tensor | None = None
+    """The step's token count under calculate_per_token_loss (verl's 3-tuple losses), for finalize_model_grads."""
 
     def __call__(
         self,
@@ -181,14 +184,14 @@ class VerlTreeStep:
                 model_output["entropy"] = slots.as_nested(k, ent)
             with torch.enable_grad():
                 result = postprocess(model_output, data=mb)
-            assert len(result) == 2, "calculate_per_token_loss is refused at initialize()"
-            loss, out = result
+            loss, out, tokens = scale_micro_batch_loss(
+                result, num_microbatches=n, cp_size=cp_size, per_token_loss=config.calculate_per_token_loss
+            )
             outputs.append(out)
+            if tokens is not None:
+                self.num_tokens = tokens if self.num_tokens is None else self.num_tokens + tokens
             if forward_only:
                 continue
-            # megatron's forward_step_calc_loss (a 2-tuple loss): times the CP size (DDP averages over dp x cp
-            # while the CP ranks' gradients are partial sums), over num_microbatches
-            loss = loss * cp_size / n
             if config.grad_scale_func is not None:
                 loss = config.grad_scale_func(loss)
             leaves = [lp] + ([ent] if ent is not None else [])
@@ -219,7 +222,9 @@ class VerlTreeStep:
             run_schedule(self.options.schedule, model_chunk, slots.tree, objective, opts)
         if config.finalize_model_grads_func is not None:
             config.finalize_model_grads_func(
-                [model_chunk], None, pg_collection=ProcessGroupCollection.use_mpu_process_groups()
+                [model_chunk],
+                self.num_tokens if config.calculate_per_token_loss else None,
+                pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
             )
 
     def _add_metrics(self, outputs: list[dict[str, Any]], slots: TreeSlots, split: int) -> None:

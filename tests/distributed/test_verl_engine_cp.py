@@ -1,5 +1,6 @@
 """verl's MegatronEngine with and without the branch-replay switch under context parallelism (gloo, CPU), through
-verl's TrainingWorker with dynamic batch size: CP2 (zigzag) at world 2, TP2 x CP2 (+SP) at world 4. With the
+verl's TrainingWorker with dynamic batch size: CP2 (zigzag) at world 2 under calculate_per_token_loss (as
+Megatron-Bridge builds it on a GPU), TP2 x CP2 (+SP) at world 4 in megatron's default loss regime. With the
 switch the tree runs under megatron-branch's own CP layout (ring attention over the CP group); verl's own path
 runs its THD zigzag split (verl_cpu.CpuVarlenAttention gathers K/V over CP, TE's all-gather CP on a GPU).
 Compared: compute_log_prob's logprobs and entropies on the collecting rank AND the engine's nested outputs on
@@ -68,9 +69,12 @@ def _batch() -> Any:
     return grpo_batch(seed=11, groups=2)
 
 
-def _step(hf: str, tp: int, cp: int, switch: bool) -> tuple[Any, list[dict[str, torch.Tensor]]]:
+def _step(
+    hf: str, tp: int, cp: int, per_token_loss: bool, switch: bool
+) -> tuple[Any, list[dict[str, torch.Tensor]]]:
     set_switch(switch)
-    worker = make_worker(hf, tp=tp, cp=cp, dynamic_bsz=True)
+    worker = make_worker(hf, tp=tp, cp=cp, dynamic_bsz=True, per_token_loss=per_token_loss)
+    assert worker.engine.tf_config.calculate_per_token_loss == per_token_loss
     seen: list[dict[str, torch.Tensor]] = []
     _record_engine_outputs(worker, seen)
     from verl_helpers import actor_config
@@ -80,11 +84,11 @@ def _step(hf: str, tp: int, cp: int, switch: bool) -> tuple[Any, list[dict[str, 
     return out, seen
 
 
-def _check(tp: int, cp: int) -> None:
+def _check(tp: int, cp: int, per_token_loss: bool) -> None:
     os.environ.setdefault("MASTER_PORT", "0")  # verl's Worker reads it; the process group already exists
     hf = _policy_dir()
-    base, base_seen = _step(hf, tp, cp, switch=False)
-    tree, tree_seen = _step(hf, tp, cp, switch=True)
+    base, base_seen = _step(hf, tp, cp, per_token_loss, switch=False)
+    tree, tree_seen = _step(hf, tp, cp, per_token_loss, switch=True)
     assert tree.engine.startswith("BranchReplay") and not base.engine.startswith("BranchReplay")
     collects = dist.get_rank() == 0  # tp rank 0 and cp rank 0 (the one DP replica)
     assert (base.log_probs is None) == (tree.log_probs is None) == (not collects)
@@ -113,9 +117,13 @@ def _check(tp: int, cp: int) -> None:
 
 @pytest.mark.world(2)
 def test_verl_engine_cp2() -> None:
-    _check(tp=1, cp=2)
+    """megatron's per-token loss regime (verl's 3-tuple loss; Megatron-Bridge turns it on at CP > 1): the token
+    counts reach finalize_model_grads, which divides the summed gradients by them."""
+    _check(tp=1, cp=2, per_token_loss=True)
 
 
 @pytest.mark.world(4)
 def test_verl_engine_tp2_cp2() -> None:
-    _check(tp=2, cp=2)
+    """megatron's default regime (a 2-tuple loss): the loss times the CP size, the gradients averaged over dp x cp
+    (without the factor the tree's gradients are half of verl's: this test failed so)."""
+    _check(tp=2, cp=2, per_token_loss=False)
