@@ -289,7 +289,13 @@ def build_cpu_gpt_model(hf_dir: str, hf_config: Any, *, dtype: torch.dtype) -> t
 
     arch = ModelArch.from_hf_config(hf_config, where=f"{hf_dir}/config.json")
     tp = ps.get_tensor_model_parallel_world_size()
-    config = arch.to_transformer_config(dtype=dtype, tp=tp, sequence_parallel=tp > 1)
+    # context_parallel_size as verl's bridge provider sets it (so the tree path meets the config a GPU run has)
+    config = arch.to_transformer_config(
+        dtype=dtype,
+        tp=tp,
+        sequence_parallel=tp > 1,
+        context_parallel_size=ps.get_context_parallel_world_size(),
+    )
     model = GPTModel(
         config=config,
         transformer_layer_spec=TransformerBlockSubmodules(
