@@ -34,6 +34,21 @@ def write_tiny_policy(out: Path, *, family: str = "qwen2") -> str:
     return str(out)
 
 
+def shared_policy_dir() -> str:
+    """Under torchrun: rank 0 writes the tiny policy (transformers' save_pretrained writes on the main process
+    only) into a fresh folder, every rank gets its path."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    box = [tempfile.mkdtemp(prefix="verl-policy-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    if dist.get_rank() == 0:
+        write_tiny_policy(Path(box[0]) / "hf")
+    dist.barrier()
+    return str(Path(box[0]) / "hf")
+
+
 def grpo_batch(
     *,
     seed: int = 0,

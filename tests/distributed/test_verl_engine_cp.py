@@ -2,7 +2,8 @@
 verl's TrainingWorker with dynamic batch size: CP2 (zigzag) at world 2 under calculate_per_token_loss (as
 Megatron-Bridge builds it on a GPU), TP2 x CP2 (+SP) at world 4 in megatron's default loss regime. With the
 switch the tree runs under megatron-branch's own CP layout (ring attention over the CP group); verl's own path
-runs its THD zigzag split (verl_cpu.CpuVarlenAttention gathers K/V over CP, TE's all-gather CP on a GPU).
+runs its THD zigzag split (verl_cpu.CpuVarlenAttention gathers K/V over CP where TE runs its CP exchange on
+a GPU).
 Compared: compute_log_prob's logprobs and entropies on the collecting rank AND the engine's nested outputs on
 every CP rank (verl's postprocess_thd_engine all-gathers them over CP), every gradient shard (fp32 1e-5), verl's
 metrics.
@@ -16,8 +17,6 @@ Skipped (on every rank alike) without the verl extra.
 from __future__ import annotations
 
 import os
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,23 +26,14 @@ import torch.distributed as dist
 pytest.importorskip("verl", reason="the verl extra is not installed (make setup-verl)")
 
 from verl_helpers import (  # noqa: E402
+    actor_config,
     grpo_batch,
     make_worker,
     max_rel_grad_error,
     run_step,
     set_switch,
-    write_tiny_policy,
+    shared_policy_dir,
 )
-
-
-def _policy_dir() -> str:
-    # rank 0 writes (transformers' save_pretrained writes on the main process only), every rank reads
-    box = [tempfile.mkdtemp(prefix="verl-policy-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    if dist.get_rank() == 0:
-        write_tiny_policy(Path(box[0]) / "hf")
-    dist.barrier()
-    return str(Path(box[0]) / "hf")
 
 
 def _record_engine_outputs(worker: Any, into: list[dict[str, torch.Tensor]]) -> None:
@@ -77,8 +67,6 @@ def _step(
     assert worker.engine.tf_config.calculate_per_token_loss == per_token_loss
     seen: list[dict[str, torch.Tensor]] = []
     _record_engine_outputs(worker, seen)
-    from verl_helpers import actor_config
-
     out = run_step(worker, _batch, actor=actor_config(use_dynamic_bsz=True))
     set_switch(False)
     return out, seen
@@ -86,7 +74,7 @@ def _step(
 
 def _check(tp: int, cp: int, per_token_loss: bool) -> None:
     os.environ.setdefault("MASTER_PORT", "0")  # verl's Worker reads it; the process group already exists
-    hf = _policy_dir()
+    hf = shared_policy_dir()
     base, base_seen = _step(hf, tp, cp, per_token_loss, switch=False)
     tree, tree_seen = _step(hf, tp, cp, per_token_loss, switch=True)
     assert tree.engine.startswith("BranchReplay") and not base.engine.startswith("BranchReplay")
