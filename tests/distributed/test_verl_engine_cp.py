@@ -106,7 +106,8 @@ def _check(tp: int, cp: int, per_token_loss: bool) -> None:
 @pytest.mark.world(2)
 def test_verl_engine_cp2() -> None:
     """megatron's per-token loss regime (verl's 3-tuple loss; Megatron-Bridge turns it on at CP > 1): the token
-    counts reach finalize_model_grads, which divides the summed gradients by them."""
+    counts reach finalize_model_grads, which divides the summed gradients by them (without them the tree's
+    gradients are ~146x verl's: this test failed so)."""
     _check(tp=1, cp=2, per_token_loss=True)
 
 
