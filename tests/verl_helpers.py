@@ -255,14 +255,17 @@ def run_step(worker: Any, td_fn: Any, *, actor: Any = None) -> StepOut:
     return StepOut(type(engine).__name__, lp, ent, metrics, grads)
 
 
-def set_switch(on: bool) -> None:
-    """The user's switch (importing megatron_branch.integration.verl_enable registers the engine), or off."""
+def set_switch(on: bool, options: Any = None) -> None:
+    """The user's switch (importing megatron_branch.integration.verl_enable registers the engine), or off;
+    `options` (BranchOptions): registered as a module named by `external_lib` would (docs/verl.md)."""
     from megatron_branch.integration import verl as integration
 
     if on:
         import megatron_branch.integration.verl_enable  # noqa: F401  (the switch itself)
 
-        integration.register()  # a second test in this process: the import above ran only once
+        if options is not None:
+            integration.unregister()
+        integration.register(options)  # a second test in this process: the import above ran only once
     else:
         integration.unregister()
 
