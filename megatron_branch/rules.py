@@ -240,8 +240,9 @@ def gdn_context_parallel_sizes(*, key_heads: int, value_heads: int, tp: int) -> 
 
 
 def check_hybrid_run(arch: Any, schedule: str, *, cp: int = 1, tp: int = 1) -> None:
-    """A hybrid (gated delta net) model's rules read off its arch (a models.ModelArch): its schedules and the CP
-    split of its GDN heads; nothing for a model without GDN layers."""
+    """A hybrid (gated delta net or Mamba-2) model's rules read off its arch (a models.ModelArch): its schedules
+    and the CP split of its GDN heads, Mamba's CP refusal; nothing for a model without such layers."""
+    check_mamba_run(arch, schedule, cp=cp)
     if not arch.is_hybrid:
         return
     check_hybrid_schedule(
@@ -250,6 +251,26 @@ def check_hybrid_run(arch: Any, schedule: str, *, cp: int = 1, tp: int = 1) -> N
     check_gdn_context_parallel(
         key_heads=arch.linear_num_key_heads, value_heads=arch.linear_num_value_heads, tp=tp, cp=cp
     )
+
+
+def check_mamba_run(arch: Any, schedule: str, *, cp: int = 1) -> None:
+    """A Mamba-2 hybrid (Nemotron-H: hybrid_override_pattern with "M" layers): the recurrent schedules, and no
+    context parallelism yet (its SSM scan over a tree segment needs every row of the path on one rank; a head
+    exchange like the gated delta net's, models/gdn_heads.py, is not built for it)."""
+    pattern = getattr(arch, "hybrid_override_pattern", None) or ""
+    if "M" not in pattern:
+        return
+    check_hybrid_schedule(
+        schedule, model=f"{arch.family}, {pattern.count('M')} of {len(pattern)} layers Mamba-2"
+    )
+    if cp > 1:
+        raise SettingError(
+            lambda s: (
+                f"{s.value('cp', cp)}: context parallelism cannot run a Mamba-2 hybrid yet (a segment's SSM scan "
+                f"needs every row of its path on one rank; no head exchange is built for Mamba); use "
+                f"{s.value('cp', 1)}"
+            )
+        )
 
 
 def check_gdn_context_parallel(*, key_heads: int, value_heads: int, tp: int, cp: int) -> None:
@@ -442,8 +463,8 @@ def check_model(spec: Any) -> None:
     a hybrid's schedules and CP split (check_hybrid_run), the mixture-of-experts rules."""
     s, layout, arch, m = spec.schedule, spec.layout, spec.arch, spec.moe
     check_pipeline(
-        s.name, pp=layout.pp, num_layers=arch.num_layers, hybrid=arch.is_hybrid, moe=arch.is_moe,
-        critic=spec.critic, root_pieces=s.root_pieces,
+        s.name, pp=layout.pp, num_layers=arch.num_layers, moe=arch.is_moe, critic=spec.critic,
+        hybrid=arch.is_hybrid or bool(arch.hybrid_override_pattern), root_pieces=s.root_pieces,
     )  # fmt: skip
     check_hybrid_run(arch, s.name, cp=layout.cp, tp=layout.tp)
     check_moe_run(

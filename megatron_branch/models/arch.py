@@ -119,6 +119,30 @@ class ModelArch:
     moe_routed_scaling_factor: float = 1.0
     """The routed experts' weights are multiplied by this (HF routed_scaling_factor; megatron's
     moe_router_topk_scaling_factor)."""
+    hybrid_override_pattern: str | None = None
+    """A Mamba hybrid's layers, one character each (megatron's and Nemotron-H's hybrid_override_pattern): "M" a
+    Mamba-2 mixer, "*" self-attention, "-" an MLP; each layer is its norm and that ONE block (models/mamba.py).
+    None: every layer attention + MLP."""
+    mlp_activation: str = "swiglu"
+    """The MLP: "swiglu" (gate/up/down) or "relu2" (Nemotron-H: up, squared ReLU, down; no gate)."""
+    position_embedding: str = "rope"
+    """"rope", or "none" (Nemotron-H's attention has no positional encoding: its Mamba layers carry order)."""
+    mamba_num_heads: int = 0
+    """Mamba-2 layers: heads (HF mamba_num_heads); d_inner = heads x mamba_head_dim."""
+    mamba_head_dim: int = 0
+    """Mamba-2 layers: channels per head (HF mamba_head_dim)."""
+    mamba_state_dim: int = 0
+    """Mamba-2 layers: SSM state size N (HF ssm_state_size)."""
+    mamba_num_groups: int = 0
+    """Mamba-2 layers: groups of heads sharing B and C, and the gated norm's groups (HF n_groups)."""
+    mamba_conv_kernel: int = 4
+    """Mamba-2 layers: width of the causal depthwise convolution over x, B, C (HF conv_kernel)."""
+    mamba_conv_bias: bool = True
+    """Mamba-2 layers: the convolution has a bias (HF use_conv_bias)."""
+    mamba_chunk_size: int = 128
+    """Mamba-2 layers: the SSD scan's chunk length (HF chunk_size; precision only, never the result's meaning)."""
+    mamba_dt_min: float = 0.0
+    """Mamba-2 layers: dt is clamped to at least this after softplus (HF's mixer: time_step_min)."""
 
     def __post_init__(self) -> None:
         if self.family not in families():
@@ -148,6 +172,10 @@ class ModelArch:
             self.mrope_section = tuple(int(x) for x in self.mrope_section)
         self._check_layer_types()
         self._check_moe()
+        if self.hybrid_override_pattern is not None or "mamba" in get_family(self.family).layer_kinds:
+            from megatron_branch.models.mamba_arch import check_mamba_arch
+
+            check_mamba_arch(self)
 
     def _check_moe(self) -> None:
         if get_family(self.family).moe and self.num_experts <= 0:
@@ -335,6 +363,10 @@ class ModelArch:
             )
         if self.is_moe:
             self.check_expert_parallel(1, tp=tp)
+        if self.hybrid_override_pattern is not None:
+            from megatron_branch.models.mamba_arch import check_mamba_tensor_parallel
+
+            check_mamba_tensor_parallel(self, tp)
         if self.is_hybrid:  # megatron's GatedDeltaNet splits both head counts over TP (transformer_config.py)
             for name in ("linear_num_key_heads", "linear_num_value_heads"):
                 if getattr(self, name) % tp:
@@ -402,6 +434,10 @@ class ModelArch:
                 # torch's conv1d and megatron's torch_chunk_gated_delta_rule where fla's kernels cannot run
                 deterministic_mode=gdn_uses_torch_path(),
             )
+        if self.hybrid_override_pattern is not None:
+            from megatron_branch.models.mamba_arch import mamba_config_kwargs
+
+            kwargs.update(mamba_config_kwargs(self))
         if self.is_moe:
             from megatron_branch.models.moe import moe_config_kwargs
 
