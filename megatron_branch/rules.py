@@ -72,6 +72,9 @@ from megatron_branch.errors import SettingError
 
 TRAIN_SCHEDULES = ("replay", "packed", "naive", "naive-fused", "packed-nosharing", "replay-stopgrad")
 """Schedules a training run (`train`'s schedule.name) can step with; all but replay-stopgrad are exact."""
+AUTO_SCHEDULE = "auto"
+"""`schedule.name: auto` / `grad --schedule auto` (plan/auto.py): packed when its planned memory fits the budget, replay
+otherwise; checked as replay (what it falls back to), packed asked per batch."""
 GRAD_SCHEDULES = ("replay", "packed", "naive")
 """The schedules of `grad`'s stable contract and of megatron's drop-in (integration/schedule.py)."""
 UNSHARED = ("naive", "naive-fused", "packed-nosharing")
@@ -394,7 +397,7 @@ def check_verl_model(
     attention_variant: str | None = None,
     multi_latent_attention: bool = False,
     rotary_interleaved: bool = False,
-    moe: bool = False,
+    moe_reason: str | None = None,
 ) -> None:
     """Refuse a model verl's engine built that branch replay cannot run inside it (see the module doc): the
     fields of megatron's TransformerConfig. A SettingError; the settings are the model's, not a flag's."""
@@ -427,13 +430,8 @@ def check_verl_model(
                 f"{where} does not support interleaved RoPE (rotary_interleaved=True); use the default layout"
             )
         )
-    if moe:
-        raise SettingError(
-            lambda _: (
-                f"{where} supports dense models only (MoE not wired yet: megatron's router losses would count a "
-                "token shared by several rollouts once; megatron-branch's own MoE path weights them)"
-            )
-        )
+    if moe_reason is not None:  # integration/verl_moe.py refusal_reason: what of a MoE model is not wired
+        raise SettingError(lambda _: f"{where} cannot run this MoE model: {moe_reason}")
 
 
 def check(spec: Any) -> None:

@@ -63,7 +63,9 @@ def _step(
     hf: str, tp: int, cp: int, per_token_loss: bool, switch: bool, options: Any = None
 ) -> tuple[Any, list[dict[str, torch.Tensor]]]:
     set_switch(switch, options)
-    worker = make_worker(hf, tp=tp, cp=cp, dynamic_bsz=True, per_token_loss=per_token_loss)
+    # megatron's per-token loss regime: Megatron-Bridge turns it on at CP > 1 on a GPU
+    per_token = {"calculate_per_token_loss": True} if per_token_loss else {}
+    worker = make_worker(hf, tp=tp, cp=cp, dynamic_bsz=True, override_transformer_config=per_token)
     assert worker.engine.tf_config.calculate_per_token_loss == per_token_loss
     seen: list[dict[str, torch.Tensor]] = []
     _record_engine_outputs(worker, seen)
