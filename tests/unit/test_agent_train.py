@@ -147,3 +147,7 @@ def test_bad_multi_turn_setting_exits_2_one_line(tmp_path: Path, capsys: pytest.
             tmp_path / "run", capsys, "rollout.multi_turn.max_assistant_turns must be a positive int")  # fmt: skip
     refused(["train", AGENT, f"trainer.default_local_dir={out}", "rollout.multi_turn.turn_end=[ab]"],
             tmp_path / "run", capsys, "rollout.multi_turn.turn_end: 'ab' is 2 tokens")  # fmt: skip
+    refused(["train", AGENT, f"trainer.default_local_dir={out}", "rollout.multi_turn.environment=no_such_mod:Env"],
+            tmp_path / "run", capsys, "cannot import environment module 'no_such_mod'")  # fmt: skip
+    refused(["train", AGENT, f"trainer.default_local_dir={out}", "rollout.multi_turn.environment_args={depth: 2}"],
+            tmp_path / "run", capsys, "could not be built: TypeError")  # fmt: skip
