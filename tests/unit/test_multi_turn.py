@@ -4,6 +4,8 @@ fed once, branching at turns giving the update a tree that shares the earlier tu
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -209,6 +211,41 @@ def test_branching_at_turns_shares_earlier_turns_and_the_update_sees_the_tree(mo
     for i, s in enumerate(samples):
         got = res.rollout_logprobs(tree, i)
         torch.testing.assert_close(got.float(), torch.tensor(s.logprobs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_hybrid_multi_turn_continues_each_branch_state() -> None:
+    """A gated delta net hybrid (Qwen3.5-style, fp32): greedy multi-turn == HF generate turn by turn, so every
+    observation was fed onto the branch's state row; with forks after turn 1 the sampled logprobs equal replay's
+    training forward through the tree (each child continued its parent's state)."""
+    from test_gdn_replay import LAYERS, exact_hf_norms
+    from test_hybrid_models import megatron_of
+
+    cfg = tiny_hf_config("qwen3_5", num_layers=3, ffn=48, layer_types=LAYERS, vocab_size=VOCAB)
+    hf = exact_hf_norms(tiny_hf_model(cfg, seed=5, dtype=torch.float32)).eval()
+    _, model = megatron_of(hf, torch.float32)
+    model.eval()
+    mt, ps = turn_params(), prompts()
+    greedy = SamplingParams(n=1, max_new_tokens=16, temperature=0, stop_token_ids=STOP, multi_turn=mt)
+    out = BranchSampler(model, vocab_size=VOCAB).generate(ps, greedy, environments=lambda p: EchoEnv())
+    assert sum(s.tool_calls for s in out.flat()) > 0
+    for p, prompt in enumerate(ps):
+        assert list(out.samples[p][0].response) == hf_turn_by_turn(hf, prompt, mt, 16)
+    forked = dataclasses.replace(greedy, n=2, temperature=1.0, multi_turn=turn_params(branch_at_turns=(1,)))
+    out = BranchSampler(model, vocab_size=VOCAB).generate(
+        ps, forked, generator=torch.Generator().manual_seed(4), environments=lambda p: EchoEnv()
+    )
+    samples = out.flat()
+    assert any(s.tool_calls for s in samples) and len({s.response for s in samples}) > len(ps)
+    rollouts = [s.to_rollout(advantage=1.0) for s in samples]
+    tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
+    obj = PolicyGradientObjective.grpo([1.0] * len(rollouts), tree.num_trained_tokens_logical())
+    res = run_schedule("replay", model, tree, obj, ScheduleOptions(vocab_size=VOCAB, keep_logprobs=True))
+    model.zero_grad(set_to_none=True)
+    for i, s in enumerate(samples):
+        torch.testing.assert_close(
+            res.rollout_logprobs(tree, i).float(), torch.tensor(s.logprobs), rtol=1e-5, atol=1e-5
+        )
 
 
 def branch_fed(group, p: int) -> int:  # noqa: ANN001
