@@ -173,6 +173,27 @@ def test_greedy_multi_turn_equals_hf_generate_turn_by_turn(models, mt: MultiTurn
         assert all(s.tool_calls <= 1 for s in out.flat())
 
 
+def test_unshared_multi_turn_samples_the_same_rollouts(models) -> None:
+    """share_prefix=False (every rollout its own prefill and environment): the same sampled episodes, n prefills."""
+    _, model = models
+    outs = {}
+    for share in (True, False):
+        params = SamplingParams(
+            n=3,
+            max_new_tokens=16,
+            temperature=1.0,
+            stop_token_ids=STOP,
+            multi_turn=turn_params(),
+            share_prefix=share,
+        )
+        outs[share] = BranchSampler(model, vocab_size=VOCAB).generate(
+            prompts(), params, generator=torch.Generator().manual_seed(2), environments=lambda p: EchoEnv()
+        )
+    key = lambda o: [(s.response, s.loss_mask, s.turns, s.env_reward) for s in o.flat()]  # noqa: E731
+    assert key(outs[True]) == key(outs[False]) and any(s.tool_calls for s in outs[True].flat())
+    assert outs[False].stats.prompt_prefills == [3, 3]
+
+
 def test_branching_at_turns_shares_earlier_turns_and_the_update_sees_the_tree(models) -> None:
     """Sampled (temperature 1) with forks after turns 1 and 2: siblings share every earlier turn, tool output
     included; the update's tree computes each shared position once (computed < logical, both counted), and the
