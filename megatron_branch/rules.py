@@ -288,34 +288,21 @@ def check_sampling(
     """The rules between sampling settings (see the module doc), each field valid on its own (SamplingParams):
     tree sampling (`branch_at`, or a multi-turn rollout's `branch_at_turns`) needs prefix sharing, forks inside
     the response and ends with n leaves."""
-    turns = list(branch_at_turns)
-    if turns:
-        if branch_at:
-            raise SettingError(
-                lambda s: (
-                    f"{s.name('branch_at')} and {s.name('branch_at_turns')} both fork rollouts: use one or the other"
-                )
+    at, turns = list(branch_at), list(branch_at_turns)
+    if at and turns:
+        raise SettingError(
+            lambda s: (
+                f"{s.name('branch_at')} and {s.name('branch_at_turns')} both fork rollouts: use one or the other"
             )
-        if not share_prefix:
-            raise SettingError(
-                lambda s: (
-                    f"{s.value('share_prefix', 'false')} samples every rollout on its own (its own prefill); "
-                    f"{s.name('branch_at_turns')} forks rollouts that share earlier turns: use one or the other"
-                )
-            )
-        if n % branch_factor ** len(turns):
-            raise SettingError(
-                lambda s: (
-                    f"{s.value('n', n)} must be divisible by {s.name('branch_factor')} ** "
-                    f"len({s.name('branch_at_turns')}) = {branch_factor ** len(turns)}"
-                )
-            )
-    at = list(branch_at)
-    if not share_prefix and at:
+        )
+    forks, key, shared = (
+        (turns, "branch_at_turns", "earlier turns") if turns else (at, "branch_at", "a response start")
+    )
+    if not share_prefix and forks:
         raise SettingError(
             lambda s: (
                 f"{s.value('share_prefix', 'false')} samples every rollout on its own (its own prefill); "
-                f"{s.name('branch_at')} forks rollouts that share a response start: use one or the other"
+                f"{s.name(key)} forks rollouts that share {shared}: use one or the other"
             )
         )
     if at != sorted(set(at)) or any(not 0 < k < max_new_tokens for k in at):
@@ -324,12 +311,12 @@ def check_sampling(
                 f"{s.name('branch_at')} must be strictly increasing token counts in (0, "
                 f"{s.value('max_new_tokens', max_new_tokens)}), got {at}"
             )
-        )
-    if n % branch_factor ** len(at):
+        )  # branch_at_turns' own rule: check_multi_turn
+    if n % branch_factor ** len(forks):
         raise SettingError(
             lambda s: (
-                f"{s.value('n', n)} must be divisible by {s.name('branch_factor')} ** len({s.name('branch_at')}) = "
-                f"{branch_factor ** len(at)}"
+                f"{s.value('n', n)} must be divisible by {s.name('branch_factor')} ** len({s.name(key)}) = "
+                f"{branch_factor ** len(forks)}"
             )
         )
 

@@ -9,27 +9,16 @@ and write the observation's tokens. A class that cannot be imported or built is 
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from megatron_branch.errors import UserError
+from megatron_branch.tasks.reward import import_named
 
 
 def load_environment(spec: str) -> type:
     """Import `module:Class` (the module must be importable: PYTHONPATH)."""
-    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
-        raise UserError(f"environment must be 'module:Class', got {spec!r}")
-    module_name, attr = spec.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # ImportError, or the module's own error at import time
-        raise UserError(
-            f"cannot import environment module {module_name!r}: {exc}".replace("\n", " ")
-        ) from None
-    cls = getattr(module, attr, None)
-    if cls is None:
-        raise UserError(f"environment module {module_name!r} has no attribute {attr!r}")
+    cls = import_named(spec, "environment", "module:Class")
     if not isinstance(cls, type) or not all(callable(getattr(cls, m, None)) for m in ("reset", "step")):
         raise UserError(f"environment {spec!r} must be a class with reset(prompt_ids) and step(turn_ids)")
     return cls
