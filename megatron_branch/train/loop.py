@@ -98,9 +98,8 @@ class Trainer(RunCheckpoints):
                 cfg, self.policy, opts=engine.opts, algo=self.algo, arch=self.arch, groups=self.groups,
                 dtype=self.dtype,
             )  # fmt: skip
-            self.actor.set_stop_tokens(
-                self.dataset.stop_token_ids(cfg.rollout.stop), self.dataset.turn_end_ids
-            )
+            ds = self.dataset
+            self.actor.set_stop_tokens(ds.stop_token_ids(cfg.rollout.stop), ds.turn_end_ids)
             # what megatron and the engine were given (train/record.py), beside config.yaml
             agree.write_on_rank0(
                 lambda: write_engine_record(setup_dir, engine_record(self.actor.policy, self.actor.plan))
