@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_branch.integration.verl_batch import LinearSlotObjective, TreeSlots
+from megatron_branch.integration.verl_cp import scale_micro_batch_loss
 from megatron_branch.integration.verl_onepass import one_pass_objective, two_pass_reason, verl_model_output
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,8 @@ class VerlTreeStep:
 
     engine: Any
     options: BranchOptions
+    num_tokens: torch.Tensor | None = None
+    """The step's token count under calculate_per_token_loss (verl's 3-tuple losses), for finalize_model_grads."""
 
     def __call__(
         self,
@@ -139,7 +142,7 @@ class VerlTreeStep:
         value = self.value_model
         want_entropy = not value and _wants_entropy(micro_batches)
         temperature = 1.0 if value else _uniform_temperature(micro_batches)  # verl's value forward reads none
-        two_pass = None if forward_only else self._two_pass_reason(postprocess)
+        two_pass = None if forward_only else self._two_pass_reason(postprocess, opts)
         with _temperature(model_chunk, temperature):
             if not forward_only and two_pass is None and record is None:  # R2 records in forward-only passes
                 outputs = self._one_pass(
@@ -155,7 +158,7 @@ class VerlTreeStep:
             logp_tok = scores.result.target_logprobs  # [P] float64 (NaN outside responses)
             ent_tok = scores.result.target_entropy if want_entropy else None
             outputs, G, H = self._verl_postprocess(
-                postprocess, micro_batches, slots, logp_tok, ent_tok, device, forward_only
+                postprocess, micro_batches, slots, logp_tok, ent_tok, device, forward_only, opts.cp_size
             )
             if not forward_only:
                 linear = LinearSlotObjective(G=G, H=H if H is not None and bool(H.any()) else None)
@@ -179,13 +182,17 @@ class VerlTreeStep:
             outputs[0]["metrics"]["tree/update_passes"] = float(passes)
         return outputs
 
-    def _two_pass_reason(self, postprocess: Callable[..., Any]) -> str | None:
+    def _two_pass_reason(self, postprocess: Callable[..., Any], opts: Any) -> str | None:
         """None: the update runs in one tree pass (verl_onepass.py); else why it keeps two (logged once)."""
-        reason = (
-            two_pass_reason(postprocess, self.options.schedule)
-            if self.options.one_pass
-            else "BranchOptions(one_pass=False)"
-        )
+        if not self.options.one_pass:
+            reason: str | None = "BranchOptions(one_pass=False)"
+        elif opts.cp_size > 1 or unwrap(self.engine.module[0]).config.calculate_per_token_loss:
+            # the one-pass objective is not wired to CP chunks (each rank's rows) nor to megatron's per-token regime
+            reason = (
+                "context parallelism / calculate_per_token_loss (the one-pass objective is not wired to them)"
+            )
+        else:
+            reason = two_pass_reason(postprocess, self.options.schedule)
         if getattr(self.engine, "_branch_passes_logged", False) != (reason or True):
             self.engine._branch_passes_logged = reason or True  # once per engine and path
             if reason is None:
@@ -255,6 +262,7 @@ class VerlTreeStep:
         ent_tok: torch.Tensor | None,
         device: torch.device,
         forward_only: bool,
+        cp_size: int = 1,
     ) -> tuple[list[dict[str, Any]], torch.Tensor, torch.Tensor | None]:
         """verl's post-processing of each micro-batch on the tree's values; returns megatron's
         `forward_data_store` and the tree's per-token weights (dJ/dlogp, dJ/dentropy) of the loss megatron would
@@ -276,12 +284,14 @@ class VerlTreeStep:
             model_output = verl_model_output(slots, k, lp, ent, value_model=self.value_model)
             with torch.enable_grad():
                 result = postprocess(model_output, data=mb)
-            assert len(result) == 2, "calculate_per_token_loss is refused at initialize()"
-            loss, out = result
+            loss, out, tokens = scale_micro_batch_loss(
+                result, num_microbatches=n, cp_size=cp_size, per_token_loss=config.calculate_per_token_loss
+            )
             outputs.append(out)
+            if tokens is not None:
+                self.num_tokens = tokens if self.num_tokens is None else self.num_tokens + tokens
             if forward_only:
                 continue
-            loss = loss / n  # megatron's forward_step divides each micro-batch loss by num_microbatches
             if config.grad_scale_func is not None:
                 loss = config.grad_scale_func(loss)
             leaves = [lp] + ([ent] if ent is not None else [])
@@ -313,7 +323,9 @@ class VerlTreeStep:
             result = run_schedule(self.options.schedule, model_chunk, slots.tree, objective, opts)
         if config.finalize_model_grads_func is not None:
             config.finalize_model_grads_func(
-                [model_chunk], None, pg_collection=ProcessGroupCollection.use_mpu_process_groups()
+                [model_chunk],
+                self.num_tokens if config.calculate_per_token_loss else None,
+                pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
             )
         return result
 
