@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -140,12 +141,25 @@ def plan_from_meta(
     *,
     q_runs: Runs | None = None,
     ancestors: dict[int, tuple[int, ...]] | None = None,
+    window: int | None = None,
+    seg_start: torch.Tensor | None = None,
 ) -> BlockPlan:
     """The plan of query rows `q_meta` [2, sq] over key rows `k_meta` [2, sk] (blocks of `block_sizes` end to end;
-    None: one block). `q_runs`/`ancestors`: the query side, when the caller reuses it over many key blocks."""
+    None: one block). `q_runs`/`ancestors`: the query side, when the caller reuses it over many key blocks.
+    `window`: a sliding window over path positions, `seg_start` [S] the path position of each segment's first
+    token (a token's path position = its segment's start + its offset)."""
     sizes = (k_meta.shape[1],) if block_sizes is None else tuple(block_sizes)
     assert sum(sizes) == k_meta.shape[1], (sizes, tuple(k_meta.shape))
     q = runs_from_meta(q_meta) if q_runs is None else q_runs
     k = runs_from_meta(k_meta, breaks=_block_cuts(sizes)[:-1])
     anc = ancestors_from_related(related, q.segment) if ancestors is None else ancestors
-    return plan_block(q, k, meta_sees(q, k, anc), q_meta.shape[1], sizes)
+    if window is not None:
+        assert seg_start is not None, "a sliding window needs the segments' path positions"
+        q, k = (_with_positions(x, seg_start) for x in (q, k))
+    return plan_block(q, k, meta_sees(q, k, anc), q_meta.shape[1], sizes, window=window)
+
+
+def _with_positions(runs: Runs, seg_start: torch.Tensor) -> Runs:
+    """The runs with their path positions: segment start + offset."""
+    start = seg_start.tolist()
+    return replace(runs, position=tuple(start[s] + o for s, o in zip(runs.segment, runs.offset)))
