@@ -34,8 +34,11 @@ def _block_cuts(block_sizes: Sequence[int]) -> list[int]:
     return cuts
 
 
-def layout_runs(layout: AttentionLayout, block_sizes: Sequence[int]) -> tuple[Runs, Runs, list[list[int]]]:
-    """(query runs, key runs, sees) of a layout whose keys come as blocks of `block_sizes`."""
+def layout_runs(
+    layout: AttentionLayout, block_sizes: Sequence[int], *, positions: bool = False
+) -> tuple[Runs, Runs, list[list[int]]]:
+    """(query runs, key runs, sees) of a layout whose keys come as blocks of `block_sizes`; with `positions`, the
+    runs carry their path positions (a sliding window needs them)."""
     segs = layout.segments
     assert sum(block_sizes) == layout.num_keys, (tuple(block_sizes), layout.num_keys)
     owner: list[tuple[int, int, int]] = sorted((s.self_k_start, s.self_k_end, i) for i, s in enumerate(segs))
@@ -63,7 +66,7 @@ def layout_runs(layout: AttentionLayout, block_sizes: Sequence[int]) -> tuple[Ru
         for a, e in s.ancestor_ranges:  # pieces are cut at every range boundary: whole pieces inside [a, e)
             mine += range(bisect.bisect_left(k_start, a), bisect.bisect_left(k_start, e))
         sees.append(mine)
-    q_pos, k_pos = _path_positions(layout, k_start, k_seg)
+    q_pos, k_pos = _path_positions(layout, k_start, k_seg) if positions else ((), ())
     q = Runs(
         start=tuple(s.q_start for s in segs),
         length=tuple(s.length for s in segs),
@@ -112,7 +115,7 @@ def plan_from_layout(
     sizes = (layout.num_keys,) if block_sizes is None else tuple(block_sizes)
 
     def build() -> BlockPlan:
-        q, k, sees = layout_runs(layout, sizes)
+        q, k, sees = layout_runs(layout, sizes, positions=window is not None)
         return plan_block(q, k, sees, layout.num_queries, sizes, window=window)
 
     return layout.derived(("plan", sizes, window), build)

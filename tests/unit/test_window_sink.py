@@ -168,13 +168,21 @@ def test_flex_forward_with_window_and_sink() -> None:
     tree = _tree()
     pos = _positions(tree)
     t = {x: y.detach() for x, y in _tensors(len(pos), torch.float64, seed=4).items()}
-    for chunk, ext in list(_replay_chunks(tree))[:2]:
+    for chunk, ext in list(_replay_chunks(tree))[1:2]:
         qrows = chunk.token_index
         blocks = [_rows(tree, a) for a in ext] + [qrows]
         want = _oracle(t, pos, qrows, torch.cat(blocks), chunk.layout, 3)
         ks, vs = [t["k"][b] for b in blocks], [t["v"][b] for b in blocks]
         got = attention(t["q"][qrows], ks, vs, chunk.layout, backend="flex", window=3, sink=t["sink"])
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_repeat_baseline_refuses_windows_and_sinks() -> None:
+    chunk = make_chunk(_tree(), [0])
+    x = torch.zeros(chunk.layout.num_queries, 1, N_KV, HEAD)
+    for kw in (dict(window=3), dict(sink=torch.zeros(N_KV))):
+        with pytest.raises(ValueError, match="no sliding window or sink"):
+            attention(x, x, x, chunk.layout, backend="repeat", **kw)
 
 
 def _coverage(plan: BlockPlan) -> torch.Tensor:
