@@ -14,6 +14,10 @@ context parallelism: every ring step's), so P = exp(S - lse) is exactly this cal
 D = rowsum(dO * O) the full row's D: dq summed over calls, dk/dv of each block are the exact gradient. Rows the plan
 never touches come back as out 0, lse -inf (lse_merge reads that as "no mass").
 
+A plan cut with a sliding window also has `bands` (attention/window.py): an executor runs them like its other calls
+(the dense executors read them through `BlockPlan.dense_mask`). A sink is not the executor's business: it is merged
+once after all calls (attention/merge.py `add_sink`), and the backward receives the merged out/lse including it.
+
 The same executor serves one rank (`PlanAttention`, below) and every block of the ring (parallel/ring.py), so a
 backend means the same at CP1 and under CP. The executors (attention/dispatch.py `EXECUTORS`):
     merge      fused kernels per rectangle, sibling rows grouped, equal causal squares batched (the fast path)

@@ -229,6 +229,21 @@ def test_windowed_plan_covers_once_counts_exactly_and_skips_blocks() -> None:
     assert skipped > 10 and reached > 10, (skipped, reached)  # both cases occur in this tree
 
 
+def test_windowed_plan_over_blocks_cut_through_segments() -> None:
+    """Key blocks cut anywhere (a segment's own keys in two blocks: runs with offsets > 0) still cover once."""
+    tree = _tree()
+    chunk = make_chunk(tree, [s.id for s in tree.segments], targets="all")
+    rows, pos = chunk.token_index, _positions(tree)
+    gen = torch.Generator().manual_seed(7)
+    for window in (2, 5):
+        for _ in range(4):
+            cuts = sorted({int(x) for x in torch.randint(1, len(rows), (5,), generator=gen)})
+            sizes = [b - a for a, b in zip([0, *cuts], [*cuts, len(rows)])]
+            plan = plan_from_layout(chunk.layout, sizes, window=window)
+            mask = chunk.layout.dense_mask() & ((pos[rows][:, None] - pos[rows][None, :]) < window)
+            assert torch.equal(_coverage(plan), mask.long()), (window, sizes)
+
+
 # --- planted bugs: each breaks the comparison with HF -------------------------------------------------------------
 def _sink_per_block(monkeypatch: pytest.MonkeyPatch) -> None:
     """The sink merged once per key block (here: twice) instead of once per row."""
