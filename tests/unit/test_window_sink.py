@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_visibility import _coverage
 from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
 from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
@@ -24,7 +25,6 @@ from megatron_branch.attention import executor as executor_mod
 from megatron_branch.attention import plan as plan_mod
 from megatron_branch.attention.dispatch import attention
 from megatron_branch.attention.merge import add_sink
-from megatron_branch.attention.plan import BlockPlan
 from megatron_branch.attention.plan_sources import plan_from_layout
 from megatron_branch.data import PrefixTree
 from megatron_branch.schedule.chunks import make_chunk
@@ -185,24 +185,6 @@ def test_repeat_baseline_refuses_windows_and_sinks() -> None:
             attention(x, x, x, chunk.layout, backend="repeat", **kw)
 
 
-def _coverage(plan: BlockPlan) -> torch.Tensor:
-    """[sq, sk] int: how many of the plan's calls cover each (query, key) pair (bands by their own mask)."""
-    cov = torch.zeros(plan.num_queries, plan.num_keys, dtype=torch.long)
-    starts = plan.block_starts()
-    for grp in plan.full:
-        for a, e in grp.rows:
-            for p in grp.pieces:
-                cov[a:e, starts[p.block] + p.start : starts[p.block] + p.end] += 1
-    for run in plan.causal:
-        for i in range(run.count):
-            r, c = run.row + i * run.size, starts[run.block] + run.col + i * run.size
-            cov[r : r + run.size, c : c + run.size] += torch.ones(run.size, run.size, dtype=torch.long).tril()
-    for b in plan.bands:
-        c = starts[b.block] + b.col
-        cov[b.row : b.row + b.rows, c : c + b.cols] += b.mask().long()
-    return cov
-
-
 def test_windowed_plan_covers_once_counts_exactly_and_skips_blocks() -> None:
     tree = _tree()
     pos = _positions(tree)
@@ -214,7 +196,7 @@ def test_windowed_plan_covers_once_counts_exactly_and_skips_blocks() -> None:
             plan = plan_from_layout(chunk.layout, sizes, window=window)
             krows, qrows = torch.cat(blocks), chunk.token_index
             mask = chunk.layout.dense_mask() & ((pos[qrows][:, None] - pos[krows][None, :]) < window)
-            assert torch.equal(_coverage(plan), mask.long()), (window, ext)
+            assert torch.equal(_coverage(plan, plan.num_queries, plan.num_keys), mask.long()), (window, ext)
             assert plan.visible_pairs == int(mask.sum())
             read = {p.block for g in plan.full for p in g.pieces} | {r.block for r in plan.causal}
             read |= {b.block for b in plan.bands}
@@ -241,7 +223,7 @@ def test_windowed_plan_over_blocks_cut_through_segments() -> None:
             sizes = [b - a for a, b in zip([0, *cuts], [*cuts, len(rows)])]
             plan = plan_from_layout(chunk.layout, sizes, window=window)
             mask = chunk.layout.dense_mask() & ((pos[rows][:, None] - pos[rows][None, :]) < window)
-            assert torch.equal(_coverage(plan), mask.long()), (window, sizes)
+            assert torch.equal(_coverage(plan, plan.num_queries, plan.num_keys), mask.long()), (window, sizes)
 
 
 # --- planted bugs: each breaks the comparison with HF -------------------------------------------------------------
