@@ -37,6 +37,7 @@ from megatron_branch.attention.heads import fold, from_kernel, kv_view, to_kerne
 from megatron_branch.attention.kernels import (
     fused_attention_backward,
     fused_attention_forward,
+    lse_dtype,
     math_attention_backward,
     math_attention_forward,
 )
@@ -69,9 +70,11 @@ def _run_view(x: torch.Tensor, run: CausalRun) -> torch.Tensor:
 
 
 def _band_views(x: torch.Tensor, band: Band, keys: bool) -> torch.Tensor:
-    """[s, b, heads, h] -> the band's rows (keys=False) or key columns (keys=True) as [b, heads, L, h]."""
+    """[s, b, heads, h] -> the band's rows (keys=False) or key columns (keys=True) as [b, heads, L, h], in the
+    accumulation dtype: the math kernels return their results in the input dtype, and a band's part must not be
+    rounded to bf16 before it is merged (a band is small: the copy is W x 2W per tile at most)."""
     lo, n = (band.col, band.cols) if keys else (band.row, band.rows)
-    return x[lo : lo + n].permute(1, 2, 0, 3)
+    return x[lo : lo + n].permute(1, 2, 0, 3).to(lse_dtype(x.dtype))
 
 
 def merge_forward(
