@@ -67,7 +67,19 @@ TRANSFORM_NAMES = (
 """The transforms' names (checkpoint/layouts.py TRANSFORMS implements exactly these: asserted there)."""
 SPECS = ("local", "te")
 """megatron layer specs the map names tensors for: megatron-core's local spec and its TransformerEngine spec."""
-WHEN = (None, "qkv_bias", "untied", "qk_norm", "shared_expert", "shared_expert_gate", "expert_bias")
+WHEN = (
+    None,
+    "qkv_bias",
+    "untied",
+    "qk_norm",
+    "shared_expert",
+    "shared_expert_gate",
+    "expert_bias",
+    "mamba_conv_bias",
+)
+PATTERN_LAYERS = ("M", "*", "-")
+"""`Rule.layers` of a hybrid_override_pattern model (Nemotron-H): the rule applies to the layers of that character
+(models/mamba_arch.py)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,7 +105,7 @@ class Rule:
     def __post_init__(self) -> None:
         assert self.transform in TRANSFORM_NAMES, self.transform
         assert self.when in WHEN, self.when
-        assert self.layers in (None, "full", "linear"), self.layers
+        assert self.layers in (None, "full", "linear", *PATTERN_LAYERS), self.layers
         assert self.mlp in (None, "dense", "moe"), self.mlp
 
     def name(self, spec: str = "local") -> str:
