@@ -20,6 +20,7 @@ import torch
 
 from megatron_branch.errors import UserError
 from megatron_branch.models.families import arch_fields_from_hf, families, get_family, hf_config_of
+from megatron_branch.models.mla import check_mla
 from megatron_branch.models.router_settings import check_router
 from megatron_branch.rules import check_hybrid_run
 
@@ -119,6 +120,16 @@ class ModelArch:
     moe_routed_scaling_factor: float = 1.0
     """The routed experts' weights are multiplied by this (HF routed_scaling_factor; megatron's
     moe_router_topk_scaling_factor)."""
+    kv_lora_rank: int = 0
+    """Multi-latent attention (DeepSeek-V3's MLA, models/families/deepseek_v3.py): the width of the compressed
+    key/value latent c_kv (HF kv_lora_rank; megatron's MLATransformerConfig); 0 = grouped-query attention. Under
+    MLA `head_dim` is the per-head width of the non-rotating q/k part (HF qk_nope_head_dim)."""
+    q_lora_rank: int | None = None
+    """MLA: the width of the compressed query (HF q_lora_rank); None = queries projected from the hidden state."""
+    qk_rope_head_dim: int = 0
+    """MLA: the per-head width of the decoupled RoPE part of q/k (the key's shared by every head)."""
+    v_head_dim: int = 0
+    """MLA: the per-head width of the values."""
 
     def __post_init__(self) -> None:
         if self.family not in families():
@@ -139,7 +150,7 @@ class ModelArch:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if not 0 < self.rotary_percent <= 1:
             raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.rotary_percent}")
-        if self.rotary_dim % 2:
+        if self.rotary_dim % 2 and not self.multi_latent:  # MLA's: check_mla
             raise ValueError(
                 f"head_dim {self.head_dim} x partial_rotary_factor {self.rotary_percent} = {self.rotary_dim} "
                 "rotated dims: RoPE needs an even number"
@@ -148,6 +159,8 @@ class ModelArch:
             self.mrope_section = tuple(int(x) for x in self.mrope_section)
         self._check_layer_types()
         self._check_moe()
+        if self.multi_latent:
+            check_mla(self)  # models/mla.py
 
     def _check_moe(self) -> None:
         if get_family(self.family).moe and self.num_experts <= 0:
@@ -266,9 +279,15 @@ class ModelArch:
 
     @property
     def rotary_dim(self) -> int:
-        """Dims of each head RoPE rotates (HF: int(head_dim * partial_rotary_factor), as megatron computes it)."""
+        """Dims of each head RoPE rotates (HF: int(head_dim * partial_rotary_factor), as megatron computes it;
+        MLA: the decoupled qk_rope_head_dim)."""
         assert self.head_dim is not None
-        return int(self.head_dim * self.rotary_percent)
+        return self.qk_rope_head_dim if self.multi_latent else int(self.head_dim * self.rotary_percent)
+
+    @property
+    def multi_latent(self) -> bool:
+        """Multi-latent attention (megatron's MLASelfAttention, models/mla.py) in every attention layer."""
+        return self.kv_lora_rank > 0
 
     # --- the GDN widths megatron's GatedDeltaNet uses (ssm/gated_delta_net.py) -------------------------------------
     @property
@@ -335,6 +354,13 @@ class ModelArch:
             )
         if self.is_moe:
             self.check_expert_parallel(1, tp=tp)
+        # MLA's down projections are column-parallel (gathered after): their widths split over TP
+        for name, width in (
+            ("kv_lora_rank + qk_rope_head_dim", self.kv_lora_rank + self.qk_rope_head_dim),
+            ("q_lora_rank", self.q_lora_rank or 0),
+        ):
+            if self.multi_latent and width % tp:
+                raise UserError(f"tensor parallel size {tp} does not divide {name}={width}")
         if self.is_hybrid:  # megatron's GatedDeltaNet splits both head counts over TP (transformer_config.py)
             for name in ("linear_num_key_heads", "linear_num_value_heads"):
                 if getattr(self, name) % tp:
@@ -406,6 +432,10 @@ class ModelArch:
             from megatron_branch.models.moe import moe_config_kwargs
 
             kwargs.update(moe_config_kwargs(self))
+        if self.multi_latent:
+            from megatron_branch.models.mla import mla_config
+
+            return mla_config(self, {**kwargs, **overrides})
         kwargs.update(overrides)
         return TransformerConfig(**kwargs)
 
