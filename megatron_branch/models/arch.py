@@ -354,13 +354,6 @@ class ModelArch:
             )
         if self.is_moe:
             self.check_expert_parallel(1, tp=tp)
-        # MLA's down projections are column-parallel (gathered after): their widths split over TP
-        for name, width in (
-            ("kv_lora_rank + qk_rope_head_dim", self.kv_lora_rank + self.qk_rope_head_dim),
-            ("q_lora_rank", self.q_lora_rank or 0),
-        ):
-            if self.multi_latent and width % tp:
-                raise UserError(f"tensor parallel size {tp} does not divide {name}={width}")
         if self.is_hybrid:  # megatron's GatedDeltaNet splits both head counts over TP (transformer_config.py)
             for name in ("linear_num_key_heads", "linear_num_value_heads"):
                 if getattr(self, name) % tp:

@@ -100,4 +100,16 @@ def mla_layer_spec(norm: type) -> Any:
     spec.submodules.self_attention.submodules.q_layernorm = norm
     spec.submodules.self_attention.submodules.kv_layernorm = norm
     spec.submodules.sharded_state_dict_keys_map = dict(MLA_KEYS_MAP)
+    # the down projections replicated on every TP rank (megatron's Linear, which MLASelfAttention accepts: the
+    # TE spec's "duplicated" TELinear), not the local spec's ColumnParallelLinear: with that, megatron gathers
+    # [c_kv | k_rope] and splits it, and the gather's backward keeps each rank's own columns of the gradient;
+    # k_rope's gradient is a PARTIAL sum (each rank's heads), so the other ranks' parts would be dropped (measured:
+    # 5% off HF at TP2+SP). Replicated, k_rope is gathered from the sequence-parallel region, whose backward is a
+    # reduce-scatter: the parts summed. (TP without SP is not reached: the family is a MoE, and a MoE at TP > 1
+    # needs sequence parallelism, rules.py; there k_rope's gradient would stay this rank's part.)
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    attention = spec.submodules.self_attention.submodules
+    attention.linear_q_down_proj = Linear
+    attention.linear_kv_down_proj = Linear
     return spec

@@ -35,7 +35,12 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def glm_setup() -> tuple[Path, dict[str, torch.Tensor]]:
-    """(folder with hf/ and r.jsonl, the float64 HF oracle's gradient) on every rank."""
+    return sigmoid_router_setup("glm4_moe")
+
+
+def sigmoid_router_setup(family: str) -> tuple[Path, dict[str, torch.Tensor]]:
+    """(folder with hf/ and r.jsonl, the float64 HF oracle's gradient) on every rank, for a tiny model of a family
+    with the DeepSeek-style router (glm4_moe, deepseek_v3: tests/distributed/test_deepseek_v3_parallel.py)."""
     from transformers import AutoModelForCausalLM
 
     from megatron_branch.testing import (
@@ -49,7 +54,7 @@ def glm_setup() -> tuple[Path, dict[str, torch.Tensor]]:
 
     d = _shared_dir()
     rollouts = _rollouts()
-    cfg = tiny_hf_config("glm4_moe")
+    cfg = tiny_hf_config(family)
     if dist.get_rank() == 0:
         hf = tiny_hf_model(cfg, seed=4)
         gen = torch.Generator().manual_seed(5)

@@ -129,15 +129,6 @@ def test_refusals_are_one_line(change: dict, words: str) -> None:
     assert "\n" not in str(e.value)
 
 
-def test_tensor_parallel_needs_the_latent_widths_to_split() -> None:
-    arch = ModelArch.from_hf_config(ds_config())
-    arch.check_tensor_parallel(4)  # 16 + 4 latent, 24 query latent, 4 heads
-    with pytest.raises(UserError, match="does not divide kv_lora_rank \\+ qk_rope_head_dim=20"):
-        ModelArch(
-            **{**arch.to_dict(), "num_attention_heads": 8, "num_query_groups": 8}
-        ).check_tensor_parallel(8)
-
-
 # --- conversion ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("q_lora", [True, False], ids=["q_lora", "q_proj"])
 def test_round_trip_is_bit_exact_and_logits_match(q_lora: bool) -> None:
