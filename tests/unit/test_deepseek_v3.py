@@ -84,7 +84,7 @@ def test_mapping_round_trips_and_builds_megatrons_mla(q_lora: bool) -> None:
     assert (arch.kv_lora_rank, arch.q_lora_rank, arch.head_dim, arch.qk_rope_head_dim, arch.v_head_dim) == (
         16,
         24 if q_lora else None,
-        8,
+        6,
         4,
         12,
     )
@@ -94,7 +94,7 @@ def test_mapping_round_trips_and_builds_megatrons_mla(q_lora: bool) -> None:
     assert arch.to_hf_config().num_nextn_predict_layers == 0
     cfg = arch.to_transformer_config()
     assert cfg.multi_latent_attention and (cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim) == (
-        8,
+        6,
         4,
         12,
     )
@@ -162,7 +162,7 @@ def test_files_round_trip_and_verify(tmp_path: Path) -> None:
     assert cfg["architectures"] == ["DeepseekV3ForCausalLM"] and cfg["q_lora_rank"] == 24
     assert (cfg["kv_lora_rank"], cfg["qk_nope_head_dim"], cfg["v_head_dim"], cfg["rope_interleave"]) == (
         16,
-        8,
+        6,
         12,
         True,
     )

@@ -68,8 +68,9 @@ def hf_config(arch: Any, common: dict[str, Any]) -> Any:
     )
 
 
-TINY_MLA = dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12)
-"""The tiny MLA: every width distinct (a swapped width fails a shape check), the latent narrower than n x heads."""
+TINY_MLA = dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=12)
+"""The tiny MLA: every width distinct (a swapped width fails a shape check), values wider than the q/k heads (10):
+every attention path carries two head widths."""
 
 
 def tiny_hf_config(

@@ -1,0 +1,86 @@
+"""DeepSeek-V3 (`deepseek_v3`) in use: the sampler (greedy == HF `generate`, decoding through MLA's per-head K/V
+cache), `train` (a config-defined tiny DeepSeek-V3 policy with routing replay and router losses resumes exactly,
+the correction biases held fixed) and make_tiny_assets --family deepseek_v3 then grad. The family itself, its
+gradient and its bounds: tests/unit/test_deepseek_v3.py; glm4_moe's use tests (test_glm4_moe_use.py) are the
+pattern, their helpers shared.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_deepseek_v3 import ds_hf, megatron_of
+from test_glm4_moe_use import _prompts
+
+from megatron_branch.generation import BranchSampler, SamplingParams
+from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _single_process() -> None:
+    initialize_parallel(ParallelConfig())
+
+
+@pytest.mark.parametrize("q_lora", [True, False], ids=["q_lora", "q_proj"])
+def test_sampler_greedy_equals_hf_generate(q_lora: bool) -> None:
+    hf = ds_hf(
+        seed=3, dtype=torch.float32, q_lora=q_lora, exact=False
+    )  # HF's own router, as generate runs it
+    _, model = megatron_of(hf, torch.float32)
+    out = BranchSampler(model.eval(), vocab_size=37).generate(
+        _prompts(), SamplingParams(n=2, max_new_tokens=6, temperature=0)
+    )
+    for p, prompt in enumerate(_prompts()):
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6)
+        for s in out.samples[p]:
+            assert list(s.response) == want[0, len(prompt) :].tolist()
+
+
+DS_ARCH = (  # a config-defined tiny DeepSeek-V3: MLA widths all distinct, the family's router by default
+    "model.arch={family: deepseek_v3, hidden_size: 16, num_layers: 2, num_attention_heads: 2, "
+    "num_query_groups: 2, head_dim: 8, kv_lora_rank: 12, q_lora_rank: 10, qk_rope_head_dim: 4, v_head_dim: 6, "
+    "ffn_hidden_size: 32, num_experts: 8, moe_top_k: 4, moe_ffn_hidden_size: 8, shared_expert_ffn_hidden_size: 8, "
+    "moe_layer_pattern: [0, 1], moe_num_groups: 2, moe_group_topk: 2, moe_routed_scaling_factor: 2.0, "
+    "max_position_embeddings: 64}"
+)
+
+
+def test_train_runs_a_deepseek_policy_and_resumes_exactly(tmp_path: Path) -> None:
+    """Routing replay and router losses on (float64): a resumed run equals the uninterrupted one; replay computes
+    fewer positions than naive would; the correction biases stay fixed."""
+    from test_train_moe import LOSSES, _cfg, _max_rel, _run
+
+    from megatron_branch.train.models import unwrap
+
+    def _params(tr) -> dict:  # noqa: ANN001
+        return {
+            k: v.detach().clone()
+            for k, v in unwrap(tr.policy).state_dict().items()
+            if isinstance(v, torch.Tensor)
+        }
+
+    extra = ("moe.router_replay=R3", *LOSSES)
+    full, mfull = _run(_cfg(tmp_path / "full", "trainer.total_training_steps=2", *extra, model=DS_ARCH))
+    assert mfull[-1]["positions_computed"] < mfull[-1]["positions_logical"]
+    assert unwrap(full.policy).arch.multi_latent
+    first, m1 = _run(_cfg(tmp_path / "part", "trainer.total_training_steps=1", *extra, model=DS_ARCH))
+    first.save()
+    again, m2 = _run(
+        _cfg(
+            tmp_path / "part",
+            "trainer.total_training_steps=2",
+            "trainer.resume_mode=auto",
+            *extra,
+            model=DS_ARCH,
+        )
+    )
+    assert again.step == 2 and len(m2) == 1
+    for x, y in zip(mfull, m1 + m2, strict=True):
+        assert x["_tokens"] == y["_tokens"] and abs(x["loss"] - y["loss"]) <= 1e-9
+    assert _max_rel(_params(full), _params(again)) < 1e-9
+    assert not torch.equal(_params(full)["decoder.layers.0.self_attention.linear_kv_up_proj.weight"],
+                           _params(first)["decoder.layers.0.self_attention.linear_kv_up_proj.weight"])  # fmt: skip
+    biases = [k for k in _params(full) if k.endswith("router.expert_bias")]
+    assert biases and all(torch.equal(_params(full)[k], _params(first)[k]) for k in biases)  # held fixed
