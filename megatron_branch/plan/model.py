@@ -15,6 +15,7 @@ from typing import Any
 from megatron_branch.errors import UserError
 from megatron_branch.models.arch import ModelArch
 from megatron_branch.parallel.layout import ParallelLayout
+from megatron_branch.rules import check_plannable
 
 MODEL_PRESETS: dict[str, ModelArch] = {
     # Qwen/Qwen2.5-7B config.json
@@ -327,7 +328,9 @@ def load_model(spec: str) -> tuple[str, ModelArch]:
     d = {k: v for k, v in d.items() if k not in ("rope_scaling", "rope_parameters")}  # sizes only
     if partial is not None:  # the one RoPE field that changes a size (the rotated dims' cos / sin)
         d["partial_rotary_factor"] = partial
-    return path.parent.name or str(path), ModelArch.from_hf_config(d, where=str(path))
+    arch = ModelArch.from_hf_config(d, where=str(path))
+    check_plannable(arch)  # rules.py
+    return path.parent.name or str(path), arch
 
 
 def parameter_count(arch: ModelArch) -> dict[str, int]:

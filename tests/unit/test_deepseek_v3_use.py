@@ -84,3 +84,23 @@ def test_train_runs_a_deepseek_policy_and_resumes_exactly(tmp_path: Path) -> Non
                            _params(first)["decoder.layers.0.self_attention.linear_kv_up_proj.weight"])  # fmt: skip
     biases = [k for k in _params(full) if k.endswith("router.expert_bias")]
     assert biases and all(torch.equal(_params(full)[k], _params(first)[k]) for k in biases)  # held fixed
+
+
+def test_plan_refuses_multi_latent_attention_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The planner does not price MLA yet: DeepSeek-V3's own config (transformers' DeepseekV3Config defaults, its
+    published shape) is refused before any work, in one line, exit status 2."""
+    import json
+
+    import transformers
+
+    from megatron_branch.cli import main
+
+    cfg = transformers.DeepseekV3Config(architectures=["DeepseekV3ForCausalLM"]).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    argv = ["plan", "--model", str(tmp_path / "config.json"), "--prompt-length", "1024", "--responses", "4",
+            "--response-length", "256", "--gpus", "8", "--gpu", "h100"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "plan does not price multi-latent attention yet" in err and len(err.splitlines()) == 1, err
