@@ -107,6 +107,23 @@ def test_mapping_round_trips_and_builds_megatrons_mla(q_lora: bool) -> None:
     assert keys == set(sharded_keys(arch))
 
 
+def test_the_mla_shim_is_what_builds_megatrons_mla_without_te(monkeypatch: pytest.MonkeyPatch) -> None:
+    """compat/mla.py: without TransformerEngine megatron's MLA module believes TE is there (its mocks import) and
+    its constructor's isinstance check raises; the shim's HAVE_TE = False is what lets it build."""
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    from megatron_branch.compat.moe import needs_te_shim
+
+    if not needs_te_shim():
+        pytest.skip("TransformerEngine is installed: megatron's own import decides")
+    arch = ModelArch.from_hf_config(ds_config())
+    build_model(arch)
+    assert mla.HAVE_TE is False
+    monkeypatch.setattr(mla, "HAVE_TE", True)  # what megatron sets without the shim (applied once: not again)
+    with pytest.raises(TypeError, match="isinstance"):
+        build_model(arch)
+
+
 @pytest.mark.parametrize(
     "change,words",
     [
