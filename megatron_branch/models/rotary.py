@@ -10,6 +10,8 @@ Frequencies are computed in float32 exactly as megatron (and Hugging Face) compu
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -46,6 +48,20 @@ class PositionRotaryEmbedding(torch.nn.Module):
 
     def get_rotary_seq_len(self, *args: Any, **kwargs: Any) -> int:
         return self.inner.get_rotary_seq_len(*args, **kwargs)
+
+
+@contextmanager
+def rope_positions(rope: PositionRotaryEmbedding | None, positions: torch.Tensor | None) -> Iterator[None]:
+    """`positions` set on `rope` for a recomputation in backward (after the model's hook cleared them), then what
+    was there; nothing with no `rope` (a layer whose RoPE table is the model's, passed in as a tensor)."""
+    if rope is None:
+        yield
+        return
+    held, rope.position_ids = rope.position_ids, positions
+    try:
+        yield
+    finally:
+        rope.position_ids = held
 
 
 def enable_position_rope(model: torch.nn.Module) -> torch.nn.Module:

@@ -223,6 +223,9 @@ def test_q_proj_without_query_latent_matches_hf() -> None:
     for schedule in ("replay", "packed"):
         worst = _worst(_schedule_grads(model, arch, rollouts, schedule), want)
         assert worst[0] <= FP64_SIGMOID_BOUND, (schedule, worst)
+    # replay's segment recompute and per-layer checkpointing re-run MLA (its RoPE, its decompression) in backward
+    got = _schedule_grads(model, arch, rollouts, "replay", recompute=True, recompute_layers=True)
+    assert _worst(got, want)[0] <= FP64_SIGMOID_BOUND
 
 
 # --- planted bugs: each breaks the gradient against HF --------------------------------------------------------------
