@@ -45,6 +45,8 @@ def branch_layer_spec(
     if multi_latent:
         from megatron_branch.models.mla import mla_layer_spec
 
+        assert not use_apex_or_te_norm, "the MLA spec here has TorchNorm in every norm slot"
+
         spec = mla_layer_spec(TorchNorm)
     else:
         spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm))
