@@ -2,7 +2,7 @@
 context and expert parallelism (the grad and convert commands, in-process on every rank), on glm4_moe's harness
 (test_glm4_moe_parallel.py: the same tree, oracle and bounds).
 
-    python tests/distributed/launch.py 2 -k deepseek     # TP2+SP, CP2, EP2 (across the two DP replicas)
+    python tests/distributed/launch.py 2 -k deepseek     # TP2+SP, CP2, EP2 (across the two DP replicas), CP2xEP2
 
 The gradient against Hugging Face's, per parameter: float64 at the float32-sigmoid bound 1e-6, float32 at 1e-5.
 Conversion: HF -> dist checkpoint at TP2 / EP2 -> HF, bit-exact (MLA's latent projections and norms included).
@@ -30,10 +30,10 @@ def ds_setup() -> tuple[Path, dict[str, torch.Tensor]]:
 
 
 @pytest.mark.world(2)
-def test_deepseek_grad_matches_hf_under_tp_sp_cp_and_ep(ds_setup) -> None:
+def test_deepseek_grad_matches_hf_under_every_layout(ds_setup) -> None:
     d, ref = ds_setup
     assert any(".self_attn.kv_b_proj." in n for n in ref)
-    for name in ("tp2sp", "cp2", "ep2"):  # tp2sp: k_rope's partial gradients summed (models/mla.py)
+    for name in ("tp2sp", "cp2", "ep2", "cp2ep2"):  # tp2sp: k_rope's partial gradients summed (models/mla.py)
         for schedule, dtype in (("replay", "float64"), ("packed", "float32")):
             grads = _grad(d, f"ds_{name}_{schedule}_{dtype}", schedule, "--dtype", dtype, *LAYOUTS[name])
             err = _worst(grads, ref)
