@@ -15,7 +15,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_glm4_moe import EXACT, FP64_SIGMOID_BOUND, TOL, _bias_ignored, _schedule_grads, _worst
+from test_glm4_moe import (
+    EXACT,
+    FP64_SIGMOID_BOUND,
+    TOL,
+    _bias_ignored,
+    _schedule_grads,
+    _worst,
+    megatron_of,
+    with_random_biases,
+)
 
 from megatron_branch.checkpoint import (
     convert_hf_to_mcore,
@@ -33,13 +42,10 @@ from megatron_branch.models import ModelArch, build_model
 from megatron_branch.models.rotary import PositionRotaryEmbedding
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
 from megatron_branch.testing import (
-    exact_hf_norms,
-    exact_hf_routers,
     hf_policy_gradient,
     hf_state,
     random_tree_rollouts,
     tiny_hf_config,
-    tiny_hf_model,
 )
 
 
@@ -58,23 +64,7 @@ def ds_config(*, q_lora: bool = True):  # noqa: ANN201
 def ds_hf(*, seed: int = 2, dtype: torch.dtype = torch.float64, q_lora: bool = True, exact: bool = True):  # noqa: ANN201
     """A tiny DeepSeek-V3 (MLA with distinct widths; glm4_moe's tiny MoE: 12 experts in 3 groups, top-4 within 2,
     a shared expert, layer 0 dense) whose correction biases are random, large enough to change the choice."""
-    hf = tiny_hf_model(ds_config(q_lora=q_lora), seed=seed, dtype=dtype)
-    gen = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():
-        for m in hf.modules():
-            if hasattr(m, "e_score_correction_bias"):
-                b = m.e_score_correction_bias
-                b.copy_((0.3 * torch.randn(b.shape, generator=gen)).to(b.dtype))
-    if exact:
-        exact_hf_routers(exact_hf_norms(hf))
-    return hf.eval()
-
-
-def megatron_of(hf, dtype: torch.dtype):  # noqa: ANN001, ANN201
-    arch = ModelArch.from_hf_config(hf.config)
-    model = build_model(arch, dtype=dtype)
-    load_full_state(model, hf_to_mcore_state(hf_state(hf), arch, padded_vocab=arch.vocab_size), None)
-    return arch, model
+    return with_random_biases(ds_config(q_lora=q_lora), seed=seed, dtype=dtype, exact=exact)
 
 
 # --- mapping --------------------------------------------------------------------------------------------------------

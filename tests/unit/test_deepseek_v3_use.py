@@ -1,8 +1,8 @@
 """DeepSeek-V3 (`deepseek_v3`) in use: the sampler (greedy == HF `generate`, decoding through MLA's per-head K/V
 cache), `train` (a config-defined tiny DeepSeek-V3 policy with routing replay and router losses resumes exactly,
-the correction biases held fixed) and make_tiny_assets --family deepseek_v3 then grad. The family itself, its
-gradient and its bounds: tests/unit/test_deepseek_v3.py; glm4_moe's use tests (test_glm4_moe_use.py) are the
-pattern, their helpers shared.
+the correction biases held fixed) and `plan`'s one-line refusal (MLA is not priced yet). make_tiny_assets
+--family deepseek_v3 then grad: test_families.py (every family). The family itself, its gradient and its bounds:
+tests/unit/test_deepseek_v3.py; glm4_moe's use tests (test_glm4_moe_use.py) are the pattern, their helpers shared.
 """
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from test_deepseek_v3 import ds_hf, megatron_of
-from test_glm4_moe_use import _prompts, train_and_resume
+from test_glm4_moe_use import check_greedy_equals_generate, train_and_resume
 
-from megatron_branch.generation import BranchSampler, SamplingParams
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
 
 
@@ -25,17 +24,10 @@ def _single_process() -> None:
 
 @pytest.mark.parametrize("q_lora", [True, False], ids=["q_lora", "q_proj"])
 def test_sampler_greedy_equals_hf_generate(q_lora: bool) -> None:
-    hf = ds_hf(
-        seed=3, dtype=torch.float32, q_lora=q_lora, exact=False
-    )  # HF's own router, as generate runs it
+    # HF's own router and norms, as generate runs them
+    hf = ds_hf(seed=3, dtype=torch.float32, q_lora=q_lora, exact=False)
     _, model = megatron_of(hf, torch.float32)
-    out = BranchSampler(model.eval(), vocab_size=37).generate(
-        _prompts(), SamplingParams(n=2, max_new_tokens=6, temperature=0)
-    )
-    for p, prompt in enumerate(_prompts()):
-        want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6)
-        for s in out.samples[p]:
-            assert list(s.response) == want[0, len(prompt) :].tolist()
+    check_greedy_equals_generate(hf, model)
 
 
 DS_ARCH = (  # a config-defined tiny DeepSeek-V3: MLA widths all distinct, the family's router by default

@@ -43,6 +43,11 @@ def _prompts() -> list[list[int]]:
 def test_sampler_greedy_equals_hf_generate() -> None:
     hf = glm_hf(seed=3, dtype=torch.float32, exact=False)  # HF's own router, as generate runs it
     _, model = megatron_of(hf, torch.float32)
+    check_greedy_equals_generate(hf, model)
+
+
+def check_greedy_equals_generate(hf, model) -> None:  # noqa: ANN001
+    """The sampler's greedy tokens (n=2 per prompt, 6 new) equal HF `generate`'s for both of `_prompts()`."""
     out = BranchSampler(model.eval(), vocab_size=37).generate(
         _prompts(), SamplingParams(n=2, max_new_tokens=6, temperature=0)
     )
