@@ -31,11 +31,13 @@ $(VERL_STAMP): $(STAMP) $(LOCK)
 	touch $(VERL_STAMP)
 
 # RL post-training of a tiny policy on an embedded task (GRPO, exact branch replay); a fresh run each time in
-# runs/demo/ (the demo's own folder). `make parity-demo`: one exact step, naive vs packed vs replay gradients.
+# runs/demo/ (the demo's own folder); its printed lines (runs/demo.log) are then checked against the README's demo
+# block within tools/demo_block.py's TOLERANCE. `make parity-demo`: one exact step, naive vs packed vs replay gradients.
 demo: $(STAMP)
 	rm -rf runs/demo
 	mkdir -p runs
-	$(BIN)/megatron-branch train examples/configs/demo.yaml
+	PYTHONUNBUFFERED=1 bash -o pipefail -c '$(BIN)/megatron-branch train examples/configs/demo.yaml | tee runs/demo.log'
+	$(BIN)/python tools/demo_block.py runs/demo.log --within
 
 parity-demo: $(STAMP)
 	$(BIN)/python examples/parity_demo.py

@@ -74,6 +74,9 @@ from megatron_branch.errors import SettingError
 
 TRAIN_SCHEDULES = ("replay", "packed", "naive", "naive-fused", "packed-nosharing", "replay-stopgrad")
 """Schedules a training run (`train`'s schedule.name) can step with; all but replay-stopgrad are exact."""
+AUTO_SCHEDULE = "auto"
+"""`schedule.name: auto` / `grad --schedule auto` (plan/auto.py): packed when its planned memory fits the budget, replay
+otherwise; checked as replay (what it falls back to), packed asked per batch."""
 GRAD_SCHEDULES = ("replay", "packed", "naive")
 """The schedules of `grad`'s stable contract and of megatron's drop-in (integration/schedule.py)."""
 UNSHARED = ("naive", "naive-fused", "packed-nosharing")
@@ -242,8 +245,9 @@ def gdn_context_parallel_sizes(*, key_heads: int, value_heads: int, tp: int) -> 
 
 
 def check_hybrid_run(arch: Any, schedule: str, *, cp: int = 1, tp: int = 1) -> None:
-    """A hybrid (gated delta net) model's rules read off its arch (a models.ModelArch): its schedules and the CP
-    split of its GDN heads; nothing for a model without GDN layers."""
+    """A hybrid (gated delta net or Mamba-2) model's rules read off its arch (a models.ModelArch): its schedules
+    and the CP split of its GDN heads, Mamba's CP refusal; nothing for a model without such layers."""
+    check_mamba_run(arch, schedule, cp=cp)
     if not arch.is_hybrid:
         return
     check_hybrid_schedule(
@@ -252,6 +256,26 @@ def check_hybrid_run(arch: Any, schedule: str, *, cp: int = 1, tp: int = 1) -> N
     check_gdn_context_parallel(
         key_heads=arch.linear_num_key_heads, value_heads=arch.linear_num_value_heads, tp=tp, cp=cp
     )
+
+
+def check_mamba_run(arch: Any, schedule: str, *, cp: int = 1) -> None:
+    """A Mamba-2 hybrid (Nemotron-H: hybrid_override_pattern with "M" layers): the recurrent schedules, and no
+    context parallelism yet (its SSM scan over a tree segment needs every row of the path on one rank; a head
+    exchange like the gated delta net's, models/gdn_heads.py, is not built for it)."""
+    pattern = getattr(arch, "hybrid_override_pattern", None) or ""
+    if "M" not in pattern:
+        return
+    check_hybrid_schedule(
+        schedule, model=f"{arch.family}, {pattern.count('M')} of {len(pattern)} layers Mamba-2"
+    )
+    if cp > 1:
+        raise SettingError(
+            lambda s: (
+                f"{s.value('cp', cp)}: context parallelism cannot run a Mamba-2 hybrid yet (a segment's SSM scan "
+                f"needs every row of its path on one rank; no head exchange is built for Mamba); use "
+                f"{s.value('cp', 1)}"
+            )
+        )
 
 
 def check_gdn_context_parallel(*, key_heads: int, value_heads: int, tp: int, cp: int) -> None:
@@ -375,7 +399,7 @@ def check_verl_model(
     attention_variant: str | None = None,
     multi_latent_attention: bool = False,
     rotary_interleaved: bool = False,
-    moe: bool = False,
+    moe_reason: str | None = None,
 ) -> None:
     """Refuse a model verl's engine built that branch replay cannot run inside it (see the module doc): the
     fields of megatron's TransformerConfig. A SettingError; the settings are the model's, not a flag's."""
@@ -408,13 +432,8 @@ def check_verl_model(
                 f"{where} does not support interleaved RoPE (rotary_interleaved=True); use the default layout"
             )
         )
-    if moe:
-        raise SettingError(
-            lambda _: (
-                f"{where} supports dense models only (MoE not wired yet: megatron's router losses would count a "
-                "token shared by several rollouts once; megatron-branch's own MoE path weights them)"
-            )
-        )
+    if moe_reason is not None:  # integration/verl_moe.py refusal_reason: what of a MoE model is not wired
+        raise SettingError(lambda _: f"{where} cannot run this MoE model: {moe_reason}")
 
 
 def check(spec: Any) -> None:
@@ -444,8 +463,8 @@ def check_model(spec: Any) -> None:
     a hybrid's schedules and CP split (check_hybrid_run), the mixture-of-experts rules."""
     s, layout, arch, m = spec.schedule, spec.layout, spec.arch, spec.moe
     check_pipeline(
-        s.name, pp=layout.pp, num_layers=arch.num_layers, hybrid=arch.is_hybrid, moe=arch.is_moe,
-        critic=spec.critic, root_pieces=s.root_pieces,
+        s.name, pp=layout.pp, num_layers=arch.num_layers, moe=arch.is_moe, critic=spec.critic,
+        hybrid=arch.is_hybrid or bool(arch.hybrid_override_pattern), root_pieces=s.root_pieces,
     )  # fmt: skip
     check_hybrid_run(arch, s.name, cp=layout.cp, tp=layout.tp)
     check_moe_run(

@@ -138,7 +138,7 @@ def exact_hf_norms(model: Any) -> Any:
         name = type(m).__name__
         if name in ZERO_CENTERED_HF_NORMS:
             m.forward = zero_centered.__get__(m)
-        elif name.endswith("RMSNormGated"):
+        elif name.endswith("RMSNormGated") and name != "NemotronHRMSNormGated":  # its gate is before the norm
             m.forward = gated.__get__(m)
         elif name.endswith("RMSNorm"):
             m.forward = plain.__get__(m)

@@ -44,6 +44,7 @@ def grpo_batch(
     shared: int = 3,
     temperature: float = 1.0,
     multi_turn: bool = False,
+    routes: tuple[int, int, int] | None = None,
 ) -> Any:
     """`groups` prompts x `n` rollouts (consecutive, as verl's `repeat(interleave=True)`), prompts of different
     lengths left-padded, responses of different lengths right-padded; the first half of each group shares its
@@ -51,7 +52,12 @@ def grpo_batch(
 
     `multi_turn`: verl's multi-turn shape, a tool's output inside each response (response_mask 0 on a span that
     starts at a different token per rollout, so rollouts sharing a token disagree on whether it is trained; the
-    last rollout is all tool output, response_mask 0 throughout)."""
+    last rollout is all tool output, response_mask 0 throughout).
+
+    `routes` (MoE layers, k, experts): verl's `routed_experts` for router replay R3, as a rollout engine records
+    them: one record per token, equal within a group where the rollouts share the tokens, except that rollout 1 of
+    each group disagrees with the others at prompt position 2 (a shared prompt token routed differently: the tree
+    must split there)."""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
@@ -79,6 +85,9 @@ def grpo_batch(
                 if gi == groups - 1 and j == n - 1:
                     tmask[-1][:] = 0
     prompts_t, responses_t = torch.stack(prompts), torch.stack(responses)
+    extra = {}
+    if routes is not None:
+        extra["routed_experts"] = _r3_records(g, groups, n, P, R, shared, routes)
     mask = torch.cat([torch.stack(pmask), torch.stack(rmask)], 1).long()
     B = prompts_t.shape[0]
     td = TensorDict(
@@ -92,12 +101,39 @@ def grpo_batch(
             "advantages": torch.randn(B, R, generator=g),
             "old_log_probs": -4.0 + 0.2 * torch.randn(B, R, generator=g),
             "ref_log_prob": -4.0 + 0.2 * torch.randn(B, R, generator=g),
+            **extra,
         },
         batch_size=[B],
     )
     td = left_right_2_no_padding(td)
     tu.assign_non_tensor(td, temperature=temperature)  # the rollout's sampling temperature (verl's meta_info)
     return td
+
+
+def _r3_records(
+    g: torch.Generator, groups: int, n: int, P: int, R: int, shared: int, routes: tuple[int, int, int]
+) -> torch.Tensor:
+    """[B, P + R, layers, k] distinct experts per row (grpo_batch's layout: prompts left-padded to P)."""
+    layers, k, experts = routes
+
+    def rows(count: int) -> torch.Tensor:
+        return torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(count * layers)]).view(
+            count, layers, k
+        )
+
+    out = []
+    for _ in range(groups):
+        prompt, start = rows(P), rows(shared)
+        for j in range(n):
+            rec = torch.cat([prompt.clone(), rows(R)])
+            if j < n // 2:
+                rec[P : P + shared] = start
+            if j == 1:
+                rec[P - 3] = (
+                    rec[P - 3] + 1
+                ) % experts  # differs from the group's record at this prompt token
+            out.append(rec)
+    return torch.stack(out)
 
 
 def dp_share(td: Any, dp_rank: int, dp_size: int) -> Any:
@@ -116,10 +152,22 @@ class StepOut:
     entropy: torch.Tensor | None  # [B, R]
     metrics: dict[str, Any]  # train_mini_batch's metrics
     grads: dict[str, torch.Tensor]  # this rank's main_grad per parameter, before the optimizer step
+    routes: Any = None  # router replay R2: compute_log_prob's routed_experts (jagged [B, j, MoE layers, k])
 
 
-def make_worker(hf_dir: str, *, tp: int = 1, dynamic_bsz: bool = False, forward_only: bool = False) -> Any:
-    """verl's TrainingWorker for a Megatron language model (float32 on CPU), built through verl's EngineRegistry."""
+def make_worker(
+    hf_dir: str,
+    *,
+    tp: int = 1,
+    ep: int = 1,
+    dynamic_bsz: bool = False,
+    forward_only: bool = False,
+    override_transformer_config: dict[str, Any] | None = None,
+    router_replay: str = "disabled",
+) -> Any:
+    """verl's TrainingWorker for a Megatron language model (float32 on CPU), built through verl's EngineRegistry.
+    `ep`: verl's expert_model_parallel_size; `override_transformer_config`: verl's (e.g. the MoE load balancing);
+    `router_replay`: verl's router_replay.mode (disabled, R2, R3)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import (
         HFModelConfig,
@@ -127,6 +175,7 @@ def make_worker(hf_dir: str, *, tp: int = 1, dynamic_bsz: bool = False, forward_
         McoreOptimizerConfig,
         TrainingWorkerConfig,
     )
+    from verl.workers.config.engine import EngineRouterReplayConfig
     from verl.workers.engine_workers import TrainingWorker
 
     from megatron_branch.integration.verl_cpu import register_cpu_engine, use_cpu_platform
@@ -135,6 +184,9 @@ def make_worker(hf_dir: str, *, tp: int = 1, dynamic_bsz: bool = False, forward_
     register_cpu_engine()
     engine = McoreEngineConfig(
         tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        override_transformer_config=dict(override_transformer_config or {}),
+        router_replay=EngineRouterReplayConfig(mode=router_replay),
         use_distributed_optimizer=False,  # megatron's distributed optimizer needs CUDA
         use_dynamic_bsz=dynamic_bsz,
         micro_batch_size_per_gpu=4,
@@ -190,8 +242,9 @@ def infer(worker: Any, td: Any) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def run_step(worker: Any, td_fn: Any, *, actor: Any = None) -> StepOut:
-    """compute_log_prob then one update_actor mini-batch through the worker, as verl's trainer calls them."""
+def run_step(worker: Any, td_fn: Any, *, actor: Any = None, r2: bool = False) -> StepOut:
+    """compute_log_prob then one update_actor mini-batch through the worker, as verl's trainer calls them. `r2`:
+    router replay R2, compute_log_prob's routed_experts carried into the update's batch (ray_trainer.py)."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import no_padding_2_padding
@@ -213,7 +266,12 @@ def run_step(worker: Any, td_fn: Any, *, actor: Any = None) -> StepOut:
     if inferred is not None:
         lp = no_padding_2_padding(tu.get(inferred, "log_probs"), td)
         ent = no_padding_2_padding(tu.get(inferred, "entropy"), td)
+    routes = tu.get(inferred, "routed_experts") if r2 and inferred is not None else None
+    if r2:
+        routes = _to_tp_group(routes)  # verl's trainer dispatches the batch, routes included, to every rank
     td = td_fn()
+    if routes is not None:
+        td["routed_experts"] = routes
     tu.assign_non_tensor(
         td,
         calculate_entropy=True,
@@ -226,7 +284,20 @@ def run_step(worker: Any, td_fn: Any, *, actor: Any = None) -> StepOut:
     )
     out = worker.train_mini_batch(td)
     metrics = tu.get(out, "metrics") if out is not None else {}
-    return StepOut(type(engine).__name__, lp, ent, metrics, grads)
+    return StepOut(type(engine).__name__, lp, ent, metrics, grads, routes)
+
+
+def _to_tp_group(routes: Any) -> Any:
+    """The collecting rank's (tp rank 0) jagged routes, on every rank of its TP group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    if group.size() == 1:
+        return routes
+    box = [None if routes is None else [t.clone() for t in routes.unbind()]]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return torch.nested.as_nested_tensor(box[0], layout=torch.jagged)
 
 
 def set_switch(on: bool) -> None:

@@ -19,18 +19,20 @@ from megatron_branch.attention.dispatch import BACKENDS
 from megatron_branch.losses.config import ObjectiveConfig
 from megatron_branch.parallel.layout import ParallelLayout
 from megatron_branch.precision import DtypeName
-from megatron_branch.rules import TRAIN_SCHEDULES
+from megatron_branch.rules import AUTO_SCHEDULE, TRAIN_SCHEDULES
 
 
 @dataclass(kw_only=True)
 class ScheduleConfig:
     """How the engine runs a batch of rollouts (all give the same gradient)."""
 
-    name: Literal[TRAIN_SCHEDULES] = "replay"  # rules.TRAIN_SCHEDULES
+    name: Literal[(*TRAIN_SCHEDULES, AUTO_SCHEDULE)] = "replay"  # rules.TRAIN_SCHEDULES and auto
     """replay (DFS over the prefix tree), packed (one pass), naive (one rollout at a time, megatron's own
     attention); the baselines without sharing on the engine's kernels: naive-fused (each rollout alone) and
     packed-nosharing (all rollouts block-diagonal in one pass); replay-stopgrad is NOT exact, a comparison only:
-    the prompt's K/V as constants (the announced stop-gradient system)."""
+    the prompt's K/V as constants (the announced stop-gradient system); auto: packed when its planned activation
+    peak fits memory_budget_gb, replay otherwise, decided per batch (plan/auto.py; the pick and why in the
+    metrics)."""
     backend: Literal[BACKENDS] | None = None  # attention/dispatch.py BACKENDS: the executor registry
     """Attention executor (default merge), the same at cp 1 and under CP; one that cannot run the step is
     refused."""
@@ -45,12 +47,19 @@ class ScheduleConfig:
     root_pieces: int = 1
     """replay under pipeline parallelism (parallel.pp > 1): cut each shared root (prompt) into this many sequence
     pieces, which flow through the stages like micro-batches (exact; 1 = whole roots; docs/parallelism.md)."""
+    memory_budget_gb: float | None = None
+    """auto: GB per rank for a batch's activations that packed's planned peak must fit; None: the device's free
+    memory (a CPU: the host's available memory shared by the node's ranks)."""
     enable_gradient_checkpointing: bool = False
     """Per-layer activation checkpointing inside every chunk (ScheduleOptions.recompute_layers): each transformer
     layer keeps only its input and is recomputed in backward, one layer at a time; with `recompute` it is the
     planner's `recompute full`. verl's name (actor_rollout_ref.model.enable_gradient_checkpointing) rather than
     megatron's `recompute_granularity`: the engine has one granularity (every layer, non-reentrant), which a
     boolean states, and megatron's "selective" would mean something else here (planner: segment recompute)."""
+
+    def __post_init__(self) -> None:
+        if self.memory_budget_gb is not None and self.memory_budget_gb <= 0:
+            raise ValueError(f"memory_budget_gb must be positive, got {self.memory_budget_gb}")
 
 
 @dataclass(kw_only=True)

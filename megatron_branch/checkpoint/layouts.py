@@ -39,6 +39,8 @@ def hf_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
     qk, vd, nv = arch.linear_qk_dim, arch.linear_v_dim, arch.linear_num_value_heads
     table: Sequence[tuple[str, tuple[int, ...]]] = (
         ("embed_tokens.weight", (v, h)),
+        ("backbone.embeddings.weight", (v, h)),
+        ("norm_f.weight", (h,)),
         ("lm_head.weight", (v, h)),
         ("linear_attn.in_proj_qkv.weight", (2 * qk + vd, h)),
         ("linear_attn.in_proj_z.weight", (vd, h)),
@@ -66,7 +68,7 @@ def hf_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
         ("up_proj.weight", (f, h)),
         ("down_proj.weight", (h, f)),
     )
-    moe = _moe_shape(name, arch) if ".self_attn." not in name else None
+    moe = None if ".self_attn." in name else (_moe_shape(name, arch) or _mamba_shape(name, arch))
     if moe is not None:
         return moe
     if arch.multi_latent and ".self_attn." in name:
@@ -109,6 +111,26 @@ def _mla_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
         "o_proj.weight": (h, n * dv),
     }
     return table[name.rsplit(".self_attn.", 1)[1]]
+
+
+def _mamba_shape(name: str, arch: ModelArch) -> tuple[int, ...] | None:
+    """Shapes of a Nemotron-H Mamba mixer's HF tensors (models/mamba_arch.py widths), else None."""
+    if ".mixer." not in name or arch.hybrid_override_pattern is None:
+        return None
+    from megatron_branch.models.mamba_arch import conv_sections, d_inner, in_proj_sections
+
+    cd, di, nh = sum(conv_sections(arch)), d_inner(arch), arch.mamba_num_heads
+    table = {
+        "in_proj.weight": (sum(in_proj_sections(arch)), arch.hidden_size),
+        "conv1d.weight": (cd, 1, arch.mamba_conv_kernel),
+        "conv1d.bias": (cd,),
+        "dt_bias": (nh,),
+        "A_log": (nh,),
+        "D": (nh,),
+        "mixer.norm.weight": (di,),
+        "out_proj.weight": (arch.hidden_size, di),
+    }
+    return next((shape for suffix, shape in table.items() if name.endswith(suffix)), None)
 
 
 def mcore_rows(parts: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
@@ -219,6 +241,15 @@ def tp_sections(name: str, config: Any) -> tuple[int, ...] | None:
     `config` is the model's TransformerConfig (the widths megatron built the module with)."""
     if ".linear_fc1." in name and getattr(config, "gated_linear_unit", True):
         return (1, 1)  # two equal halves
+    if getattr(config, "mamba_num_heads", None) and ".self_attention." in name:  # megatron's MambaMixer
+        di, gn = (
+            config.mamba_num_heads * config.mamba_head_dim,
+            config.mamba_num_groups * config.mamba_state_dim,
+        )
+        if name.endswith("self_attention.in_proj.weight"):
+            return (di, di, gn, gn, config.mamba_num_heads)
+        if name.endswith(("self_attention.conv1d.weight", "self_attention.conv1d.bias")):
+            return (di, gn, gn)
     if getattr(config, "experimental_attention_variant", None) != "gated_delta_net":
         return None
     qk = config.linear_key_head_dim * config.linear_num_key_heads

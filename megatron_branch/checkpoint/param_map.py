@@ -16,7 +16,7 @@ from megatron_branch.checkpoint.layouts import TRANSFORMS, hf_shape, mcore_rows
 from megatron_branch.errors import UserError
 from megatron_branch.models.arch import ModelArch
 from megatron_branch.models.families import get_family
-from megatron_branch.models.families.param_rules import IGNORED_HF_SUFFIXES, Rule
+from megatron_branch.models.families.param_rules import IGNORED_HF_SUFFIXES, PATTERN_LAYERS, Rule
 
 
 # --- which rules, which layers ---------------------------------------------------------------------------------------
@@ -39,8 +39,12 @@ def _applies(rule: Rule, arch: ModelArch, layer: int | None) -> bool:
         return False
     if rule.when in ("q_lora", "no_q_lora") and (rule.when == "q_lora") != (arch.q_lora_rank is not None):
         return False
+    if rule.when == "mamba_conv_bias" and not arch.mamba_conv_bias:
+        return False
     if layer is not None and rule.mlp is not None and (rule.mlp == "moe") != arch.is_moe_layer(layer):
         return False
+    if rule.layers in PATTERN_LAYERS:  # Nemotron-H: the layers of this hybrid_override_pattern character
+        return layer is None or arch.hybrid_override_pattern[layer] == rule.layers
     if rule.layers is None or layer is None:
         return True
     return (rule.layers == "linear") == arch.is_linear(layer)
@@ -88,7 +92,7 @@ def sharded_keys(arch: ModelArch) -> list[str]:
     checkpoint loads under both specs. Hence: the rules' TE names, without the layer index unless hybrid. (A
     GatedDeltaNet saves in_proj and conv1d as several parts of one key: the key here is the tensor's.)
     """
-    if arch.is_hybrid or arch.has_dense_mlp_layers:  # non-homogeneous layers: named by index
+    if arch.is_hybrid or arch.has_dense_mlp_layers or arch.hybrid_override_pattern:  # non-homogeneous layers
         return list(dict.fromkeys(r.checkpoint_key().format(i=i) for r, i in _active_rules(arch)))
     return list(dict.fromkeys(r.checkpoint_key().replace("{i}.", "") for r, _ in _active_rules(arch)))
 

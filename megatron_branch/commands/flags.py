@@ -38,6 +38,25 @@ def _positive_int(text: str) -> int:  # (argparse names it in its error: "invali
     return value
 
 
+def _positive_float(text: str) -> float:
+    """An argparse type: a positive number (argparse's one-line error otherwise)."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _number_or_text(text: str) -> float | str:
+    """An argparse type for a field that takes a number or a string (verl's rollout_rs_threshold): the number when
+    the text is one ("0.5_2" stays text: Python's float() would read its "_" as a digit separator)."""
+    if "_" in text:
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def _base(tp: Any) -> Any:
     """`X | None` -> X; anything else as it is."""
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
@@ -56,7 +75,9 @@ def _kind(
         return {"action": "store_true" if default is False else argparse.BooleanOptionalAction}
     if typing.get_origin(base) is typing.Literal:
         return {"choices": list(choices or typing.get_args(base))}
-    if base not in (int, float, str):
+    if (
+        base not in (int, float, str) and parser is None
+    ):  # a union other than `X | None` needs the caller's parser
         return None
     out: dict[str, Any] = {"type": parser or base}
     if choices is not None:

@@ -154,7 +154,9 @@ def validate(args: argparse.Namespace, *, auto: bool = False) -> tuple[Any, ...]
         from megatron_branch.losses.rollout_correction import reject_rollouts
 
         rs = spec.objective
-        rollouts, rejection = reject_rollouts(rollouts, rs.rollout_rs, str(rs.rollout_rs_threshold))
+        rollouts, rejection = reject_rollouts(
+            rollouts, rs.rollout_rs, rs.rollout_rs_threshold, refuse_empty=True
+        )
     full_tree = PrefixTree.build(rollouts, vocab_size=arch.vocab_size)
     objective = make_objective(args, spec.objective, rollouts, full_tree)
     if auto and args.memory_budget is None and not torch.cuda.is_available():

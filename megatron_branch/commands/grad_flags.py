@@ -18,12 +18,26 @@ import argparse
 from typing import Any
 
 from megatron_branch import outputs, spelling
-from megatron_branch.commands.flags import _positive_int, add_fields, read_fields
+from megatron_branch.commands.flags import (
+    _number_or_text,
+    _positive_float,
+    _positive_int,
+    add_fields,
+    read_fields,
+)
 from megatron_branch.data.rollouts import CONTEXT_OVERRIDE_FLAG
 
 SCHEDULE = {
-    "flags": {"name": "--schedule", "enable_gradient_checkpointing": "--recompute-layers"},
-    "dests": {"name": "schedule", "enable_gradient_checkpointing": "recompute_layers"},
+    "flags": {
+        "name": "--schedule",
+        "enable_gradient_checkpointing": "--recompute-layers",
+        "memory_budget_gb": "--memory-budget",
+    },
+    "dests": {
+        "name": "schedule",
+        "enable_gradient_checkpointing": "recompute_layers",
+        "memory_budget_gb": "memory_budget",
+    },
 }
 """How grad spells ScheduleConfig's fields (its contract's flags)."""
 OBJECTIVE_ALIASES = {
@@ -65,13 +79,6 @@ def _contract_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--logprobs-out", default=None, help="write each rollout's response logprobs (JSONL)")
     p.add_argument(
-        "--memory-budget",
-        type=float,
-        default=None,
-        metavar="GB",
-        help="--schedule auto: GB per rank for the step's activations (needed on a CPU)",
-    )
-    p.add_argument(
         CONTEXT_OVERRIDE_FLAG,
         action="store_true",
         help="accept rollouts longer than the model's max_position_embeddings (RoPE extrapolates; off by default)",
@@ -95,7 +102,8 @@ def add_setting_flags(p: argparse.ArgumentParser) -> None:
 
     s = p.add_argument_group("schedule")
     add_fields(s, ScheduleConfig, **SCHEDULE, choices={"name": (*GRAD_SCHEDULES, "auto")},
-               types_={"branch_micro_batch": _positive_int, "chunk_tokens": _positive_int}, notes={"name": "grad runs replay, packed or naive; auto: packed when its planned activation peak fits "
+               types_={"branch_micro_batch": _positive_int, "chunk_tokens": _positive_int,
+                       "memory_budget_gb": _positive_float}, notes={"name": "grad runs replay, packed or naive; auto: packed when its planned activation peak fits "
                "--memory-budget (on a GPU the free device memory), replay otherwise (plan/auto.py)."},
                aliases={"enable_gradient_checkpointing": ["--enable-gradient-checkpointing"]})  # fmt: skip
     lay = p.add_argument_group("layout (world = tp * cp * pp * dp under torchrun)")
@@ -103,6 +111,7 @@ def add_setting_flags(p: argparse.ArgumentParser) -> None:
     add_fields(p.add_argument_group("precision"), RunSpec, skip=_all_but(RunSpec, "dtype", "grad_sync"))
     o = p.add_argument_group("objective (verl's names, older flags as aliases)")
     add_fields(o, ObjectiveConfig, flags={"policy_loss": "--objective"}, aliases=OBJECTIVE_ALIASES,
+               types_={"rollout_rs_threshold": _number_or_text},
                defaults=GRAD_DEFAULTS, notes={"policy_loss": "grad's contract default: pg."})  # fmt: skip
     m = p.add_argument_group("mixture of experts")
     add_fields(m, MoEConfig, prefix="moe-")

@@ -25,6 +25,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_branch.errors import SettingError
+from megatron_branch.integration import verl_moe
 from megatron_branch.integration.verl_model import patch_verl_model
 from megatron_branch.integration.verl_step import BranchOptions, VerlBranchError, VerlTreeStep, unwrap
 from megatron_branch.rules import check_verl_model
@@ -88,7 +89,7 @@ def refuse_unsupported(engine_config: Any, tf_config: Any = None) -> None:
             attention_variant=getattr(tf_config, "experimental_attention_variant", None),
             multi_latent_attention=bool(getattr(tf_config, "multi_latent_attention", False)),
             rotary_interleaved=bool(getattr(tf_config, "rotary_interleaved", False)),
-            moe=(getattr(tf_config, "num_moe_experts", None) or 0) > 0,
+            moe_reason=verl_moe.refusal_reason(tf_config) if verl_moe.is_moe(tf_config) else None,
         )
     except SettingError as e:
         raise VerlBranchError(str(e)) from None
@@ -108,6 +109,7 @@ def branch_engine_class(base: type, options: BranchOptions | None = None) -> typ
             refuse_unsupported(self.engine_config, self.tf_config)
             for chunk in self.module:
                 patch_verl_model(unwrap(chunk))
+                verl_moe.patch_verl_moe(unwrap(chunk), self.model_config.hf_config)
 
         def forward_backward_batch(
             self, data: Any, loss_function: Callable, forward_only: bool = False

@@ -58,7 +58,15 @@ class TreeSlots:
     """Per micro-batch: [S] the tree's packed token of the same (rollout, position)."""
 
     @classmethod
-    def build(cls, micro_batches: list[object], *, vocab_size: int) -> TreeSlots:
+    def build(
+        cls,
+        micro_batches: list[object],
+        *,
+        vocab_size: int,
+        routes: list[list[torch.Tensor]] | None = None,
+    ) -> TreeSlots:
+        """`routes`: per micro-batch, per rollout, its recorded experts [n, MoE layers, k] (-1: route natively), for
+        routing replay (verl_moe.py r3_routes): the tree then shares a position only where the records agree."""
         rollouts: list[Rollout] = []
         first, offsets, slot_rows, spans = [], [], [], []
         for mb in micro_batches:
@@ -74,7 +82,8 @@ class TreeSlots:
                 start = int(off[b])
                 seq = values[start : start + n]
                 assert n - r > 0, "verl needs a non-empty prompt (no_padding_2_padding)"
-                rollouts.append(Rollout(prompt=seq[: n - r], response=seq[n - r :]))
+                rec = routes[len(first) - 1][b] if routes is not None else None
+                rollouts.append(Rollout(prompt=seq[: n - r], response=seq[n - r :], routed_experts=rec))
                 rows.append(torch.arange(start + n - r - 1, start + n - 1))  # logprob slots of the response
             offsets.append(off)
             slot_rows.append(torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long))

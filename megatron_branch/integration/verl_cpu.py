@@ -148,6 +148,10 @@ def use_cpu_platform() -> None:
     current = platform_manager._current_platform  # verl's singleton: set it once, keep it afterwards
     if current is None or current.device_name != "cpu":
         platform_manager.set_platform(make_cpu_platform())
+    import verl.utils.megatron.router_replay_utils as router_replay_utils
+
+    # verl read the device once, at its import (CUDA then): where router replay moves routes
+    router_replay_utils.device_name = "cpu"
     apply_cpu_shims()
     apply_optimizer_shims()
 
@@ -203,24 +207,62 @@ class CpuVarlenAttention(CoreAttentionSlot):
 # --- 3. the model build --------------------------------------------------------------------------------------
 
 
-def cpu_layer_spec() -> Any:
-    """megatron-core's local GPT layer spec with torch RMSNorm and the THD-capable CPU attention."""
+def cpu_layer_spec(*, qk_norm: bool = False) -> Any:
+    """megatron-core's local GPT layer spec with torch RMSNorm and the THD-capable CPU attention (`qk_norm`: norms
+    in the q/k slots, megatron's qk_layernorm, as Qwen3's)."""
     import copy
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_branch.compat.norm import TorchNorm
 
-    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm))
     spec.submodules.self_attention.submodules.core_attention = CpuVarlenAttention
     spec.submodules.input_layernorm = TorchNorm
     spec.submodules.pre_mlp_layernorm = TorchNorm
+    if qk_norm:
+        spec.submodules.self_attention.submodules.q_layernorm = TorchNorm
+        spec.submodules.self_attention.submodules.k_layernorm = TorchNorm
     return spec
 
 
-def build_cpu_gpt_model(hf_dir: str, hf_config: Any, *, dtype: torch.dtype) -> torch.nn.Module:
+def cpu_layer_specs(arch: Any) -> list[Any]:
+    """One spec per layer; a MoE layer has megatron's MoELayer (all-to-all dispatcher, SequentialMLP experts) with
+    megatron's own TopKRouter, as verl's bridge builds it (the switch swaps in BranchRouter: verl_moe.py)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megatron_branch.models.moe import moe_layer_spec
+
+    dense = cpu_layer_spec(qk_norm=arch.qk_norm)
+    if not arch.is_moe:
+        return [dense] * arch.num_layers
+    moe = moe_layer_spec(dense)
+    moe.submodules.mlp.submodules.router = TopKRouter
+    return [moe if arch.is_moe_layer(i) else dense for i in range(arch.num_layers)]
+
+
+def verl_moe_overrides(engine_config: Any) -> dict[str, Any]:
+    """The MoE fields verl's `_build_tf_config` sets on the bridge's provider (transformer_impl.py: EP / ETP from
+    the engine config, the all-to-all dispatcher, no load balancing), then the user's
+    `override_transformer_config`, which wins there too; under router replay, megatron's routing-replay flag."""
+    out: dict[str, Any] = {
+        "expert_model_parallel_size": engine_config.expert_model_parallel_size,
+        "expert_tensor_parallel_size": engine_config.expert_tensor_parallel_size,
+        "moe_token_dispatcher_type": "alltoall",
+        "moe_router_load_balancing_type": "none",
+    }
+    if engine_config.router_replay.mode != "disabled":  # verl sets it on the config it built
+        out["moe_enable_routing_replay"] = True
+    out.update(dict(engine_config.override_transformer_config or {}))
+    return out
+
+
+def build_cpu_gpt_model(
+    hf_dir: str, hf_config: Any, *, dtype: torch.dtype, engine_config: Any = None
+) -> torch.nn.Module:
     """The megatron-core GPTModel verl's bridge would build for `hf_config`, on the host, with the weights of
-    `hf_dir` (this rank's tensor-parallel shards)."""
+    `hf_dir` (this rank's tensor-parallel shards and expert-parallel experts); a MoE's fields from
+    `engine_config` as verl sets them (verl_moe_overrides)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -232,11 +274,17 @@ def build_cpu_gpt_model(hf_dir: str, hf_config: Any, *, dtype: torch.dtype) -> t
 
     arch = ModelArch.from_hf_config(hf_config, where=f"{hf_dir}/config.json")
     tp = ps.get_tensor_model_parallel_world_size()
-    config = arch.to_transformer_config(dtype=dtype, tp=tp, sequence_parallel=tp > 1)
+    overrides: dict[str, Any] = {}
+    if arch.is_moe:
+        from megatron_branch.compat.moe import apply_moe_shims
+
+        apply_moe_shims()
+        overrides = verl_moe_overrides(engine_config)
+    config = arch.to_transformer_config(dtype=dtype, tp=tp, sequence_parallel=tp > 1, **overrides)
     model = GPTModel(
         config=config,
         transformer_layer_spec=TransformerBlockSubmodules(
-            layer_specs=[cpu_layer_spec()] * arch.num_layers, layer_norm=TorchNorm
+            layer_specs=cpu_layer_specs(arch), layer_norm=TorchNorm
         ),
         vocab_size=arch.padded_vocab_size(tp),
         max_sequence_length=arch.max_position_embeddings,
@@ -276,7 +324,10 @@ class CpuModelBuild:
         if self.is_value_model:
             raise NotImplementedError("the CPU harness builds language models only")
         model = build_cpu_gpt_model(
-            self.model_config.local_path, self.model_config.hf_config, dtype=self.param_dtype
+            self.model_config.local_path,
+            self.model_config.hf_config,
+            dtype=self.param_dtype,
+            engine_config=self.engine_config,
         )
         self.tf_config = model.config
         if self.engine_config.forward_only:

@@ -13,6 +13,7 @@ verl loss of the per-token logprobs and entropies.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -59,7 +60,6 @@ def _refuse_batch(data: Any) -> None:
         "distillation_use_topk",
         "distillation_only",
         "calculate_sum_pi_squared",
-        "enable_routing_replay",
     ):
         if tu.get_non_tensor_data(data, key=key, default=False):
             raise VerlBranchError(f"branch replay in verl's engine does not support {key}=True")
@@ -98,6 +98,13 @@ class VerlTreeStep:
         forward_only: bool = False,
         **_: Any,
     ) -> list[dict[str, Any]]:
+        from megatron_branch.integration.verl_moe import (
+            hand_r2_routes,
+            moe_step_options,
+            r2_record,
+            r3_routes,
+        )
+        from megatron_branch.parallel import lockstep
         from megatron_branch.schedule import run_schedule, score_rollouts
 
         assert not isinstance(data_iterator, list) and len(model) == 1, "no pipeline parallelism"
@@ -108,12 +115,26 @@ class VerlTreeStep:
         for mb in micro_batches:
             _refuse_batch(mb)
         opts = self._schedule_options(model_chunk)
-        slots = TreeSlots.build(micro_batches, vocab_size=opts.vocab_size)
+        base, mode = unwrap(model_chunk), self.engine.engine_config.router_replay.mode
+        routes = r3_routes(mode, base, micro_batches)  # verl's router replay (replaying), or None
+        slots = TreeSlots.build(micro_batches, vocab_size=opts.vocab_size, routes=routes)
+        record = r2_record(base, micro_batches, slots.tree.num_tokens)  # R2's recording pass, or None
+        moe = moe_step_options(
+            base,
+            slots.rollout_offset,
+            len(slots.tree.rollouts),
+            routing_replay=routes is not None,
+            route_record=record,
+        )
+        opts = dataclasses.replace(opts, **moe)
         want_entropy = _wants_entropy(micro_batches)
         with _temperature(model_chunk, _uniform_temperature(micro_batches)):
-            scores = score_rollouts(
-                self.options.schedule, model_chunk, slots.tree, opts, entropy=want_entropy
-            )
+            with lockstep.region(model_chunk):  # EP across DP replicas: their model calls pair up
+                scores = score_rollouts(
+                    self.options.schedule, model_chunk, slots.tree, opts, entropy=want_entropy
+                )
+            if record is not None:
+                hand_r2_routes(record, slots, self.engine.mini_layer_topk_idx_list, device)
             logp_tok = scores.result.target_logprobs  # [P] float64 (NaN outside responses)
             ent_tok = scores.result.target_entropy if want_entropy else None
             outputs, G, H = self._verl_postprocess(
@@ -205,6 +226,8 @@ class VerlTreeStep:
         opts: Any,
         run_schedule: Callable[..., Any],
     ) -> None:
+        from megatron_branch.parallel import lockstep
+
         """One training pass of the tree with J = sum G logp + H entropy; then megatron's finalize_model_grads,
         exactly where megatron's schedule calls it (DDP reduction over dp, SP norm grads over TP)."""
         from megatron.core.process_groups_config import ProcessGroupCollection
@@ -212,7 +235,7 @@ class VerlTreeStep:
         config = unwrap(model_chunk).config
         objective = LinearSlotObjective(G=G, H=H if H is not None and bool(H.any()) else None)
         no_sync = config.no_sync_func or contextlib.nullcontext
-        with no_sync():
+        with no_sync(), lockstep.region(model_chunk):  # EP across DP replicas: calls pair up
             run_schedule(self.options.schedule, model_chunk, slots.tree, objective, opts)
         if config.finalize_model_grads_func is not None:
             config.finalize_model_grads_func(

@@ -92,9 +92,10 @@ class ObjectiveConfig:
     log(old / rollout) of verl 0.9.1 (token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2, seq_max_k3); a
     rejected token, or every token of a rejected rollout, leaves the loss as loss_mask 0 does (computed by verl's own
     compute_rollout_rejection_mask: needs the verl extra); None = off."""
-    rollout_rs_threshold: str | None = None
-    """Thresholds of rollout_rs (verl's rollout_rs_threshold): one for all criteria or one per criterion,
-    comma-separated; *_k1 take ratio bounds "lower_upper" (or an upper u, lower 1/u), k2/k3 an upper bound. A string: quote a bare number in YAML ("2.0")."""
+    rollout_rs_threshold: float | str | None = None
+    """Thresholds of rollout_rs (verl's rollout_rs_threshold, which takes a number or a string): one number for all
+    criteria, or a string of one bound per criterion, comma-separated; *_k1 take ratio bounds "lower_upper" (or an
+    upper u, lower 1/u), k2/k3 an upper bound."""
     clip_cov_ratio: float = 0.0002
     """clip_cov: fraction of the batch's (rollout, token) pairs whose gradient is cut (verl's
     policy_loss.clip_cov_ratio)."""
@@ -196,6 +197,10 @@ class ObjectiveConfig:
             self._bad("rollout_rs", f"must be comma-separated criteria among {', '.join(RS_OPTIONS)}")
         if self.rollout_rs_threshold is None:
             self._bad("rollout_rs_threshold", f"is required with rollout_rs={self.rollout_rs!r}")
+        if isinstance(self.rollout_rs_threshold, bool) or not isinstance(
+            self.rollout_rs_threshold, (int, float, str)
+        ):
+            self._bad("rollout_rs_threshold", "must be a number or a string of bounds (verl's types)")
         specs = [p.strip() for p in str(self.rollout_rs_threshold).split(",") if p.strip()]
         if len(specs) not in (1, len(dict.fromkeys(options))):
             self._bad("rollout_rs_threshold", "must hold one threshold, or one per rollout_rs criterion")

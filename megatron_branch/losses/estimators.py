@@ -23,7 +23,7 @@ sampler does not produce.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
@@ -42,6 +42,19 @@ def _groups(index: Sequence[Hashable]) -> list[list[int]]:
     for i, key in enumerate(index):
         out.setdefault(key, []).append(i)
     return list(out.values())
+
+
+def _per_group(
+    rewards: Sequence[float], index: Sequence[Hashable], fn: Callable[[torch.Tensor, list[int]], torch.Tensor]
+) -> torch.Tensor:
+    """[N] float64: fn(r_g, g) for every group g of two or more rollouts (r_g: its rewards), r_i for a group of one
+    (verl's estimators leave a lone rollout's score as it is)."""
+    r = torch.tensor(list(rewards), dtype=torch.float64)
+    out = r.clone()
+    for g in _groups(index):
+        if len(g) > 1:
+            out[g] = fn(r[g], g)
+    return out
 
 
 def _scalar(rollouts: Sequence[Rollout], adv: torch.Tensor) -> list[Rollout]:
@@ -68,13 +81,12 @@ def rloo_advantages(
     rollouts: Sequence[Rollout], rewards: Sequence[float], index: Sequence[Hashable], cfg: AdvantageConfig
 ) -> list[Rollout]:
     """REINFORCE leave-one-out (Ahmadian et al. 2024): the baseline of rollout i is the mean of the others."""
-    r = torch.tensor(list(rewards), dtype=torch.float64)
-    adv = r.clone()
-    for g in _groups(index):
+
+    def loo(r: torch.Tensor, g: list[int]) -> torch.Tensor:
         n = len(g)
-        if n > 1:
-            adv[g] = r[g] * n / (n - 1) - r[g].mean() * n / (n - 1)
-    return _scalar(rollouts, adv)
+        return r * n / (n - 1) - r.mean() * n / (n - 1)  # verl's order of operations (the last digits agree)
+
+    return _scalar(rollouts, _per_group(rewards, index, loo))
 
 
 @register_adv_est("opo", group_relative=True)
@@ -82,12 +94,8 @@ def opo_advantages(
     rollouts: Sequence[Rollout], rewards: Sequence[float], index: Sequence[Hashable], cfg: AdvantageConfig
 ) -> list[Rollout]:
     """On-policy RL with the optimal (length-weighted) reward baseline (Hao et al. 2025)."""
-    r = torch.tensor(list(rewards), dtype=torch.float64)
     length = torch.tensor([float(len(x.response)) for x in rollouts], dtype=torch.float64)
-    adv = r.clone()
-    for g in _groups(index):
-        if len(g) > 1:
-            adv[g] = r[g] - (length[g] * r[g]).sum() / length[g].sum()
+    adv = _per_group(rewards, index, lambda r, g: r - (length[g] * r).sum() / length[g].sum())
     return _scalar(rollouts, adv)
 
 
@@ -129,11 +137,7 @@ def reinforce_plus_plus_baseline_advantages(
     rollouts: Sequence[Rollout], rewards: Sequence[float], index: Sequence[Hashable], cfg: AdvantageConfig
 ) -> list[Rollout]:
     """REINFORCE++ with the group mean as baseline, whitened over the batch's tokens."""
-    r = torch.tensor(list(rewards), dtype=torch.float64)
-    centred = r.clone()
-    for g in _groups(index):
-        if len(g) > 1:
-            centred[g] = r[g] - r[g].mean()
+    centred = _per_group(rewards, index, lambda r, g: r - r.mean())
     per_token = [centred[i].expand(len(x.response)) for i, x in enumerate(rollouts)]
     mu, inv = _whiten_stats(per_token)
     return _scalar(rollouts, (centred - mu) * inv)

@@ -60,10 +60,12 @@ def rollout_is_weights(
 
 
 def reject_rollouts(
-    batch: Sequence[Rollout], rollout_rs: str, threshold: str
+    batch: Sequence[Rollout], rollout_rs: str, threshold: str | float, *, refuse_empty: bool = False
 ) -> tuple[list[Rollout], dict[str, float]]:
     """(the GLOBAL batch with rejected tokens' loss_mask 0, verl's `rollout_corr/rollout_rs_*` metrics) through
-    verl's compute_rollout_rejection_mask (module doc). old_logprobs and rollout_logprobs are required."""
+    verl's compute_rollout_rejection_mask (module doc). old_logprobs and rollout_logprobs are required.
+    `refuse_empty`: a batch left with no trained token is a UserError (grad: nothing to differentiate; train skips
+    such an update instead, train/policy.py)."""
     try:
         from verl.trainer.ppo.rollout_corr_helper import compute_rollout_rejection_mask
     except ImportError:
@@ -87,4 +89,9 @@ def reject_rollouts(
         dataclasses.replace(r, loss_mask=tuple(bool(v) for v in (keep[i, : len(r.response)] > 0.5).tolist()))
         for i, r in enumerate(batch)
     ]
+    if refuse_empty and not any(r.num_trained for r in out):
+        raise UserError(
+            f"rollout_rs={rollout_rs!r} at rollout_rs_threshold={threshold!r} rejects every response token: "
+            "nothing is left to train"
+        )
     return out, {f"rollout_corr/{k}": float(v) for k, v in metrics.items()}

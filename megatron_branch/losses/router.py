@@ -76,6 +76,15 @@ class GlobalAuxState:
 
 
 @dataclass(kw_only=True)
+class RouteRecord:
+    """Where a schedule call writes the experts each packed tree token is routed to (verl's router replay R2
+    records them in compute_log_prob's forward): `table` [N, MoE layers, k] long, -1 until written; each row's
+    experts ascending; under sequence parallel each TP rank writes its own rows (the caller combines them)."""
+
+    table: torch.Tensor
+
+
+@dataclass(kw_only=True)
 class MoEOptions:
     """What a schedule does with a MoE policy's routers (ScheduleOptions.moe)."""
 
@@ -89,10 +98,19 @@ class MoEOptions:
     """global_aux_loss only: the update's running counts (one per update; None = this call alone)."""
     dp_group: Any = None
     """global_aux_loss only: the group its counts are summed over (the data-parallel group)."""
+    route_record: RouteRecord | None = None
+    """Record every routed row's experts here (the forwards that are neither counting nor recomputing)."""
+    micro_batches: tuple[tuple[int, ...], ...] | None = None
+    """The tree's rollouts per megatron micro-batch when one tree holds several (verl's engine: every micro-batch
+    of the step, each packed THD by verl, batch 1): aux_loss and z_loss are then each micro-batch's own (its T
+    tokens), and seq_aux_loss takes a micro-batch as its one sequence (megatron's reshape at bsz 1); None = the
+    tree is one micro-batch, each rollout a sequence. Each micro-batch's losses are times `loss_scale`."""
 
     def __post_init__(self) -> None:
         if not (self.loss_scale > 0 and math.isfinite(self.loss_scale)):
             raise ValueError(f"loss_scale must be a positive number, got {self.loss_scale}")
+        if self.micro_batches is not None and self.losses.global_aux_loss_coeff:
+            raise ValueError("global_aux_loss is not supported with micro_batches (verl's engine)")
 
 
 def check_dropless(config: Any, schedule: str) -> None:

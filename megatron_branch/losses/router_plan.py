@@ -89,6 +89,13 @@ class RouterPlan:
         self.weight = token_multiplicity(self.member)  # [G]
         self.T_r = self.member.t() @ self.group_len  # [R] tokens of each rollout
         self.T = float(self.T_r.sum())  # logical tokens of the micro-batch
+        self.batch_rows = self._batch_rows(opts.micro_batches, R)  # [G, nb] or None
+        # [G] each group's z-loss row weight: c / T per logical token, or sum over micro-batches of w_gb / T_b
+        self.z_rows = (
+            self.weight / self.T
+            if self.batch_rows is None
+            else self.batch_rows @ (1.0 / (self._batch_member(opts.micro_batches, R) @ self.T_r))
+        )
         self.routes = _tree_routes(tree, len(self.moe_layers), top_k) if opts.routing_replay else None
         self.counting = False
         self.counts: dict[int, torch.Tensor] = {}  # layer -> [G, E] top-k (aux) map counts per group
@@ -97,6 +104,21 @@ class RouterPlan:
         self.tp_cp_group: Any = None
         self.stats: dict[str, torch.Tensor] = {}  # metric -> detached value (on the model's device)
         self.tokens: dict[int, torch.Tensor] = {}  # layer -> [2, E] routed rows: computed, logical (weighted)
+
+    def _batch_member(self, batches: Sequence[Sequence[int]] | None, R: int) -> torch.Tensor:
+        """[nb, R] 1 where rollout r is in micro-batch b (MoEOptions.micro_batches: a partition of the rollouts)."""
+        assert batches is not None
+        out = torch.zeros(len(batches), R, dtype=torch.float64)
+        for b, rows in enumerate(batches):
+            out[b, list(rows)] = 1.0
+        assert torch.equal(out.sum(dim=0), torch.ones(R, dtype=torch.float64)), "micro_batches: a partition"
+        return out
+
+    def _batch_rows(self, batches: Sequence[Sequence[int]] | None, R: int) -> torch.Tensor | None:
+        """[G, nb] how many of micro-batch b's rollouts contain group g's tokens (its rows' weight there)."""
+        if batches is None:
+            return None
+        return self.member @ self._batch_member(batches, R).t()
 
     @property
     def needs_counts(self) -> bool:
@@ -162,6 +184,15 @@ class RouterPlan:
         for layer, c in self.counts.items():  # c [G, E]
             M_r = self.member.t() @ c  # [R, E] per-rollout counts
             d: dict[str, Any] = {"M": M_r.sum(dim=0)}  # [E] micro-batch counts (logical tokens)
+            if self.batch_rows is not None:  # several micro-batches: each one's aux (and seq-aux: bsz 1)
+                Bm = self._batch_member(self.opts.micro_batches, R)  # [nb, R]
+                M_b, T_b = Bm @ M_r, Bm @ self.T_r  # [nb, E], [nb]
+                for name, coeff in (("aux", cfg.aux_loss_coeff), ("seq", cfg.seq_aux_loss_coeff)):
+                    if coeff:
+                        a = coeff * E / (k * T_b**2)  # [nb]
+                        d[name] = self.batch_rows @ (a[:, None] * M_b)  # [G, E] row coefficients
+                self.derived[layer] = d
+                continue
             if cfg.seq_aux_loss_coeff:
                 a = cfg.seq_aux_loss_coeff * E / (R * k * self.T_r**2)  # [R]
                 d["seq"] = self.member @ (a[:, None] * M_r)  # [G, E] row coefficients
@@ -200,7 +231,10 @@ class RouterPlan:
         weighted = scores * w.to(scores)[:, None]  # [n, E]: a shared row counts once per rollout
         loss = scores.new_zeros(())
         parts: dict[str, torch.Tensor] = {}
-        if cfg.aux_loss_coeff:
+        if cfg.aux_loss_coeff and "aux" in d:  # per micro-batch (MoEOptions.micro_batches)
+            coef = torch.cat([d["aux"], d["aux"].new_zeros(1, E)])[groups]  # row -1 -> zeros
+            parts["aux_loss"] = (scores * coef.to(scores)).sum()
+        elif cfg.aux_loss_coeff:
             parts["aux_loss"] = switch_load_balancing_loss_func(
                 weighted, d["M"].to(scores), self.T, k, E, cfg.aux_loss_coeff
             )
@@ -218,10 +252,12 @@ class RouterPlan:
         return loss * self.opts.loss_scale
 
     def z_loss(
-        self, layer: int, logits: torch.Tensor, w: torch.Tensor, *, record: bool = True
+        self, layer: int, logits: torch.Tensor, groups: torch.Tensor, *, record: bool = True
     ) -> torch.Tensor:
-        """This call's share of the layer's z-loss: c / T * sum_x w_x logsumexp(logits_x)^2."""
-        z = (torch.logsumexp(logits, dim=-1).square() * w.to(logits)).sum() * (self.cfg.z_loss_coeff / self.T)
+        """This call's share of the layer's z-loss: c sum_x z_x logsumexp(logits_x)^2, z_x = w_x / T (or, over
+        several micro-batches, the sum of w_xb / T_b); groups [n] (-1 = padding)."""
+        zw = torch.cat([self.z_rows, self.z_rows.new_zeros(1)]).to(logits.device)[groups]  # row -1 -> 0
+        z = (torch.logsumexp(logits, dim=-1).square() * zw.to(logits)).sum() * self.cfg.z_loss_coeff
         if record:
             self._add_loss_stat("z_loss", layer, z)
         return z * self.opts.loss_scale

@@ -85,7 +85,7 @@ class RowContext:
         if (
             train and plan.cfg.z_loss_coeff > 0
         ):  # megatron: on the logits, before the top-k (router.apply_z_loss)
-            logits = MoEAuxLossAutoScaler.apply(logits, plan.z_loss(layer, logits, w, record=record))
+            logits = MoEAuxLossAutoScaler.apply(logits, plan.z_loss(layer, logits, groups, record=record))
         replay = None
         if plan.routes is not None:
             li = plan.moe_layers.index(layer)
@@ -103,6 +103,10 @@ class RowContext:
             fused=False,
             router_replay=replay,
         )
+        if plan.opts.route_record is not None and record and not plan.counting:  # verl's R2 RECORD
+            li = plan.moe_layers.index(layer)
+            ids = routing_map[real].nonzero()[:, 1].view(-1, router.topk)  # [n_real, k] ascending
+            plan.opts.route_record.table[packed[real].cpu(), li] = ids.cpu()
         if (
             cfg.moe_expert_capacity_factor is not None
         ):  # naive only (check_dropless): megatron's token dropping

@@ -1,13 +1,9 @@
-"""The architecture description shared by model building, checkpoint conversion, the planner and the CLI.
-
-`ModelArch` is the one place where a model family is mapped to megatron-core's `TransformerConfig`; the Hugging
-Face config side (which config.json fields mean what, per family) is the family's file in models/families/.
-Everything that is not reproduced exactly (rope scaling, sliding windows, MLP bias, other activations) is refused
-there with a one-line `UserError` instead of being silently approximated.
-
-Families (decoder-only, RMSNorm, SwiGLU, RoPE, GQA): one file each in models/families/ (llama.py, qwen3_5.py, ...),
-whose docstring says what its config means; the mixtures of experts run on megatron's MoELayer (models/moe.py),
-the hybrids' gated delta nets on megatron's GatedDeltaNet (models/gdn.py).
+"""The architecture description shared by model building, checkpoint conversion, the planner and the CLI:
+`ModelArch`, the one description of a model. Its megatron-core `TransformerConfig` is models/transformer_config.py;
+the Hugging Face side (which config.json fields mean what) is the family's ONE file in models/families/ (llama.py,
+qwen3_5.py, ...), which refuses in one line (`UserError`) what is not reproduced exactly (rope scaling, MLP bias,
+...). Mixtures of experts run on megatron's MoELayer (models/moe.py), gated delta nets on its GatedDeltaNet
+(models/gdn.py), Mamba-2 layers on its MambaMixer (models/mamba.py).
 """
 
 from __future__ import annotations
@@ -22,6 +18,7 @@ from megatron_branch.errors import UserError
 from megatron_branch.models.families import arch_fields_from_hf, families, get_family, hf_config_of
 from megatron_branch.models.mla import check_mla
 from megatron_branch.models.router_settings import check_router
+from megatron_branch.models.transformer_config import transformer_config_of
 from megatron_branch.rules import check_hybrid_run
 
 LAYER_TYPES = ("full_attention", "linear_attention")
@@ -130,6 +127,30 @@ class ModelArch:
     """MLA: the per-head width of the decoupled RoPE part of q/k (the key's shared by every head)."""
     v_head_dim: int = 0
     """MLA: the per-head width of the values."""
+    hybrid_override_pattern: str | None = None
+    """A Mamba hybrid's layers, one character each (megatron's and Nemotron-H's hybrid_override_pattern): "M" a
+    Mamba-2 mixer, "*" self-attention, "-" an MLP; each layer is its norm and that ONE block (models/mamba.py).
+    None: every layer attention + MLP."""
+    mlp_activation: str = "swiglu"
+    """The MLP: "swiglu" (gate/up/down) or "relu2" (Nemotron-H: up, squared ReLU, down; no gate)."""
+    position_embedding: str = "rope"
+    """"rope", or "none" (Nemotron-H's attention has no positional encoding: its Mamba layers carry order)."""
+    mamba_num_heads: int = 0
+    """Mamba-2 layers: heads (HF mamba_num_heads); d_inner = heads x mamba_head_dim."""
+    mamba_head_dim: int = 0
+    """Mamba-2 layers: channels per head (HF mamba_head_dim)."""
+    mamba_state_dim: int = 0
+    """Mamba-2 layers: SSM state size N (HF ssm_state_size)."""
+    mamba_num_groups: int = 0
+    """Mamba-2 layers: groups of heads sharing B and C, and the gated norm's groups (HF n_groups)."""
+    mamba_conv_kernel: int = 4
+    """Mamba-2 layers: width of the causal depthwise convolution over x, B, C (HF conv_kernel)."""
+    mamba_conv_bias: bool = True
+    """Mamba-2 layers: the convolution has a bias (HF use_conv_bias)."""
+    mamba_chunk_size: int = 128
+    """Mamba-2 layers: the SSD scan's chunk length (HF chunk_size; precision only, never the result's meaning)."""
+    mamba_dt_min: float = 0.0
+    """Mamba-2 layers: dt is clamped to at least this after softplus (HF's mixer: time_step_min)."""
 
     def __post_init__(self) -> None:
         if self.family not in families():
@@ -161,6 +182,10 @@ class ModelArch:
         self._check_moe()
         if self.multi_latent:
             check_mla(self)  # models/mla.py
+        if self.hybrid_override_pattern is not None or "mamba" in get_family(self.family).layer_kinds:
+            from megatron_branch.models.mamba_arch import check_mamba_arch
+
+            check_mamba_arch(self)
 
     def _check_moe(self) -> None:
         if get_family(self.family).moe and self.num_experts <= 0:
@@ -354,6 +379,10 @@ class ModelArch:
             )
         if self.is_moe:
             self.check_expert_parallel(1, tp=tp)
+        if self.hybrid_override_pattern is not None:
+            from megatron_branch.models.mamba_arch import check_mamba_tensor_parallel
+
+            check_mamba_tensor_parallel(self, tp)
         if self.is_hybrid:  # megatron's GatedDeltaNet splits both head counts over TP (transformer_config.py)
             for name in ("linear_num_key_heads", "linear_num_value_heads"):
                 if getattr(self, name) % tp:
@@ -367,70 +396,10 @@ class ModelArch:
         sequence_parallel: bool = False,
         **overrides: Any,
     ) -> Any:
-        """megatron-core TransformerConfig for this arch. Dropout is 0: branch replay recomputes nothing that
-        draws random numbers, so exactness needs no RNG replay (see docs/design.md)."""
-        import torch.nn.functional as F
-        from megatron.core.transformer import TransformerConfig
-
-        self.check_tensor_parallel(tp)
-        kwargs: dict[str, Any] = dict(
-            num_layers=self.num_layers,
-            hidden_size=self.hidden_size,
-            num_attention_heads=self.num_attention_heads,
-            num_query_groups=self.num_query_groups,
-            kv_channels=self.head_dim,
-            ffn_hidden_size=self.ffn_hidden_size,
-            normalization="RMSNorm",
-            layernorm_epsilon=self.rms_norm_eps,
-            gated_linear_unit=True,
-            activation_func=F.silu,
-            add_bias_linear=False,
-            add_qkv_bias=self.qkv_bias,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            params_dtype=dtype,
-            bf16=dtype == torch.bfloat16,
-            fp16=dtype == torch.float16,
-            use_cpu_initialization=True,
-            tensor_model_parallel_size=tp,
-            sequence_parallel=sequence_parallel and tp > 1,
-            bias_activation_fusion=False,
-            bias_dropout_fusion=False,
-            masked_softmax_fusion=False,
-            persist_layer_norm=False,
-            apply_rope_fusion=False,
-            gradient_accumulation_fusion=False,
-            attention_softmax_in_fp32=False,
-            qk_layernorm=self.qk_norm,
-            layernorm_zero_centered_gamma=self.zero_centered_norm,
-            attention_output_gate=self.attention_output_gate,
+        """megatron-core TransformerConfig for this arch (models/transformer_config.py)."""
+        return transformer_config_of(
+            self, dtype=dtype, tp=tp, sequence_parallel=sequence_parallel, **overrides
         )
-        if self.is_hybrid:
-            from megatron_branch.compat.gdn import gdn_uses_torch_path
-
-            kwargs.update(
-                experimental_attention_variant="gated_delta_net",
-                # megatron's pattern: 1 = linear attention, 0 = full attention; a list makes the dist checkpoint
-                # name every layer by its index (transformer_block.py: non-homogeneous layers)
-                linear_attention_freq=[int(self.is_linear(i)) for i in range(self.num_layers)],
-                linear_conv_kernel_dim=self.linear_conv_kernel_dim,
-                linear_key_head_dim=self.linear_key_head_dim,
-                linear_value_head_dim=self.linear_value_head_dim,
-                linear_num_key_heads=self.linear_num_key_heads,
-                linear_num_value_heads=self.linear_num_value_heads,
-                # torch's conv1d and megatron's torch_chunk_gated_delta_rule where fla's kernels cannot run
-                deterministic_mode=gdn_uses_torch_path(),
-            )
-        if self.is_moe:
-            from megatron_branch.models.moe import moe_config_kwargs
-
-            kwargs.update(moe_config_kwargs(self))
-        if self.multi_latent:
-            from megatron_branch.models.mla import mla_config
-
-            return mla_config(self, {**kwargs, **overrides})
-        kwargs.update(overrides)
-        return TransformerConfig(**kwargs)
 
 
 def gdn_block_heads(key_heads: int, value_heads: int, cp: int) -> tuple[int, int]:

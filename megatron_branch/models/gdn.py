@@ -48,6 +48,7 @@ from megatron_branch.models.gdn_tree import (
     Rows,
     State,
     delta_rule_segments,
+    hand_down_states,
     tree_depths,
 )
 
@@ -178,10 +179,8 @@ class BranchGatedDeltaNet(GatedDeltaNet, TakesBranchContext):
             core = core.index_put((rows.index[rows.valid],), out[rows.valid])
             for j, i in enumerate(depth):
                 states[i] = (S[j : j + 1], tail[j : j + 1])
-        if ctx.capture:  # each segment's state at its end, one row per segment in chunk order (replay: one)
-            n = len(ctx.tree.segments)
-            down = states[0] if n == 1 else tuple(torch.cat([states[i][j] for i in range(n)]) for j in (0, 1))
-            ctx.hand_down(self.layer_number, GDN_STATE, down)
+        if ctx.capture:
+            hand_down_states(ctx, self.layer_number, GDN_STATE, states)
         return core
 
     def _start(

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,14 @@ def tree_depths(tree: ChunkTree) -> list[list[int]]:
     for i, d in enumerate(depth):
         out[d].append(i)
     return out
+
+
+def hand_down_states(ctx: Any, layer_number: int, kind: StateKind, states: dict[int, State]) -> None:
+    """A recurrent layer's states at each segment's end, one row per segment in chunk order (replay: one segment),
+    handed down through the context (the gated delta net's and the Mamba layer's, models/gdn.py, models/mamba.py)."""
+    n = len(ctx.tree.segments)
+    down = states[0] if n == 1 else tuple(torch.cat([states[i][j] for i in range(n)]) for j in (0, 1))
+    ctx.hand_down(layer_number, kind, down)
 
 
 @dataclass(frozen=True)

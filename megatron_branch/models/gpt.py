@@ -67,6 +67,12 @@ def layer_specs(arch: ModelArch) -> list[ModuleSpec]:
     """One spec per layer: its token mixer (full attention, or megatron's GatedDeltaNet in a hybrid's linear
     layers), then its MLP slot (the dense SwiGLU, or megatron's MoELayer in a MoE layer: models/moe.py)."""
     attention = branch_layer_spec(qk_norm=arch.qk_norm, multi_latent=arch.multi_latent)
+    if arch.hybrid_override_pattern is not None:  # a Mamba hybrid: one block per layer (models/mamba.py)
+        from megatron_branch.models.mamba import hybrid_layer_specs
+        from megatron_branch.models.mamba_arch import layer_kind
+
+        kinds = hybrid_layer_specs(arch, attention)
+        return [kinds[layer_kind(arch, i)] for i in range(arch.num_layers)]  # type: ignore[index]
     mixers = {False: attention}
     if arch.is_hybrid:
         from megatron_branch.models.gdn import gdn_layer_spec
@@ -100,7 +106,8 @@ class BranchGPTModel(GPTModel):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        enable_position_rope(self)
+        if self.position_embedding_type == "rope":  # Nemotron-H's attention has none
+            enable_position_rope(self)
         self._hidden_only = False
 
     @contextmanager
@@ -159,6 +166,10 @@ def build_model(
         from megatron_branch.compat.mla import apply_mla_shims
 
         apply_mla_shims()
+    if "M" in (arch.hybrid_override_pattern or ""):
+        from megatron_branch.compat.mamba import apply_mamba_shims
+
+        apply_mamba_shims()
     if arch.is_moe:
         from megatron_branch.compat.moe import apply_moe_shims
 
@@ -181,7 +192,7 @@ def build_model(
         post_process=pp_rank == pp - 1,
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type=arch.position_embedding,
         rotary_percent=arch.rotary_percent,
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
     )

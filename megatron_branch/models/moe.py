@@ -74,6 +74,28 @@ class BranchRouter(TopKRouter):
         return self.context.route(self, logits)
 
 
+class PlainRouting:
+    """megatron's top-k routing of a router's config without any loss attached: what a lockstep dummy forward
+    routes with (parallel/lockstep.py), whatever router losses the model's own config sets (verl's engine sets
+    megatron's aux and z losses there; a dummy's one token must add nothing to the gradient)."""
+
+    def route(self, router: BranchRouter, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+        cfg = router.config
+        return topk_routing_with_score_function(
+            logits.view(-1, cfg.num_moe_experts),
+            router.topk,
+            use_pre_softmax=cfg.moe_router_pre_softmax,
+            num_groups=cfg.moe_router_num_groups,
+            group_topk=cfg.moe_router_group_topk,
+            scaling_factor=cfg.moe_router_topk_scaling_factor,
+            score_function=router.score_function,
+            expert_bias=router.expert_bias,
+            fused=False,
+        )
+
+
 def uses_grouped_gemm() -> bool:
     """Grouped GEMM experts (TransformerEngine's TEGroupedMLP) where they run: a GPU with TE installed."""
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None

@@ -174,18 +174,21 @@ class Lockstep:
 
 @contextmanager
 def _swapped(base: torch.nn.Module, ctx: Any) -> Iterator[None]:
-    """`ctx` on every module that reads a branch context (attention, a recurrent mixer), no router context, hidden
-    states out; whatever was there restored after."""
+    """`ctx` on every module that reads a branch context (attention, a recurrent mixer), routers routing plainly
+    (no loss), hidden states out; whatever was there restored after."""
     from megatron_branch.attention.context import context_modules
-    from megatron_branch.models.moe import branch_routers
+    from megatron_branch.models.moe import PlainRouting, branch_routers
 
     mods, routers = context_modules(base), branch_routers(base)
-    held = [m.context for m in mods], [r.context for r in routers], base._hidden_only
+    # a BranchGPTModel returns hidden states (cheaper); another GPTModel (verl's) its logits, a dummy's all the same
+    held = [m.context for m in mods], [r.context for r in routers], getattr(base, "_hidden_only", None)
     for m in mods:
         m.context = ctx
+    plain = PlainRouting()  # no router loss: the model's config may set megatron's (verl's engine does)
     for r in routers:
-        r.context = None
-    base._hidden_only = True
+        r.context = plain
+    if held[2] is not None:
+        base._hidden_only = True
     try:
         yield
     finally:
@@ -193,7 +196,8 @@ def _swapped(base: torch.nn.Module, ctx: Any) -> Iterator[None]:
             m.context = c
         for r, c in zip(routers, held[1], strict=True):
             r.context = c
-        base._hidden_only = held[2]
+        if held[2] is not None:
+            base._hidden_only = held[2]
 
 
 def decision(props: Sequence[int], tops: Sequence[int], depths: Sequence[int]) -> int:

@@ -84,6 +84,35 @@ def packed_peak_bytes(
     return pk.saved + pk.ring_buffers + pk.logits + pk.dispatcher
 
 
+def share_peak_bytes(
+    arch: ModelArch,
+    rollouts: list[Any],
+    layout: Layout,
+    *,
+    act_bytes: int,
+    layer_recompute: bool,
+    micro_batches: int = 1,
+) -> int:
+    """Packed's planned activation peak over `rollouts` (one update's batch): the largest chunk packed runs, that
+    is the largest micro-batch (update.split_micro_batches) of the largest DP share (parallel.assign_groups)."""
+    from megatron_branch.parallel.data import assign_groups
+    from megatron_branch.update.step import split_micro_batches
+
+    tree = PrefixTree.build(rollouts, vocab_size=arch.vocab_size)
+    shares = [s for s in assign_groups(tree, layout.dp) if s] or [list(range(len(rollouts)))]
+    chunks = [c for s in shares for c in split_micro_batches(rollouts, s, micro_batches)]
+    return max(
+        packed_peak_bytes(
+            arch,
+            PrefixTree.build([rollouts[i] for i in c], vocab_size=arch.vocab_size),
+            layout,
+            act_bytes=act_bytes,
+            layer_recompute=layer_recompute,
+        )
+        for c in chunks
+    )
+
+
 def grad_choice(
     arch: ModelArch,
     rollouts: list[Any],
@@ -93,23 +122,13 @@ def grad_choice(
     layer_recompute: bool,
     budget_bytes: int,
     packed_problem: str | None = None,
+    micro_batches: int = 1,
 ) -> AutoChoice:
-    """`grad --schedule auto`: packed's planned activation peak on the largest DP share against the budget; replay
-    when packed cannot run these options at all (`packed_problem`: the rules' one line)."""
-    from megatron_branch.parallel.data import assign_groups
-
-    tree = PrefixTree.build(rollouts, vocab_size=arch.vocab_size)
-    shares = [s for s in assign_groups(tree, layout.dp) if s] or [list(range(len(rollouts)))]
-    peak = max(
-        packed_peak_bytes(
-            arch,
-            PrefixTree.build([rollouts[i] for i in s], vocab_size=arch.vocab_size),
-            layout,
-            act_bytes=act_bytes,
-            layer_recompute=layer_recompute,
-        )
-        for s in shares
-    )
+    """`grad --schedule auto` (and `train`'s per batch, train/auto_schedule.py): packed's planned activation peak
+    on the largest chunk (share_peak_bytes) against the budget; replay when packed cannot run these options at all
+    (`packed_problem`: the rules' one line)."""
+    peak = share_peak_bytes(arch, rollouts, layout, act_bytes=act_bytes, layer_recompute=layer_recompute,
+                            micro_batches=micro_batches)  # fmt: skip
     if packed_problem is not None:
         return AutoChoice(schedule="replay", reason=f"packed cannot run this: {packed_problem}", packed_bytes=peak,
                           budget_bytes=budget_bytes)  # fmt: skip

@@ -139,16 +139,10 @@ def step_peak(
         r = local_rows(n, 1, layout)
         # naive (megatron's output layer) scores every row; a one-response tree only its response tokens
         m = cdiv(n - 1 if schedule == "naive" else shape.response_length, cp)
-        c = chunk_saved_bytes(dm, r, m, cp=cp, layer_recompute=lay_rc, sequences=[(n, 1)])
         alive = min(alive, cdiv(shape.prompts, layout.dp))  # under PP one-rollout groups flow as a wave
-        return Peak(
-            activations=alive * (c["kv"] + c["other"]),
-            cached_kv=0,
-            kv_grads=0,
-            ring_buffers=max(ring_buffer_bytes(dm, r, r, cp), exchange_buffer_bytes(dm, r)),
-            logits=logits_bytes(dm, m, logprob_chunk_rows),
-            dispatcher=dispatcher_bytes(dm, r),
-        )
+        # one rollout per chunk: a packed chunk's terms (nothing cached)
+        return packed_peak(dm, r, m, cp=cp, layer_recompute=lay_rc, sequences=[(n, 1)],
+                           logprob_chunk_rows=logprob_chunk_rows, alive=alive)  # fmt: skip
     groups = cdiv(shape.prompts, layout.dp)  # prompt groups on this DP rank
     if schedule == "packed" and layout.pp > 1:  # a wave of one-group chunks (schedule/pipeline.py)
         alive, groups = min(alive, groups), 1

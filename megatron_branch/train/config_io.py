@@ -24,6 +24,29 @@ from megatron_branch.train.config import TrainConfig
 from megatron_branch.train.validate import SPELLING
 
 
+def _yaml(text: str) -> Any:
+    """yaml.safe_load with YAML 1.2's numbers: no underscores inside them, so "0.5_2" (verl's lower_upper
+    rollout_rs_threshold) stays that string instead of YAML 1.1's float 0.52. (yaml is imported here, not at the
+    top: the CLI's start-up stays light.)"""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        yaml_implicit_resolvers = {
+            first: [
+                (
+                    tag,
+                    re.compile(rx.pattern.replace("_]", "]"), rx.flags)
+                    if tag.endswith((":int", ":float"))
+                    else rx,
+                )
+                for tag, rx in resolvers
+            ]
+            for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+        }
+
+    return yaml.load(text, Loader=Loader)  # noqa: S506 (a SafeLoader)
+
+
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is Literal:
@@ -152,13 +175,14 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not all(parts):
         raise UserError(f"override {text!r}: empty key part")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
+        parsed = _yaml(value) if value.strip() else ""
     except yaml.YAMLError:
         parsed = value
     # YAML 1.1 reads `1e-5` as a string (it wants `1.0e-5`): accept what a user means.
     if isinstance(parsed, str):
         try:
-            parsed = float(parsed) if any(c in parsed for c in ".eE") else parsed
+            # (not "0.5_2": Python's float() reads underscores as digit separators; verl reads a bound pair)
+            parsed = float(parsed) if any(c in parsed for c in ".eE") and "_" not in parsed else parsed
         except ValueError:
             pass
     return parts, parsed
@@ -222,7 +246,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         except OSError as e:
             raise UserError(f"cannot read config: {e.strerror or e}", where=str(path)) from None
         try:
-            loaded = yaml.safe_load(text)
+            loaded = _yaml(text)
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             line = f":{mark.line + 1}" if mark is not None else ""

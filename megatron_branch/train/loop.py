@@ -293,8 +293,14 @@ class Trainer(RunCheckpoints):
             "checkpoint": str(self.store.path(self.step)),
             "hf": str(exported) if exported else None,
             "last": last,
+            **self._auto_summary(),
             **extra,
         }
+
+    def _auto_summary(self) -> dict[str, Any]:
+        """schedule.name: auto: the last pick and why (train/auto_schedule.py)."""
+        auto = self.actor.auto
+        return {} if auto is None or auto.last is None else {"schedule_auto": auto.last.to_json()}
 
     def _stop_on_signal(self, last: dict[str, Any]) -> dict[str, Any]:
         if self.saved_step != self.step:

@@ -26,6 +26,7 @@ from megatron_branch.data import Rollout
 from megatron_branch.models import ModelArch
 from megatron_branch.parallel.groups import ParallelGroups
 from megatron_branch.train.algorithm import Algorithm
+from megatron_branch.train.auto_schedule import auto_schedule
 from megatron_branch.train.config import TrainConfig
 from megatron_branch.train.models import refresh_whole, whole_copy
 from megatron_branch.train.validate import optimizer_settings, sampling_params
@@ -105,9 +106,11 @@ class Actor:
             backend=cfg.schedule.backend, record_routing=moe_opts is not None and moe_opts.routing_replay,
         )  # fmt: skip
         micro = -(-mini // (a.ppo_micro_batch_size or mini))  # micro-batches of a mini-batch
+        self.auto = auto_schedule(cfg, arch, groups, micro_batches=micro, act_bytes=dtype.itemsize)
         self.plan = UpdatePlan(
-            opts=opts, schedule=cfg.schedule.name, micro_batches=micro, pg_collection=self.pgc
-        )
+            opts=opts, schedule=cfg.schedule.name if self.auto is None else "replay", micro_batches=micro,
+            pg_collection=self.pgc,
+        )  # fmt: skip
         self.critic: Trainee | None = None
         if algo.trains_critic:
             self.critic = self._build_critic(model, updates)
@@ -180,6 +183,9 @@ class Actor:
         from megatron_branch.update import update_step
 
         cfg, algo = self.cfg, self.algo
+        group = 2 if algo.offline else cfg.rollout.n
+        if self.auto is not None:  # schedule.name: auto: one pick for the step's updates
+            self._pick([batch[lo:hi] for lo, hi in self._mini_batches(batch, group)])
         rejection: dict[str, float] = {}
         if (
             algo.objective.rollout_rs is not None
@@ -187,13 +193,15 @@ class Actor:
             from megatron_branch.losses.rollout_correction import reject_rollouts
 
             batch, rejection = reject_rollouts(
-                batch, algo.objective.rollout_rs, str(algo.objective.rollout_rs_threshold)
+                batch, algo.objective.rollout_rs, algo.objective.rollout_rs_threshold
             )
-        group = 2 if algo.offline else cfg.rollout.n
-        minis = []
+        minis, skipped = [], 0
         scoring = 0.0  # seconds of forward-only scoring (values, reference logprobs): verl's timing_s/ref
         for lo, hi in self._mini_batches(batch, group):  # what the updates need, once per step
             mb = batch[lo:hi]
+            if not any(r.num_trained for r in mb):  # every token masked (rollout_rs rejected all): no update
+                skipped += 1
+                continue
             if algo.estimator is not None:
                 assert rewards is not None
                 if algo.estimator.needs_values:
@@ -232,11 +240,38 @@ class Actor:
                 for key, v in metrics.items():
                     sums[key] = sums.get(key, 0.0) + v
                 count += 1
-        out = {k: v / count for k, v in sums.items()}  # means over the step's updates
-        out["loss"] = out.pop(f"{objective.role}/loss")
+        out = {k: v / count for k, v in sums.items()} if count else {}  # means over the step's updates
+        out["loss"] = (
+            out.pop(f"{objective.role}/loss") if count else float("nan")
+        )  # JSON null: nothing trained
         out["timing_s/ref"] = scoring
         out.update(rejection)
+        if rejection:
+            out["actor/skipped_updates"] = float(skipped * cfg.actor.ppo_epochs)
+        if skipped:
+            self._warn_skipped(skipped, len(minis) + skipped)
+        if self.auto is not None:
+            out.update(self.auto.metrics())
         return out
+
+    def _warn_skipped(self, skipped: int, total: int) -> None:
+        """One line on rank 0 when a step trains nothing in some mini-batches (every token masked: verl's
+        rollout_rs rejected them all): those updates are skipped, not an error (actor/skipped_updates)."""
+        import torch.distributed as dist
+
+        from megatron_branch.train.lifecycle import say
+
+        what = (
+            "actor.rollout_rs rejected" if self.algo.objective.rollout_rs is not None else "loss_mask masks"
+        )
+        say(f"megatron-branch: warning: {what} every response token of {skipped} of {total} mini-batches: their "
+            "updates are skipped (actor/skipped_updates)", enabled=not dist.is_initialized() or dist.get_rank() == 0,
+            err=True)  # fmt: skip
+
+    def _pick(self, batches: list[list[Rollout]]) -> None:
+        """schedule.name: auto: the plan's schedule for the updates of `batches` (train/auto_schedule.py)."""
+        assert self.auto is not None
+        self.plan = dataclasses.replace(self.plan, schedule=self.auto.pick(batches, self.groups).schedule)
 
     # ---- supervised warm-up (a separate optimizer: RL starts with fresh Adam moments) -------------------------
     def warmup(self, batches: list[list[Rollout]], lr: float, log: Any, stop: Any = None) -> int:
@@ -248,6 +283,8 @@ class Actor:
                                        decay_steps=None)  # fmt: skip
         opt, sched = build_optimizer(self.policy.ddp, settings, dtype=self.dtype)
         self.policy.model.train()
+        if self.auto is not None:
+            self._pick(batches)
         # the inexact replay-stopgrad is an RL-update comparison: its warm-up is exact, so both start from one policy
         plan = (
             dataclasses.replace(self.plan, schedule="replay")

@@ -9,6 +9,7 @@ any work.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -161,9 +162,13 @@ def model_arch(cfg: Any, vocab_size: int | None = None) -> ModelArch:
 
 
 def run_spec(cfg: Any, arch: ModelArch | None = None) -> RunSpec:
-    """The run assembly's RunSpec of the config (assembly/spec.py): its sections ARE the spec's parts."""
+    """The run assembly's RunSpec of the config (assembly/spec.py): its sections ARE the spec's parts;
+    `schedule.name: auto` is checked and built as replay, what it falls back to (train/auto_schedule.py)."""
+    schedule = cfg.schedule
+    if schedule.name == rules.AUTO_SCHEDULE:
+        schedule = dataclasses.replace(schedule, name="replay")
     return RunSpec(
-        hf_path=cfg.model.hf_path, arch=arch, layout=cfg.parallel, schedule=cfg.schedule, objective=cfg.actor,
+        hf_path=cfg.model.hf_path, arch=arch, layout=cfg.parallel, schedule=schedule, objective=cfg.actor,
         dtype=cfg.model.dtype, training=True, critic=resolve_algorithm(cfg).trains_critic, moe=cfg.moe,
         init_seed=cfg.model.init_seed,
     )  # fmt: skip

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from dist_helpers import shared_tmp
 from safetensors.torch import load_file
-from test_moe_parallel import _rollouts, _shared_dir  # the MoE layouts' tree (forks under a shared beginning)
+from test_moe_parallel import _rollouts  # the MoE layouts' tree (forks under a shared beginning)
 
 from megatron_branch.cli import main
 from megatron_branch.data import write_rollouts_jsonl
@@ -52,7 +53,7 @@ def sigmoid_router_setup(family: str) -> tuple[Path, dict[str, torch.Tensor]]:
         tiny_hf_model,
     )
 
-    d = _shared_dir()
+    d = shared_tmp("glm4_moe_parallel_")
     rollouts = _rollouts()
     cfg = tiny_hf_config(family)
     if dist.get_rank() == 0:

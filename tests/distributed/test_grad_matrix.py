@@ -14,12 +14,12 @@ beginnings and segment lengths (11, 9, 3, 5, 1, 7) that no 2*CP divides.
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from dist_helpers import shared_tmp
 from safetensors.torch import load_file
 
 from megatron_branch.cli import main
@@ -46,18 +46,10 @@ def _rollouts() -> list[Rollout]:
     ]
 
 
-def _shared_dir() -> Path:
-    """A fresh folder made by rank 0, its path broadcast to every rank."""
-    box: list[str | None] = [tempfile.mkdtemp(prefix="grad_matrix_") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    assert box[0] is not None
-    return Path(box[0])
-
-
 def _setup(rollouts: list[Rollout]) -> Path:
     from megatron_branch.testing import tiny_hf_config, tiny_hf_model
 
-    d = _shared_dir()
+    d = shared_tmp("grad_matrix_")
     if dist.get_rank() == 0:
         tiny_hf_model(tiny_hf_config("qwen2", heads=4, kv_heads=2), seed=4).save_pretrained(d / "hf")
         write_rollouts_jsonl(d / "r.jsonl", rollouts)

@@ -20,12 +20,12 @@ with the multiplicity weights planted away 0.47 (CP2 replay); training under EP2
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from dist_helpers import shared_tmp
 from safetensors.torch import load_file
 from train_helpers import KV_TASK, QUIET
 
@@ -53,12 +53,6 @@ def _rollouts() -> list[Rollout]:
     ]
 
 
-def _shared_dir() -> Path:
-    box: list[str | None] = [tempfile.mkdtemp(prefix="moe_parallel_") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return Path(box[0])
-
-
 @pytest.fixture(scope="module")
 def setup() -> tuple[Path, dict[str, torch.Tensor]]:
     """(folder with hf/ and r.jsonl, the float64 HF oracle's gradient) on every rank."""
@@ -73,7 +67,7 @@ def setup() -> tuple[Path, dict[str, torch.Tensor]]:
         tiny_hf_model,
     )
 
-    d = _shared_dir()
+    d = shared_tmp("moe_parallel_")
     rollouts = _rollouts()
     cfg = tiny_hf_config("qwen3_moe", heads=4, kv_heads=2)
     if dist.get_rank() == 0:
@@ -236,7 +230,7 @@ def test_moe_training_under_ep_equals_dp_and_resumes_exactly(family: str) -> Non
     from megatron_branch.testing import tiny_hf_config, tiny_hf_model
     from megatron_branch.train.loop import Trainer
 
-    d = _shared_dir()
+    d = shared_tmp("moe_parallel_")
     hf = d / "hf"
     vocab = Trainer(
         _train_cfg(None, d / "probe", "trainer.total_training_steps=1")
@@ -317,7 +311,7 @@ def hybrid(request: pytest.FixtureRequest) -> tuple[str, Path, dict[str, torch.T
     )
 
     family = request.param
-    d = _shared_dir()
+    d = shared_tmp("moe_parallel_")
     rollouts = _hybrid_rollouts()
     layers = ("linear_attention", "full_attention", "linear_attention")
     cfg = tiny_hf_config(family, num_layers=3, ffn=48, layer_types=layers, moe=HYBRIDS[family])

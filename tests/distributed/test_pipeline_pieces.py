@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch.distributed as dist
+from dist_helpers import shared_tmp
 from safetensors.torch import load_file
 from test_objectives_parallel import VOCAB, _close, _rollouts
 
@@ -55,12 +55,6 @@ def expected_growth(tree: PrefixTree, pieces: int) -> int:
     return sum(len(piece_lengths(s.length, pieces)) - 1 for s in shared)
 
 
-def _shared_dir() -> Path:
-    box: list[str | None] = [tempfile.mkdtemp(prefix="pp_pieces_") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return Path(str(box[0]))
-
-
 def _grad(d: Path, name: str, capsys: pytest.CaptureFixture[str], *flags: str) -> dict[str, Any]:
     from megatron_branch.cli import main
 
@@ -78,7 +72,7 @@ def test_grad_root_pieces_through_the_command_equal_naive(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rollouts = _rollouts()
-    d = _shared_dir()
+    d = shared_tmp("pp_pieces_")
     try:
         if dist.get_rank() == 0:
             config = tiny_hf_config("qwen2", vocab_size=VOCAB, num_layers=LAYERS, heads=4, kv_heads=2)

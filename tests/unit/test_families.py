@@ -47,7 +47,7 @@ from megatron_branch.testing import (
 ROOT = Path(__file__).resolve().parents[2]
 EVERY_FAMILY = (  # the families the package ships; the per-family tests below run over every registered one
     "llama", "qwen2", "qwen3", "qwen3_5", "qwen3_moe", "mixtral", "qwen2_moe", "qwen3_5_moe", "qwen3_next",
-    "glm4_moe", "deepseek_v3",
+    "glm4_moe", "deepseek_v3", "nemotron_h",
 )  # fmt: skip
 
 
@@ -75,6 +75,7 @@ def test_a_familys_tables_agree_with_its_tiny_model(name: str) -> None:
     assert ("gdn" in spec.layer_kinds) == (arch.num_linear_layers > 0 or arch.layer_types is not None)
     assert ("shared_expert" in spec.layer_kinds) == (arch.shared_expert_ffn_hidden_size > 0)
     assert ("gated_attention" in spec.layer_kinds) == arch.attention_output_gate
+    assert ("mamba" in spec.layer_kinds) == ("M" in (arch.hybrid_override_pattern or ""))
     # a config-defined arch of this family gets the family's defaults, which its HF models agree with
     fields = {f.name for f in dataclasses.fields(ModelArch)}
     assert set(TRAIN_DEFAULT_FIELDS) <= fields

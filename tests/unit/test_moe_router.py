@@ -298,3 +298,47 @@ def test_router_loss_config_refuses_bad_values() -> None:
         RouterLossConfig(aux_loss_coeff=-1.0)
     with pytest.raises(ValueError, match="z_loss_coeff"):
         RouterLossConfig(z_loss_coeff=float("nan"))
+
+
+def _micro_batch_step(model: torch.nn.Module, schedule: str, rollouts: list[Rollout], batches, obj, losses):
+    """One tree over every rollout, the router losses per micro-batch (MoEOptions.micro_batches: verl's engine)."""
+    model.zero_grad(set_to_none=True)
+    tree = PrefixTree.build(rollouts, vocab_size=37)
+    opts = ScheduleOptions(
+        vocab_size=37, branch_micro_batch=2, moe=MoEOptions(losses=losses, micro_batches=batches)
+    )
+    run_schedule(schedule, model, tree, obj, opts)
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_router_losses_per_micro_batch_in_one_tree(qwen3_moe, monkeypatch: pytest.MonkeyPatch) -> None:
+    """verl's engine: one tree holds several megatron micro-batches; each micro-batch's aux and z losses over its
+    own tokens (megatron's router on that micro-batch alone, one backward each) == the tree with
+    MoEOptions.micro_batches (fp64 1e-9), a prompt shared across the two micro-batches and a response beginning
+    inside one; seq_aux_loss with a micro-batch as its one sequence (verl packs THD, bsz 1) == megatron's aux_loss
+    with that coefficient. Planted: a shared token counted once per micro-batch, not once per rollout, fails."""
+    arch, state = qwen3_moe
+    rollouts = equal_length_rollouts()
+    batches = [rollouts[:2], rollouts[2:]]
+    parts = ((0, 1), (2, 3, 4))
+    obj = objective_of(rollouts)
+    model = model_of(state, arch, torch.float64)
+    cases = {
+        "aux+z": (LOSSES["aux+z"], LOSSES["aux+z"]),
+        "seq_aux": (RouterLossConfig(seq_aux_loss_coeff=0.4), RouterLossConfig(aux_loss_coeff=0.4)),
+    }
+    for which, (ours, megatrons) in cases.items():
+        want = stock_step(model_of(state, arch, torch.float64, **megatron_losses(megatrons)), batches, obj)
+        whole = _micro_batch_step(model, "packed", rollouts, None, obj, ours)  # one micro-batch: not verl's
+        assert worst(whole, want)[0] > 1e-6, which
+        for schedule in TREE:
+            got = _micro_batch_step(model, schedule, rollouts, parts, obj, ours)
+            assert worst(got, want)[0] <= 1e-9, (which, schedule, worst(got, want))
+    monkeypatch.setattr(
+        router_plan.RouterPlan,
+        "_batch_rows",
+        lambda self, b, R: (self.member @ self._batch_member(b, R).t()).clamp(max=1.0),
+    )
+    got = _micro_batch_step(model, "packed", rollouts, parts, obj, LOSSES["aux+z"])
+    want = stock_step(model_of(state, arch, torch.float64, **megatron_losses(LOSSES["aux+z"])), batches, obj)
+    assert worst(got, want)[0] > 1e-6

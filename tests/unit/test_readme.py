@@ -1,48 +1,47 @@
 """The README's blocks run as written on the tiny assets (examples/make_tiny_assets.py): every command line of every
 ```bash block is either run here (placeholders such as MODEL_DIR bound to the tiny assets, `[optional]` parts
-dropped, `...` standing for the line above's arguments) or listed in SKIPPED with where it is tested; every
-```python block runs as written; the `grad` lines run on the tiny assets of every family make_tiny_assets.py offers
-(its --family choices); the rollout format names every optional field the reader takes."""
+dropped, `...` standing for the line above's arguments; tests/readme_helpers.py) or listed in SKIPPED with where
+it is tested; every ```python block runs as written; the lines that read an HF folder (`grad`, `convert`,
+`verify-conversion`) run on the tiny assets of every family make_tiny_assets.py offers (its --family choices), the
+others once; the launcher lines run at world 2 (tests/distributed/test_readme_launch.py); the rollout format names
+every optional field the reader takes."""
 
 from __future__ import annotations
 
 import os
 import re
-import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from readme_helpers import (
+    LAUNCH,
+    ROOT,
+    TINY_YAML,
+    asset_families,
+    bind,
+    make_tiny_assets,
+    readme_blocks,
+    readme_commands,
+)
 
 from megatron_branch.cli import main
 
-ROOT = Path(__file__).resolve().parents[2]
-
 SKIPPED = {
     "make ": "the make targets are what CI runs (`.ci/run` -> make test)",
-    ".venv/bin/python -m megatron_branch.launch ": "launches several processes: tests/distributed (one launch per "
-    "world size) and tests/unit/test_torchrun_errors.py (the launcher itself)",
+    LAUNCH: "several processes: run at world 2 in tests/distributed/test_readme_launch.py (the launcher itself: "
+    "tests/unit/test_torchrun_errors.py)",
     ".venv/bin/python benchmarks/": "benchmarks are timed runs, not tests",
     "--plugin my_objectives.py": "a user's plugin file: tests/unit/test_objective_plugin.py",
-    "--routing-replay": "needs a mixture-of-experts HF folder (the tiny assets are dense): tests/unit/test_moe_commands.py",
 }
 
+ASSET_COMMANDS = ("grad", "convert", "verify-conversion")
+"""The commands that read the tiny HF assets: their lines run on every family's (the others once)."""
 
-def readme_blocks(lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
 
-
-def readme_commands() -> list[str]:
-    """The command lines of the README's bash blocks (continuations joined, comments and [optional] parts cut)."""
-    text = (ROOT / "README.md").read_text()
-    out = []
-    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            line = re.sub(r"\s+#.*$", "", line).strip()
-            if line and not line.startswith("#"):
-                out.append(line)
-    return out
+def skipped(cmd: str) -> bool:
+    return any(cmd.startswith(k) or k in cmd for k in SKIPPED)
 
 
 def test_every_readme_command_is_run_or_skipped_for_a_reason() -> None:
@@ -54,65 +53,20 @@ def test_every_readme_command_is_run_or_skipped_for_a_reason() -> None:
         )
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    work = tmp_path_factory.mktemp("readme")
-    subprocess.run([sys.executable, str(ROOT / "examples" / "make_tiny_assets.py"), "--out", str(work)], check=True,
-                   capture_output=True, cwd=ROOT)  # fmt: skip
-    (work / "tiny.yaml").write_text(
-        "model: {arch: {hidden_size: 16, num_layers: 2, num_attention_heads: 2, num_query_groups: 2,\n"
-        "               ffn_hidden_size: 32, max_position_embeddings: 64}}\n"
-        "data: {task: kv_retrieval, task_args: {num_pairs: 2, value_len: 2, value_chars: abcd}, num_prompts: 8,\n"
-        "       train_batch_size: 2}\n"
-        "rollout: {n: 2, response_length: 3}\n"
-        f"trainer: {{total_training_steps: 1, default_local_dir: {work / 'run'}}}\n"
-        "logging: {progress_bar: false, tensorboard: false, plot: false}\n"
-    )
-    return work
-
-
-def bind(cmd: str, previous: str, work: Path) -> list[str]:
-    """The README line with its placeholders bound to the tiny assets."""
-    if " ... " in cmd:  # "grad ... --objective dpo": the arguments of the line above
-        head, _, rest = cmd.partition(" ... ")
-        cmd = previous.split(" --schedule")[0] + " " + rest
-    cmd = re.sub(r"\[([^\]]*)\]", "", cmd)  # optional parts: the plain form is what must run
-    cmd = re.sub(r"(\S+)\|\S+", r"\1", cmd)  # sigmoid|ipo: the first choice
-    if "--objective dpo" in cmd:
-        cmd = cmd.replace("rollouts.jsonl", "pairs.jsonl")
-    subs = {
-        "MODEL_DIR": work / "hf", "HF_DIR": work / "hf", "rollouts.jsonl": work / "rollouts.jsonl",
-        "pairs.jsonl": work / "pairs.jsonl", "grads.safetensors": work / "grads.safetensors",
-        "MCORE_DIR": work / "mcore", "HF_OUT": work / "hf_out", "CONFIG.yaml": work / "tiny.yaml",
-    }  # fmt: skip
-    args = [str(subs.get(a, a)) for a in shlex.split(cmd)]
-    assert args[0] == ".venv/bin/megatron-branch", cmd
-    if args[1] == "train" and args[2].startswith("examples/configs/"):
-        # a shipped config writes under runs/ (made by `make demo`, the README's first command): here a temp folder
-        args.append(f"trainer.default_local_dir={work / Path(args[2]).stem}")
-    return [*args[1:], *(["--overwrite"] if args[1] in ("grad", "convert") else [])]
-
-
 @pytest.mark.slow
-def test_readme_commands_run_on_the_tiny_assets(assets: Path, capsys) -> None:
-    ran, previous = [], ""
+def test_readme_commands_run_on_the_tiny_assets(tmp_path: Path, capsys) -> None:
+    """The lines that need no HF folder (train on CONFIG.yaml and the shipped tiny MoE config, plan), once."""
+    (tmp_path / "tiny.yaml").write_text(TINY_YAML.replace("RUN_DIR", str(tmp_path / "run")))
+    ran = []
     for cmd in readme_commands():
-        if any(cmd.startswith(k) or k in cmd for k in SKIPPED):
+        if skipped(cmd) or cmd.split()[1] in ASSET_COMMANDS:
             continue
-        argv = bind(cmd, previous, assets)
-        previous = cmd if " ... " not in cmd else previous
+        argv = bind(cmd, "", tmp_path)
         rc = main(argv)
         err = capsys.readouterr().err
         assert rc == 0, (cmd, argv, err[-2000:])
-        ran.append(argv[0] + (" " + argv[1] if argv[0] == "convert" else ""))
-    assert {
-        "train",
-        "grad",
-        "plan",
-        "convert hf-to-mcore",
-        "convert mcore-to-hf",
-        "verify-conversion",
-    } <= set(ran)
+        ran.append(argv[0])
+    assert ran.count("train") >= 2 and "plan" in ran, ran
 
 
 def test_the_demo_prints_the_summary_the_readme_shows() -> None:
@@ -171,33 +125,35 @@ def tiny_asset_families() -> list[str]:
     return found.group(1).split(",")
 
 
-def test_tiny_asset_families_are_read() -> None:
-    assert {"llama", "qwen2"} <= set(tiny_asset_families())
+def test_tiny_asset_families_are_every_registered_family() -> None:
+    assert set(tiny_asset_families()) == set(asset_families())
+    assert {"llama", "qwen2", "qwen3_5", "qwen3_moe"} <= set(asset_families())
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", tiny_asset_families())
-def test_readme_grad_lines_run_on_every_family(family: str, tmp_path: Path, capsys) -> None:
-    """Each `grad` line of the README on the family's tiny assets (the MoE line on mixture-of-experts families)."""
+@pytest.mark.parametrize("family", asset_families())
+def test_readme_lines_run_on_every_family(family: str, tmp_path: Path, capsys) -> None:
+    """Every one-process README line that reads the tiny HF assets (each `grad` line, the MoE one on mixtures of
+    experts; `convert` both ways; `verify-conversion`) on the family's tiny assets."""
     from megatron_branch.checkpoint.hf_io import load_hf_config
     from megatron_branch.models import ModelArch
 
-    subprocess.run([sys.executable, str(ROOT / "examples" / "make_tiny_assets.py"), "--out", str(tmp_path),
-                    "--family", family], check=True, capture_output=True, cwd=ROOT,
-                   env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    make_tiny_assets(tmp_path, family)
+    capsys.readouterr()
     moe = ModelArch.from_hf_config(load_hf_config(str(tmp_path / "hf"))).is_moe
-    ran, previous = 0, ""
+    ran, previous = [], ""
     for cmd in readme_commands():
-        if not cmd.startswith(".venv/bin/megatron-branch grad"):
+        if cmd.split()[1] not in ASSET_COMMANDS:
             continue
         argv = bind(cmd, previous, tmp_path)
         previous = cmd if " ... " not in cmd else previous
-        if "--plugin" in cmd or ("--routing-replay" in cmd and not moe):
+        if skipped(cmd) or ("--routing-replay" in cmd and not moe):
             continue
         rc = main(argv)
         assert rc == 0, (family, argv, capsys.readouterr().err[-2000:])
-        ran += 1
-    assert ran >= 3 + moe
+        ran.append(" ".join(argv[:2]) if argv[0] == "convert" else argv[0])
+    assert ran.count("grad") >= 3 + moe, ran
+    assert {"convert hf-to-mcore", "convert mcore-to-hf", "verify-conversion"} <= set(ran), ran
 
 
 def test_demo_block_is_rewritten_from_a_runs_output(tmp_path: Path) -> None:
@@ -224,3 +180,40 @@ def test_demo_block_is_rewritten_from_a_runs_output(tmp_path: Path) -> None:
     shown = readme[readme.index("warm-up done after") :].split("```")[0]
     log.write_text(shown)
     assert demo_block.main([str(log), "--check"]) == 0, "README.md and docs/training.md show different runs"
+
+
+def test_make_demo_checks_its_figures_against_the_readme_within_the_tolerance(tmp_path: Path) -> None:
+    """`make demo` ends with `tools/demo_block.py runs/demo.log --within`: the figures it printed must be the README
+    block's within demo_block.TOLERANCE (rewards 0.05 absolute, positions 3%, warm-up 10 steps, RL steps exact)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import demo_block
+
+    make = (ROOT / "Makefile").read_text()
+    recipe = make[make.index("\ndemo:") :].split("\n\n")[0]
+    assert "pipefail" in recipe and "| tee runs/demo.log" in recipe, recipe
+    assert recipe.rstrip().endswith("tools/demo_block.py runs/demo.log --within"), recipe
+    readme = (ROOT / "README.md").read_text()
+    shown = readme[readme.index("warm-up done after") :].split("```")[0]
+    shown_figures = demo_block.figures(shown.splitlines())
+    assert set(shown_figures) == {
+        "warm-up", "reward first", "reward last", "steps", "positions logical", "positions computed"
+    }  # fmt: skip
+
+    def run_with(**changes: float) -> int:
+        f = {**shown_figures, **changes}
+        log = tmp_path / "demo.log"
+        log.write_text(
+            f"noise\nwarm-up done after {f['warm-up']:.0f} steps; RL starts\n  step 3 ...\n"
+            f"mean reward, first 10 steps: {f['reward first']:.3f}    last 10 steps: {f['reward last']:.3f}    "
+            f"({f['steps']:.0f} steps)\npositions per step: logical {f['positions logical']:.0f}, computed "
+            f"{f['positions computed']:.0f}\n"
+        )
+        return demo_block.main([str(log), "--within"])
+
+    assert run_with() == 0
+    assert run_with(**{"reward last": shown_figures["reward last"] - 0.04}) == 0  # another machine's figure
+    assert run_with(**{"positions computed": shown_figures["positions computed"] * 1.02}) == 0
+    assert run_with(**{"reward last": shown_figures["reward last"] - 0.1}) == 1  # a demo that learns less
+    assert run_with(**{"positions logical": shown_figures["positions logical"] * 1.1}) == 1
+    assert run_with(**{"warm-up": shown_figures["warm-up"] + 20}) == 1
+    assert run_with(steps=shown_figures["steps"] + 1) == 1

@@ -12,7 +12,7 @@ from test_train_loop import _cfg, _max_rel, _params, _run, task  # noqa: F401 (t
 
 from megatron_branch.errors import UserError
 from megatron_branch.generation import BranchSampler, SamplingParams
-from megatron_branch.rules import TRAIN_SCHEDULES
+from megatron_branch.rules import AUTO_SCHEDULE, TRAIN_SCHEDULES
 from megatron_branch.schedule import SCHEDULES
 from megatron_branch.train.config import ScheduleConfig
 from megatron_branch.train.config_io import load_config
@@ -51,7 +51,7 @@ def test_train_schedules_are_the_engine_schedules() -> None:
     import typing
 
     hints = typing.get_type_hints(ScheduleConfig)
-    assert typing.get_args(hints["name"]) == TRAIN_SCHEDULES
+    assert typing.get_args(hints["name"]) == (*TRAIN_SCHEDULES, AUTO_SCHEDULE)  # auto: one of them, per batch
     assert set(TRAIN_SCHEDULES) <= set(SCHEDULES)
 
 

@@ -158,9 +158,24 @@ def test_refusals_are_one_line(single_process: str) -> None:
         refuse_unsupported(cfg)
     from types import SimpleNamespace
 
-    moe = SimpleNamespace(calculate_per_token_loss=False, num_moe_experts=8)
-    with pytest.raises(VerlBranchError, match="dense models only"):
+    moe = SimpleNamespace(
+        calculate_per_token_loss=False,
+        num_moe_experts=8,
+        moe_router_load_balancing_type="global_aux_loss",
+        moe_expert_capacity_factor=None,
+    )
+    with pytest.raises(VerlBranchError, match="global_aux_loss"):
         refuse_unsupported(McoreEngineConfig(), moe)
+    from verl.utils import tensordict_utils as tu
+
+    from megatron_branch.integration.verl_moe import r3_routes
+
+    batch = grpo_batch(seed=0)
+    assert r3_routes("R3", None, [batch]) is None  # no router replay asked: nothing read
+    tu.assign_non_tensor(batch, enable_routing_replay=True)
+    assert r3_routes("disabled", None, [batch]) is None  # verl replays nothing then either
+    tu.assign_non_tensor(batch, record_r2_routes=True)  # R2's recording pass routes natively
+    assert r3_routes("R2", None, [batch]) is None
 
 
 def test_kl_and_loss_modes_reach_the_gradient(single_process: str) -> None:

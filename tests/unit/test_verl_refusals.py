@@ -1,5 +1,5 @@
 """verl's engine path refuses the models it cannot run, in one line, before it changes anything: a hybrid (gated
-delta net layers: no core attention to wrap), multi-latent attention, interleaved RoPE, MoE (rules.check_verl_model,
+delta net layers: no core attention to wrap), multi-latent attention, interleaved RoPE, the MoE settings not wired (rules.check_verl_model,
 read off the TransformerConfig verl built, by `refuse_unsupported`); and `patch_verl_model` itself refuses a model
 it cannot patch without touching it. Needs no verl: these run before any of verl's code.
 """
@@ -59,7 +59,7 @@ def test_hybrid_is_refused_at_initialize() -> None:
         ),
         (dict(multi_latent_attention=True), r"multi-latent attention"),
         (dict(rotary_interleaved=True), r"interleaved RoPE \(rotary_interleaved=True\)"),
-        (dict(moe=True), r"dense models only \(MoE not wired yet"),
+        (dict(moe_reason="token dropping"), r"cannot run this MoE model: token dropping"),
     ],
 )
 def test_rule_refuses_each_model_kind(setting: dict, message: str) -> None:
@@ -71,10 +71,48 @@ def test_rule_refuses_each_model_kind(setting: dict, message: str) -> None:
         experimental_attention_variant=setting.get("attention_variant"),
         multi_latent_attention=setting.get("multi_latent_attention", False),
         rotary_interleaved=setting.get("rotary_interleaved", False),
-        num_moe_experts=8 if setting.get("moe") else None,
+        num_moe_experts=8 if setting.get("moe_reason") else None,
+        moe_router_load_balancing_type="aux_loss",
+        moe_expert_capacity_factor=1.0,  # token dropping: the one MoE setting refused in this config
+        moe_router_fusion=False,
     )
     with pytest.raises(VerlBranchError, match=message):  # the entry point reads each off the config
         refuse_unsupported(ENGINE, config)
+
+
+def _moe_config(**kw: Any) -> SimpleNamespace:
+    base = dict(
+        calculate_per_token_loss=False,
+        num_moe_experts=8,
+        moe_router_load_balancing_type="none",
+        moe_expert_capacity_factor=None,
+        moe_router_enable_expert_bias=False,
+        moe_router_fusion=False,
+    )
+    return SimpleNamespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        (
+            dict(moe_router_load_balancing_type="global_aux_loss"),
+            r"moe_router_load_balancing_type=global_aux_loss",
+        ),
+        (dict(moe_router_load_balancing_type=["aux_loss", "sinkhorn"]), r"=sinkhorn \(supported"),
+        (dict(moe_expert_capacity_factor=1.25), r"token dropping \(moe_expert_capacity_factor\)"),
+        (dict(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-3), r"expert bias update"),
+        (dict(moe_router_fusion=True), r"moe_router_fusion=True"),
+    ],
+)
+def test_moe_settings_not_wired_are_refused(setting: dict, message: str) -> None:
+    """A MoE model runs with the switch (verl's none / aux_loss / seq_aux_loss balancing, z-loss); what is not
+    wired is refused in one line."""
+    with pytest.raises(VerlBranchError, match=message) as e:
+        refuse_unsupported(ENGINE, _moe_config(**setting))
+    assert "\n" not in str(e.value)
+    for ok in ("none", "aux_loss", "seq_aux_loss", ["aux_loss", "seq_aux_loss"]):
+        refuse_unsupported(ENGINE, _moe_config(moe_router_load_balancing_type=ok))
 
 
 def test_patch_refuses_a_hybrid_without_changing_it() -> None:

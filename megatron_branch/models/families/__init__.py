@@ -6,6 +6,7 @@ from megatron_branch.models.families import (  # noqa: F401  (importing a family
     glm4_moe,
     llama,
     mixtral,
+    nemotron_h,
     qwen2,
     qwen2_moe,
     qwen3,

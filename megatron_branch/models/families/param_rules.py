@@ -69,8 +69,11 @@ SPECS = ("local", "te")
 """megatron layer specs the map names tensors for: megatron-core's local spec and its TransformerEngine spec."""
 WHEN = (
     None,
-    *"qkv_bias untied qk_norm shared_expert shared_expert_gate expert_bias q_lora no_q_lora".split(),
+    *"qkv_bias untied qk_norm shared_expert shared_expert_gate expert_bias mamba_conv_bias q_lora no_q_lora".split(),
 )
+PATTERN_LAYERS = ("M", "*", "-")
+"""`Rule.layers` of a hybrid_override_pattern model (Nemotron-H): the rule applies to the layers of that character
+(models/mamba_arch.py)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,7 +100,7 @@ class Rule:
     def __post_init__(self) -> None:
         assert self.transform in TRANSFORM_NAMES, self.transform
         assert self.when in WHEN, self.when
-        assert self.layers in (None, "full", "linear"), self.layers
+        assert self.layers in (None, "full", "linear", *PATTERN_LAYERS), self.layers
         assert self.mlp in (None, "dense", "moe"), self.mlp
 
     def name(self, spec: str = "local") -> str:

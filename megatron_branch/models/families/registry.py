@@ -23,10 +23,11 @@ from typing import Any
 from megatron_branch.errors import UserError
 from megatron_branch.models.families.param_rules import Rule
 
-LAYER_KINDS = ("attention", "gated_attention", "gdn", "mlp", "moe", "shared_expert")
+LAYER_KINDS = ("attention", "gated_attention", "gdn", "mamba", "mlp", "moe", "shared_expert")
 """The layer kinds a family is made of; the planner prices each kind (plan/layers.py, plan/flops.py,
 plan/memory.py read them off ModelArch: attention and its gate, GDN layers, dense MLP, routed and shared experts).
-A family made of these needs no planner term of its own; a new kind is a new mechanism (docs/design.md)."""
+A family made of these needs no planner term of its own; a new kind is a new mechanism (docs/design.md). "mamba"
+(Nemotron-H's Mamba-2 layers) has no planner term yet: plan/model.py refuses such a model in one line."""
 TRAIN_DEFAULT_FIELDS: Mapping[str, Any] = MappingProxyType(
     {
         "qkv_bias": False,

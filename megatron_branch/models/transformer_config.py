@@ -1,0 +1,90 @@
+"""megatron-core's TransformerConfig for a ModelArch: the one place the architecture description (models/arch.py)
+is mapped to megatron's config (ModelArch.to_transformer_config delegates here).
+
+Kept apart from models/arch.py because it is a different concept (megatron's knobs, not the model's description)
+and the only part that imports megatron-core.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def transformer_config_of(
+    arch: Any,  # a models/arch.ModelArch (not imported: arch.py calls this, one direction)
+    *,
+    dtype: torch.dtype = torch.float32,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    **overrides: Any,
+) -> Any:
+    """megatron-core TransformerConfig for this arch. Dropout is 0: branch replay recomputes nothing that
+    draws random numbers, so exactness needs no RNG replay (see docs/design.md)."""
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    arch.check_tensor_parallel(tp)
+    kwargs: dict[str, Any] = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=sequence_parallel and tp > 1,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=False,
+        qk_layernorm=arch.qk_norm,
+        layernorm_zero_centered_gamma=arch.zero_centered_norm,
+        attention_output_gate=arch.attention_output_gate,
+    )
+    if arch.is_hybrid:
+        from megatron_branch.compat.gdn import gdn_uses_torch_path
+
+        kwargs.update(
+            experimental_attention_variant="gated_delta_net",
+            # megatron's pattern: 1 = linear attention, 0 = full attention; a list makes the dist checkpoint
+            # name every layer by its index (transformer_block.py: non-homogeneous layers)
+            linear_attention_freq=[int(arch.is_linear(i)) for i in range(arch.num_layers)],
+            linear_conv_kernel_dim=arch.linear_conv_kernel_dim,
+            linear_key_head_dim=arch.linear_key_head_dim,
+            linear_value_head_dim=arch.linear_value_head_dim,
+            linear_num_key_heads=arch.linear_num_key_heads,
+            linear_num_value_heads=arch.linear_num_value_heads,
+            # torch's conv1d and megatron's torch_chunk_gated_delta_rule where fla's kernels cannot run
+            deterministic_mode=gdn_uses_torch_path(),
+        )
+    if arch.hybrid_override_pattern is not None:
+        from megatron_branch.models.mamba_arch import mamba_config_kwargs
+
+        kwargs.update(mamba_config_kwargs(arch))
+    if arch.is_moe:
+        from megatron_branch.models.moe import moe_config_kwargs
+
+        kwargs.update(moe_config_kwargs(arch))
+    if arch.multi_latent:
+        from megatron_branch.models.mla import mla_config
+
+        return mla_config(arch, {**kwargs, **overrides})
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)

@@ -1,0 +1,98 @@
+"""The layouts the planner's search tries (plan/search.py `plan`): TP dividing the heads, PP dividing the layers
+(the schedules that pipeline), CP the schedule runs at and a hybrid's GDN heads split into, DP up to the prompt
+groups, EP splitting a MoE's experts, every recompute level; and the refusal of fixed sizes that do not fit
+--gpus. Which sizes run with which schedule is rules.py's (asked here, not restated)."""
+
+from __future__ import annotations
+
+import math
+
+from megatron_branch.errors import UserError
+from megatron_branch.models.arch import ModelArch
+from megatron_branch.plan.model import RECOMPUTE, Layout, RolloutShape
+from megatron_branch.rules import check_pipeline, check_run, gdn_context_parallel_sizes
+
+
+def candidate_layouts(
+    arch: ModelArch,
+    shape: RolloutShape,
+    gpus: int,
+    *,
+    tp: int | None,
+    cp: int | None,
+    dp: int | None,
+    recompute: str | None,
+    schedule: str,
+    pp: int | None = None,
+    ep: int | None = None,
+) -> list[Layout]:
+    out = []
+    for t in (tp,) if tp else (1, 2, 4, 8):
+        if gpus % t:
+            continue
+        try:
+            arch.check_tensor_parallel(t)
+        except UserError:
+            continue
+        for p in (pp,) if pp else [p for p in (1, 2, 4, 8) if (gpus // t) % p == 0]:
+            if (gpus // t) % p or not _runs(schedule, 1, p, arch):
+                continue
+            rest = gpus // (t * p)
+            for c in (cp,) if cp else [c for c in range(1, rest + 1) if rest % c == 0]:
+                if rest % c or not _runs(schedule, c, 1, arch) or not _splits_gdn_heads(arch, t, c):
+                    continue
+                d = rest // c
+                if (dp and d != dp) or d > shape.prompts:
+                    continue
+                for e in _expert_parallel_sizes(arch, t, c * d, ep):
+                    for rc in (recompute,) if recompute else RECOMPUTE:
+                        out.append(Layout(tp=t, cp=c, dp=d, pp=p, recompute=rc, ep=e))
+    return out
+
+
+def _expert_parallel_sizes(arch: ModelArch, tp: int, cp_dp: int, ep: int | None) -> list[int]:
+    """EP sizes to try: the fixed one, else (MoE) every divisor of cp * dp that splits the experts."""
+    if ep:
+        return [ep] if cp_dp % ep == 0 else []
+    if not arch.is_moe:
+        return [1]
+    out = []
+    for e in range(1, cp_dp + 1):
+        if cp_dp % e == 0:
+            try:
+                arch.check_expert_parallel(e, tp=tp)
+            except UserError:
+                continue
+            out.append(e)
+    return out
+
+
+def _runs(schedule: str, cp: int, pp: int, arch: ModelArch) -> bool:
+    """The schedule can run at this CP / PP size (rules.py: naive has no CP and no PP; PP divides the layers)."""
+    try:
+        check_run(schedule, cp=cp)
+        check_pipeline(schedule, pp=pp, num_layers=arch.num_layers, hybrid=arch.is_hybrid, moe=arch.is_moe)
+    except UserError:
+        return False
+    return True
+
+
+def _splits_gdn_heads(arch: ModelArch, tp: int, cp: int) -> bool:
+    """A hybrid's GDN heads split into cp head blocks on a TP rank (rules.check_gdn_context_parallel)."""
+    if not arch.is_hybrid:
+        return True
+    sizes = gdn_context_parallel_sizes(
+        key_heads=arch.linear_num_key_heads, value_heads=arch.linear_num_value_heads, tp=tp
+    )
+    return cp in sizes
+
+
+def check_fixed_sizes(gpus: int, **sizes: int | None) -> None:
+    """The sizes given (--tp 4 --cp 4) must fit --gpus: their product, said outright when it is larger (16 > 8),
+    not the search's "no layout satisfies" that hides why."""
+    given = {k: v for k, v in sizes.items() if v}
+    product = math.prod(given.values())
+    if product > gpus or gpus % product:
+        names = " x ".join(f"--{k} {v}" for k, v in given.items())
+        relation = f"> --gpus {gpus}" if product > gpus else f"does not divide --gpus {gpus}"
+        raise UserError(f"{names} = {product} GPUs {relation}")

@@ -1,0 +1,121 @@
+"""`schedule.name: auto` in a training run (issue 33 item 2): before each update of a step (and the warm-up), packed
+when its planned activation peak on the largest chunk fits the budget, replay otherwise: the rule is plan/auto.py's
+(`grad --schedule auto` and `plan --schedule auto` use it too). Both schedules give the same gradient; the pick only
+trades memory for speed, so it may change from step to step with the sampled trees.
+
+The budget: `schedule.memory_budget_gb`, else the device's free memory (a GPU: torch's mem_get_info; a CPU: the host's
+available memory shared by the node's ranks), the smallest over the ranks so that every rank picks the same. The
+config is checked as replay (what auto falls back to); what the rules refuse to packed for this run (segment
+recompute, `chunk_tokens`, ...) makes every pick replay, with that line as the reason. Reported: metrics
+`schedule/auto_packed` (1 = packed), `schedule/auto_packed_gb`, `schedule/auto_budget_gb` each step, a printed line
+whenever the pick changes, and the last pick with its reason in the run's final JSON (`schedule_auto`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_branch import rules
+from megatron_branch.errors import SettingError
+from megatron_branch.plan.auto import AutoChoice, grad_choice
+from megatron_branch.plan.model import Layout
+
+
+def packed_problem(spec: Any, spelling: Any) -> str | None:
+    """What the rules refuse to packed in this run (the one line, in the config's words), or None."""
+    if spec.schedule.chunk_tokens is not None:
+        return "schedule.chunk_tokens is replay's"
+    try:
+        rules.check(dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, name="packed")))
+    except SettingError as e:
+        return str(e.spelled(spelling))
+    return None
+
+
+def free_bytes(groups: Any) -> int:
+    """The device's free memory for one rank, the smallest over the world (a collective)."""
+    import torch
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        free = torch.cuda.mem_get_info()[0]
+    else:  # the host's available memory, shared by this node's ranks
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        free //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if not dist.is_initialized():
+        return int(free)
+    t = torch.tensor([free], dtype=torch.long, device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+@dataclass(kw_only=True)
+class AutoSchedule:
+    """The per-update pick of `schedule.name: auto` for one run (train/policy.py asks it before each update)."""
+
+    arch: Any
+    """The policy's ModelArch."""
+    layout: Layout
+    """The run's layout (tp, cp, pp, dp, sequence parallel)."""
+    act_bytes: int
+    """Bytes per activation element (the run's dtype)."""
+    layer_recompute: bool
+    """schedule.enable_gradient_checkpointing (the planner's recompute full when set)."""
+    micro_batches: int
+    """Micro-batches per rank of one update."""
+    budget_gb: float | None
+    """schedule.memory_budget_gb; None: the device's free memory at each pick."""
+    problem: str | None
+    """What the rules refuse to packed in this run (every pick replay), or None."""
+    is_main: bool = True
+    """Rank 0 prints the line when the pick changes."""
+    last: AutoChoice | None = field(default=None, init=False)
+    """The latest pick (the run's JSON reports it)."""
+
+    def pick(self, batches: list[list[Any]], groups: Any) -> AutoChoice:
+        """One schedule for every update of `batches` (each one update's rollouts): packed when the largest of
+        their chunks' planned peaks fits the budget."""
+        budget = int(self.budget_gb * 1e9) if self.budget_gb is not None else free_bytes(groups)
+        choices = [
+            grad_choice(self.arch, b, self.layout, act_bytes=self.act_bytes, layer_recompute=self.layer_recompute,
+                        budget_bytes=budget, packed_problem=self.problem, micro_batches=self.micro_batches)
+            for b in batches if b
+        ]  # fmt: skip
+        choice = max(choices, key=lambda c: c.packed_bytes)
+        if self.is_main and (self.last is None or self.last.schedule != choice.schedule):
+            print(f"schedule auto: {choice.schedule} ({choice.reason})", flush=True)
+        self.last = choice
+        return choice
+
+    def metrics(self) -> dict[str, float]:
+        """The latest pick as numbers (metrics.jsonl, TensorBoard)."""
+        assert self.last is not None
+        return {
+            "schedule/auto_packed": float(self.last.schedule == "packed"),
+            "schedule/auto_packed_gb": self.last.packed_bytes / 1e9,
+            "schedule/auto_budget_gb": self.last.budget_bytes / 1e9,
+        }
+
+
+def auto_schedule(
+    cfg: Any, arch: Any, groups: Any, *, micro_batches: int, act_bytes: int
+) -> AutoSchedule | None:
+    """The run's AutoSchedule when `schedule.name` is auto, else None."""
+    import torch.distributed as dist
+
+    from megatron_branch.train.validate import SPELLING, run_spec
+
+    s = cfg.schedule
+    if s.name != rules.AUTO_SCHEDULE:
+        return None
+    layout = Layout(tp=groups.tp_size, cp=groups.cp_size, pp=groups.pp_size, dp=groups.dp_size,
+                    sequence_parallel=groups.sequence_parallel)  # fmt: skip
+    return AutoSchedule(
+        arch=arch, layout=layout, act_bytes=act_bytes, layer_recompute=s.enable_gradient_checkpointing,
+        micro_batches=micro_batches, budget_gb=s.memory_budget_gb,
+        problem=packed_problem(run_spec(cfg, arch), SPELLING),
+        is_main=not dist.is_initialized() or dist.get_rank() == 0,
+    )  # fmt: skip

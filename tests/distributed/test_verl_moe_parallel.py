@@ -1,0 +1,238 @@
+"""verl's MegatronEngine on a Qwen3-MoE policy at EP2 (world 2: EP across the two DP replicas), with and without the
+branch-replay switch, through verl's TrainingWorker (gloo, CPU): compute_log_prob's logprobs and entropies, every
+gradient shard (fp32 1e-5 per parameter) and verl's metrics equal; with verl's load balancing on, the router
+losses weighted by multiplicity (integration/verl_moe.py).
+
+    python tests/distributed/launch.py 2 -k verl_moe
+
+Skipped (on every rank alike) without the verl extra.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("verl", reason="the verl extra is not installed (make setup-verl)")
+
+from verl_helpers import (  # noqa: E402
+    dp_share,
+    grpo_batch,
+    make_worker,
+    max_rel_grad_error,
+    run_step,
+    set_switch,
+    write_tiny_policy,
+)
+
+
+def _moe_policy_dir() -> str:
+    box = [tempfile.mkdtemp(prefix="verl-moe-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    if dist.get_rank() == 0:
+        write_tiny_policy(Path(box[0]) / "hf", family="qwen3_moe")
+    dist.barrier()
+    return str(Path(box[0]) / "hf")
+
+
+def _compare(base, tree, where: str) -> None:
+    assert tree.engine.startswith("BranchReplay") and not base.engine.startswith("BranchReplay")
+    assert (base.log_probs is None) == (tree.log_probs is None)
+    if base.log_probs is not None:  # the collecting rank of each DP replica (tp rank 0)
+        torch.testing.assert_close(tree.log_probs, base.log_probs, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(tree.entropy, base.entropy, rtol=1e-5, atol=1e-5)
+    err, name = max_rel_grad_error(base.grads, tree.grads)
+    assert err <= 1e-5, f"{where} rank {dist.get_rank()} {name}: {err:.2e}"
+    for key in ("actor/pg_loss", "actor/ppo_kl", "actor/entropy_loss", "actor/grad_norm"):
+        if key in base.metrics:
+            got, want = float(tree.metrics[key][0]), float(base.metrics[key][0])
+            assert got == pytest.approx(want, rel=1e-5, abs=1e-6), (key, got, want)
+    if tree.metrics:
+        assert tree.metrics["tree/positions_computed"][0] < tree.metrics["tree/positions_logical"][0]
+
+
+@pytest.mark.world(2)
+def test_verl_moe_ep2_switch_equals_verl() -> None:
+    """Qwen3-MoE (4 experts, top-2) at EP2 (across the two DP replicas: their trees differ, the model calls pair
+    up) with dynamic batch size (several micro-batches per rank): the switch == verl's own path, with verl's
+    `override_transformer_config` turning on megatron's aux_loss and z-loss (verl's default, none, is the same
+    path with the coefficients 0)."""
+    os.environ.setdefault("MASTER_PORT", "0")
+    hf = _moe_policy_dir()
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    override = {
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": 0.05,
+        "moe_z_loss_coeff": 0.01,
+    }
+
+    def td():
+        return dp_share(grpo_batch(seed=11, groups=4), rank, dp)
+
+    def worker():
+        return make_worker(hf, ep=2, dynamic_bsz=True, override_transformer_config=override)
+
+    set_switch(False)
+    base = run_step(worker(), td)
+    set_switch(True)
+    tree = run_step(worker(), td)
+    set_switch(False)
+    _compare(base, tree, "aux_loss + z_loss")
+
+
+@pytest.fixture
+def verl_router_replay_patch_undone():
+    """verl's router replay patches megatron's classes process-wide (router_replay_patch.py
+    apply_router_replay_patch); undone after the test, so that later tests in this process run megatron's own."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    names = (
+        "__init__", "routing", "_hash_routing", "_router_replay_patched", "preprocess", "_preprocess_patched",
+        "_verl_router_patched",
+    )  # fmt: skip
+    classes = (TopKRouter, MoEAlltoAllTokenDispatcher, TransformerConfig)
+    saved = {cls: {n: cls.__dict__[n] for n in names if n in cls.__dict__} for cls in classes}
+    yield
+    for cls in classes:
+        for n in names:
+            if n in saved[cls]:
+                setattr(cls, n, saved[cls][n])
+            elif n in cls.__dict__:
+                delattr(cls, n)
+
+
+@pytest.mark.world(2)
+def test_verl_router_replay_r3_ep2_switch_equals_verl(
+    monkeypatch: pytest.MonkeyPatch, verl_router_replay_patch_undone: None
+) -> None:
+    """verl's router replay R3 at EP2: the rollout engine's records (one rollout per group disagreeing with its
+    group at a shared prompt token) replayed by verl's own path and by the tree (a shared token keeps one routing
+    only where the records agree): logprobs, entropies, gradients, metrics equal. Planted: the tree takes that
+    token's routing from another rollout of the group (records merged), and the update differs."""
+    from verl.utils import tensordict_utils as tu
+
+    from megatron_branch.integration import verl_moe
+
+    os.environ.setdefault("MASTER_PORT", "0")
+    hf = _moe_policy_dir()
+    rank, dp = dist.get_rank(), dist.get_world_size()
+
+    def td():
+        batch = dp_share(grpo_batch(seed=13, groups=4, routes=(2, 2, 4)), rank, dp)
+        tu.assign_non_tensor(batch, enable_routing_replay=True)
+        return batch
+
+    def worker():
+        return make_worker(hf, ep=2, dynamic_bsz=True, router_replay="R3")
+
+    set_switch(False)
+    base = run_step(worker(), td)
+    set_switch(True)
+    tree = run_step(worker(), td)
+    _compare(base, tree, "R3")
+
+    real = verl_moe.r3_routes
+    planted = 0
+
+    def from_the_wrong_rollout(
+        mode, base, micro_batches
+    ):  # planted: a rollout takes the previous one's records
+        nonlocal planted
+        routes = real(mode, base, micro_batches)
+        for mb, rows in zip(micro_batches, routes, strict=True):
+            ids = mb["input_ids"].unbind()
+            for i in range(1, len(rows)):
+                m = min(len(ids[i]), len(ids[i - 1]))
+                same = (ids[i][:m] == ids[i - 1][:m]).long().cumprod(0).sum()  # the common prefix
+                rows[i][:same] = rows[i - 1][:same]
+                planted += int(same)
+        return routes
+
+    monkeypatch.setattr(verl_moe, "r3_routes", from_the_wrong_rollout)
+    wrong = run_step(worker(), td)
+    set_switch(False)
+    assert planted > 0
+    err, _ = max_rel_grad_error(base.grads, wrong.grads)
+    assert err > 1e-4, f"the planted routing went unnoticed ({err:.2e})"
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize(("tp", "ep"), [(1, 2), (2, 1)], ids=["ep2", "tp2_sp"])
+def test_verl_router_replay_r2_switch_equals_verl(
+    tp: int, ep: int, monkeypatch: pytest.MonkeyPatch, verl_router_replay_patch_undone: None
+) -> None:
+    """verl's router replay R2, at EP2 with megatron's aux and z losses and at TP2 with sequence parallelism (each
+    TP rank routes its rows, the records are combined over TP): compute_log_prob records every token's experts
+    (the tree: each shared token once, handed to verl per rollout in verl's layout), the update replays them: the
+    records equal verl's own, and logprobs, entropies, gradients and metrics equal. Planted (EP2): the records
+    handed back from the wrong rollouts (rotated within a micro-batch) differ from verl's."""
+    from verl.utils import tensordict_utils as tu
+
+    from megatron_branch.integration import verl_moe
+
+    os.environ.setdefault("MASTER_PORT", "0")
+    hf = _moe_policy_dir()
+    dp = dist.get_world_size() // tp
+    rank = dist.get_rank() // tp  # megatron's default order: tp fastest
+    # router losses at EP2 only: at TP2 verl pads every packed sequence to a multiple of TP, and its router sees
+    # those pad rows (no padding mask in the static THD path); the tree has none
+    override = {
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": 0.05,
+        "moe_z_loss_coeff": 0.01,
+    }
+    override = override if tp == 1 else {}
+
+    def td():
+        batch = dp_share(grpo_batch(seed=17, groups=4), rank, dp)
+        tu.assign_non_tensor(batch, enable_routing_replay=True)
+        return batch
+
+    def worker():
+        return make_worker(
+            hf, tp=tp, ep=ep, dynamic_bsz=True, router_replay="R2", override_transformer_config=override
+        )
+
+    def records(out):  # each row's experts as a set (verl keeps torch.topk's order, the tree ascending)
+        return [r.long().sort(dim=-1).values for r in out.routes.unbind()]
+
+    set_switch(False)
+    base = run_step(worker(), td, r2=True)
+    set_switch(True)
+    tree = run_step(worker(), td, r2=True)
+    if base.routes is not None or tree.routes is not None:  # the collecting ranks
+        assert len(records(base)) == len(records(tree)) == 16 // dp
+        for a, b in zip(records(base), records(tree), strict=True):
+            assert torch.equal(a, b)
+    _compare(base, tree, f"R2 tp{tp} ep{ep}")
+    if tp > 1:
+        set_switch(False)
+        return
+
+    real = verl_moe.hand_r2_routes
+
+    def from_the_wrong_rollouts(
+        record, slots, into, device
+    ):  # planted: a micro-batch's records rotated by one
+        real(record, slots, into, device)
+        for k in range(len(slots.rollout_offset)):
+            seqs = list(into[-1 - k].unbind())
+            into[-1 - k] = torch.nested.as_nested_tensor(
+                [
+                    s[: len(seqs[i])] if len(s) >= len(seqs[i]) else seqs[i]
+                    for i, s in enumerate(seqs[1:] + seqs[:1])
+                ],
+                layout=torch.jagged,
+            )
+
+    monkeypatch.setattr(verl_moe, "hand_r2_routes", from_the_wrong_rollouts)
+    planted = run_step(worker(), td, r2=True)
+    set_switch(False)
+    assert any(not torch.equal(a, b) for a, b in zip(records(base), records(planted), strict=True))

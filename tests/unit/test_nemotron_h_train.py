@@ -1,0 +1,48 @@
+"""`megatron-branch train` on a tiny config-defined Nemotron-H (model.arch with hybrid_override_pattern): the
+sampler decodes through the Mamba state, replay trains through it, and a resumed run equals the uninterrupted one
+exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_train_loop import _cfg, _max_rel, _params, _run, task  # noqa: F401  (task: the fixture)
+
+from megatron_branch.errors import UserError
+
+NEMOTRON_H = (
+    "model.arch={family: nemotron_h, hidden_size: 16, num_layers: 3, num_attention_heads: 2, num_query_groups: 1, "
+    "head_dim: 8, ffn_hidden_size: 32, max_position_embeddings: 64, hybrid_override_pattern: 'M*-', "
+    "mlp_activation: relu2, position_embedding: none, mamba_num_heads: 2, mamba_head_dim: 8, mamba_state_dim: 4, "
+    "mamba_num_groups: 1, mamba_chunk_size: 8, mamba_dt_min: 0.001, rms_norm_eps: 1.0e-5}"
+)
+
+
+def nemotron_cfg(task: Path, out: Path, *overrides: str):  # noqa: ANN201, F811
+    return _cfg(task, out, NEMOTRON_H, "model.dtype=float64", *overrides)
+
+
+def test_config_defined_nemotron_h_is_checked(task: Path, tmp_path: Path) -> None:  # noqa: F811
+    from megatron_branch.train.validate import model_arch
+
+    arch = model_arch(nemotron_cfg(task, tmp_path / "r"), vocab_size=50)
+    assert arch.hybrid_override_pattern == "M*-" and arch.position_embedding == "none"
+    with pytest.raises(UserError, match=r"context parallelism cannot run a Mamba-2 hybrid"):
+        nemotron_cfg(task, tmp_path / "r", "parallel.cp=2")
+
+
+def test_nemotron_h_trains_and_resumes_exactly(task: Path, tmp_path: Path) -> None:  # noqa: F811
+    full, mfull = _run(nemotron_cfg(task, tmp_path / "full", "trainer.total_training_steps=3"))
+    first, m1 = _run(nemotron_cfg(task, tmp_path / "part", "trainer.total_training_steps=2"))
+    first.save()
+    again, m2 = _run(
+        nemotron_cfg(task, tmp_path / "part", "trainer.total_training_steps=3", "trainer.resume_mode=auto")
+    )
+    assert again.step == 3 and len(m2) == 1
+    for x, y in zip(mfull, m1 + m2, strict=True):
+        assert x["_tokens"] == y["_tokens"]
+        for k in ("reward_mean", "loss"):
+            assert abs(x[k] - y[k]) <= 1e-9, (x["step"], k)
+    assert mfull[-1]["positions_computed"] < mfull[-1]["positions_logical"]  # replay shares each prompt
+    assert _max_rel(_params(full), _params(again)) < 1e-9
