@@ -43,6 +43,19 @@ SETTINGS: dict[str, tuple[str | None, str | None, str | None]] = {
     "branch_at": (None, "rollout.branch_at", "SamplingParams.branch_at"),
     "branch_factor": (None, "rollout.branch_factor", "SamplingParams.branch_factor"),
     "share_prefix": (None, "rollout.share_prefix", "SamplingParams.share_prefix"),
+    "branch_at_turns": (None, "rollout.multi_turn.branch_at_turns", "MultiTurnParams.branch_at_turns"),
+    "turn_end": (None, "rollout.multi_turn.turn_end", "MultiTurnParams.turn_end_token_ids"),
+    "max_assistant_turns": (
+        None,
+        "rollout.multi_turn.max_assistant_turns",
+        "MultiTurnParams.max_assistant_turns",
+    ),
+    "max_user_turns": (None, "rollout.multi_turn.max_user_turns", "MultiTurnParams.max_user_turns"),
+    "max_tool_response_length": (
+        None,
+        "rollout.multi_turn.max_tool_response_length",
+        "MultiTurnParams.max_tool_response_length",
+    ),
     "capacity_factor": (
         "--moe-expert-capacity-factor",
         "moe.expert_capacity_factor",

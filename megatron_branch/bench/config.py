@@ -166,6 +166,13 @@ class BenchConfig:
     """Tokens per response S (below the prompt, or per level with levels > 1)."""
     levels: int = 1
     """Levels of the response tree below the prompt (1 = G leaves right below it; more: shared response starts)."""
+    turns: int = 0
+    """An agentic tree (data/random_trees.py agentic_tree_rollouts): policy turns of `response` tokens per rollout,
+    each but the last followed by an observation (loss_mask 0); 0 = the single-turn shapes above."""
+    observation: int = 0
+    """Tokens of each observation (a tool's output) between turns."""
+    branch_at_turns: tuple[int, ...] = ()
+    """After these turns (and their observations) every trajectory forks in 2; G = the leaves."""
     variants: tuple[str, ...] = tuple(VARIANTS)
     """Which variants to run; the baseline is always added."""
     rounds: int = 3
@@ -204,8 +211,36 @@ class BenchConfig:
                 raise UserError(f"--{name} must be positive, got {getattr(self, name)}")
         if not self.prompts or not self.branches or min(self.prompts) < 1 or min(self.branches) < 1:
             raise UserError("--prompt and --branches need positive values")
+        self._check_turns()
         if self.levels > 1 and max(self.branches) > self.model.vocab_size:
             raise UserError(f"--branches {max(self.branches)} exceeds --vocab {self.model.vocab_size}")
+
+    def _check_turns(self) -> None:
+        t, at = self.turns, list(self.branch_at_turns)
+        if t < 0 or self.observation < 0:
+            raise UserError(f"--turns {t} / --observation-length {self.observation} must be >= 0")
+        if not t:
+            if self.observation or at:
+                raise UserError("--observation-length and --branch-at-turns describe turns: give --turns")
+            return
+        if self.levels > 1:
+            raise UserError("--levels and --turns both shape the response tree: use one or the other")
+        if at != sorted(set(at)) or any(not 0 < k < t for k in at):
+            raise UserError(
+                f"--branch-at-turns must be strictly increasing turns in (0, --turns {t}), got {at}"
+            )
+        bad = [g for g in self.branches if g % 2 ** len(at)]
+        if bad:
+            raise UserError(
+                f"--branches {bad[0]} must be divisible by 2 ** len(--branch-at-turns) = {2 ** len(at)}"
+            )
+
+    @property
+    def response_tokens(self) -> int:
+        """Tokens of each rollout's response (turns and observations included)."""
+        if not self.turns:
+            return self.levels * self.response
+        return self.turns * self.response + (self.turns - 1) * self.observation
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -235,6 +270,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "hybrid": dict(model=_m(layers=4, hidden=512, heads=8, kv_heads=2, vocab=32000, full_attention_interval=4),
                    prompts=(4096,), branches=(8,), response=128,
                    variants=("naive-fused", "packed-nosharing", "packed", "replay")),
+    # a tau^2-like agentic tree scaled down for the 2-core CPU: a 4K prompt (system prompt + tools), 6 policy turns
+    # of 128 tokens with a 256-token tool output after each, forks after turns 2 and 4 (G = 8 leaves)
+    "agentic": dict(model=_m(layers=2, hidden=256, heads=4, kv_heads=2, vocab=32000), prompts=(4096,),
+                    branches=(8,), response=128, turns=6, observation=256, branch_at_turns=(2, 4),
+                    variants=("naive-fused", "packed-nosharing", "packed", "replay")),
     # seconds on a laptop: the smoke test and a first look
     "tiny": dict(model=_m(layers=2, hidden=32, heads=4, kv_heads=2, vocab=64), prompts=(48,), branches=(4,),
                  response=8, rounds=1),

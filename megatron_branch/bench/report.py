@@ -24,7 +24,13 @@ def markdown(report: dict[str, Any]) -> str:
             else f"ffn {model['ffn_hidden_size']}"
         )
         + f", vocab {model['vocab_size']}, {cfg['dtype']} on {cfg['device']}; "
-        f"S={cfg['response']}, levels {cfg['levels']}, branch_micro_batch {cfg['micro']}; {cfg['rounds']} rounds "
+        + (
+            f"S={cfg['response']}, levels {cfg['levels']}"
+            if not cfg.get("turns")
+            else f"{cfg['turns']} turns of {cfg['response']} + tool outputs of {cfg['observation']}, forks after "
+            f"turns {list(cfg['branch_at_turns'])}"
+        )
+        + f", branch_micro_batch {cfg['micro']}; {cfg['rounds']} rounds "
         f"after 1 warm-up, round-robin, order rotated. Machine: "
         + ", ".join(f"{k} {v}" for k, v in report["machine"].items())
     )

@@ -28,7 +28,7 @@ from megatron_branch.assembly import RunSpec, ScheduleConfig, schedule_options
 from megatron_branch.bench.config import BASELINE, DTYPES, VARIANTS, BenchConfig, with_context
 from megatron_branch.bench.flops import Flops, variant_flops
 from megatron_branch.data import PrefixTree
-from megatron_branch.data.random_trees import random_tree_rollouts
+from megatron_branch.data.random_trees import agentic_tree_rollouts, random_tree_rollouts
 from megatron_branch.errors import UserError
 from megatron_branch.losses import PolicyGradientObjective
 from megatron_branch.memory import ActivationMeter
@@ -109,16 +109,23 @@ class Case:
 
 
 def make_case(cfg: BenchConfig, arch: ModelArch, prompt: int, branches: int) -> Case:
-    rollouts = random_tree_rollouts(
-        vocab_size=cfg.model.vocab_size,
-        prompt_len=prompt,
-        branches=branches,
-        levels=cfg.levels,
-        seg_len=(cfg.response, cfg.response),
-        seed=cfg.seed,
-    )
+    if cfg.turns:  # an agentic tree: turns, observations (loss_mask 0), forks at turns
+        rollouts = agentic_tree_rollouts(
+            vocab_size=cfg.model.vocab_size, prompt_len=prompt, n=branches, turns=cfg.turns,
+            turn_len=cfg.response, observation_len=cfg.observation, branch_at_turns=cfg.branch_at_turns,
+            seed=cfg.seed,
+        )  # fmt: skip
+    else:
+        rollouts = random_tree_rollouts(
+            vocab_size=cfg.model.vocab_size,
+            prompt_len=prompt,
+            branches=branches,
+            levels=cfg.levels,
+            seg_len=(cfg.response, cfg.response),
+            seed=cfg.seed,
+        )
     tree = PrefixTree.build(rollouts, vocab_size=cfg.model.vocab_size)
-    obj = PolicyGradientObjective.grpo([r.advantage for r in rollouts], tree.num_response_tokens_logical())
+    obj = PolicyGradientObjective.grpo([r.advantage for r in rollouts], tree.num_trained_tokens_logical())
     return Case(prompt=prompt, branches=branches, tree=tree, objective=obj, flops=variant_flops(arch, tree))
 
 
@@ -127,7 +134,7 @@ def build_bench_model(cfg: BenchConfig) -> tuple[ModelArch, torch.nn.Module]:
 
     initialize_parallel(ParallelConfig())
     torch.manual_seed(cfg.seed)
-    arch = with_context(cfg.model, max(cfg.prompts) + cfg.levels * cfg.response + 1)
+    arch = with_context(cfg.model, max(cfg.prompts) + cfg.response_tokens + 1)
     model = build_model(arch, dtype=DTYPES[cfg.dtype])
     return arch, model.to(cfg.device)
 

@@ -56,6 +56,15 @@ def add_bench_command(sub: Any) -> None:
     p.add_argument("--branches", type=_ints, default=None, help="responses per prompt G, e.g. 8 or 4,8,16,32")
     p.add_argument("--response", type=int, default=None, help="tokens per response S")
     p.add_argument("--levels", type=int, default=None, help="levels of the response tree (1: G leaves)")
+    p.add_argument(
+        "--turns", type=int, default=None, help="an agentic tree: policy turns of --response tokens"
+    )
+    p.add_argument(
+        "--observation-length", type=int, default=None, help="tokens of each tool output (loss_mask 0)"
+    )
+    p.add_argument(
+        "--branch-at-turns", type=_ints, default=None, help="fork in 2 after these turns, e.g. 2,4"
+    )
     for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "experts", "top-k", "expert-ffn"):
         p.add_argument(f"--{name}", type=int, default=None, help=f"model {name}")
     p.add_argument("--tie", action="store_true", default=None, help="tie embedding and output layer")
@@ -95,7 +104,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
         if getattr(args, k, None) is not None:
             model_kw[k] = getattr(args, k)
     flags = dict(
-        prompts=args.prompt, branches=args.branches, response=args.response, levels=args.levels,
+        prompts=args.prompt, branches=args.branches, response=args.response, levels=args.levels, turns=args.turns,
+        observation=args.observation_length, branch_at_turns=args.branch_at_turns,
         rounds=args.rounds, micro=args.micro, dtype=args.dtype, device=args.device, peak_tflops=args.peak_tflops,
         seed=args.seed, profile=args.profile,
     )  # fmt: skip

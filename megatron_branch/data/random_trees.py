@@ -42,3 +42,76 @@ def random_tree_rollouts(
         for resp in frontier:
             out.append(Rollout(prompt=prompt, response=resp, advantage=rng.uniform(-1.5, 1.5)))
     return out
+
+
+def agentic_tree_rollouts(
+    *,
+    vocab_size: int = 37,
+    prompt_len: int = 9,
+    n: int = 4,
+    turns: int = 3,
+    turn_len: int = 4,
+    observation_len: int = 3,
+    branch_at_turns: tuple[int, ...] = (),
+    branch_factor: int = 2,
+    seed: int = 0,
+) -> list[Rollout]:
+    """An agentic tree (the shape `train`'s multi-turn sampler makes, generation/multi_turn.py): one prompt, each
+    rollout `turns` policy turns of `turn_len` tokens (loss_mask 1) with an observation of `observation_len` tokens
+    (loss_mask 0) after every turn but the last; after turn t in `branch_at_turns` (and its observation) every
+    trajectory forks into `branch_factor` continuations. `n` leaves (n / branch_factor ** len(branch_at_turns)
+    trajectories start at the prompt); siblings begin with distinct tokens, so the tree is exactly that."""
+    rng = random.Random(seed)
+    at = sorted(set(branch_at_turns))
+    roots = n // branch_factor ** len(at)
+    assert roots * branch_factor ** len(at) == n and all(0 < t < turns for t in at), (n, at, turns)
+    assert max(roots, branch_factor) <= vocab_size, "siblings need distinct first tokens"
+
+    def turn(t: int, first: int | None) -> tuple[list[int], list[bool]]:
+        ids = [rng.randrange(vocab_size) for _ in range(turn_len)]
+        if first is not None:
+            ids[0] = first
+        obs = [rng.randrange(vocab_size) for _ in range(observation_len if t < turns else 0)]
+        return ids + obs, [True] * turn_len + [False] * len(obs)
+
+    prompt = [rng.randrange(vocab_size) for _ in range(prompt_len)]
+    frontier = [
+        ([], [], f) for f in rng.sample(range(vocab_size), roots)
+    ]  # (tokens, mask, first of next turn)
+    for t in range(1, turns + 1):
+        grown = []
+        for ids, mask, first in frontier:
+            more, more_mask = turn(t, first)
+            grown.append((ids + more, mask + more_mask))
+        if t in at:
+            frontier = [
+                (ids, mask, f) for ids, mask in grown for f in rng.sample(range(vocab_size), branch_factor)
+            ]
+        else:
+            frontier = [(ids, mask, None) for ids, mask in grown]
+    return [
+        Rollout(prompt=prompt, response=ids, loss_mask=mask, advantage=rng.uniform(-1.5, 1.5))
+        for ids, mask, _ in frontier
+    ]
+
+
+def agentic_positions(
+    *,
+    prompt_len: int,
+    n: int,
+    turns: int,
+    turn_len: int,
+    observation_len: int,
+    branch_at_turns: tuple[int, ...] = (),
+    branch_factor: int = 2,
+) -> tuple[int, int]:
+    """(logical, computed) positions of `agentic_tree_rollouts`' tree, by counting: every leaf its whole sequence
+    vs the prompt once plus each tree level's tokens once per branch at that level."""  # fmt: skip
+    at = sorted(set(branch_at_turns))
+    length = turns * turn_len + (turns - 1) * observation_len
+    bounds = [0, *(t * (turn_len + observation_len) for t in at), length]
+    width, computed = n // branch_factor ** len(at), prompt_len
+    for lo, hi in zip(bounds, bounds[1:]):
+        computed += width * (hi - lo)
+        width *= branch_factor
+    return n * (prompt_len + length), computed

@@ -9,8 +9,10 @@ buffer the tree can fill; `prefill_groups` packs prompts into prefill forwards.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -35,6 +37,25 @@ class Branch:
     children: list[Branch] = field(default_factory=list)
     routes: list[torch.Tensor] = field(default_factory=list)
     """MoE routing replay: the experts [layers, k] of each FED token, in order (record_routing)."""
+    # multi-turn (multi_turn.py); unused otherwise
+    mask: list[bool] = field(default_factory=list)
+    """Per response token: sampled by the policy (True) or an observation (False)."""
+    forced: list[int] = field(default_factory=list)
+    """Observation tokens still to append (one per decode step, each fed like a sampled token)."""
+    env: Any = None
+    """Its environment (multi_turn.Environment); a fork deep-copies it."""
+    turn_start: int = 0
+    """Index in `tokens` where the current assistant turn starts."""
+    turns: int = 0
+    """Assistant turns finished (the environment stepped on them)."""
+    observations: int = 0
+    """Observations appended (tool calls answered)."""
+    reward: float = 0.0
+    """The environment's rewards summed over the finished turns."""
+    fork_pending: bool = False
+    """It finished a turn in branch_at_turns: forks before sampling the next turn."""
+    depth: int = 0
+    """Fork points above it (a turn-forked tree: the leaves it stands for, collect_samples)."""
 
     def fork(self) -> Branch:
         return Branch(
@@ -45,6 +66,14 @@ class Branch:
             path=list(self.path),
             state_row=self.state_row,
             routes=list(self.routes),
+            mask=list(self.mask),
+            forced=list(self.forced),
+            env=None if self.env is None else copy.deepcopy(self.env),  # each child its own episode
+            turn_start=self.turn_start,
+            turns=self.turns,
+            observations=self.observations,
+            reward=self.reward,
+            depth=self.depth + 1,
         )
 
 
@@ -59,6 +88,7 @@ def append_tokens(
     stop = set(params.stop_token_ids)
     for b, t, lp, lq in zip(branches, tokens, logprobs, sampling_logprobs, strict=True):
         b.tokens.append(t)
+        b.mask.append(True)
         b.logprobs.append(lp)
         b.sampling_logprobs.append(lq)
         if t in stop:
@@ -85,7 +115,12 @@ def collect_samples(
         if b.children:
             stack.extend(reversed(b.children))
             continue
-        missed = sum(1 for k in params.branch_at if k >= len(b.tokens))
+        mt = params.multi_turn
+        missed = (
+            len(mt.branch_at_turns) - b.depth
+            if mt is not None and mt.branch_at_turns
+            else sum(1 for k in params.branch_at if k >= len(b.tokens))
+        )
         sample = Sample(
             prompt_index=p,
             prompt=prompt,
@@ -94,10 +129,20 @@ def collect_samples(
             sampling_logprobs=tuple(b.sampling_logprobs),
             finish_reason=b.done,
             routed_experts=None if prompt_routes is None else routed_experts(prompt_routes, b),
+            **({} if mt is None else _turn_record(b)),
         )
         out.extend([sample] * params.branch_factor**missed)
     assert len(out) == params.n, (len(out), params.n)
     return out
+
+
+def _turn_record(b: Branch) -> dict[str, Any]:
+    return {
+        "loss_mask": tuple(b.mask),
+        "turns": b.turns,
+        "tool_calls": b.observations,
+        "env_reward": b.reward,
+    }
 
 
 def routed_experts(prompt_routes: torch.Tensor, b: Branch) -> torch.Tensor:
@@ -111,7 +156,10 @@ def routed_experts(prompt_routes: torch.Tensor, b: Branch) -> torch.Tensor:
 
 
 def buffer_rows(num_prompts: int, params: SamplingParams) -> int:
-    """Upper bound on fed tokens: per tree level, its branches times the tokens they can feed there."""
+    """Upper bound on fed tokens: per tree level, its branches times the tokens they can feed there (a
+    turn-forked tree: every leaf its whole response, shared or not)."""
+    if params.multi_turn is not None:
+        return num_prompts * params.n * params.max_new_tokens
     bounds = [0, *params.branch_at, params.max_new_tokens]
     rows, width = 0, params.root_fanout
     for level in range(len(bounds) - 1):

@@ -33,6 +33,7 @@ from megatron_branch.attention.layout import AttentionLayout, QuerySegment
 from megatron_branch.attention.prefix_state import ChunkSegment, ChunkTree
 from megatron_branch.data.rollouts import validate_token_ids
 from megatron_branch.errors import UserError
+from megatron_branch.generation import multi_turn
 from megatron_branch.generation.branches import (
     Branch,
     append_tokens,
@@ -41,6 +42,7 @@ from megatron_branch.generation.branches import (
     prefill_groups,
 )
 from megatron_branch.generation.kv_cache import DecodeContext, DecodeStep, PrefixKV
+from megatron_branch.generation.multi_turn import EnvFactory
 from megatron_branch.generation.sampling import choose_tokens
 from megatron_branch.generation.types import GenerationOutput, GenerationStats, SamplingParams
 from megatron_branch.losses.routing import RoutingRecorder
@@ -108,10 +110,15 @@ class BranchSampler:
         params: SamplingParams,
         *,
         generator: torch.Generator | None = None,
+        environments: EnvFactory | None = None,
     ) -> GenerationOutput:
-        """`params.n` samples per prompt; `generator` (on the model's device) drives every random draw."""
+        """`params.n` samples per prompt; `generator` (on the model's device) drives every random draw.
+        Multi-turn (`params.multi_turn`): `environments(p)` makes prompt p's environment (multi_turn.py)."""
         t0 = time.perf_counter()
         prompts = self._check_prompts(prompts, params)
+        if (params.multi_turn is None) != (environments is None):
+            raise ValueError("multi-turn sampling needs both params.multi_turn and environments=, or neither")
+        self._environments = environments
         if not params.greedy and generator is None:
             raise ValueError("sampling (temperature > 0) needs a torch.Generator: pass generator=")
         if generator is not None and generator.device.type != self.device.type:
@@ -143,6 +150,9 @@ class BranchSampler:
             [Branch(prompt=p, state_row=p) for _ in range(params.root_fanout)] for p in range(len(prompts))
         ]
         live = [b for group in roots for b in group]
+        if self._environments is not None:  # each root its own episode (a fork copies its parent's)
+            for b in live:
+                multi_turn.start(b, self._environments(b.prompt), prompts[b.prompt])
         self._extend(live, first_logits[torch.tensor([b.prompt for b in live])], params, generator, stats)
         next_slot = 0
         while True:
@@ -155,7 +165,8 @@ class BranchSampler:
             logits = self._decode(prompts, feed, cache, stats)  # [A, v]
             live, rows = [], []
             for i, b in enumerate(feed):
-                if len(b.tokens) in params.branch_at:  # fork: children share b's tokens and cached K/V
+                if len(b.tokens) in params.branch_at or multi_turn.forks_at_turn(b):
+                    # fork: children share b's tokens (earlier turns included) and cached K/V
                     b.children = [b.fork() for _ in range(params.branch_factor)]
                     live += b.children
                     rows += [i] * params.branch_factor
@@ -194,7 +205,11 @@ class BranchSampler:
         positions, n copies of each prompt's K/V)."""
         n = params.n
         copies = [p for p in prompts for _ in range(n)]
-        out = self.generate(copies, dataclasses.replace(params, n=1, share_prefix=True), generator=generator)
+        envs = self._environments
+        out = self.generate(
+            copies, dataclasses.replace(params, n=1, share_prefix=True), generator=generator,
+            environments=None if envs is None else lambda i: envs(i // n),
+        )  # fmt: skip
         samples = [
             [dataclasses.replace(g[0], prompt_index=p) for g in out.samples[p * n : (p + 1) * n]]
             for p in range(len(prompts))
@@ -324,14 +339,30 @@ class BranchSampler:
         generator: torch.Generator | None,
         stats: GenerationStats,
     ) -> None:
-        """Draw the next token of each branch from its row of logits [len(branches), v]."""
+        """Draw the next token of each branch from its row of logits [len(branches), v]; a branch with
+        observation tokens queued (multi-turn) takes the next of those instead."""
+        drawn = [i for i, b in enumerate(branches) if not b.forced]
+        forced = [i for i, b in enumerate(branches) if b.forced]
+        if forced:  # the policy's logprob of each observation token, for the record (loss_mask 0)
+            rows = logits[torch.tensor(forced)]
+            toks = torch.tensor([branches[i].forced[0] for i in forced], device=rows.device)
+            logp_f = torch.log_softmax(rows, dim=-1).gather(-1, toks[:, None]).squeeze(-1).tolist()
+            for i, lp in zip(forced, logp_f, strict=True):
+                multi_turn.append_forced(branches[i], lp, params.max_new_tokens)
+            stats.observation_tokens += len(forced)
+            logits = logits[torch.tensor(drawn, dtype=torch.long)]
+        if not drawn:
+            return
+        sampled = [branches[i] for i in drawn]
         tokens, logp, logq = choose_tokens(logits, params, generator)
         if self.tp_size > 1:  # identical on every rank already; make it certain
             both = torch.stack([tokens.to(logp.dtype), logp, logq]).to(comm_device(self.tp_group))
             dist.broadcast(both, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
             tokens, logp, logq = both[0].long(), both[1], both[2]
-        stats.tokens_sampled += len(branches)
-        append_tokens(branches, tokens.tolist(), logp.tolist(), logq.tolist(), params)
+        stats.tokens_sampled += len(sampled)
+        append_tokens(sampled, tokens.tolist(), logp.tolist(), logq.tolist(), params)
+        if params.multi_turn is not None:
+            multi_turn.end_turns(sampled, params.multi_turn, params.max_new_tokens)
 
     @property
     def _pad_to(self) -> int:

@@ -52,6 +52,9 @@ class SamplingParams:
     """Prefill each prompt once for its n samples (True), or every sample its own prefill, as an engine without
     prefix caching does (False: the baseline; the same draws, hence the same tokens, for the same generator).
     False cannot fork (`branch_at`): rules.check_sampling."""
+    multi_turn: Any = None
+    """Multi-turn rollouts (multi_turn.MultiTurnParams: turn-end tokens, verl's turn bounds, `branch_at_turns`):
+    `generate` then needs `environments=`. None = one policy turn per rollout."""
 
     def __post_init__(self) -> None:
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
@@ -78,12 +81,16 @@ class SamplingParams:
             raise SettingError(lambda s: f"{s.name('stop_token_ids')} must be >= 0, got {stops}")
         check_sampling(
             n=self.n, max_new_tokens=self.max_new_tokens, branch_at=self.branch_at,
-            branch_factor=self.branch_factor, share_prefix=self.share_prefix,
+            branch_factor=self.branch_factor, share_prefix=self.share_prefix, branch_at_turns=self.branch_at_turns,
         )  # fmt: skip
 
     @property
+    def branch_at_turns(self) -> tuple[int, ...]:
+        return () if self.multi_turn is None else self.multi_turn.branch_at_turns
+
+    @property
     def root_fanout_divisor(self) -> int:
-        return self.branch_factor ** len(self.branch_at)
+        return self.branch_factor ** (len(self.branch_at) + len(self.branch_at_turns))
 
     @property
     def root_fanout(self) -> int:
@@ -117,6 +124,15 @@ class Sample:
     routed_experts: Any = field(default=None, compare=False)
     """MoE routing replay (BranchSampler(record_routing=True)): int32 [len(prompt) + len(response), MoE layers, k],
     the experts the policy routed each token to when it was fed (-1 for the last token, never fed); None = off."""
+    loss_mask: tuple[bool, ...] | None = None
+    """Multi-turn: per response token, sampled by the policy (True) or an observation (False); None = all sampled.
+    An observation's `logprobs` entry is the policy's logprob of it (not trained), its sampling logprob 0."""
+    turns: int = 0
+    """Multi-turn: assistant turns the environment stepped on."""
+    tool_calls: int = 0
+    """Multi-turn: observations appended."""
+    env_reward: float | None = None
+    """Multi-turn: the environment's rewards summed over the turns (None without an environment)."""
 
     def to_rollout(self, advantage: float = 0.0, **token_fields: Sequence[float]) -> Rollout:
         """The training record: `old_logprobs` = `logprobs` (plus any other per-response-token fields)."""
@@ -126,6 +142,7 @@ class Sample:
             advantage=advantage,
             token_fields={"old_logprobs": self.logprobs, **token_fields},
             routed_experts=self.routed_experts,
+            loss_mask=self.loss_mask,
         )
 
 
@@ -152,6 +169,8 @@ class GenerationStats:
     """Tokens drawn from the model (a shared tree token once)."""
     response_tokens: int = 0
     """Sum of the response lengths over all samples (shared tokens once per sample: the logical count)."""
+    observation_tokens: int = 0
+    """Multi-turn: observation tokens appended (fed like sampled tokens, a shared one once)."""
     seconds: float = 0.0
     """Wall time of the call."""
 
@@ -162,7 +181,8 @@ class GenerationStats:
 
     def to_dict(self) -> dict[str, float]:
         keys = ("num_prompts", "num_samples", "prefill_forwards", "prefill_positions", "prefill_positions_unshared",
-                "decode_steps", "decode_positions", "tokens_sampled", "response_tokens", "seconds")  # fmt: skip
+                "decode_steps", "decode_positions", "tokens_sampled", "response_tokens", "observation_tokens",
+                "seconds")  # fmt: skip
         return {**{k: getattr(self, k) for k in keys}, "tokens_per_s": self.tokens_per_s}
 
 

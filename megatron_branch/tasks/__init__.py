@@ -14,12 +14,15 @@ from megatron_branch.tasks.synthetic import (
     get_task,
     warmup_rollouts,
 )
+from megatron_branch.tasks.tool_lookup import LookupEnv, LookupTask
 
 __all__ = [
     "TASKS",
     "CopySpanTask",
     "EvalResult",
     "KeyValueTask",
+    "LookupEnv",
+    "LookupTask",
     "NeedleTask",
     "PromptRow",
     "RewardFn",

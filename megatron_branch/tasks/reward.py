@@ -20,18 +20,25 @@ class RewardFn(Protocol):
     def __call__(self, prompt: str, response: str, row: Mapping[str, Any]) -> float: ...
 
 
-def load_reward(spec: str) -> RewardFn:
-    """Import `module:function` (e.g. "my_pkg.rewards:exact_match"); the module must be importable (PYTHONPATH)."""
+def import_named(spec: str, what: str, form: str) -> Any:
+    """`module:attribute` imported (the module must be importable: PYTHONPATH); `what` names it in the one-line
+    error ("reward", "environment"), `form` is its expected spelling ("module:function")."""
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
-        raise UserError(f"reward must be 'module:function', got {spec!r}")
+        raise UserError(f"{what} must be {form!r}, got {spec!r}")
     module_name, attr = spec.split(":")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # ImportError, or the module's own error at import time
-        raise UserError(f"cannot import reward module {module_name!r}: {exc}".replace("\n", " ")) from None
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise UserError(f"reward module {module_name!r} has no attribute {attr!r}")
+        raise UserError(f"cannot import {what} module {module_name!r}: {exc}".replace("\n", " ")) from None
+    found = getattr(module, attr, None)
+    if found is None:
+        raise UserError(f"{what} module {module_name!r} has no attribute {attr!r}")
+    return found
+
+
+def load_reward(spec: str) -> RewardFn:
+    """Import `module:function` (e.g. "my_pkg.rewards:exact_match"); the module must be importable (PYTHONPATH)."""
+    fn = import_named(spec, "reward", "module:function")
     if not callable(fn):
         raise UserError(f"reward {spec!r} is not callable")
     fn.__reward_spec__ = spec  # type: ignore[attr-defined]  (for error messages)

@@ -67,6 +67,15 @@ class SyntheticTask(ABC):
         """(prompt, correct answer) pairs for a supervised warm-up."""
         return [(r.prompt, r.fields["answer"]) for r in self.rows(num, seed)]
 
+    def warmup_rollout(self, tokenizer: Tokenizer, prompt: str, answer: str) -> Rollout:
+        """One supervised warm-up rollout: response = answer + eos, advantage 1 (a multi-turn task adds its
+        tool call and the tool's answer, loss_mask 0 on the latter)."""
+        return Rollout(
+            prompt=tokenizer.encode(prompt),
+            response=[*tokenizer.encode(answer), tokenizer.eos_id],
+            advantage=1.0,
+        )
+
     def corpus(self, num: int = 200, seed: int = 12345) -> list[str]:
         """Lines of task text (prompt + answer) to train the tokenizer on: it covers the whole alphabet."""
         return [p + a for p, a in self.warmup_examples(num, seed)]
@@ -190,16 +199,7 @@ def get_task(name: str, **options: Any) -> SyntheticTask:
 def warmup_rollouts(task: SyntheticTask, tokenizer: Tokenizer, num: int, seed: int) -> list[Rollout]:
     """Supervised warm-up data as rollouts: response = answer + eos, advantage 1. Trained with the on-policy
     objective (`PolicyGradientObjective.grpo([1.0] * N, T)`) the loss is the token-mean NLL of the answers: SFT."""
-    out = []
-    for prompt, answer in task.warmup_examples(num, seed):
-        out.append(
-            Rollout(
-                prompt=tokenizer.encode(prompt),
-                response=[*tokenizer.encode(answer), tokenizer.eos_id],
-                advantage=1.0,
-            )
-        )
-    return out
+    return [task.warmup_rollout(tokenizer, p, a) for p, a in task.warmup_examples(num, seed)]
 
 
 def decode_responses(tokenizer: Tokenizer, responses: Sequence[Sequence[int]]) -> list[str]:

@@ -151,6 +151,31 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
+class MultiTurnConfig:
+    """Multi-turn rollouts with an environment (verl's `rollout.multi_turn` names; generation/multi_turn.py): the
+    policy's turn ends at a turn-end token, the environment answers with an observation (loss_mask 0)."""
+
+    enable: bool = False
+    """Sample multi-turn rollouts; the rollout's reward is the sum of the environment's rewards."""
+    environment: str | None = None
+    """"module:Class" of the environment, built per rollout as Class(row, tokenizer, **environment_args) (`row`:
+    the prompt's dataset row); None = the built-in task's own."""
+    environment_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the environment class."""
+    turn_end: list[str] = field(default_factory=list)
+    """Strings (one token each) that end a policy turn (a tool-call close); empty = the built-in task's own."""
+    max_assistant_turns: int | None = None
+    """Most policy turns per rollout; null = only rollout.response_length bounds them."""
+    max_user_turns: int | None = None
+    """Most observations (tool answers) per rollout; null = no limit."""
+    max_tool_response_length: int | None = 256
+    """An observation longer than this many tokens is cut to its first ones; null = no cut."""
+    branch_at_turns: list[int] = field(default_factory=list)
+    """After these numbers of finished policy turns every trajectory forks into rollout.branch_factor
+    continuations sharing the earlier turns (tool output included); rollout.n = the leaves."""
+
+
+@dataclass(kw_only=True)
 class RolloutConfig:
     """Sampling G continuations per prompt through the shared-prefix KV cache."""
 
@@ -175,6 +200,8 @@ class RolloutConfig:
     prefix caching samples (the fair generation baseline; the same tokens for the same seed)."""
     seed: int = 2
     """Seed of the sampler's generator (checkpointed)."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn rollouts with an environment (off by default)."""
 
 
 @dataclass(kw_only=True)

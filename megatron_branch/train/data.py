@@ -37,6 +37,10 @@ class Dataset:
     """(num, seed) -> supervised warm-up rollouts (answer + eos, advantage 1), when the task has answers."""
     pairs: list[dict[str, tuple[int, ...]]] | None = None
     """DPO: {"prompt", "chosen", "rejected"} ids per pair."""
+    environment: Callable[[int], Any] | None = None
+    """Multi-turn (rollout.multi_turn.enable): prompt index -> a fresh environment (tasks/environment.py)."""
+    turn_end_ids: tuple[int, ...] = ()
+    """Multi-turn: the token ids that end a policy turn (rollout.multi_turn.turn_end, or the task's)."""
 
     def __len__(self) -> int:
         return len(self.pairs) if self.pairs is not None else len(self.prompts)
@@ -57,15 +61,39 @@ class Dataset:
 
     def stop_token_ids(self, stop: Sequence[str]) -> tuple[int, ...]:
         """eos plus each stop string (each must be a single token of this tokenizer)."""
-        ids = [self.tokenizer.eos_id]
-        for text in stop:
-            enc = self.tokenizer.encode(text)
-            if len(enc) != 1:
-                raise UserError(
-                    f"rollout.stop: {text!r} is {len(enc)} tokens; stop strings must be one token"
-                )
-            ids.append(enc[0])
-        return tuple(dict.fromkeys(ids))
+        return tuple(
+            dict.fromkeys([self.tokenizer.eos_id, *_one_token_each(self.tokenizer, stop, "rollout.stop")])
+        )
+
+
+def _one_token_each(tok: Any, texts: Sequence[str], key: str) -> list[int]:
+    ids = []
+    for text in texts:
+        enc = tok.encode(text)
+        if len(enc) != 1:
+            raise UserError(f"{key}: {text!r} is {len(enc)} tokens; each must be one token")
+        ids.append(enc[0])
+    return ids
+
+
+def _attach_environment(cfg: TrainConfig, ds: Dataset, task: Any = None) -> Dataset:
+    """rollout.multi_turn: the environment per prompt and the turn-end ids (the task's own when not given)."""
+    from megatron_branch.tasks.environment import environment_factory
+
+    m = cfg.rollout.multi_turn
+    if not m.enable:
+        return ds
+    spec = m.environment or getattr(task, "environment_spec", None)
+    if spec is None:
+        raise UserError(f"data.task={cfg.data.task} has no environment: give rollout.multi_turn.environment")
+    ends = m.turn_end or list(getattr(task, "turn_end", ()))
+    if not ends:
+        raise UserError(
+            "rollout.multi_turn.turn_end: name at least one string (one token) that ends a policy turn"
+        )
+    ds.turn_end_ids = tuple(_one_token_each(ds.tokenizer, ends, "rollout.multi_turn.turn_end"))
+    ds.environment = environment_factory(spec, [r.row for r in ds.rows], ds.tokenizer, m.environment_args)
+    return ds
 
 
 def _read_jsonl(path: str, required: Sequence[str]) -> list[dict[str, Any]]:
@@ -137,15 +165,16 @@ def load_dataset(cfg: TrainConfig, run_dir: Path, *, pairs: bool = False) -> Dat
     from megatron_branch.tasks import load_reward, read_prompts_jsonl
 
     rows = read_prompts_jsonl(d.train_files)  # type: ignore[arg-type]
-    reward = load_reward(d.reward)  # type: ignore[arg-type]
+    reward = _no_reward if cfg.rollout.multi_turn.enable else load_reward(d.reward)  # type: ignore[arg-type]
     tok, tok_dir = _tokenizer(cfg, run_dir, lambda: [r.prompt.replace("\n", " ") for r in rows])
     prompts = [tuple(tok.encode(r.prompt)) for r in rows]
     _check_prompt_lengths(prompts, rows, cfg)
-    return Dataset(tokenizer=tok, tokenizer_dir=tok_dir, rows=rows, prompts=prompts, reward_fn=reward)
+    ds = Dataset(tokenizer=tok, tokenizer_dir=tok_dir, rows=rows, prompts=prompts, reward_fn=reward)
+    return _attach_environment(cfg, ds)
 
 
 def _no_reward(prompt: str, response: str, row: dict) -> float:
-    raise AssertionError("DPO has no reward")
+    raise AssertionError("DPO has no reward; a multi-turn rollout's is its environment's")
 
 
 def _check_prompt_lengths(prompts: list[tuple[int, ...]], rows: list[Any], cfg: TrainConfig) -> None:
@@ -170,7 +199,8 @@ def _task_dataset(cfg: TrainConfig, run_dir: Path) -> Dataset:
     prompts = [tuple(tok.encode(r.prompt)) for r in rows]
     _check_prompt_lengths(prompts, rows, cfg)
     reward = load_reward(d.reward or task.reward_spec)
-    return Dataset(
+    ds = Dataset(
         tokenizer=tok, tokenizer_dir=tok_dir, rows=rows, prompts=prompts, reward_fn=reward,
         warmup=lambda num, seed: warmup_rollouts(task, tok, num, seed),
     )  # fmt: skip
+    return _attach_environment(cfg, ds, task)

@@ -40,7 +40,7 @@ from megatron_branch.train.checkpointing import RunCheckpoints
 from megatron_branch.train.config import TrainConfig
 from megatron_branch.train.config_io import write_resolved
 from megatron_branch.train.data import load_dataset
-from megatron_branch.train.metrics import RunLogger
+from megatron_branch.train.metrics import RunLogger, multi_turn_metrics
 from megatron_branch.train.models import frozen_copy
 from megatron_branch.train.record import engine_record, write_engine_record
 from megatron_branch.train.run_dir import HF_TOKENIZER, run_folder, save_tokenizer
@@ -98,7 +98,8 @@ class Trainer(RunCheckpoints):
                 cfg, self.policy, opts=engine.opts, algo=self.algo, arch=self.arch, groups=self.groups,
                 dtype=self.dtype,
             )  # fmt: skip
-            self.actor.set_stop_tokens(self.dataset.stop_token_ids(cfg.rollout.stop))
+            ds = self.dataset
+            self.actor.set_stop_tokens(ds.stop_token_ids(cfg.rollout.stop), ds.turn_end_ids)
             # what megatron and the engine were given (train/record.py), beside config.yaml
             agree.write_on_rank0(
                 lambda: write_engine_record(setup_dir, engine_record(self.actor.policy, self.actor.plan))
@@ -152,12 +153,17 @@ class Trainer(RunCheckpoints):
     def _sample(self, indices: list[int]) -> tuple[list[Rollout], list[float], dict[str, float]]:
         """Sample rollout.n continuations of each prompt of this replica's share; gather the global batch."""
         slots = list(range(len(indices)))[self.dp_rank :: self.groups.dp_size]  # positions in the batch
-        out = self.actor.generate([self.dataset.prompt_ids(indices[k]) for k in slots], self.sample_rng)
+        make_env = self.dataset.environment
+        out = self.actor.generate(
+            [self.dataset.prompt_ids(indices[k]) for k in slots], self.sample_rng,
+            None if make_env is None else lambda j: make_env(indices[slots[j]]),
+        )  # fmt: skip
         local = []
         for k, group in zip(slots, out.samples):
-            for s in group:
-                reward = self.dataset.reward(indices[k], s.response)
-                local.append((k, s.prompt, s.response, s.logprobs, reward, s.routed_experts))
+            for s in group:  # a multi-turn rollout's reward is its environment's
+                reward = self.dataset.reward(indices[k], s.response) if s.env_reward is None else s.env_reward
+                turns = (s.loss_mask, s.turns, s.tool_calls)
+                local.append((k, s.prompt, s.response, s.logprobs, reward, s.routed_experts, turns))
         rows = [r for part in _gather_over(self.groups.dp, local) for r in part]
         rows.sort(key=lambda r: r[0])  # the global batch in the step's prompt order (stable within a group)
         rewards = [r[4] for r in rows]
@@ -167,6 +173,7 @@ class Trainer(RunCheckpoints):
                 response=r[2],
                 token_fields={"old_logprobs": r[3], "rollout_logprobs": r[3]},
                 routed_experts=r[5],
+                loss_mask=r[6][0],
             )
             for r in rows
         ]  # the sampler's logprobs: old (one update per sampling) and rollout's (the mismatch metric);
@@ -176,6 +183,8 @@ class Trainer(RunCheckpoints):
             "gen/decode_steps": out.stats.decode_steps,
             "gen/tokens_per_s": out.stats.tokens_per_s,
         }
+        if make_env is not None:
+            stats.update(multi_turn_metrics([r[6][1:] for r in rows], rollouts))
         return rollouts, rewards, stats
 
     def train_step(self) -> dict[str, Any]:

@@ -204,3 +204,15 @@ def plot_curves(rows: list[dict[str, Any]], path: Path, *, title: str | None = N
     plt.close(fig)
     tmp.replace(path)
     return path
+
+
+def multi_turn_metrics(turns: list[tuple[int, int]], rollouts: list[Any]) -> dict[str, float]:
+    """Per rollout of the step's global batch: policy turns and tool calls (observations) on average, and the
+    fraction of response tokens that are trained (loss_mask 1; the rest are observations)."""
+    n = len(turns)
+    trained = sum(r.num_trained for r in rollouts)
+    return {
+        "multi_turn/turns_mean": sum(t for t, _ in turns) / n,
+        "multi_turn/tool_calls_mean": sum(c for _, c in turns) / n,
+        "multi_turn/trained_fraction": trained / max(1, sum(len(r.response) for r in rollouts)),
+    }

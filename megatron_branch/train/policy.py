@@ -135,12 +135,17 @@ class Actor:
         return Trainee(critic, dtype=self.dtype, settings=_settings(self.cfg, lr, updates), pgc=self.pgc)
 
     # ---- sampling --------------------------------------------------------------------------------------------
-    def set_stop_tokens(self, ids: tuple[int, ...]) -> None:
-        self.params = dataclasses.replace(self.params, stop_token_ids=tuple(ids))
+    def set_stop_tokens(self, ids: tuple[int, ...], turn_end_ids: tuple[int, ...] = ()) -> None:
+        """The tokenizer's stop ids, and with multi-turn rollouts the turn-end ids."""
+        mt = self.params.multi_turn
+        if mt is not None:
+            mt = dataclasses.replace(mt, turn_end_token_ids=turn_end_ids)
+        self.params = dataclasses.replace(self.params, stop_token_ids=tuple(ids), multi_turn=mt)
 
-    def generate(self, prompts: list[tuple[int, ...]], rng: torch.Generator) -> Any:
+    def generate(self, prompts: list[tuple[int, ...]], rng: torch.Generator, environments: Any = None) -> Any:
+        """`environments`: with multi-turn rollouts, prompt index (of `prompts`) -> a fresh environment."""
         self._refresh_sampler()
-        return self.sampler.generate(prompts, self.params, generator=rng)
+        return self.sampler.generate(prompts, self.params, generator=rng, environments=environments)
 
     def _refresh_sampler(self) -> None:
         """Under PP: the sampler's whole-model copy takes the stages' current weights (every rank)."""

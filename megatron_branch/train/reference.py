@@ -19,7 +19,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from megatron_branch.train.config import ArchConfig, TrainConfig
+from megatron_branch.train.config import ArchConfig, MultiTurnConfig, TrainConfig
 
 HEADING = "## Config reference"
 INTRO = (
@@ -71,7 +71,8 @@ def default_text(f: dataclasses.Field) -> str:
     if f.default is not dataclasses.MISSING:
         return repr(f.default)
     if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return repr(f.default_factory())  # type: ignore[misc]
+        value = f.default_factory()  # type: ignore[misc]
+        return "its section below" if dataclasses.is_dataclass(value) else repr(value)
     return "required"
 
 
@@ -96,6 +97,8 @@ def reference() -> str:
     for f in dataclasses.fields(TrainConfig):
         section = hints[f.name]
         out += [f"### `{f.name}`: {first_sentence(section)}", "", *table(f.name, section), ""]
+    mt = "rollout.multi_turn"
+    out += [f"### `{mt}`: {first_sentence(MultiTurnConfig)}", "", *table(mt, MultiTurnConfig), ""]
     out += [f"### `model.arch`: {first_sentence(ArchConfig)}", "", *table("model.arch", ArchConfig)]
     return "\n".join(out) + "\n"
 

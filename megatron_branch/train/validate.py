@@ -84,8 +84,9 @@ def validate(cfg: Any) -> None:
             )
     elif d.task is None and d.train_files is None:
         raise UserError(f"algorithm.name={a.name} needs data.task or data.train_files")
-    elif d.task is None and d.reward is None:
+    elif d.task is None and d.reward is None and not r.multi_turn.enable:
         raise UserError("data.train_files needs data.reward (module:function)")
+    check_multi_turn(cfg)
     if d.reward is not None and (d.reward.count(":") != 1 or not all(d.reward.split(":"))):
         raise UserError(f"data.reward must look like module:function, got {d.reward!r}")
     if cfg.model.hf_path is None and cfg.model.arch is None:
@@ -103,16 +104,52 @@ def validate(cfg: Any) -> None:
         raise UserError(f"checkpoint.keep_last must be positive, got {cfg.checkpoint.keep_last}")
 
 
-def sampling_params(cfg: Any) -> Any:
+def sampling_params(cfg: Any, turn_end_ids: tuple[int, ...] | None = None) -> Any:
     """The sampler's SamplingParams from the rollout section (its rules: generation/types.py, rules.py); a
-    SettingError in the library's names (train re-spells it: SPELLING). rollout.top_k -1 (off) is its 0."""
+    SettingError in the library's names (train re-spells it: SPELLING). rollout.top_k -1 (off) is its 0.
+    `turn_end_ids`: rollout.multi_turn.turn_end as token ids (known once the tokenizer is; a stand-in before)."""
+    from megatron_branch.generation.multi_turn import MultiTurnParams
     from megatron_branch.generation.types import SamplingParams
 
     r = cfg.rollout
+    m = r.multi_turn
+    multi_turn = None
+    if m.enable:
+        ends = turn_end_ids if turn_end_ids is not None else (0,)  # the task may name them (train/data.py)
+        multi_turn = MultiTurnParams(
+            turn_end_token_ids=ends, max_assistant_turns=m.max_assistant_turns, max_user_turns=m.max_user_turns,
+            max_tool_response_length=m.max_tool_response_length, branch_at_turns=tuple(m.branch_at_turns),
+        )  # fmt: skip
     return SamplingParams(
         n=r.n, max_new_tokens=r.response_length, temperature=r.temperature, top_k=max(r.top_k, 0), top_p=r.top_p,
         branch_at=tuple(r.branch_at), branch_factor=r.branch_factor, share_prefix=r.share_prefix,
+        multi_turn=multi_turn,
     )  # fmt: skip
+
+
+def check_multi_turn(cfg: Any) -> None:
+    """rollout.multi_turn: settings that would do nothing are refused; the environment's reward is the reward."""
+    m, d = cfg.rollout.multi_turn, cfg.data
+    if not m.enable:
+        changed = [
+            f.name for f in dataclasses.fields(m)
+            if f.name != "enable" and getattr(m, f.name) != getattr(type(m)(), f.name)
+        ]  # fmt: skip
+        if changed:
+            raise UserError(f"rollout.multi_turn.{changed[0]} needs rollout.multi_turn.enable=true")
+        return
+    if d.reward is not None:
+        raise UserError(
+            "data.reward with rollout.multi_turn.enable=true: the environment's rewards are the reward"
+        )
+    if cfg.warmup.until_exact is not None:
+        raise UserError(
+            "warmup.until_exact with rollout.multi_turn.enable=true: its greedy check has no environment"
+        )
+    if m.environment is None and d.task is None:
+        raise UserError("rollout.multi_turn.enable=true needs rollout.multi_turn.environment (module:Class)")
+    if m.environment is not None and (m.environment.count(":") != 1 or not all(m.environment.split(":"))):
+        raise UserError(f"rollout.multi_turn.environment must look like module:Class, got {m.environment!r}")
 
 
 def optimizer_settings(cfg: Any, *, lr: float, decay_steps: int | None = None) -> Any:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from megatron_branch.checkpoint.param_map import hf_to_mcore_state
 from megatron_branch.checkpoint.tp import load_full_state
 from megatron_branch.data import PrefixTree
-from megatron_branch.generation import BranchSampler, SamplingParams
+from megatron_branch.generation import BranchSampler, EnvStep, MultiTurnParams, SamplingParams
 from megatron_branch.losses import PolicyGradientObjective
 from megatron_branch.models import ModelArch, build_model
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
@@ -22,7 +22,27 @@ VOCAB = 37
 PARAMS = [
     SamplingParams(n=3, max_new_tokens=6, temperature=0),
     SamplingParams(n=4, max_new_tokens=6, temperature=0.9, top_p=0.95, stop_token_ids=(3,), branch_at=(2,)),
+    SamplingParams(
+        n=4,
+        max_new_tokens=14,
+        temperature=1.0,
+        stop_token_ids=(3,),
+        multi_turn=MultiTurnParams(turn_end_token_ids=tuple(range(4, VOCAB, 3)), branch_at_turns=(1,)),
+    ),  # fmt: skip
 ]
+"""Greedy; tree sampling; multi-turn rollouts forked after turn 1 (the observation fed on every TP rank)."""
+
+
+class ToyTool:
+    """A deterministic environment: a 2-4 token answer from the turn, done after 3 turns."""
+
+    def reset(self, prompt: tuple[int, ...]) -> None:
+        self.turns = 0
+
+    def step(self, turn: tuple[int, ...]) -> EnvStep:
+        self.turns += 1
+        obs = tuple((sum(turn) + 5 * j) % VOCAB for j in range(2 + len(turn) % 3))
+        return EnvStep(observation=obs, reward=1.0, done=self.turns >= 3)
 
 
 def generate(hf, pcfg: ParallelConfig):  # noqa: ANN001, ANN201
@@ -36,7 +56,13 @@ def generate(hf, pcfg: ParallelConfig):  # noqa: ANN001, ANN201
     sampler = BranchSampler(model, vocab_size=VOCAB, groups=groups)
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (7, 4, 10)]  # odd total: SP pads
-    outs = [sampler.generate(prompts, p, generator=torch.Generator().manual_seed(5)) for p in PARAMS]
+    outs = [
+        sampler.generate(
+            prompts, p, generator=torch.Generator().manual_seed(5),
+            environments=None if p.multi_turn is None else lambda i: ToyTool(),
+        )
+        for p in PARAMS
+    ]  # fmt: skip
     # the TP training forward's logprobs of the sampled tokens
     samples = outs[1].flat()
     rollouts = [s.to_rollout(advantage=1.0) for s in samples]
@@ -67,6 +93,8 @@ def test_generation_matches_single_rank(pcfg: ParallelConfig) -> None:
                 torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-10, atol=1e-10
             )
         assert got.stats.prompt_prefills == [1, 1, 1]
+        assert [s.loss_mask for s in got.flat()] == [s.loss_mask for s in want.flat()]
+    assert any(s.tool_calls for s in outs[2].flat())  # the multi-turn case saw observations
     for s, lp in zip(outs[1].flat(), trained):
         torch.testing.assert_close(torch.tensor(s.logprobs, dtype=torch.float64), lp, rtol=1e-10, atol=1e-10)
     # both TP ranks hold the same samples
