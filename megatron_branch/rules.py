@@ -64,6 +64,8 @@ Rules (a flag that would do nothing is refused, not ignored):
                                        inside the attention, interleaved RoPE is not the table the position ids
                                        index, and MoE router losses would count a shared token once, not once
                                        per rollout (check_verl_model)
+    the planner prices what it knows   multi-latent attention (deepseek_v3) is refused by `plan`: its latent
+                                       projections, per-head K/V widths and their FLOPs are not priced yet
 """
 
 from __future__ import annotations
@@ -515,3 +517,14 @@ def check_model(spec: Any) -> None:
 API = _spelling.API
 """How a library caller names the settings (spelling.py's library column): the schedules' and the sampler's own
 checks."""
+
+
+def check_plannable(arch: Any) -> None:
+    """Refuse, in one line, a model the planner would misprice (plan/model.py load_model calls it)."""
+    if arch.multi_latent:
+        raise SettingError(
+            lambda _: (
+                f"{arch.family}: plan does not price multi-latent attention yet (its latent projections, "
+                "per-head K/V widths and their FLOPs); grad, train and the sampler run it"
+            )
+        )

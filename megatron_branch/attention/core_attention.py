@@ -37,7 +37,11 @@ class CoreAttentionSlot(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ) -> None:
+        # k_channels / v_channels: what megatron's MLA passes (q/k and v head widths); the executors read the
+        # widths off the tensors, and the stock attention sizes its output by config.kv_channels (models/mla.py)
         super().__init__(config=config)
         self.layer_number = max(1, layer_number)
         self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
@@ -67,6 +71,8 @@ class BranchCoreAttention(CoreAttentionSlot, TakesBranchContext):
         self.stock: torch.nn.Module | None = stock
         if stock is None and config.context_parallel_size == 1:
             from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+            kwargs = {k: v for k, v in kwargs.items() if k not in ("k_channels", "v_channels")}
 
             self.stock = DotProductAttention(
                 config=config,

@@ -53,7 +53,7 @@ def _split(d: torch.Tensor, ks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 def packed_forward(q, ks, vs, plan: BlockPlan, scale: float):  # noqa: ANN001, ANN201
     if plan.empty:
-        return empty_result(q)
+        return empty_result(q, vs)
     (qb, kb), (_, vb) = _internal(q, ks), _internal(q, vs)
     o, lse = math_attention_forward(qb, kb, vb, plan.dense_mask(q.device), scale)  # [b,n,sq,h], [b,n,sq]
     return _rows_first(o).to(lse.dtype), _rows_first(lse)
@@ -61,7 +61,7 @@ def packed_forward(q, ks, vs, plan: BlockPlan, scale: float):  # noqa: ANN001, A
 
 def packed_backward(dout, q, ks, vs, out, lse, plan: BlockPlan, scale: float):  # noqa: ANN001, ANN201
     if plan.empty:
-        return zero_grads(q, ks)
+        return zero_grads(q, ks, vs)
     (qb, kb), (_, vb) = _internal(q, ks), _internal(q, vs)
     dq, dk, dv = math_attention_backward(
         dout.permute(1, 2, 0, 3),
@@ -94,7 +94,7 @@ def _softmax_attention(q, k, v, mask, scale):  # noqa: ANN001, ANN202
     s = s.masked_fill(empty[:, None], 0.0)  # finite scores on empty rows, masked out below
     out = torch.matmul(torch.softmax(s, dim=-1), v.unsqueeze(2)).masked_fill(empty[:, None], 0.0)
     lse = torch.logsumexp(s, dim=-1).masked_fill(empty, float("-inf"))
-    return out.reshape(b, n, sq, h), lse.reshape(b, n, sq)
+    return out.reshape(b, n, sq, v.shape[-1]), lse.reshape(b, n, sq)
 
 
 def _reference_inputs(q, ks, vs):  # noqa: ANN001, ANN202
@@ -105,14 +105,14 @@ def _reference_inputs(q, ks, vs):  # noqa: ANN001, ANN202
 
 def reference_forward(q, ks, vs, plan: BlockPlan, scale: float):  # noqa: ANN001, ANN201
     if plan.empty:
-        return empty_result(q)
+        return empty_result(q, vs)
     o, lse = _softmax_attention(*_reference_inputs(q, ks, vs), plan.dense_mask(q.device), scale)
     return _rows_first(o), _rows_first(lse)
 
 
 def reference_backward(dout, q, ks, vs, out, lse, plan: BlockPlan, scale: float):  # noqa: ANN001, ANN201
     if plan.empty:
-        return zero_grads(q, ks)
+        return zero_grads(q, ks, vs)
     acc = lse_dtype(q.dtype)
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in _reference_inputs(q, ks, vs)]

@@ -66,22 +66,27 @@ class Executor:
             )
 
 
-def empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out 0 [sq,b,n,h], lse -inf [sq,b,n]) in the accumulation dtype: what rows that see nothing get."""
+def empty_result(q: torch.Tensor, vs: Tensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out 0 [sq,b,n,hv], lse -inf [sq,b,n]) in the accumulation dtype: what rows that see nothing get (hv: the
+    values' width, the queries' h except under multi-latent attention, models/mla.py)."""
     from megatron_branch.attention.kernels import lse_dtype
 
     acc = lse_dtype(q.dtype)
-    sq, b, n, h = q.shape
-    return q.new_zeros(sq, b, n, h, dtype=acc), q.new_full((sq, b, n), float("-inf"), dtype=acc)
+    sq, b, n, _ = q.shape
+    hv = vs[0].shape[-1]
+    return q.new_zeros(sq, b, n, hv, dtype=acc), q.new_full((sq, b, n), float("-inf"), dtype=acc)
 
 
-def zero_grads(q: torch.Tensor, ks: Tensors) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    """dq [sq,b,n,h] and dk/dv per block [sk_j,b,g,h], zeros in the accumulation dtype."""
+def zero_grads(
+    q: torch.Tensor, ks: Tensors, vs: Tensors
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """dq [sq,b,n,h] and dk/dv per block [sk_j,b,g,h] / [sk_j,b,g,hv], zeros in the accumulation dtype."""
     from megatron_branch.attention.kernels import lse_dtype
 
     acc = lse_dtype(q.dtype)
     dks = [torch.zeros(k.shape, dtype=acc, device=k.device) for k in ks]
-    return torch.zeros(q.shape, dtype=acc, device=q.device), dks, [torch.zeros_like(d) for d in dks]
+    dvs = [torch.zeros(v.shape, dtype=acc, device=v.device) for v in vs]
+    return torch.zeros(q.shape, dtype=acc, device=q.device), dks, dvs
 
 
 class PlanAttention(torch.autograd.Function):
@@ -96,8 +101,8 @@ class PlanAttention(torch.autograd.Function):
             out, lse = executor.forward(q, ks, vs, plan, scale)
             if sink is not None:  # once, after every key block: the row's final denominator
                 out, lse = add_sink(out, lse, sink)
-        sq, b, n, h = q.shape
-        result = out.to(q.dtype).reshape(sq, b, n * h)  # [sq, b, n*h]
+        sq, b, n, hv = out.shape  # hv: the values' width (q's h except under multi-latent attention)
+        result = out.to(q.dtype).reshape(sq, b, n * hv)  # [sq, b, n*hv]
         # backward needs the inputs, the merged output and lse; nothing per rectangle
         ctx.save_for_backward(q, result, lse, *ks, *vs)
         ctx.plan, ctx.scale, ctx.executor, ctx.m, ctx.sink = plan, scale, executor, m, sink
@@ -108,8 +113,9 @@ class PlanAttention(torch.autograd.Function):
         q, result, lse, *kv = ctx.saved_tensors
         m = ctx.m
         ks, vs = kv[:m], kv[m:]
-        sq, b, n, h = q.shape
-        dout, out = grad.reshape(sq, b, n, h), result.view(sq, b, n, h)
+        sq, b, n, _ = q.shape
+        hv = vs[0].shape[-1]
+        dout, out = grad.reshape(sq, b, n, hv), result.view(sq, b, n, hv)
         dq, dks, dvs = ctx.executor.backward(dout, q, ks, vs, out, lse, ctx.plan, ctx.scale)
         needs = ctx.needs_input_grad
         d_sink = sink_grad(dout, out, lse, ctx.sink) if needs[5] else None

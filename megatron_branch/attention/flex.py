@@ -129,7 +129,7 @@ def _inputs(q: torch.Tensor, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tens
 
 def flex_forward(q, ks, vs, plan: BlockPlan, scale: float):  # noqa: ANN001, ANN201
     if plan.empty:
-        return empty_result(q)
+        return empty_result(q, vs)
     acc = lse_dtype(q.dtype)
     out, lse = _flex(*(t.detach() for t in _inputs(q, ks, vs)), plan, scale)  # flex checks requires_grad
     return out.permute(2, 0, 1, 3).to(acc), lse.permute(2, 0, 1).to(acc)
@@ -137,7 +137,7 @@ def flex_forward(q, ks, vs, plan: BlockPlan, scale: float):  # noqa: ANN001, ANN
 
 def flex_backward(dout, q, ks, vs, out, lse, plan: BlockPlan, scale: float):  # noqa: ANN001, ANN201
     if plan.empty:
-        return zero_grads(q, ks)
+        return zero_grads(q, ks, vs)
     acc = lse_dtype(q.dtype)
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in _inputs(q, ks, vs)]

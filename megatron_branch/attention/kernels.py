@@ -84,8 +84,8 @@ def math_attention_forward(
     # empty rows: exp(-inf - (-inf)) would be NaN, so subtract 0 there instead; exp(-inf) = 0 gives out = 0
     safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     p = torch.exp(s - safe_lse.unsqueeze(-1))  # [b, g, r, sq, sk]
-    out = torch.matmul(p, v.to(acc).unsqueeze(2))  # [b, g, r, sq, h]
-    return out.reshape(b, n, sq, h).to(q.dtype), lse.reshape(b, n, sq)
+    out = torch.matmul(p, v.to(acc).unsqueeze(2))  # [b, g, r, sq, hv] (hv: v's width, h's unless MLA)
+    return out.reshape(b, n, sq, v.shape[-1]).to(q.dtype), lse.reshape(b, n, sq)
 
 
 def math_attention_backward(
@@ -136,6 +136,12 @@ def fused_kernel_name(q: torch.Tensor) -> str:
     return "math"
 
 
+def _kernel(q: torch.Tensor, v: torch.Tensor) -> str:
+    """`fused_kernel_name`, or "math" where the values' head width differs from the queries' (multi-latent
+    attention: v_head_dim vs qk_nope + qk_rope, models/mla.py), which the flash kernels refuse."""
+    return fused_kernel_name(q) if q.shape[-1] == v.shape[-1] else "math"
+
+
 def fused_attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,7 +151,7 @@ def fused_attention_forward(
     """
     if causal:
         assert q.shape[-2] == k.shape[-2], "causal fused parts need sq == sk"
-    kind = fused_kernel_name(q)
+    kind = _kernel(q, v)
     if kind == "cpu-flash":
         # the CPU flash op supports fp64/fp32/bf16/fp16 in torch 2.13; lse comes back fp32 (fp64 for fp64)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -177,7 +183,7 @@ def fused_attention_backward(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused backward with the GIVEN out and lse (merged ones make the per-part backward exact)."""
-    kind = fused_kernel_name(q)
+    kind = _kernel(q, v)
     if kind == "cpu-flash":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.contiguous(),

@@ -83,7 +83,7 @@ def merge_forward(
     """Forward over the plan's key blocks; returns (out [sq,b,n,h], lse [sq,b,n]) in the accumulation dtype."""
     n = q.shape[2]
     g = ks[0].shape[2]
-    out, lse = empty_result(q)
+    out, lse = empty_result(q, vs)
     acc = out.dtype
     for grp in plan.full:
         qf = fold(_take_rows(q, grp.rows), g)  # [b, g, r*m, h]
@@ -137,7 +137,7 @@ def merge_backward(
     n = q.shape[2]
     g = ks[0].shape[2]
     out = out.to(q.dtype)  # the fused kernels take out in the input dtype (lse stays fp32/fp64)
-    dq, dks, dvs = zero_grads(q, ks)
+    dq, dks, dvs = zero_grads(q, ks, vs)
     for grp in plan.full:  # per key piece, folded, with the merged out/lse of the group's rows
         lse_f = fold(_take_rows(lse, grp.rows).unsqueeze(-1), g).squeeze(-1)  # [b, g, r*m]
         do_f, q_f, o_f = (fold(_take_rows(x, grp.rows), g) for x in (dout, q, out))  # [b, g, r*m, h]

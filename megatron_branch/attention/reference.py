@@ -52,5 +52,5 @@ def reference_attention(
     s = torch.einsum("qbgrh,kbgh->bgrqk", qg, k) * scale  # [b, g, r, sq, sk]
     s = s.masked_fill(~layout.dense_mask(q.device), float("-inf"))
     p = torch.softmax(s, dim=-1)  # every row has >= 1 visible key (the layout covers all queries)
-    out = torch.einsum("bgrqk,kbgh->qbgrh", p, v)  # [sq, b, g, r, h]
-    return out.reshape(sq, b, n * h)  # [sq, b, n*h]
+    out = torch.einsum("bgrqk,kbgh->qbgrh", p, v)  # [sq, b, g, r, hv]
+    return out.reshape(sq, b, -1)  # [sq, b, n*hv]

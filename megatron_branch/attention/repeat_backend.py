@@ -107,5 +107,5 @@ def repeat_prefix_attention(
         )  # [B*b, n, L, h]
         pieces_out.append((row, from_kernel(o, B)))
     pieces_out.sort(key=lambda p: p[0])
-    out = torch.cat([o for _, o in pieces_out])  # [sq, b, n, h]
-    return out.reshape(sq, b, n * h)
+    out = torch.cat([o for _, o in pieces_out])  # [sq, b, n, hv]
+    return out.reshape(sq, b, -1)

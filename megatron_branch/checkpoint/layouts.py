@@ -68,9 +68,11 @@ def hf_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
         ("up_proj.weight", (f, h)),
         ("down_proj.weight", (h, f)),
     )
-    moe = _moe_shape(name, arch) or _mamba_shape(name, arch)
+    moe = None if ".self_attn." in name else (_moe_shape(name, arch) or _mamba_shape(name, arch))
     if moe is not None:
         return moe
+    if arch.multi_latent and ".self_attn." in name:
+        return _mla_shape(name, arch)
     shape = next((s for suffix, s in table if name.endswith(suffix)), None)
     assert shape is not None, f"no shape rule for {name}"
     return shape
@@ -91,6 +93,24 @@ def _moe_shape(name: str, arch: ModelArch) -> tuple[int, ...] | None:
     if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
         return (arch.num_experts, h)
     return None
+
+
+def _mla_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
+    """Shapes of an MLA layer's HF tensors (DeepseekV3Attention; models/mla.py has the legend)."""
+    h, n, d, r = arch.hidden_size, arch.num_attention_heads, arch.head_dim, arch.qk_rope_head_dim
+    assert d is not None
+    cq, ckv, dv = arch.q_lora_rank or 0, arch.kv_lora_rank, arch.v_head_dim
+    table = {
+        "q_proj.weight": (n * (d + r), h),
+        "q_a_proj.weight": (cq, h),
+        "q_a_layernorm.weight": (cq,),
+        "q_b_proj.weight": (n * (d + r), cq),
+        "kv_a_proj_with_mqa.weight": (ckv + r, h),
+        "kv_a_layernorm.weight": (ckv,),
+        "kv_b_proj.weight": (n * (d + dv), ckv),
+        "o_proj.weight": (h, n * dv),
+    }
+    return table[name.rsplit(".self_attn.", 1)[1]]
 
 
 def _mamba_shape(name: str, arch: ModelArch) -> tuple[int, ...] | None:

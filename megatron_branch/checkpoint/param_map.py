@@ -37,6 +37,8 @@ def _applies(rule: Rule, arch: ModelArch, layer: int | None) -> bool:
         return False
     if rule.when == "expert_bias" and not arch.moe_expert_bias:
         return False
+    if rule.when in ("q_lora", "no_q_lora") and (rule.when == "q_lora") != (arch.q_lora_rank is not None):
+        return False
     if rule.when == "mamba_conv_bias" and not arch.mamba_conv_bias:
         return False
     if layer is not None and rule.mlp is not None and (rule.mlp == "moe") != arch.is_moe_layer(layer):
@@ -97,7 +99,11 @@ def sharded_keys(arch: ModelArch) -> list[str]:
 
 def detect_spec(names: Iterable[str]) -> str:
     """ "te" when the names are those of megatron's TransformerEngine layer spec (fused norm weights), else "local"."""
-    fused = ("linear_qkv.layer_norm_weight", "in_proj.layer_norm_weight")
+    fused = (
+        "linear_qkv.layer_norm_weight",
+        "in_proj.layer_norm_weight",
+        "linear_kv_up_proj.layer_norm_weight",
+    )
     return "te" if any(n.endswith(fused) for n in names) else "local"
 
 

@@ -86,7 +86,7 @@ class PrefixKV:
         for layer, ks in self.prompt_k.items():
             _, g, _, h = ks[0].shape
             self.buffer_k[layer] = ks[0].new_zeros(g, rows, h)
-            self.buffer_v[layer] = ks[0].new_zeros(g, rows, h)
+            self.buffer_v[layer] = ks[0].new_zeros(g, rows, self.prompt_v[layer][0].shape[-1])  # MLA: v's
 
     def num_prompt_rows(self, p: int) -> int:
         first = next(iter(self.prompt_k.values()))
@@ -210,13 +210,13 @@ class DecodeContext:
             self._plan = prompt_plan(st, [k.shape[0] for k in ks])
         executor = plan_executor(self.backend)
         o, lse = executor.forward(q[:a], ks, vs, self._plan, scale)  # [A,1,n,h], [A,1,n] acc
-        out_a = o.reshape(a, g, r, h).permute(1, 0, 2, 3).to(acc)  # [g,A,r,h]
+        out_a = o.reshape(a, g, r, -1).permute(1, 0, 2, 3).to(acc)  # [g,A,r,hv] (hv: v's width)
         lse_a = lse.reshape(a, g, r).permute(1, 0, 2).to(acc)  # [g,A,r]
 
         out, _ = lse_merge(out_a, lse_a, out_b, lse_b)  # [g,A,r,h]
-        out = out.permute(1, 0, 2, 3).reshape(a, 1, n * h).to(q.dtype)  # [A,1,n*h]
+        out = out.permute(1, 0, 2, 3).reshape(a, 1, -1).to(q.dtype)  # [A,1,n*hv]
         if st.padded_rows:
-            out = torch.cat([out, out.new_zeros(st.padded_rows, 1, n * h)])
+            out = torch.cat([out, out.new_zeros(st.padded_rows, 1, out.shape[-1])])
         return out
 
 

@@ -16,6 +16,7 @@ import torch
 
 from megatron_branch.errors import UserError
 from megatron_branch.models.families import arch_fields_from_hf, families, get_family, hf_config_of
+from megatron_branch.models.mla import check_mla
 from megatron_branch.models.router_settings import check_router
 from megatron_branch.models.transformer_config import transformer_config_of
 from megatron_branch.rules import check_hybrid_run
@@ -116,6 +117,16 @@ class ModelArch:
     moe_routed_scaling_factor: float = 1.0
     """The routed experts' weights are multiplied by this (HF routed_scaling_factor; megatron's
     moe_router_topk_scaling_factor)."""
+    kv_lora_rank: int = 0
+    """Multi-latent attention (DeepSeek-V3's MLA, models/families/deepseek_v3.py): the width of the compressed
+    key/value latent c_kv (HF kv_lora_rank; megatron's MLATransformerConfig); 0 = grouped-query attention. Under
+    MLA `head_dim` is the per-head width of the non-rotating q/k part (HF qk_nope_head_dim)."""
+    q_lora_rank: int | None = None
+    """MLA: the width of the compressed query (HF q_lora_rank); None = queries projected from the hidden state."""
+    qk_rope_head_dim: int = 0
+    """MLA: the per-head width of the decoupled RoPE part of q/k (the key's shared by every head)."""
+    v_head_dim: int = 0
+    """MLA: the per-head width of the values."""
     hybrid_override_pattern: str | None = None
     """A Mamba hybrid's layers, one character each (megatron's and Nemotron-H's hybrid_override_pattern): "M" a
     Mamba-2 mixer, "*" self-attention, "-" an MLP; each layer is its norm and that ONE block (models/mamba.py).
@@ -160,7 +171,7 @@ class ModelArch:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if not 0 < self.rotary_percent <= 1:
             raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.rotary_percent}")
-        if self.rotary_dim % 2:
+        if self.rotary_dim % 2 and not self.multi_latent:  # MLA's: check_mla
             raise ValueError(
                 f"head_dim {self.head_dim} x partial_rotary_factor {self.rotary_percent} = {self.rotary_dim} "
                 "rotated dims: RoPE needs an even number"
@@ -169,6 +180,8 @@ class ModelArch:
             self.mrope_section = tuple(int(x) for x in self.mrope_section)
         self._check_layer_types()
         self._check_moe()
+        if self.multi_latent:
+            check_mla(self)  # models/mla.py
         if self.hybrid_override_pattern is not None or "mamba" in get_family(self.family).layer_kinds:
             from megatron_branch.models.mamba_arch import check_mamba_arch
 
@@ -291,9 +304,15 @@ class ModelArch:
 
     @property
     def rotary_dim(self) -> int:
-        """Dims of each head RoPE rotates (HF: int(head_dim * partial_rotary_factor), as megatron computes it)."""
+        """Dims of each head RoPE rotates (HF: int(head_dim * partial_rotary_factor), as megatron computes it;
+        MLA: the decoupled qk_rope_head_dim)."""
         assert self.head_dim is not None
-        return int(self.head_dim * self.rotary_percent)
+        return self.qk_rope_head_dim if self.multi_latent else int(self.head_dim * self.rotary_percent)
+
+    @property
+    def multi_latent(self) -> bool:
+        """Multi-latent attention (megatron's MLASelfAttention, models/mla.py) in every attention layer."""
+        return self.kv_lora_rank > 0
 
     # --- the GDN widths megatron's GatedDeltaNet uses (ssm/gated_delta_net.py) -------------------------------------
     @property

@@ -31,21 +31,30 @@ from megatron_branch.models.layer_checkpoint import BranchTransformerLayer
 from megatron_branch.models.rotary import enable_position_rope
 
 
-def branch_layer_spec(*, use_apex_or_te_norm: bool = False, qk_norm: bool = False) -> ModuleSpec:
+def branch_layer_spec(
+    *, use_apex_or_te_norm: bool = False, qk_norm: bool = False, multi_latent: bool = False
+) -> ModuleSpec:
     """megatron-core's local GPT layer spec with our core attention plugged into the attention slot (`qk_norm`:
-    with norms in the q/k slots, megatron's qk_layernorm).
+    with norms in the q/k slots, megatron's qk_layernorm; `multi_latent`: megatron's MLASelfAttention, models/mla.py).
 
     This is also how a user patches an existing Megatron run: take their spec and set
     `spec.submodules.self_attention.submodules.core_attention = BranchCoreAttention` (see patches/), and, for
     per-layer activation checkpointing inside chunks (ScheduleOptions.recompute_layers), `spec.module =
     BranchTransformerLayer` (models/layer_checkpoint.py).
     """
-    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm))
+    if multi_latent:
+        from megatron_branch.models.mla import mla_layer_spec
+
+        assert not use_apex_or_te_norm, "the MLA spec here has TorchNorm in every norm slot"
+
+        spec = mla_layer_spec(TorchNorm)
+    else:
+        spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm))
     assert spec.module is TransformerLayer, spec.module
     # megatron's layer, checkpointed while an attached context asks (ScheduleOptions.recompute_layers)
     spec.module = BranchTransformerLayer
     spec.submodules.self_attention.submodules.core_attention = BranchCoreAttention
-    if not use_apex_or_te_norm:
+    if not use_apex_or_te_norm and not multi_latent:
         spec.submodules.input_layernorm = TorchNorm
         spec.submodules.pre_mlp_layernorm = TorchNorm
         if qk_norm:
@@ -57,7 +66,7 @@ def branch_layer_spec(*, use_apex_or_te_norm: bool = False, qk_norm: bool = Fals
 def layer_specs(arch: ModelArch) -> list[ModuleSpec]:
     """One spec per layer: its token mixer (full attention, or megatron's GatedDeltaNet in a hybrid's linear
     layers), then its MLP slot (the dense SwiGLU, or megatron's MoELayer in a MoE layer: models/moe.py)."""
-    attention = branch_layer_spec(qk_norm=arch.qk_norm)
+    attention = branch_layer_spec(qk_norm=arch.qk_norm, multi_latent=arch.multi_latent)
     if arch.hybrid_override_pattern is not None:  # a Mamba hybrid: one block per layer (models/mamba.py)
         from megatron_branch.models.mamba import hybrid_layer_specs
         from megatron_branch.models.mamba_arch import layer_kind
@@ -153,6 +162,10 @@ def build_model(
         config_overrides = {"pipeline_model_parallel_size": pp, "pipeline_dtype": dtype, **config_overrides}
     if arch.is_hybrid:
         apply_gdn_shims()
+    if arch.multi_latent:
+        from megatron_branch.compat.mla import apply_mla_shims
+
+        apply_mla_shims()
     if "M" in (arch.hybrid_override_pattern or ""):
         from megatron_branch.compat.mamba import apply_mamba_shims
 

@@ -24,6 +24,9 @@ rebuilt graph, which accumulates into every leaf it reaches); only the captured 
 Traps handled here (tests/unit/test_layer_checkpoint.py plants each one):
   * the recomputation runs in backward, after `attach_context` has exited: it re-attaches the chunk's context
     (layout, cached K/V, CP metadata) to THIS layer's core attention for its duration, then restores what was there;
+  * multi-latent attention applies RoPE inside the layer, from its own `PositionRotaryEmbedding` whose position ids
+    the model's forward hook sets and clears: the recomputation restores the first forward's ids (models/mla.py;
+    without it a replayed branch would recompute with positions 0.., measured 30% off HF);
   * it captures nothing (`BranchContext.for_recompute`): the schedule's K/V are the first forward's, in the graph
     the gradients are injected into;
   * under CP the recomputation runs the ring again (collectives inside backward); every rank recomputes the same
@@ -49,6 +52,7 @@ from megatron_branch.attention.context import BranchContext, TakesBranchContext
 from megatron_branch.attention.core_attention import BranchCoreAttention
 from megatron_branch.memory import count_recomputed, track_extra
 from megatron_branch.models.moe import attached_to_layer, layer_router_context
+from megatron_branch.models.rotary import PositionRotaryEmbedding, rope_positions
 
 
 class BranchTransformerLayer(TransformerLayer):
@@ -86,6 +90,9 @@ class _Checkpointed:
         self.router_ctx = layer_router_context(
             layer
         )  # a MoE layer's rows (models/moe.py), re-attached likewise
+        rope = getattr(layer.self_attention, "rotary_pos_emb", None)  # MLA's own (models/rotary.py)
+        self.rope = rope if isinstance(rope, PositionRotaryEmbedding) else None
+        self.positions = None if self.rope is None else self.rope.position_ids
         self.calls = 0
 
     def __call__(self, hidden: torch.Tensor) -> Any:
@@ -102,6 +109,7 @@ class _Checkpointed:
         with (
             attached(core, self.ctx.for_recompute()),
             attached_to_layer(self.layer, router_ctx),
+            rope_positions(self.rope, self.positions),
             count_recomputed(),
         ):
             return TransformerLayer.forward(self.layer, hidden, *self.args, **self.kwargs)

@@ -10,6 +10,8 @@ Frequencies are computed in float32 exactly as megatron (and Hugging Face) compu
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -48,26 +50,48 @@ class PositionRotaryEmbedding(torch.nn.Module):
         return self.inner.get_rotary_seq_len(*args, **kwargs)
 
 
+@contextmanager
+def rope_positions(rope: PositionRotaryEmbedding | None, positions: torch.Tensor | None) -> Iterator[None]:
+    """`positions` set on `rope` for a recomputation in backward (after the model's hook cleared them), then what
+    was there; nothing with no `rope` (a layer whose RoPE table is the model's, passed in as a tensor)."""
+    if rope is None:
+        yield
+        return
+    held, rope.position_ids = rope.position_ids, positions
+    try:
+        yield
+    finally:
+        rope.position_ids = held
+
+
 def enable_position_rope(model: torch.nn.Module) -> torch.nn.Module:
     """Make an existing megatron GPTModel's RoPE follow the `position_ids` of each forward (idempotent).
 
     This is the whole model-side patch for an existing Megatron run (besides the core_attention slot): the model's
-    `rotary_pos_emb` is wrapped, and forward hooks hand it `position_ids[0]` (GPTModel.forward's second argument)
-    for the duration of the call. Batch rows must share position ids ([b, s] with identical rows; b is 1 here).
+    `rotary_pos_emb` is wrapped (multi-latent attention: every MLA layer's own, megatron's GPTModel builds none),
+    and forward hooks hand them `position_ids[0]` (GPTModel.forward's second argument) for the duration of the
+    call. Batch rows must share position ids ([b, s] with identical rows; b is 1 here).
     """
     if getattr(model, "position_embedding_type", None) != "rope":
         raise ValueError("enable_position_rope needs a GPTModel with position_embedding_type='rope'")
-    if isinstance(model.rotary_pos_emb, PositionRotaryEmbedding):
+    owners = [model] if hasattr(model, "rotary_pos_emb") else []
+    if getattr(model.config, "multi_latent_attention", False):
+        owners = [m for m in model.modules() if m is not model and hasattr(m, "rotary_pos_emb")]
+    if not owners or all(isinstance(m.rotary_pos_emb, PositionRotaryEmbedding) for m in owners):
         return model
-    rope = PositionRotaryEmbedding(model.rotary_pos_emb)
-    model.rotary_pos_emb = rope
+    ropes = []
+    for owner in owners:
+        owner.rotary_pos_emb = PositionRotaryEmbedding(owner.rotary_pos_emb)
+        ropes.append(owner.rotary_pos_emb)
 
     def before(_: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         pos = kwargs["position_ids"] if "position_ids" in kwargs else args[1]
-        rope.position_ids = None if pos is None else pos[0]
+        for rope in ropes:
+            rope.position_ids = None if pos is None else pos[0]
 
     def after(*_: Any) -> None:
-        rope.position_ids = None
+        for rope in ropes:
+            rope.position_ids = None
 
     model.register_forward_pre_hook(before, with_kwargs=True)
     model.register_forward_hook(after, always_call=True)

@@ -82,5 +82,9 @@ def transformer_config_of(
         from megatron_branch.models.moe import moe_config_kwargs
 
         kwargs.update(moe_config_kwargs(arch))
+    if arch.multi_latent:
+        from megatron_branch.models.mla import mla_config
+
+        return mla_config(arch, {**kwargs, **overrides})
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

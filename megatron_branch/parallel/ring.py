@@ -118,15 +118,23 @@ class _RingComm:
 
 def _message(ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor]) -> torch.Tensor:
     """Blocks [sk_j, b, g, h] as ONE contiguous message [2, sk, b, g, h] (the one copy point-to-point needs): the
-    local K/V, or a step's dK/dV."""
+    local K/V, or a step's dK/dV. Multi-latent attention's values are narrower or wider than its keys (models/mla.py):
+    the message is as wide as the wider, the other zero-padded (`_unpack` takes the views back)."""
     sk = sum(k.shape[0] for k in ks)
-    msg = ks[0].new_empty(2, sk, *ks[0].shape[1:])
+    hk, hv = ks[0].shape[-1], vs[0].shape[-1]
+    shape = (2, sk, *ks[0].shape[1:-1], max(hk, hv))
+    msg = ks[0].new_empty(shape) if hk == hv else ks[0].new_zeros(shape)
     start = 0
     for k, v in zip(ks, vs):
-        msg[0, start : start + k.shape[0]] = k
-        msg[1, start : start + k.shape[0]] = v
+        msg[0, start : start + k.shape[0], ..., :hk] = k
+        msg[1, start : start + k.shape[0], ..., :hv] = v
         start += k.shape[0]
     return msg
+
+
+def _unpack(msg: torch.Tensor, hk: int, hv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A message [2, sk, b, g, h] -> (k [sk, b, g, hk], v [sk, b, g, hv]) as views."""
+    return msg[0, ..., :hk], msg[1, ..., :hv]
 
 
 @dataclass
@@ -178,7 +186,7 @@ def ring_forward(q, ks, vs, q_meta, k_meta, related, scale, group, executor, sta
         if steps is not None
         else _Query(q_meta, runs := runs_from_meta(q_meta), ancestors_from_related(related, runs.segment))
     )
-    out, lse = empty_result(q)  # rows that never see a key end as out 0, lse -inf (padding)
+    out, lse = empty_result(q, vs)  # rows that never see a key end as out 0, lse -inf (padding)
     msg, meta = (_message(ks, vs) if comm.world > 1 else None), k_meta.contiguous()
     blocks: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] = (ks, vs)
     for step in range(comm.world):
@@ -205,7 +213,8 @@ def ring_forward(q, ks, vs, q_meta, k_meta, related, scale, group, executor, sta
             comm.wait()
             msg = nxt[0]
             meta = meta if known else nxt[1]
-            blocks = ([msg[0]], [msg[1]])
+            k_in, v_in = _unpack(msg, ks[0].shape[-1], vs[0].shape[-1])
+            blocks = ([k_in], [v_in])
             stats.kv_block_shapes.add(tuple(msg.shape))
     if steps is None:
         plans.by_window[window.size] = steps = new_steps
@@ -255,11 +264,12 @@ def ring_backward(dout, q, ks, vs, out, lse, steps, scale, group, executor, stat
         if not last:
             comm_kv.wait()
             msg = nxt[0]
-            blocks = ([msg[0]], [msg[1]])
+            k_in, v_in = _unpack(msg, ks[0].shape[-1], vs[0].shape[-1])
+            blocks = ([k_in], [v_in])
             stats.kv_block_shapes.add(tuple(msg.shape))
     comm_d.wait()  # after W hops the accumulator of OUR blocks is back home
-    home = dkv_recv[0]  # [2, sk, b, g, h]
-    return dq, list(torch.split(home[0], sizes)), list(torch.split(home[1], sizes))
+    dk_home, dv_home = _unpack(dkv_recv[0], ks[0].shape[-1], vs[0].shape[-1])  # [sk, b, g, h] / hv
+    return dq, list(torch.split(dk_home, sizes)), list(torch.split(dv_home, sizes))
 
 
 class _RingTreeAttention(torch.autograd.Function):
@@ -277,8 +287,8 @@ class _RingTreeAttention(torch.autograd.Function):
             )
             if sink is not None:  # once per row, after every ring step (attention/merge.py)
                 out, lse = add_sink(out, lse, sink)
-        sq, b, n, h = q.shape
-        result = out.to(q.dtype).reshape(sq, b, n * h)  # [sq, b, n*h]
+        sq, b, n, hv = out.shape  # hv: the values' width (q's h except under multi-latent attention)
+        result = out.to(q.dtype).reshape(sq, b, n * hv)  # [sq, b, n*hv]
         ctx.save_for_backward(q, result, lse, *ks, *vs)  # the local blocks in place: no concatenated copy
         ctx.scale, ctx.group, ctx.executor, ctx.stats, ctx.steps, ctx.m, ctx.sink = (
             scale,
@@ -296,18 +306,19 @@ class _RingTreeAttention(torch.autograd.Function):
         q, result, lse, *kv = ctx.saved_tensors
         m = ctx.m
         ks, vs = kv[:m], kv[m:]
-        sq, b, n, h = q.shape
+        sq, b, n, _ = q.shape
+        hv = vs[0].shape[-1]
         d_sink = None
         if ctx.needs_input_grad[
             11
         ]:  # this rank's rows' share; the sink's gradient is summed over CP like any
-            d_sink = sink_grad(grad.reshape(sq, b, n, h), result.view(sq, b, n, h), lse, ctx.sink)
+            d_sink = sink_grad(grad.reshape(sq, b, n, hv), result.view(sq, b, n, hv), lse, ctx.sink)
         dq, dks, dvs = ring_backward(
-            grad.reshape(sq, b, n, h),
+            grad.reshape(sq, b, n, hv),
             q,
             ks,
             vs,
-            result.view(sq, b, n, h),
+            result.view(sq, b, n, hv),
             lse,
             ctx.steps,
             ctx.scale,
@@ -352,7 +363,10 @@ def ring_tree_attention(
     ks = [k] if isinstance(k, torch.Tensor) else list(k)
     vs = [v] if isinstance(v, torch.Tensor) else list(v)
     sk = sum(x.shape[0] for x in ks)
-    assert q.dim() == 4 and all(x.shape == y.shape for x, y in zip(ks, vs)), (q.shape, [x.shape for x in ks])
+    assert q.dim() == 4 and all(x.shape[:-1] == y.shape[:-1] for x, y in zip(ks, vs)), (  # MLA: widths differ
+        q.shape,
+        [x.shape for x in ks],
+    )
     assert q_meta.shape == (2, q.shape[0]) and k_meta.shape == (2, sk), (q_meta.shape, k_meta.shape)
     assert q.shape[2] % ks[0].shape[2] == 0, "query heads must be a multiple of kv heads"
     ex = named_executor(None) if executor is None else executor

@@ -43,11 +43,11 @@ class ArchConfig(ModelArch):
 
     family: str = "llama"
     """"llama" or another registered family (models/families/: qwen2, qwen3, the hybrid qwen3_5, the mixtures of
-    experts qwen3_moe, mixtral, qwen2_moe, glm4_moe, the MoE hybrids qwen3_5_moe, qwen3_next, the Mamba-2 hybrid
-    nemotron_h); the family's spec gives the defaults of qkv_bias, qk_norm, zero_centered_norm,
-    attention_output_gate, moe_score_function and moe_expert_bias. A hybrid needs layer_types and the linear_*
-    widths, a Mamba hybrid hybrid_override_pattern and the mamba_* widths, a MoE num_experts, moe_top_k and
-    moe_ffn_hidden_size."""
+    experts qwen3_moe, mixtral, qwen2_moe, glm4_moe, deepseek_v3 (multi-latent attention), the MoE hybrids
+    qwen3_5_moe, qwen3_next, the Mamba-2 hybrid nemotron_h); the family's spec gives the defaults of qkv_bias,
+    qk_norm, zero_centered_norm, attention_output_gate, moe_score_function and moe_expert_bias. A hybrid needs
+    layer_types and the linear_* widths, a Mamba hybrid hybrid_override_pattern and the mamba_* widths, a MoE
+    num_experts, moe_top_k and moe_ffn_hidden_size."""
     vocab_size: int | None = None  # type: ignore[assignment]
     """None = the tokenizer's vocabulary size."""
     hidden_size: int = 64
@@ -96,8 +96,8 @@ class ModelConfig:
 
     hf_path: str | None = None
     """Hugging Face folder (config.json + safetensors: Llama, Qwen2, Qwen3, Qwen3.5/3.6 hybrids, the mixtures of
-    experts Qwen3-MoE, Mixtral, Qwen2-MoE, GLM-4.5 / 4.6 MoE, Qwen3.5-MoE, Qwen3-Next, the Nemotron-H Mamba-2
-    hybrids) to start from; loaded through the converter."""
+    experts Qwen3-MoE, Mixtral, Qwen2-MoE, GLM-4.5 / 4.6 MoE, DeepSeek-V3, Qwen3.5-MoE, Qwen3-Next, the Nemotron-H
+    Mamba-2 hybrids) to start from; loaded through the converter."""
     arch: ArchConfig | None = None
     """A config-defined architecture with random weights (used when hf_path is not given)."""
     dtype: DtypeName = "float32"

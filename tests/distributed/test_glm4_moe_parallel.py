@@ -36,7 +36,12 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def glm_setup() -> tuple[Path, dict[str, torch.Tensor]]:
-    """(folder with hf/ and r.jsonl, the float64 HF oracle's gradient) on every rank."""
+    return sigmoid_router_setup("glm4_moe")
+
+
+def sigmoid_router_setup(family: str) -> tuple[Path, dict[str, torch.Tensor]]:
+    """(folder with hf/ and r.jsonl, the float64 HF oracle's gradient) on every rank, for a tiny model of a family
+    with the DeepSeek-style router (glm4_moe, deepseek_v3: tests/distributed/test_deepseek_v3_parallel.py)."""
     from transformers import AutoModelForCausalLM
 
     from megatron_branch.testing import (
@@ -50,7 +55,7 @@ def glm_setup() -> tuple[Path, dict[str, torch.Tensor]]:
 
     d = shared_tmp("glm4_moe_parallel_")
     rollouts = _rollouts()
-    cfg = tiny_hf_config("glm4_moe")
+    cfg = tiny_hf_config(family)
     if dist.get_rank() == 0:
         hf = tiny_hf_model(cfg, seed=4)
         gen = torch.Generator().manual_seed(5)
@@ -119,10 +124,17 @@ def test_glm_conversion_round_trips_bit_exact_at_tp_and_ep(glm_setup) -> None:
     from megatron_branch.checkpoint.hf_io import HFTensorReader
 
     d, _ = glm_setup
+    assert any(k.endswith("e_score_correction_bias") for k in HFTensorReader(d / "hf").keys())
+    check_round_trips_at_tp_and_ep(d, "glm")
+
+
+def check_round_trips_at_tp_and_ep(d: Path, tag: str) -> None:
+    """HF (d/hf) -> dist checkpoint at TP2 and at EP2 -> HF: every tensor bit-exact."""
+    from megatron_branch.checkpoint.hf_io import HFTensorReader
+
     src = HFTensorReader(d / "hf")
-    assert any(k.endswith("e_score_correction_bias") for k in src.keys())
     for name, layout in {"tp2": ["--tp", "2"], "ep2": ["--ep", "2"]}.items():
-        mc, back = d / f"glm_mc_{name}", d / f"glm_hf_{name}"
+        mc, back = d / f"{tag}_mc_{name}", d / f"{tag}_hf_{name}"
         assert main(["convert", "hf-to-mcore", "--hf", str(d / "hf"), "--out", str(mc), *layout]) == 0
         assert main(["convert", "mcore-to-hf", "--mcore", str(mc), "--out", str(back)]) == 0
         dist.barrier()

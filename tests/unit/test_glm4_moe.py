@@ -65,7 +65,15 @@ def _single_process() -> None:
 def glm_hf(*, seed: int = 2, dtype: torch.dtype = torch.float64, moe: dict | None = None, exact: bool = True):  # noqa: ANN201
     """A tiny GLM MoE (12 experts in 3 groups, top-4 within 2 groups, a shared expert, layer 0 dense) whose
     correction biases are random (float32 values, as HF keeps them), large enough to change the choice."""
-    hf = tiny_hf_model(tiny_hf_config("glm4_moe", ffn=48, moe=moe), seed=seed, dtype=dtype)
+    return with_random_biases(
+        tiny_hf_config("glm4_moe", ffn=48, moe=moe), seed=seed, dtype=dtype, exact=exact
+    )
+
+
+def with_random_biases(config, *, seed: int, dtype: torch.dtype, exact: bool):  # noqa: ANN001, ANN201
+    """A tiny HF model of a DeepSeek-style-router `config` (glm4_moe, deepseek_v3) whose correction biases are
+    random, large enough to change the choice; `exact`: HF's norms and routers in the model's dtype."""
+    hf = tiny_hf_model(config, seed=seed, dtype=dtype)
     gen = torch.Generator().manual_seed(seed + 100)
     with torch.no_grad():
         for m in hf.modules():

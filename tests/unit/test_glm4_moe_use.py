@@ -43,6 +43,11 @@ def _prompts() -> list[list[int]]:
 def test_sampler_greedy_equals_hf_generate() -> None:
     hf = glm_hf(seed=3, dtype=torch.float32, exact=False)  # HF's own router, as generate runs it
     _, model = megatron_of(hf, torch.float32)
+    check_greedy_equals_generate(hf, model)
+
+
+def check_greedy_equals_generate(hf, model) -> None:  # noqa: ANN001
+    """The sampler's greedy tokens (n=2 per prompt, 6 new) equal HF `generate`'s for both of `_prompts()`."""
     out = BranchSampler(model.eval(), vocab_size=37).generate(
         _prompts(), SamplingParams(n=2, max_new_tokens=6, temperature=0)
     )
@@ -111,6 +116,14 @@ GLM_ARCH = (  # a config-defined tiny GLM MoE: the family's router (sigmoid, cor
 def test_train_runs_a_glm_policy_and_resumes_exactly(tmp_path: Path) -> None:
     """Routing replay and router losses on (float64): a resumed run equals the uninterrupted one; replay computes
     fewer positions than naive would."""
+    _, _, mfull = train_and_resume(tmp_path, GLM_ARCH)
+    assert all(r is not None for m in mfull for r in m["_records"])
+
+
+def train_and_resume(tmp_path: Path, model_arch: str) -> tuple[dict, dict, list]:
+    """Train the config-defined DeepSeek-style MoE `model_arch` 2 steps (routing replay R3, router losses) and
+    1 + 1 resumed: the same tokens, losses and parameters (1e-9), fewer positions computed than logical, the
+    correction biases held fixed. Returns (the 2-step run's parameters, the 1-step run's, the 2-step metrics)."""
     from test_train_moe import LOSSES, _cfg, _max_rel, _run
 
     from megatron_branch.train.models import unwrap
@@ -123,10 +136,9 @@ def test_train_runs_a_glm_policy_and_resumes_exactly(tmp_path: Path) -> None:
         }
 
     extra = ("moe.router_replay=R3", *LOSSES)
-    full, mfull = _run(_cfg(tmp_path / "full", "trainer.total_training_steps=2", *extra, model=GLM_ARCH))
+    full, mfull = _run(_cfg(tmp_path / "full", "trainer.total_training_steps=2", *extra, model=model_arch))
     assert mfull[-1]["positions_computed"] < mfull[-1]["positions_logical"]
-    assert all(r is not None for m in mfull for r in m["_records"])
-    first, m1 = _run(_cfg(tmp_path / "part", "trainer.total_training_steps=1", *extra, model=GLM_ARCH))
+    first, m1 = _run(_cfg(tmp_path / "part", "trainer.total_training_steps=1", *extra, model=model_arch))
     first.save()
     again, m2 = _run(
         _cfg(
@@ -134,15 +146,17 @@ def test_train_runs_a_glm_policy_and_resumes_exactly(tmp_path: Path) -> None:
             "trainer.total_training_steps=2",
             "trainer.resume_mode=auto",
             *extra,
-            model=GLM_ARCH,
+            model=model_arch,
         )
     )
     assert again.step == 2 and len(m2) == 1
     for x, y in zip(mfull, m1 + m2, strict=True):
         assert x["_tokens"] == y["_tokens"] and abs(x["loss"] - y["loss"]) <= 1e-9
     assert _max_rel(_params(full), _params(again)) < 1e-9
-    biases = [k for k in _params(full) if k.endswith("router.expert_bias")]
-    assert biases and all(torch.equal(_params(full)[k], _params(first)[k]) for k in biases)  # held fixed
+    p_full, p_first = _params(full), _params(first)
+    biases = [k for k in p_full if k.endswith("router.expert_bias")]
+    assert biases and all(torch.equal(p_full[k], p_first[k]) for k in biases)  # held fixed
+    return p_full, p_first, mfull
 
 
 def test_config_defined_arch_gets_the_familys_router(tmp_path: Path) -> None:

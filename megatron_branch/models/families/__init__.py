@@ -2,6 +2,7 @@
 the package is derived from the registry. Adding a family: docs/design.md ("Adding a model family")."""
 
 from megatron_branch.models.families import (  # noqa: F401  (importing a family's module registers it)
+    deepseek_v3,
     glm4_moe,
     llama,
     mixtral,

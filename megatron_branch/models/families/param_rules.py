@@ -69,13 +69,7 @@ SPECS = ("local", "te")
 """megatron layer specs the map names tensors for: megatron-core's local spec and its TransformerEngine spec."""
 WHEN = (
     None,
-    "qkv_bias",
-    "untied",
-    "qk_norm",
-    "shared_expert",
-    "shared_expert_gate",
-    "expert_bias",
-    "mamba_conv_bias",
+    *"qkv_bias untied qk_norm shared_expert shared_expert_gate expert_bias mamba_conv_bias q_lora no_q_lora".split(),
 )
 PATTERN_LAYERS = ("M", "*", "-")
 """`Rule.layers` of a hybrid_override_pattern model (Nemotron-H): the rule applies to the layers of that character
@@ -91,7 +85,8 @@ class Rule:
     transform: str
     """One of TRANSFORM_NAMES (checkpoint/layouts.py TRANSFORMS)."""
     when: str | None = None
-    """None (always), "qkv_bias" (arch.qkv_bias), "untied" (not arch.tie_word_embeddings), "qk_norm"."""
+    """None (always), "qkv_bias" (arch.qkv_bias), "untied" (not arch.tie_word_embeddings), "qk_norm", ...,
+    "q_lora" / "no_q_lora" (MLA's query bottleneck: arch.q_lora_rank set or None); one of WHEN."""
     te: str | None = None
     """The megatron name under the TransformerEngine layer spec, when it differs from `mcore`."""
     layers: str | None = None
@@ -394,12 +389,11 @@ MIXTRAL_RULES: tuple[Rule, ...] = (
 )
 # GLM-4.5 / 4.6 MoE: Qwen2's attention names (q/k/v bias, Qwen3's q/k norms when use_qk_norm), dense layers first
 # (first_k_dense_replace), then the DeepSeek-style MoE block.
-GLM4_MOE_RULES: tuple[Rule, ...] = (
-    EMBEDDING,
-    *_attention("qkv_interleave", None),
+DEEPSEEK_MOE: tuple[Rule, ...] = (
     *_mlp("dense"),
     *_moe("mlp.", "gate_proj", "up_proj", "down_proj"),
     EXPERT_BIAS,
     *SHARED_EXPERTS,
-    *HEAD,
 )
+"""The DeepSeek MoE block's MLP slots (GLM-4.5's and DeepSeek-V3's: models/families/deepseek_v3.py)."""
+GLM4_MOE_RULES: tuple[Rule, ...] = (EMBEDDING, *_attention("qkv_interleave", None), *DEEPSEEK_MOE, *HEAD)
