@@ -6,10 +6,14 @@
         [--node-link-gbps B] [--tp N --cp N --pp N --dp N --recompute none|selective|full] [--ep N]
         [--optimizer plain|distributed] [--offload-fraction F] [--branch-micro-batch B] [--root-pieces K|auto]
         [--schedule replay|packed|naive] [--json]
+        [--turns T [--observation-length O] [--branch-at-turns 2,4]]
 
 A mixture-of-experts model (qwen3-30b-a3b, or a Qwen3-MoE / Mixtral / Qwen2-MoE config.json) adds expert
 parallelism (--ep, searched when not given), its expert parameters per EP rank, the dispatcher's buffers and the
 top-k experts' FLOPs.
+An agentic tree (--turns: --response-length tokens per policy turn, the bench's description, plan/agentic.py)
+adds its exact positions and FLOPs naive vs tree (`turn_tree` in the JSON); layout and memory stay the flat
+shape's (prompt + G leaves of the whole response).
 With --json the last stdout line is one JSON object: fits, layout {tp, cp, dp, pp, recompute} (+ ep for MoE),
 memory_bytes_per_rank (one key per term and total), flops {naive, replay, ratio, ...}, step_time_s, optimizer
 {name, use_distributed_optimizer, optimizer_cpu_offload, optimizer_offload_fraction}, host_memory_bytes_per_node,
