@@ -34,6 +34,21 @@ def write_tiny_policy(out: Path, *, family: str = "qwen2") -> str:
     return str(out)
 
 
+def shared_policy_dir() -> str:
+    """Under torchrun: rank 0 writes the tiny policy (transformers' save_pretrained writes on the main process
+    only) into a fresh folder, every rank gets its path."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    box = [tempfile.mkdtemp(prefix="verl-policy-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    if dist.get_rank() == 0:
+        write_tiny_policy(Path(box[0]) / "hf")
+    dist.barrier()
+    return str(Path(box[0]) / "hf")
+
+
 def grpo_batch(
     *,
     seed: int = 0,
@@ -159,6 +174,7 @@ def make_worker(
     hf_dir: str,
     *,
     tp: int = 1,
+    cp: int = 1,
     ep: int = 1,
     dynamic_bsz: bool = False,
     forward_only: bool = False,
@@ -166,8 +182,9 @@ def make_worker(
     router_replay: str = "disabled",
 ) -> Any:
     """verl's TrainingWorker for a Megatron language model (float32 on CPU), built through verl's EngineRegistry.
-    `ep`: verl's expert_model_parallel_size; `override_transformer_config`: verl's (e.g. the MoE load balancing);
-    `router_replay`: verl's router_replay.mode (disabled, R2, R3)."""
+    `cp`: verl's context_parallel_size; `ep`: verl's expert_model_parallel_size; `override_transformer_config`:
+    verl's (e.g. the MoE load balancing, calculate_per_token_loss); `router_replay`: verl's router_replay.mode
+    (disabled, R2, R3)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import (
         HFModelConfig,
@@ -184,6 +201,7 @@ def make_worker(
     register_cpu_engine()
     engine = McoreEngineConfig(
         tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
         expert_model_parallel_size=ep,
         override_transformer_config=dict(override_transformer_config or {}),
         router_replay=EngineRouterReplayConfig(mode=router_replay),
@@ -300,14 +318,17 @@ def _to_tp_group(routes: Any) -> Any:
     return torch.nested.as_nested_tensor(box[0], layout=torch.jagged)
 
 
-def set_switch(on: bool) -> None:
-    """The user's switch (importing megatron_branch.integration.verl_enable registers the engine), or off."""
+def set_switch(on: bool, options: Any = None) -> None:
+    """The user's switch (importing megatron_branch.integration.verl_enable registers the engine), or off;
+    `options` (BranchOptions): registered as a module named by `external_lib` would (docs/verl.md)."""
     from megatron_branch.integration import verl as integration
 
     if on:
         import megatron_branch.integration.verl_enable  # noqa: F401  (the switch itself)
 
-        integration.register()  # a second test in this process: the import above ran only once
+        if options is not None:
+            integration.unregister()
+        integration.register(options)  # a second test in this process: the import above ran only once
     else:
         integration.unregister()
 

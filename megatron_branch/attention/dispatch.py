@@ -98,15 +98,22 @@ def attention(
     *,
     backend: str | None = None,
     scale: float | None = None,
+    window: int | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Branch attention on one rank: q [sq,b,n,h], k/v [sk,b,g,h] or key blocks [sk_j,b,g,h] laid end to end (read
-    in place) -> [sq,b,n*h], with the named backend (None: the default)."""
+    in place) -> [sq,b,n*h], with the named backend (None: the default); `window`: a sliding window over path
+    positions (attention/window.py), `sink` [n]: learned per-head sink logits (attention/merge.py `add_sink`)."""
     name = resolve_backend(backend)
     ks = [k] if isinstance(k, torch.Tensor) else list(k)
     vs = [v] if isinstance(v, torch.Tensor) else list(v)
     assert len(ks) == len(vs) and ks, "k and v need the same, non-zero number of blocks"
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if name in BASELINES:
+        if window is not None or sink is not None:
+            raise ValueError(
+                f"attention backend {name!r} has no sliding window or sink: use merge, packed or reference"
+            )
         k_all, v_all = (x[0] if len(x) == 1 else torch.cat(x) for x in (ks, vs))
         return repeat_prefix_attention(q, k_all, v_all, layout, scale)
     # shape-only stand-ins for the concatenated keys (meta device: nothing is allocated)
@@ -114,5 +121,5 @@ def attention(
     check_shapes(q, k_all, k_all, layout)
     ex = EXECUTORS[name]
     ex.check_grad(q, [*ks, *vs])
-    plan = plan_from_layout(layout, [x.shape[0] for x in ks])
-    return PlanAttention.apply(q, plan, scale, ex, len(ks), *ks, *vs)
+    plan = plan_from_layout(layout, [x.shape[0] for x in ks], window=window)
+    return PlanAttention.apply(q, plan, scale, ex, len(ks), sink, *ks, *vs)

@@ -14,6 +14,10 @@ context parallelism: every ring step's), so P = exp(S - lse) is exactly this cal
 D = rowsum(dO * O) the full row's D: dq summed over calls, dk/dv of each block are the exact gradient. Rows the plan
 never touches come back as out 0, lse -inf (lse_merge reads that as "no mass").
 
+A plan cut with a sliding window also has `bands` (attention/window.py): an executor runs them like its other calls
+(the dense executors read them through `BlockPlan.dense_mask`). A sink is not the executor's business: it is merged
+once after all calls (attention/merge.py `add_sink`), and the backward receives the merged out/lse including it.
+
 The same executor serves one rank (`PlanAttention`, below) and every block of the ring (parallel/ring.py), so a
 backend means the same at CP1 and under CP. The executors (attention/dispatch.py `EXECUTORS`):
     merge      fused kernels per rectangle, sibling rows grouped, equal causal squares batched (the fast path)
@@ -30,6 +34,7 @@ from typing import Any
 
 import torch
 
+from megatron_branch.attention.merge import add_sink, sink_grad
 from megatron_branch.attention.plan import BlockPlan
 
 Tensors = Sequence[torch.Tensor]
@@ -81,18 +86,21 @@ def zero_grads(q: torch.Tensor, ks: Tensors) -> tuple[torch.Tensor, list[torch.T
 
 class PlanAttention(torch.autograd.Function):
     """Thin autograd wrapper of one executor over one plan (one rank). Inputs: q, plan, scale, executor, the
-    number of key blocks m, then k_0.., v_0.."""
+    number of key blocks m, the attention sink [n] (None: no sink; attention/merge.py `add_sink`), then k_0..,
+    v_0.."""
 
     @staticmethod
-    def forward(ctx: Any, q, plan, scale, executor, m, *kv):  # noqa: ANN001, ANN205
+    def forward(ctx: Any, q, plan, scale, executor, m, sink, *kv):  # noqa: ANN001, ANN205
         ks, vs = kv[:m], kv[m:]
         with torch.no_grad():
             out, lse = executor.forward(q, ks, vs, plan, scale)
+            if sink is not None:  # once, after every key block: the row's final denominator
+                out, lse = add_sink(out, lse, sink)
         sq, b, n, h = q.shape
         result = out.to(q.dtype).reshape(sq, b, n * h)  # [sq, b, n*h]
         # backward needs the inputs, the merged output and lse; nothing per rectangle
         ctx.save_for_backward(q, result, lse, *ks, *vs)
-        ctx.plan, ctx.scale, ctx.executor, ctx.m = plan, scale, executor, m
+        ctx.plan, ctx.scale, ctx.executor, ctx.m, ctx.sink = plan, scale, executor, m, sink
         return result
 
     @staticmethod
@@ -101,13 +109,13 @@ class PlanAttention(torch.autograd.Function):
         m = ctx.m
         ks, vs = kv[:m], kv[m:]
         sq, b, n, h = q.shape
-        dq, dks, dvs = ctx.executor.backward(
-            grad.reshape(sq, b, n, h), q, ks, vs, result.view(sq, b, n, h), lse, ctx.plan, ctx.scale
-        )
+        dout, out = grad.reshape(sq, b, n, h), result.view(sq, b, n, h)
+        dq, dks, dvs = ctx.executor.backward(dout, q, ks, vs, out, lse, ctx.plan, ctx.scale)
         needs = ctx.needs_input_grad
-        grads_k = [own(d, k) if needs[5 + j] else None for j, (d, k) in enumerate(zip(dks, ks))]
-        grads_v = [own(d, v) if needs[5 + m + j] else None for j, (d, v) in enumerate(zip(dvs, vs))]
-        return (dq.to(q.dtype) if needs[0] else None, None, None, None, None, *grads_k, *grads_v)
+        d_sink = sink_grad(dout, out, lse, ctx.sink) if needs[5] else None
+        grads_k = [own(d, k) if needs[6 + j] else None for j, (d, k) in enumerate(zip(dks, ks))]
+        grads_v = [own(d, v) if needs[6 + m + j] else None for j, (d, v) in enumerate(zip(dvs, vs))]
+        return (dq.to(q.dtype) if needs[0] else None, None, None, None, None, d_sink, *grads_k, *grads_v)
 
 
 def own(d: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -8,9 +8,10 @@ SHAPE LEGEND (Megatron sequence-first at the boundary, SDPA layout inside):
         q_run [sq], q_off [sq]   run of each query row (R_q = none) and its offset in its segment
         k_run [sk], k_off [sk]   the same for the keys (R_k = none)
         table [R_q + 1, R_k + 1] int8: 1 = the query run sees the key run in full, 2 = same segment (causal), 0 else
+        q_pos [sq], k_pos [sk]   path positions (attention/window.py), only for a plan with a sliding window W
 
-visible(q, k) = table[q_run, k_run] == 1 or (== 2 and k_off <= q_off): exactly the plan's visibility from its runs,
-per (q, k), so no dense [sq, sk] mask is ever built. The BlockMask skips the all-invisible blocks (sibling branches'
+visible(q, k) = table[q_run, k_run] == 1 or (== 2 and k_off <= q_off), and q_pos - k_pos < W under a window: exactly
+the plan's visibility from its runs, per (q, k), so no dense [sq, sk] mask is ever built. The BlockMask skips the all-invisible blocks (sibling branches'
 keys), which is where flex's savings come from on GPU; metadata and BlockMask are built once per plan and device
 and reused by every layer. Flex returns the lse, so it serves the ring like any executor; its backward recomputes
 the forward under autograd and pulls the merged gradient back (executor.pull_back). On CUDA flex runs compiled (its
@@ -33,27 +34,33 @@ from megatron_branch.attention.kernels import lse_dtype
 from megatron_branch.attention.plan import BlockPlan, Runs
 
 
-def _per_token(runs: Runs, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(run index [size] (len(runs) = none), offset inside the segment [size]) of every row."""
+def _per_token(runs: Runs, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(run index [size] (len(runs) = none), offset inside the segment [size], path position [size] (0 where the
+    runs carry none)) of every row."""
     run, off = torch.full((size,), len(runs), dtype=torch.long), torch.zeros(size, dtype=torch.long)
+    pos = torch.zeros(size, dtype=torch.long)
     for t in range(len(runs)):
         a, n = runs.start[t], runs.length[t]
         run[a : a + n] = t
         off[a : a + n] = torch.arange(runs.offset[t], runs.offset[t] + n)
-    return run, off
+        if runs.position:
+            pos[a : a + n] = torch.arange(runs.position[t], runs.position[t] + n)
+    return run, off, pos
 
 
 def visibility_metadata(plan: BlockPlan, device: torch.device | str) -> dict[str, torch.Tensor]:
     """Per-token metadata of the plan's visibility (see the legend); O(sq + sk + R_q * R_k) memory."""
     q, k = plan.q, plan.k
-    q_run, q_off = _per_token(q, plan.num_queries)
-    k_run, k_off = _per_token(k, plan.num_keys)
+    q_run, q_off, q_pos = _per_token(q, plan.num_queries)
+    k_run, k_off, k_pos = _per_token(k, plan.num_keys)
     table = torch.zeros(len(q) + 1, len(k) + 1, dtype=torch.int8)
     k_by_seg = k.by_segment()
     for t, seen in enumerate(plan.sees):
         table[t, list(seen)] = 1
         table[t, k_by_seg.get(q.segment[t], [])] = 2
     meta = dict(q_run=q_run, q_off=q_off, k_run=k_run, k_off=k_off, table=table)
+    if plan.window is not None:
+        meta.update(q_pos=q_pos, k_pos=k_pos, window=torch.tensor(plan.window))
     return {name: x.to(device) for name, x in meta.items()}
 
 
@@ -64,7 +71,14 @@ def _mask_mod(meta: dict[str, torch.Tensor]) -> Any:
         t = table[q_run[q_idx], k_run[kv_idx]]
         return (t == 1) | ((t == 2) & (k_off[kv_idx] <= q_off[q_idx]))
 
-    return mask_mod
+    if "window" not in meta:
+        return mask_mod
+    q_pos, k_pos, window = meta["q_pos"], meta["k_pos"], meta["window"]
+
+    def windowed(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        return mask_mod(b, h, q_idx, kv_idx) & (q_pos[q_idx] - k_pos[kv_idx] < window)
+
+    return windowed
 
 
 def build_block_mask(plan: BlockPlan, device: torch.device | str) -> Any:

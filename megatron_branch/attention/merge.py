@@ -13,6 +13,14 @@ in the stable form of ring-flash-attention (zhuzilin):
 Accumulated in fp32 (fp64 when the inputs are fp64); the caller casts the final out back.
 A row that sees no key in a part has lse = -inf there; the guards keep such rows NaN-free (a row empty in every
 part ends with out = 0, lse = -inf).
+
+Attention sinks (gpt-oss: one learned logit s_h per query head in every row's softmax denominator, value 0;
+transformers' `eager_attention_forward` appends it as an extra column and drops it after the softmax) are ONE more
+part of this merge, (out 0, lse s_h), merged ONCE into the row's final result after every key block (one rank's
+calls, or every ring step): `add_sink`. Counting it per block would add exp(s_h) once per block. The executors'
+backward then runs with the merged (out', lse'): P' = exp(S - lse') are the sink-softmax's probabilities, and the
+sink column's dP is 0 (its value is 0), so D = rowsum(dO' * O') and every dq/dk/dv formula stays exact; the sink's
+own gradient is dL/ds_h = -sum_rows exp(s_h - lse') * rowsum(dO' * O') (`sink_grad`).
 """
 
 from __future__ import annotations
@@ -63,3 +71,20 @@ def merge_parts(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[tor
         out, lse = lse_merge(out, lse, block_out, block_lse)
     assert out is not None and lse is not None
     return out, lse
+
+
+def add_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sink as the last part of the merge: out [sq, b, n, h] and lse [sq, b, n] over every key of the rows,
+    sink [n] (this rank's heads) -> (out', lse') with exp(sink) in each row's denominator once."""
+    assert sink.shape == lse.shape[-1:], f"sink {tuple(sink.shape)} vs {lse.shape[-1]} heads"
+    sink_lse = sink.detach().to(_acc_dtype(out, lse)).expand(lse.shape)  # [sq, b, n]
+    return lse_merge(out, lse, torch.zeros_like(out), sink_lse)
+
+
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """dL/dsink [n] from the merged (sink included) out' [sq, b, n, h], lse' [sq, b, n] and dout [sq, b, n, h]:
+    -sum over rows and batch of P'_sink * rowsum(dO' * O'), P'_sink = exp(sink - lse')."""
+    acc = _acc_dtype(out, lse)
+    p_sink = torch.exp(sink.detach().to(acc) - lse.to(acc))  # [sq, b, n]
+    d = (dout.to(acc) * out.to(acc)).sum(-1)  # [sq, b, n]
+    return -(p_sink * d).sum(dim=(0, 1)).to(sink.dtype)

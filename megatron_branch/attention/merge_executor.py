@@ -14,6 +14,8 @@ The plan (attention/plan.py) gives two kinds of calls:
     causal runs   equal causal squares laid end to end (siblings of equal length, every rollout of a packed batch
                   without sharing, a segment's two zigzag pieces on a CP rank): ONE batched causal call, compact kv
                   heads (the fused kernels group query heads themselves).
+    bands         a sliding window's edges (attention/window.py): rows a window boundary crosses, each tile one small
+                  masked call of the math kernels over the few key columns its rows see (at most 2W per row).
 Results are merged with `lse_merge`; a causal run whose rows no full group touched is written, not merged.
 
 Backward: per call, the fused kernel's backward with the MERGED out and lse (ring-flash-attention by zhuzilin), dq
@@ -32,9 +34,16 @@ import torch
 
 from megatron_branch.attention.executor import Executor, empty_result, zero_grads
 from megatron_branch.attention.heads import fold, from_kernel, kv_view, to_kernel, unfold
-from megatron_branch.attention.kernels import fused_attention_backward, fused_attention_forward
+from megatron_branch.attention.kernels import (
+    fused_attention_backward,
+    fused_attention_forward,
+    lse_dtype,
+    math_attention_backward,
+    math_attention_forward,
+)
 from megatron_branch.attention.merge import lse_merge
 from megatron_branch.attention.plan import BlockPlan, CausalRun, Range
+from megatron_branch.attention.window import Band
 
 
 def _take_rows(x: torch.Tensor, rows: tuple[Range, ...]) -> torch.Tensor:
@@ -58,6 +67,14 @@ def _put_rows(dst: torch.Tensor, rows: tuple[Range, ...], src: torch.Tensor, add
 def _run_view(x: torch.Tensor, run: CausalRun) -> torch.Tensor:
     """Key block [sk, b, g, h] -> the run's own keys as kernel [count*b, g, L, h] (a view when b == 1)."""
     return to_kernel(x[run.cols], run.count)
+
+
+def _band_views(x: torch.Tensor, band: Band, keys: bool) -> torch.Tensor:
+    """[s, b, heads, h] -> the band's rows (keys=False) or key columns (keys=True) as [b, heads, L, h], in the
+    accumulation dtype: the math kernels return their results in the input dtype, and a band's part must not be
+    rounded to bf16 before it is merged (a band is small: the copy is W x 2W per tile at most)."""
+    lo, n = (band.col, band.cols) if keys else (band.row, band.rows)
+    return x[lo : lo + n].permute(1, 2, 0, 3).to(lse_dtype(x.dtype))
 
 
 def merge_forward(
@@ -92,6 +109,16 @@ def merge_forward(
         if not fresh:
             o_s, lse_s = lse_merge(out[run.rows], lse[run.rows], o_s, lse_s)
         out[run.rows], lse[run.rows] = o_s, lse_s
+    for band in plan.bands:  # always merged: a band's rows may have seen a group or a run already
+        rows = slice(band.row, band.row + band.rows)
+        o, lo = math_attention_forward(
+            _band_views(q, band, False),
+            _band_views(ks[band.block], band, True),
+            _band_views(vs[band.block], band, True),
+            band.mask(q.device),
+            scale,
+        )  # [b, n, rows, h], [b, n, rows]
+        out[rows], lse[rows] = lse_merge(out[rows], lse[rows], o.permute(2, 0, 1, 3), lo.permute(2, 0, 1))
     return out, lse
 
 
@@ -145,6 +172,19 @@ def merge_backward(
         dq[run.rows] += from_kernel(dqs, c)
         dks[run.block][run.cols] += from_kernel(dkk, c)
         dvs[run.block][run.cols] += from_kernel(dvv, c)
+    for band in plan.bands:  # the window's edges, with the merged out/lse of their rows
+        dqb, dkb, dvb = math_attention_backward(
+            *(_band_views(x, band, False) for x in (dout, q)),
+            _band_views(ks[band.block], band, True),
+            _band_views(vs[band.block], band, True),
+            _band_views(out, band, False),
+            lse[band.row : band.row + band.rows].permute(1, 2, 0),
+            band.mask(q.device),
+            scale,
+        )  # [b, n, rows, h], [b, g, cols, h] x2
+        dq[band.row : band.row + band.rows] += dqb.permute(2, 0, 1, 3)
+        dks[band.block][band.col : band.col + band.cols] += dkb.permute(2, 0, 1, 3)
+        dvs[band.block][band.col : band.col + band.cols] += dvb.permute(2, 0, 1, 3)
     return dq, dks, dvs
 
 

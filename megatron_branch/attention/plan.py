@@ -21,7 +21,8 @@ fused kernels take (attention/kernels.py: non-causal, and causal with sq == sk).
     causal  CausalRuns: causal squares of equal size laid diagonally end to end (sibling branches of equal length,
             every rollout of a packed batch without sharing, the two zigzag pieces of a segment on a CP rank) batched
             into ONE causal call.
-A block the tree hides entirely has an empty plan: nothing is computed. Both sources of runs reach the planner
+    bands   with a sliding window (attention/window.py): the rows the window's edge crosses, small masked calls.
+A block the tree (or the window) hides entirely has an empty plan: nothing is computed. Both sources of runs reach the planner
 through attention/plan_sources.py (an AttentionLayout on one rank, per-token metadata under CP).
 """
 
@@ -32,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from megatron_branch.attention.window import Band, band_tiles, split_rows
 
 Range = tuple[int, int]  # [start, end) of rows or columns
 
@@ -45,6 +48,9 @@ class Runs:
     length: tuple[int, ...]
     segment: tuple[int, ...]
     offset: tuple[int, ...]
+    position: tuple[int, ...] = ()
+    """Per run: the PATH position of its first row (its index along its root-to-leaf path, attention/window.py);
+    empty when unknown, which only a plan without a sliding window allows."""
 
     def __len__(self) -> int:
         return len(self.start)
@@ -138,6 +144,10 @@ class BlockPlan:
     causal: tuple[CausalRun, ...] = ()
     causal_fresh: tuple[bool, ...] = ()
     """Per causal run: none of its rows is in a full group or an earlier run (its result is written, not merged)."""
+    bands: tuple[Band, ...] = ()
+    """The sliding window's edges (always merged: their rows may be in a group or a run too)."""
+    window: int | None = None
+    """The sliding window the plan was cut with (None: every ancestor key in full)."""
     q: Runs = field(default_factory=lambda: Runs(start=(), length=(), segment=(), offset=()))
     k: Runs = field(default_factory=lambda: Runs(start=(), length=(), segment=(), offset=()))
     sees: tuple[tuple[int, ...], ...] = ()
@@ -154,7 +164,7 @@ class BlockPlan:
     @property
     def empty(self) -> bool:
         """True when the blocks are hidden entirely: nothing to compute."""
-        return not self.full and not self.causal
+        return not self.full and not self.causal and not self.bands
 
     @property
     def num_keys(self) -> int:
@@ -163,13 +173,14 @@ class BlockPlan:
     @property
     def kernel_calls(self) -> int:
         """Fused kernel calls per forward (the same number per backward): what grouping and batching save."""
-        return sum(len(g.pieces) for g in self.full) + len(self.causal)
+        return sum(len(g.pieces) for g in self.full) + len(self.causal) + len(self.bands)
 
     @property
     def visible_pairs(self) -> int:
         """Visible (query, key) pairs: the attention work, counted exactly (causal counted as causal)."""
         full = sum(g.num_rows * g.num_cols for g in self.full)
-        return full + sum(c.count * c.size * (c.size + 1) // 2 for c in self.causal)
+        causal = sum(c.count * c.size * (c.size + 1) // 2 for c in self.causal)
+        return full + causal + sum(b.visible_pairs for b in self.bands)
 
     def block_starts(self) -> list[int]:
         starts = [0]
@@ -195,6 +206,9 @@ class BlockPlan:
             for i in range(run.count):
                 r, c = run.row + i * run.size, starts[run.block] + run.col + i * run.size
                 mask[r : r + run.size, c : c + run.size] = tri
+        for band in self.bands:
+            c = starts[band.block] + band.col
+            mask[band.row : band.row + band.rows, c : c + band.cols] |= band.mask(device)
         return mask
 
 
@@ -226,28 +240,38 @@ def _same_segment(
     return full, (none_end, lead, all_start - none_end)
 
 
-def _run_rectangles(q: Runs, k: Runs, sees: Sequence[Iterable[int]]):  # noqa: ANN202
-    """Per query run: (row sub-range -> key columns seen in full) and its causal squares (global positions)."""
+def _run_rectangles(q: Runs, k: Runs, sees: Sequence[Iterable[int]], window: int | None = None):  # noqa: ANN202
+    """Per query run: (row sub-range -> key columns seen in full), its causal squares and, with a window, its
+    bands (global positions; attention/window.py for the window's three row ranges)."""
     k_by_seg = k.by_segment()
     rows_cols: dict[Range, list[Range]] = {}
     squares: list[tuple[int, int, int]] = []  # (row, global col, size)
+    bands: list[tuple[int, int, int, int, int]] = []  # (row, rows, global col, cols, shift)
     for t in range(len(q)):
         q0, m, qs, qa = q.start[t], q.length[t], q.segment[t], q.offset[t]
-        spans: list[tuple[int, int, Range]] = [
-            (0, m, (k.start[u], k.start[u] + k.length[u])) for u in sees[t]
-        ]
-        for u in k_by_seg.get(qs, ()):
-            full, square = _same_segment(m, qa, k.length[u], k.offset[u])
-            spans += [(lo, hi, (k.start[u] + a, k.start[u] + e)) for lo, hi, (a, e) in full]
+        spans: list[tuple[int, int, Range]] = []
+        pairs = [(u, False) for u in sees[t]] + [(u, True) for u in k_by_seg.get(qs, ())]
+        for u, own in pairs:
+            k0, n = k.start[u], k.length[u]
+            a = m  # rows [0, a) see the run as without a window
+            if window is not None:
+                d = q.position[t] - k.position[u]
+                a, e = split_rows(m, n, d, window)
+                bands += band_tiles(q0, k0, a, e, n, d, window)
+            if not own:
+                spans += [(0, a, (k0, k0 + n))] if a > 0 else []
+                continue
+            full, square = _same_segment(a, qa, n, k.offset[u])
+            spans += [(lo, hi, (k0 + c0, k0 + c1)) for lo, hi, (c0, c1) in full]
             if square is not None:
-                squares.append((q0 + square[0], k.start[u] + square[1], square[2]))
+                squares.append((q0 + square[0], k0 + square[1], square[2]))
         # cut the run's rows where what they see in full changes: every row lands in ONE group
         cuts = sorted({0, m, *(x for lo, hi, _ in spans for x in (lo, hi))})
         for lo, hi in zip(cuts, cuts[1:]):
             cols = [c for a, e, c in spans if a <= lo and hi <= e]
             if cols:
                 rows_cols[(q0 + lo, q0 + hi)] = cols
-    return rows_cols, squares
+    return rows_cols, squares, bands
 
 
 def _locate(a: int, e: int, starts: Sequence[int]) -> list[Piece]:
@@ -282,16 +306,26 @@ def _batch_squares(squares: list[tuple[int, int, int]], starts: Sequence[int]) -
 
 
 def plan_block(
-    q: Runs, k: Runs, sees: Sequence[Iterable[int]], num_queries: int, block_sizes: Sequence[int]
+    q: Runs,
+    k: Runs,
+    sees: Sequence[Iterable[int]],
+    num_queries: int,
+    block_sizes: Sequence[int],
+    *,
+    window: int | None = None,
 ) -> BlockPlan:
     """THE planner: the rectangles of query runs `q` over key runs `k` (global columns over the blocks of
-    `block_sizes`, no run straddling a block); `sees[t]` = the key runs query run t sees in full."""
+    `block_sizes`, no run straddling a block); `sees[t]` = the key runs query run t sees in full; `window`: a
+    sliding window over path positions (both sides' runs then carry `position`)."""
     sees = tuple(tuple(s) for s in sees)
     assert len(sees) == len(q), (len(sees), len(q))
+    assert window is None or (window > 0 and len(q.position) == len(q) and len(k.position) == len(k)), (
+        "a sliding window needs a positive size and the runs' path positions"
+    )
     starts = [0]
     for n in block_sizes:
         starts.append(starts[-1] + n)
-    rows_cols, squares = _run_rectangles(q, k, sees)
+    rows_cols, squares, band_rows = _run_rectangles(q, k, sees, window)
     groups: dict[tuple[Range, ...], list[Range]] = {}  # key columns -> the row ranges that see them
     for rows, cols in rows_cols.items():
         groups.setdefault(_coalesce(cols), []).append(rows)
@@ -310,12 +344,22 @@ def plan_block(
         a, e = run.rows.start, run.rows.stop
         fresh.append(not any(covered[a:e]))
         covered[a:e] = b"\x01" * (e - a)
+    bands = []
+    for row, rows, col, cols, shift in band_rows:
+        (piece,) = _locate(col, col + cols, starts)  # inside one key run, so inside one block
+        bands.append(
+            Band(
+                row=row, rows=rows, block=piece.block, col=piece.start, cols=cols, shift=shift, window=window
+            )
+        )
     return BlockPlan(
         num_queries=num_queries,
         block_sizes=tuple(block_sizes),
         full=full,
         causal=causal,
         causal_fresh=tuple(fresh),
+        bands=tuple(bands),
+        window=window,
         q=q,
         k=k,
         sees=sees,

@@ -60,12 +60,10 @@ def check_verl_version() -> None:
 def refuse_unsupported(engine_config: Any, tf_config: Any = None) -> None:
     """One clear line for each verl setting the tree step does not support; with `tf_config` (after verl built the
     model), for each kind of model it cannot run (rules.check_verl_model)."""
-    cp = engine_config.context_parallel_size
-    if cp > 1 or engine_config.dynamic_context_parallel:
+    if engine_config.dynamic_context_parallel:  # context_parallel_size > 1 runs (verl_cp.py says how)
         raise VerlBranchError(
-            f"branch replay in verl's engine does not support context parallelism yet "
-            f"(context_parallel_size={cp}, dynamic_context_parallel={engine_config.dynamic_context_parallel}); "
-            "set actor_rollout_ref.actor.megatron.context_parallel_size=1"
+            "branch replay in verl's engine does not support dynamic_context_parallel (a CP group per "
+            "micro-batch; megatron-core 0.16.1 has no dynamic DPxCP groups): use context_parallel_size"
         )
     if (
         engine_config.pipeline_model_parallel_size > 1
@@ -80,10 +78,6 @@ def refuse_unsupported(engine_config: Any, tf_config: Any = None) -> None:
         raise VerlBranchError("branch replay reads verl's no-padding batches: set use_remove_padding=True")
     if tf_config is None:
         return
-    if tf_config.calculate_per_token_loss:
-        raise VerlBranchError(
-            "branch replay does not support calculate_per_token_loss (set by CP / MoE aux losses)"
-        )
     try:  # the model verl built: what patch_verl_model can wrap (rules.py)
         check_verl_model(
             attention_variant=getattr(tf_config, "experimental_attention_variant", None),

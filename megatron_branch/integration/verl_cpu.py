@@ -9,7 +9,9 @@ verl 0.9.1 assumes an accelerator in three places this module replaces, each sco
 2. the attention kernel: verl packs every micro-batch to THD (`preprocess_thd_engine`) and hands megatron
    `packed_seq_params`, which on a GPU TransformerEngine's attention consumes; megatron's local
    `DotProductAttention` refuses them. `CpuVarlenAttention` is the CPU stand-in: causal attention inside each
-   packed sequence of `cu_seqlens_q_padded`, in the slot TE's attention occupies;
+   packed sequence of `cu_seqlens_q_padded`, in the slot TE's attention occupies; under context parallelism
+   (verl's zigzag THD split) it gathers every CP rank's K/V (what TE's all-gather CP does) and attends by the rows'
+   global positions;
 3. the model build: verl builds its GPTModel through mbridge / Megatron-Bridge, which choose TransformerEngine's
    layer spec and call `.cuda()`. `CpuModelBuild` (a mixin ahead of verl's engine class) replaces only
    `_build_tf_config` and `_build_megatron_module`: a megatron-core GPTModel of the same HF config (local spec,
@@ -165,7 +167,18 @@ class CpuVarlenAttention(CoreAttentionSlot):
     q [t, 1, n, h], k/v [t, 1, g, h] -> [t, 1, n*h]; sequence i owns rows cu_seqlens_q_padded[i:i+2] (verl pads
     each sequence to the TP alignment; a pad row sees its sequence, and nothing reads it). Without
     `packed_seq_params` (one sequence, BSHD with b = 1) it is plain causal attention.
+
+    Under CP (C ranks, the CP group of megatron's `pg_collection`) the rows are verl's zigzag split
+    (verl/models/mcore/util.py preprocess_thd_engine): sequence i of padded length L holds, on rank r, local rows
+    [cu[i] / C, cu[i+1] / C) = global positions [r*h, (r+1)*h) then [L-(r+1)*h, L-r*h), h = L / 2C. K/V of
+    every rank are all-gathered (autograd: the backward sums the gradients back to their owner) and each query
+    attends to the keys at global positions <= its own.
     """
+
+    def __init__(self, *args: Any, pg_collection: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, pg_collection=pg_collection, **kwargs)
+        cp = getattr(pg_collection, "cp", None)
+        self.cp_group = cp if cp is not None and torch.distributed.get_world_size(cp) > 1 else None
 
     def forward(
         self,
@@ -194,14 +207,58 @@ class CpuVarlenAttention(CoreAttentionSlot):
             cu = packed_seq_params.cu_seqlens_q_padded
             cu = packed_seq_params.cu_seqlens_q if cu is None else cu
             bounds = [int(x) for x in cu.tolist()]
-        out = torch.empty_like(q)
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            if b > a:
-                out[:, a:b] = torch.nn.functional.scaled_dot_product_attention(
-                    q[:, a:b], k[:, a:b], v[:, a:b], is_causal=True, scale=self.softmax_scale
-                )
+        if self.cp_group is not None:
+            assert packed_seq_params is not None, "CP on the CPU harness: verl's THD input only"
+            out = self._zigzag(q, k, v, bounds)
+        else:
+            out = torch.empty_like(q)
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                if b > a:
+                    out[:, a:b] = torch.nn.functional.scaled_dot_product_attention(
+                        q[:, a:b], k[:, a:b], v[:, a:b], is_causal=True, scale=self.softmax_scale
+                    )
         out = out.transpose(0, 1).reshape(t, 1, n * h)
         return out[:, 0] if thd else out
+
+    def _zigzag(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+        """q/k/v [n, t_loc, h] of this CP rank; `bounds` the GLOBAL padded cu_seqlens -> out [n, t_loc, h]."""
+        group = self.cp_group
+        C, r = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+        ks, vs = _GatherOverCp.apply(k, group), _GatherOverCp.apply(v, group)
+        out = torch.empty_like(q)
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if b == a:
+                continue
+            L, lo = b - a, a // C
+            half = L // (2 * C)
+            pos = [torch.cat([torch.arange(j * half, (j + 1) * half), torch.arange(L - (j + 1) * half, L - j * half)])
+                   for j in range(C)]  # fmt: skip
+            kpos = torch.cat(pos)  # global position of every gathered key row of this sequence
+            kf = torch.cat([ks[j][:, lo : lo + 2 * half] for j in range(C)], dim=1)
+            vf = torch.cat([vs[j][:, lo : lo + 2 * half] for j in range(C)], dim=1)
+            visible = kpos[None, :] <= pos[r][:, None]  # [2h, L]: causal by global position
+            out[:, lo : lo + 2 * half] = torch.nn.functional.scaled_dot_product_attention(
+                q[:, lo : lo + 2 * half], kf, vf, attn_mask=visible.to(q.device), scale=self.softmax_scale
+            )
+        return out
+
+
+class _GatherOverCp(torch.autograd.Function):
+    """x [..] of every rank of `group` -> [C, ..]; the backward sums each rank's gradient back to its owner. (torch's
+    `distributed.nn.all_gather` backward on gloo scatters with group ranks as global ranks: wrong on a subgroup.)"""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(parts, x.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad[torch.distributed.get_rank(ctx.group)], None
 
 
 # --- 3. the model build --------------------------------------------------------------------------------------
@@ -280,6 +337,8 @@ def build_cpu_gpt_model(
 
         apply_moe_shims()
         overrides = verl_moe_overrides(engine_config)
+    # context_parallel_size as verl's bridge provider sets it (so the tree path meets the config a GPU run has)
+    overrides.setdefault("context_parallel_size", ps.get_context_parallel_world_size())
     config = arch.to_transformer_config(dtype=dtype, tp=tp, sequence_parallel=tp > 1, **overrides)
     model = GPTModel(
         config=config,
@@ -329,6 +388,10 @@ class CpuModelBuild:
             dtype=self.param_dtype,
             engine_config=self.engine_config,
         )
+        # the one transformer override the CPU tests exercise (Megatron-Bridge sets it at CP > 1 on a GPU); it
+        # must be set before DDP is built (DDP averages over dp x cp only without it)
+        per_token = self.engine_config.override_transformer_config.get("calculate_per_token_loss", False)
+        model.config.calculate_per_token_loss = bool(per_token)
         self.tf_config = model.config
         if self.engine_config.forward_only:
             return [model]

@@ -8,14 +8,19 @@ that for scripts that build their own). After construction, two things change, b
   calls the ORIGINAL module with every argument, packed_seq_params included, so verl's own forward paths run as
   before. Core attention holds no parameters in megatron-core's specs, so the parameter names, the optimizer and
   checkpoints are untouched (tests/unit/test_verl_engine.py checks the names);
-* RoPE follows explicit position ids (`enable_position_rope`); without position ids it is megatron's table.
+* RoPE follows explicit position ids (`enable_position_rope`); without position ids it is megatron's table;
+* every plain `TransformerLayer` becomes `BranchTransformerLayer` (models/layer_checkpoint.py: the same class with
+  a forward that checkpoints itself only when the attached context asks, `recompute_layers`; otherwise megatron's
+  forward), so the planner's `recompute full` runs in verl's engine too.
 """
 
 from __future__ import annotations
 
 import torch
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_branch.attention.core_attention import BranchCoreAttention
+from megatron_branch.models.layer_checkpoint import BranchTransformerLayer
 from megatron_branch.models.rotary import enable_position_rope
 
 
@@ -58,5 +63,7 @@ def patch_verl_model(model: torch.nn.Module) -> torch.nn.Module:
         core = attn.core_attention
         if not isinstance(core, BranchCoreAttention):
             attn.core_attention = BranchFallbackAttention(core, getattr(layer, "layer_number", 1))
+        if type(layer) is TransformerLayer:  # same constructor, parameters and forward (module doc)
+            layer.__class__ = BranchTransformerLayer
     enable_position_rope(model)
     return model

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_branch.integration.verl_batch import LinearSlotObjective, TreeSlots
+from megatron_branch.integration.verl_cp import scale_micro_batch_loss
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,8 @@ class VerlTreeStep:
 
     engine: Any
     options: BranchOptions
+    num_tokens: torch.Tensor | None = None
+    """The step's token count under calculate_per_token_loss (verl's 3-tuple losses), for finalize_model_grads."""
 
     def __call__(
         self,
@@ -138,7 +141,7 @@ class VerlTreeStep:
             logp_tok = scores.result.target_logprobs  # [P] float64 (NaN outside responses)
             ent_tok = scores.result.target_entropy if want_entropy else None
             outputs, G, H = self._verl_postprocess(
-                postprocess, micro_batches, slots, logp_tok, ent_tok, device, forward_only
+                postprocess, micro_batches, slots, logp_tok, ent_tok, device, forward_only, opts.cp_size
             )
             if not forward_only:
                 self._gradient_pass(model_chunk, slots, G, H, opts, run_schedule)
@@ -179,6 +182,7 @@ class VerlTreeStep:
         ent_tok: torch.Tensor | None,
         device: torch.device,
         forward_only: bool,
+        cp_size: int = 1,
     ) -> tuple[list[dict[str, Any]], torch.Tensor, torch.Tensor | None]:
         """verl's post-processing of each micro-batch on the tree's values; returns megatron's
         `forward_data_store` and the tree's per-token weights (dJ/dlogp, dJ/dentropy) of the loss megatron would
@@ -201,12 +205,14 @@ class VerlTreeStep:
                 model_output["entropy"] = slots.as_nested(k, ent)
             with torch.enable_grad():
                 result = postprocess(model_output, data=mb)
-            assert len(result) == 2, "calculate_per_token_loss is refused at initialize()"
-            loss, out = result
+            loss, out, tokens = scale_micro_batch_loss(
+                result, num_microbatches=n, cp_size=cp_size, per_token_loss=config.calculate_per_token_loss
+            )
             outputs.append(out)
+            if tokens is not None:
+                self.num_tokens = tokens if self.num_tokens is None else self.num_tokens + tokens
             if forward_only:
                 continue
-            loss = loss / n  # megatron's forward_step divides each micro-batch loss by num_microbatches
             if config.grad_scale_func is not None:
                 loss = config.grad_scale_func(loss)
             leaves = [lp] + ([ent] if ent is not None else [])
@@ -226,11 +232,11 @@ class VerlTreeStep:
         opts: Any,
         run_schedule: Callable[..., Any],
     ) -> None:
-        from megatron_branch.parallel import lockstep
-
         """One training pass of the tree with J = sum G logp + H entropy; then megatron's finalize_model_grads,
         exactly where megatron's schedule calls it (DDP reduction over dp, SP norm grads over TP)."""
         from megatron.core.process_groups_config import ProcessGroupCollection
+
+        from megatron_branch.parallel import lockstep
 
         config = unwrap(model_chunk).config
         objective = LinearSlotObjective(G=G, H=H if H is not None and bool(H.any()) else None)
@@ -239,7 +245,9 @@ class VerlTreeStep:
             run_schedule(self.options.schedule, model_chunk, slots.tree, objective, opts)
         if config.finalize_model_grads_func is not None:
             config.finalize_model_grads_func(
-                [model_chunk], None, pg_collection=ProcessGroupCollection.use_mpu_process_groups()
+                [model_chunk],
+                self.num_tokens if config.calculate_per_token_loss else None,
+                pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
             )
 
     def _add_metrics(self, outputs: list[dict[str, Any]], slots: TreeSlots, split: int) -> None:

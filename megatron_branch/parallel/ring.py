@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from megatron_branch.attention.executor import Executor, empty_result, own
 from megatron_branch.attention.kernels import lse_dtype
-from megatron_branch.attention.merge import lse_merge
+from megatron_branch.attention.merge import add_sink, lse_merge, sink_grad
 from megatron_branch.attention.plan import BlockPlan, Runs, runs_from_meta
 from megatron_branch.attention.plan_sources import ancestors_from_related, plan_from_meta
 
@@ -75,9 +75,14 @@ class RingStats:
 
 @dataclass
 class RingPlans:
-    """The plan of every ring step for one chunk's forward (the same for all its layers), filled by its first."""
+    """The plan of every ring step for one chunk's forward, per sliding window (None: full attention; the same for
+    every layer of that window), and the key metadata of every step: the chunk's first layer receives it and
+    keeps it, so a layer of another window (gpt-oss alternates) plans without sending it again."""
 
-    steps: list[BlockPlan] = field(default_factory=list)
+    metas: list[torch.Tensor] = field(default_factory=list)
+    """[2, sk] key metadata of ring step t (step 0: this rank's own)."""
+    by_window: dict[int | None, list[BlockPlan]] = field(default_factory=dict)
+    """window -> the plan of every ring step."""
 
 
 class _RingComm:
@@ -133,19 +138,44 @@ class _Query:
     ancestors: dict[int, tuple[int, ...]]
 
 
-def _plan(query: _Query, k_meta: torch.Tensor, related: torch.Tensor, sizes: list[int]) -> BlockPlan:
-    return plan_from_meta(query.meta, k_meta, related, sizes, q_runs=query.runs, ancestors=query.ancestors)
+@dataclass(frozen=True)
+class Window:
+    """A sliding window for the ring's plans: `size` path positions (None: none), `seg_start` [S] long the path
+    position of each tree segment's first token (a token's position = its segment's start + its offset)."""
+
+    size: int | None = None
+    seg_start: torch.Tensor | None = None
 
 
-def ring_forward(q, ks, vs, q_meta, k_meta, related, scale, group, executor, stats, plans):  # noqa: ANN001, ANN201
-    """Forward ring; returns (out [sq,b,n,h], lse [sq,b,n]) in the accumulation dtype, `plans` filled."""
+def _plan(
+    query: _Query, k_meta: torch.Tensor, related: torch.Tensor, sizes: list[int], window: Window
+) -> BlockPlan:
+    return plan_from_meta(
+        query.meta,
+        k_meta,
+        related,
+        sizes,
+        q_runs=query.runs,
+        ancestors=query.ancestors,
+        window=window.size,
+        seg_start=window.seg_start,
+    )
+
+
+def ring_forward(q, ks, vs, q_meta, k_meta, related, scale, group, executor, stats, plans, window):  # noqa: ANN001, ANN201
+    """Forward ring; returns (out [sq,b,n,h], lse [sq,b,n]) in the accumulation dtype and the plan of every step
+    (kept in `plans` for the chunk's later layers of the same window)."""
     comm = _RingComm(group, stats)
     sizes = [k.shape[0] for k in ks]
     sk = sum(sizes)
-    known = bool(plans.steps)  # later layers of the chunk: the plans (hence the metadata) are known
+    known = bool(
+        plans.metas
+    )  # later layers of the chunk: the metadata of every step is known, only K/V travel
+    steps = plans.by_window.get(window.size)
+    new_steps: list[BlockPlan] = []
     query = (
         None
-        if known
+        if steps is not None
         else _Query(q_meta, runs := runs_from_meta(q_meta), ancestors_from_related(related, runs.segment))
     )
     out, lse = empty_result(q)  # rows that never see a key end as out 0, lse -inf (padding)
@@ -158,8 +188,11 @@ def ring_forward(q, ks, vs, q_meta, k_meta, related, scale, group, executor, sta
             # foreign K/V alive now: the block computed on (from step 1) + the one in flight
             stats.max_kv_rows_held = max(stats.max_kv_rows_held, (2 if step else 1) * sk)
         if not known:
-            plans.steps.append(_plan(query, meta, related, sizes if step == 0 else [sk]))
-        plan = plans.steps[step]
+            plans.metas.append(meta)
+        if steps is None:
+            assert query is not None
+            new_steps.append(_plan(query, plans.metas[step], related, sizes if step == 0 else [sk], window))
+        plan = (new_steps if steps is None else steps)[step]
         if plan.empty:
             stats.blocks_skipped += 1
         else:
@@ -174,18 +207,20 @@ def ring_forward(q, ks, vs, q_meta, k_meta, related, scale, group, executor, sta
             meta = meta if known else nxt[1]
             blocks = ([msg[0]], [msg[1]])
             stats.kv_block_shapes.add(tuple(msg.shape))
-    return out, lse
+    if steps is None:
+        plans.by_window[window.size] = steps = new_steps
+    return out, lse, steps
 
 
-def ring_backward(dout, q, ks, vs, out, lse, plans, scale, group, executor, stats):  # noqa: ANN001, ANN201
-    """Backward ring with the MERGED out/lse and the forward's plans; returns dq [sq,b,n,h] and, per local block,
+def ring_backward(dout, q, ks, vs, out, lse, steps, scale, group, executor, stats):  # noqa: ANN001, ANN201
+    """Backward ring with the MERGED out/lse and the forward's plan of every step; returns dq [sq,b,n,h] and, per local block,
     dk_j/dv_j [sk_j,b,g,h], in the accumulation dtype."""
     comm_kv, comm_d = _RingComm(group, stats), _RingComm(group, stats)
     world, acc = comm_kv.world, lse_dtype(q.dtype)
     sizes = [k.shape[0] for k in ks]
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # dQ never leaves the rank
     if world == 1:  # one rank: the executor's own backward, nothing travels
-        dq_t, dks, dvs = executor.backward(dout, q, ks, vs, out, lse, plans.steps[0], scale)
+        dq_t, dks, dvs = executor.backward(dout, q, ks, vs, out, lse, steps[0], scale)
         return dq_t, dks, dvs
     msg = _message(ks, vs)  # [2, sk, b, g, h]: this rank's blocks, the message of the backward ring
     blocks: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] = (ks, vs)
@@ -201,8 +236,8 @@ def ring_backward(dout, q, ks, vs, out, lse, plans, scale, group, executor, stat
         contribution = (
             None  # our dK/dV for the block held, computed while the travelling accumulator is in flight
         )
-        if not plans.steps[step].empty:
-            dq_t, dks_t, dvs_t = executor.backward(dout, q, *blocks, out, lse, plans.steps[step], scale)
+        if not steps[step].empty:
+            dq_t, dks_t, dvs_t = executor.backward(dout, q, *blocks, out, lse, steps[step], scale)
             dq += dq_t
             contribution = _message(dks_t, dvs_t)  # [2, sk, b, g, h], the travelling accumulator's shape
         # The dK/dV accumulator of the block we hold travelled with it (one hop behind); add ours, pass it on.
@@ -228,24 +263,31 @@ def ring_backward(dout, q, ks, vs, out, lse, plans, scale, group, executor, stat
 
 
 class _RingTreeAttention(torch.autograd.Function):
-    """Inputs: q, q_meta, k_meta, related, scale, group, executor, stats, plans, the number of local blocks m,
-    then k_0.., v_0.."""
+    """Inputs: q, q_meta, k_meta, related, scale, group, executor, stats, plans, window, the number of local
+    blocks m, the sink [n] (None: none), then k_0.., v_0.."""
 
     @staticmethod
-    def forward(ctx: Any, q, q_meta, k_meta, related, scale, group, executor, stats, plans, m, *kv):  # noqa: ANN001, ANN205
+    def forward(
+        ctx: Any, q, q_meta, k_meta, related, scale, group, executor, stats, plans, window, m, sink, *kv
+    ):  # noqa: ANN001, ANN205
         ks, vs = kv[:m], kv[m:]
         with torch.no_grad():
-            out, lse = ring_forward(q, ks, vs, q_meta, k_meta, related, scale, group, executor, stats, plans)
+            out, lse, steps = ring_forward(
+                q, ks, vs, q_meta, k_meta, related, scale, group, executor, stats, plans, window
+            )
+            if sink is not None:  # once per row, after every ring step (attention/merge.py)
+                out, lse = add_sink(out, lse, sink)
         sq, b, n, h = q.shape
         result = out.to(q.dtype).reshape(sq, b, n * h)  # [sq, b, n*h]
         ctx.save_for_backward(q, result, lse, *ks, *vs)  # the local blocks in place: no concatenated copy
-        ctx.scale, ctx.group, ctx.executor, ctx.stats, ctx.plans, ctx.m = (
+        ctx.scale, ctx.group, ctx.executor, ctx.stats, ctx.steps, ctx.m, ctx.sink = (
             scale,
             group,
             executor,
             stats,
-            plans,
+            steps,
             m,
+            sink,
         )
         return result
 
@@ -255,6 +297,11 @@ class _RingTreeAttention(torch.autograd.Function):
         m = ctx.m
         ks, vs = kv[:m], kv[m:]
         sq, b, n, h = q.shape
+        d_sink = None
+        if ctx.needs_input_grad[
+            11
+        ]:  # this rank's rows' share; the sink's gradient is summed over CP like any
+            d_sink = sink_grad(grad.reshape(sq, b, n, h), result.view(sq, b, n, h), lse, ctx.sink)
         dq, dks, dvs = ring_backward(
             grad.reshape(sq, b, n, h),
             q,
@@ -262,14 +309,14 @@ class _RingTreeAttention(torch.autograd.Function):
             vs,
             result.view(sq, b, n, h),
             lse,
-            ctx.plans,
+            ctx.steps,
             ctx.scale,
             ctx.group,
             ctx.executor,
             ctx.stats,
         )
         grads = [own(d, t) for d, t in zip([*dks, *dvs], [*ks, *vs])]
-        return (dq.to(q.dtype), None, None, None, None, None, None, None, None, None, *grads)
+        return (dq.to(q.dtype), *(None,) * 10, d_sink, *grads)
 
 
 def ring_tree_attention(
@@ -285,15 +332,21 @@ def ring_tree_attention(
     executor: Executor | None = None,
     stats: RingStats | None = None,
     plans: RingPlans | None = None,
+    window: int | None = None,
+    seg_start: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tree-masked attention of this rank's queries over the keys of every rank of `cp_group` -> [sq, b, n*h].
 
     q [sq,b,n,h]; k, v [sk,b,g,h] or local key blocks [sk_j,b,g,h] end to end (this rank's keys, read in place; sk
     equal on every rank); q_meta [2,sq], k_meta [2,sk] long (segment id, offset in segment; segment -1 = padding);
     related [S,S] bool (ancestor-or-self). `executor`: the plan's executor (None: merge). `stats`: counters to add
-    to. `plans`: the chunk's ring plans, shared by its layers (None: built for this call). Collective: every rank of
+    to. `plans`: the chunk's ring plans, shared by its layers (None: built for this call). `window`: a sliding
+    window over path positions, `seg_start` [S] long the path position of each segment's first token (needed with
+    a window); `sink` [n]: learned sink logits, merged once per row after every step. Collective: every rank of
     `cp_group` must call it, in the same order, and run its backward.
     """
+    assert window is None or seg_start is not None, "a sliding window needs the segments' path positions"
     from megatron_branch.attention.dispatch import executor as named_executor
 
     ks = [k] if isinstance(k, torch.Tensor) else list(k)
@@ -306,6 +359,7 @@ def ring_tree_attention(
     ex.check_grad(q, [*ks, *vs])
     stats = RingStats() if stats is None else stats
     plans = RingPlans() if plans is None else plans
+    win = Window(size=window, seg_start=seg_start)
     return _RingTreeAttention.apply(
-        q, q_meta, k_meta, related, scale, cp_group, ex, stats, plans, len(ks), *ks, *vs
+        q, q_meta, k_meta, related, scale, cp_group, ex, stats, plans, win, len(ks), sink, *ks, *vs
     )

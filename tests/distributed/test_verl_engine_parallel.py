@@ -9,8 +9,6 @@ Skipped (on every rank alike) without the verl extra.
 from __future__ import annotations
 
 import os
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,18 +23,8 @@ from verl_helpers import (  # noqa: E402
     max_rel_grad_error,
     run_step,
     set_switch,
-    write_tiny_policy,
+    shared_policy_dir,
 )
-
-
-def _policy_dir() -> str:
-    # rank 0 writes (transformers' save_pretrained writes on the main process only), every rank reads
-    box = [tempfile.mkdtemp(prefix="verl-policy-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    if dist.get_rank() == 0:
-        write_tiny_policy(Path(box[0]) / "hf")
-    dist.barrier()
-    return str(Path(box[0]) / "hf")
 
 
 @pytest.mark.world(2)
@@ -46,7 +34,7 @@ def _policy_dir() -> str:
 def test_verl_engine_switch_parallel(tp: int, multi_turn: bool) -> None:
     """multi_turn: verl's response_mask with tool tokens 0 inside responses (and one response all tool output)."""
     os.environ.setdefault("MASTER_PORT", "0")  # verl's Worker reads it; the process group already exists
-    hf = _policy_dir()
+    hf = shared_policy_dir()
     dp = dist.get_world_size() // tp
     rank = dist.get_rank() // tp  # megatron's default order: tp fastest, so ranks 0,1 are one TP group at TP2
 

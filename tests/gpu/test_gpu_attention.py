@@ -17,6 +17,7 @@ from megatron_branch.attention import AttentionLayout, reference_attention
 from megatron_branch.attention.dispatch import attention
 from megatron_branch.attention.kernels import fused_kernel_name
 from megatron_branch.attention.layout import QuerySegment
+from megatron_branch.attention.plan_sources import plan_from_layout
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -75,6 +76,48 @@ def test_backend_error_at_most_twice_pytorch_in_same_dtype(
     ours = errors(lambda *a: attention(*a, backend=backend), q, k, v, layout, dout, dtype)
     plain = errors(reference_attention, q, k, v, layout, dout, dtype)
     for what, a, b in zip(("out", "dq", "dk", "dv"), ours, plain):
+        assert a <= 2 * b + 1e-5, f"{backend} {what}: error {a:.3e} > 2 x PyTorch's {b:.3e}"
+
+
+def plain_window_sink(q, k, v, sink, layout, window):  # noqa: ANN001, ANN201
+    """Plain PyTorch in the input dtype (reference_attention's einsums) with the window's mask and the sink as an
+    extra softmax column (transformers' gpt_oss eager attention): the same-dtype baseline."""
+    sq, b, n, h = q.shape
+    g = k.shape[2]
+    qg = q.reshape(sq, b, g, n // g, h)
+    s = torch.einsum("qbgrh,kbgh->bgrqk", qg, k) * h**-0.5  # [b, g, r, sq, sk]
+    s = s.masked_fill(~plan_from_layout(layout, window=window).dense_mask(q.device), float("-inf"))
+    col = sink.reshape(1, g, n // g, 1, 1).expand(b, g, n // g, sq, 1)
+    p = torch.softmax(torch.cat([s, col], -1), dim=-1)[..., :-1]
+    return torch.einsum("bgrqk,kbgh->qbgrh", p, v).reshape(sq, b, n * h)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("backend", ["merge", "flex"])
+def test_window_and_sink_error_at_most_twice_pytorch(backend: str, dtype: torch.dtype) -> None:
+    """gpt-oss's sliding window (17 positions: it ends inside the forest's ancestors) and learned sinks, with the
+    discipline above: the float64 truth is the reference executor with the same window and sink
+    (tests/unit/test_window_sink.py holds that to transformers' gpt_oss eager attention)."""
+    layout = layouts()["forest"]
+    q, k, v = inputs(layout, seed=2)
+    gen = torch.Generator(device=DEV).manual_seed(9)
+    sink = torch.randn(8, generator=gen, device=DEV, dtype=torch.float64)
+    dout = torch.randn(layout.num_queries, 1, 8 * 64, generator=gen, device=DEV, dtype=torch.float64)
+
+    def run(fn, dt: torch.dtype) -> list[torch.Tensor]:  # noqa: ANN001
+        leaves = [t.to(dt).requires_grad_() for t in (q, k, v, sink)]
+        out = fn(*leaves)
+        return [x.double() for x in (out, *torch.autograd.grad(out, leaves, dout.to(dt)))]
+
+    def executor(name: str):  # noqa: ANN202
+        return lambda q, k, v, s: attention(q, k, v, layout, backend=name, window=17, sink=s)
+
+    truth = run(executor("reference"), torch.float64)
+    ours, plain = (
+        [(a - b).abs().max().item() for a, b in zip(run(fn, dtype), truth)]
+        for fn in (executor(backend), lambda *a: plain_window_sink(*a, layout, 17))
+    )
+    for what, a, b in zip(("out", "dq", "dk", "dv", "dsink"), ours, plain):
         assert a <= 2 * b + 1e-5, f"{backend} {what}: error {a:.3e} > 2 x PyTorch's {b:.3e}"
 
 

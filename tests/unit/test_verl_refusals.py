@@ -124,3 +124,33 @@ def test_patch_refuses_a_hybrid_without_changing_it() -> None:
     assert "\n" not in str(e.value)
     assert not any(isinstance(m, BranchFallbackAttention) for m in hybrid.modules())
     assert [(name, type(m)) for name, m in hybrid.named_modules()] == before
+
+
+def test_context_parallel_runs_and_dynamic_cp_is_refused() -> None:
+    """context_parallel_size > 1 runs the tree under megatron-branch's ring (tests/distributed/
+    test_verl_engine_cp.py); dynamic_context_parallel (a CP group per micro-batch) is refused in one line."""
+    refuse_unsupported(SimpleNamespace(**{**vars(ENGINE), "context_parallel_size": 2}))
+    dynamic = SimpleNamespace(
+        **{**vars(ENGINE), "context_parallel_size": 2, "dynamic_context_parallel": True}
+    )
+    with pytest.raises(VerlBranchError, match=r"does not support dynamic_context_parallel") as e:
+        refuse_unsupported(dynamic)
+    assert "\n" not in str(e.value)
+
+
+def test_cp_loss_scaling_follows_megatrons_schedule() -> None:
+    """verl_cp.scale_micro_batch_loss = megatron's forward_step_calc_loss: a 2-tuple times the CP size over the
+    micro-batches (DDP averages over dp x cp), a per-token 3-tuple unscaled with its token count."""
+    from megatron_branch.integration.verl_cp import scale_micro_batch_loss
+
+    loss = torch.tensor(3.0)
+    got, out, tokens = scale_micro_batch_loss(
+        (loss, {"m": 1}), num_microbatches=4, cp_size=2, per_token_loss=False
+    )
+    assert float(got) == 3.0 * 2 / 4 and out == {"m": 1} and tokens is None
+    got, _, tokens = scale_micro_batch_loss((loss, 6, {}), num_microbatches=4, cp_size=2, per_token_loss=True)
+    assert float(got) == 3.0 and int(tokens) == 6
+    got, _, tokens = scale_micro_batch_loss(
+        (loss, 6, {}), num_microbatches=4, cp_size=2, per_token_loss=False
+    )
+    assert float(got) == 3.0 / 6 / 4 and tokens is None

@@ -38,7 +38,7 @@ def _dense_rule(q_meta: torch.Tensor, k_meta: torch.Tensor, related: torch.Tenso
 
 
 def _coverage(plan: BlockPlan, sq: int, sk: int) -> torch.Tensor:
-    """[sq, sk] int: how many rectangles of the plan cover each pair (must be the mask, as 0/1)."""
+    """[sq, sk] int: how many calls of the plan cover each pair (must be the mask, as 0/1)."""
     cov = torch.zeros(sq, sk, dtype=torch.long)
     starts = plan.block_starts()
     for grp in plan.full:
@@ -50,6 +50,9 @@ def _coverage(plan: BlockPlan, sq: int, sk: int) -> torch.Tensor:
         for i in range(run.count):
             r, c = run.row + i * n, starts[run.block] + run.col + i * n
             cov[r : r + n, c : c + n] += torch.ones(n, n, dtype=torch.long).tril()
+    for band in plan.bands:  # a sliding window's edges (tests/unit/test_window_sink.py), by their own mask
+        c = starts[band.block] + band.col
+        cov[band.row : band.row + band.rows, c : c + band.cols] += band.mask().long()
     return cov
 
 
