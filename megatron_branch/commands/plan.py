@@ -220,7 +220,8 @@ def turn_tree_report(tree: Any, p: Plan) -> dict[str, Any]:
         "turn_length": tree.turn_length, "positions_logical": logical, "positions_computed": computed,
         "flops": turn_tree_flops(p.arch, tree),
         "memory_model": "flat: prompt + G leaves of the whole response (the turn tree's sharing below the prompt "
-        "is not modelled in memory, step time or the FLOPs line above)",
+        "is not modelled in memory, step time or the FLOPs line above; its memory an upper bound as observed on "
+        "CPU trees, not proven)",
     }  # fmt: skip
 
 
