@@ -12,8 +12,8 @@ A mixture-of-experts model (qwen3-30b-a3b, or a Qwen3-MoE / Mixtral / Qwen2-MoE 
 parallelism (--ep, searched when not given), its expert parameters per EP rank, the dispatcher's buffers and the
 top-k experts' FLOPs.
 An agentic tree (--turns: --response-length tokens per policy turn, the bench's description, plan/agentic.py)
-adds its exact positions and FLOPs naive vs tree (`turn_tree` in the JSON); layout and memory stay the flat
-shape's (prompt + G leaves of the whole response).
+adds its exact positions, FLOPs naive vs tree and replay's one-rank peak for it (`turn_tree` in the JSON); the
+layout search and memory per rank stay the flat shape's (prompt + G leaves of the whole response).
 With --json the last stdout line is one JSON object: fits, layout {tp, cp, dp, pp, recompute} (+ ep for MoE),
 memory_bytes_per_rank (one key per term and total), flops {naive, replay, ratio, ...}, step_time_s, optimizer
 {name, use_distributed_optimizer, optimizer_cpu_offload, optimizer_offload_fraction}, host_memory_bytes_per_node,
@@ -34,7 +34,7 @@ from typing import Any
 
 from megatron_branch.commands.bench import add_turn_flags
 from megatron_branch.errors import UserError
-from megatron_branch.plan.model import GPU_PRESETS, MODEL_PRESETS, RECOMPUTE, RolloutShape, load_model
+from megatron_branch.plan.model import GPU_PRESETS, MODEL_PRESETS, RECOMPUTE, Layout, RolloutShape, load_model
 from megatron_branch.plan.result import HOST_TERMS, TERMS_IN_TOTAL, Plan
 from megatron_branch.plan.search import SCHEDULES, plan, what_would_fit
 
@@ -212,16 +212,24 @@ def turn_tree(args: argparse.Namespace) -> Any:
 
 def turn_tree_report(tree: Any, p: Plan) -> dict[str, Any]:
     """The agentic tree's JSON: its description, exact positions, FLOPs naive vs tree."""
-    from megatron_branch.plan.agentic import turn_tree_flops
+    from megatron_branch.plan.agentic import turn_tree_flops, turn_tree_replay_saved
+    from megatron_branch.plan.memory import step_peak
 
     logical, computed = tree.positions
+    replay = None
+    if not (p.arch.is_hybrid or p.arch.is_moe):  # the tree's replay peak: one rank's walk (tp = cp = pp = 1)
+        kw = dict(act_bytes=2 if p.dtype == "bf16" else 4, branch_micro_batch=p.branch_micro_batch,
+                  segment_recompute=p.layout.recompute != "none")  # fmt: skip
+        flat = step_peak(p.arch, tree.flat(), Layout(), layer_recompute=False, **kw).saved
+        replay = {"tree": turn_tree_replay_saved(p.arch, tree, **kw), "flat": flat, **kw}
     return {
+        "replay_saved_bytes_one_rank": replay,
         "turns": tree.turns, "observation_length": tree.observation, "branch_at_turns": list(tree.branch_at_turns),
         "turn_length": tree.turn_length, "positions_logical": logical, "positions_computed": computed,
         "flops": turn_tree_flops(p.arch, tree),
         "memory_model": "flat: prompt + G leaves of the whole response (the turn tree's sharing below the prompt "
-        "is not modelled in memory, step time or the FLOPs line above; its memory an upper bound as observed on "
-        "CPU trees, not proven)",
+        "is not modelled in the layout search, memory, step time or the FLOPs line above; its memory an upper bound "
+        "as observed on CPU trees, not proven)",
     }  # fmt: skip
 
 
@@ -233,6 +241,13 @@ def render_turn_tree(t: dict[str, Any]) -> str:
         f"{t['positions_computed']:,} ({t['positions_logical'] / t['positions_computed']:.2f}x)",
         f"agentic tree FLOPs per step (no recompute): naive {fl['naive']:.3e}, tree (packed, replay) {fl['tree']:.3e}; "
         f"naive / tree = {fl['ratio']:.2f}x",
+        *(
+            [f"agentic tree replay saved-for-backward peak on one rank (tp 1 x cp 1 x pp 1, segment recompute "
+             f"{r['segment_recompute']}, branch micro-batch {r['branch_micro_batch']}): tree {r['tree'] / 1e9:.2f} GB, "
+             f"flat {r['flat'] / 1e9:.2f} GB"]
+            if (r := t["replay_saved_bytes_one_rank"]) else
+            ["agentic tree replay memory: dense attention models only (hybrid / MoE not modelled)"]
+        ),
         f"note: the layout, memory, FLOPs and step time above are for the {t['memory_model']}",
     ])  # fmt: skip
 

@@ -93,3 +93,34 @@ def turn_tree_flops(arch: ModelArch, shape: TurnTreeShape) -> dict[str, float]:
         + linear_attention_flops(arch, [(length, N * width) for _, length, width in levels])
     )
     return {"naive": naive, "tree": float(tree), "ratio": naive / tree}
+
+
+def turn_tree_replay_saved(
+    arch: ModelArch, shape: TurnTreeShape, *, act_bytes: int, branch_micro_batch: int, segment_recompute: bool
+) -> int:
+    """replay's saved-for-backward peak on one rank (tp = cp = 1, attention-only dense model) for the tree: the walk
+    (schedule/walk.py) runs inner children one at a time, so at the peak the deepest root-to-leaf path is alive:
+    each inner segment's graph (unless segment recompute drops it), its cached K/V and their dK/dV sums, plus one
+    micro-batch of sibling leaves attending to the whole path. With segment recompute an inner segment's own
+    backward (its released cache entry replaced by the recomputed K/V) may be the peak instead."""
+    from megatron_branch.plan.activations import Dims, chunk_saved_bytes, kv_grad_bytes, layer_kv_bytes
+    from megatron_branch.plan.model import Layout
+
+    assert not arch.is_hybrid and not arch.is_moe, "the tree's memory: dense attention models only"
+    dm = Dims.of(arch, Layout(), act_bytes)
+    *inner, (start, leaf_len, width) = shape.segments()
+    per_parent = width // (inner[-1][2] if inner else 1)  # leaf siblings under one parent
+    b = min(branch_micro_batch, per_parent)
+    graphs = cached = grads = 0
+    phases = []
+    for i, (s, n, w) in enumerate(inner):
+        children = (inner[i + 1][2] if i + 1 < len(inner) else width) // w
+        targets = children + (n - 1 if i else 0)  # the root: only its fork rows predict response tokens
+        seg = chunk_saved_bytes(dm, n, targets, ext=s, capture=True, sequences=[(n, 1)])
+        kv = dm.attn_layers * layer_kv_bytes(dm, n)
+        if segment_recompute:  # its own backward: the ancestors' cache and sums, its recomputed graph
+            phases.append(cached + grads + kv_grad_bytes(dm, n) + seg["kv"] + seg["other"])
+        graphs += 0 if segment_recompute else seg["held"]
+        cached, grads = cached + kv, grads + kv_grad_bytes(dm, n)
+    leaf = chunk_saved_bytes(dm, b * leaf_len, b * (leaf_len - 1), ext=start, sequences=[(leaf_len, b)])
+    return max([graphs + cached + grads + leaf["kv"] + leaf["other"], *phases])
