@@ -7,26 +7,30 @@ The entry is the one verl's trainer calls through Ray: `TrainingWorker.infer_bat
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 VOCAB = 64
 
 
-def write_tiny_policy(out: Path, *, family: str = "qwen2") -> str:
-    """A tiny random HF policy and a word-level tokenizer (verl's model config loads both); returns the path."""
+def write_tiny_policy(out: Path, *, family: str = "qwen2", **shape: Any) -> str:
+    """A tiny random HF policy and a word-level tokenizer (verl's model config loads both); returns the path.
+    `shape`: tiny_hf_config's size overrides (hidden_size, num_layers, ...; the bench's larger model)."""
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
     from megatron_branch.testing import tiny_hf_config, tiny_hf_model
 
     if not (out / "config.json").exists():
-        tiny_hf_model(tiny_hf_config(family, vocab_size=VOCAB), seed=0).save_pretrained(out)
+        tiny_hf_model(tiny_hf_config(family, vocab_size=VOCAB, **shape), seed=0).save_pretrained(out)
         tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
         PreTrainedTokenizerFast(
             tokenizer_object=tok, pad_token="t0", eos_token="t1", bos_token="t2"
@@ -59,12 +63,14 @@ def grpo_batch(
     shared: int = 3,
     temperature: float = 1.0,
     multi_turn: bool = False,
+    critic: bool = False,
     routes: tuple[int, int, int] | None = None,
 ) -> Any:
     """`groups` prompts x `n` rollouts (consecutive, as verl's `repeat(interleave=True)`), prompts of different
     lengths left-padded, responses of different lengths right-padded; the first half of each group shares its
     first `shared` response tokens. Advantages per token, old logprobs near the policy's. verl's no-padding form.
 
+    `critic`: with PPO's critic fields (`values`, `returns`).
     `multi_turn`: verl's multi-turn shape, a tool's output inside each response (response_mask 0 on a span that
     starts at a different token per rollout, so rollouts sharing a token disagree on whether it is trained; the
     last rollout is all tool output, response_mask 0 throughout).
@@ -120,6 +126,9 @@ def grpo_batch(
         },
         batch_size=[B],
     )
+    if critic:  # PPO's critic: the values at sampling time and the returns (verl's value_loss reads both)
+        td["values"] = 0.05 * torch.randn(B, R, generator=g)
+        td["returns"] = 0.3 * torch.randn(B, R, generator=g)
     td = left_right_2_no_padding(td)
     tu.assign_non_tensor(td, temperature=temperature)  # the rollout's sampling temperature (verl's meta_info)
     return td
@@ -180,11 +189,12 @@ def make_worker(
     forward_only: bool = False,
     override_transformer_config: dict[str, Any] | None = None,
     router_replay: str = "disabled",
+    value: bool = False,
 ) -> Any:
     """verl's TrainingWorker for a Megatron language model (float32 on CPU), built through verl's EngineRegistry.
     `cp`: verl's context_parallel_size; `ep`: verl's expert_model_parallel_size; `override_transformer_config`:
     verl's (e.g. the MoE load balancing, calculate_per_token_loss); `router_replay`: verl's router_replay.mode
-    (disabled, R2, R3)."""
+    (disabled, R2, R3); `value`: verl's value model (PPO's critic)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import (
         HFModelConfig,
@@ -199,6 +209,7 @@ def make_worker(
 
     use_cpu_platform()
     register_cpu_engine()
+    model_type = "value_model" if value else "language_model"
     engine = McoreEngineConfig(
         tensor_model_parallel_size=tp,
         context_parallel_size=cp,
@@ -218,8 +229,10 @@ def make_worker(
     )
     object.__setattr__(engine, "dtype", "fp32")  # verl's config allows bf16/fp16 only; the CPU test runs fp32
     config = TrainingWorkerConfig(
-        model_type="language_model",
-        model_config=HFModelConfig(path=hf_dir, override_config={"attn_implementation": "sdpa"}),
+        model_type=model_type,
+        model_config=HFModelConfig(
+            path=hf_dir, override_config={"attn_implementation": "sdpa"}, model_type=model_type
+        ),
         engine_config=engine,
         optimizer_config=McoreOptimizerConfig(lr=1e-3, total_training_steps=10),
         checkpoint_config=CheckpointConfig(),
@@ -227,6 +240,20 @@ def make_worker(
     worker = TrainingWorker(config)
     worker.reset()
     return worker
+
+
+def critic_config(**overrides: Any) -> Any:
+    from verl.workers.config import CriticConfig
+
+    kw = dict(
+        strategy="megatron",
+        ppo_mini_batch_size=8,
+        ppo_micro_batch_size_per_gpu=4,
+        rollout_n=4,
+        cliprange_value=0.05,
+    )
+    kw.update(overrides)
+    return CriticConfig(**kw)
 
 
 def actor_config(**overrides: Any) -> Any:
@@ -260,14 +287,20 @@ def infer(worker: Any, td: Any) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def run_step(worker: Any, td_fn: Any, *, actor: Any = None, r2: bool = False) -> StepOut:
+def run_step(worker: Any, td_fn: Any, *, actor: Any = None, r2: bool = False, critic: Any = None) -> StepOut:
     """compute_log_prob then one update_actor mini-batch through the worker, as verl's trainer calls them. `r2`:
-    router replay R2, compute_log_prob's routed_experts carried into the update's batch (ray_trainer.py)."""
+    router replay R2, compute_log_prob's routed_experts carried into the update's batch (ray_trainer.py). With
+    `critic` (a CriticConfig, a value-model worker): compute_values then update_critic (StepOut.log_probs holds the
+    values, entropy None)."""
     from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.losses import ppo_loss, value_loss
     from verl.workers.utils.padding import no_padding_2_padding
 
-    worker.set_loss_fn(partial(ppo_loss, config=actor or actor_config()))
+    value = critic is not None
+    if value:
+        worker.set_loss_fn(partial(value_loss, config=critic))
+    else:
+        worker.set_loss_fn(partial(ppo_loss, config=actor or actor_config()))
     engine = worker.engine
     grads: dict[str, torch.Tensor] = {}
     step = engine.optimizer_step
@@ -278,29 +311,19 @@ def run_step(worker: Any, td_fn: Any, *, actor: Any = None, r2: bool = False) ->
 
     engine.optimizer_step = snapshot_then_step
     td = td_fn()
-    tu.assign_non_tensor(td, calculate_entropy=True, compute_loss=False)
+    tu.assign_non_tensor(td, calculate_entropy=not value, compute_loss=False)
     inferred = worker.infer_batch(td)  # None on ranks that do not collect outputs (tp rank > 0)
     lp = ent = None
     if inferred is not None:
-        lp = no_padding_2_padding(tu.get(inferred, "log_probs"), td)
-        ent = no_padding_2_padding(tu.get(inferred, "entropy"), td)
+        lp = no_padding_2_padding(tu.get(inferred, "values" if value else "log_probs"), td)
+        ent = None if value else no_padding_2_padding(tu.get(inferred, "entropy"), td)
     routes = tu.get(inferred, "routed_experts") if r2 and inferred is not None else None
     if r2:
         routes = _to_tp_group(routes)  # verl's trainer dispatches the batch, routes included, to every rank
     td = td_fn()
     if routes is not None:
         td["routed_experts"] = routes
-    tu.assign_non_tensor(
-        td,
-        calculate_entropy=True,
-        global_batch_size=len(td),
-        mini_batch_size=len(td),
-        epochs=1,
-        seed=1,
-        dataloader_kwargs={"shuffle": False},
-        compute_loss=True,
-    )
-    out = worker.train_mini_batch(td)
+    out = worker.train_mini_batch(as_update(td))
     metrics = tu.get(out, "metrics") if out is not None else {}
     return StepOut(type(engine).__name__, lp, ent, metrics, grads, routes)
 
@@ -316,6 +339,23 @@ def _to_tp_group(routes: Any) -> Any:
     box = [None if routes is None else [t.clone() for t in routes.unbind()]]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     return torch.nested.as_nested_tensor(box[0], layout=torch.jagged)
+
+
+def as_update(td: Any) -> Any:
+    """`td` marked as verl's trainer marks update_actor's batch: one mini-batch of the whole batch."""
+    from verl.utils import tensordict_utils as tu
+
+    tu.assign_non_tensor(
+        td,
+        calculate_entropy=True,
+        global_batch_size=len(td),
+        mini_batch_size=len(td),
+        epochs=1,
+        seed=1,
+        dataloader_kwargs={"shuffle": False},
+        compute_loss=True,
+    )
+    return td
 
 
 def set_switch(on: bool, options: Any = None) -> None:
@@ -338,3 +378,35 @@ def max_rel_grad_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
     worst = max(((b[k] - a[k]).norm() / a[k].norm().clamp_min(1e-30)).item() for k in a)
     name = max(a, key=lambda k: ((b[k] - a[k]).norm() / a[k].norm().clamp_min(1e-30)).item())
     return worst, name
+
+
+def one_rank_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A one-rank gloo group (verl's engine needs torch.distributed) and the tiny policy: each one-process test
+    module makes it its module fixture, `single_process = pytest.fixture(scope="module")(one_rank_world)`."""
+    with one_rank(tmp_path_factory.mktemp("verl") / "hf") as hf:
+        yield hf
+
+
+@contextlib.contextmanager
+def one_rank(out: Path, **shape: Any) -> Iterator[str]:
+    """A one-rank gloo group and the tiny policy written to `out` (`shape`: write_tiny_policy's); yields its path."""
+    import torch.distributed as dist
+
+    from megatron_branch.parallel.groups import destroy_parallel, init_distributed
+
+    init_distributed()  # a world of one
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # verl's Worker reads them (the group above already exists)
+    try:
+        yield write_tiny_policy(out, **shape)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        set_switch(False)
+        destroy_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -4,7 +4,8 @@ prefix tree per step, with verl's own loss, micro-batching, metrics and output l
 The switch (docs/verl.md): `actor_rollout_ref.model.external_lib=megatron_branch.integration.verl_enable`. verl
 imports that module in every worker when it builds the model config; the import calls `register()`, which puts
 `branch_engine_class(<verl's engine for this device>)` into verl's `EngineRegistry` under this platform's vendor
-key (looked up before the device-only default), for language models. Nothing of verl is forked or edited.
+key (looked up before the device-only default), for language models and value models (PPO's critic: the schedules
+read its one-output head's value per row). Nothing of verl is forked or edited.
 
 What the subclass changes (everything else is verl's code, running unchanged):
 
@@ -101,9 +102,13 @@ def branch_engine_class(base: type, options: BranchOptions | None = None) -> typ
             refuse_unsupported(self.engine_config)
             super().initialize()
             refuse_unsupported(self.engine_config, self.tf_config)
+            if getattr(self, "is_value_model", False) and self.branch_options.schedule == "naive":
+                raise VerlBranchError("verl's value model runs with the replay or packed schedule, not naive")
             for chunk in self.module:
                 patch_verl_model(unwrap(chunk))
                 verl_moe.patch_verl_moe(unwrap(chunk), self.model_config.hf_config)
+                if getattr(self, "is_value_model", False):
+                    unwrap(chunk).is_critic = True  # the schedules read the one-output head's value per row
 
         def forward_backward_batch(
             self, data: Any, loss_function: Callable, forward_only: bool = False
@@ -133,29 +138,47 @@ def _engine_key() -> tuple[str, str]:
     ) or get_vendor()
 
 
+MODEL_TYPES = ("language_model", "value_model")
+"""verl's engine kinds the switch replaces: the actor / reference policy, and PPO's critic."""
+
+
 def register(options: BranchOptions | None = None) -> type:
-    """Register the branch-replay engine for verl's language models on this process's platform (idempotent);
-    returns the registered class."""
+    """Register the branch-replay engine for verl's language models and value models (the critic) on this
+    process's platform (idempotent); returns the language-model class."""
     from verl.workers.engine import EngineRegistry
 
     check_verl_version()
-    current = EngineRegistry.get_engine_cls(model_type="language_model", backend="megatron")
-    if getattr(current, "branch_options", None) is not None:
-        return current
-    cls = branch_engine_class(current, options)
-    device, vendor = _engine_key()
-    registry = EngineRegistry._engines["language_model"]["megatron"]
-    registry[(device, vendor)] = cls  # the (device, vendor) key is looked up before the device-only default
-    if dist.is_initialized() and dist.get_rank() == 0:
-        logger.warning("megatron-branch: verl's Megatron engine runs with branch replay (%s)", cls.__name__)
-    return cls
+    out = []
+    for model_type in MODEL_TYPES:
+        try:
+            current = EngineRegistry.get_engine_cls(model_type=model_type, backend="megatron")
+        except (AssertionError, ValueError):  # verl's lookup: no engine of this kind for this device
+            if model_type == "language_model":
+                raise
+            continue  # a platform without verl's Megatron value engine: the actor alone runs with the tree
+        if getattr(current, "branch_options", None) is not None:
+            out.append(current)
+            continue
+        cls = branch_engine_class(current, options)
+        device, vendor = _engine_key()
+        registry = EngineRegistry._engines[model_type]["megatron"]
+        registry[(device, vendor)] = (
+            cls  # the (device, vendor) key is looked up before the device-only default
+        )
+        if dist.is_initialized() and dist.get_rank() == 0:
+            logger.warning(
+                "megatron-branch: verl's Megatron engine runs with branch replay (%s)", cls.__name__
+            )
+        out.append(cls)
+    return out[0]
 
 
 def unregister() -> None:
     """Undo `register()` in this process (tests compare verl with and without the switch in one process)."""
     from verl.workers.engine import EngineRegistry
 
-    registry = EngineRegistry._engines.get("language_model", {}).get("megatron", {})
     key = _engine_key()
-    if getattr(registry.get(key), "branch_options", None) is not None:
-        del registry[key]
+    for model_type in MODEL_TYPES:
+        registry = EngineRegistry._engines.get(model_type, {}).get("megatron", {})
+        if getattr(registry.get(key), "branch_options", None) is not None:
+            del registry[key]

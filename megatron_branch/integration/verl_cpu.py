@@ -17,7 +17,10 @@ verl 0.9.1 assumes an accelerator in three places this module replaces, each sco
    `_build_tf_config` and `_build_megatron_module`: a megatron-core GPTModel of the same HF config (local spec,
    torch RMSNorm, `CpuVarlenAttention`), the HF weights loaded by megatron-branch's parameter map, wrapped in
    megatron DDP with verl's DDP settings. Everything else in `initialize()` is verl's: megatron's optimizer,
-   the LR scheduler, the training hooks, the checkpoint manager.
+   the LR scheduler, the training hooks, the checkpoint manager. verl's value model (`model_type ==
+   "value_model"`) is that GPTModel, untied, with the bridge's one-output head in `output_layer`
+   (`CpuValueHead`: the fallback `LinearForLastLayer` of verl/models/mcore/bridge.py, which needs
+   Megatron-Bridge to import), drawn from a fixed seed.
 
 Nothing here is used on a GPU; `megatron_branch.integration.verl` does not import it.
 """
@@ -359,6 +362,30 @@ def build_cpu_gpt_model(
     return model
 
 
+class CpuValueHead(torch.nn.Linear):
+    """verl's value head (verl/models/mcore/bridge.py `LinearForLastLayer`, Megatron-Bridge's): hidden -> 1 value,
+    no bias, replicated over TP, float32 out, the sequence gathered under SP; megatron's output-layer call form."""
+
+    def __init__(self, hidden_size: int, *, sequence_parallel: bool, seed: int = 0) -> None:
+        super().__init__(hidden_size, 1, bias=False)
+        self.sequence_parallel = sequence_parallel
+        if sequence_parallel:
+            self.weight.sequence_parallel = True  # type: ignore[attr-defined]
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(seed)
+            self.weight.copy_(torch.randn(self.weight.shape, generator=g) * 0.02)
+
+    def forward(self, input_: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None) -> Any:
+        from megatron.core import tensor_parallel
+
+        logits = super().forward(input_).float()
+        if self.sequence_parallel:
+            logits = tensor_parallel.gather_from_sequence_parallel_region(
+                logits, tensor_parallel_output_grad=False
+            )
+        return logits, None
+
+
 class CpuModelBuild:
     """Mixin placed before a verl MegatronEngine class: the model is built on the host (see the module doc)."""
 
@@ -380,14 +407,18 @@ class CpuModelBuild:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.process_groups_config import ProcessGroupCollection
 
-        if self.is_value_model:
-            raise NotImplementedError("the CPU harness builds language models only")
+        if self.is_value_model:  # verl: a value head cannot share the vocabulary embedding
+            self.model_config.hf_config.tie_word_embeddings = False
         model = build_cpu_gpt_model(
             self.model_config.local_path,
             self.model_config.hf_config,
             dtype=self.param_dtype,
             engine_config=self.engine_config,
         )
+        if self.is_value_model:
+            model.output_layer = CpuValueHead(
+                model.config.hidden_size, sequence_parallel=model.config.sequence_parallel
+            )
         # the one transformer override the CPU tests exercise (Megatron-Bridge sets it at CP > 1 on a GPU); it
         # must be set before DDP is built (DDP averages over dp x cp only without it)
         per_token = self.engine_config.override_transformer_config.get("calculate_per_token_loss", False)
@@ -406,12 +437,17 @@ class CpuModelBuild:
 
 
 def register_cpu_engine() -> type:
-    """verl's MegatronEngineWithLMHead with the host model build, registered as verl's Megatron language-model
-    engine for device "cpu" (what verl itself registers for "cuda"); idempotent. Returns the class."""
+    """verl's MegatronEngineWithLMHead (and MegatronEngineWithValueHead) with the host model build, registered as
+    verl's Megatron language-model (value-model) engine for device "cpu" (what verl itself registers for "cuda");
+    idempotent. Returns the language-model class."""
     from verl.workers.engine import EngineRegistry
-    from verl.workers.engine.megatron import MegatronEngineWithLMHead
+    from verl.workers.engine.megatron import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
-    registry = EngineRegistry._engines.setdefault("language_model", {}).setdefault("megatron", {})
-    if "cpu" not in registry:
-        registry["cpu"] = type("CpuMegatronEngineWithLMHead", (CpuModelBuild, MegatronEngineWithLMHead), {})
+    for model_type, base in (
+        ("value_model", MegatronEngineWithValueHead),
+        ("language_model", MegatronEngineWithLMHead),
+    ):
+        registry = EngineRegistry._engines.setdefault(model_type, {}).setdefault("megatron", {})
+        if "cpu" not in registry:
+            registry["cpu"] = type(f"Cpu{base.__name__}", (CpuModelBuild, base), {})
     return registry["cpu"]

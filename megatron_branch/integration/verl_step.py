@@ -3,11 +3,15 @@ returns, for the duration of one `forward_backward_batch` call, in the engine ve
 
 verl's own method runs (global token count, `prepare_micro_batches` with dynamic batch size,
 `postprocess_batch_func`, routing of outputs); `VerlTreeStep` replaces megatron's schedule: all the step's
-micro-batches form ONE prefix tree (prompts and shared response beginnings computed once); a forward-only pass
-scores every response token (logprob, entropy); verl's `postprocess_micro_batch_func` (hence verl's loss, e.g.
-`ppo_loss`) runs per micro-batch on those values, held as autograd leaves; its gradient per token is
-back-propagated through the tree in one gradient pass with the linear objective of verl_batch.py. Exact for any
-verl loss of the per-token logprobs and entropies.
+micro-batches form ONE prefix tree (prompts and shared response beginnings computed once). Two paths for the
+update (`tree/update_passes` says which ran; one log line per engine says why):
+
+* one pass (verl_onepass.py) where verl's loss is a per-token function given the batch's global normalisers
+  (`two_pass_reason` is None): verl's loss runs inside the tree's training pass on the live logprobs;
+* two passes otherwise: a forward-only pass scores every response token (logprob, entropy); verl's
+  `postprocess_micro_batch_func` (hence verl's loss, e.g. `ppo_loss`) runs per micro-batch on those values, held as
+  autograd leaves; its gradient per token is back-propagated through the tree in one gradient pass with the
+  linear objective of verl_batch.py. Exact for any verl loss of the per-token logprobs and entropies.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch.distributed as dist
 
 from megatron_branch.integration.verl_batch import LinearSlotObjective, TreeSlots
 from megatron_branch.integration.verl_cp import scale_micro_batch_loss
+from megatron_branch.integration.verl_onepass import one_pass_objective, two_pass_reason, verl_model_output
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +37,7 @@ STEP_METRICS = (
     "tree/positions_computed",
     "tree/token_ratio",
     "tree/prompts_split_over_dp",
+    "tree/update_passes",
 )
 """Our metrics, added to verl's (the actor's become `actor/tree/...` in verl's trainer)."""
 
@@ -44,6 +50,9 @@ class BranchOptions:
     """replay (DFS, bounded memory) | packed (one pass over the tree) | naive (per rollout, for comparison)."""
     schedule_options: dict[str, Any] = field(default_factory=dict)
     """Extra ScheduleOptions fields (branch_micro_batch, recompute, recompute_layers, backend, ...)."""
+    one_pass: bool = True
+    """The update in one tree pass where verl's loss is per-token (verl_onepass.py); False: always two passes
+    (a forward-only pass fixes dL/dlogp, then the gradient pass)."""
 
     def __post_init__(self) -> None:
         if self.schedule not in ("replay", "packed", "naive"):
@@ -130,8 +139,16 @@ class VerlTreeStep:
             route_record=record,
         )
         opts = dataclasses.replace(opts, **moe)
-        want_entropy = _wants_entropy(micro_batches)
-        with _temperature(model_chunk, _uniform_temperature(micro_batches)):
+        value = self.value_model
+        want_entropy = not value and _wants_entropy(micro_batches)
+        temperature = 1.0 if value else _uniform_temperature(micro_batches)  # verl's value forward reads none
+        two_pass = None if forward_only else self._two_pass_reason(postprocess, opts)
+        with _temperature(model_chunk, temperature):
+            if not forward_only and two_pass is None and record is None:  # R2 records in forward-only passes
+                outputs = self._one_pass(
+                    model_chunk, postprocess, micro_batches, slots, opts, want_entropy, run_schedule
+                )
+                return self._finish(outputs, slots, passes=1)
             with lockstep.region(model_chunk):  # EP across DP replicas: their model calls pair up
                 scores = score_rollouts(
                     self.options.schedule, model_chunk, slots.tree, opts, entropy=want_entropy
@@ -144,7 +161,14 @@ class VerlTreeStep:
                 postprocess, micro_batches, slots, logp_tok, ent_tok, device, forward_only, opts.cp_size
             )
             if not forward_only:
-                self._gradient_pass(model_chunk, slots, G, H, opts, run_schedule)
+                linear = LinearSlotObjective(G=G, H=H if H is not None and bool(H.any()) else None)
+                self._gradient_pass(model_chunk, slots, linear, opts, run_schedule)
+        return self._finish(outputs, slots, passes=None if forward_only else 2)
+
+    def _finish(
+        self, outputs: list[dict[str, Any]], slots: TreeSlots, passes: int | None
+    ) -> list[dict[str, Any]]:
+        """The DP split check and our metrics on verl's outputs."""
         split = _prompts_split_over_dp(slots)
         if split and not getattr(self.engine, "_branch_split_warned", False):
             self.engine._branch_split_warned = True  # once per engine
@@ -154,7 +178,33 @@ class VerlTreeStep:
                 split,
             )
         self._add_metrics(outputs, slots, split)
+        if passes is not None and outputs:
+            outputs[0]["metrics"]["tree/update_passes"] = float(passes)
         return outputs
+
+    def _two_pass_reason(self, postprocess: Callable[..., Any], opts: Any) -> str | None:
+        """None: the update runs in one tree pass (verl_onepass.py); else why it keeps two (logged once)."""
+        if not self.options.one_pass:
+            reason: str | None = "BranchOptions(one_pass=False)"
+        elif opts.cp_size > 1 or unwrap(self.engine.module[0]).config.calculate_per_token_loss:
+            # the one-pass objective is not wired to CP chunks (each rank's rows) nor to megatron's per-token regime
+            reason = (
+                "context parallelism / calculate_per_token_loss (the one-pass objective is not wired to them)"
+            )
+        else:
+            reason = two_pass_reason(postprocess, self.options.schedule)
+        if getattr(self.engine, "_branch_passes_logged", False) != (reason or True):
+            self.engine._branch_passes_logged = reason or True  # once per engine and path
+            if reason is None:
+                logger.warning("megatron-branch: verl's update runs in one tree pass (per-token loss)")
+            else:
+                logger.warning("megatron-branch: verl's update runs in two tree passes: %s", reason)
+        return reason
+
+    @property
+    def value_model(self) -> bool:
+        """verl's value model (the critic): values per response token where the policy has logprobs."""
+        return bool(getattr(self.engine, "is_value_model", False))
 
     # -- pieces ------------------------------------------------------------------------------------------------
 
@@ -172,6 +222,36 @@ class VerlTreeStep:
         # the model's (padded) vocabulary: verl's vocab_parallel_log_probs_from_logits normalises over all of it
         extra = self.options.schedule_options
         return build_engine(RunSpec(), model=base, groups=groups, vocab_size=base.vocab_size, **extra).opts
+
+    def _one_pass(
+        self,
+        model_chunk: torch.nn.Module,
+        postprocess: Callable[..., Any],
+        micro_batches: list[Any],
+        slots: TreeSlots,
+        opts: Any,
+        entropy: bool,
+        run_schedule: Callable[..., Any],
+    ) -> list[dict[str, Any]]:
+        """The update in one tree pass with verl's loss inside (verl_onepass.py), then verl's post-processing on
+        the pass's own values for verl's outputs and metrics (no model work)."""
+        objective = one_pass_objective(
+            model_chunk,
+            unwrap(model_chunk).config,
+            postprocess,
+            micro_batches,
+            slots,
+            entropy=entropy,
+            value_model=self.value_model,
+        )
+        opts = dataclasses.replace(opts, keep_logprobs=True, keep_entropy=entropy)
+        res = self._gradient_pass(model_chunk, slots, objective, opts, run_schedule)
+        device = next(model_chunk.parameters()).device
+        ent_tok = res.target_entropy if entropy else None
+        outputs, _, _ = self._verl_postprocess(
+            postprocess, micro_batches, slots, res.target_logprobs, ent_tok, device, forward_only=True
+        )
+        return outputs
 
     def _verl_postprocess(
         self,
@@ -197,12 +277,11 @@ class VerlTreeStep:
             lp = slots.nested(k, logp_tok, dtype=torch.float32, device=device).requires_grad_(
                 not forward_only
             )
-            model_output = {"log_probs": slots.as_nested(k, lp)}
             ent = None
             if ent_tok is not None:
                 ent = slots.nested(k, ent_tok, dtype=torch.float32, device=device)
                 ent.requires_grad_(not forward_only)
-                model_output["entropy"] = slots.as_nested(k, ent)
+            model_output = verl_model_output(slots, k, lp, ent, value_model=self.value_model)
             with torch.enable_grad():
                 result = postprocess(model_output, data=mb)
             loss, out, tokens = scale_micro_batch_loss(
@@ -227,28 +306,28 @@ class VerlTreeStep:
         self,
         model_chunk: torch.nn.Module,
         slots: TreeSlots,
-        G: torch.Tensor,
-        H: torch.Tensor | None,
+        objective: Any,
         opts: Any,
         run_schedule: Callable[..., Any],
-    ) -> None:
-        """One training pass of the tree with J = sum G logp + H entropy; then megatron's finalize_model_grads,
-        exactly where megatron's schedule calls it (DDP reduction over dp, SP norm grads over TP)."""
+    ) -> Any:
+        """One training pass of the tree with `objective` (two-pass: J = sum G logp + H entropy; one pass: verl's
+        loss itself, verl_onepass.py); then megatron's finalize_model_grads, exactly where megatron's schedule
+        calls it (DDP reduction over dp, SP norm grads over TP). Returns the schedule's StepResult."""
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         from megatron_branch.parallel import lockstep
 
         config = unwrap(model_chunk).config
-        objective = LinearSlotObjective(G=G, H=H if H is not None and bool(H.any()) else None)
         no_sync = config.no_sync_func or contextlib.nullcontext
         with no_sync(), lockstep.region(model_chunk):  # EP across DP replicas: calls pair up
-            run_schedule(self.options.schedule, model_chunk, slots.tree, objective, opts)
+            result = run_schedule(self.options.schedule, model_chunk, slots.tree, objective, opts)
         if config.finalize_model_grads_func is not None:
             config.finalize_model_grads_func(
                 [model_chunk],
                 self.num_tokens if config.calculate_per_token_loss else None,
                 pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
             )
+        return result
 
     def _add_metrics(self, outputs: list[dict[str, Any]], slots: TreeSlots, split: int) -> None:
         """positions logical / computed of this rank's tree and the prompts shared with another DP rank, on the

@@ -233,6 +233,10 @@ def row_logprobs(
     with attach_context(model, ctx):
         logits = model(ids, pos, None)  # [1, s, v]
     picked = logits[0].index_select(0, rows)  # [m, v]
+    if getattr(
+        base, "is_critic", False
+    ):  # megatron's GPTModel with a one-output value head (verl's value model)
+        return picked[:, 0].float(), None  # [m]: the value at each row (its head is float32 already)
     logp = vocab_parallel_logprobs(picked, targets, vocab_size=opts.vocab_size, tp_group=opts.tp_group)
     ent = (
         vocab_parallel_entropy(picked, vocab_size=opts.vocab_size, tp_group=opts.tp_group)

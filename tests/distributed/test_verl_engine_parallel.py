@@ -17,6 +17,8 @@ import torch.distributed as dist
 pytest.importorskip("verl", reason="the verl extra is not installed (make setup-verl)")
 
 from verl_helpers import (  # noqa: E402
+    actor_config,
+    critic_config,
     dp_share,
     grpo_batch,
     make_worker,
@@ -58,3 +60,61 @@ def test_verl_engine_switch_parallel(tp: int, multi_turn: bool) -> None:
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
         assert tree.metrics["tree/positions_computed"][0] < tree.metrics["tree/positions_logical"][0]
         assert tree.metrics["tree/prompts_split_over_dp"][0] == 0  # whole groups per rank (prompts % DP == 0)
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-sum"])
+def test_verl_one_pass_global_normalisers_dp2(agg: str) -> None:
+    """DP2: verl's loss normalised by the GLOBAL counts (all-reduced over DP by verl) inside the one-pass update:
+    every gradient shard equals verl's and the two-pass path's."""
+    from megatron_branch.integration.verl import BranchOptions
+
+    os.environ.setdefault("MASTER_PORT", "0")
+    hf = shared_policy_dir()
+
+    def td():
+        return dp_share(grpo_batch(seed=10, groups=4), dist.get_rank(), 2)
+
+    actor = actor_config(loss_agg_mode=agg)
+    set_switch(False)
+    base = run_step(make_worker(hf), td, actor=actor)
+    set_switch(True)
+    runs = []
+    for one_pass in (True, False):
+        worker = make_worker(hf)
+        worker.engine.branch_options = BranchOptions(one_pass=one_pass)
+        runs.append(run_step(worker, td, actor=actor))
+    set_switch(False)
+    assert [r.metrics["tree/update_passes"][0] for r in runs] == [1, 2]
+    for got in runs:
+        err, name = max_rel_grad_error(base.grads, got.grads)
+        assert err <= 1e-5, f"{agg} rank {dist.get_rank()} {name}: {err:.2e}"
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
+def test_verl_critic_switch_parallel(tp: int) -> None:
+    """PPO's critic (verl's value model, its one-output head replicated over TP, the sequence gathered under SP):
+    compute_values and every gradient shard equal at fp32 1e-5, with and without the switch."""
+    os.environ.setdefault("MASTER_PORT", "0")
+    hf = shared_policy_dir()
+    dp = dist.get_world_size() // tp
+    rank = dist.get_rank() // tp
+
+    def td():
+        return dp_share(grpo_batch(seed=9, groups=4, critic=True), rank, dp)
+
+    set_switch(False)
+    base = run_step(make_worker(hf, tp=tp, value=True), td, critic=critic_config(ppo_mini_batch_size=16))
+    set_switch(True)
+    tree = run_step(make_worker(hf, tp=tp, value=True), td, critic=critic_config(ppo_mini_batch_size=16))
+    set_switch(False)
+    assert tree.engine.startswith("BranchReplay") and not base.engine.startswith("BranchReplay")
+    if base.log_probs is not None:  # the values, on the collecting rank of each DP replica
+        torch.testing.assert_close(tree.log_probs, base.log_probs, rtol=1e-5, atol=1e-5)
+    err, name = max_rel_grad_error(base.grads, tree.grads)
+    assert err <= 1e-5, f"critic tp={tp} rank {dist.get_rank()} {name}: {err:.2e}"
+    if base.metrics:
+        got, want = float(tree.metrics["critic/vf_loss"][0]), float(base.metrics["critic/vf_loss"][0])
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+        assert tree.metrics["tree/update_passes"][0] == 1

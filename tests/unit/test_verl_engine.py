@@ -25,39 +25,14 @@ from verl_helpers import (  # noqa: E402
     infer,
     make_worker,
     max_rel_grad_error,
+    one_rank_world,
     run_step,
     set_switch,
-    write_tiny_policy,
 )
 
 pytestmark = pytest.mark.slow
 
-
-@pytest.fixture(scope="module")
-def single_process(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A one-rank gloo group (verl's engine needs torch.distributed) and the tiny policy."""
-    import os
-
-    import torch.distributed as dist
-
-    from megatron_branch.parallel.groups import destroy_parallel, init_distributed
-
-    init_distributed()  # a world of one
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # verl's Worker reads them (the group above already exists)
-    try:
-        yield write_tiny_policy(tmp_path_factory.mktemp("verl") / "hf")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        set_switch(False)
-        destroy_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+single_process = pytest.fixture(scope="module", name="single_process")(one_rank_world)
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +99,10 @@ def test_dynamic_batch_size_and_temperature(single_process: str) -> None:
 
 
 def test_planted_bug_dropped_entropy_gradient_is_caught(single_process: str, both: tuple) -> None:
-    """The same comparison fails when the entropy term's gradient is dropped from the tree pass."""
+    """The same comparison fails when the entropy term's gradient is dropped from the two-pass path's gradient
+    pass (the one-pass path's planted bugs: test_verl_onepass.py)."""
     from megatron_branch.integration import verl_batch
+    from megatron_branch.integration.verl import BranchOptions
 
     base, _ = both
     orig = verl_batch.LinearSlotObjective.bind
@@ -136,7 +113,9 @@ def test_planted_bug_dropped_entropy_gradient_is_caught(single_process: str, bot
     verl_batch.LinearSlotObjective.bind = without_entropy  # type: ignore[method-assign]
     try:
         set_switch(True)
-        bad = run_step(make_worker(single_process), lambda: grpo_batch(seed=0))
+        worker = make_worker(single_process)
+        worker.engine.branch_options = BranchOptions(one_pass=False)
+        bad = run_step(worker, lambda: grpo_batch(seed=0))
     finally:
         verl_batch.LinearSlotObjective.bind = orig  # type: ignore[method-assign]
         set_switch(False)
