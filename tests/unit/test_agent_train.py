@@ -42,7 +42,7 @@ def agent_cfg(out: Path, *overrides: str):  # noqa: ANN201
 
 @pytest.mark.slow
 def test_agent_config_naive_equals_replay_and_resumes_exactly(tmp_path: Path) -> None:
-    runs = {s: _run(agent_cfg(tmp_path / s, f"schedule.name={s}", "trainer.total_training_steps=4"))
+    runs = {s: _run(agent_cfg(tmp_path / s, f"schedule.name={s}", "trainer.total_training_steps=5"))
             for s in ("replay", "naive")}  # fmt: skip
     (ref, mref), (naive, mnaive) = runs["replay"], runs["naive"]
     calls = sum(m["multi_turn/tool_calls_mean"] for m in mref)
@@ -57,9 +57,9 @@ def test_agent_config_naive_equals_replay_and_resumes_exactly(tmp_path: Path) ->
     first, m1 = _run(agent_cfg(tmp_path / "part", "trainer.total_training_steps=3"))
     first.save()
     again, m2 = _run(
-        agent_cfg(tmp_path / "part", "trainer.total_training_steps=4", "trainer.resume_mode=auto")
+        agent_cfg(tmp_path / "part", "trainer.total_training_steps=5", "trainer.resume_mode=auto")
     )
-    assert again.step == 4 and len(m2) == 1
+    assert again.step == 5 and len(m2) == 2
     for x, y in zip(mref, m1 + m2, strict=True):
         assert x["_tokens"] == y["_tokens"] and abs(x["loss"] - y["loss"]) <= 1e-9, x["step"]
     assert _max_rel(_params(ref), _params(again)) < 1e-9
