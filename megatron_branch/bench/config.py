@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from megatron_branch.data.random_trees import check_turn_tree
 from megatron_branch.errors import UserError
 from megatron_branch.models import ModelArch
 from megatron_branch.precision import dtype_table
@@ -216,24 +217,10 @@ class BenchConfig:
             raise UserError(f"--branches {max(self.branches)} exceeds --vocab {self.model.vocab_size}")
 
     def _check_turns(self) -> None:
-        t, at = self.turns, list(self.branch_at_turns)
-        if t < 0 or self.observation < 0:
-            raise UserError(f"--turns {t} / --observation-length {self.observation} must be >= 0")
-        if not t:
-            if self.observation or at:
-                raise UserError("--observation-length and --branch-at-turns describe turns: give --turns")
-            return
-        if self.levels > 1:
+        check_turn_tree(turns=self.turns, observation=self.observation, branch_at_turns=self.branch_at_turns,
+                        leaves=self.branches, leaves_flag="--branches")  # fmt: skip
+        if self.turns and self.levels > 1:
             raise UserError("--levels and --turns both shape the response tree: use one or the other")
-        if at != sorted(set(at)) or any(not 0 < k < t for k in at):
-            raise UserError(
-                f"--branch-at-turns must be strictly increasing turns in (0, --turns {t}), got {at}"
-            )
-        bad = [g for g in self.branches if g % 2 ** len(at)]
-        if bad:
-            raise UserError(
-                f"--branches {bad[0]} must be divisible by 2 ** len(--branch-at-turns) = {2 ** len(at)}"
-            )
 
     @property
     def response_tokens(self) -> int:

@@ -42,6 +42,20 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def add_turn_flags(p: argparse.ArgumentParser) -> None:
+    """The agentic tree description (data/random_trees.py agentic_tree_rollouts), one spelling for bench and plan;
+    its rules: random_trees.check_turn_tree."""
+    p.add_argument(
+        "--turns", type=int, default=None, help="an agentic tree: policy turns of --response tokens"
+    )
+    p.add_argument(
+        "--observation-length", type=int, default=None, help="tokens of each tool output (loss_mask 0)"
+    )
+    p.add_argument(
+        "--branch-at-turns", type=_ints, default=None, help="fork in 2 after these turns, e.g. 2,4"
+    )
+
+
 def add_bench_command(sub: Any) -> None:
     from megatron_branch.bench.config import PRESETS
 
@@ -56,15 +70,7 @@ def add_bench_command(sub: Any) -> None:
     p.add_argument("--branches", type=_ints, default=None, help="responses per prompt G, e.g. 8 or 4,8,16,32")
     p.add_argument("--response", type=int, default=None, help="tokens per response S")
     p.add_argument("--levels", type=int, default=None, help="levels of the response tree (1: G leaves)")
-    p.add_argument(
-        "--turns", type=int, default=None, help="an agentic tree: policy turns of --response tokens"
-    )
-    p.add_argument(
-        "--observation-length", type=int, default=None, help="tokens of each tool output (loss_mask 0)"
-    )
-    p.add_argument(
-        "--branch-at-turns", type=_ints, default=None, help="fork in 2 after these turns, e.g. 2,4"
-    )
+    add_turn_flags(p)
     for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "experts", "top-k", "expert-ffn"):
         p.add_argument(f"--{name}", type=int, default=None, help=f"model {name}")
     p.add_argument("--tie", action="store_true", default=None, help="tie embedding and output layer")

@@ -6,10 +6,14 @@
         [--node-link-gbps B] [--tp N --cp N --pp N --dp N --recompute none|selective|full] [--ep N]
         [--optimizer plain|distributed] [--offload-fraction F] [--branch-micro-batch B] [--root-pieces K|auto]
         [--schedule replay|packed|naive] [--json]
+        [--turns T [--observation-length O] [--branch-at-turns 2,4]]
 
 A mixture-of-experts model (qwen3-30b-a3b, or a Qwen3-MoE / Mixtral / Qwen2-MoE config.json) adds expert
 parallelism (--ep, searched when not given), its expert parameters per EP rank, the dispatcher's buffers and the
 top-k experts' FLOPs.
+An agentic tree (--turns: --response-length tokens per policy turn, the bench's description, plan/agentic.py)
+adds its exact positions, FLOPs naive vs tree and replay's one-rank peak for it (`turn_tree` in the JSON); the
+layout search and memory per rank stay the flat shape's (prompt + G leaves of the whole response).
 With --json the last stdout line is one JSON object: fits, layout {tp, cp, dp, pp, recompute} (+ ep for MoE),
 memory_bytes_per_rank (one key per term and total), flops {naive, replay, ratio, ...}, step_time_s, optimizer
 {name, use_distributed_optimizer, optimizer_cpu_offload, optimizer_offload_fraction}, host_memory_bytes_per_node,
@@ -28,7 +32,9 @@ import dataclasses
 import json
 from typing import Any
 
-from megatron_branch.plan.model import GPU_PRESETS, MODEL_PRESETS, RECOMPUTE, RolloutShape, load_model
+from megatron_branch.commands.bench import add_turn_flags
+from megatron_branch.errors import UserError
+from megatron_branch.plan.model import GPU_PRESETS, MODEL_PRESETS, RECOMPUTE, Layout, RolloutShape, load_model
 from megatron_branch.plan.result import HOST_TERMS, TERMS_IN_TOTAL, Plan
 from megatron_branch.plan.search import SCHEDULES, plan, what_would_fit
 
@@ -44,6 +50,9 @@ def add_plan_command(sub: Any) -> None:
     p.add_argument("--response-length", type=int, required=True)
     p.add_argument("--prompts", type=int, default=1, help="prompt groups per step (default 1)")
     p.add_argument("--shared-response-length", type=int, default=0)
+    add_turn_flags(
+        p
+    )  # an agentic tree (the bench's description): --response-length is each policy turn's tokens
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--gpu", choices=list(GPU_PRESETS), required=True)
     p.add_argument("--gpu-memory-gb", type=float, help="override the preset's memory (GB)")
@@ -129,13 +138,14 @@ def run_plan(args: argparse.Namespace) -> int:
     }
     if overrides:
         gpu = dataclasses.replace(gpu, name=f"{gpu.name}*", **overrides)
-    shape = RolloutShape(
+    tree = turn_tree(args)
+    shape = tree.flat() if tree else RolloutShape(
         prompt_length=args.prompt_length,
         responses=args.responses,
         response_length=args.response_length,
         prompts=args.prompts,
         shared_response_length=args.shared_response_length,
-    )
+    )  # fmt: skip
     kw = {
         "branch_micro_batch": args.branch_micro_batch,
         "root_pieces": args.root_pieces,
@@ -166,11 +176,80 @@ def run_plan(args: argparse.Namespace) -> int:
     if not p.fits:
         out["would_fit_with"] = what_would_fit(p, **kw)
     print(render(p, out.get("would_fit_with", [])))
+    if tree is not None:
+        out["turn_tree"] = turn_tree_report(tree, p)
+        print(render_turn_tree(out["turn_tree"]))
     if choice is not None:
         print(f"schedule auto: {choice.schedule} ({choice.reason})")
     if args.json:
         print(json.dumps(out, sort_keys=True))
     return 0 if p.fits else NO_FIT
+
+
+def turn_tree(args: argparse.Namespace) -> Any:
+    """The agentic tree the flags describe (plan/agentic.py TurnTreeShape), or None without --turns."""
+    from megatron_branch.data.random_trees import check_turn_tree
+    from megatron_branch.plan.agentic import TurnTreeShape
+
+    turns, obs, at = args.turns or 0, args.observation_length or 0, args.branch_at_turns or ()
+    check_turn_tree(turns=turns, observation=obs, branch_at_turns=at, leaves=(args.responses,),
+                    leaves_flag="--responses")  # fmt: skip
+    if not turns:
+        return None
+    if args.shared_response_length:
+        raise UserError(
+            "--shared-response-length and --turns both shape the response tree: use one or the other"
+        )
+    RolloutShape(
+        prompt_length=args.prompt_length,
+        responses=args.responses,
+        response_length=args.response_length,
+        prompts=args.prompts,
+    )  # fmt: skip  (the positive-size rules, in plan's words)
+    return TurnTreeShape(prompt_length=args.prompt_length, responses=args.responses, turn_length=args.response_length,
+                         turns=turns, observation=obs, branch_at_turns=tuple(at), prompts=args.prompts)  # fmt: skip
+
+
+def turn_tree_report(tree: Any, p: Plan) -> dict[str, Any]:
+    """The agentic tree's JSON: its description, exact positions, FLOPs naive vs tree."""
+    from megatron_branch.plan.agentic import turn_tree_flops, turn_tree_replay_saved
+    from megatron_branch.plan.memory import step_peak
+
+    logical, computed = tree.positions
+    replay = None
+    if not (p.arch.is_hybrid or p.arch.is_moe):  # the tree's replay peak: one rank's walk (tp = cp = pp = 1)
+        kw = dict(act_bytes=2 if p.dtype == "bf16" else 4, branch_micro_batch=p.branch_micro_batch,
+                  segment_recompute=p.layout.recompute != "none")  # fmt: skip
+        flat = step_peak(p.arch, tree.flat(), Layout(), layer_recompute=False, **kw).saved
+        replay = {"tree": turn_tree_replay_saved(p.arch, tree, **kw), "flat": flat, **kw}
+    return {
+        "replay_saved_bytes_one_rank": replay,
+        "turns": tree.turns, "observation_length": tree.observation, "branch_at_turns": list(tree.branch_at_turns),
+        "turn_length": tree.turn_length, "positions_logical": logical, "positions_computed": computed,
+        "flops": turn_tree_flops(p.arch, tree),
+        "memory_model": "flat: prompt + G leaves of the whole response (the turn tree's sharing below the prompt "
+        "is not modelled in the layout search, memory, step time or the FLOPs line above; its memory an upper bound "
+        "as observed on CPU trees, not proven)",
+    }  # fmt: skip
+
+
+def render_turn_tree(t: dict[str, Any]) -> str:
+    fl = t["flops"]
+    return "\n".join([
+        f"agentic tree: {t['turns']} turns of {t['turn_length']} + observations of {t['observation_length']}, forks "
+        f"after turns {t['branch_at_turns']}: positions logical {t['positions_logical']:,}, computed "
+        f"{t['positions_computed']:,} ({t['positions_logical'] / t['positions_computed']:.2f}x)",
+        f"agentic tree FLOPs per step (no recompute): naive {fl['naive']:.3e}, tree (packed, replay) {fl['tree']:.3e}; "
+        f"naive / tree = {fl['ratio']:.2f}x",
+        *(
+            [f"agentic tree replay saved-for-backward peak on one rank (tp 1 x cp 1 x pp 1, segment recompute "
+             f"{r['segment_recompute']}, branch micro-batch {r['branch_micro_batch']}): tree {r['tree'] / 1e9:.2f} GB, "
+             f"flat {r['flat'] / 1e9:.2f} GB"]
+            if (r := t["replay_saved_bytes_one_rank"]) else
+            ["agentic tree replay memory: dense attention models only (hybrid / MoE not modelled)"]
+        ),
+        f"note: the layout, memory, FLOPs and step time above are for the {t['memory_model']}",
+    ])  # fmt: skip
 
 
 def _gb(b: float) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 from megatron_branch.data.rollouts import Rollout
+from megatron_branch.errors import UserError
 
 
 def random_tree_rollouts(
@@ -95,6 +96,58 @@ def agentic_tree_rollouts(
     ]
 
 
+def check_turn_tree(
+    *,
+    turns: int,
+    observation: int,
+    branch_at_turns: tuple[int, ...],
+    leaves: tuple[int, ...],
+    leaves_flag: str,
+) -> None:
+    """The agentic tree description's rules (bench and plan: one home), in the flags' names; `leaves`: the G values
+    (given as `leaves_flag`)."""
+    at = list(branch_at_turns)
+    if turns < 0 or observation < 0:
+        raise UserError(f"--turns {turns} / --observation-length {observation} must be >= 0")
+    if not turns:
+        if observation or at:
+            raise UserError("--observation-length and --branch-at-turns describe turns: give --turns")
+        return
+    if at != sorted(set(at)) or any(not 0 < k < turns for k in at):
+        raise UserError(
+            f"--branch-at-turns must be strictly increasing turns in (0, --turns {turns}), got {at}"
+        )
+    bad = [g for g in leaves if g % 2 ** len(at)]
+    if bad:
+        raise UserError(
+            f"{leaves_flag} {bad[0]} must be divisible by 2 ** len(--branch-at-turns) = {2 ** len(at)}"
+        )
+
+
+def agentic_segments(
+    *,
+    prompt_len: int,
+    n: int,
+    turns: int,
+    turn_len: int,
+    observation_len: int,
+    branch_at_turns: tuple[int, ...] = (),
+    branch_factor: int = 2,
+) -> list[tuple[int, int, int]]:
+    """The levels of `agentic_tree_rollouts`' tree, root first: (start, length, width) = the level's segments begin
+    after `start` tokens (their ancestors' keys), are `length` tokens long, and there are `width` of them. The
+    prompt is one segment; each span between forks (turns and observations) one level, `branch_factor` x wider
+    than the one above."""
+    at = sorted(set(branch_at_turns))
+    length = turns * turn_len + (turns - 1) * observation_len
+    bounds = [0, *(t * (turn_len + observation_len) for t in at), length]
+    levels, width = [(0, prompt_len, 1)], n // branch_factor ** len(at)
+    for lo, hi in zip(bounds, bounds[1:]):
+        levels.append((prompt_len + lo, hi - lo, width))
+        width *= branch_factor
+    return levels
+
+
 def agentic_positions(
     *,
     prompt_len: int,
@@ -107,11 +160,9 @@ def agentic_positions(
 ) -> tuple[int, int]:
     """(logical, computed) positions of `agentic_tree_rollouts`' tree, by counting: every leaf its whole sequence
     vs the prompt once plus each tree level's tokens once per branch at that level."""  # fmt: skip
-    at = sorted(set(branch_at_turns))
+    levels = agentic_segments(
+        prompt_len=prompt_len, n=n, turns=turns, turn_len=turn_len, observation_len=observation_len,
+        branch_at_turns=branch_at_turns, branch_factor=branch_factor,
+    )  # fmt: skip
     length = turns * turn_len + (turns - 1) * observation_len
-    bounds = [0, *(t * (turn_len + observation_len) for t in at), length]
-    width, computed = n // branch_factor ** len(at), prompt_len
-    for lo, hi in zip(bounds, bounds[1:]):
-        computed += width * (hi - lo)
-        width *= branch_factor
-    return n * (prompt_len + length), computed
+    return n * (prompt_len + length), sum(size * width for _, size, width in levels)

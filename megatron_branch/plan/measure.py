@@ -68,12 +68,14 @@ def measure_step(
     recompute_layers: bool = False,
     count_flops: bool = False,
     seed: int = 0,
+    rollouts: list[Rollout] | None = None,
     **parallel: Any,
 ) -> Measured:
-    """One step of `schedule` over `shape`'s rollouts with the meter on (grads accumulate into `model`)."""
+    """One step of `schedule` over `shape`'s rollouts with the meter on (grads accumulate into `model`); `rollouts`:
+    these instead (an agentic tree's, plan/agentic.py)."""
     from megatron_branch.schedule import prefix_cache as cache_module  # where replay registers its cache
 
-    rollouts = shape_rollouts(shape, vocab, seed)
+    rollouts = shape_rollouts(shape, vocab, seed) if rollouts is None else rollouts
     tree = PrefixTree.build(rollouts, vocab_size=vocab)
     obj = PolicyGradientObjective.grpo([r.advantage for r in rollouts], tree.num_response_tokens_logical())
     sched = ScheduleConfig(branch_micro_batch=branch_micro_batch, recompute=recompute,
