@@ -15,14 +15,17 @@ from typing import Any
 import torch
 
 from megatron_branch.errors import UserError
+from megatron_branch.models.arch_checks import (
+    LAYER_TYPES,  # noqa: F401  (re-exported: HF's token-mixer names)
+    check_expert_parallel,
+    check_layer_types,
+    check_moe_fields,
+    check_tensor_parallel,
+)
 from megatron_branch.models.families import arch_fields_from_hf, families, get_family, hf_config_of
 from megatron_branch.models.mla import check_mla
-from megatron_branch.models.router_settings import check_router
 from megatron_branch.models.transformer_config import transformer_config_of
 from megatron_branch.rules import check_hybrid_run
-
-LAYER_TYPES = ("full_attention", "linear_attention")
-"""HF's names for the two kinds of token mixer (Qwen3.5 `layer_types`)."""
 
 
 @dataclass(kw_only=True)
@@ -178,41 +181,14 @@ class ModelArch:
             )
         if self.mrope_section is not None:
             self.mrope_section = tuple(int(x) for x in self.mrope_section)
-        self._check_layer_types()
-        self._check_moe()
+        check_layer_types(self)  # models/arch_checks.py
+        check_moe_fields(self)
         if self.multi_latent:
             check_mla(self)  # models/mla.py
         if self.hybrid_override_pattern is not None or "mamba" in get_family(self.family).layer_kinds:
             from megatron_branch.models.mamba_arch import check_mamba_arch
 
             check_mamba_arch(self)
-
-    def _check_moe(self) -> None:
-        if get_family(self.family).moe and self.num_experts <= 0:
-            raise ValueError(f"family {self.family} needs num_experts > 0")
-        if self.num_experts <= 0:
-            if self.moe_layer_pattern is not None or self.shared_expert_ffn_hidden_size:
-                raise ValueError("moe_layer_pattern / shared experts need num_experts > 0")
-            return
-        if not 0 < self.moe_top_k <= self.num_experts:
-            raise ValueError(
-                f"num_experts_per_tok={self.moe_top_k} must be in [1, num_experts={self.num_experts}]"
-            )
-        if self.moe_ffn_hidden_size <= 0:
-            raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_ffn_hidden_size}")
-        if self.moe_layer_pattern is not None:
-            self.moe_layer_pattern = tuple(int(x) for x in self.moe_layer_pattern)  # a JSON list
-            if len(self.moe_layer_pattern) != self.num_layers or set(self.moe_layer_pattern) - {0, 1}:
-                raise ValueError(
-                    f"moe_layer_pattern must hold one 0/1 per layer ({self.num_layers}), got {self.moe_layer_pattern}"
-                )
-            if all(self.moe_layer_pattern):
-                self.moe_layer_pattern = None  # one canonical form: every layer MoE
-            elif not any(self.moe_layer_pattern):
-                raise ValueError("moe_layer_pattern has no MoE layer (mlp_only_layers lists every layer)")
-        if self.shared_expert_gate and not self.shared_expert_ffn_hidden_size:
-            raise ValueError("shared_expert_gate needs a shared expert (shared_expert_intermediate_size > 0)")
-        check_router(self)  # models/router_settings.py
 
     # --- mixture of experts ---------------------------------------------------------------------------------------
     @property
@@ -235,54 +211,7 @@ class ModelArch:
 
     def check_expert_parallel(self, ep: int, *, tp: int = 1) -> None:
         """Refuse, in one line, an expert-parallel size the model cannot be split over."""
-        if ep <= 0:
-            raise UserError(f"expert parallel size must be positive, got {ep}")
-        if ep > 1 and not self.is_moe:
-            raise UserError(
-                f"expert parallel size {ep} needs a mixture-of-experts model ({self.family} is dense)"
-            )
-        if self.num_experts % ep:
-            raise UserError(f"expert parallel size {ep} does not divide num_experts={self.num_experts}")
-        if self.is_moe and self.moe_ffn_hidden_size % tp:
-            # the experts are split over TP (megatron's expert_tensor_parallel_size = tensor_model_parallel_size)
-            raise UserError(
-                f"tensor parallel size {tp} does not divide moe_intermediate_size={self.moe_ffn_hidden_size}"
-            )
-        if self.shared_expert_ffn_hidden_size % tp:
-            raise UserError(
-                f"tensor parallel size {tp} does not divide shared_expert_intermediate_size="
-                f"{self.shared_expert_ffn_hidden_size}"
-            )
-
-    def _check_layer_types(self) -> None:
-        if self.layer_types is None:
-            return
-        self.layer_types = tuple(self.layer_types)  # a JSON list from megatron_branch.json
-        if len(self.layer_types) != self.num_layers:
-            raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries for num_hidden_layers={self.num_layers}"
-            )
-        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
-        if bad:
-            raise ValueError(f"layer type {bad[0]!r} is not supported; supported: {', '.join(LAYER_TYPES)}")
-        if not self.is_hybrid:
-            return
-        for name in (
-            "linear_conv_kernel_dim",
-            "linear_key_head_dim",
-            "linear_value_head_dim",
-            "linear_num_key_heads",
-            "linear_num_value_heads",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(
-                    f"{name} must be positive for linear-attention layers, got {getattr(self, name)}"
-                )
-        if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ValueError(
-                f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
-                f"linear_num_key_heads={self.linear_num_key_heads}"
-            )
+        check_expert_parallel(self, ep, tp=tp)  # models/arch_checks.py
 
     # --- layer kinds ----------------------------------------------------------------------------------------------
     @property
@@ -363,30 +292,8 @@ class ModelArch:
         return -(-self.vocab_size // m) * m
 
     def check_tensor_parallel(self, tp: int) -> None:
-        if tp <= 0:
-            raise UserError(f"tensor parallel size must be positive, got {tp}")
-        if self.num_attention_heads % tp:
-            raise UserError(
-                f"tensor parallel size {tp} does not divide num_attention_heads={self.num_attention_heads}"
-            )
-        if self.num_query_groups % tp and tp % self.num_query_groups:
-            raise UserError(
-                f"tensor parallel size {tp} and num_key_value_heads={self.num_query_groups}: one must divide the other"
-            )
-        if self.ffn_hidden_size % tp and not (self.is_moe and not self.has_dense_mlp_layers):
-            raise UserError(
-                f"tensor parallel size {tp} does not divide intermediate_size={self.ffn_hidden_size}"
-            )
-        if self.is_moe:
-            self.check_expert_parallel(1, tp=tp)
-        if self.hybrid_override_pattern is not None:
-            from megatron_branch.models.mamba_arch import check_mamba_tensor_parallel
-
-            check_mamba_tensor_parallel(self, tp)
-        if self.is_hybrid:  # megatron's GatedDeltaNet splits both head counts over TP (transformer_config.py)
-            for name in ("linear_num_key_heads", "linear_num_value_heads"):
-                if getattr(self, name) % tp:
-                    raise UserError(f"tensor parallel size {tp} does not divide {name}={getattr(self, name)}")
+        """Refuse, in one line, a tensor-parallel size the model cannot be split over (models/arch_checks.py)."""
+        check_tensor_parallel(self, tp)
 
     def to_transformer_config(
         self,

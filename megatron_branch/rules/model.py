@@ -1,0 +1,168 @@
+"""The model's rules: a hybrid's (gated delta net, Mamba-2) schedules and CP split, the mixture-of-experts rules,
+what verl's engine can run inside it, and what the planner can price.
+
+The rules are listed in the package doc (megatron_branch/rules/__init__.py); `check_model` there runs them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_branch.errors import SettingError
+from megatron_branch.rules.schedule import check_hybrid_schedule
+
+
+def gdn_context_parallel_sizes(*, key_heads: int, value_heads: int, tp: int) -> list[int]:
+    """CP sizes whose head blocks split a gated delta net layer on a TP rank (the rule below)."""
+    nk, nv = key_heads // tp, value_heads // tp
+    return [c for c in range(1, nv + 1) if nv % c == 0 and (nk % c == 0 or c % nk == 0)]
+
+
+def check_hybrid_run(arch: Any, schedule: str, *, cp: int = 1, tp: int = 1) -> None:
+    """A hybrid (gated delta net or Mamba-2) model's rules read off its arch (a models.ModelArch): its schedules
+    and the CP split of its GDN heads, Mamba's CP refusal; nothing for a model without such layers."""
+    check_mamba_run(arch, schedule, cp=cp)
+    if not arch.is_hybrid:
+        return
+    check_hybrid_schedule(
+        schedule, model=f"{arch.family}, {arch.num_linear_layers} of {arch.num_layers} layers gated delta net"
+    )
+    check_gdn_context_parallel(
+        key_heads=arch.linear_num_key_heads, value_heads=arch.linear_num_value_heads, tp=tp, cp=cp
+    )
+
+
+def check_mamba_run(arch: Any, schedule: str, *, cp: int = 1) -> None:
+    """A Mamba-2 hybrid (Nemotron-H: hybrid_override_pattern with "M" layers): the recurrent schedules, and no
+    context parallelism yet (its SSM scan over a tree segment needs every row of the path on one rank; a head
+    exchange like the gated delta net's, models/gdn_heads.py, is not built for it)."""
+    pattern = getattr(arch, "hybrid_override_pattern", None) or ""
+    if "M" not in pattern:
+        return
+    check_hybrid_schedule(
+        schedule, model=f"{arch.family}, {pattern.count('M')} of {len(pattern)} layers Mamba-2"
+    )
+    if cp > 1:
+        raise SettingError(
+            lambda s: (
+                f"{s.value('cp', cp)}: context parallelism cannot run a Mamba-2 hybrid yet (a segment's SSM scan "
+                f"needs every row of its path on one rank; no head exchange is built for Mamba); use "
+                f"{s.value('cp', 1)}"
+            )
+        )
+
+
+def check_gdn_context_parallel(*, key_heads: int, value_heads: int, tp: int, cp: int) -> None:
+    """Refuse a CP size the head exchange cannot split a hybrid's gated delta net layers over: each CP rank runs a
+    block of value heads with the key heads they read (whole key heads, or one key head shared by cp / key heads
+    ranks), as megatron-core's Mamba context parallelism splits Mamba heads and groups."""
+    if cp <= 1 or tp <= 0 or key_heads % tp or value_heads % tp:
+        return  # the TP split itself is the model's rule (ModelArch.check_tensor_parallel)
+    ok = gdn_context_parallel_sizes(key_heads=key_heads, value_heads=value_heads, tp=tp)
+    if cp in ok:
+        return
+    nk, nv = key_heads // tp, value_heads // tp
+    raise SettingError(
+        lambda s: (
+            f"{s.value('cp', cp)} cannot split the hybrid's gated delta net heads: a TP rank holds {nk} key / {nv} "
+            f"value heads ({s.value('tp', tp)}) and each CP rank runs a block of them over the whole chunk, which "
+            f"needs the value heads divisible by the CP size and the key heads divisible by it or dividing it; use "
+            f"{s.name('cp')} in {', '.join(map(str, ok))}"
+        )
+    )
+
+
+def check_moe_run(
+    schedule: str,
+    *,
+    moe: bool,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    ep: int = 1,
+    router_settings: bool = False,
+    capacity_factor: float | None = None,
+) -> None:
+    """The mixture-of-experts rules (see the module doc). `moe`: the model has MoE layers; `router_settings`:
+    router losses or routing replay were asked for. A SettingError, command-line wording."""
+    if not moe:
+        if ep > 1 or router_settings or capacity_factor is not None:
+            raise SettingError(
+                lambda s: (
+                    f"{s.name('ep')} / {s.name('moe')} need a mixture-of-experts model (this one is dense: it has "
+                    "no router)"
+                )
+            )
+        return
+    if tp > 1 and not sequence_parallel:
+        raise SettingError(
+            lambda s: (
+                f"a mixture-of-experts model at {s.value('tp', tp)} needs {s.name('sequence_parallel')} (megatron's "
+                "MoELayer trains tensor-parallel experts only with sequence parallelism)"
+            )
+        )
+    if capacity_factor is not None:
+        if not capacity_factor > 0:
+            raise SettingError(
+                lambda s: f"{s.name('capacity_factor')} must be positive, got {capacity_factor}"
+            )
+        if schedule != "naive":
+            raise SettingError(
+                lambda s: (
+                    f"{s.value('capacity_factor', capacity_factor)}: token dropping is not exact under sharing (an "
+                    f"expert's capacity depends on which tokens share its batch); {s.value('schedule', schedule)} "
+                    "refuses it, use dropless routing or the naive schedule"
+                )
+            )
+
+
+def check_verl_model(
+    *,
+    attention_variant: str | None = None,
+    multi_latent_attention: bool = False,
+    rotary_interleaved: bool = False,
+    moe_reason: str | None = None,
+) -> None:
+    """Refuse a model verl's engine built that branch replay cannot run inside it (see the module doc): the
+    fields of megatron's TransformerConfig. A SettingError; the settings are the model's, not a flag's."""
+    where = "branch replay in verl's engine"
+    if attention_variant == "gated_delta_net":
+        raise SettingError(
+            lambda _: (
+                f"{where} cannot run a hybrid (gated delta net) model yet (experimental_attention_variant="
+                "gated_delta_net: its linear-attention layers have no core attention to wrap, and their state must "
+                "follow the tree); megatron-branch's own train and grad run hybrids"
+            )
+        )
+    if attention_variant is not None:
+        raise SettingError(
+            lambda _: (
+                f"{where} supports softmax attention layers only, not experimental_attention_variant="
+                f"{attention_variant}"
+            )
+        )
+    if multi_latent_attention:
+        raise SettingError(
+            lambda _: (
+                f"{where} does not support multi-latent attention (MLA applies its own RoPE inside the attention, "
+                "not the model's table the tree's position ids index)"
+            )
+        )
+    if rotary_interleaved:
+        raise SettingError(
+            lambda _: (
+                f"{where} does not support interleaved RoPE (rotary_interleaved=True); use the default layout"
+            )
+        )
+    if moe_reason is not None:  # integration/verl_moe.py refusal_reason: what of a MoE model is not wired
+        raise SettingError(lambda _: f"{where} cannot run this MoE model: {moe_reason}")
+
+
+def check_plannable(arch: Any) -> None:
+    """Refuse, in one line, a model the planner would misprice (plan/model.py load_model calls it)."""
+    if arch.multi_latent:
+        raise SettingError(
+            lambda _: (
+                f"{arch.family}: plan does not price multi-latent attention yet (its latent projections, "
+                "per-head K/V widths and their FLOPs); grad, train and the sampler run it"
+            )
+        )
