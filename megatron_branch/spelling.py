@@ -1,6 +1,6 @@
 """One spelling per setting: how each entry point names a setting in its refusals, written in one table.
 
-A rule (rules.py, a config's `__post_init__`) words its refusal once through an errors.Spelling; each entry point
+A rule (rules/, a config's `__post_init__`) words its refusal once through an errors.Spelling; each entry point
 picks its column of this table:
     flag     `megatron-branch grad`'s command line (`--cp 2`); a setting not listed is its flag (`--recompute-layers`)
     config   `train`'s YAML keys (`parallel.cp=2`); a config section's fields are spelled `section.field`

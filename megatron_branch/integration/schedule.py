@@ -293,7 +293,7 @@ def get_forward_backward_func(
     """
     if schedule not in GRAD_SCHEDULES:
         raise UserError(f"schedule must be replay, packed or naive, got {schedule!r}")
-    try:  # the pipeline's rules (rules.py): the tree schedules only, no interleaved stages
+    try:  # the pipeline's rules (rules/): the tree schedules only, no interleaved stages
         check_pipeline(schedule, pp=pp_size or 1, virtual=vp_size)
     except SettingError as e:
         raise e.spelled(API) from None

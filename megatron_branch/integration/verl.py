@@ -79,7 +79,7 @@ def refuse_unsupported(engine_config: Any, tf_config: Any = None) -> None:
         raise VerlBranchError("branch replay reads verl's no-padding batches: set use_remove_padding=True")
     if tf_config is None:
         return
-    try:  # the model verl built: what patch_verl_model can wrap (rules.py)
+    try:  # the model verl built: what patch_verl_model can wrap (rules/)
         check_verl_model(
             attention_variant=getattr(tf_config, "experimental_attention_variant", None),
             multi_latent_attention=bool(getattr(tf_config, "multi_latent_attention", False)),

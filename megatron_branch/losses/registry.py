@@ -44,7 +44,7 @@ class Registry(dict[str, T], Generic[T]):
         self.what = what
         """What an entry is, for the errors ("policy loss")."""
         self.setting = setting
-        """The setting that names an entry (its spelling per entry point: rules.py)."""
+        """The setting that names an entry (its spelling per entry point: rules/)."""
         self.code = code
         """entry -> the class or function it wraps (what "the same code" compares)."""
 

@@ -312,7 +312,7 @@ class ModelArch:
 def gdn_block_heads(key_heads: int, value_heads: int, cp: int) -> tuple[int, int]:
     """(key heads, value heads) of ONE context-parallel rank's block of a gated delta net layer whose TP rank holds
     `key_heads` / `value_heads`: the value heads split evenly, the key heads with them when cp divides their count,
-    else one key head shared by cp / key_heads ranks (models/gdn_heads.py; which sizes: rules.py
+    else one key head shared by cp / key_heads ranks (models/gdn_heads.py; which sizes: rules/
     check_gdn_context_parallel). The planner's per-rank GDN terms use the same widths (plan/layers.py)."""
     splits = value_heads % cp == 0 and (key_heads % cp == 0 or cp % key_heads == 0)
     assert splits, (key_heads, value_heads, cp)

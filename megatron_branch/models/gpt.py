@@ -158,7 +158,7 @@ def build_model(
         from megatron_branch.compat.pipeline import apply_pipeline_shims
 
         apply_pipeline_shims()
-        assert arch.num_layers % pp == 0 and 0 <= pp_rank < pp, (arch.num_layers, pp, pp_rank)  # rules.py
+        assert arch.num_layers % pp == 0 and 0 <= pp_rank < pp, (arch.num_layers, pp, pp_rank)  # rules/
         config_overrides = {"pipeline_model_parallel_size": pp, "pipeline_dtype": dtype, **config_overrides}
     if arch.is_hybrid:
         apply_gdn_shims()

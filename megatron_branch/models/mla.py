@@ -106,7 +106,7 @@ def mla_layer_spec(norm: type) -> Any:
     # k_rope's gradient is a PARTIAL sum (each rank's heads), so the other ranks' parts would be dropped (measured:
     # 5% off HF at TP2+SP). Replicated, k_rope is gathered from the sequence-parallel region, whose backward is a
     # reduce-scatter: the parts summed. (TP without SP is not reached: the family is a MoE, and a MoE at TP > 1
-    # needs sequence parallelism, rules.py; there k_rope's gradient would stay this rank's part.)
+    # needs sequence parallelism, rules/; there k_rope's gradient would stay this rank's part.)
     from megatron.core.post_training.modelopt.layers import Linear
 
     attention = spec.submodules.self_attention.submodules

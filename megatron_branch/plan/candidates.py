@@ -1,7 +1,7 @@
 """The layouts the planner's search tries (plan/search.py `plan`): TP dividing the heads, PP dividing the layers
 (the schedules that pipeline), CP the schedule runs at and a hybrid's GDN heads split into, DP up to the prompt
 groups, EP splitting a MoE's experts, every recompute level; and the refusal of fixed sizes that do not fit
---gpus. Which sizes run with which schedule is rules.py's (asked here, not restated)."""
+--gpus. Which sizes run with which schedule is rules/'s (asked here, not restated)."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def _expert_parallel_sizes(arch: ModelArch, tp: int, cp_dp: int, ep: int | None)
 
 
 def _runs(schedule: str, cp: int, pp: int, arch: ModelArch) -> bool:
-    """The schedule can run at this CP / PP size (rules.py: naive has no CP and no PP; PP divides the layers)."""
+    """The schedule can run at this CP / PP size (rules/: naive has no CP and no PP; PP divides the layers)."""
     try:
         check_run(schedule, cp=cp)
         check_pipeline(schedule, pp=pp, num_layers=arch.num_layers, hybrid=arch.is_hybrid, moe=arch.is_moe)

@@ -329,7 +329,7 @@ def load_model(spec: str) -> tuple[str, ModelArch]:
     if partial is not None:  # the one RoPE field that changes a size (the rotated dims' cos / sin)
         d["partial_rotary_factor"] = partial
     arch = ModelArch.from_hf_config(d, where=str(path))
-    check_plannable(arch)  # rules.py
+    check_plannable(arch)  # rules/
     if arch.hybrid_override_pattern is not None:  # no Mamba-2 term in plan/layers.py, flops.py, memory.py yet
         raise UserError(
             f"the planner does not price {arch.family}'s Mamba-2 / attention-only / MLP-only layers yet; refusing "

@@ -35,7 +35,7 @@ def run_naive(
     *,
     forward_only: bool = False,
 ) -> StepResult:
-    try:  # the same rules every entry point checks up front (rules.py), for library callers
+    try:  # the same rules every entry point checks up front (rules/), for library callers
         check_run("naive", cp=opts.cp_size, recompute_layers=opts.recompute_layers)
     except SettingError as e:
         raise e.spelled(API) from None

@@ -248,7 +248,7 @@ def run_pipeline(
 
 
 def check_pipeline_step(name: str, model: torch.nn.Module, opts: ScheduleOptions) -> None:
-    """The rules every entry point checks up front (rules.py), for schedule `name` on this stage's model."""
+    """The rules every entry point checks up front (rules/), for schedule `name` on this stage's model."""
     arch = getattr(_unwrap(model), "arch", None)
     try:
         check_run(name, cp=opts.cp_size, recompute=opts.recompute, recompute_layers=opts.recompute_layers)

@@ -177,7 +177,7 @@ def run_replay_stopgrad(
     from the branches into the prompt), what the announced stop-gradient system trains. Forward-only it is
     replay exactly (the same numbers); only the gradient differs. Tested in one process; refused under CP (a
     rank's rows are a zigzag shard there, not the prompt's first rows)."""
-    try:  # the rule every entry point checks up front (rules.py: no ring)
+    try:  # the rule every entry point checks up front (rules/: no ring)
         check_run("replay-stopgrad", cp=opts.cp_size)
     except SettingError as e:
         raise e.spelled(API) from None

@@ -128,7 +128,7 @@ def _run(
     opts: ScheduleOptions,
     forward_only: bool,
 ) -> StepResult:
-    try:  # the rule every entry point checks up front (rules.py)
+    try:  # the rule every entry point checks up front (rules/)
         check_run(name, cp=opts.cp_size, recompute_layers=opts.recompute_layers)
     except SettingError as e:
         raise e.spelled(API) from None

@@ -1,7 +1,7 @@
 """The training config's rules between fields, run when a TrainConfig is built (each field's type is checked
 while building: config_io.py), and how a refusal names the config's keys (`SPELLING`).
 
-Rules of a shared type are checked where they live and only re-spelled here: the run settings (rules.py), the
+Rules of a shared type are checked where they live and only re-spelled here: the run settings (rules/), the
 sampler's (SamplingParams, built from the rollout section: `sampling_params`), the optimizer's (update/optimizer.py),
 the model's (ModelArch, read from config.json or model.arch: `model_arch`). One UserError line per mistake, before
 any work.
@@ -105,7 +105,7 @@ def validate(cfg: Any) -> None:
 
 
 def sampling_params(cfg: Any, turn_end_ids: tuple[int, ...] | None = None) -> Any:
-    """The sampler's SamplingParams from the rollout section (its rules: generation/types.py, rules.py); a
+    """The sampler's SamplingParams from the rollout section (its rules: generation/types.py, rules/); a
     SettingError in the library's names (train re-spells it: SPELLING). rollout.top_k -1 (off) is its 0.
     `turn_end_ids`: rollout.multi_turn.turn_end as token ids (known once the tokenizer is; a stand-in before)."""
     from megatron_branch.generation.multi_turn import MultiTurnParams

@@ -1,6 +1,6 @@
 """The head blocks a gated delta net layer runs per CP rank (models/gdn_heads.py) and the zigzag row map the head
 exchange reads (parallel/cp_layout.py zigzag_rows, schedule/chunks.py CPChunk.all_rows), in one process; the
-exchange itself runs under torchrun (tests/distributed/test_gdn_cp.py). The CP rule's refusals (rules.py) through
+exchange itself runs under torchrun (tests/distributed/test_gdn_cp.py). The CP rule's refusals (rules/) through
 grad, train and the library.
 
 One process can check the blocks exactly: the gated norm and out_proj act per value head and are linear after it,

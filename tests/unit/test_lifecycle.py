@@ -178,7 +178,7 @@ def test_tokenizer_smaller_than_the_model_trains(tmp_path: Path) -> None:
     ],
 )
 def test_train_refuses_no_op_settings_by_grads_rule(tmp_path: Path, extra: list[str], rule: str) -> None:
-    """The refusal is rules.py's / the layout's own (grad's), spelled in config keys and blamed on the override."""
+    """The refusal is rules/'s / the layout's own (grad's), spelled in config keys and blamed on the override."""
     from megatron_branch.parallel.layout import ParallelLayout
     from megatron_branch.rules import check_run
 
