@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_train_loop import _cfg, _max_rel, _params, _run, task  # noqa: F401  (task: the fixture)
+from test_train_loop import _cfg, task  # noqa: F401  (task: the fixture)
+from train_helpers import assert_resumes_exactly
 
 from megatron_branch.errors import UserError
 
@@ -33,16 +34,4 @@ def test_config_defined_nemotron_h_is_checked(task: Path, tmp_path: Path) -> Non
 
 
 def test_nemotron_h_trains_and_resumes_exactly(task: Path, tmp_path: Path) -> None:  # noqa: F811
-    full, mfull = _run(nemotron_cfg(task, tmp_path / "full", "trainer.total_training_steps=3"))
-    first, m1 = _run(nemotron_cfg(task, tmp_path / "part", "trainer.total_training_steps=2"))
-    first.save()
-    again, m2 = _run(
-        nemotron_cfg(task, tmp_path / "part", "trainer.total_training_steps=3", "trainer.resume_mode=auto")
-    )
-    assert again.step == 3 and len(m2) == 1
-    for x, y in zip(mfull, m1 + m2, strict=True):
-        assert x["_tokens"] == y["_tokens"]
-        for k in ("reward_mean", "loss"):
-            assert abs(x[k] - y[k]) <= 1e-9, (x["step"], k)
-    assert mfull[-1]["positions_computed"] < mfull[-1]["positions_logical"]  # replay shares each prompt
-    assert _max_rel(_params(full), _params(again)) < 1e-9
+    assert_resumes_exactly(lambda out, *o: nemotron_cfg(task, out, *o), tmp_path)
