@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from test_gdn_replay import rel, rollouts, step
-from test_glm4_moe import _bias_ignored, _group_limit_ignored
+from test_glm4_moe import _bias_ignored, _group_limit_ignored, with_random_biases
 from test_nemotron_h import BOUND, hf_grads, megatron_of, plant_start_bug
 
 from megatron_branch.checkpoint import gather_full_state, mcore_to_hf_state
@@ -28,7 +28,7 @@ from megatron_branch.errors import UserError
 from megatron_branch.models import ModelArch, build_model
 from megatron_branch.models.moe import branch_routers
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
-from megatron_branch.testing import exact_hf_norms, exact_hf_routers, hf_state, tiny_hf_config, tiny_hf_model
+from megatron_branch.testing import hf_state, tiny_hf_config
 
 PATTERN = "ME*E-M"
 """Mamba, MoE, attention, MoE, MLP, Mamba: every layer kind, an "E" layer between Mamba layers."""
@@ -44,18 +44,9 @@ def nemotron_moe_config(**moe: Any) -> Any:
 
 
 def nemotron_moe(dtype: torch.dtype = torch.float32, *, seed: int = 5, exact: bool = True) -> Any:
-    """The tiny model with random correction biases (float32, as HF keeps them) large enough to change the
-    choice; `exact`: HF's norms and router in the model's dtype (the float64 oracle)."""
-    hf = tiny_hf_model(nemotron_moe_config(), seed=seed, dtype=dtype)
-    gen = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():
-        for m in hf.modules():
-            if hasattr(m, "e_score_correction_bias"):
-                b = m.e_score_correction_bias
-                b.copy_((0.3 * torch.randn(b.shape, generator=gen)).to(b.dtype))
-    if exact:
-        exact_hf_routers(exact_hf_norms(hf))
-    return hf.eval()
+    """The tiny model with random correction biases large enough to change the choice; `exact`: HF's norms and
+    router in the model's dtype (the float64 oracle)."""
+    return with_random_biases(nemotron_moe_config(), seed=seed, dtype=dtype, exact=exact)
 
 
 def worst_vs_hf(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[float, str]:
