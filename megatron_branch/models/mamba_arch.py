@@ -64,7 +64,8 @@ def check_mamba_arch(arch: Any) -> None:
 
 def check_moe_pattern(arch: Any, pattern: str) -> None:
     """The "E" layers are the MoE layers: num_experts set exactly when some layer is "E", and moe_layer_pattern
-    (ModelArch's canonical form: None when every layer is MoE) marking exactly those."""
+    (ModelArch's canonical form: None when every layer is MoE) marking exactly those; left out (a config-defined
+    arch), it is read off the pattern."""
     if ("E" in pattern) != arch.is_moe:
         raise ValueError(
             "hybrid_override_pattern has MoE layers ('E') but num_experts is 0"
@@ -72,6 +73,8 @@ def check_moe_pattern(arch: Any, pattern: str) -> None:
             else "num_experts > 0 needs MoE layers ('E') in hybrid_override_pattern"
         )
     marks = tuple(int(c == "E") for c in pattern)
+    if arch.is_moe and arch.moe_layer_pattern is None and not all(marks):
+        arch.moe_layer_pattern = marks
     if arch.is_moe and arch.moe_layer_pattern != (None if all(marks) else marks):
         raise ValueError(f"moe_layer_pattern {arch.moe_layer_pattern} is not the 'E' layers of {pattern}")
 

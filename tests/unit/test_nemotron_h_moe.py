@@ -169,14 +169,30 @@ def test_planted_bugs_fail(plant: Any, fp64: Any, monkeypatch: pytest.MonkeyPatc
     assert err > 100 * BOUND, (plant.__name__, err, name)
 
 
-# --- the sampler ------------------------------------------------------------------------------------------------------
-def test_sampler_greedy_equals_hf_generate() -> None:
-    from sampler_helpers import assert_greedy_equals_hf_generate
+def test_router_losses_by_multiplicity_replay_equals_packed_equals_naive(fp64: Any) -> None:
+    """aux + seq-aux + z losses on megatron's sigmoid scores, weighted by multiplicity: the tree schedules equal
+    naive, and the losses do move the gradient."""
+    from megatron_branch.losses.router import MoEOptions, RouterLossConfig
 
+    arch, model, rs, _ = fp64
+    moe = MoEOptions(losses=RouterLossConfig(aux_loss_coeff=0.3, seq_aux_loss_coeff=0.2, z_loss_coeff=0.05))
+    got = {s: step(model, arch, s, rs, moe=moe)[1] for s in ("naive", "packed", "replay")}
+    for s in ("packed", "replay"):
+        assert max(rel(got[s][n], g) for n, g in got["naive"].items()) <= BOUND, s
+    plain = step(model, arch, "naive", rs)[1]
+    assert max(rel(got["naive"][n], g) for n, g in plain.items() if g.any()) > 1e-3
+
+
+# --- the sampler ------------------------------------------------------------------------------------------------------
+def test_sampler_greedy_equals_hf_generate_and_tree_logprobs_the_training_forward() -> None:
     """Greedy tokens through the Mamba states and the routed experts == HF `generate`. The tiny config's eos (2)
     is no stop token for the sampler: HF's min_new_tokens would mask it out of HF's greedy choice (this model's
-    greedy path does reach token 2), so HF generates without one."""
+    greedy path does reach token 2), so HF generates without one. Tree-sampled logprobs (forks after 2 and 4
+    tokens) == the training forward (replay and naive) at the bound."""
+    from sampler_helpers import assert_greedy_equals_hf_generate, tree_sample, tree_sampling_error
+
     hf = nemotron_moe(torch.float32, seed=8, exact=False)
     _, model = megatron_of(hf, torch.float32)
     hf.generation_config.eos_token_id = None
     assert_greedy_equals_hf_generate(hf, model.eval())
+    assert tree_sampling_error(model, tree_sample(model)) <= BOUND
