@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from conversion_helpers import files_round_trip
 from test_gdn_replay import rel, rollouts, step
 from test_glm4_moe import _bias_ignored, _group_limit_ignored, with_random_biases
 from test_nemotron_h import BOUND, hf_grads, megatron_of, plant_start_bug
@@ -128,6 +129,15 @@ def test_round_trip_is_bit_exact_and_logits_match_hf() -> None:
         ref = hf(ids[None]).logits[0]
         got = model(ids[None], torch.arange(30)[None], mask)[0][:, :37]
     assert (got - ref).abs().max() <= 1e-6 * ref.abs().max()
+
+
+def test_files_round_trip_and_verify(tmp_path: Any) -> None:
+    """save_pretrained (one tensor per expert, `backbone.` names) -> convert -> verify-conversion -> export: every
+    tensor bit-exact, the export's config the same layers and router."""
+    arch, _, cfg = files_round_trip(nemotron_moe(torch.float32, seed=1, exact=False), tmp_path)
+    assert arch["hybrid_override_pattern"] == PATTERN and arch["moe_layer_pattern"] == [0, 1, 0, 1, 0, 0]
+    assert cfg["architectures"] == ["NemotronHForCausalLM"] and cfg["n_routed_experts"] == 12
+    assert (cfg["n_group"], cfg["topk_group"], cfg["routed_scaling_factor"]) == (4, 2, 2.5)
 
 
 # --- the policy gradient ----------------------------------------------------------------------------------------------
