@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 import torch
-from test_gdn_replay import rollouts, step, worst
+from gdn_helpers import rollouts
+from test_gdn_replay import step, worst
 
 from megatron_branch.checkpoint import (
     gather_full_state,

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import torch
 from conversion_helpers import files_round_trip
-from test_gdn_replay import rel, rollouts, step
+from gdn_helpers import rollouts
+from test_gdn_replay import rel, step
 from test_glm4_moe import _bias_ignored, _group_limit_ignored, with_random_biases
 from test_nemotron_h import BOUND, hf_grads, megatron_of, plant_start_bug
 
