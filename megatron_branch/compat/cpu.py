@@ -127,6 +127,22 @@ def _shim_default_mask() -> None:
     softmax.get_default_causal_mask = get_default_causal_mask
 
 
+# --- 3b. Sliding-window causal mask ------------------------------------------------------------------------------
+# `get_sliding_window_causal_mask` (a window_size layer of DotProductAttention: gpt-oss) builds on device "cuda".
+# The same triu / tril arithmetic on the CPU; True = masked, as megatron's.
+def _shim_window_mask() -> None:
+    utils, _ = _resolve("megatron.core.transformer.utils", "get_sliding_window_causal_mask")
+    softmax, _ = _resolve("megatron.core.fusions.fused_softmax", "get_sliding_window_causal_mask")
+
+    def get_sliding_window_causal_mask(sq: int, skv: int, window_size: tuple[int, int]) -> torch.Tensor:
+        m = torch.ones(sq, skv, dtype=torch.bool)
+        mu = torch.triu(m, diagonal=skv - sq - window_size[0])
+        return ~torch.tril(mu, diagonal=skv - sq + window_size[1])
+
+    utils.get_sliding_window_causal_mask = get_sliding_window_causal_mask
+    softmax.get_sliding_window_causal_mask = get_sliding_window_causal_mask
+
+
 # --- 4. RoPE slicing under context parallel ----------------------------------------------------------------------
 # megatron's zigzag slice of the rotary table pins memory and calls `.cuda()`. Same slice, on the table's device.
 def _shim_rope_cp() -> None:
@@ -186,6 +202,7 @@ _SHIMS: dict[str, Callable[[], None]] = {
     "current_device": _shim_current_device,
     "rng_tracker": _shim_rng_tracker,
     "default_causal_mask": _shim_default_mask,
+    "window_causal_mask": _shim_window_mask,
     "rope_cp_slice": _shim_rope_cp,
     "schedule_factories": _shim_schedules,
 }

@@ -180,9 +180,19 @@ class DecodeContext:
         raise AssertionError("a decode step runs without grad: nothing is recomputed")
 
     def attend(
-        self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self,
+        layer_number: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        *,
+        window: int | None = None,
+        sink: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q [s,1,n,h], k/v [s,1,g,h] -> [s,1,n*h]."""
+        """q [s,1,n,h], k/v [s,1,g,h] -> [s,1,n*h]. Sliding windows and sinks are not decoded yet (the sampler
+        refuses such a model before any work: rules/)."""
+        assert window is None and sink is None, "decoding a sliding window or sinks is not supported"
         st, a = self.step, self.step.num_branches
         s, b, n, h = q.shape
         g = k.shape[2]

@@ -21,6 +21,7 @@ from megatron_branch.models.arch_checks import (
     check_layer_types,
     check_moe_fields,
     check_tensor_parallel,
+    check_window_fields,
 )
 from megatron_branch.models.families import arch_fields_from_hf, families, get_family, hf_config_of
 from megatron_branch.models.mla import check_mla
@@ -154,6 +155,15 @@ class ModelArch:
     """Mamba-2 layers: the SSD scan's chunk length (HF chunk_size; precision only, never the result's meaning)."""
     mamba_dt_min: float = 0.0
     """Mamba-2 layers: dt is clamped to at least this after softplus (HF's mixer: time_step_min)."""
+    sliding_window: int | None = None
+    """Sliding-window attention (gpt-oss: HF sliding_window): a query at path position p sees keys at positions
+    p - W + 1 .. p only (attention/window.py), in the layers `window_layers` marks; None = no window."""
+    window_layers: tuple[int, ...] | None = None
+    """Per layer 1 = sliding-window attention, 0 = full attention (HF layer_types "sliding_attention" /
+    "full_attention"; megatron's window_attn_skip_freq list); None = every layer windowed when sliding_window."""
+    attention_sinks: bool = False
+    """A learned logit per query head in every row's softmax denominator (gpt-oss: HF self_attn.sinks; megatron's
+    softmax_type="learnable", its core attention's softmax_offset): merged once per row (attention/merge.py)."""
 
     def __post_init__(self) -> None:
         if self.family not in families():
@@ -182,6 +192,7 @@ class ModelArch:
         if self.mrope_section is not None:
             self.mrope_section = tuple(int(x) for x in self.mrope_section)
         check_layer_types(self)  # models/arch_checks.py
+        check_window_fields(self)
         check_moe_fields(self)
         if self.multi_latent:
             check_mla(self)  # models/mla.py
@@ -222,6 +233,13 @@ class ModelArch:
     def is_linear(self, layer: int) -> bool:
         """Layer `layer` (0-based) is a linear-attention (gated delta net) layer."""
         return self.layer_types is not None and self.layer_types[layer] == "linear_attention"
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (0-based): `sliding_window` where `window_layers` marks it, else
+        None (full attention)."""
+        if self.sliding_window is None or (self.window_layers is not None and not self.window_layers[layer]):
+            return None
+        return self.sliding_window
 
     @property
     def num_linear_layers(self) -> int:

@@ -58,6 +58,16 @@ def transformer_config_of(
         layernorm_zero_centered_gamma=arch.zero_centered_norm,
         attention_output_gate=arch.attention_output_gate,
     )
+    if arch.sliding_window is not None:
+        # megatron's (left, right) window: keys p - left .. p + right; HF's sliding_window W sees p - W + 1 .. p
+        # (transformers' sliding_window_overlay: kv_idx > q_idx - W); the list marks megatron's 1-based layer
+        # number - 1 (transformer/utils.py is_layer_window_attention)
+        kwargs.update(
+            window_size=(arch.sliding_window - 1, 0),
+            window_attn_skip_freq=[int(arch.window_of(i) is not None) for i in range(arch.num_layers)],
+        )
+    if arch.attention_sinks:
+        kwargs.update(softmax_type="learnable")
     if arch.is_hybrid:
         from megatron_branch.compat.gdn import gdn_uses_torch_path
 
