@@ -161,6 +161,13 @@ class ModelArch:
     window_layers: tuple[int, ...] | None = None
     """Per layer 1 = sliding-window attention, 0 = full attention (HF layer_types "sliding_attention" /
     "full_attention"; megatron's window_attn_skip_freq list); None = every layer windowed when sliding_window."""
+    linear_bias: bool = False
+    """A bias on every linear layer but the embeddings and the output layer: q/k/v, o_proj, the router and the
+    experts' fc1 / fc2 (gpt-oss; megatron's add_bias_linear)."""
+    swiglu_limit: float | None = None
+    """gpt-oss's clamped GLU: gate.clamp(max=L) * sigmoid(1.702 gate) * (up.clamp(-L, L) + 1) (HF swiglu_limit L,
+    swiglu_alpha 1.702; megatron's quick_gelu with activation_func_clamp_value L, glu_linear_offset 1); None =
+    SwiGLU."""
     attention_sinks: bool = False
     """A learned logit per query head in every row's softmax denominator (gpt-oss: HF self_attn.sinks; megatron's
     softmax_type="learnable", its core attention's softmax_offset): merged once per row (attention/merge.py)."""

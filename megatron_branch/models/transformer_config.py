@@ -68,6 +68,16 @@ def transformer_config_of(
         )
     if arch.attention_sinks:
         kwargs.update(softmax_type="learnable")
+    if arch.linear_bias:
+        kwargs.update(add_bias_linear=True)
+    if arch.swiglu_limit is not None:
+        from megatron.core.transformer.mlp import (
+            quick_gelu,
+        )  # the one megatron's MLP and experts compare against
+
+        kwargs.update(
+            activation_func=quick_gelu, glu_linear_offset=1.0, activation_func_clamp_value=arch.swiglu_limit
+        )
     if arch.is_hybrid:
         from megatron_branch.compat.gdn import gdn_uses_torch_path
 
