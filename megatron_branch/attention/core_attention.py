@@ -89,14 +89,18 @@ class BranchCoreAttention(CoreAttentionSlot, TakesBranchContext):
         """The learned sinks [n / tp] as THIS module's `softmax_offset` (megatron's name and init), so that the
         parameter exists under CP too (no stock module there); megatron's DotProductAttention reads the same
         tensor (held outside its parameters: one parameter, one state-dict key)."""
+        from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
         if self.stock is not None:
             self.softmax_offset = self.stock._parameters.pop("softmax_offset")
             object.__setattr__(self.stock, "softmax_offset", self.softmax_offset)  # read, not registered
-            return
-        heads = config.num_attention_heads // config.tensor_model_parallel_size
-        self.softmax_offset = torch.nn.Parameter(torch.empty(heads, dtype=config.params_dtype))
-        if config.perform_initialization:
-            config.init_method(self.softmax_offset)
+        else:
+            heads = config.num_attention_heads // config.tensor_model_parallel_size
+            self.softmax_offset = torch.nn.Parameter(torch.empty(heads, dtype=config.params_dtype))
+            if config.perform_initialization:
+                config.init_method(self.softmax_offset)
+        # one logit per head: split over TP with the heads (megatron shards it so in its sharded_state_dict)
+        set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
 
     @property
     def sink(self) -> torch.Tensor | None:

@@ -130,6 +130,13 @@ def check_tensor_parallel(arch: Any, tp: int) -> None:
         )
     if arch.ffn_hidden_size % tp and not (arch.is_moe and not arch.has_dense_mlp_layers):
         raise UserError(f"tensor parallel size {tp} does not divide intermediate_size={arch.ffn_hidden_size}")
+    if arch.is_moe and arch.linear_bias and tp > 1:
+        # megatron-core 0.16.1 asserts "Bias in Moe is only supported when ETP==1"; the experts here are split
+        # over TP (expert_tensor_parallel_size = tensor_model_parallel_size)
+        raise UserError(
+            f"tensor parallel size {tp} with {arch.family}'s expert biases: megatron-core needs expert tensor "
+            "parallel size 1 for them, which this engine does not set up yet (use --cp / --ep)"
+        )
     if arch.is_moe:
         check_expert_parallel(arch, 1, tp=tp)
     if arch.hybrid_override_pattern is not None:
