@@ -233,3 +233,14 @@ def test_planted_bugs_fail(plant, monkeypatch: pytest.MonkeyPatch) -> None:  # n
     assert _worst(_schedule_grads(model, arch, rollouts, "replay"), want)[0] <= TOL[torch.float64]
     plant(monkeypatch)
     assert _worst(_schedule_grads(model, arch, rollouts, "replay"), want)[0] > 1e-3
+
+
+# --- the sampler ----------------------------------------------------------------------------------------------------
+def test_sampler_greedy_equals_hf_generate() -> None:
+    """Prompts of 9 and 4 tokens, 6 new per branch: the decode steps' windows leave the longer prompt's first tokens
+    and, later, the branch's own first tokens (both parts of the decode attention masked), the sinks in every row."""
+    from test_glm4_moe_use import check_greedy_equals_generate
+
+    hf = oss_hf(seed=3, dtype=torch.float32, exact=False)
+    _, model = megatron_of(hf, torch.float32)
+    check_greedy_equals_generate(hf, model)
