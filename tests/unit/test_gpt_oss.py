@@ -202,7 +202,7 @@ def test_every_exact_schedule_matches_hf(dtype: torch.dtype) -> None:
     rollouts = _tree_rollouts()
     _, want = hf_policy_gradient(hf, rollouts)
     assert want["model.layers.0.self_attn.sinks"].abs().max() > 0  # the sinks do get a gradient
-    for schedule in EXACT:
+    for schedule in EXACT if dtype == torch.float64 else ("packed", "replay"):  # fp32: the two tree schedules
         worst = _worst(_schedule_grads(model, arch, rollouts, schedule), want)
         print(f"{schedule} {dtype}: worst vs HF {worst[0]:.1e} ({worst[1]})")
         assert worst[0] <= TOL[dtype], (schedule, worst)
@@ -229,8 +229,9 @@ def test_planted_bugs_fail(plant, monkeypatch: pytest.MonkeyPatch) -> None:  # n
     hf = oss_hf()
     arch, model = megatron_of(hf, torch.float64)
     rollouts = _tree_rollouts()
-    _, want = hf_policy_gradient(hf, rollouts)
-    assert _worst(_schedule_grads(model, arch, rollouts, "replay"), want)[0] <= TOL[torch.float64]
+    _, want = hf_policy_gradient(
+        hf, rollouts
+    )  # replay without the plant: test_every_exact_schedule_matches_hf
     plant(monkeypatch)
     assert _worst(_schedule_grads(model, arch, rollouts, "replay"), want)[0] > 1e-3
 
