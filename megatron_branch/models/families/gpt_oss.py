@@ -24,8 +24,55 @@ from typing import Any
 
 from megatron_branch.errors import UserError
 from megatron_branch.models.families.hf_fields import common_fields, default_rope
-from megatron_branch.models.families.param_rules import GPT_OSS_RULES
+from megatron_branch.models.families.param_rules import (  # the shared rows (and their name stems)
+    _ATTN,
+    _EXP,
+    _L,
+    _M,
+    EMBEDDING,
+    HEAD,
+    Rule,
+    _attention,
+    _moe,
+)
 from megatron_branch.models.families.registry import FamilySpec, register_family
+
+# gpt-oss: Qwen2's attention names with a bias on o_proj too and the learned sinks (megatron's core attention
+# softmax_offset), every layer the MoE block of GptOssMLP: a router with a bias, experts with biases stored fused
+# (checkpoint/fused_experts.py presents them per expert), gate_up's columns interleaved (glu_interleaved*).
+_OSS = _L + "mlp.experts.{j}."
+GPT_OSS_RULES: tuple[Rule, ...] = (
+    EMBEDDING,
+    *_attention("qkv_interleave", None),
+    Rule(
+        mcore=_M + "self_attention.linear_proj.bias", hf=(_L + _ATTN + "o_proj.bias",), transform="identity"
+    ),
+    Rule(
+        mcore=_M + "self_attention.core_attention.softmax_offset",
+        hf=(_L + _ATTN + "sinks",),
+        transform="identity",
+    ),
+    _moe("mlp.", "gate_proj", "up_proj", "down_proj")[0],  # the pre-MLP norm
+    Rule(mcore=_M + "mlp.router.weight", hf=(_L + "mlp.router.weight",), transform="identity", mlp="moe"),
+    Rule(mcore=_M + "mlp.router.bias", hf=(_L + "mlp.router.bias",), transform="identity", mlp="moe"),
+    *(
+        Rule(
+            mcore=_EXP + f"local_experts.{{j}}.{fc}.{kind}",
+            hf=(_OSS + hf,),
+            transform=transform,
+            te=_EXP + f"{fc}.{kind}{{j}}",
+            key=_EXP + f"experts.{fc}.{kind}",
+            mlp="moe",
+        )
+        for fc, kind, hf, transform in (
+            ("linear_fc1", "weight", "gate_up_proj", "glu_interleaved_t"),
+            ("linear_fc1", "bias", "gate_up_proj_bias", "glu_interleaved"),
+            ("linear_fc2", "weight", "down_proj", "transpose"),
+            ("linear_fc2", "bias", "down_proj_bias", "identity"),
+        )
+    ),
+    *HEAD,
+)
 
 SWIGLU_ALPHA = 1.702
 """The one swiglu_alpha megatron computes (megatron.core.transformer.mlp.quick_gelu: x * sigmoid(1.702 x))."""

@@ -63,9 +63,7 @@ TRANSFORM_NAMES = (
     "gdn_in_proj",
     "gdn_in_proj_grouped",
     "vocab_pad",
-    "glu_interleaved_t",
-    "glu_interleaved",
-    "transpose",
+    *("glu_interleaved_t", "glu_interleaved", "transpose"),  # gpt-oss's experts (layouts.py)
 )
 """The transforms' names (checkpoint/layouts.py TRANSFORMS implements exactly these: asserted there)."""
 SPECS = ("local", "te")
@@ -400,41 +398,3 @@ DEEPSEEK_MOE: tuple[Rule, ...] = (
 )
 """The DeepSeek MoE block's MLP slots (GLM-4.5's and DeepSeek-V3's: models/families/deepseek_v3.py)."""
 GLM4_MOE_RULES: tuple[Rule, ...] = (EMBEDDING, *_attention("qkv_interleave", None), *DEEPSEEK_MOE, *HEAD)
-
-
-# gpt-oss: Qwen2's attention names with a bias on o_proj too and the learned sinks (megatron's core attention
-# softmax_offset), every layer the MoE block of GptOssMLP: a router with a bias, experts with biases stored fused
-# (checkpoint/fused_experts.py presents them per expert), gate_up's columns interleaved (glu_interleaved*).
-_OSS = _L + "mlp.experts.{j}."
-GPT_OSS_RULES: tuple[Rule, ...] = (
-    EMBEDDING,
-    *_attention("qkv_interleave", None),
-    Rule(
-        mcore=_M + "self_attention.linear_proj.bias", hf=(_L + _ATTN + "o_proj.bias",), transform="identity"
-    ),
-    Rule(
-        mcore=_M + "self_attention.core_attention.softmax_offset",
-        hf=(_L + _ATTN + "sinks",),
-        transform="identity",
-    ),
-    _moe("mlp.", "gate_proj", "up_proj", "down_proj")[0],  # the pre-MLP norm
-    Rule(mcore=_M + "mlp.router.weight", hf=(_L + "mlp.router.weight",), transform="identity", mlp="moe"),
-    Rule(mcore=_M + "mlp.router.bias", hf=(_L + "mlp.router.bias",), transform="identity", mlp="moe"),
-    *(
-        Rule(
-            mcore=_EXP + f"local_experts.{{j}}.{fc}.{kind}",
-            hf=(_OSS + hf,),
-            transform=transform,
-            te=_EXP + f"{fc}.{kind}{{j}}",
-            key=_EXP + f"experts.{fc}.{kind}",
-            mlp="moe",
-        )
-        for fc, kind, hf, transform in (
-            ("linear_fc1", "weight", "gate_up_proj", "glu_interleaved_t"),
-            ("linear_fc1", "bias", "gate_up_proj_bias", "glu_interleaved"),
-            ("linear_fc2", "weight", "down_proj", "transpose"),
-            ("linear_fc2", "bias", "down_proj_bias", "identity"),
-        )
-    ),
-    *HEAD,
-)
