@@ -161,6 +161,19 @@ class ModelArch:
     window_layers: tuple[int, ...] | None = None
     """Per layer 1 = sliding-window attention, 0 = full attention (HF layer_types "sliding_attention" /
     "full_attention"; megatron's window_attn_skip_freq list); None = every layer windowed when sliding_window."""
+    yarn_factor: float | None = None
+    """YaRN RoPE (gpt-oss: HF rope_parameters rope_type "yarn", `factor`): frequencies blended between the plain and
+    the factor-interpolated ones over a ramp, cos/sin scaled by 0.1 ln(factor) + 1 (megatron's YarnRotaryEmbedding
+    and its concentration factor; models/rotary.py); None = plain RoPE."""
+    yarn_original_max_position_embeddings: int = 4096
+    """YaRN: the pretraining context the ramp is measured against (HF original_max_position_embeddings)."""
+    yarn_beta_fast: float = 32.0
+    """YaRN: the ramp's fast boundary in rotations (HF beta_fast)."""
+    yarn_beta_slow: float = 1.0
+    """YaRN: the ramp's slow boundary in rotations (HF beta_slow)."""
+    yarn_truncate: bool = True
+    """YaRN: the ramp's bounds rounded to whole dims (HF truncate; gpt-oss: false; megatron's
+    yarn_correction_range_round_to_int)."""
     linear_bias: bool = False
     """A bias on every linear layer but the embeddings and the output layer: q/k/v, o_proj, the router and the
     experts' fc1 / fc2 (gpt-oss; megatron's add_bias_linear)."""
@@ -195,6 +208,10 @@ class ModelArch:
             raise ValueError(
                 f"head_dim {self.head_dim} x partial_rotary_factor {self.rotary_percent} = {self.rotary_dim} "
                 "rotated dims: RoPE needs an even number"
+            )
+        if self.yarn_factor is not None and (self.rotary_percent != 1 or self.multi_latent):
+            raise ValueError(
+                "YaRN RoPE is supported with full rotary dims on grouped-query attention (gpt_oss)"
             )
         if self.mrope_section is not None:
             self.mrope_section = tuple(int(x) for x in self.mrope_section)

@@ -107,4 +107,24 @@ def transformer_config_of(
 
         return mla_config(arch, {**kwargs, **overrides})
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    config = TransformerConfig(**kwargs)
+    if arch.yarn_factor is not None:
+        # the fields megatron's GPTModel (position_embedding_type "yarn") and attention's concentration factor read
+        # off the config (MLATransformerConfig declares them; the plain config is given them here). mscale 1 over
+        # mscale_all_dim 0: HF's attention_factor 0.1 ln(factor) + 1 when the config sets neither (gpt-oss)
+        for name, value in yarn_fields(arch).items():
+            setattr(config, name, value)
+    return config
+
+
+def yarn_fields(arch: Any) -> dict[str, Any]:
+    """megatron's yarn_* config fields of a YaRN arch."""
+    return dict(
+        yarn_rotary_scaling_factor=arch.yarn_factor,
+        yarn_original_max_position_embeddings=arch.yarn_original_max_position_embeddings,
+        yarn_beta_fast=arch.yarn_beta_fast,
+        yarn_beta_slow=arch.yarn_beta_slow,
+        yarn_mscale=1.0,
+        yarn_mscale_all_dim=0.0,
+        yarn_correction_range_round_to_int=arch.yarn_truncate,
+    )

@@ -97,6 +97,11 @@ def test_mapping_round_trips_and_builds_megatrons_window_sinks_and_glu() -> None
         16,
         True,
     )
+    assert (arch.yarn_factor, arch.yarn_original_max_position_embeddings, arch.yarn_truncate) == (
+        4.0,
+        64,
+        False,
+    )
     assert ModelArch.from_hf_config(arch.to_hf_config()) == arch
     cfg = arch.to_transformer_config()
     assert (
@@ -114,8 +119,12 @@ def test_mapping_round_trips_and_builds_megatrons_window_sinks_and_glu() -> None
     "change,words",
     [
         (
-            {"rope_parameters": {"rope_type": "yarn", "factor": 32.0, "rope_theta": 1.5e5}},
-            "rope scaling 'yarn'",
+            {"rope_parameters": {"rope_type": "yarn", "factor": 32.0, "rope_theta": 1.5e5, "mscale": 0.7}},
+            "yarn mscale=0.7",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1.5e5}},
+            "rope scaling 'llama3'",
         ),
         ({"swiglu_alpha": 1.5}, "swiglu_alpha=1.5"),
         ({"attention_bias": False}, "attention_bias=false"),
@@ -291,3 +300,23 @@ def test_train_runs_a_gpt_oss_policy_and_resumes_exactly(tmp_path: Path) -> None
     assert _max_rel(p_full, params(again)) < 1e-9
     sinks = [k for k in p_full if k.endswith("core_attention.softmax_offset")]
     assert len(sinks) == 2 and any(not torch.equal(p_full[k], p_first[k]) for k in sinks)
+
+
+def test_yarn_rope_equals_hf_and_a_plain_rope_would_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """megatron's YaRN (its frequencies through models/rotary.py, its concentration factor in attention) equals
+    transformers' on 30 positions (float64 logits); planted: the plain frequencies instead."""
+    from megatron_branch.models import rotary
+
+    hf = oss_hf(dtype=torch.float64)
+    _, model = megatron_of(hf, torch.float64)
+    ids = torch.randint(0, 37, (1, 30), generator=torch.Generator().manual_seed(1))
+
+    def gap() -> float:
+        with torch.no_grad():
+            return (
+                (model(ids, torch.arange(30)[None], None)[0, :, :37] - hf(ids).logits[0]).abs().max().item()
+            )
+
+    assert gap() <= 1e-12
+    monkeypatch.setattr(rotary, "yarn_inv_freq", lambda inner: inner.inv_freq)
+    assert gap() > 1e-3

@@ -14,8 +14,9 @@ window_attn_skip_freq list; the window cuts THE plan: attention/window.py), ever
 
 Every linear layer but the embeddings and lm_head has a bias (megatron's add_bias_linear). HF keeps each layer's
 experts as four fused 3-D tensors, gate_up's columns interleaved (checkpoint/fused_experts.py, layouts.py). The
-published checkpoints use YaRN RoPE (rope_type "yarn"), which is refused for now in one line (not reproduced
-exactly yet); swiglu_alpha must be 1.702 (megatron's quick_gelu hard-codes it).
+published checkpoints use YaRN RoPE (rope_type "yarn", truncate false): megatron's YarnRotaryEmbedding and its
+concentration factor (models/rotary.py); an explicit attention_factor / mscale is refused. swiglu_alpha must be
+1.702 (megatron's quick_gelu hard-codes it).
 """
 
 from __future__ import annotations
@@ -89,7 +90,13 @@ def read_hf(d: dict[str, Any], where: str) -> dict[str, Any]:
         raise UserError(
             f"gpt_oss swiglu_alpha={d['swiglu_alpha']} is not supported (only {SWIGLU_ALPHA})", where=where
         )
+    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    yarn = rope.get("rope_type", rope.get("type")) == "yarn"
+    if yarn:  # read here; common_fields sees the plain RoPE it refuses nothing of
+        d = dict(d, rope_parameters={"rope_type": "default", "rope_theta": rope.get("rope_theta", 150000.0)})
     fields = common_fields("gpt_oss", d, where, qkv_bias=True)  # intermediate_size: the expert width
+    if yarn:
+        fields.update(yarn_fields(rope, d, where))
     n = fields["num_layers"]
     kinds = list(
         d.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
@@ -120,6 +127,37 @@ def read_hf(d: dict[str, Any], where: str) -> dict[str, Any]:
     return fields
 
 
+def yarn_fields(rope: dict[str, Any], d: dict[str, Any], where: str) -> dict[str, Any]:
+    """ModelArch's yarn_* fields of HF's YaRN rope parameters (transformers' `_compute_yarn_parameters`); an explicit
+    attention_factor / mscale / mscale_all_dim (which gpt-oss never sets) is refused rather than half-honoured."""
+    for key in ("attention_factor", "mscale", "mscale_all_dim"):
+        if rope.get(key) is not None:
+            raise UserError(f"gpt_oss yarn {key}={rope[key]} is not supported", where=where)
+    original = int(rope["original_max_position_embeddings"])
+    factor = rope.get("factor") or d.get("max_position_embeddings", original) / original
+    return dict(
+        yarn_factor=float(factor),
+        yarn_original_max_position_embeddings=original,
+        yarn_beta_fast=float(rope.get("beta_fast") or 32.0),
+        yarn_beta_slow=float(rope.get("beta_slow") or 1.0),
+        yarn_truncate=bool(rope.get("truncate", True)),
+    )
+
+
+def _rope(arch: Any) -> dict[str, Any]:
+    if arch.yarn_factor is None:
+        return default_rope(arch)
+    return {
+        "rope_type": "yarn",
+        "rope_theta": arch.rope_theta,
+        "factor": arch.yarn_factor,
+        "original_max_position_embeddings": arch.yarn_original_max_position_embeddings,
+        "beta_fast": arch.yarn_beta_fast,
+        "beta_slow": arch.yarn_beta_slow,
+        "truncate": arch.yarn_truncate,
+    }
+
+
 def _layer_types(arch: Any) -> list[str]:
     return [LAYER_KINDS[arch.window_of(i) is None] for i in range(arch.num_layers)]
 
@@ -128,7 +166,7 @@ def hf_config(arch: Any, common: dict[str, Any]) -> Any:
     import transformers
 
     return transformers.GptOssConfig(
-        rope_parameters=default_rope(arch),
+        rope_parameters=_rope(arch),
         sliding_window=arch.sliding_window,
         layer_types=_layer_types(arch),
         num_local_experts=arch.num_experts,
@@ -151,17 +189,30 @@ TINY_OSS = dict(
 ancestors, or short of them); the clamp at 1.0 so that it binds on the tiny model's activations."""
 
 
+TINY_YARN = dict(
+    rope_type="yarn",
+    factor=4.0,
+    original_max_position_embeddings=64,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    truncate=False,
+)
+"""The tiny gpt-oss's YaRN parameters (gpt-oss-20b's: factor 32 over 4096, truncate false)."""
+
+
 def tiny_hf_config(
     common: dict[str, Any], *, head_dim: int | None = None, moe: dict[str, Any] | None = None, **_: Any
 ) -> Any:
-    """TINY_OSS, hidden 64, head_dim 16, layer 0 sliding and layer 1 full (HF's alternation), plain RoPE."""
+    """TINY_OSS, hidden 64, head_dim 16, layer 0 sliding and layer 1 full (HF's alternation), YaRN RoPE as the
+    published configs have it (factor 4 over an original context of 64: the ramp blends dims 0 to 2)."""
     import transformers
 
+    rope = dict(common["rope_parameters"], **TINY_YARN)
     return transformers.GptOssConfig(
         architectures=["GptOssForCausalLM"],
         head_dim=head_dim or 16,
         attention_bias=True,
-        **{**common, "hidden_size": 64, **TINY_OSS, **(moe or {})},
+        **{**common, "hidden_size": 64, "rope_parameters": rope, **TINY_OSS, **(moe or {})},
     )
 
 
