@@ -152,6 +152,9 @@ def _shim_rope_cp() -> None:
     rotary, _ = _resolve(
         "megatron.core.models.common.embeddings.rotary_pos_embedding", "get_pos_emb_on_this_cp_rank"
     )
+    yarn, _ = _resolve(
+        "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding", "get_pos_emb_on_this_cp_rank"
+    )
 
     def get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
         if cp_group is None:
@@ -164,6 +167,9 @@ def _shim_rope_cp() -> None:
 
     rope_utils.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
     rotary.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
+    yarn.get_pos_emb_on_this_cp_rank = (
+        get_pos_emb_on_this_cp_rank  # its constructor slices its cache (gpt-oss)
+    )
 
 
 # --- 5. Pipeline schedules' tensor factories ---------------------------------------------------------------------

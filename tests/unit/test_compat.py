@@ -27,6 +27,7 @@ def test_shims_apply_and_are_idempotent() -> None:
         ("megatron.core.fusions.fused_softmax", "get_sliding_window_causal_mask"),
         ("megatron.core.models.common.embeddings.rope_utils", "get_pos_emb_on_this_cp_rank"),
         ("megatron.core.models.common.embeddings.rotary_pos_embedding", "get_pos_emb_on_this_cp_rank"),
+        ("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding", "get_pos_emb_on_this_cp_rank"),
         ("megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining"),
         ("megatron.core.utils", "GlobalMemoryBuffer"),
     ],
