@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_glm4_moe import _schedule_grads, megatron_of
 
 from megatron_branch.attention import core_attention, executor
 from megatron_branch.checkpoint import (
@@ -25,14 +26,11 @@ from megatron_branch.checkpoint import (
 )
 from megatron_branch.checkpoint.hf_io import HFTensorReader
 from megatron_branch.checkpoint.param_map import mcore_names
-from megatron_branch.checkpoint.tp import gather_full_grads
 from megatron_branch.checkpoint.verify import verify_conversion
 from megatron_branch.data import PrefixTree
 from megatron_branch.errors import UserError
-from megatron_branch.losses import PolicyGradientObjective
 from megatron_branch.models import ModelArch, build_model
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
-from megatron_branch.schedule import ScheduleOptions, run_schedule
 from megatron_branch.testing import (
     exact_hf_norms,
     hf_policy_gradient,
@@ -57,13 +55,6 @@ def oss_hf(*, seed: int = 2, dtype: torch.dtype = torch.float64, exact: bool = T
     norms in the model's dtype (its router and experts already compute in it)."""
     hf = tiny_hf_model(tiny_hf_config("gpt_oss"), seed=seed, dtype=dtype)
     return (exact_hf_norms(hf) if exact else hf).eval()
-
-
-def megatron_of(hf, dtype: torch.dtype):  # noqa: ANN001, ANN201
-    arch = ModelArch.from_hf_config(hf.config)
-    model = build_model(arch, dtype=dtype)
-    load_full_state(model, hf_to_mcore_state(hf_state(hf), arch, padded_vocab=arch.vocab_size), None)
-    return arch, model
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -196,14 +187,6 @@ def test_the_tree_has_windows_that_cross_and_windows_that_stop() -> None:
     assert any(s.length > WINDOW for s in children)  # its later tokens see none of them
 
 
-def _schedule_grads(model, arch, rollouts, schedule: str, **opts) -> dict:  # noqa: ANN001
-    tree = PrefixTree.build(rollouts, vocab_size=37)
-    obj = PolicyGradientObjective.grpo([r.advantage for r in rollouts], tree.num_response_tokens_logical())
-    model.zero_grad(set_to_none=True)
-    run_schedule(schedule, model, tree, obj, ScheduleOptions(vocab_size=37, branch_micro_batch=2, **opts))
-    return mcore_to_hf_state(gather_full_grads(model, None), arch)
-
-
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 def test_every_exact_schedule_matches_hf(dtype: torch.dtype) -> None:
     hf = oss_hf(dtype=dtype)
@@ -267,37 +250,11 @@ OSS_ARCH = (  # a config-defined tiny gpt-oss: a window of 3 on layer 0 (sequenc
 
 def test_train_runs_a_gpt_oss_policy_and_resumes_exactly(tmp_path: Path) -> None:
     """Routing replay (R3) and router losses on, float64: the sampler decodes through the window and sinks, replay
-    computes fewer positions than logical, and a run resumed after step 1 equals the uninterrupted one (tokens,
-    losses 1e-9, parameters 1e-9); the sinks do train."""
-    from test_train_moe import LOSSES, _cfg, _max_rel, _run
+    computes fewer positions than logical, a run resumed after step 1 equals the uninterrupted one (tokens, losses,
+    parameters at 1e-9: test_glm4_moe_use's check); the sinks do train."""
+    from test_glm4_moe_use import train_and_resume
 
-    from megatron_branch.train.models import unwrap
-
-    def params(tr) -> dict:  # noqa: ANN001
-        return {
-            k: v.detach().clone() for k, v in unwrap(tr.policy).state_dict().items() if torch.is_tensor(v)
-        }
-
-    extra = ("moe.router_replay=R3", *LOSSES)
-    full, mfull = _run(_cfg(tmp_path / "full", "trainer.total_training_steps=2", *extra, model=OSS_ARCH))
-    assert mfull[-1]["positions_computed"] < mfull[-1]["positions_logical"]
-    first, m1 = _run(_cfg(tmp_path / "part", "trainer.total_training_steps=1", *extra, model=OSS_ARCH))
-    first.save()
-    p_first = params(first)
-    again, m2 = _run(
-        _cfg(
-            tmp_path / "part",
-            "trainer.total_training_steps=2",
-            "trainer.resume_mode=auto",
-            *extra,
-            model=OSS_ARCH,
-        )
-    )
-    assert again.step == 2 and len(m2) == 1
-    for x, y in zip(mfull, m1 + m2, strict=True):
-        assert x["_tokens"] == y["_tokens"] and abs(x["loss"] - y["loss"]) <= 1e-9
-    p_full = params(full)
-    assert _max_rel(p_full, params(again)) < 1e-9
+    p_full, p_first, _ = train_and_resume(tmp_path, OSS_ARCH, expert_bias=False)
     sinks = [k for k in p_full if k.endswith("core_attention.softmax_offset")]
     assert len(sinks) == 2 and any(not torch.equal(p_full[k], p_first[k]) for k in sinks)
 
