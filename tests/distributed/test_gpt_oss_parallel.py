@@ -2,7 +2,7 @@
 under tensor, context and expert parallelism (the grad and convert commands, in-process on every rank).
 
     python tests/distributed/launch.py 2 -k gpt_oss     # CP2 (the ring cuts each step's plan by the window,
-                                                         # the sink merged once after the last step), EP2
+                                                         # the sink merged once after the last step), EP2, CP2xEP2
 
 The gradient against Hugging Face's eager gpt_oss per rollout, per parameter: float64 at 1e-9 (replay), float32 at
 1e-5 (packed). Conversion: HF -> dist checkpoint at EP2 -> HF, bit-exact (fused interleaved experts, sinks). TP > 1
@@ -27,6 +27,7 @@ TOL = {"float64": 1e-9, "float32": 1e-5}
 LAYOUTS = {
     "cp2": ["--cp", "2"],
     "ep2": ["--ep", "2"],  # EP across the two DP replicas: lockstep
+    "cp2ep2": ["--cp", "2", "--ep", "2"],  # EP over the CP ranks
 }
 
 
