@@ -3,6 +3,10 @@ kv-retrieval task, the quiet logging, and the step loop."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
 import torch
 
 from megatron_branch.train.loop import Trainer
@@ -49,3 +53,28 @@ def params(tr: Trainer) -> dict[str, torch.Tensor]:
         for k, v in unwrap(tr.policy).state_dict().items()
         if isinstance(v, torch.Tensor)
     }
+
+
+def max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The worst tensor's max |a - b| relative to its max |a|."""
+    return max(float((a[k] - b[k]).abs().max() / (a[k].abs().max() + 1e-30)) for k in a)
+
+
+def assert_resumes_exactly(cfg_of: Callable[..., Any], tmp_path: Path) -> tuple[Trainer, list[dict]]:
+    """A 3-step run of `cfg_of(out, *overrides)` against 2 steps, a save and a resume to 3 (a float64 config):
+    the same tokens, reward mean and loss every step (1e-9), one step after the resume, the same parameters at the
+    end (1e-9), and replay sharing each prompt. Returns the uninterrupted run and its metrics."""
+    full, mfull = run_steps(cfg_of(tmp_path / "full", "trainer.total_training_steps=3"))
+    first, m1 = run_steps(cfg_of(tmp_path / "part", "trainer.total_training_steps=2"))
+    first.save()
+    again, m2 = run_steps(
+        cfg_of(tmp_path / "part", "trainer.total_training_steps=3", "trainer.resume_mode=auto")
+    )
+    assert again.step == 3 and len(m2) == 1
+    for x, y in zip(mfull, m1 + m2, strict=True):
+        assert x["_tokens"] == y["_tokens"]
+        for k in ("reward_mean", "loss"):
+            assert abs(x[k] - y[k]) <= 1e-9, (x["step"], k)
+    assert mfull[-1]["positions_computed"] < mfull[-1]["positions_logical"]  # replay shares each prompt
+    assert max_rel(params(full), params(again)) < 1e-9
+    return full, mfull

@@ -106,9 +106,10 @@ def _moe_shape(name: str, arch: ModelArch) -> tuple[int, ...] | None:
         return (h, sh) if name.endswith("down_proj.weight") else (sh, h)
     if name.endswith("shared_expert_gate.weight"):
         return (1, h)
-    if name.endswith("mlp.gate.e_score_correction_bias"):
+    if name.endswith(("mlp.gate.e_score_correction_bias", "mixer.gate.e_score_correction_bias")):
         return (arch.num_experts,)
-    if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+    routers = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "mixer.gate.weight")  # mixer.: nemotron_h
+    if name.endswith(routers):
         return (arch.num_experts, h)
     return None
 

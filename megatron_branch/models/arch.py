@@ -133,7 +133,8 @@ class ModelArch:
     """MLA: the per-head width of the values."""
     hybrid_override_pattern: str | None = None
     """A Mamba hybrid's layers, one character each (megatron's and Nemotron-H's hybrid_override_pattern): "M" a
-    Mamba-2 mixer, "*" self-attention, "-" an MLP; each layer is its norm and that ONE block (models/mamba.py).
+    Mamba-2 mixer, "*" self-attention, "-" an MLP, "E" a mixture of experts (megatron's MoELayer; the num_experts /
+    moe_* fields, moe_layer_pattern its "E" layers); each layer is its norm and that ONE block (models/mamba.py).
     None: every layer attention + MLP."""
     mlp_activation: str = "swiglu"
     """The MLP: "swiglu" (gate/up/down) or "relu2" (Nemotron-H: up, squared ReLU, down; no gate)."""

@@ -221,9 +221,10 @@ class BranchMambaMixer(MambaMixer, TakesBranchContext):
 
 
 def hybrid_layer_specs(arch: Any, attention_layer_spec: ModuleSpec) -> dict[str, ModuleSpec]:
-    """The three layer kinds of a hybrid_override_pattern (models/mamba_arch.py PATTERN_KINDS) from the model's
-    full layer spec (its layer class, norms, attention and MLP): "attention" keeps the attention and drops the MLP,
-    "mlp" keeps the MLP and drops the attention, "mamba" puts BranchMambaMixer in the attention slot."""
+    """The layer kinds of a hybrid_override_pattern (models/mamba_arch.py PATTERN_KINDS) from the model's full
+    layer spec (its layer class, norms, attention and MLP): "attention" keeps the attention and drops the MLP,
+    "mlp" keeps the MLP and drops the attention, "mamba" puts BranchMambaMixer in the attention slot, "moe" (a MoE
+    model's "E" layers) is "mlp" with megatron's MoELayer in the MLP slot."""
     attention = copy.deepcopy(attention_layer_spec)
     _drop_mlp(attention)
     mlp = copy.deepcopy(attention_layer_spec)
@@ -244,7 +245,12 @@ def hybrid_layer_specs(arch: Any, attention_layer_spec: ModuleSpec) -> dict[str,
     # dist-checkpoint names of the norms as megatron's TE Mamba stack fuses them (mamba_layer_specs.py: into
     # in_proj, linear_qkv, linear_fc1), so that one checkpoint serves both specs (models/families/param_rules.py)
     mamba.submodules.sharded_state_dict_keys_map = {"input_layernorm.": "self_attention.in_proj.layer_norm_"}
-    return {"attention": attention, "mlp": mlp, "mamba": mamba}
+    kinds = {"attention": attention, "mlp": mlp, "mamba": mamba}
+    if arch.is_moe:  # "E": the "mlp" layer with megatron's MoELayer in its MLP slot (models/moe.py)
+        from megatron_branch.models.moe import moe_layer_spec
+
+        kinds["moe"] = moe_layer_spec(mlp)
+    return kinds
 
 
 def _drop_mlp(spec: ModuleSpec) -> None:

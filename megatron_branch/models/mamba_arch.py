@@ -14,9 +14,9 @@ from typing import Any
 
 from megatron_branch.errors import UserError
 
-PATTERN_KINDS = {"M": "mamba", "*": "attention", "-": "mlp"}
-"""megatron's hybrid_override_pattern characters this engine builds (mamba_hybrid_layer_allocation.Symbols);
-"E" (a MoE layer) is refused where the config is read (models/families/nemotron_h.py)."""
+PATTERN_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+"""megatron's hybrid_override_pattern characters this engine builds (mamba_hybrid_layer_allocation.Symbols): "E" a
+MoE layer (megatron's MoELayer alone after its norm: models/mamba.py)."""
 
 
 def check_mamba_arch(arch: Any) -> None:
@@ -37,7 +37,8 @@ def check_mamba_arch(arch: Any) -> None:
         )
     bad = sorted(set(pattern) - set(PATTERN_KINDS))
     if bad:
-        raise ValueError(f"hybrid_override_pattern layer {bad[0]!r} is not supported; supported: M, *, -")
+        raise ValueError(f"hybrid_override_pattern layer {bad[0]!r} is not supported; supported: M, *, -, E")
+    check_moe_pattern(arch, pattern)
     if arch.layer_types is not None:
         raise ValueError("hybrid_override_pattern and layer_types (gated delta nets) cannot be combined")
     if arch.mlp_activation not in ("swiglu", "relu2"):
@@ -61,8 +62,25 @@ def check_mamba_arch(arch: Any) -> None:
         )
 
 
+def check_moe_pattern(arch: Any, pattern: str) -> None:
+    """The "E" layers are the MoE layers: num_experts set exactly when some layer is "E", and moe_layer_pattern
+    (ModelArch's canonical form: None when every layer is MoE) marking exactly those; left out (a config-defined
+    arch), it is read off the pattern."""
+    if ("E" in pattern) != arch.is_moe:
+        raise ValueError(
+            "hybrid_override_pattern has MoE layers ('E') but num_experts is 0"
+            if "E" in pattern
+            else "num_experts > 0 needs MoE layers ('E') in hybrid_override_pattern"
+        )
+    marks = tuple(int(c == "E") for c in pattern)
+    if arch.is_moe and arch.moe_layer_pattern is None and not all(marks):
+        arch.moe_layer_pattern = marks
+    if arch.is_moe and arch.moe_layer_pattern != (None if all(marks) else marks):
+        raise ValueError(f"moe_layer_pattern {arch.moe_layer_pattern} is not the 'E' layers of {pattern}")
+
+
 def layer_kind(arch: Any, layer: int) -> str | None:
-    """ "mamba", "attention" or "mlp" for a hybrid_override_pattern arch's layer (0-based); None otherwise."""
+    """ "mamba", "attention", "mlp" or "moe" for a hybrid_override_pattern arch's layer (0-based); None otherwise."""
     if arch.hybrid_override_pattern is None:
         return None
     return PATTERN_KINDS[arch.hybrid_override_pattern[layer]]

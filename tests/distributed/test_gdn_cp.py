@@ -22,10 +22,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from gdn_helpers import rollouts
 
 from megatron_branch.checkpoint import hf_to_mcore_state, load_full_state, mcore_to_hf_state
 from megatron_branch.checkpoint.tp import gather_full_grads
-from megatron_branch.data import PrefixTree, Rollout
+from megatron_branch.data import PrefixTree
 from megatron_branch.losses import PolicyGradientObjective
 from megatron_branch.models import ModelArch, build_model
 from megatron_branch.models.gdn_tree import GDN_STATE
@@ -39,24 +40,6 @@ from megatron_branch.testing import exact_hf_norms, hf_policy_gradient, tiny_hf_
 
 BOUND = 1e-5
 LAYERS = ("linear_attention", "full_attention", "linear_attention")  # GDN -> attention (the ring) -> GDN
-
-
-def rollouts() -> list[Rollout]:
-    """Forks at depths 1, 2 and 3; a 1-token response ([4]); a response that is a prefix of another ([1, 2]);
-    segments shorter than the conv's K-1 inputs and than 2 x CP (mostly padding on a rank); a 70-token prompt (two
-    of the rule's 64-position chunks) whose branches fork mid-chunk."""
-    g = torch.Generator().manual_seed(11)
-    p = [int(x) for x in torch.randint(0, 37, (9,), generator=g)]
-    q = [int(x) for x in torch.randint(0, 37, (70,), generator=g)]
-    return [
-        Rollout(prompt=p, response=[1, 2, 3, 5, 6, 7], advantage=1.0),
-        Rollout(prompt=p, response=[1, 2, 3, 5, 8], advantage=-0.5),
-        Rollout(prompt=p, response=[1, 2], advantage=0.3),
-        Rollout(prompt=p, response=[1, 9], advantage=-1.2),
-        Rollout(prompt=p, response=[4], advantage=0.8),
-        Rollout(prompt=q, response=[5], advantage=0.7),
-        Rollout(prompt=q, response=[5, 9, 11], advantage=-1.1),
-    ]
 
 
 def _hf() -> Any:

@@ -14,6 +14,7 @@ Conversion: HF -> dist checkpoint at TP2 / EP2 -> HF, bit-exact (the correction 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -39,9 +40,10 @@ def glm_setup() -> tuple[Path, dict[str, torch.Tensor]]:
     return sigmoid_router_setup("glm4_moe")
 
 
-def sigmoid_router_setup(family: str) -> tuple[Path, dict[str, torch.Tensor]]:
+def sigmoid_router_setup(family: str, config: Any = None) -> tuple[Path, dict[str, torch.Tensor]]:
     """(folder with hf/ and r.jsonl, the float64 HF oracle's gradient) on every rank, for a tiny model of a family
-    with the DeepSeek-style router (glm4_moe, deepseek_v3: tests/distributed/test_deepseek_v3_parallel.py)."""
+    with the DeepSeek-style router (glm4_moe, deepseek_v3: tests/distributed/test_deepseek_v3_parallel.py; the
+    nemotron_h "E" layers: test_nemotron_h_tp.py); `config`: that HF config instead of the family's tiny one."""
     from transformers import AutoModelForCausalLM
 
     from megatron_branch.testing import (
@@ -55,7 +57,7 @@ def sigmoid_router_setup(family: str) -> tuple[Path, dict[str, torch.Tensor]]:
 
     d = shared_tmp("glm4_moe_parallel_")
     rollouts = _rollouts()
-    cfg = tiny_hf_config(family)
+    cfg = config if config is not None else tiny_hf_config(family)
     if dist.get_rank() == 0:
         hf = tiny_hf_model(cfg, seed=4)
         gen = torch.Generator().manual_seed(5)

@@ -291,7 +291,7 @@ def _hybrid_rollouts() -> list[Rollout]:
     response ([4]), a response that is a prefix of another ([1, 2]), segments shorter than the conv's K-1 inputs
     and than 2 x CP, a 70-token prompt (two of the delta rule's 64-position chunks) forking mid-chunk; shared
     tokens carry different advantages per rollout and route to different experts than their siblings' tokens."""
-    from test_gdn_cp import rollouts
+    from gdn_helpers import rollouts
 
     return rollouts()
 

@@ -1,7 +1,9 @@
 """Nemotron-H (Mamba-2 hybrid) under torchrun: conversion bit-exact at TP2 and TP2+SP (each rank its share of
 every in_proj and conv1d section) with logits equal to HF, and `megatron-branch grad` against the HF oracle under
 TP2+SP with naive, replay and packed (float32) and replay (float64): the SSM state and conv tail of this rank's
-heads handed down at each fork. CP2 is refused in one line.
+heads handed down at each fork. CP2 is refused in one line. With MoE layers ("E", Nemotron 3: the sigmoid router
+with its correction bias, on glm4_moe's harness, test_glm4_moe_parallel.py): the gradient under TP2+SP and EP2 (across
+the two DP replicas) against HF's float64 oracle, and conversion HF -> dist checkpoint at TP2 / EP2 -> HF bit-exact.
 
     python tests/distributed/launch.py 2 -k nemotron_h
 
@@ -16,6 +18,13 @@ import torch
 import torch.distributed as dist
 from dist_helpers import shared_tmp
 from safetensors.torch import load_file
+from test_glm4_moe_parallel import (
+    LAYOUTS,
+    _grad,
+    _worst,
+    check_round_trips_at_tp_and_ep,
+    sigmoid_router_setup,
+)
 from test_models_tp import _check, _rollouts
 
 from megatron_branch.checkpoint import (
@@ -110,3 +119,20 @@ def test_nemotron_h_dist_checkpoint_saved_at_tp2_loads_at_tp1_bit_exact() -> Non
     assert meta["saved_tensor_parallel"] == 2
     full, want = mcore_to_hf_state(gather_full_state(model, groups.tp), arch), hf_state(hf)
     assert full.keys() == want.keys() and all(torch.equal(full[k], v) for k, v in want.items())
+
+
+@pytest.mark.world(2)
+def test_nemotron_h_moe_grad_under_tp2sp_and_ep2_and_conversion_at_tp2_ep2() -> None:
+    """Layers M E * E - M (tests/unit/test_nemotron_h_moe.py's tiny model): replay float64 and packed float32 under
+    TP2+SP and EP2 against HF at 1e-5 (the float32 SSD scan bounds both dtypes); then the round trips."""
+    pattern = "ME*E-M"
+    cfg = tiny_hf_config("nemotron_h", num_layers=len(pattern), ffn=48, layer_types=pattern)
+    d, ref = sigmoid_router_setup("nemotron_h", cfg)
+    ref = {n.replace("model.", "backbone.", 1): g for n, g in ref.items()}
+    assert any(".mixer.experts.0.up_proj." in n for n in ref) and any(".mixer.A_log" in n for n in ref)
+    for name in ("tp2sp", "ep2"):
+        for schedule, dtype in (("replay", "float64"), ("packed", "float32")):
+            grads = _grad(d, f"nh_{name}_{schedule}_{dtype}", schedule, "--dtype", dtype, *LAYOUTS[name])
+            err = _worst(grads, ref)
+            assert err[0] <= 1e-5, (name, schedule, dtype, err)
+    check_round_trips_at_tp_and_ep(d, "nh")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gdn_helpers import plant_start_bug
+from gdn_helpers import plant_start_bug, rollouts
 from test_hybrid_models import megatron_of
 
 from megatron_branch.checkpoint import mcore_to_hf_state
@@ -39,24 +39,6 @@ LAYERS = ("linear_attention", "full_attention", "linear_attention")  # GDN -> at
 @pytest.fixture(scope="module", autouse=True)
 def _single_process() -> None:
     initialize_parallel(ParallelConfig())
-
-
-def rollouts() -> list[Rollout]:
-    """Forks at depths 1, 2 and 3; a 1-token response ([4]); a response that is a prefix of another ([1, 2]);
-    segments shorter than the conv's K-1 = 3 inputs ([1], [2], [9]); a 70-token prompt (two of the rule's
-    64-position chunks) whose branches fork mid-chunk."""
-    g = torch.Generator().manual_seed(11)
-    p = [int(x) for x in torch.randint(0, 37, (9,), generator=g)]
-    q = [int(x) for x in torch.randint(0, 37, (70,), generator=g)]
-    return [
-        Rollout(prompt=p, response=[1, 2, 3, 5, 6, 7], advantage=1.0),
-        Rollout(prompt=p, response=[1, 2, 3, 5, 8], advantage=-0.5),
-        Rollout(prompt=p, response=[1, 2], advantage=0.3),
-        Rollout(prompt=p, response=[1, 9], advantage=-1.2),
-        Rollout(prompt=p, response=[4], advantage=0.8),
-        Rollout(prompt=q, response=[5], advantage=0.7),
-        Rollout(prompt=q, response=[5, 9, 11], advantage=-1.1),
-    ]
 
 
 def hybrid(dtype: torch.dtype, seed: int = 5):  # noqa: ANN201

@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 from gdn_helpers import plant_start_bug
-from sampler_helpers import VOCAB, _single_process, assert_greedy_equals_hf_generate, prompts  # noqa: F401 (the fixture)
+from sampler_helpers import (  # noqa: F401 (_single_process: the fixture)
+    _single_process,
+    assert_greedy_equals_hf_generate,
+    tree_sample,
+    tree_sampling_error,
+)
 from test_gdn_replay import hybrid
 from test_hybrid_models import megatron_of
-
-from megatron_branch.data import PrefixTree
-from megatron_branch.generation import BranchSampler, SamplingParams
-from megatron_branch.losses import PolicyGradientObjective
-from megatron_branch.schedule import ScheduleOptions, run_schedule
 
 
 @pytest.fixture(scope="module")
@@ -33,15 +33,6 @@ def test_greedy_equals_hf_generate_and_each_prompt_is_prefilled_once(models) -> 
     assert_greedy_equals_hf_generate(hf, model)
 
 
-def _training_logprobs(model, samples, schedule: str) -> list[torch.Tensor]:  # noqa: ANN001
-    rollouts = [s.to_rollout(advantage=1.0) for s in samples]
-    tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
-    obj = PolicyGradientObjective.grpo([1.0] * len(rollouts), tree.num_response_tokens_logical())
-    res = run_schedule(schedule, model, tree, obj, ScheduleOptions(vocab_size=VOCAB, keep_logprobs=True))
-    model.zero_grad(set_to_none=True)
-    return [res.rollout_logprobs(tree, i) for i in range(len(rollouts))]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("bug", [None, "zero_parent_state"])
 def test_tree_sampled_logprobs_equal_the_training_forward(models, bug, monkeypatch) -> None:  # noqa: ANN001
@@ -50,20 +41,7 @@ def test_tree_sampled_logprobs_equal_the_training_forward(models, bug, monkeypat
     _, model = models
     if bug:
         plant_start_bug(monkeypatch, bug)
-    sp = SamplingParams(n=4, max_new_tokens=6, temperature=1.0, branch_at=(2, 4), branch_factor=2)
-    out = BranchSampler(model, vocab_size=VOCAB).generate(
-        prompts(), sp, generator=torch.Generator().manual_seed(3)
-    )
+    out = tree_sample(model)
     monkeypatch.undo()
-    samples = out.flat()
-    assert len(samples) == 8 and out.stats.prompt_prefills == [1, 1]
-    for group in out.samples:  # tree sampling: pairs share their first 4 tokens
-        assert all(a.response[:4] == b.response[:4] for a, b in zip(group[0::2], group[1::2]))
-    errs = []
-    for schedule in ("replay", "naive"):
-        for s, want in zip(samples, _training_logprobs(model, samples, schedule)):
-            errs.append((torch.tensor(s.logprobs, dtype=torch.float64) - want).abs().max().item())
-    if bug is None:
-        assert max(errs) <= 1e-5
-    else:
-        assert max(errs) > 1e-2
+    err = tree_sampling_error(model, out)
+    assert (err <= 1e-5) if bug is None else (err > 1e-2), (bug, err)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_train_loop import _cfg, _max_rel, _params, _run, task  # noqa: F401  (task: the fixture)
+from test_train_loop import _cfg, task  # noqa: F401  (task: the fixture)
+from train_helpers import assert_resumes_exactly, max_rel, params
 
 from megatron_branch.errors import UserError
 
@@ -35,20 +36,8 @@ def test_config_defined_hybrid_defaults_to_its_family(task: Path, tmp_path: Path
 
 @pytest.mark.slow
 def test_hybrid_trains_and_resumes_exactly(task: Path, tmp_path: Path) -> None:  # noqa: F811
-    full, mfull = _run(hybrid_cfg(task, tmp_path / "full", "trainer.total_training_steps=3"))
-    first, m1 = _run(hybrid_cfg(task, tmp_path / "part", "trainer.total_training_steps=2"))
-    first.save()
-    again, m2 = _run(
-        hybrid_cfg(task, tmp_path / "part", "trainer.total_training_steps=3", "trainer.resume_mode=auto")
-    )
-    assert again.step == 3 and len(m2) == 1
-    for x, y in zip(mfull, m1 + m2, strict=True):
-        assert x["_tokens"] == y["_tokens"]
-        for k in ("reward_mean", "loss"):
-            assert abs(x[k] - y[k]) <= 1e-9, (x["step"], k)
-    assert mfull[-1]["positions_computed"] < mfull[-1]["positions_logical"]  # replay shares each prompt
-    assert _max_rel(_params(full), _params(again)) < 1e-9
+    full, _ = assert_resumes_exactly(lambda out, *o: hybrid_cfg(task, out, *o), tmp_path)
     from megatron_branch.train.loop import Trainer
 
-    init = _params(Trainer(hybrid_cfg(task, tmp_path / "init", "trainer.total_training_steps=1")))
-    assert _max_rel(init, _params(full)) > 1e-6  # the policy moved: not a trivially equal pair of runs
+    init = params(Trainer(hybrid_cfg(task, tmp_path / "init", "trainer.total_training_steps=1")))
+    assert max_rel(init, params(full)) > 1e-6  # the policy moved: not a trivially equal pair of runs

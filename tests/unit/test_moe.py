@@ -9,24 +9,19 @@ oracle, megatron's by compat/moe.py); float32: <= 1e-5 (measured ~1e-6).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from conversion_helpers import assert_round_trip_and_logits, files_round_trip
 
 from megatron_branch.checkpoint import (
-    convert_hf_to_mcore,
-    convert_mcore_to_hf,
-    gather_full_state,
     hf_to_mcore_state,
     load_full_state,
     mcore_to_hf_state,
 )
-from megatron_branch.checkpoint.hf_io import HFTensorReader
 from megatron_branch.checkpoint.param_map import mcore_names, sharded_keys
 from megatron_branch.checkpoint.tp import gather_full_grads
-from megatron_branch.checkpoint.verify import verify_conversion
 from megatron_branch.data import PrefixTree
 from megatron_branch.errors import UserError
 from megatron_branch.losses import PolicyGradientObjective
@@ -150,36 +145,13 @@ def test_parallel_sizes_are_checked() -> None:
 @pytest.mark.parametrize("variant", ["qwen3_moe-mlp-only", "mixtral", "qwen2_moe"])
 def test_round_trip_is_bit_exact_and_logits_match(variant: str) -> None:
     hf = hf_moe(variant, dtype=torch.float32)
-    arch = ModelArch.from_hf_config(hf.config)
-    sd = hf_state(hf)
-    state = hf_to_mcore_state(sd, arch, padded_vocab=arch.padded_vocab_size(4))
-    back = mcore_to_hf_state(state, arch)
-    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
-    model = build_model(arch)
-    load_full_state(model, state, None)
-    assert all(
-        torch.equal(v, sd[k]) for k, v in mcore_to_hf_state(gather_full_state(model, None), arch).items()
-    )
-    ids = torch.randint(0, 37, (1, 14), generator=torch.Generator().manual_seed(1))
-    mask = torch.triu(torch.ones(14, 14, dtype=torch.bool), 1)[None, None]
-    with torch.no_grad():
-        assert (model(ids, torch.arange(14)[None], mask)[0, :, :37] - hf(ids).logits[0]).abs().max() <= 1e-5
+    assert_round_trip_and_logits(hf, hf_state(hf))
 
 
 def test_files_round_trip_and_verify(tmp_path: Path) -> None:
-    hf_dir = tmp_path / "hf"
-    hf_moe("qwen3_moe-sparse", seed=1, dtype=torch.float32).save_pretrained(hf_dir)
-    convert_hf_to_mcore(hf_dir, tmp_path / "mc", progress=False)
-    meta = json.loads((tmp_path / "mc" / "megatron_branch.json").read_text())
-    assert meta["arch"]["num_experts"] == 4 and meta["arch"]["moe_layer_pattern"] == [0, 1]
-    report = verify_conversion(hf_dir, tmp_path / "mc")
-    assert report["ok"] and report["argmax_agreement"] == 1.0, report
-    convert_mcore_to_hf(tmp_path / "mc", tmp_path / "out")
-    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    arch, _, cfg = files_round_trip(hf_moe("qwen3_moe-sparse", seed=1, dtype=torch.float32), tmp_path)
+    assert arch["num_experts"] == 4 and arch["moe_layer_pattern"] == [0, 1]
     assert cfg["architectures"] == ["Qwen3MoeForCausalLM"] and cfg["mlp_only_layers"] == [0]
-    src, dst = HFTensorReader(hf_dir), HFTensorReader(tmp_path / "out")
-    assert sorted(src.keys()) == sorted(dst.keys())
-    assert all(torch.equal(src.get(k), dst.get(k)) for k in src.keys())
 
 
 # --- the policy gradient, router losses off -------------------------------------------------------------------------

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from gdn_helpers import plant_start_bug
+from gdn_helpers import plant_start_bug, rollouts
 from safetensors.torch import load_file, save_file
-from test_gdn_replay import rollouts, worst
+from test_gdn_replay import worst
 
 from megatron_branch.checkpoint import (
     convert_hf_to_mcore,

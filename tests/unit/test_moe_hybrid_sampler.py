@@ -16,16 +16,18 @@ from __future__ import annotations
 import pytest
 import torch
 from gdn_helpers import plant_start_bug
-from sampler_helpers import VOCAB, _single_process, assert_greedy_equals_hf_generate, prompts  # noqa: F401 (the fixture)
+from sampler_helpers import (  # noqa: F401 (_single_process: the fixture)
+    _single_process,
+    assert_greedy_equals_hf_generate,
+    max_logprob_error,
+    training_logprobs,
+    tree_sample,
+)
 from test_moe_hybrid import hf_of, megatron_of
 
-from megatron_branch.data import PrefixTree
-from megatron_branch.generation import BranchSampler, SamplingParams
-from megatron_branch.losses import PolicyGradientObjective
 from megatron_branch.losses.router import MoEOptions
 from megatron_branch.losses.routing import RoutingRecorder
 from megatron_branch.models.moe import attach_router_context
-from megatron_branch.schedule import ScheduleOptions, run_schedule
 
 BOUND = 1e-5
 
@@ -42,41 +44,16 @@ def test_greedy_equals_hf_generate_and_each_prompt_is_prefilled_once(models) -> 
     assert_greedy_equals_hf_generate(hf, model)
 
 
-def _training_logprobs(model, samples, schedule: str, moe=None) -> list[torch.Tensor]:  # noqa: ANN001
-    rollouts = [s.to_rollout(advantage=1.0) for s in samples]
-    tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
-    obj = PolicyGradientObjective.grpo([1.0] * len(rollouts), tree.num_response_tokens_logical())
-    opts = ScheduleOptions(vocab_size=VOCAB, keep_logprobs=True, moe=moe)
-    res = run_schedule(schedule, model, tree, obj, opts)
-    model.zero_grad(set_to_none=True)
-    return [res.rollout_logprobs(tree, i) for i in range(len(rollouts))]
-
-
-def _sample(model, *, record: bool):  # noqa: ANN001, ANN202
-    """4 samples per prompt, forks after 2 and 4 tokens: children continue from their parent's state row."""
-    sp = SamplingParams(n=4, max_new_tokens=6, temperature=1.0, branch_at=(2, 4), branch_factor=2)
-    return BranchSampler(model, vocab_size=VOCAB, record_routing=record).generate(
-        prompts(), sp, generator=torch.Generator().manual_seed(3)
-    )
-
-
-def _max_err(samples, wants) -> float:  # noqa: ANN001
-    return max(
-        (torch.tensor(s.logprobs, dtype=torch.float64) - w).abs().max().item()
-        for s, w in zip(samples, wants, strict=True)
-    )
-
-
 @pytest.mark.slow
 def test_tree_sampled_logprobs_and_routing_records_equal_the_training_forward(models) -> None:  # noqa: ANN001
     _, arch, model = models
-    out = _sample(model, record=True)
+    out = tree_sample(model, record=True)
     samples = out.flat()
     assert len(samples) == 8 and out.stats.prompt_prefills == [1, 1] and out.stats.prefill_forwards == 1
     for group in out.samples:  # tree sampling: pairs share their first 4 tokens
         assert all(a.response[:4] == b.response[:4] for a, b in zip(group[0::2], group[1::2]))
     for schedule in ("replay", "naive"):
-        assert _max_err(samples, _training_logprobs(model, samples, schedule)) <= BOUND, schedule
+        assert max_logprob_error(samples, training_logprobs(model, samples, schedule)) <= BOUND, schedule
     # the records: every fed token's experts in a plain forward of its sequence; the last token, never fed, is -1
     for s in samples:
         rec, seq = s.routed_experts, torch.tensor(list(s.prompt) + list(s.response))
@@ -90,8 +67,8 @@ def test_tree_sampled_logprobs_and_routing_records_equal_the_training_forward(mo
         assert torch.equal(got[:-1], rec[:-1])
     # the training forward routed to the records (the router unchanged: the same experts, the same logprobs)
     for schedule in ("replay", "packed"):
-        wants = _training_logprobs(model, samples, schedule, MoEOptions(routing_replay=True))
-        assert _max_err(samples, wants) <= BOUND, schedule
+        wants = training_logprobs(model, samples, schedule, MoEOptions(routing_replay=True))
+        assert max_logprob_error(samples, wants) <= BOUND, schedule
     # the router moved after sampling: with replay every schedule routes to the records (one answer), without it
     # to its own new top-k (another answer)
     moved = megatron_of(hf_of("qwen3_next", torch.float32, seed=7), torch.float32)[1]
@@ -100,12 +77,12 @@ def test_tree_sampled_logprobs_and_routing_records_equal_the_training_forward(mo
             if name.endswith("router.weight"):
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(9)))
     replayed = {
-        schedule: _training_logprobs(moved, samples, schedule, MoEOptions(routing_replay=True))
+        schedule: training_logprobs(moved, samples, schedule, MoEOptions(routing_replay=True))
         for schedule in ("naive", "packed", "replay")
     }
     for schedule in ("packed", "replay"):
         assert max((a - b).abs().max().item() for a, b in zip(replayed[schedule], replayed["naive"])) <= BOUND
-    fresh = _training_logprobs(moved, samples, "replay")
+    fresh = training_logprobs(moved, samples, "replay")
     assert max((a - b).abs().max().item() for a, b in zip(fresh, replayed["replay"])) > 1e-3
 
 
@@ -115,7 +92,7 @@ def test_planted_zero_state_decode_fails(models, monkeypatch: pytest.MonkeyPatch
     logprobs leave the training forward's."""
     _, _, model = models
     plant_start_bug(monkeypatch, "zero_parent_state")
-    out = _sample(model, record=False)
+    out = tree_sample(model, record=False)
     monkeypatch.undo()
     samples = out.flat()
-    assert _max_err(samples, _training_logprobs(model, samples, "naive")) > 1e-2
+    assert max_logprob_error(samples, training_logprobs(model, samples, "naive")) > 1e-2

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sampler_helpers import VOCAB, _single_process, assert_greedy_equals_hf_generate, prompts  # noqa: F401 (the fixture)
-from test_gdn_sampler import _training_logprobs
+from sampler_helpers import (  # noqa: F401 (_single_process: the fixture)
+    _single_process,
+    assert_greedy_equals_hf_generate,
+    tree_sample,
+    tree_sampling_error,
+)
 from test_nemotron_h import megatron_of, nemotron, plant_start_bug
-
-from megatron_branch.generation import BranchSampler, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -36,16 +38,7 @@ def test_tree_sampled_logprobs_equal_the_training_forward(models, bug, monkeypat
     _, model = models
     if bug:
         plant_start_bug(monkeypatch, bug)
-    sp = SamplingParams(n=4, max_new_tokens=6, temperature=1.0, branch_at=(2, 4), branch_factor=2)
-    out = BranchSampler(model, vocab_size=VOCAB).generate(
-        prompts(), sp, generator=torch.Generator().manual_seed(3)
-    )
+    out = tree_sample(model)
     monkeypatch.undo()
-    samples = out.flat()
-    assert len(samples) == 8 and out.stats.prompt_prefills == [1, 1]
-    errs = [
-        (torch.tensor(s.logprobs, dtype=torch.float64) - want).abs().max().item()
-        for schedule in ("replay", "naive")
-        for s, want in zip(samples, _training_logprobs(model, samples, schedule))
-    ]
-    assert (max(errs) <= 1e-5) if bug is None else (max(errs) > 1e-3), (bug, max(errs))  # 100x the bound
+    err = tree_sampling_error(model, out)
+    assert (err <= 1e-5) if bug is None else (err > 1e-3), (bug, err)  # 100x the bound

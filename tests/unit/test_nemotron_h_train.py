@@ -1,13 +1,14 @@
 """`megatron-branch train` on a tiny config-defined Nemotron-H (model.arch with hybrid_override_pattern): the
 sampler decodes through the Mamba state, replay trains through it, and a resumed run equals the uninterrupted one
-exactly."""
+exactly; also with a MoE ("E") layer (Nemotron 3: the sigmoid router with its correction bias, a shared expert)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from test_train_loop import _cfg, _max_rel, _params, _run, task  # noqa: F401  (task: the fixture)
+from test_train_loop import _cfg, task  # noqa: F401  (task: the fixture)
+from train_helpers import assert_resumes_exactly, params
 
 from megatron_branch.errors import UserError
 
@@ -19,8 +20,16 @@ NEMOTRON_H = (
 )
 
 
-def nemotron_cfg(task: Path, out: Path, *overrides: str):  # noqa: ANN201, F811
-    return _cfg(task, out, NEMOTRON_H, "model.dtype=float64", *overrides)
+NEMOTRON_3 = NEMOTRON_H.replace("'M*-'", "'M*E'").replace(
+    "rms_norm_eps: 1.0e-5}",
+    "rms_norm_eps: 1.0e-5, num_experts: 4, moe_top_k: 2, moe_ffn_hidden_size: 8, "
+    "shared_expert_ffn_hidden_size: 8, moe_score_function: sigmoid, moe_expert_bias: true}",
+)
+"""The same with its MLP layer a MoE layer: 4 experts, top-2, a shared expert (moe_layer_pattern: the "E")."""
+
+
+def nemotron_cfg(task: Path, out: Path, *overrides: str, model: str = NEMOTRON_H):  # noqa: ANN201, F811
+    return _cfg(task, out, model, "model.dtype=float64", *overrides)
 
 
 def test_config_defined_nemotron_h_is_checked(task: Path, tmp_path: Path) -> None:  # noqa: F811
@@ -33,16 +42,13 @@ def test_config_defined_nemotron_h_is_checked(task: Path, tmp_path: Path) -> Non
 
 
 def test_nemotron_h_trains_and_resumes_exactly(task: Path, tmp_path: Path) -> None:  # noqa: F811
-    full, mfull = _run(nemotron_cfg(task, tmp_path / "full", "trainer.total_training_steps=3"))
-    first, m1 = _run(nemotron_cfg(task, tmp_path / "part", "trainer.total_training_steps=2"))
-    first.save()
-    again, m2 = _run(
-        nemotron_cfg(task, tmp_path / "part", "trainer.total_training_steps=3", "trainer.resume_mode=auto")
-    )
-    assert again.step == 3 and len(m2) == 1
-    for x, y in zip(mfull, m1 + m2, strict=True):
-        assert x["_tokens"] == y["_tokens"]
-        for k in ("reward_mean", "loss"):
-            assert abs(x[k] - y[k]) <= 1e-9, (x["step"], k)
-    assert mfull[-1]["positions_computed"] < mfull[-1]["positions_logical"]  # replay shares each prompt
-    assert _max_rel(_params(full), _params(again)) < 1e-9
+    assert_resumes_exactly(lambda out, *o: nemotron_cfg(task, out, *o), tmp_path)
+
+
+def test_nemotron_3_with_moe_layers_trains_and_resumes_exactly(task: Path, tmp_path: Path) -> None:  # noqa: F811
+    from megatron_branch.train.validate import model_arch
+
+    arch = model_arch(nemotron_cfg(task, tmp_path / "r", model=NEMOTRON_3), vocab_size=50)
+    assert arch.moe_layer_pattern == (0, 0, 1) and arch.moe_score_function == "sigmoid"
+    full, _ = assert_resumes_exactly(lambda out, *o: nemotron_cfg(task, out, *o, model=NEMOTRON_3), tmp_path)
+    assert any(".mlp.router." in n for n in params(full))

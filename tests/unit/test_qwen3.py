@@ -7,24 +7,19 @@ float64: <= 1e-9 relative per parameter (measured ~1e-15); float32: <= 1e-5 (mea
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from conversion_helpers import assert_round_trip_and_logits, files_round_trip
 from safetensors.torch import load_file
 
 from megatron_branch.checkpoint import (
-    convert_hf_to_mcore,
-    convert_mcore_to_hf,
-    gather_full_state,
     hf_to_mcore_state,
     load_full_state,
     mcore_to_hf_state,
 )
-from megatron_branch.checkpoint.hf_io import HFTensorReader
 from megatron_branch.checkpoint.param_map import mcore_names
-from megatron_branch.checkpoint.verify import verify_conversion
 from megatron_branch.cli import main
 from megatron_branch.data import PrefixTree, write_rollouts_jsonl
 from megatron_branch.errors import UserError
@@ -88,35 +83,15 @@ def test_refusals_are_one_line(change: dict, words: str) -> None:
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_round_trip_is_bit_exact_and_logits_match(tie: bool) -> None:
     hf = qwen3(tie=tie)
-    arch = ModelArch.from_hf_config(hf.config)
-    hf_sd = {k: v for k, v in hf.state_dict().items() if not (tie and k == "lm_head.weight")}
-    state = hf_to_mcore_state(hf_sd, arch, padded_vocab=arch.padded_vocab_size(4))
-    back = mcore_to_hf_state(state, arch)
-    assert back.keys() == hf_sd.keys() and all(torch.equal(back[k], hf_sd[k]) for k in hf_sd)
-    model = build_model(arch)
-    load_full_state(model, state, None)
-    assert all(
-        torch.equal(v, hf_sd[k]) for k, v in mcore_to_hf_state(gather_full_state(model, None), arch).items()
+    assert_round_trip_and_logits(
+        hf, {k: v for k, v in hf.state_dict().items() if not (tie and k == "lm_head.weight")}
     )
-    ids = torch.randint(0, 37, (1, 14), generator=torch.Generator().manual_seed(1))
-    mask = torch.triu(torch.ones(14, 14, dtype=torch.bool), 1)[None, None]
-    with torch.no_grad():
-        got = model(ids, torch.arange(14)[None], mask)[0, :, :37]
-        assert (got - hf(ids).logits[0]).abs().max() <= 1e-5
 
 
 def test_files_round_trip_and_verify(tmp_path: Path) -> None:
-    hf_dir = tmp_path / "hf"
-    qwen3(tie=False, seed=1).save_pretrained(hf_dir)
-    convert_hf_to_mcore(hf_dir, tmp_path / "mc", progress=False)
-    assert json.loads((tmp_path / "mc" / "megatron_branch.json").read_text())["arch"]["qk_norm"] is True
-    report = verify_conversion(hf_dir, tmp_path / "mc")
-    assert report["ok"] and report["max_abs_diff"] <= 1e-5 and report["argmax_agreement"] == 1.0
-    convert_mcore_to_hf(tmp_path / "mc", tmp_path / "out")
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
-    src, dst = HFTensorReader(hf_dir), HFTensorReader(tmp_path / "out")
-    assert sorted(src.keys()) == sorted(dst.keys())
-    assert all(torch.equal(src.get(k), dst.get(k)) for k in src.keys())
+    arch, report, cfg = files_round_trip(qwen3(tie=False, seed=1), tmp_path)
+    assert arch["qk_norm"] is True and report["max_abs_diff"] <= 1e-5
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"]
 
 
 def _grads(model: torch.nn.Module, arch: ModelArch, rollouts: list, schedule: str):  # noqa: ANN202

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from train_helpers import QUIET
+from train_helpers import max_rel as _max_rel
 from train_helpers import params as _params  # noqa: F401 (tests beside it import these names)
 from train_helpers import run_steps as _run
 
@@ -62,10 +63,6 @@ def _cfg(task: Path, out: Path, *overrides: str):
         "checkpoint.hf_export=false",
     ]
     return load_config(None, [*base, *overrides])
-
-
-def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max(float((a[k] - b[k]).abs().max() / (a[k].abs().max() + 1e-30)) for k in a)
 
 
 @pytest.mark.slow

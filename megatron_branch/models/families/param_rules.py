@@ -72,7 +72,7 @@ WHEN = (
     None,
     *"qkv_bias untied qk_norm shared_expert shared_expert_gate expert_bias mamba_conv_bias q_lora no_q_lora".split(),
 )
-PATTERN_LAYERS = ("M", "*", "-")
+PATTERN_LAYERS = ("M", "*", "-", "E")
 """`Rule.layers` of a hybrid_override_pattern model (Nemotron-H): the rule applies to the layers of that character
 (models/mamba_arch.py)."""
 
