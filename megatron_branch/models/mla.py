@@ -109,6 +109,11 @@ def mla_layer_spec(norm: type) -> Any:
     # needs sequence parallelism, rules/; there k_rope's gradient would stay this rank's part.)
     from megatron.core.post_training.modelopt.layers import Linear
 
+    # megatron's MLASelfAttention whose forward, under the schedules' chunks, hands down the compressed latent
+    # instead of per-head K/V (models/mla_latent.py)
+    from megatron_branch.models.mla_latent import BranchMLASelfAttention
+
+    spec.submodules.self_attention.module = BranchMLASelfAttention
     attention = spec.submodules.self_attention.submodules
     attention.linear_q_down_proj = Linear
     attention.linear_kv_down_proj = Linear
