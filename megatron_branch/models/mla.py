@@ -13,9 +13,10 @@ dv v_head_dim, cq q_lora_rank, ckv kv_lora_rank.
     key      = [k_nope | k_r] per head; softmax scale 1 / sqrt(d + r); out = W_o . attn [s, n dv]
 
 The core attention sees per-head q/k [s, b, n, d + r] and v [s, b, n, dv] (kv_channels = dv: megatron's
-DotProductAttention sizes its output by it); the prefix cache of a replayed segment therefore holds per-head K/V,
-n (d + r + dv) values per token and layer (not the compressed c_kv + k_r, ckv + r: megatron's MLA decompresses
-before its core attention slot, the one place the branch context plugs in).
+DotProductAttention sizes its output by it). The prefix cache of a replayed segment holds the compressed latent
+instead, c_kv + k_r (ckv + r values per token and layer, not n (d + r + dv)): the layer is megatron's
+MLASelfAttention subclassed to hand the latent down and decompress its ancestors' in each chunk
+(models/mla_latent.py); under the ring (CP) and in the sampler's decode cache it hands down per-head K/V.
 """
 
 from __future__ import annotations
