@@ -322,7 +322,9 @@ def chunk_saved_bytes(
         + dm.moe_linear_layers * moe_linear
         + head_bytes(dm, r, m)
     )
-    return {"kv": dm.attn_layers * layer_kv_bytes(dm, r), "other": other, "held": other}
+    kv = dm.attn_layers * layer_kv_bytes(dm, r)
+    # a capturing chunk's K/V are the cache's storage, except under MLA's latent cache: its graph holds them too
+    return {"kv": kv, "other": other, "held": other + (kv if capture and dm.latent else 0)}
 
 
 def kv_grad_bytes(dm: Dims, rows: int) -> int:
