@@ -99,6 +99,9 @@ class BranchMLASelfAttention(MLASelfAttention):
         [c_j,b,n_loc,dv], as megatron's forward computes them from the same latent (uncompress_kv_from_cache)."""
         d, dv, n = self.config.qk_head_dim, self.config.v_head_dim, self.num_attention_heads_per_partition
         assert self.linear_kv_up_proj.bias is None  # megatron builds it bias-free
+        # W_kv_up's gradient from here reaches the parameter as autograd's .grad, which megatron's DDP hook adds to
+        # main_grad: right while gradient_accumulation_fusion is off (models/transformer_config.py sets it off;
+        # with it on, that hook would skip .grad once the fused kernel had written main_grad)
         kv = torch.nn.functional.linear(c_kv, self.linear_kv_up_proj.weight)
         k_nope, value = torch.split(kv.view(*kv.shape[:-1], n, d + dv), [d, dv], dim=-1)
         key = torch.cat([k_nope, k_rope.unsqueeze(-2).expand(-1, -1, n, -1)], dim=-1)
