@@ -149,6 +149,11 @@ class LocalContext(PrefixContext):
     """Which keys each query of the chunk may see. Keys are [external (c) | chunk (s)]."""
     backend: str | None = None
     """Attention backend name (attention.dispatch); None = `default_backend()`."""
+    latent_cache: bool = False
+    """Multi-latent attention layers hand down their compressed latent (c_kv + roped k_rope, MLA_LATENT) instead
+    of per-head K/V and decompress the handed-down latents in each chunk (models/mla_latent.py); the schedules'
+    chunks set it. False: every attention layer hands down K/V (the sampler's prefill, whose decode cache reads
+    K/V)."""
 
     def attend(
         self,
@@ -163,9 +168,23 @@ class LocalContext(PrefixContext):
     ) -> torch.Tensor:
         """q [s,b,n,h], k/v [s,b,g,h] -> [s, b, n*h]; the window cuts THE plan (its bands), the sink is merged once
         per row after every key block (attention/dispatch.py)."""
+        ks, vs = self._kv_blocks(layer_number, k, v)  # keys: [ancestors (c) | chunk (s)]
+        return self.attend_blocks(q, ks, vs, scale, window=window, sink=sink)
+
+    def attend_blocks(
+        self,
+        q: torch.Tensor,
+        ks: list[torch.Tensor],
+        vs: list[torch.Tensor],
+        scale: float,
+        *,
+        window: int | None = None,
+        sink: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """q [s,b,n,h] over key/value blocks [c_j,b,g,h] (ancestors root first, then the chunk's own) -> [s,b,n*h];
+        hands nothing down (a layer that hands down something else than its K/V calls this: MLA's latent)."""
         from megatron_branch.attention.dispatch import attention
 
-        ks, vs = self._kv_blocks(layer_number, k, v)  # keys: [ancestors (c) | chunk (s)]
         num_keys = sum(kb.shape[0] for kb in ks)
         assert num_keys == self.layout.num_keys and q.shape[0] == self.layout.num_queries, (
             f"layout {self.layout.num_queries}x{self.layout.num_keys} vs q {q.shape[0]} k {num_keys}"

@@ -13,9 +13,10 @@ dv v_head_dim, cq q_lora_rank, ckv kv_lora_rank.
     key      = [k_nope | k_r] per head; softmax scale 1 / sqrt(d + r); out = W_o . attn [s, n dv]
 
 The core attention sees per-head q/k [s, b, n, d + r] and v [s, b, n, dv] (kv_channels = dv: megatron's
-DotProductAttention sizes its output by it); the prefix cache of a replayed segment therefore holds per-head K/V,
-n (d + r + dv) values per token and layer (not the compressed c_kv + k_r, ckv + r: megatron's MLA decompresses
-before its core attention slot, the one place the branch context plugs in).
+DotProductAttention sizes its output by it). The prefix cache of a replayed segment holds the compressed latent
+instead, c_kv + k_r (ckv + r values per token and layer, not n (d + r + dv)): the layer is megatron's
+MLASelfAttention subclassed to hand the latent down and decompress its ancestors' in each chunk
+(models/mla_latent.py); under the ring (CP) and in the sampler's decode cache it hands down per-head K/V.
 """
 
 from __future__ import annotations
@@ -109,6 +110,11 @@ def mla_layer_spec(norm: type) -> Any:
     # needs sequence parallelism, rules/; there k_rope's gradient would stay this rank's part.)
     from megatron.core.post_training.modelopt.layers import Linear
 
+    # megatron's MLASelfAttention whose forward, under the schedules' chunks, hands down the compressed latent
+    # instead of per-head K/V (models/mla_latent.py)
+    from megatron_branch.models.mla_latent import BranchMLASelfAttention
+
+    spec.submodules.self_attention.module = BranchMLASelfAttention
     attention = spec.submodules.self_attention.submodules
     attention.linear_q_down_proj = Linear
     attention.linear_kv_down_proj = Linear

@@ -59,6 +59,7 @@ from megatron_branch.plan.layers import (
     gdn_heads_saved_bytes,
     gdn_rows_saved_bytes,
 )
+from megatron_branch.plan.mla import mla_kv_bytes, mla_latent_row_bytes, mla_other_bytes
 from megatron_branch.plan.model import Layout
 
 INDEX_BYTES = 8  # int64 token ids / indices
@@ -98,6 +99,7 @@ class Dims:
     pp: int = 1  # pipeline stages: this rank holds num_layers / pp of them (dense models; plan/pipeline.py)
     head: bool = True  # this rank's stage holds the final norm and the output layer (the last stage)
     cp: int = 1  # context parallel size: a GDN layer runs its head block over whole sequences
+    latent: bool = False  # MLA's compact prefix cache (one rank per CP group; the ring carries per-head K/V)
 
     @property
     def attn_layers(self) -> int:
@@ -140,6 +142,7 @@ class Dims:
             gdn_kernel=gdn_kernel,
             pp=layout.pp,
             cp=layout.cp,
+            latent=arch.multi_latent and layout.cp == 1,
         )
 
     @property
@@ -159,7 +162,15 @@ class Dims:
 
 def layer_kv_bytes(dm: Dims, r: int) -> int:
     """Per layer: the compact K and V storages of r rows (alive while K/V are cached or saved)."""
+    if dm.arch.multi_latent:  # n (d + rr) keys and n dv values per row (plan/mla.py)
+        return mla_kv_bytes(dm, r)
     return 2 * r * dm.g * dm.d * dm.e
+
+
+def layer_cache_bytes(dm: Dims, rows: int) -> int:
+    """Per layer: what replay's prefix cache holds for `rows` cached rows: their K/V, or MLA's latent
+    (`cached_latent`, plan/mla.py)."""
+    return rows * mla_latent_row_bytes(dm) if dm.latent else layer_kv_bytes(dm, rows)
 
 
 def moe_mlp_bytes(dm: Dims, r: int) -> int:
@@ -197,12 +208,14 @@ def layer_other_bytes(dm: Dims, r: int, *, ext: int = 0, cp: int = 1, moe: bool 
     a MoE layer (its MLP slot: `moe_mlp_bytes`)."""
     rn = dm.seq_rows(r)
     norms = 2 * (2 * rn * dm.h * dm.e + rn * dm.f32)
+    mlp = moe_mlp_bytes(dm, r) if moe else 5 * r * dm.f * dm.e
+    if dm.arch.multi_latent:  # its attention part (plan/mla.py) with fc1's input, the norms and the MLP
+        return norms + (0 if moe else rn * dm.h * dm.e) + mla_other_bytes(dm, r, ext=ext) + mlp
     # QKV's input and fc1's; a MoE layer's MLP input is its router's (counted in moe_mlp_bytes)
     linear_in = (1 if moe else 2) * rn * dm.h * dm.e
     rope = 4 * r * dm.arch.rotary_dim * dm.e
     attn = 2 * r * dm.n * dm.d * dm.e + dm.n * r * dm.f32
     attn += attention_extra_saved_bytes(dm.arch, r, n=dm.n, g=dm.g, e=dm.e)
-    mlp = moe_mlp_bytes(dm, r) if moe else 5 * r * dm.f * dm.e
     # under CP the ring saves what one rank's executor saves: q, the output, lse and the local K/V blocks in place
     # (no concatenated copy of the cached ancestors, no separate output copy, no metadata; parallel/ring.py)
     return norms + linear_in + rope + attn + mlp
@@ -299,7 +312,7 @@ def chunk_saved_bytes(
         )
         head = head_bytes(dm, r, m)
         return {
-            "kv": dm.attn_layers * layer_kv_bytes(dm, r) if capture else 0,
+            "kv": dm.attn_layers * layer_cache_bytes(dm, r) if capture else 0,
             "other": inputs + max(head, one_layer),
             "held": inputs + head,
         }
@@ -309,12 +322,17 @@ def chunk_saved_bytes(
         + dm.moe_linear_layers * moe_linear
         + head_bytes(dm, r, m)
     )
-    return {"kv": dm.attn_layers * layer_kv_bytes(dm, r), "other": other, "held": other}
+    kv = dm.attn_layers * layer_kv_bytes(dm, r)
+    # a capturing chunk's K/V are the cache's storage, except under MLA's latent cache: its graph holds them too
+    return {"kv": kv, "other": other, "held": other + (kv if capture and dm.latent else 0)}
 
 
 def kv_grad_bytes(dm: Dims, rows: int) -> int:
     """dK/dV accumulators for `rows` cached rows, all layers: the cached leaves' .grad in their dtype, or for bf16 /
-    fp16 leaves an fp32 sum (schedule/prefix_cache.py WideSum): f32 = max(e, 4) bytes per value."""
+    fp16 leaves an fp32 sum (schedule/prefix_cache.py WideSum): f32 = max(e, 4) bytes per value. MLA: the
+    latent's (or its per-head K/V's under CP) widths."""
+    if dm.arch.multi_latent:
+        return dm.attn_layers * layer_cache_bytes(dm, rows) // dm.e * dm.f32
     return dm.attn_layers * 2 * rows * dm.g * dm.d * dm.f32
 
 

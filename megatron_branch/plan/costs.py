@@ -65,13 +65,16 @@ def memory_terms(
     st = static_bytes(arch, layout, param_bytes=e)
     opt = sharded_optimizer_bytes(arch, layout, optimizer or OptimizerChoice(), param_bytes=e)
     pk: Peak = peak or step_peak(arch, shape, layout, schedule=schedule, act_bytes=e, **kw)
+    latent = arch.multi_latent and layout.cp == 1
     mem = {
         "parameters": st["parameters"],
         "gradients": st["gradients"],
         "optimizer_state": opt["device"],
         "optimizer_state_no_distributed": st["optimizer_state_no_distributed"],
         "activations": pk.activations,
-        "cached_kv": pk.cached_kv,
+        # MLA on one rank per CP group: the prefix cache is the compressed latent, its own term (plan/mla.py)
+        "cached_kv": 0 if latent else pk.cached_kv,
+        "cached_latent": pk.cached_kv if latent else 0,
         "kv_grads": pk.kv_grads,
         "ring_buffers": pk.ring_buffers,
         "logits": pk.logits,

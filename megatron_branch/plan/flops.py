@@ -33,6 +33,7 @@ from megatron_branch.plan.layers import (
     gdn_matmul_flops_per_token,
     gdn_mixer_flops,
 )
+from megatron_branch.plan.mla import decompress_flops, mla_flops_per_pair
 from megatron_branch.plan.model import Layout, RolloutShape
 
 LOGITS_MATMULS = 4
@@ -60,6 +61,8 @@ def layer_matmul_flops_per_token(arch: ModelArch) -> int:
 def attention_flops_per_pair(arch: ModelArch) -> int:
     """Forward FLOPs of one (query, visible key) pair over all full-attention layers."""
     assert arch.head_dim is not None
+    if arch.multi_latent:  # q.k over qk_nope + qk_rope, p.v over v_head_dim (plan/mla.py)
+        return arch.num_full_layers * mla_flops_per_pair(arch)
     return arch.num_full_layers * 4 * arch.num_attention_heads * arch.head_dim
 
 
@@ -124,16 +127,24 @@ class StepFlops:
     recomputed_positions: int
     linear_attention: float = 0.0
     """Gated delta net layers' convolution and chunked delta rule (hybrids; 0 otherwise)."""
+    decompress: float = 0.0
+    """Replay of an MLA model: every leaf micro-batch decompressing the cached latent of its path (plan/mla.py)."""
 
     @property
     def total(self) -> float:
-        return self.dense + self.attention + self.logits + self.linear_attention
+        return self.dense + self.attention + self.logits + self.linear_attention + self.decompress
 
 
 def step_flops(
-    arch: ModelArch, shape: RolloutShape, schedule: str, layout: Layout | None = None
+    arch: ModelArch,
+    shape: RolloutShape,
+    schedule: str,
+    layout: Layout | None = None,
+    *,
+    branch_micro_batch: int = 8,
 ) -> StepFlops:
-    """FLOPs of the whole step (every prompt group, every rank) for `schedule`."""
+    """FLOPs of the whole step (every prompt group, every rank) for `schedule` (`branch_micro_batch`: replay's leaf
+    micro-batches, each of which decompresses an MLA model's cached latent)."""
     layout = layout or Layout()
     tok, row = layer_matmul_flops_per_token(arch), logits_flops_per_row(arch)
     N, G, R, L = shape.prompts, shape.responses, shape.root_length, shape.leaf_length
@@ -181,6 +192,13 @@ def step_flops(
     if layout.recompute == "full":  # per-layer checkpointing: every layer's forward once more
         fwd_again, attn_again = fwd_again + positions, attn_again + attn
         sequences_again = sequences_again + sequences
+    decompress = 0
+    if (
+        schedule == "replay" and G > 1 and arch.multi_latent and layout.cp == 1
+    ):  # the latent cache (plan/mla.py)
+        rows = N * -(-G // min(branch_micro_batch, G)) * R  # each leaf micro-batch reads its root's rows
+        decompress = decompress_flops(arch, rows)
+        decompress += decompress_flops(arch, rows, backward=False) if layout.recompute == "full" else 0
     return StepFlops(
         dense=tok * (3 * positions + fwd_again),
         attention=float(3 * attn + attn_again),
@@ -189,4 +207,5 @@ def step_flops(
         recomputed_positions=fwd_again,
         linear_attention=linear_attention_flops(arch, sequences)
         + linear_attention_flops(arch, sequences_again, backward=False),
+        decompress=float(decompress),
     )

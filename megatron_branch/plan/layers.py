@@ -39,6 +39,7 @@ the same): `gdn_exchange_*`, checked against the meter and the exchange's own by
 from __future__ import annotations
 
 from megatron_branch.models.arch import ModelArch, gdn_block_heads
+from megatron_branch.plan.mla import mla_attention_params, mla_matmul_flops_per_token, mla_replicated_params
 
 CHUNK = 64
 """The delta rule's chunk (torch_chunk_gated_delta_rule's and fla's default)."""
@@ -68,6 +69,8 @@ def _attention_widths(arch: ModelArch) -> tuple[int, int, int, int, int, int]:
 def attention_layer_params(arch: ModelArch) -> int:
     """A full-attention layer: QKV (+ output gate rows, + bias), proj, q/k norms, 2 norms, SwiGLU."""
     h, d, nq, g, f, q_rows = _attention_widths(arch)
+    if arch.multi_latent:  # its latent projections instead of QKV (plan/mla.py)
+        return mla_attention_params(arch) + 2 * h + 3 * h * f
     qkv = h * (q_rows + 2 * g * d) + ((nq + 2 * g) * d if arch.qkv_bias else 0)
     qk_norms = 2 * d if arch.qk_norm else 0
     return qkv + nq * d * h + qk_norms + 2 * h + 3 * h * f + attention_extra_params(arch)
@@ -108,6 +111,8 @@ def replicated_layer_params(arch: ModelArch, linear: bool) -> int:
     if linear:
         return 2 * arch.hidden_size + arch.linear_value_head_dim
     assert arch.head_dim is not None
+    if arch.multi_latent:
+        return 2 * arch.hidden_size + mla_replicated_params(arch)
     return 2 * arch.hidden_size + (2 * arch.head_dim if arch.qk_norm else 0)
 
 
@@ -115,6 +120,8 @@ def replicated_layer_params(arch: ModelArch, linear: bool) -> int:
 def attention_matmul_flops_per_token(arch: ModelArch) -> int:
     """Forward FLOPs of one token through a full-attention layer's matmuls (QKV incl. the gate, proj, SwiGLU)."""
     h, d, nq, g, f, q_rows = _attention_widths(arch)
+    if arch.multi_latent:  # plan/mla.py
+        return mla_matmul_flops_per_token(arch) + 2 * 3 * h * f
     return 2 * h * (q_rows + 2 * g * d) + 2 * nq * d * h + 2 * 3 * h * f
 
 

@@ -27,7 +27,7 @@ from megatron_branch.plan.activations import (
     dispatcher_bytes,
     exchange_buffer_bytes,
     kv_grad_bytes,
-    layer_kv_bytes,
+    layer_cache_bytes,
     linear_state_bytes,
     linear_state_grad_bytes,
     local_rows,
@@ -170,7 +170,7 @@ def step_peak(
     )
     # the root's K/V (full-attention layers) and, for a hybrid, the GDN states its children start from
     state = dm.linear_layers * linear_state_bytes(dm) if dm.linear_layers else 0
-    cached = dm.attn_layers * layer_kv_bytes(dm, r_root) + state
+    cached = dm.attn_layers * layer_cache_bytes(dm, r_root) + state  # MLA: its latent (plan/mla.py)
     state_grads = dm.linear_layers * linear_state_grad_bytes(dm) if dm.linear_layers else 0
     grads = kv_grad_bytes(dm, r_root) + state_grads  # fp32 for bf16 leaves (WideSum)
     # phase 1, the last leaf micro-batch before its backward: root graph (unless recomputed) + cache + grads + leaf
@@ -182,7 +182,7 @@ def step_peak(
     # `release`: only the accumulated grads are kept) and its recomputed K/V take its place: one copy, not two.
     # Without any recompute this never exceeds phase 1 (which holds the same graph).
     # (a hybrid's GDN fork states stay counted once: the recomputed states replace the released ones)
-    released = dm.attn_layers * layer_kv_bytes(dm, r_root) if seg_rc else 0
+    released = dm.attn_layers * layer_cache_bytes(dm, r_root) if seg_rc else 0
     if seg_rc and root_pieces > 1:
         # one piece recomputed at a time: the longest, with the root's loss rows (a bound); the earlier pieces stay
         # cached and only the piece's own entry is released (the last piece's: the shortest, a bound)
@@ -190,7 +190,7 @@ def step_peak(
         root = chunk_saved_bytes(dm, local_rows(p, 1, layout), m_root, cp=cp, layer_recompute=lay_rc,
                                  capture=True, sequences=[(p, 1)])  # fmt: skip
         last = piece_lengths(R, root_pieces)[-1]
-        released = dm.attn_layers * layer_kv_bytes(dm, local_rows(last, 1, layout))
+        released = dm.attn_layers * layer_cache_bytes(dm, local_rows(last, 1, layout))
     root_kv = root["kv"] if seg_rc else 0
     phase_root = cached - released + root_kv + root["other"] + grads
     ring = max(

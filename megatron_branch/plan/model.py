@@ -410,3 +410,31 @@ def parameter_count(arch: ModelArch) -> dict[str, int]:
         + linear * replicated_layer_params(arch, True)
         + h,
     }
+
+
+# DeepSeek-V3 (deepseek-ai/DeepSeek-V3 config.json; DeepSeek-R1 has the same shape): 61 layers, hidden 7168, 128
+# heads of multi-latent attention (q_lora_rank 1536, kv_lora_rank 512, qk_nope 128, qk_rope 64, v_head 128), the
+# first 3 layers dense (intermediate 18432), then 256 routed experts of width 2048 + 1 shared, top-8 within 4 of 8
+# groups, sigmoid scores x 2.5, vocabulary 129280, context 163840. Kimi-K2 (moonshotai/Kimi-K2-Instruct config.json:
+# model_type "kimi_k2", architectures DeepseekV3ForCausalLM, the same code): 64 heads, 384 routed experts + 1 shared,
+# top-8, one group, the first layer dense, x 2.827, vocabulary 163840, context 131072. Their rope_scaling (yarn) is
+# dropped here as load_model drops it (it changes neither memory nor FLOPs; the engine refuses it for training); their
+# MTP layer (num_nextn_predict_layers) is not part of the policy and not priced.
+_DEEPSEEK_V3_CLASS = dict(
+    model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], hidden_size=7168, intermediate_size=18432,
+    moe_intermediate_size=2048, num_hidden_layers=61, n_shared_experts=1, num_experts_per_tok=8, kv_lora_rank=512,
+    q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, norm_topk_prob=True,
+    rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=False, attention_bias=False, rope_interleave=True,
+)  # fmt: skip
+DEEPSEEK_V3_CONFIG = dict(
+    _DEEPSEEK_V3_CLASS, vocab_size=129280, num_attention_heads=128, num_key_value_heads=128, n_routed_experts=256,
+    n_group=8, topk_group=4, first_k_dense_replace=3, routed_scaling_factor=2.5, max_position_embeddings=163840,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)  # fmt: skip
+KIMI_K2_CONFIG = dict(
+    _DEEPSEEK_V3_CLASS, vocab_size=163840, num_attention_heads=64, num_key_value_heads=64, n_routed_experts=384,
+    n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.827, max_position_embeddings=131072,
+    rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+)  # fmt: skip
+MODEL_PRESETS["deepseek-v3"] = ModelArch.from_hf_config(DEEPSEEK_V3_CONFIG, where="preset deepseek-v3")
+MODEL_PRESETS["kimi-k2"] = ModelArch.from_hf_config(KIMI_K2_CONFIG, where="preset kimi-k2")

@@ -21,6 +21,7 @@ TERMS_IN_TOTAL = (
     "optimizer_state",
     "activations",
     "cached_kv",
+    "cached_latent",
     "kv_grads",
     "ring_buffers",
     "logits",

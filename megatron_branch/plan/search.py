@@ -82,9 +82,13 @@ def evaluate(
         memo[pkey] = step_peak(arch, shape, layout, schedule=schedule, act_bytes=DTYPE_BYTES[dtype], **kw)
     mem = memory_terms(arch, shape, layout, schedule, dtype=dtype, optimizer=optimizer, peak=memo[pkey])
     host = host_terms(arch, layout, gpu, optimizer, dtype=dtype)
-    fkey = ("flops", layout, schedule)
+    bmb = kw.get("branch_micro_batch", 8)  # replay's leaf micro-batches: each decompresses MLA's latent
+    fkey = ("flops", layout, schedule, bmb)
     if fkey not in memo:
-        fl = {s: step_flops(arch, shape, s, layout if s == schedule else Layout()) for s in SCHEDULES}
+        fl = {
+            s: step_flops(arch, shape, s, layout if s == schedule else Layout(), branch_micro_batch=bmb)
+            for s in SCHEDULES
+        }
         memo[fkey] = fl, step_flops(arch, shape, "stop_gradient").total
     fl, stop_gradient = memo[fkey]
     mine = fl[schedule]
@@ -103,6 +107,12 @@ def evaluate(
         notes.append(
             f"MoE: {arch.num_experts} experts, top-{arch.moe_top_k}, EP {layout.ep} (expert TP = TP); routing assumed "
             "balanced; with a load-balancing loss the tree schedules add one forward-only counting pass of the step"
+        )
+    if arch.multi_latent:
+        notes.append(
+            "MLA: the prefix cache holds the compressed latent (cached_latent: kv_lora_rank + qk_rope_head_dim "
+            "values per row and layer; per-head K/V in cached_kv under CP, where the ring carries K/V), each leaf "
+            "micro-batch decompresses it again (FLOPs counted); MTP layers are not part of the policy (not priced)"
         )
     if layout.recompute == "selective":
         notes.append(

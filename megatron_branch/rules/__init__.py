@@ -64,8 +64,8 @@ Rules (a flag that would do nothing is refused, not ignored):
                                        inside the attention, interleaved RoPE is not the table the position ids
                                        index, and MoE router losses would count a shared token once, not once
                                        per rollout (check_verl_model)
-    the planner prices what it knows   multi-latent attention (deepseek_v3) is refused by `plan`: its latent
-                                       projections, per-head K/V widths and their FLOPs are not priced yet
+    the planner prices what it knows   check_plannable refuses nothing today: multi-latent attention
+                                       (plan/mla.py) and gpt-oss's windows, sinks and biases are priced
 """
 
 from __future__ import annotations

@@ -82,6 +82,7 @@ class Chunk:
             backend=opts.backend,
             recompute_layers=opts.recompute_layers,
             tree=self.tree(tree),
+            latent_cache=True,  # MLA's prefix cache holds the compressed latent (models/mla_latent.py)
         )
 
     def tree(self, tree: PrefixTree) -> ChunkTree:

@@ -39,8 +39,10 @@ from megatron_branch.checkpoint.param_map import check_hf_names, mcore_names, sh
 from megatron_branch.checkpoint.verify import verify_conversion
 from megatron_branch.errors import UserError
 from megatron_branch.models import ModelArch, build_model
+from megatron_branch.models.mla_latent import MLA_LATENT, BranchMLASelfAttention
 from megatron_branch.models.rotary import PositionRotaryEmbedding
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
+from megatron_branch.schedule.prefix_cache import PrefixCache
 from megatron_branch.testing import (
     hf_policy_gradient,
     hf_state,
@@ -231,7 +233,16 @@ def _rope_restarts_on_a_branch(monkeypatch: pytest.MonkeyPatch, model) -> None: 
     monkeypatch.setattr(PositionRotaryEmbedding, "forward", planted)
 
 
-@pytest.mark.parametrize("plant", [_rope_restarts_on_a_branch, _bias_ignored])
+def _latent_gradient_dropped(monkeypatch: pytest.MonkeyPatch, model) -> None:  # noqa: ANN001
+    """A chunk decompresses its ancestors' cached latent outside the graph: their rows' dK/dV never reach the
+    prefix (the latent leaves' gradient stays empty)."""
+    real = BranchMLASelfAttention.decompress
+    monkeypatch.setattr(
+        BranchMLASelfAttention, "decompress", lambda self, c, kr: real(self, c.detach(), kr.detach())
+    )
+
+
+@pytest.mark.parametrize("plant", [_rope_restarts_on_a_branch, _bias_ignored, _latent_gradient_dropped])
 def test_planted_bugs_fail(plant, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     hf = ds_hf()
     arch, model = megatron_of(hf, torch.float64)
@@ -240,3 +251,46 @@ def test_planted_bugs_fail(plant, monkeypatch: pytest.MonkeyPatch) -> None:  # n
     assert _worst(_schedule_grads(model, arch, rollouts, "replay"), want)[0] <= FP64_SIGMOID_BOUND
     plant(monkeypatch, model)
     assert _worst(_schedule_grads(model, arch, rollouts, "replay"), want)[0] > 1e-3
+
+
+# --- the compact latent cache (models/mla_latent.py) ----------------------------------------------------------------
+def _replay_cache_entries(monkeypatch: pytest.MonkeyPatch, model, arch, rollouts) -> tuple[list, dict]:  # noqa: ANN001
+    """Replay's gradient, and what its prefix cache held: per pushed segment (cached rows, layer -> entry)."""
+    pushed, real = [], PrefixCache.push
+
+    def push(self, seg_id, captured, rows, **kw):  # noqa: ANN001, ANN003, ANN202
+        real(self, seg_id, captured, rows, **kw)
+        pushed.append((rows, dict(self.entries[seg_id])))
+
+    with monkeypatch.context() as m:
+        m.setattr(PrefixCache, "push", push)
+        grads = _schedule_grads(model, arch, rollouts, "replay")
+    return pushed, grads
+
+
+def test_replay_caches_the_compressed_latent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every cached segment's MLA layers hold c_kv + k_rope: (kv_lora_rank + qk_rope_head_dim) values per row
+    (16 + 4 = 20 here), not the per-head K/V (4 heads x (6 + 4 + 12) = 88), and the gradient stays HF's.
+    Planted: megatron's own MLA forward (per-head K/V handed down) is exact too but fails the byte count."""
+    hf = ds_hf()
+    arch, model = megatron_of(hf, torch.float64)
+    rollouts = _tree_rollouts()
+    _, want = hf_policy_gradient(hf, rollouts)
+    latent = arch.kv_lora_rank + arch.qk_rope_head_dim
+
+    def holds_latent(pushed: list) -> bool:
+        return all(
+            e.kind is MLA_LATENT and sum(t.numel() * t.element_size() for t in e.read) == rows * latent * 8
+            for rows, entries in pushed
+            for e in entries.values()
+        )
+
+    pushed, grads = _replay_cache_entries(monkeypatch, model, arch, rollouts)
+    assert pushed and all(len(entries) == arch.num_layers for _, entries in pushed)
+    assert holds_latent(pushed)
+    assert _worst(grads, want)[0] <= FP64_SIGMOID_BOUND
+    monkeypatch.setattr(BranchMLASelfAttention, "forward", BranchMLASelfAttention.__mro__[1].forward)
+    pushed, grads = _replay_cache_entries(monkeypatch, model, arch, rollouts)
+    assert _worst(grads, want)[0] <= FP64_SIGMOID_BOUND and not holds_latent(pushed)
+    per_head = arch.num_attention_heads * (arch.head_dim + arch.qk_rope_head_dim + arch.v_head_dim)
+    assert all(sum(t.numel() for t in e.read) == rows * per_head for rows, es in pushed for e in es.values())

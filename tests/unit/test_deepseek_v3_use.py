@@ -47,11 +47,9 @@ def test_train_runs_a_deepseek_policy_and_resumes_exactly(tmp_path: Path) -> Non
     assert not torch.equal(full[kv_up], first[kv_up])
 
 
-def test_plan_refuses_multi_latent_attention_in_one_line(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """The planner does not price MLA yet: DeepSeek-V3's own config (transformers' DeepseekV3Config defaults, its
-    published shape) is refused before any work, in one line, exit status 2."""
+def test_plan_prices_deepseek_v3s_own_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """DeepSeek-V3's own config (transformers' DeepseekV3Config defaults, its published shape; rope scaling and the
+    MTP layer not priced) is planned (plan/mla.py), its prefix cache the compressed latent, a term of its own."""
     import json
 
     import transformers
@@ -61,7 +59,8 @@ def test_plan_refuses_multi_latent_attention_in_one_line(
     cfg = transformers.DeepseekV3Config(architectures=["DeepseekV3ForCausalLM"]).to_dict()
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     argv = ["plan", "--model", str(tmp_path / "config.json"), "--prompt-length", "1024", "--responses", "4",
-            "--response-length", "256", "--gpus", "8", "--gpu", "h100"]  # fmt: skip
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert "plan does not price multi-latent attention yet" in err and len(err.splitlines()) == 1, err
+            "--response-length", "256", "--prompts", "8", "--gpus", "8", "--gpu", "h100", "--tp", "1", "--cp", "1", "--dp", "8",
+            "--ep", "8", "--recompute", "full", "--json"]  # fmt: skip
+    assert main(argv) in (0, 1)  # 1: 671B parameters do not fit on one node
+    mem = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["memory_bytes_per_rank"]
+    assert mem["cached_latent"] == 61 * 1024 * (512 + 64) * 2 and mem["cached_kv"] == 0
