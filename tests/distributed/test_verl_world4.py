@@ -42,10 +42,11 @@ def test_verl_world4_moe_ep2_tp2(
     monkeypatch: pytest.MonkeyPatch,
     verl_router_replay_patch_undone: None,  # noqa: F811
 ) -> None:
-    """Qwen3-MoE (4 experts, top-2) at EP2 x TP2 (+SP; EP across the two DP replicas, megatron's default order:
-    tp fastest), dynamic batch size on: the switch == verl's own path, with router replay R3 (the rollout
+    """Qwen3-MoE (4 experts, top-2) at EP2 x TP2 (+SP, expert TP = TP; EP across the two DP replicas, tp
+    fastest), dynamic batch size on: the switch == verl's own path, with router replay R3 (the rollout
     engine's records, one rollout per group disagreeing with its group at a shared prompt token) and without.
     Planted (R3): a shared token's routing taken from another rollout of its group fails."""
+    from megatron.core import parallel_state as ps
     from verl.utils import tensordict_utils as tu
 
     os.environ.setdefault("MASTER_PORT", "0")
@@ -65,6 +66,8 @@ def test_verl_world4_moe_ep2_tp2(
 
     set_switch(False)
     base = run_step(worker(), td)
+    # verl's expert_tensor_parallel_size unset: megatron's default, expert TP = TP
+    assert ps.get_expert_model_parallel_world_size() == 2 and ps.get_expert_tensor_parallel_world_size() == tp
     set_switch(True)
     tree = run_step(worker(), td)
     _compare(base, tree, f"EP2 x TP2 r3={r3}")
