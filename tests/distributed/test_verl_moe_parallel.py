@@ -32,11 +32,11 @@ from verl_helpers import (  # noqa: E402
 )
 
 
-def _moe_policy_dir() -> str:
+def _moe_policy_dir(family: str = "qwen3_moe") -> str:
     box = [tempfile.mkdtemp(prefix="verl-moe-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     if dist.get_rank() == 0:
-        write_tiny_policy(Path(box[0]) / "hf", family="qwen3_moe")
+        write_tiny_policy(Path(box[0]) / "hf", family=family)
     dist.barrier()
     return str(Path(box[0]) / "hf")
 
@@ -327,3 +327,25 @@ def test_verl_moe_tp2_router_losses_count_verls_pad_rows(monkeypatch: pytest.Mon
     _compare(masked, tree, "TP2 router losses, verl's pad rows masked")
     err, name = max_rel_grad_error(counted.grads, tree.grads)
     assert err > 1e-3 and "router" in name, (name, err)  # verl's own number: its pad rows in the losses
+
+
+@pytest.mark.world(2)
+def test_verl_mla_tp2_sp_switch_equals_verl() -> None:
+    """DeepSeek-V3 (multi-latent attention, the DeepSeek MoE) at TP2 with sequence parallelism, dynamic batch size:
+    the switch == verl's own path (logprobs, entropies, every gradient shard at fp32 1e-5, metrics); one process:
+    tests/unit/test_verl_mla.py."""
+    os.environ.setdefault("MASTER_PORT", "0")
+    hf = _moe_policy_dir(family="deepseek_v3")
+
+    def td():
+        return grpo_batch(seed=5, groups=2)
+
+    def worker():
+        return make_worker(hf, tp=dist.get_world_size(), dynamic_bsz=True)
+
+    set_switch(False)
+    base = run_step(worker(), td)
+    set_switch(True)
+    tree = run_step(worker(), td)
+    set_switch(False)
+    _compare(base, tree, "MLA TP2 + SP")
