@@ -101,6 +101,10 @@ def _moe_config(**kw: Any) -> SimpleNamespace:
         (dict(moe_expert_capacity_factor=1.25), r"token dropping \(moe_expert_capacity_factor\)"),
         (dict(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-3), r"expert bias update"),
         (dict(moe_router_fusion=True), r"moe_router_fusion=True"),
+        (
+            dict(multi_latent_attention=True, expert_model_parallel_size=2),
+            r"multi-latent attention with expert parallelism",
+        ),
     ],
 )
 def test_moe_settings_not_wired_are_refused(setting: dict, message: str) -> None:
