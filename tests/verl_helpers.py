@@ -306,7 +306,13 @@ def run_step(worker: Any, td_fn: Any, *, actor: Any = None, r2: bool = False, cr
     step = engine.optimizer_step
 
     def snapshot_then_step() -> Any:  # the gradient megatron's optimizer is about to apply
-        grads.update({n: p.main_grad.detach().clone() for n, p in engine.module[0].named_parameters()})
+        grads.update(
+            {
+                n: p.main_grad.detach().clone()
+                for n, p in engine.module[0].named_parameters()
+                if p.requires_grad
+            }
+        )
         return step()
 
     engine.optimizer_step = snapshot_then_step

@@ -82,7 +82,6 @@ def refuse_unsupported(engine_config: Any, tf_config: Any = None) -> None:
     try:  # the model verl built: what patch_verl_model can wrap (rules/)
         check_verl_model(
             attention_variant=getattr(tf_config, "experimental_attention_variant", None),
-            multi_latent_attention=bool(getattr(tf_config, "multi_latent_attention", False)),
             rotary_interleaved=bool(getattr(tf_config, "rotary_interleaved", False)),
             moe_reason=verl_moe.refusal_reason(tf_config) if verl_moe.is_moe(tf_config) else None,
         )

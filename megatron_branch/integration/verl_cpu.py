@@ -216,6 +216,10 @@ def build_cpu_gpt_model(
     arch = ModelArch.from_hf_config(hf_config, where=f"{hf_dir}/config.json")
     tp = ps.get_tensor_model_parallel_world_size()
     overrides: dict[str, Any] = {}
+    if arch.multi_latent:
+        from megatron_branch.compat.mla import apply_mla_shims
+
+        apply_mla_shims()
     if arch.is_moe:
         from megatron_branch.compat.moe import apply_moe_shims
 
@@ -238,6 +242,11 @@ def build_cpu_gpt_model(
         position_embedding_type="rope",
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
     )
+    # the sigmoid router's correction bias (DeepSeek-V3, GLM-4.5): a frozen parameter, as models/moe.py keeps it, so
+    # that the loader (which walks parameters) fills it from the checkpoint
+    for m in model.modules():
+        if isinstance(getattr(m, "expert_bias", None), torch.Tensor) and "expert_bias" in m._buffers:
+            m.expert_bias = torch.nn.Parameter(m._buffers.pop("expert_bias"), requires_grad=False)
     groups = ParallelGroups.from_parallel_state(sequence_parallel=tp > 1)
     load_hf_weights(model, hf_dir, arch, groups, dtype)  # the run assembly's one loader
     return model

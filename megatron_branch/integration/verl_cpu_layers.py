@@ -72,13 +72,13 @@ class CpuVarlenAttention(CoreAttentionSlot):
             assert packed_seq_params is not None, "CP on the CPU harness: verl's THD input only"
             out = self._zigzag(q, k, v, bounds)
         else:
-            out = torch.empty_like(q)
+            out = q.new_empty(*q.shape[:-1], v.shape[-1])
             for a, b in zip(bounds[:-1], bounds[1:]):
                 if b > a:
                     out[:, a:b] = torch.nn.functional.scaled_dot_product_attention(
                         q[:, a:b], k[:, a:b], v[:, a:b], is_causal=True, scale=self.softmax_scale
                     )
-        out = out.transpose(0, 1).reshape(t, 1, n * h)
+        out = out.transpose(0, 1).reshape(t, 1, n * v.shape[-1])  # MLA: the value width differs from h
         return out[:, 0] if thd else out
 
     def _zigzag(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int]) -> torch.Tensor:
@@ -125,15 +125,22 @@ class _GatherOverCp(torch.autograd.Function):
 # --- the layer specs and the value head -----------------------------------------------------------------------
 
 
-def cpu_layer_spec(*, qk_norm: bool = False) -> Any:
+def cpu_layer_spec(*, qk_norm: bool = False, multi_latent: bool = False) -> Any:
     """megatron-core's local GPT layer spec with torch RMSNorm and the THD-capable CPU attention (`qk_norm`: norms
-    in the q/k slots, megatron's qk_layernorm, as Qwen3's)."""
+    in the q/k slots, megatron's qk_layernorm, as Qwen3's; `multi_latent`: megatron's MLASelfAttention, the spec
+    of models/mla.py)."""
     import copy
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_branch.compat.norm import TorchNorm
 
+    if multi_latent:
+        from megatron_branch.models.mla import mla_layer_spec
+
+        spec = mla_layer_spec(TorchNorm)
+        spec.submodules.self_attention.submodules.core_attention = CpuVarlenAttention
+        return spec
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm))
     spec.submodules.self_attention.submodules.core_attention = CpuVarlenAttention
     spec.submodules.input_layernorm = TorchNorm
@@ -151,7 +158,7 @@ def cpu_layer_specs(arch: Any) -> list[Any]:
 
     from megatron_branch.models.moe import moe_layer_spec
 
-    dense = cpu_layer_spec(qk_norm=arch.qk_norm)
+    dense = cpu_layer_spec(qk_norm=arch.qk_norm, multi_latent=arch.multi_latent)
     if not arch.is_moe:
         return [dense] * arch.num_layers
     moe = moe_layer_spec(dense)

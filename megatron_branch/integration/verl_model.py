@@ -42,8 +42,9 @@ class BranchFallbackAttention(BranchCoreAttention):
 def patch_verl_model(model: torch.nn.Module) -> torch.nn.Module:
     """Wrap every core attention of the GPTModel `model` (unwrapped from DDP/Float16Module) and enable position
     RoPE; idempotent. Refuses, in one line and before changing anything, a model it cannot patch: one without a
-    RoPE table (`rotary_pos_emb`), without self-attention layers, or with a layer whose attention has no core
-    attention slot (a gated delta net; the config-level rule, rules.check_verl_model, names those first)."""
+    RoPE table (`rotary_pos_emb`; under multi-latent attention each layer's own), without self-attention layers,
+    or with a layer whose attention has no core attention slot (a gated delta net; the config-level rule,
+    rules.check_verl_model, names those first)."""
     layers = [m for m in model.modules() if hasattr(m, "self_attention")]
     if not layers:
         raise ValueError("this model has no self-attention layers to patch for branch replay")
@@ -53,7 +54,10 @@ def patch_verl_model(model: torch.nn.Module) -> torch.nn.Module:
                 f"layer {getattr(layer, 'layer_number', '?')}: {type(layer.self_attention).__name__} has no core "
                 "attention for branch replay to wrap (only softmax attention layers are supported in verl's engine)"
             )
-    if getattr(model, "position_embedding_type", None) != "rope" or not hasattr(model, "rotary_pos_emb"):
+    mla = bool(getattr(model.config, "multi_latent_attention", False))  # each MLA layer holds its own RoPE
+    if getattr(model, "position_embedding_type", None) != "rope" or not (
+        mla or hasattr(model, "rotary_pos_emb")
+    ):
         raise ValueError(
             "branch replay needs the model's own RoPE table (position_embedding_type='rope', rotary_pos_emb) to "
             "follow the tree's position ids"

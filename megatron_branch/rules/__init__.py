@@ -60,9 +60,8 @@ Rules (a flag that would do nothing is refused, not ignored):
     verl's engine runs dense softmax   verl builds the model; the integration then wraps each layer's core
     attention                          attention and makes RoPE follow position ids (integration/verl_model.py):
                                        a hybrid's gated delta net layers have no core attention (and a state
-                                       that must follow the tree), multi-latent attention applies its own RoPE
-                                       inside the attention, interleaved RoPE is not the table the position ids
-                                       index, and MoE router losses would count a shared token once, not once
+                                       that must follow the tree), interleaved RoPE is not the table the
+                                       position ids index, and MoE router losses would count a shared token once, not once
                                        per rollout (check_verl_model)
     the planner prices what it knows   check_plannable refuses nothing today: multi-latent attention
                                        (plan/mla.py) and gpt-oss's windows, sinks and biases are priced

@@ -118,7 +118,6 @@ def check_moe_run(
 def check_verl_model(
     *,
     attention_variant: str | None = None,
-    multi_latent_attention: bool = False,
     rotary_interleaved: bool = False,
     moe_reason: str | None = None,
 ) -> None:
@@ -138,13 +137,6 @@ def check_verl_model(
             lambda _: (
                 f"{where} supports softmax attention layers only, not experimental_attention_variant="
                 f"{attention_variant}"
-            )
-        )
-    if multi_latent_attention:
-        raise SettingError(
-            lambda _: (
-                f"{where} does not support multi-latent attention (MLA applies its own RoPE inside the attention, "
-                "not the model's table the tree's position ids index)"
             )
         )
     if rotary_interleaved:

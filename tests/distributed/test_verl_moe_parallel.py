@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -31,11 +32,11 @@ from verl_helpers import (  # noqa: E402
 )
 
 
-def _moe_policy_dir() -> str:
+def _moe_policy_dir(family: str = "qwen3_moe") -> str:
     box = [tempfile.mkdtemp(prefix="verl-moe-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     if dist.get_rank() == 0:
-        write_tiny_policy(Path(box[0]) / "hf", family="qwen3_moe")
+        write_tiny_policy(Path(box[0]) / "hf", family=family)
     dist.barrier()
     return str(Path(box[0]) / "hf")
 
@@ -54,6 +55,33 @@ def _compare(base, tree, where: str) -> None:
             assert got == pytest.approx(want, rel=1e-5, abs=1e-6), (key, got, want)
     if tree.metrics:
         assert tree.metrics["tree/positions_computed"][0] < tree.metrics["tree/positions_logical"][0]
+
+
+def _with_r3_records_from_the_wrong_rollout(monkeypatch: pytest.MonkeyPatch, step):
+    """`step()` with a planted bug in the switch's R3: each rollout of a micro-batch takes the previous rollout's
+    records over their common prefix (records merged where they disagree); returns its result."""
+    from megatron_branch.integration import verl_moe
+
+    real = verl_moe.r3_routes
+    planted = 0
+
+    def from_the_wrong_rollout(mode, base, micro_batches):
+        nonlocal planted
+        routes = real(mode, base, micro_batches)
+        for mb, rows in zip(micro_batches, routes, strict=True):
+            ids = mb["input_ids"].unbind()
+            for i in range(1, len(rows)):
+                m = min(len(ids[i]), len(ids[i - 1]))
+                same = (ids[i][:m] == ids[i - 1][:m]).long().cumprod(0).sum()  # the common prefix
+                rows[i][:same] = rows[i - 1][:same]
+                planted += int(same)
+        return routes
+
+    monkeypatch.setattr(verl_moe, "r3_routes", from_the_wrong_rollout)
+    out = step()
+    monkeypatch.setattr(verl_moe, "r3_routes", real)
+    assert planted > 0
+    return out
 
 
 @pytest.mark.world(2)
@@ -118,8 +146,6 @@ def test_verl_router_replay_r3_ep2_switch_equals_verl(
     token's routing from another rollout of the group (records merged), and the update differs."""
     from verl.utils import tensordict_utils as tu
 
-    from megatron_branch.integration import verl_moe
-
     os.environ.setdefault("MASTER_PORT", "0")
     hf = _moe_policy_dir()
     rank, dp = dist.get_rank(), dist.get_world_size()
@@ -138,27 +164,8 @@ def test_verl_router_replay_r3_ep2_switch_equals_verl(
     tree = run_step(worker(), td)
     _compare(base, tree, "R3")
 
-    real = verl_moe.r3_routes
-    planted = 0
-
-    def from_the_wrong_rollout(
-        mode, base, micro_batches
-    ):  # planted: a rollout takes the previous one's records
-        nonlocal planted
-        routes = real(mode, base, micro_batches)
-        for mb, rows in zip(micro_batches, routes, strict=True):
-            ids = mb["input_ids"].unbind()
-            for i in range(1, len(rows)):
-                m = min(len(ids[i]), len(ids[i - 1]))
-                same = (ids[i][:m] == ids[i - 1][:m]).long().cumprod(0).sum()  # the common prefix
-                rows[i][:same] = rows[i - 1][:same]
-                planted += int(same)
-        return routes
-
-    monkeypatch.setattr(verl_moe, "r3_routes", from_the_wrong_rollout)
-    wrong = run_step(worker(), td)
+    wrong = _with_r3_records_from_the_wrong_rollout(monkeypatch, lambda: run_step(worker(), td))
     set_switch(False)
-    assert planted > 0
     err, _ = max_rel_grad_error(base.grads, wrong.grads)
     assert err > 1e-4, f"the planted routing went unnoticed ({err:.2e})"
 
@@ -236,3 +243,109 @@ def test_verl_router_replay_r2_switch_equals_verl(
     planted = run_step(worker(), td, r2=True)
     set_switch(False)
     assert any(not torch.equal(a, b) for a, b in zip(records(base), records(planted), strict=True))
+
+
+@pytest.mark.world(2)
+def test_verl_moe_tp2_router_losses_count_verls_pad_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router losses at TP2 (+SP), verl's number vs the switch's, isolated. verl's static THD path pads every
+    packed sequence to a multiple of TP (preprocess_thd_engine) and hands megatron no padding mask there (only its
+    dynamic-CP path does), so megatron's router routes the pad rows and counts them in the aux loss and z-loss:
+    every router call sees the micro-batch's PADDED row count (asserted), and the update differs from the switch's
+    (4.2e-2 relative on a router weight, measured with the aux loss alone). Two things and nothing else make verl's
+    path equal the switch (logprobs, entropies, every gradient at fp32 1e-5, metrics): megatron's own `padding_mask` of exactly verl's pad rows
+    (verl's `_local_padding_mask`, the mask its dynamic-CP path passes), and the z-loss's mean taken over the
+    micro-batch's tokens rather than averaged over each TP rank's own (megatron divides by each rank's valid rows;
+    with pad rows masked the ranks hold unequal counts). Both are what megatron's router computes on the
+    micro-batch at TP1 with no padding, the per-rollout objective the switch computes (tests/unit/test_moe_router.py
+    test_router_losses_per_micro_batch_in_one_tree, fp64 1e-9): verl's number is an artefact of its TP
+    alignment."""
+    import verl.models.mcore as mcore
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe import router as megatron_router
+    from megatron.core.transformer.moe.router import TopKRouter
+    from verl.utils.dynamic_cp_scheduler import _local_padding_mask
+
+    os.environ.setdefault("MASTER_PORT", "0")
+    hf = _moe_policy_dir()
+    tp = dist.get_world_size()
+    override = {
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": 0.05,
+        "moe_z_loss_coeff": 0.01,
+    }
+    seen: dict[str, list[int]] = {"real": [], "padded": [], "router": []}
+    real_fn, real_routing, real_z = (
+        mcore.get_mcore_engine_forward_fn,
+        TopKRouter.routing,
+        megatron_router.z_loss_func,
+    )
+
+    def forward_fn(hf_config, *, mask_pads: bool):
+        fn = real_fn(hf_config)
+
+        def with_rows(model, input_ids, *args, **kwargs):
+            lens = input_ids.offsets().diff().tolist()
+            seen["real"].append(sum(lens))
+            seen["padded"].append(sum(-(-n // tp) * tp for n in lens))
+            if mask_pads:  # megatron's padding mask of verl's pad rows ([1, T], True = padding)
+                mask = _local_padding_mask(lens, cp_size=1, cp_rank=0, tp_size=tp)
+                kwargs["router_padding_mask"] = mask.to(input_ids.device).unsqueeze(0)
+            return fn(model, input_ids, *args, **kwargs)
+
+        return with_rows
+
+    def counting(self, logits, padding_mask=None):  # the rows this TP rank's router sees (SP: 1/tp of them)
+        if type(self) is TopKRouter and self.layer_number == 1:
+            seen["router"].append(logits.shape[0] * tp)
+        return real_routing(self, logits, padding_mask=padding_mask)
+
+    def z_over_the_micro_batch(logits, coeff, padding_mask=None):  # megatron's coeff is already / tp
+        valid = ~padding_mask
+        count = valid.sum().to(logits.dtype)
+        dist.all_reduce(count, group=ps.get_tensor_model_parallel_group())
+        return (torch.logsumexp(logits, dim=-1).square() * valid).sum() / (count / tp) * coeff
+
+    def td():
+        return grpo_batch(seed=17, groups=4)
+
+    def worker():
+        return make_worker(hf, tp=tp, dynamic_bsz=True, override_transformer_config=override)
+
+    set_switch(False)
+    monkeypatch.setattr(TopKRouter, "routing", counting)
+    monkeypatch.setattr(mcore, "get_mcore_engine_forward_fn", partial(forward_fn, mask_pads=False))
+    counted = run_step(worker(), td)  # verl's own number
+    assert seen["router"] == seen["padded"] and seen["padded"] != seen["real"], seen  # its pad rows, routed
+    monkeypatch.setattr(TopKRouter, "routing", real_routing)
+    monkeypatch.setattr(mcore, "get_mcore_engine_forward_fn", partial(forward_fn, mask_pads=True))
+    monkeypatch.setattr(megatron_router, "z_loss_func", z_over_the_micro_batch)
+    masked = run_step(worker(), td)
+    monkeypatch.setattr(megatron_router, "z_loss_func", real_z)
+    set_switch(True)
+    tree = run_step(worker(), td)
+    set_switch(False)
+    _compare(masked, tree, "TP2 router losses, verl's pad rows masked")
+    err, name = max_rel_grad_error(counted.grads, tree.grads)
+    assert err > 1e-3 and "router" in name, (name, err)  # verl's own number: its pad rows in the losses
+
+
+@pytest.mark.world(2)
+def test_verl_mla_tp2_sp_switch_equals_verl() -> None:
+    """DeepSeek-V3 (multi-latent attention, the DeepSeek MoE) at TP2 with sequence parallelism, dynamic batch size:
+    the switch == verl's own path (logprobs, entropies, every gradient shard at fp32 1e-5, metrics); one process:
+    tests/unit/test_verl_mla.py."""
+    os.environ.setdefault("MASTER_PORT", "0")
+    hf = _moe_policy_dir(family="deepseek_v3")
+
+    def td():
+        return grpo_batch(seed=5, groups=2)
+
+    def worker():
+        return make_worker(hf, tp=dist.get_world_size(), dynamic_bsz=True)
+
+    set_switch(False)
+    base = run_step(worker(), td)
+    set_switch(True)
+    tree = run_step(worker(), td)
+    set_switch(False)
+    _compare(base, tree, "MLA TP2 + SP")

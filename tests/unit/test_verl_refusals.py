@@ -1,5 +1,5 @@
 """verl's engine path refuses the models it cannot run, in one line, before it changes anything: a hybrid (gated
-delta net layers: no core attention to wrap), multi-latent attention, interleaved RoPE, the MoE settings not wired (rules.check_verl_model,
+delta net layers: no core attention to wrap), interleaved RoPE, the MoE settings not wired (rules.check_verl_model,
 read off the TransformerConfig verl built, by `refuse_unsupported`); and `patch_verl_model` itself refuses a model
 it cannot patch without touching it. Needs no verl: these run before any of verl's code.
 """
@@ -57,7 +57,6 @@ def test_hybrid_is_refused_at_initialize() -> None:
             dict(attention_variant="dsa"),
             r"softmax attention layers only, not experimental_attention_variant=dsa",
         ),
-        (dict(multi_latent_attention=True), r"multi-latent attention"),
         (dict(rotary_interleaved=True), r"interleaved RoPE \(rotary_interleaved=True\)"),
         (dict(moe_reason="token dropping"), r"cannot run this MoE model: token dropping"),
     ],
@@ -69,7 +68,6 @@ def test_rule_refuses_each_model_kind(setting: dict, message: str) -> None:
     config = SimpleNamespace(
         calculate_per_token_loss=False,
         experimental_attention_variant=setting.get("attention_variant"),
-        multi_latent_attention=setting.get("multi_latent_attention", False),
         rotary_interleaved=setting.get("rotary_interleaved", False),
         num_moe_experts=8 if setting.get("moe_reason") else None,
         moe_router_load_balancing_type="aux_loss",
@@ -103,6 +101,10 @@ def _moe_config(**kw: Any) -> SimpleNamespace:
         (dict(moe_expert_capacity_factor=1.25), r"token dropping \(moe_expert_capacity_factor\)"),
         (dict(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-3), r"expert bias update"),
         (dict(moe_router_fusion=True), r"moe_router_fusion=True"),
+        (
+            dict(multi_latent_attention=True, expert_model_parallel_size=2),
+            r"multi-latent attention with expert parallelism",
+        ),
     ],
 )
 def test_moe_settings_not_wired_are_refused(setting: dict, message: str) -> None:

@@ -1,0 +1,86 @@
+"""verl's MegatronEngine with and without the branch-replay switch at world 4 (gloo, CPU), through verl's
+TrainingWorker with dynamic batch size: a Qwen3-MoE policy at EP2 x TP2 (+SP) with router replay R3 on and off,
+and a dense policy at CP4 under verl's zigzag layout. Compared as in test_verl_moe_parallel.py and
+test_verl_engine_cp.py (whose helpers these reuse): compute_log_prob's logprobs and entropies, every gradient
+shard (fp32 1e-5 per parameter), verl's metrics.
+
+    python tests/distributed/launch.py 4 -k verl_world4
+
+Skipped (on every rank alike) without the verl extra.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch.distributed as dist
+
+pytest.importorskip("verl", reason="the verl extra is not installed (make setup-verl)")
+
+from test_verl_engine_cp import _check  # noqa: E402
+from test_verl_moe_parallel import (  # noqa: E402
+    _compare,
+    _moe_policy_dir,
+    _with_r3_records_from_the_wrong_rollout,
+    verl_router_replay_patch_undone,  # noqa: F401  (the fixture)
+)
+from verl_helpers import (  # noqa: E402
+    dp_share,
+    grpo_batch,
+    make_worker,
+    max_rel_grad_error,
+    run_step,
+    set_switch,
+)
+
+
+@pytest.mark.world(4)
+@pytest.mark.parametrize("r3", [False, True], ids=["r3_off", "r3_on"])
+def test_verl_world4_moe_ep2_tp2(
+    r3: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    verl_router_replay_patch_undone: None,  # noqa: F811
+) -> None:
+    """Qwen3-MoE (4 experts, top-2) at EP2 x TP2 (+SP, expert TP = TP; EP across the two DP replicas, tp
+    fastest), dynamic batch size on: the switch == verl's own path, with router replay R3 (the rollout
+    engine's records, one rollout per group disagreeing with its group at a shared prompt token) and without.
+    Planted (R3): a shared token's routing taken from another rollout of its group fails."""
+    from megatron.core import parallel_state as ps
+    from verl.utils import tensordict_utils as tu
+
+    os.environ.setdefault("MASTER_PORT", "0")
+    hf = _moe_policy_dir()
+    tp = 2
+    dp = dist.get_world_size() // tp
+    rank = dist.get_rank() // tp
+
+    def td():
+        batch = dp_share(grpo_batch(seed=13, groups=4, routes=(2, 2, 4) if r3 else None), rank, dp)
+        if r3:
+            tu.assign_non_tensor(batch, enable_routing_replay=True)
+        return batch
+
+    def worker():
+        return make_worker(hf, tp=tp, ep=2, dynamic_bsz=True, router_replay="R3" if r3 else "disabled")
+
+    set_switch(False)
+    base = run_step(worker(), td)
+    # verl's expert_tensor_parallel_size unset: megatron's default, expert TP = TP
+    assert ps.get_expert_model_parallel_world_size() == 2 and ps.get_expert_tensor_parallel_world_size() == tp
+    set_switch(True)
+    tree = run_step(worker(), td)
+    _compare(base, tree, f"EP2 x TP2 r3={r3}")
+    if r3:  # planted: a shared token's routing taken from another rollout of its group
+        wrong = _with_r3_records_from_the_wrong_rollout(monkeypatch, lambda: run_step(worker(), td))
+        err, _ = max_rel_grad_error(base.grads, wrong.grads)
+        assert err > 1e-4, f"the planted routing went unnoticed ({err:.2e})"
+    set_switch(False)
+
+
+@pytest.mark.world(4)
+def test_verl_world4_cp4_zigzag() -> None:
+    """A dense policy at CP4 (verl's zigzag split, each packed sequence padded to a multiple of tp x cp x 2 = 8)
+    in megatron's default loss regime: the switch (megatron-branch's own CP: ring attention over the 4 ranks) ==
+    verl's CP4 path, outputs on every CP rank."""
+    _check(tp=1, cp=4, per_token_loss=False)
