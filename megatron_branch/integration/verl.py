@@ -85,9 +85,20 @@ def refuse_unsupported(engine_config: Any, tf_config: Any = None) -> None:
             multi_latent_attention=bool(getattr(tf_config, "multi_latent_attention", False)),
             rotary_interleaved=bool(getattr(tf_config, "rotary_interleaved", False)),
             moe_reason=verl_moe.refusal_reason(tf_config) if verl_moe.is_moe(tf_config) else None,
+            gdn_heads=_gdn_heads(tf_config),
+            tp=int(getattr(tf_config, "tensor_model_parallel_size", 1) or 1),
+            cp=int(engine_config.context_parallel_size),
+            position_embedding=str(getattr(tf_config, "position_embedding_type", "rope")),
         )
     except SettingError as e:
         raise VerlBranchError(str(e)) from None
+
+
+def _gdn_heads(tf_config: Any) -> tuple[int, int] | None:
+    """A hybrid's (key, value) gated delta net heads (megatron's TransformerConfig fields), else None."""
+    if getattr(tf_config, "experimental_attention_variant", None) != "gated_delta_net":
+        return None
+    return int(tf_config.linear_num_key_heads), int(tf_config.linear_num_value_heads)
 
 
 def branch_engine_class(base: type, options: BranchOptions | None = None) -> type:

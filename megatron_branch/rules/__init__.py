@@ -57,12 +57,12 @@ Rules (a flag that would do nothing is refused, not ignored):
     token dropping is naive's          a capacity factor drops tokens by which tokens share an expert's batch, so
                                        a prefix computed once is not dropped as each rollout's own batch drops it
                                        (check_moe_run)
-    verl's engine runs dense softmax   verl builds the model; the integration then wraps each layer's core
-    attention                          attention and makes RoPE follow position ids (integration/verl_model.py):
-                                       a hybrid's gated delta net layers have no core attention (and a state
-                                       that must follow the tree), multi-latent attention applies its own RoPE
-                                       inside the attention, interleaved RoPE is not the table the position ids
-                                       index, and MoE router losses would count a shared token once, not once
+    verl's engine runs softmax         verl builds the model; the integration then wraps each layer's core
+    attention and gated delta nets     attention, makes a hybrid's GatedDeltaNet branch-aware and RoPE follow
+                                       position ids (integration/verl_model.py): multi-latent attention applies
+                                       its own RoPE inside the attention, interleaved and multimodal RoPE are not
+                                       the table the position ids index, a hybrid's CP size must split its GDN
+                                       heads, and MoE router losses would count a shared token once, not once
                                        per rollout (check_verl_model)
     the planner prices what it knows   multi-latent attention (deepseek_v3) is refused by `plan`: its latent
                                        projections, per-head K/V widths and their FLOPs are not priced yet
