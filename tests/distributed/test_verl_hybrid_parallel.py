@@ -9,9 +9,9 @@ gradient shard) and the tree at CP2 (the GDN heads split over the CP ranks by th
 models/gdn_heads.py; attention on megatron-branch's ring; megatron's default loss regime), whose full gradients
 are compared with the reference's shards gathered over TP (checkpoint/tp.py). Both layouts hold one DP replica and
 the whole batch. (Under calculate_per_token_loss, Megatron-Bridge's setting at CP > 1, the CP2 update's gradients
-came out exactly twice the TP2 reference's, every parameter; tests/distributed/test_verl_engine_cp.py shows the
-tree equal to verl's own CP2 path in that regime for a dense model, so the factor is read as verl's per-token CP
-normalisation, not isolated by a test.) Also compute_log_prob's logprobs and
+came out exactly twice the TP2 reference's, every parameter; verl's own path without the switch gives the same
+factor for a dense model (CP2 per-token vs TP2, measured by hand), and test_verl_engine_cp.py shows the tree equal
+to verl's CP2 path in that regime: verl's per-token normalisation at CP.) Also compute_log_prob's logprobs and
 entropies of every rollout. fp32, 1e-5 relative per parameter (megatron's delta rule computes in float32).
 
     python tests/distributed/launch.py 2 -k verl_hybrid

@@ -1,6 +1,6 @@
 """Hybrid (gated delta net) models inside verl's MegatronEngine with the branch-replay switch, through verl's real
-TrainingWorker on CPU (one process, fp32, dynamic batch size): Qwen3.5 (dense) and Qwen3-Next (MoE + shared
-expert).
+TrainingWorker on CPU (one process, fp32, dynamic batch size): Qwen3.5 (dense; Qwen3.6 has its architecture),
+Qwen3-Next and Qwen3.5-MoE (MoE layers with the gated shared expert).
 
 verl's own path cannot run a hybrid on CPU: megatron-core's GatedDeltaNet has no packed-sequence support, and verl's
 remove-padding path packs every micro-batch (THD). The reference is therefore per-rollout training of the same
@@ -44,7 +44,7 @@ METRICS = ("actor/pg_loss", "actor/entropy_loss", "actor/ppo_kl", "kl_loss", "lo
 
 @pytest.fixture(scope="module")
 def policies() -> Any:
-    """A one-rank world and the two tiny hybrids (4 layers: 3 gated delta net, 1 gated attention)."""
+    """A one-rank world and the tiny hybrids (4 layers: 3 gated delta net, 1 gated attention)."""
     root = Path(tempfile.mkdtemp(prefix="verl-hybrid-"))
     with one_rank(root / "qwen3_5", family="qwen3_5", num_layers=4) as qwen3_5:
         from verl_helpers import write_tiny_policy
@@ -55,7 +55,7 @@ def policies() -> Any:
         register_cpu_engine()
         yield {
             "qwen3_5": qwen3_5,
-            "qwen3_next": write_tiny_policy(root / "qwen3_next", family="qwen3_next", num_layers=4),
+            **{f: write_tiny_policy(root / f, family=f, num_layers=4) for f in ("qwen3_next", "qwen3_5_moe")},
         }
 
 
@@ -137,8 +137,9 @@ def test_qwen3_5_switch_equals_per_rollout_training(policies: Any, monkeypatch: 
     assert (bad.log_probs - ref.log_probs).abs().max() > 1e-3
 
 
-def test_qwen3_next_switch_equals_per_rollout_training(policies: Any) -> None:
-    """Qwen3-Next (gated delta nets, MoE layers with the gated shared expert, verl's default: no router loss):
-    the tree == per-rollout training."""
-    hf = policies["qwen3_next"]
-    _compare(_step(hf, "replay"), _step(hf, "naive"), "qwen3_next")
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+def test_moe_hybrid_switch_equals_per_rollout_training(policies: Any, family: str) -> None:
+    """Qwen3-Next and Qwen3.5-MoE (gated delta nets, MoE layers with the gated shared expert; verl's default, no
+    router loss): the tree == per-rollout training."""
+    hf = policies[family]
+    _compare(_step(hf, "replay"), _step(hf, "naive"), family)
