@@ -11,8 +11,9 @@ What the subclass changes (everything else is verl's code, running unchanged):
 
 * `initialize()`: after verl builds the model, each layer's core attention becomes `BranchFallbackAttention`
   (the original module, e.g. TEDotProductAttention, when no BranchContext is attached: verl's own paths keep
-  working) and RoPE follows explicit position ids (`enable_position_rope`). Settings and models branch replay
-  does not support are refused here, with one line (`refuse_unsupported`).
+  working), a hybrid's GatedDeltaNet becomes `BranchGatedDeltaNet` (its state follows the tree) and RoPE follows
+  explicit position ids (`enable_position_rope`): verl_model.py. Settings and models branch replay does not
+  support are refused here, with one line (`refuse_unsupported`).
 * `forward_backward_batch()`: verl's own method runs, with megatron's `get_forward_backward_func` replaced, for
   the duration of the call only, by `VerlTreeStep` (verl_step.py): the step's micro-batches as one prefix tree.
 """
