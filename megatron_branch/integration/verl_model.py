@@ -55,12 +55,12 @@ def patch_verl_model(model: torch.nn.Module) -> torch.nn.Module:
     if not layers:
         raise ValueError("this model has no self-attention layers to patch for branch replay")
     for layer in layers:
-        if not hasattr(layer.self_attention, "core_attention") and not isinstance(
-            layer.self_attention, GatedDeltaNet
+        if not hasattr(layer.self_attention, "core_attention") and not _is_gated_delta_net(
+            layer.self_attention
         ):
             raise ValueError(
                 f"layer {getattr(layer, 'layer_number', '?')}: {type(layer.self_attention).__name__} has no core "
-                "attention for branch replay to wrap (only softmax attention layers are supported in verl's engine)"
+                "attention for branch replay to wrap (verl's engine runs softmax attention and megatron's GatedDeltaNet)"
             )
     if getattr(model, "position_embedding_type", None) != "rope" or not hasattr(model, "rotary_pos_emb"):
         raise ValueError(
@@ -69,7 +69,7 @@ def patch_verl_model(model: torch.nn.Module) -> torch.nn.Module:
         )
     for layer in layers:
         attn = layer.self_attention
-        if isinstance(attn, GatedDeltaNet):
+        if _is_gated_delta_net(attn):
             _branch_gated_delta_net(attn)
         elif not isinstance(attn.core_attention, BranchCoreAttention):
             core = attn.core_attention
@@ -78,6 +78,12 @@ def patch_verl_model(model: torch.nn.Module) -> torch.nn.Module:
             layer.__class__ = BranchTransformerLayer
     enable_position_rope(model)
     return model
+
+
+def _is_gated_delta_net(module: torch.nn.Module) -> bool:
+    """megatron's own GatedDeltaNet (what megatron's and the bridges' specs build) or ours: a subclass from
+    elsewhere may change the forward the class swap would drop, so it is not taken for one."""
+    return type(module) is GatedDeltaNet or isinstance(module, BranchGatedDeltaNet)
 
 
 def _branch_gated_delta_net(gdn: GatedDeltaNet) -> None:

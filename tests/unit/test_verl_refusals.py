@@ -150,12 +150,20 @@ def test_patch_makes_gated_delta_nets_branch_aware() -> None:
     assert type(gdn) is BranchGatedDeltaNet
 
 
-def test_patch_refuses_an_unknown_mixer_without_changing_it() -> None:
-    """Before: an AttributeError traceback half-way through the layers. Now: one line, the model untouched."""
+@pytest.mark.parametrize("mixer", ["Linear", "ForeignGatedDeltaNet"])
+def test_patch_refuses_an_unknown_mixer_without_changing_it(mixer: str) -> None:
+    """Before: an AttributeError traceback half-way through the layers. Now: one line, the model untouched. A
+    GatedDeltaNet subclass from elsewhere is not swapped for ours (its forward would be dropped)."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
     hybrid = _model("qwen3_5", layer_types=["full_attention", "linear_attention"])  # a full layer comes first
-    hybrid.decoder.layers[1].self_attention = torch.nn.Linear(2, 2)  # neither attention nor a gated delta net
+    layer = hybrid.decoder.layers[1]
+    if mixer == "Linear":  # neither attention nor a gated delta net
+        layer.self_attention = torch.nn.Linear(2, 2)
+    else:
+        layer.self_attention.__class__ = type(mixer, (GatedDeltaNet,), {})
     before = [(name, type(m)) for name, m in hybrid.named_modules()]
-    with pytest.raises(ValueError, match=r"layer 2: Linear has no core attention") as e:
+    with pytest.raises(ValueError, match=rf"layer 2: {mixer} has no core attention") as e:
         patch_verl_model(hybrid)
     assert "\n" not in str(e.value)
     assert not any(isinstance(m, BranchFallbackAttention) for m in hybrid.modules())
