@@ -51,3 +51,27 @@ def plant_start_bug(monkeypatch: pytest.MonkeyPatch, bug: str) -> None:
         return S, torch.zeros_like(tail)
 
     monkeypatch.setattr(BranchGatedDeltaNet, "_start", planted)
+
+
+def plant_wrong_rollout_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Break where a segment starts on purpose: a segment whose parent's state was handed down (replay's prefix
+    cache) starts from the state handed down before it in this layer, when that one differs: the recurrent state
+    and conv inputs of ANOTHER prefix, i.e. a shared token's GDN state taken from the wrong rollout."""
+    from megatron_branch.attention.prefix_state import CACHED
+
+    original = BranchGatedDeltaNet._start
+    last: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def planted(
+        self: BranchGatedDeltaNet, parent: int | None, *args: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        S, tail = original(self, parent, *args)
+        if parent != CACHED:
+            return S, tail
+        prev = last.get(self.layer_number)
+        last[self.layer_number] = (S, tail)
+        if prev is not None and prev[0].shape == S.shape and not torch.equal(prev[0], S):
+            return prev
+        return S, tail
+
+    monkeypatch.setattr(BranchGatedDeltaNet, "_start", planted)

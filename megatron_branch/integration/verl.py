@@ -11,8 +11,9 @@ What the subclass changes (everything else is verl's code, running unchanged):
 
 * `initialize()`: after verl builds the model, each layer's core attention becomes `BranchFallbackAttention`
   (the original module, e.g. TEDotProductAttention, when no BranchContext is attached: verl's own paths keep
-  working) and RoPE follows explicit position ids (`enable_position_rope`). Settings and models branch replay
-  does not support are refused here, with one line (`refuse_unsupported`).
+  working), a hybrid's GatedDeltaNet becomes `BranchGatedDeltaNet` (its state follows the tree) and RoPE follows
+  explicit position ids (`enable_position_rope`): verl_model.py. Settings and models branch replay does not
+  support are refused here, with one line (`refuse_unsupported`).
 * `forward_backward_batch()`: verl's own method runs, with megatron's `get_forward_backward_func` replaced, for
   the duration of the call only, by `VerlTreeStep` (verl_step.py): the step's micro-batches as one prefix tree.
 """
@@ -84,9 +85,20 @@ def refuse_unsupported(engine_config: Any, tf_config: Any = None) -> None:
             attention_variant=getattr(tf_config, "experimental_attention_variant", None),
             rotary_interleaved=bool(getattr(tf_config, "rotary_interleaved", False)),
             moe_reason=verl_moe.refusal_reason(tf_config) if verl_moe.is_moe(tf_config) else None,
+            gdn_heads=_gdn_heads(tf_config),
+            tp=int(getattr(tf_config, "tensor_model_parallel_size", 1) or 1),
+            cp=int(engine_config.context_parallel_size),
+            position_embedding=str(getattr(tf_config, "position_embedding_type", "rope")),
         )
     except SettingError as e:
         raise VerlBranchError(str(e)) from None
+
+
+def _gdn_heads(tf_config: Any) -> tuple[int, int] | None:
+    """A hybrid's (key, value) gated delta net heads (megatron's TransformerConfig fields), else None."""
+    if getattr(tf_config, "experimental_attention_variant", None) != "gated_delta_net":
+        return None
+    return int(tf_config.linear_num_key_heads), int(tf_config.linear_num_value_heads)
 
 
 def branch_engine_class(base: type, options: BranchOptions | None = None) -> type:

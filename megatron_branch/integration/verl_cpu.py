@@ -225,6 +225,10 @@ def build_cpu_gpt_model(
 
         apply_moe_shims()
         overrides = verl_moe_overrides(engine_config)
+    if arch.is_hybrid:  # megatron's GatedDeltaNet on its torch path (compat/gdn.py)
+        from megatron_branch.compat.gdn import apply_gdn_shims
+
+        apply_gdn_shims()
     # context_parallel_size as verl's bridge provider sets it (so the tree path meets the config a GPU run has)
     overrides.setdefault("context_parallel_size", ps.get_context_parallel_world_size())
     config = arch.to_transformer_config(dtype=dtype, tp=tp, sequence_parallel=tp > 1, **overrides)
@@ -240,6 +244,7 @@ def build_cpu_gpt_model(
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
+        rotary_percent=arch.rotary_percent,  # Qwen3.5's partial RoPE (the bridge's rotary_percent)
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
     )
     # the sigmoid router's correction bias (DeepSeek-V3, GLM-4.5): a frozen parameter, as models/moe.py keeps it, so
@@ -248,6 +253,10 @@ def build_cpu_gpt_model(
         if isinstance(getattr(m, "expert_bias", None), torch.Tensor) and "expert_bias" in m._buffers:
             m.expert_bias = torch.nn.Parameter(m._buffers.pop("expert_bias"), requires_grad=False)
     groups = ParallelGroups.from_parallel_state(sequence_parallel=tp > 1)
+    if arch.is_hybrid:
+        from megatron_branch.models.gdn import mark_gdn_partition_dims
+
+        mark_gdn_partition_dims(model)  # the loader shards conv1d / dt_bias / A_log by it
     load_hf_weights(model, hf_dir, arch, groups, dtype)  # the run assembly's one loader
     return model
 

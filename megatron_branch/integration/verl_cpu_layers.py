@@ -153,17 +153,29 @@ def cpu_layer_spec(*, qk_norm: bool = False, multi_latent: bool = False) -> Any:
 
 def cpu_layer_specs(arch: Any) -> list[Any]:
     """One spec per layer; a MoE layer has megatron's MoELayer (all-to-all dispatcher, SequentialMLP experts) with
-    megatron's own TopKRouter, as verl's bridge builds it (the switch swaps in BranchRouter: verl_moe.py)."""
+    megatron's own TopKRouter, as verl's bridge builds it (the switch swaps in BranchRouter: verl_moe.py); a
+    hybrid's linear-attention layer has megatron's own GatedDeltaNet, as the bridge builds it for Qwen3.5 / Qwen3.6
+    / Qwen3-Next (the switch makes it BranchGatedDeltaNet: verl_model.py), its input norm the layer's own norm and
+    in_proj a plain ColumnParallelLinear (TE fuses them on a GPU; models/gdn.py says why here)."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
     from megatron.core.transformer.moe.router import TopKRouter
 
     from megatron_branch.models.moe import moe_layer_spec
 
     dense = cpu_layer_spec(qk_norm=arch.qk_norm, multi_latent=arch.multi_latent)
-    if not arch.is_moe:
-        return [dense] * arch.num_layers
-    moe = moe_layer_spec(dense)
-    moe.submodules.mlp.submodules.router = TopKRouter
-    return [moe if arch.is_moe_layer(i) else dense for i in range(arch.num_layers)]
+    mixers = {False: dense}
+    if arch.is_hybrid:
+        from megatron_branch.models.gdn import gdn_layer_spec
+
+        mixers[True] = gdn_layer_spec(dense)
+        mixers[True].submodules.self_attention.module = GatedDeltaNet  # megatron's class, unpatched
+    specs = {(lin, False): spec for lin, spec in mixers.items()}
+    if arch.is_moe:
+        for lin, spec in mixers.items():
+            moe = moe_layer_spec(spec)
+            moe.submodules.mlp.submodules.router = TopKRouter
+            specs[lin, True] = moe
+    return [specs[arch.is_linear(i), arch.is_moe_layer(i)] for i in range(arch.num_layers)]
 
 
 class CpuValueHead(torch.nn.Linear):

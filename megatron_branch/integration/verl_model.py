@@ -11,15 +11,22 @@ that for scripts that build their own). After construction, two things change, b
 * RoPE follows explicit position ids (`enable_position_rope`); without position ids it is megatron's table;
 * every plain `TransformerLayer` becomes `BranchTransformerLayer` (models/layer_checkpoint.py: the same class with
   a forward that checkpoints itself only when the attached context asks, `recompute_layers`; otherwise megatron's
-  forward), so the planner's `recompute full` runs in verl's engine too.
+  forward), so the planner's `recompute full` runs in verl's engine too;
+* a hybrid's linear-attention layers (megatron's `GatedDeltaNet`, which the bridges build for Qwen3.5 / Qwen3.6 /
+  Qwen3-Next with `experimental_attention_variant="gated_delta_net"`) become `BranchGatedDeltaNet` (models/gdn.py:
+  the same class, parameters and state dict; megatron's forward when no context is attached, else each tree
+  segment starts from its parent's recurrent state and conv inputs, handed down through the `StateKind` seam).
+  Its `in_proj` is whatever the bridge built (TE's fused norm + linear on a GPU, the local norm + linear here).
 """
 
 from __future__ import annotations
 
 import torch
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_branch.attention.core_attention import BranchCoreAttention
+from megatron_branch.models.gdn import BranchGatedDeltaNet
 from megatron_branch.models.layer_checkpoint import BranchTransformerLayer
 from megatron_branch.models.rotary import enable_position_rope
 
@@ -40,19 +47,21 @@ class BranchFallbackAttention(BranchCoreAttention):
 
 
 def patch_verl_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Wrap every core attention of the GPTModel `model` (unwrapped from DDP/Float16Module) and enable position
-    RoPE; idempotent. Refuses, in one line and before changing anything, a model it cannot patch: one without a
-    RoPE table (`rotary_pos_emb`; under multi-latent attention each layer's own), without self-attention layers,
-    or with a layer whose attention has no core attention slot (a gated delta net; the config-level rule,
-    rules.check_verl_model, names those first)."""
+    """Wrap every core attention of the GPTModel `model` (unwrapped from DDP/Float16Module), make its gated delta
+    nets branch-aware and enable position RoPE; idempotent. Refuses, in one line and before changing anything, a
+    model it cannot patch: one without a RoPE table (`rotary_pos_emb`; under multi-latent attention each layer's
+    own), without self-attention layers, or with a layer whose token mixer is neither attention with a core
+    attention slot nor megatron's GatedDeltaNet."""
     layers = [m for m in model.modules() if hasattr(m, "self_attention")]
     if not layers:
         raise ValueError("this model has no self-attention layers to patch for branch replay")
     for layer in layers:
-        if not hasattr(layer.self_attention, "core_attention"):
+        if not hasattr(layer.self_attention, "core_attention") and not _is_gated_delta_net(
+            layer.self_attention
+        ):
             raise ValueError(
                 f"layer {getattr(layer, 'layer_number', '?')}: {type(layer.self_attention).__name__} has no core "
-                "attention for branch replay to wrap (only softmax attention layers are supported in verl's engine)"
+                "attention for branch replay to wrap (verl's engine runs softmax attention and megatron's GatedDeltaNet)"
             )
     mla = bool(getattr(model.config, "multi_latent_attention", False))  # each MLA layer holds its own RoPE
     if getattr(model, "position_embedding_type", None) != "rope" or not (
@@ -64,10 +73,27 @@ def patch_verl_model(model: torch.nn.Module) -> torch.nn.Module:
         )
     for layer in layers:
         attn = layer.self_attention
-        core = attn.core_attention
-        if not isinstance(core, BranchCoreAttention):
+        if _is_gated_delta_net(attn):
+            _branch_gated_delta_net(attn)
+        elif not isinstance(attn.core_attention, BranchCoreAttention):
+            core = attn.core_attention
             attn.core_attention = BranchFallbackAttention(core, getattr(layer, "layer_number", 1))
         if type(layer) is TransformerLayer:  # same constructor, parameters and forward (module doc)
             layer.__class__ = BranchTransformerLayer
     enable_position_rope(model)
     return model
+
+
+def _is_gated_delta_net(module: torch.nn.Module) -> bool:
+    """megatron's own GatedDeltaNet (what megatron's and the bridges' specs build) or ours: a subclass from
+    elsewhere may change the forward the class swap would drop, so it is not taken for one."""
+    return type(module) is GatedDeltaNet or isinstance(module, BranchGatedDeltaNet)
+
+
+def _branch_gated_delta_net(gdn: GatedDeltaNet) -> None:
+    """megatron's GatedDeltaNet as built by verl's bridge -> BranchGatedDeltaNet in place (a subclass adding no
+    parameter: the optimizer, DDP buffers and checkpoints keep their tensors; only the forward learns the tree)."""
+    if isinstance(gdn, BranchGatedDeltaNet):
+        return
+    gdn.__class__ = BranchGatedDeltaNet
+    gdn._head_blocks = {}  # what BranchGatedDeltaNet.__init__ adds: the CP head exchange's index cache

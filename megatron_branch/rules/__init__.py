@@ -57,11 +57,11 @@ Rules (a flag that would do nothing is refused, not ignored):
     token dropping is naive's          a capacity factor drops tokens by which tokens share an expert's batch, so
                                        a prefix computed once is not dropped as each rollout's own batch drops it
                                        (check_moe_run)
-    verl's engine runs dense softmax   verl builds the model; the integration then wraps each layer's core
-    attention                          attention and makes RoPE follow position ids (integration/verl_model.py):
-                                       a hybrid's gated delta net layers have no core attention (and a state
-                                       that must follow the tree), interleaved RoPE is not the table the
-                                       position ids index, and MoE router losses would count a shared token once, not once
+    verl's engine runs softmax         verl builds the model; the integration then wraps each layer's core
+    attention (MLA included) and       attention, makes a hybrid's GatedDeltaNet branch-aware and RoPE follow
+    gated delta nets                   position ids (integration/verl_model.py): interleaved and multimodal RoPE
+                                       are not the table the position ids index, a hybrid's CP size must split
+                                       its GDN heads, and MoE router losses would count a shared token once, not once
                                        per rollout (check_verl_model)
     the planner prices what it knows   check_plannable refuses nothing today: multi-latent attention
                                        (plan/mla.py) and gpt-oss's windows, sinks and biases are priced

@@ -120,16 +120,25 @@ def check_verl_model(
     attention_variant: str | None = None,
     rotary_interleaved: bool = False,
     moe_reason: str | None = None,
+    gdn_heads: tuple[int, int] | None = None,
+    tp: int = 1,
+    cp: int = 1,
+    position_embedding: str = "rope",
 ) -> None:
     """Refuse a model verl's engine built that branch replay cannot run inside it (see the module doc): the
-    fields of megatron's TransformerConfig. A SettingError; the settings are the model's, not a flag's."""
+    fields of megatron's TransformerConfig. A SettingError; the settings are the model's, not a flag's.
+    `gdn_heads`: a hybrid's (key, value) gated delta net heads, split over `tp` and, by the head exchange, `cp`."""
     where = "branch replay in verl's engine"
-    if attention_variant == "gated_delta_net":
+    if attention_variant == "gated_delta_net":  # a hybrid: its GDN state follows the tree (models/gdn.py)
+        if gdn_heads is not None:
+            check_gdn_context_parallel(key_heads=gdn_heads[0], value_heads=gdn_heads[1], tp=tp, cp=cp)
+        attention_variant = None
+    if position_embedding == "mrope":
         raise SettingError(
             lambda _: (
-                f"{where} cannot run a hybrid (gated delta net) model yet (experimental_attention_variant="
-                "gated_delta_net: its linear-attention layers have no core attention to wrap, and their state must "
-                "follow the tree); megatron-branch's own train and grad run hybrids"
+                f"{where} runs text models: this one has multimodal RoPE (position_embedding_type=mrope, a "
+                "vision-language checkpoint); save its text model (e.g. Qwen3_5ForCausalLM) and point model.path "
+                "at it"
             )
         )
     if attention_variant is not None:

@@ -1,7 +1,9 @@
-"""verl's engine path refuses the models it cannot run, in one line, before it changes anything: a hybrid (gated
-delta net layers: no core attention to wrap), interleaved RoPE, the MoE settings not wired (rules.check_verl_model,
-read off the TransformerConfig verl built, by `refuse_unsupported`); and `patch_verl_model` itself refuses a model
-it cannot patch without touching it. Needs no verl: these run before any of verl's code.
+"""verl's engine path refuses the models it cannot run, in one line, before it changes anything: interleaved RoPE,
+multimodal RoPE (a vision-language wrapper), a CP size a hybrid's gated delta net heads cannot split over, the MoE
+settings not wired (multi-latent attention with expert parallelism included; rules.check_verl_model, read off the
+TransformerConfig verl built, by `refuse_unsupported`); and `patch_verl_model` itself refuses a model it cannot patch
+without touching it, and makes a hybrid's GatedDeltaNet layers branch-aware without changing a parameter. Needs no
+verl: these run before any of verl's code.
 """
 
 from __future__ import annotations
@@ -41,10 +43,14 @@ def _model(family: str, **kw: Any) -> torch.nn.Module:
     return build_model(ModelArch.from_hf_config(tiny_hf_config(family, **kw)))
 
 
-def test_hybrid_is_refused_at_initialize() -> None:
+def test_hybrid_runs_and_its_cp_split_is_checked() -> None:
+    """A hybrid runs with the switch (tests/unit/test_verl_hybrid.py); under CP its gated delta net heads must split
+    over the CP ranks (rules.check_gdn_context_parallel: 2 key / 4 value heads here, so CP 3 is refused)."""
     hybrid = _model("qwen3_5", layer_types=["linear_attention", "full_attention"])
-    with pytest.raises(VerlBranchError, match=r"cannot run a hybrid \(gated delta net\) model yet") as e:
-        refuse_unsupported(ENGINE, hybrid.config)
+    refuse_unsupported(ENGINE, hybrid.config)
+    refuse_unsupported(SimpleNamespace(**{**vars(ENGINE), "context_parallel_size": 2}), hybrid.config)
+    with pytest.raises(VerlBranchError, match=r"cannot split the hybrid's gated delta net heads") as e:
+        refuse_unsupported(SimpleNamespace(**{**vars(ENGINE), "context_parallel_size": 3}), hybrid.config)
     assert "\n" not in str(e.value)
     refuse_unsupported(ENGINE, _model("qwen3").config)  # a dense model passes
 
@@ -52,7 +58,7 @@ def test_hybrid_is_refused_at_initialize() -> None:
 @pytest.mark.parametrize(
     "setting, message",
     [
-        (dict(attention_variant="gated_delta_net"), r"hybrid \(gated delta net\)"),
+        (dict(position_embedding="mrope"), r"multimodal RoPE \(position_embedding_type=mrope"),
         (
             dict(attention_variant="dsa"),
             r"softmax attention layers only, not experimental_attention_variant=dsa",
@@ -69,6 +75,7 @@ def test_rule_refuses_each_model_kind(setting: dict, message: str) -> None:
         calculate_per_token_loss=False,
         experimental_attention_variant=setting.get("attention_variant"),
         rotary_interleaved=setting.get("rotary_interleaved", False),
+        position_embedding_type=setting.get("position_embedding", "rope"),
         num_moe_experts=8 if setting.get("moe_reason") else None,
         moe_router_load_balancing_type="aux_loss",
         moe_expert_capacity_factor=1.0,  # token dropping: the one MoE setting refused in this config
@@ -117,11 +124,48 @@ def test_moe_settings_not_wired_are_refused(setting: dict, message: str) -> None
         refuse_unsupported(ENGINE, _moe_config(moe_router_load_balancing_type=ok))
 
 
-def test_patch_refuses_a_hybrid_without_changing_it() -> None:
-    """Before: an AttributeError traceback half-way through the layers. Now: one line, the model untouched."""
+def test_patch_makes_gated_delta_nets_branch_aware() -> None:
+    """megatron's GatedDeltaNet, as verl's bridge builds it, becomes BranchGatedDeltaNet in place: the same
+    parameters (names and tensors), megatron's forward while no tree is attached; the attention layers keep a
+    branch-aware core attention."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    from megatron_branch.attention.core_attention import BranchCoreAttention
+    from megatron_branch.models.gdn import BranchGatedDeltaNet
+
+    hybrid = _model("qwen3_5", layer_types=["full_attention", "linear_attention"])
+    gdn = hybrid.decoder.layers[1].self_attention
+    gdn.__class__ = GatedDeltaNet  # what the bridge builds (build_model builds the branch-aware class)
+    del gdn._head_blocks
+    params = dict(hybrid.named_parameters())
+    x = torch.randn(5, 1, hybrid.config.hidden_size)
+    with torch.no_grad():
+        before = gdn(x, None)[0]
+    patch_verl_model(hybrid)
+    assert type(gdn) is BranchGatedDeltaNet and gdn.context is None
+    assert isinstance(hybrid.decoder.layers[0].self_attention.core_attention, BranchCoreAttention)
+    assert dict(hybrid.named_parameters()).keys() == params.keys()
+    assert all(p is params[n] for n, p in hybrid.named_parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(gdn(x, None)[0], before, rtol=0, atol=0)
+    patch_verl_model(hybrid)  # idempotent
+    assert type(gdn) is BranchGatedDeltaNet
+
+
+@pytest.mark.parametrize("mixer", ["Linear", "ForeignGatedDeltaNet"])
+def test_patch_refuses_an_unknown_mixer_without_changing_it(mixer: str) -> None:
+    """Before: an AttributeError traceback half-way through the layers. Now: one line, the model untouched. A
+    GatedDeltaNet subclass from elsewhere is not swapped for ours (its forward would be dropped)."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
     hybrid = _model("qwen3_5", layer_types=["full_attention", "linear_attention"])  # a full layer comes first
+    layer = hybrid.decoder.layers[1]
+    if mixer == "Linear":  # neither attention nor a gated delta net
+        layer.self_attention = torch.nn.Linear(2, 2)
+    else:
+        layer.self_attention.__class__ = type(mixer, (GatedDeltaNet,), {})
     before = [(name, type(m)) for name, m in hybrid.named_modules()]
-    with pytest.raises(ValueError, match=r"layer 2: \w*GatedDeltaNet has no core attention") as e:
+    with pytest.raises(ValueError, match=rf"layer 2: {mixer} has no core attention") as e:
         patch_verl_model(hybrid)
     assert "\n" not in str(e.value)
     assert not any(isinstance(m, BranchFallbackAttention) for m in hybrid.modules())
