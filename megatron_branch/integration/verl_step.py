@@ -119,7 +119,7 @@ class VerlTreeStep:
         from megatron_branch.parallel import lockstep
         from megatron_branch.schedule import run_schedule, score_rollouts
 
-        assert not isinstance(data_iterator, list) and len(model) == 1, "no pipeline parallelism"
+        assert not isinstance(data_iterator, list) and len(model) == 1, "one model chunk per stage (no VPP)"
         postprocess = forward_step_func.keywords["postprocess_micro_batch_func"]
         model_chunk = model[0]
         device = next(model_chunk.parameters()).device
@@ -374,10 +374,10 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 @contextlib.contextmanager
 def _temperature(model_chunk: torch.nn.Module, temperature: float) -> Iterator[None]:
     """verl's `logits.div_(temperature)` before logprob and entropy, as a hook on megatron's output layer."""
-    if temperature == 1.0:
+    layer = getattr(unwrap(model_chunk), "output_layer", None)  # None: a pipeline stage before the last
+    if temperature == 1.0 or layer is None:
         yield
         return
-    layer = unwrap(model_chunk).output_layer
 
     def scale(_: torch.nn.Module, __: Any, out: Any) -> Any:
         return (out[0] / temperature, *out[1:]) if isinstance(out, tuple) else out / temperature
