@@ -168,7 +168,10 @@ class VerlTreeStep:
     def _finish(
         self, outputs: list[dict[str, Any]], slots: TreeSlots, passes: int | None
     ) -> list[dict[str, Any]]:
-        """The DP split check and our metrics on verl's outputs."""
+        """The DP split check and our metrics on verl's outputs; none before the last pipeline stage (where
+        megatron's pipeline schedules return none: verl reads them on the last stage)."""
+        from megatron.core import parallel_state as ps
+
         split = _prompts_split_over_dp(slots)
         if split and not getattr(self.engine, "_branch_split_warned", False):
             self.engine._branch_split_warned = True  # once per engine
@@ -177,6 +180,8 @@ class VerlTreeStep:
                 "data.train_batch_size and actor.ppo_mini_batch_size multiples of the DP size, actor.shuffle=False",
                 split,
             )
+        if not ps.is_pipeline_last_stage(ignore_virtual=True):
+            return []
         self._add_metrics(outputs, slots, split)
         if passes is not None and outputs:
             outputs[0]["metrics"]["tree/update_passes"] = float(passes)
