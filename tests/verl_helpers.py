@@ -38,9 +38,9 @@ def write_tiny_policy(out: Path, *, family: str = "qwen2", **shape: Any) -> str:
     return str(out)
 
 
-def shared_policy_dir() -> str:
+def shared_policy_dir(**shape: Any) -> str:
     """Under torchrun: rank 0 writes the tiny policy (transformers' save_pretrained writes on the main process
-    only) into a fresh folder, every rank gets its path."""
+    only) into a fresh folder, every rank gets its path. `shape`: write_tiny_policy's (num_layers, tie, ...)."""
     import tempfile
 
     import torch.distributed as dist
@@ -48,7 +48,7 @@ def shared_policy_dir() -> str:
     box = [tempfile.mkdtemp(prefix="verl-policy-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     if dist.get_rank() == 0:
-        write_tiny_policy(Path(box[0]) / "hf")
+        write_tiny_policy(Path(box[0]) / "hf", **shape)
     dist.barrier()
     return str(Path(box[0]) / "hf")
 

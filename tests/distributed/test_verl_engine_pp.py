@@ -6,8 +6,9 @@ schedule across the two stages (schedule/pipeline.py).
 
 Compared: compute_log_prob's logprobs and entropies where verl collects them (the last stage, tp rank 0; None on
 the first stage for both), every parameter's main_grad on EACH stage (fp32 1e-5 relative), verl's metrics. Runs:
-replay in one pass (the default), and replay cut into root pieces with the two-pass update. Planted: the first
-stage's prefix K/V gradients from its branches dropped fails. VPP is refused in one line.
+replay in one pass (the default) on a 2-layer untied policy; replay cut into root pieces with the two-pass update
+on a 4-layer policy with tied embeddings. Planted: the first stage's prefix K/V gradients from its branches
+dropped fails. VPP is refused in one line.
 
     python tests/distributed/launch.py 2 -k verl_engine_pp
 
@@ -90,8 +91,11 @@ def test_verl_engine_pp2(monkeypatch: pytest.MonkeyPatch) -> None:
     base = _step(hf, switch=False)
     tree = _step(hf, switch=True)
     _check(base, tree, "replay, one pass", passes=1)
+    # a tied embedding (its copy on the last stage summed by megatron's embedding group) and two layers per stage
+    tied = shared_policy_dir(num_layers=4, tie=True)
     pieces = BranchOptions(one_pass=False, schedule_options={"root_pieces": 2, "branch_micro_batch": 2})
-    _check(base, _step(hf, switch=True, options=pieces), "replay, root pieces 2, two passes", passes=2)
+    what = "tied, 4 layers, replay, root pieces 2, two passes"
+    _check(_step(tied, switch=False), _step(tied, switch=True, options=pieces), what, passes=2)
 
     # planted: the first stage's cached prefix K/V get none of their branches' gradients
     real = PrefixCache.injection
