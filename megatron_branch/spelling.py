@@ -87,3 +87,13 @@ FLAGS = Spelling(names=column(FLAG))
 """grad's spelling: its flags (the objective's fields by their verl-named flags, `--objective` for policy_loss)."""
 API = Spelling(names=column(LIBRARY), assign="=")
 """How a library caller names the settings (run_schedule's name, ScheduleOptions, SamplingParams)."""
+VERL = Spelling(
+    names={
+        "pp": "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size",
+        "vp": "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size",
+        "schedule": "BranchOptions.schedule",
+        "root_pieces": "BranchOptions.schedule_options['root_pieces']",
+    },
+    assign="=",
+)
+"""How verl's engine names the settings its pipeline refusals mention (integration/verl_pp.py)."""

@@ -40,7 +40,7 @@ def write_tiny_policy(out: Path, *, family: str = "qwen2", **shape: Any) -> str:
 
 def shared_policy_dir(**shape: Any) -> str:
     """Under torchrun: rank 0 writes the tiny policy (transformers' save_pretrained writes on the main process
-    only) into a fresh folder, every rank gets its path. `shape`: write_tiny_policy's (family, num_layers, ...)."""
+    only) into a fresh folder, every rank gets its path. `shape`: write_tiny_policy's (family, num_layers, tie, ...).
     import tempfile
 
     import torch.distributed as dist
@@ -185,6 +185,8 @@ def make_worker(
     tp: int = 1,
     cp: int = 1,
     ep: int = 1,
+    pp: int = 1,
+    vpp: int | None = None,
     dynamic_bsz: bool = False,
     forward_only: bool = False,
     override_transformer_config: dict[str, Any] | None = None,
@@ -192,7 +194,8 @@ def make_worker(
     value: bool = False,
 ) -> Any:
     """verl's TrainingWorker for a Megatron language model (float32 on CPU), built through verl's EngineRegistry.
-    `cp`: verl's context_parallel_size; `ep`: verl's expert_model_parallel_size; `override_transformer_config`:
+    `cp`: verl's context_parallel_size; `ep`: verl's expert_model_parallel_size; `pp` / `vpp`: verl's
+    pipeline_model_parallel_size / virtual_pipeline_model_parallel_size; `override_transformer_config`:
     verl's (e.g. the MoE load balancing, calculate_per_token_loss); `router_replay`: verl's router_replay.mode
     (disabled, R2, R3); `value`: verl's value model (PPO's critic)."""
     from verl.trainer.config import CheckpointConfig
@@ -214,6 +217,8 @@ def make_worker(
         tensor_model_parallel_size=tp,
         context_parallel_size=cp,
         expert_model_parallel_size=ep,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
         override_transformer_config=dict(override_transformer_config or {}),
         router_replay=EngineRouterReplayConfig(mode=router_replay),
         use_distributed_optimizer=False,  # megatron's distributed optimizer needs CUDA

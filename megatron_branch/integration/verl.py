@@ -29,6 +29,7 @@ import torch.distributed as dist
 from megatron_branch.errors import SettingError
 from megatron_branch.integration import verl_moe
 from megatron_branch.integration.verl_model import patch_verl_model
+from megatron_branch.integration.verl_pp import refuse_pipeline
 from megatron_branch.integration.verl_step import BranchOptions, VerlBranchError, VerlTreeStep, unwrap
 from megatron_branch.rules import check_verl_model
 
@@ -61,17 +62,12 @@ def check_verl_version() -> None:
 
 def refuse_unsupported(engine_config: Any, tf_config: Any = None) -> None:
     """One clear line for each verl setting the tree step does not support; with `tf_config` (after verl built the
-    model), for each kind of model it cannot run (rules.check_verl_model)."""
+    model), for each kind of model it cannot run (rules.check_verl_model). Pipeline parallelism: verl_pp.py."""
     if engine_config.dynamic_context_parallel:  # context_parallel_size > 1 runs (verl_cp.py says how)
         raise VerlBranchError(
             "branch replay in verl's engine does not support dynamic_context_parallel (a CP group per "
             "micro-batch; megatron-core 0.16.1 has no dynamic DPxCP groups): use context_parallel_size"
         )
-    if (
-        engine_config.pipeline_model_parallel_size > 1
-        or (engine_config.virtual_pipeline_model_parallel_size or 1) > 1
-    ):
-        raise VerlBranchError("branch replay has no pipeline parallelism: set pipeline_model_parallel_size=1")
     if engine_config.use_fused_kernels:
         raise VerlBranchError(
             "branch replay computes its own logprobs: set actor_rollout_ref.model.use_fused_kernels=False"
@@ -111,8 +107,16 @@ def branch_engine_class(base: type, options: BranchOptions | None = None) -> typ
         def initialize(self) -> None:
             check_verl_version()
             refuse_unsupported(self.engine_config)
+            refuse_pipeline(self.engine_config, self.branch_options)
             super().initialize()
             refuse_unsupported(self.engine_config, self.tf_config)
+            refuse_pipeline(
+                self.engine_config,
+                self.branch_options,
+                self.tf_config,
+                critic=getattr(self, "is_value_model", False),
+                moe=verl_moe.is_moe(self.tf_config),
+            )
             if getattr(self, "is_value_model", False) and self.branch_options.schedule == "naive":
                 raise VerlBranchError("verl's value model runs with the replay or packed schedule, not naive")
             for chunk in self.module:

@@ -15,7 +15,9 @@ verl 0.9.1 assumes an accelerator in three places this module replaces, each sco
 3. the model build: verl builds its GPTModel through mbridge / Megatron-Bridge, which choose TransformerEngine's
    layer spec and call `.cuda()`. `CpuModelBuild` (a mixin ahead of verl's engine class) replaces only
    `_build_tf_config` and `_build_megatron_module`: a megatron-core GPTModel of the same HF config (local spec,
-   torch RMSNorm, `CpuVarlenAttention`), the HF weights loaded by megatron-branch's parameter map, wrapped in
+   torch RMSNorm, `CpuVarlenAttention`; under pipeline parallelism this rank's stage, with the pipeline fields
+   verl's provider sets: `variable_seq_lengths`, the all-to-all dispatcher), the HF weights loaded by
+   megatron-branch's parameter map (this stage's share), wrapped in
    megatron DDP with verl's DDP settings. Everything else in `initialize()` is verl's: megatron's optimizer,
    the LR scheduler, the training hooks, the checkpoint manager. verl's value model (`model_type ==
    "value_model"`) is that GPTModel, untied, with the bridge's one-output head in `output_layer`
@@ -231,16 +233,26 @@ def build_cpu_gpt_model(
         apply_gdn_shims()
     # context_parallel_size as verl's bridge provider sets it (so the tree path meets the config a GPU run has)
     overrides.setdefault("context_parallel_size", ps.get_context_parallel_world_size())
+    pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    if pp > 1:  # this stage's GPTModel, with the pipeline fields of verl's bridge provider
+        from megatron_branch.compat.pipeline import apply_pipeline_shims
+
+        apply_pipeline_shims()
+        overrides.update(pipeline_model_parallel_size=pp, pipeline_dtype=dtype, variable_seq_lengths=True)
+        # verl's dispatcher on every model: megatron refuses variable_seq_lengths with its allgather default
+        overrides.setdefault("moe_token_dispatcher_type", "alltoall")
     config = arch.to_transformer_config(dtype=dtype, tp=tp, sequence_parallel=tp > 1, **overrides)
+    per_stage = arch.num_layers // pp  # megatron's even split (the switch refuses an uneven one: verl_pp.py)
     model = GPTModel(
         config=config,
         transformer_layer_spec=TransformerBlockSubmodules(
-            layer_specs=cpu_layer_specs(arch), layer_norm=TorchNorm
+            layer_specs=cpu_layer_specs(arch)[pp_rank * per_stage : (pp_rank + 1) * per_stage],
+            layer_norm=TorchNorm,
         ),
         vocab_size=arch.padded_vocab_size(tp),
         max_sequence_length=arch.max_position_embeddings,
-        pre_process=True,
-        post_process=True,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp - 1,
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",

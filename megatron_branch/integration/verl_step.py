@@ -119,7 +119,7 @@ class VerlTreeStep:
         from megatron_branch.parallel import lockstep
         from megatron_branch.schedule import run_schedule, score_rollouts
 
-        assert not isinstance(data_iterator, list) and len(model) == 1, "no pipeline parallelism"
+        assert not isinstance(data_iterator, list) and len(model) == 1, "one model chunk per stage (no VPP)"
         postprocess = forward_step_func.keywords["postprocess_micro_batch_func"]
         model_chunk = model[0]
         device = next(model_chunk.parameters()).device
@@ -168,7 +168,10 @@ class VerlTreeStep:
     def _finish(
         self, outputs: list[dict[str, Any]], slots: TreeSlots, passes: int | None
     ) -> list[dict[str, Any]]:
-        """The DP split check and our metrics on verl's outputs."""
+        """The DP split check and our metrics on verl's outputs; none before the last pipeline stage (where
+        megatron's pipeline schedules return none: verl reads them on the last stage)."""
+        from megatron.core import parallel_state as ps
+
         split = _prompts_split_over_dp(slots)
         if split and not getattr(self.engine, "_branch_split_warned", False):
             self.engine._branch_split_warned = True  # once per engine
@@ -177,6 +180,8 @@ class VerlTreeStep:
                 "data.train_batch_size and actor.ppo_mini_batch_size multiples of the DP size, actor.shuffle=False",
                 split,
             )
+        if not ps.is_pipeline_last_stage(ignore_virtual=True):
+            return []
         self._add_metrics(outputs, slots, split)
         if passes is not None and outputs:
             outputs[0]["metrics"]["tree/update_passes"] = float(passes)
@@ -374,10 +379,10 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 @contextlib.contextmanager
 def _temperature(model_chunk: torch.nn.Module, temperature: float) -> Iterator[None]:
     """verl's `logits.div_(temperature)` before logprob and entropy, as a hook on megatron's output layer."""
-    if temperature == 1.0:
+    layer = getattr(unwrap(model_chunk), "output_layer", None)  # None: a pipeline stage before the last
+    if temperature == 1.0 or layer is None:
         yield
         return
-    layer = unwrap(model_chunk).output_layer
 
     def scale(_: torch.nn.Module, __: Any, out: Any) -> Any:
         return (out[0] / temperature, *out[1:]) if isinstance(out, tuple) else out / temperature

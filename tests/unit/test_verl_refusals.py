@@ -200,3 +200,42 @@ def test_cp_loss_scaling_follows_megatrons_schedule() -> None:
         (loss, 6, {}), num_microbatches=4, cp_size=2, per_token_loss=False
     )
     assert float(got) == 3.0 / 6 / 4 and tokens is None
+
+
+@pytest.mark.parametrize(
+    "engine, options, model, message",
+    [
+        (
+            dict(virtual_pipeline_model_parallel_size=2),
+            {},
+            None,
+            r"virtual_pipeline_model_parallel_size=2: interleaved \(virtual\) pipeline stages are not supported",
+        ),
+        ({}, dict(schedule="naive"), None, r"BranchOptions.schedule=naive has no pipeline parallelism"),
+        ({}, {}, dict(num_layers=3), r"pipeline_model_parallel_size=2 does not divide the model's 3 layers"),
+        ({}, {}, dict(moe=True), r"cannot run a mixture-of-experts model yet"),
+        ({}, {}, dict(critic=True), r"the PPO critic is not pipelined yet"),
+    ],
+)
+def test_pipeline_refusals_in_verls_names(
+    engine: dict, options: dict, model: dict | None, message: str
+) -> None:
+    """PP2 runs (tests/distributed/test_verl_engine_pp.py); what the pipelined tree schedules cannot run is
+    refused at engine start, one line in verl's names (integration/verl_pp.py)."""
+    from megatron_branch.integration.verl import BranchOptions
+    from megatron_branch.integration.verl_pp import refuse_pipeline
+
+    config = SimpleNamespace(**{**vars(ENGINE), "pipeline_model_parallel_size": 2, **engine})
+    kw: dict[str, Any] = {}
+    tf_config = None
+    if model is not None:
+        tf_config = SimpleNamespace(
+            num_layers=model.get("num_layers", 2), experimental_attention_variant=None
+        )
+        kw = dict(moe=model.get("moe", False), critic=model.get("critic", False))
+    with pytest.raises(VerlBranchError, match=message) as e:
+        refuse_pipeline(config, BranchOptions(**options), tf_config, **kw)
+    assert str(e.value).startswith("branch replay in verl's engine: ") and "\n" not in str(e.value)
+    ok = SimpleNamespace(**{**vars(ENGINE), "pipeline_model_parallel_size": 2})
+    refuse_pipeline(ok, BranchOptions(), SimpleNamespace(num_layers=2, experimental_attention_variant=None))
+    refuse_pipeline(ENGINE, BranchOptions(schedule="naive"))  # no pipeline: nothing to refuse here

@@ -1,0 +1,55 @@
+"""Pipeline parallelism in verl's engine (verl 0.9.1, `pipeline_model_parallel_size > 1`): what the switch checks.
+
+Nothing else is pipeline-specific: verl builds one stage's GPTModel per rank (pre_process / post_process) and
+hands EVERY stage the same micro-batches (transformer_impl.py `make_batch_generator`), so every stage builds the
+same prefix tree, and the step's ScheduleOptions carry megatron's pipeline group (ParallelGroups reads every axis
+of parallel_state); `run_schedule` then runs megatron-branch's pipelined replay / packed schedule
+(schedule/pipeline.py: 1F1B leaf waves, root pieces) across the stages. Its StepResult (logprobs, entropies) is
+broadcast from the last stage to every stage; verl reads the outputs on the last stage only, as megatron's own
+schedule returns them there.
+
+Refused, one line each, at engine start (the project's pipeline rules, rules/schedule.py `check_pipeline`, in
+verl's names): interleaved (virtual) stages (VPP: the tree schedules run one contiguous block of layers per
+stage; megatron's interleaved schedule would need the tree walk split across model chunks), the naive schedule,
+a layer count PP does not divide, MoE, hybrid (gated delta net) models and the critic under PP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_branch.errors import SettingError
+from megatron_branch.integration.verl_step import VerlBranchError
+from megatron_branch.rules import check_pipeline
+from megatron_branch.spelling import VERL
+
+__all__ = ["refuse_pipeline"]
+
+
+def refuse_pipeline(
+    engine_config: Any, options: Any, tf_config: Any = None, *, critic: bool = False, moe: bool = False
+) -> None:
+    """One line (VerlBranchError) for what branch replay cannot pipeline; with `tf_config` (the built model),
+    the model's kind too. A no-op without pipeline parallelism."""
+    pp = engine_config.pipeline_model_parallel_size
+    virtual = engine_config.virtual_pipeline_model_parallel_size
+    if pp == 1 and virtual in (None, 1):
+        return
+    kw: dict[str, Any] = {}
+    if tf_config is not None:
+        kw = dict(
+            num_layers=int(tf_config.num_layers),
+            hybrid=getattr(tf_config, "experimental_attention_variant", None) is not None,
+            moe=moe,
+            critic=critic,
+        )
+    try:
+        check_pipeline(
+            options.schedule,
+            pp=pp,
+            virtual=virtual,
+            root_pieces=int(options.schedule_options.get("root_pieces", 1)),
+            **kw,
+        )
+    except SettingError as e:
+        raise VerlBranchError(f"branch replay in verl's engine: {e.spelled(VERL)}") from None
