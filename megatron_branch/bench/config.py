@@ -284,10 +284,11 @@ PRESETS: dict[str, dict[str, Any]] = {
                     variants=("naive-fused", "packed-nosharing", "packed", "replay")),
     # issue 33's tables (benchmarks/issue33_tables.sh): the demo's batch (examples/configs/demo.yaml: 16 prompts of
     # 57 tokens x 8 rollouts of 4 tokens, a 2-layer hidden-64 Llama) and many small prompts with shared response
-    # beginnings (24 groups of 40-160 tokens x 8 rollouts, 2 levels of 32, a 4-layer hidden-256 Llama)
+    # beginnings (24 groups of 40-160 tokens x 8 rollouts, 2 levels of 32, a 4-layer hidden-256 Llama, vocabulary
+    # 8000 as vs_hf.py's: a 32K head would be most of the step)
     "demo": dict(model=_m(layers=2, hidden=64, heads=4, kv_heads=4, ffn=256, vocab=64), prompts=(57,), groups=16,
                  branches=(8,), response=4, variants=("naive-fused", "packed", "replay", "auto")),
-    "small-prompts": dict(model=_m(layers=4, hidden=256, heads=4, kv_heads=2, vocab=32000), prompts=(160,),
+    "small-prompts": dict(model=_m(layers=4, hidden=256, heads=4, kv_heads=2, vocab=8000), prompts=(160,),
                           min_prompt=40, groups=24, branches=(8,), response=32, levels=2,
                           variants=("naive-fused", "packed", "replay", "auto")),
     # seconds on a laptop: the smoke test and a first look
