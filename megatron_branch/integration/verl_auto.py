@@ -72,9 +72,12 @@ def _agree(packed: int, budget: int) -> tuple[int, int]:
     return int(t[0].item()), -int(t[1].item())
 
 
-def pick(engine: Any, model: torch.nn.Module, tree: Any, opts: Any, budget_gb: float | None) -> AutoChoice:
-    """packed or replay for this call's `tree` (module doc); logs the pick, with its reason, when it changes."""
-    groups = opts.groups
+def pick(engine: Any, model: torch.nn.Module, tree: Any, opts: Any, options: Any) -> AutoChoice | None:
+    """packed or replay for this call's `tree` (module doc) when `options` (BranchOptions) ask for auto, else None;
+    logs the pick, with its reason, when it changes."""
+    if options.schedule != AUTO:
+        return None
+    budget_gb, groups = options.memory_budget_gb, opts.groups
     layout = Layout(tp=groups.tp_size, cp=groups.cp_size, sequence_parallel=groups.sequence_parallel)
     # dp 1: each DP rank holds its own rollouts (verl dispatched them); its tree is its share
     act_bytes = model.config.params_dtype.itemsize
@@ -90,8 +93,10 @@ def pick(engine: Any, model: torch.nn.Module, tree: Any, opts: Any, budget_gb: f
     return choice
 
 
-def metrics(choice: AutoChoice) -> dict[str, float]:
-    """The pick as numbers for verl's metrics (AUTO_METRICS)."""
+def metrics(choice: AutoChoice | None) -> dict[str, float]:
+    """The pick as numbers for verl's metrics (AUTO_METRICS); none without a pick."""
+    if choice is None:
+        return {}
     return dict(
         zip(
             AUTO_METRICS,

@@ -48,11 +48,9 @@ class BranchOptions:
     """How the tree step runs inside verl."""
 
     schedule: str = "auto"
-    """auto (per call: packed when its planned memory fits, replay otherwise; verl_auto.py) | replay (DFS, bounded
-    memory) | packed (one pass over the tree) | naive (per rollout, for comparison)."""
+    """auto (packed when it fits, else replay: verl_auto.py) | replay (DFS) | packed (one pass) | naive."""
     memory_budget_gb: float | None = None
-    """schedule auto: the budget packed's planned activation peak is compared with (GB); None: the device's free
-    memory at each call, the smallest over the ranks."""
+    """auto's budget for packed's planned activation peak (GB); None: the free device memory at each call."""
     schedule_options: dict[str, Any] = field(default_factory=dict)
     """Extra ScheduleOptions fields (branch_micro_batch, recompute, recompute_layers, backend, ...)."""
     one_pass: bool = True
@@ -110,8 +108,7 @@ class VerlTreeStep:
     """schedule auto: this call's pick (plan/auto.py AutoChoice), else None."""
 
     @property
-    def schedule(self) -> str:
-        """The schedule this call runs: the options', or auto's pick."""
+    def schedule(self) -> str:  # the schedule this call runs: the options', or auto's pick
         return self.auto.schedule if self.auto is not None else self.options.schedule
 
     def __call__(
@@ -153,8 +150,7 @@ class VerlTreeStep:
             route_record=record,
         )
         opts = dataclasses.replace(opts, **moe)
-        if self.options.schedule == verl_auto.AUTO:
-            self.auto = verl_auto.pick(self.engine, base, slots.tree, opts, self.options.memory_budget_gb)
+        self.auto = verl_auto.pick(self.engine, base, slots.tree, opts, self.options)  # None unless auto
         value = self.value_model
         want_entropy = not value and _wants_entropy(micro_batches)
         temperature = 1.0 if value else _uniform_temperature(micro_batches)  # verl's value forward reads none
@@ -354,8 +350,7 @@ class VerlTreeStep:
         metrics["tree/positions_computed"] = float(tree.positions_computed)
         metrics["tree/token_ratio"] = tree.positions_logical / tree.positions_computed
         metrics["tree/prompts_split_over_dp"] = float(split)
-        if self.auto is not None:
-            metrics.update(verl_auto.metrics(self.auto))
+        metrics.update(verl_auto.metrics(self.auto))
 
 
 def _prompts_split_over_dp(slots: TreeSlots) -> int:
