@@ -2,8 +2,8 @@
 # Issue 33's tables: replay vs packed vs naive-fused vs auto, each shape ONE round-robin bench run (one process,
 # one warm-up round, then ROUNDS timed rounds, order rotated; peak RSS from an untimed step, the activation meter
 # at the demo's shape only, to keep the time),
-# and the demo-shape whole RL step (replay vs packed against the unshared pipeline). Sized for <= 10 min on 2 quiet
-# cores; only ratios within one run mean anything, so run it on a quiet machine:
+# and the demo-shape whole RL step (replay, packed and replay+chunks against the unshared pipeline). Sized for
+# <= 10 min on 2 quiet cores; only ratios within one run mean anything, so run it on a quiet machine:
 #
 #     benchmarks/issue33_tables.sh                 # writes bench-out/issue33/{NAME.md,NAME.json,summary.md}
 #     OUT=/tmp/t33 ROUNDS=2 benchmarks/issue33_tables.sh
@@ -49,8 +49,8 @@ bench small-prompts --preset small-prompts --rounds "$ROUNDS" --no-meter "${SMAL
 bench agentic --preset agentic --rounds 1 --no-meter "${AGENTIC[@]}"
 bench p4096 "${P4096[@]}" --branches 8,16 --response 128 --layers 2 --hidden 128 --heads 4 --kv-heads 2 \
     --vocab 4096 --rounds "$ROUNDS" --no-meter
-echo "== whole RL step at the demo's shape: benchmarks/whole_step.py --demo --steps $STEPS --variants replay,packed"
-"$PY" benchmarks/whole_step.py --demo --steps "$STEPS" --variants replay,packed --out "$OUT/whole_step" \
+echo "== whole RL step at the demo's shape: whole_step.py --demo --steps $STEPS --variants replay,packed,replay+chunks"
+"$PY" benchmarks/whole_step.py --demo --steps "$STEPS" --variants replay,packed,replay+chunks --out "$OUT/whole_step" \
     >"$OUT/whole_step.log" 2>&1
 
 "$PY" - "$OUT" <<'EOF' | tee "$OUT/summary.md"
@@ -76,8 +76,9 @@ for name in ("demo", "small-prompts", "agentic", "p4096"):
 w = json.loads((out / "whole_step" / "whole_step.json").read_text())["rows"]
 s = {r["variant"]: r["total"] for r in w}
 print()
-print(f"Whole RL step at the demo's shape: replay {s['replay']['speedup']:.2f}x, packed {s['packed']['speedup']:.2f}x "
-      f"over {w[0]['variant']} (limit {s['packed']['limit']:.2f}x); replay / packed speed-up "
-      f"{s['replay']['speedup'] / s['packed']['speedup']:.2f} (issue 33: >= 0.9)")
+print(f"Whole RL step at the demo's shape: replay {s['replay']['speedup']:.2f}x, packed {s['packed']['speedup']:.2f}x, "
+      f"replay+chunks {s['replay+chunks']['speedup']:.2f}x over {w[0]['variant']} (limit {s['packed']['limit']:.2f}x); "
+      f"replay / packed speed-up {s['replay']['speedup'] / s['packed']['speedup']:.2f}, replay+chunks / packed "
+      f"{s['replay+chunks']['speedup'] / s['packed']['speedup']:.2f} (issue 33: >= 0.9)")
 EOF
 echo "issue33_tables: $(($(date +%s) - start)) s; tables in $OUT/*.md, summary in $OUT/summary.md"
