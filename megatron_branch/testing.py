@@ -97,8 +97,10 @@ def tiny_hf_model(config: Any, *, seed: int = 0, dtype: torch.dtype = torch.floa
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
+    # gpt_oss has no sdpa path in transformers (its sinks): its eager attention, the reference anyway
+    attn = "eager" if getattr(config, "model_type", None) == "gpt_oss" else "sdpa"
     model = AutoModelForCausalLM.from_config(
-        config, attn_implementation="sdpa", dtype=torch.float32, **hf_experts_kwargs(config)
+        config, attn_implementation=attn, dtype=torch.float32, **hf_experts_kwargs(config)
     )
     with torch.no_grad():
         for name, p in model.named_parameters():

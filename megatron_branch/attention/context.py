@@ -75,9 +75,18 @@ class BranchContext(Protocol):
     all heads for every row of the chunk of a block of heads, and back (None: every row is here)."""
 
     def attend(
-        self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self,
+        layer_number: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        *,
+        window: int | None = None,
+        sink: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention of the chunk's queries: q [s,b,n,h], k/v [s,b,g,h] -> [s,b,n*h]."""
+        """Attention of the chunk's queries: q [s,b,n,h], k/v [s,b,g,h] -> [s,b,n*h]; `window`: the layer's sliding
+        window over path positions (attention/window.py; None: none), `sink` [n]: its learned sink logits."""
         ...
 
     def hand_down(self, layer_number: int, kind: StateKind, tensors: Tensors) -> None:
@@ -142,9 +151,18 @@ class LocalContext(PrefixContext):
     """Attention backend name (attention.dispatch); None = `default_backend()`."""
 
     def attend(
-        self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self,
+        layer_number: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        *,
+        window: int | None = None,
+        sink: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q [s,b,n,h], k/v [s,b,g,h] -> [s, b, n*h]."""
+        """q [s,b,n,h], k/v [s,b,g,h] -> [s, b, n*h]; the window cuts THE plan (its bands), the sink is merged once
+        per row after every key block (attention/dispatch.py)."""
         from megatron_branch.attention.dispatch import attention
 
         ks, vs = self._kv_blocks(layer_number, k, v)  # keys: [ancestors (c) | chunk (s)]
@@ -152,7 +170,7 @@ class LocalContext(PrefixContext):
         assert num_keys == self.layout.num_keys and q.shape[0] == self.layout.num_queries, (
             f"layout {self.layout.num_queries}x{self.layout.num_keys} vs q {q.shape[0]} k {num_keys}"
         )
-        return attention(q, ks, vs, self.layout, backend=self.backend, scale=scale)
+        return attention(q, ks, vs, self.layout, backend=self.backend, scale=scale, window=window, sink=sink)
 
 
 class TakesBranchContext:

@@ -69,6 +69,7 @@ class BranchCoreAttention(CoreAttentionSlot, TakesBranchContext):
         super().__init__(config, layer_number, attn_mask_type, attention_type, **kwargs)
         self.context: BranchContext | None = None
         self.stock: torch.nn.Module | None = stock
+        self.window = layer_window(config, self.layer_number)
         if stock is None and config.context_parallel_size == 1:
             from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -81,6 +82,33 @@ class BranchCoreAttention(CoreAttentionSlot, TakesBranchContext):
                 attention_type=attention_type,
                 **kwargs,
             )
+        if getattr(config, "softmax_type", "vanilla") == "learnable" and stock is None:
+            self._own_sink(config)
+
+    def _own_sink(self, config: Any) -> None:
+        """The learned sinks [n / tp] as THIS module's `softmax_offset` (megatron's name and init), so that the
+        parameter exists under CP too (no stock module there); megatron's DotProductAttention reads the same
+        tensor (held outside its parameters: one parameter, one state-dict key)."""
+        from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+        if self.stock is not None:
+            self.softmax_offset = self.stock._parameters.pop("softmax_offset")
+            object.__setattr__(self.stock, "softmax_offset", self.softmax_offset)  # read, not registered
+        else:
+            heads = config.num_attention_heads // config.tensor_model_parallel_size
+            self.softmax_offset = torch.nn.Parameter(torch.empty(heads, dtype=config.params_dtype))
+            if config.perform_initialization:
+                config.init_method(self.softmax_offset)
+        # one logit per head: split over TP with the heads (megatron shards it so in its sharded_state_dict)
+        set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+
+    @property
+    def sink(self) -> torch.Tensor | None:
+        """The learned sink logits [n] of this rank's heads (None: plain softmax)."""
+        own = self._parameters.get("softmax_offset")
+        if own is not None:
+            return own
+        return getattr(self.stock, "softmax_offset", None) if self.stock is not None else None
 
     def forward(
         self,
@@ -108,4 +136,19 @@ class BranchCoreAttention(CoreAttentionSlot, TakesBranchContext):
         assert (
             packed_seq_params is None and attention_bias is None
         )  # the context's layout decides what each sees
-        return self.context.attend(self.layer_number, query, key, value, self.softmax_scale)
+        return self.context.attend(
+            self.layer_number, query, key, value, self.softmax_scale, window=self.window, sink=self.sink
+        )
+
+
+def layer_window(config: Any, layer_number: int) -> int | None:
+    """The sliding window W (path positions) of megatron layer `layer_number` (1-based), None for full attention:
+    megatron's own per-layer rule (transformer/utils.py is_layer_window_attention) over its (left, right) window,
+    W = left + 1 (a causal window: right must be 0)."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    size = getattr(config, "window_size", None)
+    if not is_layer_window_attention(size, getattr(config, "window_attn_skip_freq", None), layer_number):
+        return None
+    assert size is not None and size[1] == 0 and size[0] >= 0, f"a causal sliding window, not {size}"
+    return int(size[0]) + 1

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from megatron_branch import outputs
+from megatron_branch.checkpoint.fused_experts import is_fused
 from megatron_branch.errors import UserError
 
 HF_MARKER = "config.json"  # every HF model folder has one: --overwrite replaces only such folders
@@ -117,6 +118,10 @@ class HFTensorReader:
         as save_pretrained writes them (`mlp.experts.{j}.gate_proj.weight`, ...): name -> (stored, j, rows)."""
         views: dict[str, tuple[str, int, slice | None]] = {}
         self.file_of_fused: dict[str, str] = {}
+        if is_fused(
+            self.file_of
+        ):  # gpt-oss's layout: split by the parameter map (checkpoint/fused_experts.py)
+            return views
         for name in [n for n in self.file_of if n.endswith(FUSED_EXPERT_SUFFIXES)]:
             stem, kind = name.rsplit(".", 1)  # "...mlp.experts", "gate_up_proj" | "down_proj"
             shape = self._open(self.file_of[name]).get_slice(name).get_shape()

@@ -16,6 +16,10 @@ gated delta net: qk = key heads x key head dim, vd = value heads x value head di
     gdn_in_proj_grouped  qkvz [2qk + 2vd, h] = per key head [q (dk); k (dk); v (r dv); z (r dv)],
                          ba [2nv, h] = per key head [b (r); a (r)], r = nv / nk value heads per key head (Qwen3-Next)
                                                             [q; k; v; z; beta; alpha]
+    glu_interleaved_t    gate_up [h, 2e] (x @ W), columns gate, up interleaved (gpt-oss's experts)
+                                                            [gate; up] [2e, h] (transposed, de-interleaved)
+    glu_interleaved      gate_up_proj_bias [2e], interleaved alike       [gate; up]
+    transpose            down_proj [e, h] (x @ W)           [h, e]
 Each is a re-arrangement of rows: exact both ways, for weights and for gradients alike.
 """
 
@@ -64,6 +68,8 @@ def hf_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
         ("k_proj.bias", (kv,)),
         ("v_proj.bias", (kv,)),
         ("o_proj.weight", (h, q)),
+        ("o_proj.bias", (h,)),
+        ("self_attn.sinks", (arch.num_attention_heads,)),
         ("gate_proj.weight", (f, h)),
         ("up_proj.weight", (f, h)),
         ("down_proj.weight", (h, f)),
@@ -81,6 +87,18 @@ def hf_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
 def _moe_shape(name: str, arch: ModelArch) -> tuple[int, ...] | None:
     """Shapes of a MoE layer's HF tensors (router, routed expert j, shared expert and its gate), else None."""
     h, e = arch.hidden_size, arch.moe_ffn_hidden_size
+    oss = {
+        "gate_up_proj": (h, 2 * e),
+        "gate_up_proj_bias": (2 * e,),
+        "down_proj": (e, h),
+        "down_proj_bias": (h,),
+    }
+    if ".experts." in name and name.rsplit(".", 1)[1] in oss:  # gpt-oss's per-expert rows (fused_experts.py)
+        return oss[name.rsplit(".", 1)[1]]
+    if name.endswith("mlp.router.weight"):  # gpt-oss's router (with a bias)
+        return (arch.num_experts, h)
+    if name.endswith("mlp.router.bias"):
+        return (arch.num_experts,)
     if ".experts." in name:  # routed expert j: gate/up (Mixtral w1/w3) [e, h], down (w2) [h, e]
         return (h, e) if name.endswith(("down_proj.weight", ".w2.weight")) else (e, h)
     if ".shared_expert." in name or ".shared_experts." in name:
@@ -136,6 +154,10 @@ def _mamba_shape(name: str, arch: ModelArch) -> tuple[int, ...] | None:
 def mcore_rows(parts: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
     """The megatron tensor's shape made from HF tensors of shapes `parts` (stacked along rows)."""
     return (sum(s[0] for s in parts), *parts[0][1:])
+
+
+TRANSPOSED = ("glu_interleaved_t", "transpose")
+"""Transforms whose megatron tensor is the HF tensor's transpose (mcore_rows of the transpose)."""
 
 
 # --- transforms: (hf tensors) -> mcore tensor, and back ------------------------------------------------------------
@@ -216,6 +238,18 @@ def _gdn_grouped_to_hf(t: torch.Tensor, arch: ModelArch) -> list[torch.Tensor]:
     return [qkvz.reshape(-1, *rest).clone(), ba.reshape(-1, *rest).clone()]
 
 
+def _deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """Rows gate_0, up_0, gate_1, up_1, .. -> [gate; up] (megatron's fc1 halves; transformers' GptOssExperts
+    `_apply_gate`: gate = gate_up[..., ::2], up = gate_up[..., 1::2])."""
+    return torch.cat([t[0::2], t[1::2]])
+
+
+def _interleave(t: torch.Tensor) -> torch.Tensor:
+    """[gate; up] -> rows gate_0, up_0, gate_1, up_1, .."""
+    gate, up = t.chunk(2)
+    return torch.stack([gate, up], dim=1).reshape(t.shape)
+
+
 TRANSFORMS: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., list[torch.Tensor]]]] = {
     "identity": (lambda ts, arch, pv: ts[0], lambda t, arch: [t]),
     "qkv_interleave": (_qkv_to_mcore, _qkv_to_hf),
@@ -228,6 +262,12 @@ TRANSFORMS: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., list[torc
     "gdn_in_proj": (lambda ts, arch, pv: torch.cat(ts, dim=0), _gdn_in_proj_to_hf),
     "gdn_in_proj_grouped": (_gdn_grouped_to_mcore, _gdn_grouped_to_hf),
     "vocab_pad": (_vocab_pad, lambda t, arch: [t[: arch.vocab_size]]),
+    "glu_interleaved_t": (
+        lambda ts, arch, pv: _deinterleave(ts[0].t()).contiguous(),
+        lambda t, arch: [_interleave(t).t().contiguous()],
+    ),
+    "glu_interleaved": (lambda ts, arch, pv: _deinterleave(ts[0]), lambda t, arch: [_interleave(t)]),
+    "transpose": (lambda ts, arch, pv: ts[0].t().contiguous(), lambda t, arch: [t.t().contiguous()]),
 }
 """name -> (HF tensors -> megatron tensor, megatron tensor -> HF tensors)."""
 assert tuple(TRANSFORMS) == TRANSFORM_NAMES, "the rules name the transforms this table implements"

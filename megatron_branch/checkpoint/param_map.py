@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from megatron_branch.checkpoint.layouts import TRANSFORMS, hf_shape, mcore_rows
+from megatron_branch.checkpoint.fused_experts import fuse_stream, split_views
+from megatron_branch.checkpoint.layouts import TRANSFORMS, TRANSPOSED, hf_shape, mcore_rows
 from megatron_branch.errors import UserError
 from megatron_branch.models.arch import ModelArch
 from megatron_branch.models.families import get_family
@@ -165,6 +166,7 @@ def iter_hf_to_mcore(
     """Yield (megatron name under `spec`, full megatron tensor) one at a time, reading the HF tensors each needs."""
     if padded_vocab < arch.vocab_size:
         raise UserError(f"padded vocabulary {padded_vocab} is smaller than vocab_size={arch.vocab_size}")
+    hf_names, get_hf_tensor = split_views(hf_names, get_hf_tensor, arch.num_experts, where=where)  # gpt-oss
     stored = check_hf_names(hf_names, arch, where=where)
     shapes = hf_shapes(arch)
     for rule, layer in _active_rules(arch):
@@ -184,7 +186,14 @@ def iter_mcore_to_hf(
     where: str = "megatron state",
     spec: str = "local",
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, tensor) in HF file order; vocabulary padding is dropped. Works for weights and grads."""
+    """Yield (HF name, tensor) in HF file order; vocabulary padding is dropped. Works for weights and grads.
+    gpt-oss's experts come out fused, as its checkpoints store them (checkpoint/fused_experts.py)."""
+    return fuse_stream(_iter_mcore_to_hf(get_mcore_tensor, arch, where=where, spec=spec))
+
+
+def _iter_mcore_to_hf(
+    get_mcore_tensor: Callable[[str], torch.Tensor], arch: ModelArch, *, where: str, spec: str
+) -> Iterator[tuple[str, torch.Tensor]]:
     shapes = hf_shapes(arch)
     for rule, layer in _active_rules(arch):
         mname = rule.name(spec).format(i=layer)
@@ -208,7 +217,8 @@ def _check_mcore_shape(
                 where=where,
             )
         return
-    _check_shape(mname, t, mcore_rows([hf_shape(p.format(i=layer), arch) for p in rule.hf]), where)
+    shape = mcore_rows([hf_shape(p.format(i=layer), arch) for p in rule.hf])
+    _check_shape(mname, t, shape[::-1] if rule.transform in TRANSPOSED else shape, where)
 
 
 def hf_to_mcore_state(

@@ -107,6 +107,7 @@ def verify_conversion(
     own effect is reported as `rounding_max_abs_diff`.
     Returns {"max_abs_diff", "max_kl", "argmax_agreement", "tol", "ok", "sequences", "checkpoint_dtype", ...}.
     """
+    from megatron_branch.checkpoint.fused_experts import fuse_stream, split_views
     from megatron_branch.checkpoint.hf_to_mcore import parse_dtype
     from megatron_branch.checkpoint.mcore_to_hf import load_mcore_checkpoint, read_meta
     from megatron_branch.checkpoint.param_map import check_hf_names, hf_shapes, iter_hf_to_mcore
@@ -130,8 +131,10 @@ def verify_conversion(
     model, arch, _ = load_mcore_checkpoint(mcore_dir, tp_group=groups.tp, tp=1, dtype=torch.float32)
     model.eval()
 
-    stored = check_hf_names(reader.keys(), hf_arch, where=str(hf_dir))  # canonical -> stored (HF containers)
-    original = {n: reader.get(stored[n]).float() for n in hf_shapes(hf_arch)}
+    # gpt-oss's fused experts: per expert for the map, fused again for HF's model (checkpoint/fused_experts.py)
+    names, get = split_views(reader.keys(), reader.get, hf_arch.num_experts, where=str(hf_dir))
+    stored = check_hf_names(names, hf_arch, where=str(hf_dir))  # canonical -> stored (HF containers)
+    original = dict(fuse_stream((n, get(stored[n]).float()) for n in hf_shapes(hf_arch)))
     rounded = {n: t.to(ck_dtype).float() for n, t in original.items()}
     changed = any(not torch.equal(original[n], rounded[n]) for n in original)
     hf = _hf_reference(cfg, rounded, where=str(hf_dir))

@@ -127,6 +127,22 @@ def _shim_default_mask() -> None:
     softmax.get_default_causal_mask = get_default_causal_mask
 
 
+# --- 3b. Sliding-window causal mask ------------------------------------------------------------------------------
+# `get_sliding_window_causal_mask` (a window_size layer of DotProductAttention: gpt-oss) builds on device "cuda".
+# The same triu / tril arithmetic on the CPU; True = masked, as megatron's.
+def _shim_window_mask() -> None:
+    utils, _ = _resolve("megatron.core.transformer.utils", "get_sliding_window_causal_mask")
+    softmax, _ = _resolve("megatron.core.fusions.fused_softmax", "get_sliding_window_causal_mask")
+
+    def get_sliding_window_causal_mask(sq: int, skv: int, window_size: tuple[int, int]) -> torch.Tensor:
+        m = torch.ones(sq, skv, dtype=torch.bool)
+        mu = torch.triu(m, diagonal=skv - sq - window_size[0])
+        return ~torch.tril(mu, diagonal=skv - sq + window_size[1])
+
+    utils.get_sliding_window_causal_mask = get_sliding_window_causal_mask
+    softmax.get_sliding_window_causal_mask = get_sliding_window_causal_mask
+
+
 # --- 4. RoPE slicing under context parallel ----------------------------------------------------------------------
 # megatron's zigzag slice of the rotary table pins memory and calls `.cuda()`. Same slice, on the table's device.
 def _shim_rope_cp() -> None:
@@ -135,6 +151,9 @@ def _shim_rope_cp() -> None:
     )
     rotary, _ = _resolve(
         "megatron.core.models.common.embeddings.rotary_pos_embedding", "get_pos_emb_on_this_cp_rank"
+    )
+    yarn, _ = _resolve(
+        "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding", "get_pos_emb_on_this_cp_rank"
     )
 
     def get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
@@ -148,6 +167,9 @@ def _shim_rope_cp() -> None:
 
     rope_utils.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
     rotary.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
+    yarn.get_pos_emb_on_this_cp_rank = (
+        get_pos_emb_on_this_cp_rank  # its constructor slices its cache (gpt-oss)
+    )
 
 
 # --- 5. Pipeline schedules' tensor factories ---------------------------------------------------------------------
@@ -186,6 +208,7 @@ _SHIMS: dict[str, Callable[[], None]] = {
     "current_device": _shim_current_device,
     "rng_tracker": _shim_rng_tracker,
     "default_causal_mask": _shim_default_mask,
+    "window_causal_mask": _shim_window_mask,
     "rope_cp_slice": _shim_rope_cp,
     "schedule_factories": _shim_schedules,
 }

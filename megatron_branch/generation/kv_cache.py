@@ -38,7 +38,7 @@ import torch
 from megatron_branch.attention.context import BranchContext
 from megatron_branch.attention.dispatch import plan_executor
 from megatron_branch.attention.kernels import lse_dtype
-from megatron_branch.attention.merge import lse_merge
+from megatron_branch.attention.merge import add_sink, lse_merge
 from megatron_branch.attention.plan import BlockPlan, Runs, plan_block
 from megatron_branch.attention.prefix_state import (
     ATTENTION_KV,
@@ -180,9 +180,20 @@ class DecodeContext:
         raise AssertionError("a decode step runs without grad: nothing is recomputed")
 
     def attend(
-        self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self,
+        layer_number: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        *,
+        window: int | None = None,
+        sink: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q [s,1,n,h], k/v [s,1,g,h] -> [s,1,n*h]."""
+        """q [s,1,n,h], k/v [s,1,g,h] -> [s,1,n*h]. With a sliding `window` (path positions: a branch's query at
+        P + l - 1, its prompt's keys at 0..P-1, its own at P..P+l-1) both parts mask the keys it no longer sees
+        (part A then runs as a masked matmul per prompt, not through the executor); a `sink` [n] joins each row's
+        softmax once, after the merge (attention/merge.py add_sink)."""
         st, a = self.step, self.step.num_branches
         s, b, n, h = q.shape
         g = k.shape[2]
@@ -197,27 +208,69 @@ class DecodeContext:
         kp, vp = bk[:, st.path], bv[:, st.path]  # [g,A,L,h]
         qb = q[:a, 0].reshape(a, g, r, h).permute(1, 0, 2, 3).to(acc)  # [g,A,r,h]: head j = (j // r, j % r)
         scores = torch.matmul(qb, kp.to(acc).transpose(-1, -2)) * scale  # [g,A,r,L]
-        valid = torch.arange(st.path.shape[1], device=q.device)[None, :] < st.path_len[:, None]  # [A,L]
+        col = torch.arange(st.path.shape[1], device=q.device)[None, :]  # [1,L]
+        valid = col < st.path_len[:, None]  # [A,L]
+        if window is not None:  # the branch's own tokens more than W - 1 positions back drop out
+            valid &= col >= st.path_len[:, None] - window
         scores = scores.masked_fill(~valid[None, :, None, :], float("-inf"))
         lse_b = torch.logsumexp(scores, dim=-1)  # [g,A,r]; finite: a branch always sees itself
         out_b = torch.matmul(torch.exp(scores - lse_b[..., None]), vp.to(acc))  # [g,A,r,h]
 
         # part A: every branch over its prompt's K/V, read in place, through the backend's executor
+        if window is None:
+            out_a, lse_a = self._prompt_part(layer_number, q[:a], scale)
+        else:
+            out_a, lse_a = self._windowed_prompt_part(layer_number, qb, scale, window)
+
+        out, lse = lse_merge(out_a, lse_a, out_b, lse_b)  # [g,A,r,h], [g,A,r]
+        out = out.permute(1, 0, 2, 3)  # [A,g,r,hv]
+        if sink is not None:  # once per row, after both parts: [A,1,n,hv], [A,1,n]
+            out, _ = add_sink(out.reshape(a, 1, n, -1), lse.permute(1, 0, 2).reshape(a, 1, n), sink)
+        out = out.reshape(a, 1, -1).to(q.dtype)  # [A,1,n*hv]
+        if st.padded_rows:
+            out = torch.cat([out, out.new_zeros(st.padded_rows, 1, out.shape[-1])])
+        return out
+
+    def _prompt_part(
+        self, layer_number: int, q: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Part A through the executor: q [A,1,n,h] -> (out [g,A,r,hv], lse [g,A,r]) in the accumulation dtype."""
+        st, (a, _, n, _) = self.step, q.shape
+        g = self.cache.prompt_k[layer_number][0].shape[1]
         prompts = [p for p, _ in st.groups]
         ks = [self.cache.prompt_k[layer_number][p].permute(2, 0, 1, 3) for p in prompts]  # [P,1,g,h] views
         vs = [self.cache.prompt_v[layer_number][p].permute(2, 0, 1, 3) for p in prompts]
         if self._plan is None:
             self._plan = prompt_plan(st, [k.shape[0] for k in ks])
-        executor = plan_executor(self.backend)
-        o, lse = executor.forward(q[:a], ks, vs, self._plan, scale)  # [A,1,n,h], [A,1,n] acc
-        out_a = o.reshape(a, g, r, -1).permute(1, 0, 2, 3).to(acc)  # [g,A,r,hv] (hv: v's width)
-        lse_a = lse.reshape(a, g, r).permute(1, 0, 2).to(acc)  # [g,A,r]
+        o, lse = plan_executor(self.backend).forward(q, ks, vs, self._plan, scale)  # [A,1,n,h], [A,1,n] acc
+        acc = lse_dtype(q.dtype)
+        out_a = o.reshape(a, g, n // g, -1).permute(1, 0, 2, 3).to(acc)  # [g,A,r,hv] (hv: v's width)
+        return out_a, lse.reshape(a, g, n // g).permute(1, 0, 2).to(acc)  # [g,A,r]
 
-        out, _ = lse_merge(out_a, lse_a, out_b, lse_b)  # [g,A,r,h]
-        out = out.permute(1, 0, 2, 3).reshape(a, 1, -1).to(q.dtype)  # [A,1,n*hv]
-        if st.padded_rows:
-            out = torch.cat([out, out.new_zeros(st.padded_rows, 1, out.shape[-1])])
-        return out
+    def _windowed_prompt_part(
+        self, layer_number: int, qb: torch.Tensor, scale: float, window: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Part A under a sliding window, per prompt a masked matmul: qb [g,A,r,h] (acc) -> (out [g,A,r,hv],
+        lse [g,A,r], -inf where a branch's window has left its prompt). Branch i's query sits at path position
+        P + path_len_i - 1, so it sees prompt key j iff P + path_len_i - 1 - j < window."""
+        st = self.step
+        g, a, r, _ = qb.shape
+        hv = self.cache.prompt_v[layer_number][0].shape[-1]
+        out = qb.new_zeros(g, a, r, hv)
+        lse = qb.new_full((g, a, r), float("-inf"))
+        for p, rows in st.groups:
+            k = self.cache.prompt_k[layer_number][p][0].to(qb.dtype)  # [g,P,h]
+            v = self.cache.prompt_v[layer_number][p][0].to(qb.dtype)  # [g,P,hv]
+            plen = k.shape[1]
+            scores = torch.einsum("garh,gph->garp", qb[:, rows], k) * scale  # [g,a_p,r,P]
+            first = plen + st.path_len[rows] - window  # [a_p]: the first prompt key still in the window
+            seen = torch.arange(plen, device=qb.device)[None, :] >= first[:, None]  # [a_p,P]
+            scores = scores.masked_fill(~seen[None, :, None, :], float("-inf"))
+            part = torch.logsumexp(scores, dim=-1)  # [g,a_p,r]; -inf where nothing is seen
+            probs = torch.exp(scores - torch.where(part.isinf(), 0.0, part)[..., None])  # 0 where unseen
+            out[:, rows] = torch.einsum("garp,gpv->garv", probs, v)
+            lse[:, rows] = part
+        return out, lse
 
 
 def prompt_plan(step: DecodeStep, prompt_sizes: list[int]) -> BlockPlan:

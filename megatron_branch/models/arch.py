@@ -21,6 +21,7 @@ from megatron_branch.models.arch_checks import (
     check_layer_types,
     check_moe_fields,
     check_tensor_parallel,
+    check_window_fields,
 )
 from megatron_branch.models.families import arch_fields_from_hf, families, get_family, hf_config_of
 from megatron_branch.models.mla import check_mla
@@ -154,6 +155,35 @@ class ModelArch:
     """Mamba-2 layers: the SSD scan's chunk length (HF chunk_size; precision only, never the result's meaning)."""
     mamba_dt_min: float = 0.0
     """Mamba-2 layers: dt is clamped to at least this after softplus (HF's mixer: time_step_min)."""
+    sliding_window: int | None = None
+    """Sliding-window attention (gpt-oss: HF sliding_window): a query at path position p sees keys at positions
+    p - W + 1 .. p only (attention/window.py), in the layers `window_layers` marks; None = no window."""
+    window_layers: tuple[int, ...] | None = None
+    """Per layer 1 = sliding-window attention, 0 = full attention (HF layer_types "sliding_attention" /
+    "full_attention"; megatron's window_attn_skip_freq list); None = every layer windowed when sliding_window."""
+    yarn_factor: float | None = None
+    """YaRN RoPE (gpt-oss: HF rope_parameters rope_type "yarn", `factor`): frequencies blended between the plain and
+    the factor-interpolated ones over a ramp, cos/sin scaled by 0.1 ln(factor) + 1 (megatron's YarnRotaryEmbedding
+    and its concentration factor; models/rotary.py); None = plain RoPE."""
+    yarn_original_max_position_embeddings: int = 4096
+    """YaRN: the pretraining context the ramp is measured against (HF original_max_position_embeddings)."""
+    yarn_beta_fast: float = 32.0
+    """YaRN: the ramp's fast boundary in rotations (HF beta_fast)."""
+    yarn_beta_slow: float = 1.0
+    """YaRN: the ramp's slow boundary in rotations (HF beta_slow)."""
+    yarn_truncate: bool = True
+    """YaRN: the ramp's bounds rounded to whole dims (HF truncate; gpt-oss: false; megatron's
+    yarn_correction_range_round_to_int)."""
+    linear_bias: bool = False
+    """A bias on every linear layer but the embeddings and the output layer: q/k/v, o_proj, the router and the
+    experts' fc1 / fc2 (gpt-oss; megatron's add_bias_linear)."""
+    swiglu_limit: float | None = None
+    """gpt-oss's clamped GLU: gate.clamp(max=L) * sigmoid(1.702 gate) * (up.clamp(-L, L) + 1) (HF swiglu_limit L,
+    swiglu_alpha 1.702; megatron's quick_gelu with activation_func_clamp_value L, glu_linear_offset 1); None =
+    SwiGLU."""
+    attention_sinks: bool = False
+    """A learned logit per query head in every row's softmax denominator (gpt-oss: HF self_attn.sinks; megatron's
+    softmax_type="learnable", its core attention's softmax_offset): merged once per row (attention/merge.py)."""
 
     def __post_init__(self) -> None:
         if self.family not in families():
@@ -179,9 +209,14 @@ class ModelArch:
                 f"head_dim {self.head_dim} x partial_rotary_factor {self.rotary_percent} = {self.rotary_dim} "
                 "rotated dims: RoPE needs an even number"
             )
+        if self.yarn_factor is not None and (self.rotary_percent != 1 or self.multi_latent):
+            raise ValueError(
+                "YaRN RoPE is supported with full rotary dims on grouped-query attention (gpt_oss)"
+            )
         if self.mrope_section is not None:
             self.mrope_section = tuple(int(x) for x in self.mrope_section)
         check_layer_types(self)  # models/arch_checks.py
+        check_window_fields(self)
         check_moe_fields(self)
         if self.multi_latent:
             check_mla(self)  # models/mla.py
@@ -222,6 +257,13 @@ class ModelArch:
     def is_linear(self, layer: int) -> bool:
         """Layer `layer` (0-based) is a linear-attention (gated delta net) layer."""
         return self.layer_types is not None and self.layer_types[layer] == "linear_attention"
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (0-based): `sliding_window` where `window_layers` marks it, else
+        None (full attention)."""
+        if self.sliding_window is None or (self.window_layers is not None and not self.window_layers[layer]):
+            return None
+        return self.sliding_window
 
     @property
     def num_linear_layers(self) -> int:

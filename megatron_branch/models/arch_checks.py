@@ -76,6 +76,24 @@ def check_layer_types(arch: Any) -> None:
         )
 
 
+def check_window_fields(arch: Any) -> None:
+    """The sliding-window fields (ModelArch.__post_init__): a positive window, one 0/1 per layer."""
+    if arch.sliding_window is None:
+        if arch.window_layers is not None:
+            raise ValueError("window_layers needs sliding_window")
+        return
+    if arch.sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive, got {arch.sliding_window}")
+    if arch.window_layers is not None:
+        arch.window_layers = tuple(int(x) for x in arch.window_layers)  # a JSON list
+        if len(arch.window_layers) != arch.num_layers or set(arch.window_layers) - {0, 1}:
+            raise ValueError(
+                f"window_layers must hold one 0/1 per layer ({arch.num_layers}), got {arch.window_layers}"
+            )
+    if arch.is_hybrid or arch.multi_latent or arch.hybrid_override_pattern is not None:
+        raise ValueError("sliding_window is supported on grouped-query attention layers only (gpt_oss)")
+
+
 def check_expert_parallel(arch: Any, ep: int, *, tp: int = 1) -> None:
     """Refuse, in one line, an expert-parallel size the model cannot be split over."""
     if ep <= 0:
@@ -112,6 +130,13 @@ def check_tensor_parallel(arch: Any, tp: int) -> None:
         )
     if arch.ffn_hidden_size % tp and not (arch.is_moe and not arch.has_dense_mlp_layers):
         raise UserError(f"tensor parallel size {tp} does not divide intermediate_size={arch.ffn_hidden_size}")
+    if arch.is_moe and arch.linear_bias and tp > 1:
+        # megatron-core 0.16.1 asserts "Bias in Moe is only supported when ETP==1"; the experts here are split
+        # over TP (expert_tensor_parallel_size = tensor_model_parallel_size)
+        raise UserError(
+            f"tensor parallel size {tp} with {arch.family}'s expert biases: megatron-core needs expert tensor "
+            "parallel size 1 for them, which this engine does not set up yet (use --cp / --ep)"
+        )
     if arch.is_moe:
         check_expert_parallel(arch, 1, tp=tp)
     if arch.hybrid_override_pattern is not None:

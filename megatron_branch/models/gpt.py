@@ -106,7 +106,7 @@ class BranchGPTModel(GPTModel):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.position_embedding_type == "rope":  # Nemotron-H's attention has none
+        if self.position_embedding_type in ("rope", "yarn"):  # Nemotron-H's attention has none
             enable_position_rope(self)
         self._hidden_only = False
 
@@ -192,7 +192,7 @@ def build_model(
         post_process=pp_rank == pp - 1,
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        position_embedding_type=arch.position_embedding,
+        position_embedding_type="yarn" if arch.yarn_factor is not None else arch.position_embedding,
         rotary_percent=arch.rotary_percent,
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
     )

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import torch
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -124,6 +125,18 @@ def moe_config_kwargs(arch: Any) -> dict[str, Any]:
     )
 
 
+class ExpertFc2(RowParallelLinear):
+    """megatron's RowParallelLinear as a routed expert's fc2 (SequentialMLP's local MLPs). With a bias (gpt-oss)
+    megatron's MLP.forward adds `output_bias * probs` INTO the output in place (transformer/mlp.py), but on a
+    one-rank expert-TP group the output IS the reduce's input returned by an autograd Function, a view autograd
+    forbids modifying ("Output 0 of _ReduceFromModelParallelRegion is a view"): the output is returned as a fresh
+    tensor then (one [tokens, h] copy per expert; without a bias nothing changes)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out, bias = super().forward(*args, **kwargs)
+        return (out if bias is None else out.clone()), bias
+
+
 def moe_layer_spec(dense_layer_spec: ModuleSpec) -> ModuleSpec:
     """`dense_layer_spec` (the model's attention layer: same norms, attention and layer class) with megatron's
     MoELayer in the MLP slot, its router a `BranchRouter`."""
@@ -138,6 +151,8 @@ def moe_layer_spec(dense_layer_spec: ModuleSpec) -> ModuleSpec:
         backend=backend, num_experts=1, moe_grouped_gemm=uses_grouped_gemm()
     )
     mlp.submodules.router = BranchRouter
+    if not uses_grouped_gemm():  # SequentialMLP: megatron's local MLP per expert
+        mlp.submodules.experts.submodules.linear_fc2 = ExpertFc2
     spec.submodules.mlp = mlp
     # megatron's TE MoE spec keeps the pre-MLP norm apart (nothing to fuse it into): its checkpoint name is
     # `pre_mlp_layernorm.weight`, so only the attention norm is renamed (the local spec would rename both)

@@ -29,10 +29,14 @@ class PositionRotaryEmbedding(torch.nn.Module):
 
     def forward(
         self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group: Any = None
-    ) -> torch.Tensor:
-        inv_freq = self.inner.inv_freq.to(
-            "cpu" if not torch.cuda.is_available() else self.inner.inv_freq.device
-        )
+    ) -> Any:
+        """emb [s, 1, 1, rot_dim]; for megatron's YarnRotaryEmbedding (emb, its concentration factor), as it
+        returns (GPTModel unpacks the pair; attention applies the factor from the config)."""
+        from megatron.core.models.common.embeddings import YarnRotaryEmbedding
+
+        yarn = isinstance(self.inner, YarnRotaryEmbedding)
+        inv_freq = yarn_inv_freq(self.inner) if yarn else self.inner.inv_freq
+        inv_freq = inv_freq.to("cpu" if not torch.cuda.is_available() else inv_freq.device)
         if self.position_ids is None:
             pos = torch.arange(max_seq_len, device=inv_freq.device) + offset
         else:
@@ -43,11 +47,42 @@ class PositionRotaryEmbedding(torch.nn.Module):
             seq = seq / self.inner.seq_len_interpolation_factor
         freqs = torch.outer(seq, inv_freq)  # [s, rot_dim/2]
         assert not getattr(self.inner, "rotary_interleaved", False)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [s, rot_dim]
-        return emb[:, None, None, :]  # [s, 1, 1, rot_dim]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]  # [s, 1, 1, rot_dim]
+        if yarn:
+            from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+                _yarn_get_concentration_factor,
+            )
+
+            inner = self.inner
+            return emb, _yarn_get_concentration_factor(
+                inner.scaling_factor, inner.mscale, inner.mscale_all_dim
+            )
+        return emb
 
     def get_rotary_seq_len(self, *args: Any, **kwargs: Any) -> int:
         return self.inner.get_rotary_seq_len(*args, **kwargs)
+
+
+def yarn_inv_freq(inner: Any) -> torch.Tensor:
+    """[rot_dim / 2] float32: megatron's YarnRotaryEmbedding's frequencies (its get_emb's blend of the plain and
+    the interpolated ones over the correction ramp, with its own helpers), which equal transformers'
+    `_compute_yarn_parameters` (tests/unit/test_gpt_oss.py)."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        _yarn_find_correction_range,
+        _yarn_linear_ramp_mask,
+    )
+
+    low, high = _yarn_find_correction_range(
+        inner.beta_fast,
+        inner.beta_slow,
+        inner.dim,
+        inner.rotary_base,
+        inner.original_max_position_embeddings,
+        inner.correction_range_round_to_int,
+    )
+    extra = inner.inv_freq_extra.to(inner.inv_freq.device)
+    mask = 1.0 - _yarn_linear_ramp_mask(low, high, inner.dim // 2, device=extra.device).to(torch.float32)
+    return inner.inv_freq_inter.to(extra.device) * (1 - mask) + extra * mask
 
 
 @contextmanager
@@ -72,8 +107,10 @@ def enable_position_rope(model: torch.nn.Module) -> torch.nn.Module:
     and forward hooks hand them `position_ids[0]` (GPTModel.forward's second argument) for the duration of the
     call. Batch rows must share position ids ([b, s] with identical rows; b is 1 here).
     """
-    if getattr(model, "position_embedding_type", None) != "rope":
-        raise ValueError("enable_position_rope needs a GPTModel with position_embedding_type='rope'")
+    if getattr(model, "position_embedding_type", None) not in ("rope", "yarn"):
+        raise ValueError(
+            "enable_position_rope needs a GPTModel with position_embedding_type 'rope' or 'yarn'"
+        )
     owners = [model] if hasattr(model, "rotary_pos_emb") else []
     if getattr(model.config, "multi_latent_attention", False):
         owners = [m for m in model.modules() if m is not model and hasattr(m, "rotary_pos_emb")]

@@ -58,6 +58,26 @@ def transformer_config_of(
         layernorm_zero_centered_gamma=arch.zero_centered_norm,
         attention_output_gate=arch.attention_output_gate,
     )
+    if arch.sliding_window is not None:
+        # megatron's (left, right) window: keys p - left .. p + right; HF's sliding_window W sees p - W + 1 .. p
+        # (transformers' sliding_window_overlay: kv_idx > q_idx - W); the list marks megatron's 1-based layer
+        # number - 1 (transformer/utils.py is_layer_window_attention)
+        kwargs.update(
+            window_size=(arch.sliding_window - 1, 0),
+            window_attn_skip_freq=[int(arch.window_of(i) is not None) for i in range(arch.num_layers)],
+        )
+    if arch.attention_sinks:
+        kwargs.update(softmax_type="learnable")
+    if arch.linear_bias:
+        kwargs.update(add_bias_linear=True)
+    if arch.swiglu_limit is not None:
+        from megatron.core.transformer.mlp import (
+            quick_gelu,
+        )  # the one megatron's MLP and experts compare against
+
+        kwargs.update(
+            activation_func=quick_gelu, glu_linear_offset=1.0, activation_func_clamp_value=arch.swiglu_limit
+        )
     if arch.is_hybrid:
         from megatron_branch.compat.gdn import gdn_uses_torch_path
 
@@ -87,4 +107,24 @@ def transformer_config_of(
 
         return mla_config(arch, {**kwargs, **overrides})
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    config = TransformerConfig(**kwargs)
+    if arch.yarn_factor is not None:
+        # the fields megatron's GPTModel (position_embedding_type "yarn") and attention's concentration factor read
+        # off the config (MLATransformerConfig declares them; the plain config is given them here). mscale 1 over
+        # mscale_all_dim 0: HF's attention_factor 0.1 ln(factor) + 1 when the config sets neither (gpt-oss)
+        for name, value in yarn_fields(arch).items():
+            setattr(config, name, value)
+    return config
+
+
+def yarn_fields(arch: Any) -> dict[str, Any]:
+    """megatron's yarn_* config fields of a YaRN arch."""
+    return dict(
+        yarn_rotary_scaling_factor=arch.yarn_factor,
+        yarn_original_max_position_embeddings=arch.yarn_original_max_position_embeddings,
+        yarn_beta_fast=arch.yarn_beta_fast,
+        yarn_beta_slow=arch.yarn_beta_slow,
+        yarn_mscale=1.0,
+        yarn_mscale_all_dim=0.0,
+        yarn_correction_range_round_to_int=arch.yarn_truncate,
+    )

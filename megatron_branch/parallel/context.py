@@ -44,11 +44,23 @@ class RingContext(PrefixContext):
     plans: RingPlans = field(default_factory=RingPlans)
     """The ring's per-step plans, built by the chunk's first attention layer and reused by the others (and by
     the layer checkpoint's recomputation, which shares this object)."""
+    seg_start: torch.Tensor | None = None
+    """[S] long the path position of each tree segment's first token: what a sliding window is measured in
+    (attention/window.py); None = the model has no window."""
 
     def attend(
-        self, layer_number: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self,
+        layer_number: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        *,
+        window: int | None = None,
+        sink: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q [s,b,n,h], k/v [s,b,g,h] -> [s, b, n*h]."""
+        """q [s,b,n,h], k/v [s,b,g,h] -> [s, b, n*h]; a sliding window cuts every ring step's plan, the sink is
+        merged once per row after the last step (parallel/ring.py)."""
         ks, vs = self._kv_blocks(layer_number, k, v)  # cached ancestor blocks root first, then the chunk
         k_meta = self.q_meta  # [2, s]: a chunk's keys are its queries
         if len(ks) > 1:
@@ -68,4 +80,7 @@ class RingContext(PrefixContext):
             executor=executor(self.backend),
             stats=self.stats,
             plans=self.plans,
+            window=window,
+            seg_start=self.seg_start,
+            sink=sink,
         )

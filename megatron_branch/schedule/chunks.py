@@ -254,6 +254,7 @@ class CPChunk:
             stats=opts.ring_stats,
             recompute_layers=opts.recompute_layers,
             tree=self.chunk.tree(tree),
+            seg_start=torch.tensor([seg.start_position for seg in tree.segments], device=device),
             exchange=CPHeadExchange(
                 group=opts.cp_group,
                 size=self.cp_size,

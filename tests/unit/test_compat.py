@@ -23,8 +23,11 @@ def test_shims_apply_and_are_idempotent() -> None:
         ("megatron.core.tensor_parallel.random", "initialize_rng_tracker"),
         ("megatron.core.transformer.utils", "get_default_causal_mask"),
         ("megatron.core.fusions.fused_softmax", "get_default_causal_mask"),
+        ("megatron.core.transformer.utils", "get_sliding_window_causal_mask"),
+        ("megatron.core.fusions.fused_softmax", "get_sliding_window_causal_mask"),
         ("megatron.core.models.common.embeddings.rope_utils", "get_pos_emb_on_this_cp_rank"),
         ("megatron.core.models.common.embeddings.rotary_pos_embedding", "get_pos_emb_on_this_cp_rank"),
+        ("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding", "get_pos_emb_on_this_cp_rank"),
         ("megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining"),
         ("megatron.core.utils", "GlobalMemoryBuffer"),
     ],
@@ -71,6 +74,15 @@ def test_megatron_default_causal_mask_on_cpu() -> None:
 
     m = utils.get_default_causal_mask(4)
     assert m.device.type == "cpu" and m.dtype == torch.bool and m[0, 1] and not m[1, 0]
+
+
+def test_megatron_window_mask_on_cpu() -> None:
+    """megatron's (left 2, right 0) window on CPU: row 3 sees keys 1..3 only (True = masked)."""
+    cpu.apply_cpu_shims()
+    from megatron.core.fusions import fused_softmax
+
+    m = fused_softmax.get_sliding_window_causal_mask(5, 5, (2, 0))
+    assert m.device.type == "cpu" and m[3].tolist() == [True, False, False, False, True]
 
 
 def test_rope_cp_slice_matches_zigzag() -> None:

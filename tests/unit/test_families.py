@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_branch.checkpoint.fused_experts import split_views
 from megatron_branch.checkpoint.param_map import hf_shapes
 from megatron_branch.cli import main
 from megatron_branch.data import write_rollouts_jsonl
@@ -47,7 +48,7 @@ from megatron_branch.testing import (
 ROOT = Path(__file__).resolve().parents[2]
 EVERY_FAMILY = (  # the families the package ships; the per-family tests below run over every registered one
     "llama", "qwen2", "qwen3", "qwen3_5", "qwen3_moe", "mixtral", "qwen2_moe", "qwen3_5_moe", "qwen3_next",
-    "glm4_moe", "deepseek_v3", "nemotron_h",
+    "glm4_moe", "deepseek_v3", "nemotron_h", "gpt_oss",
 )  # fmt: skip
 
 
@@ -81,9 +82,11 @@ def test_a_familys_tables_agree_with_its_tiny_model(name: str) -> None:
     assert set(TRAIN_DEFAULT_FIELDS) <= fields
     for field in TRAIN_DEFAULT_FIELDS:
         assert spec.train_default(field) == getattr(arch, field), (name, field)
-    # the parameter map covers exactly the tiny model's tensors, with their shapes
+    # the parameter map covers exactly the tiny model's tensors, with their shapes (gpt-oss's fused experts as
+    # the map reads them: per expert, checkpoint/fused_experts.py)
     state = hf_state(tiny_hf_model(cfg, seed=0))
-    assert hf_shapes(arch) == {n: tuple(t.shape) for n, t in state.items()}
+    names, get = split_views(state, state.__getitem__, arch.num_experts)
+    assert hf_shapes(arch) == {n: tuple(get(n).shape) for n in names}
 
 
 def test_unknown_duplicate_and_unregistered_families_are_one_line() -> None:

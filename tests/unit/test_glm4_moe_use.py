@@ -120,10 +120,11 @@ def test_train_runs_a_glm_policy_and_resumes_exactly(tmp_path: Path) -> None:
     assert all(r is not None for m in mfull for r in m["_records"])
 
 
-def train_and_resume(tmp_path: Path, model_arch: str) -> tuple[dict, dict, list]:
-    """Train the config-defined DeepSeek-style MoE `model_arch` 2 steps (routing replay R3, router losses) and
-    1 + 1 resumed: the same tokens, losses and parameters (1e-9), fewer positions computed than logical, the
-    correction biases held fixed. Returns (the 2-step run's parameters, the 1-step run's, the 2-step metrics)."""
+def train_and_resume(tmp_path: Path, model_arch: str, *, expert_bias: bool = True) -> tuple[dict, dict, list]:
+    """Train the config-defined MoE `model_arch` 2 steps (routing replay R3, router losses) and 1 + 1 resumed: the
+    same tokens, losses and parameters (1e-9), fewer positions computed than logical, the correction biases held
+    fixed (`expert_bias`: the DeepSeek-style router has them). Returns (the 2-step run's parameters, the 1-step
+    run's, the 2-step metrics)."""
     from test_train_moe import LOSSES, _cfg, _max_rel, _run
 
     from megatron_branch.train.models import unwrap
@@ -155,7 +156,9 @@ def train_and_resume(tmp_path: Path, model_arch: str) -> tuple[dict, dict, list]
     assert _max_rel(_params(full), _params(again)) < 1e-9
     p_full, p_first = _params(full), _params(first)
     biases = [k for k in p_full if k.endswith("router.expert_bias")]
-    assert biases and all(torch.equal(p_full[k], p_first[k]) for k in biases)  # held fixed
+    assert bool(biases) == expert_bias and all(
+        torch.equal(p_full[k], p_first[k]) for k in biases
+    )  # held fixed
     return p_full, p_first, mfull
 
 

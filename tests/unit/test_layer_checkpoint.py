@@ -124,9 +124,9 @@ def test_recomputation_captures_nothing(
     seen: list[tuple[bool, bool]] = []  # (in backward, capture)
     real = LocalContext.attend
 
-    def attend(self: LocalContext, *a: Any) -> torch.Tensor:
+    def attend(self: LocalContext, *a: Any, **kw: Any) -> torch.Tensor:
         seen.append((torch._C._current_graph_task_id() != -1, self.capture))
-        return real(self, *a)
+        return real(self, *a, **kw)
 
     monkeypatch.setattr(LocalContext, "attend", attend)
     step(model, rollouts, "replay", recompute_layers=True)

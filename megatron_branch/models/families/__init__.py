@@ -4,6 +4,7 @@ the package is derived from the registry. Adding a family: docs/design.md ("Addi
 from megatron_branch.models.families import (  # noqa: F401  (importing a family's module registers it)
     deepseek_v3,
     glm4_moe,
+    gpt_oss,
     llama,
     mixtral,
     nemotron_h,

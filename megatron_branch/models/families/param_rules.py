@@ -63,6 +63,7 @@ TRANSFORM_NAMES = (
     "gdn_in_proj",
     "gdn_in_proj_grouped",
     "vocab_pad",
+    *("glu_interleaved_t", "glu_interleaved", "transpose"),  # gpt-oss's experts (layouts.py)
 )
 """The transforms' names (checkpoint/layouts.py TRANSFORMS implements exactly these: asserted there)."""
 SPECS = ("local", "te")
