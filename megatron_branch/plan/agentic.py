@@ -20,8 +20,7 @@ from megatron_branch.data.random_trees import agentic_positions, agentic_segment
 from megatron_branch.models.arch import ModelArch
 from megatron_branch.plan.flops import (
     LOGITS_MATMULS,
-    attention_flops_per_pair,
-    causal_pairs,
+    attention_flops,
     layer_matmul_flops_per_token,
     linear_attention_flops,
     logits_flops_per_row,
@@ -84,11 +83,11 @@ def turn_tree_flops(arch: ModelArch, shape: TurnTreeShape) -> dict[str, float]:
     naive = step_flops(arch, shape.flat(), "naive").total
     levels, N = shape.segments(), shape.prompts
     positions = shape.positions[1]
-    pairs = N * sum(width * causal_pairs(length, start) for start, length, width in levels)
+    attention = N * sum(width * attention_flops(arch, length, start) for start, length, width in levels)
     target_rows = positions - N * shape.prompt_length  # every response row once
     tree = (
         layer_matmul_flops_per_token(arch) * 3 * positions
-        + attention_flops_per_pair(arch) * 3 * pairs
+        + 3 * attention
         + logits_flops_per_row(arch) * LOGITS_MATMULS * target_rows
         + linear_attention_flops(arch, [(length, N * width) for _, length, width in levels])
     )

@@ -12,6 +12,11 @@ Recompute adds forwards: the engine's segment recompute one more forward (with i
 forward) of every segment that has children;
 megatron's full recompute one more forward of every layer.
 
+Sliding windows (gpt-oss): a windowed layer's query at path position p sees keys p - W + 1 .. p only
+(attention/window.py; the one visibility plan's band, for a branch's ancestors too), so that layer counts only
+those pairs (`windowed_pairs`); full layers count every causal pair. Sinks add one logit per row and head (no
+pair), biases per-token adds: neither is a matmul FLOP. YaRN changes only the cos / sin tables.
+
 Hybrid models (Qwen3.5): attention pairs only in the full-attention layers; a gated delta net layer's projections
 are dense FLOPs per token, its convolution and chunked delta rule `linear_attention` FLOPs per sequence
 (plan/layers.py, exact counts of the kernel's matmuls). naive runs each rollout as one sequence; the tree
@@ -82,6 +87,28 @@ def causal_pairs(n: int, ancestors: int = 0) -> int:
     return n * ancestors + n * (n + 1) // 2
 
 
+def windowed_pairs(n: int, ancestors: int, window: int | None) -> int:
+    """(query, key) pairs of n tokens at path positions ancestors .. ancestors + n - 1, each seeing the last
+    `window` positions up to itself (None: all of them, `causal_pairs`)."""
+    if window is None:
+        return causal_pairs(n, ancestors)
+
+    def upto(m: int) -> int:  # sum over q = 1..m of min(q, window): the pairs of the first m path positions
+        return m * (m + 1) // 2 if m <= window else window * (window + 1) // 2 + (m - window) * window
+
+    return upto(ancestors + n) - upto(ancestors)
+
+
+def attention_flops(arch: ModelArch, n: int, ancestors: int = 0) -> int:
+    """Forward FLOPs of q.k and p.v of n tokens after `ancestors` path positions over all attention layers: every
+    causal pair in a full layer, only the pairs inside the window in a sliding one (gpt-oss)."""
+    if arch.sliding_window is None:
+        return attention_flops_per_pair(arch) * causal_pairs(n, ancestors)
+    assert arch.head_dim is not None and not arch.is_hybrid
+    per_pair = 4 * arch.num_attention_heads * arch.head_dim
+    return sum(per_pair * windowed_pairs(n, ancestors, arch.window_of(i)) for i in range(arch.num_layers))
+
+
 @dataclass(frozen=True, kw_only=True)
 class StepFlops:
     """One step's FLOPs split by kind; forward and backward together, recompute included."""
@@ -108,19 +135,15 @@ def step_flops(
 ) -> StepFlops:
     """FLOPs of the whole step (every prompt group, every rank) for `schedule`."""
     layout = layout or Layout()
-    tok, pair, row = (
-        layer_matmul_flops_per_token(arch),
-        attention_flops_per_pair(arch),
-        logits_flops_per_row(arch),
-    )
+    tok, row = layer_matmul_flops_per_token(arch), logits_flops_per_row(arch)
     N, G, R, L = shape.prompts, shape.responses, shape.root_length, shape.leaf_length
     if schedule == "stop_gradient":
         # the announced system's form: the shared root runs forward only (its state is not trained), the responses
         # forward + backward against its cached K/V; the gradient is NOT that of naive training
-        own = N * G * causal_pairs(L, R)
+        own = N * G * attention_flops(arch, L, R)
         return StepFlops(
             dense=tok * (N * R + 3 * N * G * L),
-            attention=pair * (N * causal_pairs(R) + 3 * own),
+            attention=N * attention_flops(arch, R) + 3 * own,
             logits=row * LOGITS_MATMULS * N * G * L,  # each response token, the first predicted by the root
             positions=shape.positions_computed,
             recomputed_positions=0,
@@ -132,32 +155,35 @@ def step_flops(
     if schedule == "naive":
         sequences = [(shape.rollout_length, N * G)]
         positions = shape.positions_logical
-        pairs = N * G * causal_pairs(shape.rollout_length)
-        fwd_again, pairs_again = 0, 0
+        attn = N * G * attention_flops(arch, shape.rollout_length)  # forward, every pair once
+        fwd_again, attn_again = 0, 0
         rows_again = 0
         target_rows = N * G * (shape.rollout_length - 1)
         sequences_again: list[tuple[int, int]] = []
     else:
         sequences = [(R, N), (L, N * G)] if G > 1 else [(shape.rollout_length, N)]
         positions = shape.positions_computed
-        pairs = N * (causal_pairs(R) + G * causal_pairs(L, R))
+        attn = N * (attention_flops(arch, R) + G * attention_flops(arch, L, R))
         # tree targets: every response token once (the first one predicted by the last prompt row, fork tokens by
         # their parent's last row)
         target_rows = N * (shape.response_length if G == 1 else shape.shared_response_length + G * L)
-        fwd_again, pairs_again = 0, 0
+        fwd_again, attn_again = 0, 0
         rows_again = 0
         sequences_again = []
         if schedule == "replay" and layout.recompute in ("selective", "full") and G > 1:
-            fwd_again, pairs_again = N * R, N * causal_pairs(R)  # the root is recomputed at its backward
+            fwd_again, attn_again = (
+                N * R,
+                N * attention_flops(arch, R),
+            )  # the root is recomputed at its backward
             sequences_again = [(R, N)]
             # with its fused logprob forward (1 pass over its target rows: the shared response tokens and the forks)
             rows_again = N * (shape.shared_response_length + G)
     if layout.recompute == "full":  # per-layer checkpointing: every layer's forward once more
-        fwd_again, pairs_again = fwd_again + positions, pairs_again + pairs
+        fwd_again, attn_again = fwd_again + positions, attn_again + attn
         sequences_again = sequences_again + sequences
     return StepFlops(
         dense=tok * (3 * positions + fwd_again),
-        attention=pair * (3 * pairs + pairs_again),
+        attention=float(3 * attn + attn_again),
         logits=row * (LOGITS_MATMULS * target_rows + rows_again),
         positions=positions,
         recomputed_positions=fwd_again,

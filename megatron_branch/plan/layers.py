@@ -70,7 +70,22 @@ def attention_layer_params(arch: ModelArch) -> int:
     h, d, nq, g, f, q_rows = _attention_widths(arch)
     qkv = h * (q_rows + 2 * g * d) + ((nq + 2 * g) * d if arch.qkv_bias else 0)
     qk_norms = 2 * d if arch.qk_norm else 0
-    return qkv + nq * d * h + qk_norms + 2 * h + 3 * h * f
+    return qkv + nq * d * h + qk_norms + 2 * h + 3 * h * f + attention_extra_params(arch)
+
+
+def attention_extra_params(arch: ModelArch) -> int:
+    """gpt-oss's extras of an attention layer: o_proj's bias (linear_bias; megatron's add_bias_linear) and one
+    learned sink logit per query head (attention_sinks: the core attention's softmax_offset)."""
+    return (arch.hidden_size if arch.linear_bias else 0) + (
+        arch.num_attention_heads if arch.attention_sinks else 0
+    )
+
+
+def expert_params(arch: ModelArch) -> int:
+    """One routed expert: its SwiGLU (or gpt-oss's clamped GLU: the same three matrices, gate and up fused) and,
+    with linear_bias, fc1's 2 I and fc2's h biases (gpt-oss's gate_up_proj_bias and down_proj_bias)."""
+    h, i = arch.hidden_size, arch.moe_ffn_hidden_size
+    return 3 * h * i + ((2 * i + h) if arch.linear_bias else 0)
 
 
 def gdn_layer_params(arch: ModelArch) -> int:

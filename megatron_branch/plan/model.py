@@ -161,6 +161,30 @@ GLM4_5_AIR_CONFIG = dict(
 MODEL_PRESETS["glm-4.5-air"] = ModelArch.from_hf_config(GLM4_5_AIR_CONFIG, where="preset glm-4.5-air")
 
 
+# openai/gpt-oss-20b and openai/gpt-oss-120b config.json: 24 / 36 layers alternating sliding (window 128) and full
+# attention, starting with sliding; hidden 2880, 64 query / 8 KV heads of 64, every layer a MoE of 32 / 128 experts
+# of width 2880, top-4, with biases (router, experts, q/k/v, o_proj) and learned sinks; YaRN (factor 32 over 4096
+# positions) to 131072: it changes only the rotary tables, neither memory nor FLOPs.
+_GPT_OSS = dict(
+    model_type="gpt_oss", architectures=["GptOssForCausalLM"], vocab_size=201088, hidden_size=2880,
+    intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64, sliding_window=128,
+    num_experts_per_tok=4, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    attention_bias=True, swiglu_limit=7.0, hidden_act="silu", router_aux_loss_coef=0.9,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 150000, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "original_max_position_embeddings": 4096, "truncate": False},
+)  # fmt: skip
+MODEL_PRESETS.update(
+    {
+        f"gpt-oss-{size}": ModelArch.from_hf_config(
+            dict(_GPT_OSS, num_hidden_layers=layers, num_local_experts=experts,
+                 layer_types=["sliding_attention", "full_attention"] * (layers // 2)),
+            where=f"preset gpt-oss-{size}",
+        )
+        for size, layers, experts in (("20b", 24, 32), ("120b", 36, 128))
+    }
+)  # fmt: skip
+
+
 @dataclass(frozen=True, kw_only=True)
 class GPU:
     """One accelerator as the planner sees it."""
@@ -344,7 +368,12 @@ def parameter_count(arch: ModelArch) -> dict[str, int]:
     (gated delta net) layer, final norm, the total, and those every TP rank holds whole (norms). A MoE model: per
     MoE layer its attention, norms, router and shared expert ("moe_layer"), the routed experts of all layers
     ("experts", split over EP x TP) and those a token passes ("active_experts")."""
-    from megatron_branch.plan.layers import attention_layer_params, gdn_layer_params, replicated_layer_params
+    from megatron_branch.plan.layers import (
+        attention_layer_params,
+        expert_params,
+        gdn_layer_params,
+        replicated_layer_params,
+    )
 
     h = arch.hidden_size
     full, linear = arch.num_full_layers, arch.num_linear_layers
@@ -353,19 +382,21 @@ def parameter_count(arch: ModelArch) -> dict[str, int]:
     n_moe = len(arch.moe_layers)
     sh = arch.shared_expert_ffn_hidden_size
     dense_mlp = 3 * h * arch.ffn_hidden_size
-    # router (+ its correction bias) + shared expert (+ its gate)
+    # router (+ its correction bias, + gpt-oss's router bias) + shared expert (+ its gate)
     moe_block = (
-        arch.num_experts * (h + arch.moe_expert_bias) + 3 * h * sh + (h if arch.shared_expert_gate else 0)
+        arch.num_experts * (h + arch.moe_expert_bias + arch.linear_bias)
+        + 3 * h * sh
+        + (h if arch.shared_expert_gate else 0)
     )
     moe_layer = layer - dense_mlp + moe_block
-    experts = n_moe * arch.num_experts * 3 * h * arch.moe_ffn_hidden_size
+    experts = n_moe * arch.num_experts * expert_params(arch)
     return {
         "embedding": arch.vocab_size * h,
         "output": 0 if arch.tie_word_embeddings else arch.vocab_size * h,
         "layer": layer,
         "moe_layer": moe_layer if n_moe else 0,
         "experts": experts,
-        "active_experts": n_moe * arch.moe_top_k * 3 * h * arch.moe_ffn_hidden_size,
+        "active_experts": n_moe * arch.moe_top_k * expert_params(arch),
         "linear_layer": linear_layer,
         "final_norm": h,
         # a MoE layer of either mixer kind: its dense SwiGLU replaced by the router, shared expert and experts

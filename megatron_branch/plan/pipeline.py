@@ -38,8 +38,7 @@ from megatron_branch.plan.activations import cdiv, local_rows
 from megatron_branch.plan.flops import (
     LOGITS_MATMULS,
     StepFlops,
-    attention_flops_per_pair,
-    causal_pairs,
+    attention_flops,
     layer_matmul_flops_per_token,
     logits_flops_per_row,
 )
@@ -90,14 +89,14 @@ def root_pieces_searched(shape: RolloutShape, layout: Layout, schedule: str) -> 
     return tuple(k for k in PIECES_SEARCHED if k == 1 or shape.root_length // k >= MIN_PIECE_TOKENS)
 
 
-def _chunk_flops(arch: ModelArch, layout: Layout, tokens: int, pairs: int, rows: int) -> float:
-    """FLOPs of a chunk of `tokens` tokens and `pairs` visible (query, key) pairs whose `rows` rows reach the output
-    layer (forward, backward and the recompute of `layout`), as plan/flops.py counts the whole step."""
+def _chunk_flops(arch: ModelArch, layout: Layout, tokens: int, attention: int, rows: int) -> float:
+    """FLOPs of a chunk of `tokens` tokens with `attention` forward attention FLOPs (plan/flops.py
+    attention_flops: its visible pairs, windows included) whose `rows` rows reach the output layer (forward, backward and the recompute of `layout`), as plan/flops.py counts the whole step."""
     again = (1 if layout.recompute in ("selective", "full") else 0) + (1 if layout.recompute == "full" else 0)
     rows_again = rows if layout.recompute in ("selective", "full") else 0
     return float(
         layer_matmul_flops_per_token(arch) * (3 + again) * tokens
-        + attention_flops_per_pair(arch) * (3 + again) * pairs
+        + (3 + again) * attention
         + logits_flops_per_row(arch) * (LOGITS_MATMULS * rows + rows_again)
     )
 
@@ -106,7 +105,7 @@ def root_flops(arch: ModelArch, shape: RolloutShape, layout: Layout) -> float:
     """FLOPs of one prompt group's root chunk under replay (forward, backward, its recomputed forward): its R
     tokens causally, its K + G loss rows (the shared response tokens and one fork token per child)."""
     R, rows = shape.root_length, shape.shared_response_length + shape.responses
-    return _chunk_flops(arch, layout, R, causal_pairs(R), rows)
+    return _chunk_flops(arch, layout, R, attention_flops(arch, R), rows)
 
 
 def piece_flops(arch: ModelArch, shape: RolloutShape, layout: Layout, pieces: int) -> list[float]:
@@ -118,7 +117,9 @@ def piece_flops(arch: ModelArch, shape: RolloutShape, layout: Layout, pieces: in
     rows = shape.shared_response_length + shape.responses
     for j, n in enumerate(lengths):
         out.append(
-            _chunk_flops(arch, layout, n, causal_pairs(n, start), rows if j == len(lengths) - 1 else 0)
+            _chunk_flops(
+                arch, layout, n, attention_flops(arch, n, start), rows if j == len(lengths) - 1 else 0
+            )
         )
         start += n
     return out

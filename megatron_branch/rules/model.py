@@ -158,15 +158,8 @@ def check_verl_model(
 
 
 def check_plannable(arch: Any) -> None:
-    """Refuse, in one line, a model the planner would misprice (plan/model.py load_model calls it)."""
-    if arch.sliding_window is not None or arch.attention_sinks or arch.linear_bias:
-        raise SettingError(
-            lambda _: (
-                f"{arch.family}: plan does not price sliding windows, attention sinks or linear biases yet (a "
-                "windowed layer's attention FLOPs and activations are bounded by its window); grad, train and the "
-                "sampler run it"
-            )
-        )
+    """Refuse, in one line, a model the planner would misprice (plan/model.py load_model calls it). Sliding
+    windows, sinks and linear biases (gpt-oss) are priced: plan/flops.py attention_flops, plan/layers.py."""
     if arch.multi_latent:
         raise SettingError(
             lambda _: (

@@ -277,18 +277,3 @@ def test_yarn_rope_equals_hf_and_a_plain_rope_would_not(monkeypatch: pytest.Monk
     assert gap() <= 1e-12
     monkeypatch.setattr(rotary, "yarn_inv_freq", lambda inner: inner.inv_freq)
     assert gap() > 1e-3
-
-
-def test_plan_refuses_gpt_oss_in_one_line(tmp_path: Path, capsys) -> None:  # noqa: ANN001
-    """transformers' GptOssConfig defaults (gpt-oss-120b's shape, YaRN): read, then refused rather than mispriced."""
-    import transformers
-
-    from megatron_branch.cli import main
-
-    cfg = transformers.GptOssConfig(architectures=["GptOssForCausalLM"]).to_dict()
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    argv = ["plan", "--model", str(tmp_path / "config.json"), "--prompt-length", "1024", "--responses", "4",
-            "--response-length", "256", "--gpus", "8", "--gpu", "h100"]  # fmt: skip
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert "plan does not price sliding windows" in err and len(err.splitlines()) == 1, err

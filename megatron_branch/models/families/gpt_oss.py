@@ -18,7 +18,8 @@ published checkpoints use YaRN RoPE (rope_type "yarn", truncate false): megatron
 concentration factor (models/rotary.py); an explicit attention_factor / mscale is refused. swiglu_alpha must be
 1.702 (megatron's quick_gelu hard-codes it). Tensor parallelism is refused (models/arch_checks.py): megatron-core
 allows expert biases only at expert tensor parallel size 1, and the engine splits experts over TP; CP and EP run.
-The planner refuses it too (rules/model.py check_plannable: windows, sinks and biases are not priced yet).
+The planner prices it: a sliding layer's attention FLOPs over its window only (plan/flops.py attention_flops), the
+sinks and biases in the parameters (plan/layers.py); presets gpt-oss-20b / gpt-oss-120b (plan/model.py).
 """
 
 from __future__ import annotations
