@@ -36,13 +36,18 @@ from typing import Any
 warnings.filterwarnings("ignore")
 
 VARIANTS = ("replay", "packed", "naive-fused", "naive-fused/noshare", "packed-nosharing/noshare")
+"""The default set; also `replay+chunks` (replay with schedule.chunk_tokens 4096, the bench's variant)."""
 BASELINE = "naive-fused/noshare"
 PHASES = ("gen", "score", "update")
 
 
 def overrides(args: argparse.Namespace, variant: str, out: Path) -> list[str]:
     schedule, _, share = variant.partition("/")
-    common = [f"schedule.name={schedule}", f"rollout.share_prefix={'false' if share == 'noshare' else 'true'}",
+    # replay+chunks: the bench's variant (small subtrees packed into chunks of <= 4096 tokens)
+    chunks = ["schedule.chunk_tokens=4096"] if schedule == "replay+chunks" else []
+    schedule = schedule.removesuffix("+chunks")
+    common = [*chunks, f"schedule.name={schedule}",
+              f"rollout.share_prefix={'false' if share == 'noshare' else 'true'}",
               f"model.dtype={args.dtype}", f"trainer.total_training_steps={args.steps}", "warmup.steps=0",
               f"actor.kl_loss_coef={args.kl}", "logging.progress_bar=false", "logging.tensorboard=false",
               "logging.plot=false", "checkpoint.hf_export=false", "trainer.save_freq=-1",

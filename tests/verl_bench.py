@@ -31,7 +31,7 @@ def _workers(hf: str) -> dict[str, Any]:
     set_switch(True)
     for name, one_pass in (("tree one pass", True), ("tree two passes", False)):
         out[name] = make_worker(hf)
-        out[name].engine.branch_options = BranchOptions(one_pass=one_pass)
+        out[name].engine.branch_options = BranchOptions(schedule="replay", one_pass=one_pass)
     set_switch(False)
     return out
 

@@ -371,15 +371,17 @@ def as_update(td: Any) -> Any:
 
 def set_switch(on: bool, options: Any = None) -> None:
     """The user's switch (importing megatron_branch.integration.verl_enable registers the engine), or off;
-    `options` (BranchOptions): registered as a module named by `external_lib` would (docs/verl.md)."""
+    `options` (BranchOptions): registered as a module named by `external_lib` would (docs/verl.md). Without
+    `options` the tests pin `replay` (the switch's default, auto, picks packed for these tiny models on a CPU;
+    test_verl_auto.py tests auto, and a test that wants packed names it)."""
     from megatron_branch.integration import verl as integration
 
     if on:
         import megatron_branch.integration.verl_enable  # noqa: F401  (the switch itself)
 
-        if options is not None:
-            integration.unregister()
-        integration.register(options)  # a second test in this process: the import above ran only once
+        integration.unregister()
+        # a second test in this process: the import above ran only once
+        integration.register(options or integration.BranchOptions(schedule="replay"))
     else:
         integration.unregister()
 

@@ -9,6 +9,8 @@ The variants, each on the SAME rollouts and the SAME model:
     replay            depth-first replay with cached prefix K/V (bounded memory)
     replay+recompute  replay keeping no graph for inner segments
     replay+recompute-full  and per-layer activation checkpointing inside every chunk (the planner's `full`)
+    auto              packed when its planned activation peak fits the budget, replay otherwise (plan/auto.py);
+                      the pick is made once per shape and reported beside the row
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # small subtrees packed into chunks of <= 4096 tokens (ScheduleOptions.chunk_tokens): many short prompts and
     # sibling leaves in one forward each; not timed yet (no quiet machine since it was added)
     "replay+chunks": ("replay", {"chunk_tokens": 4096}),
+    "auto": ("auto", {}),  # resolved per shape to packed or replay (bench/runner.py make_case)
 }
 """variant -> (schedule name, extra ScheduleOptions)."""
 
@@ -167,6 +170,13 @@ class BenchConfig:
     """Tokens per response S (below the prompt, or per level with levels > 1)."""
     levels: int = 1
     """Levels of the response tree below the prompt (1 = G leaves right below it; more: shared response starts)."""
+    groups: int = 1
+    """Prompt groups in the tree (one step's batch): `groups` different prompts, each with its own G rollouts."""
+    min_prompt: int = 0
+    """With groups > 1: the prompts' lengths spread evenly from this to P (many small prompts of different
+    lengths); 0 = every prompt P tokens."""
+    memory_budget_gb: float | None = None
+    """The `auto` variant's budget for packed's planned activation peak (GB); None: the device's free memory."""
     turns: int = 0
     """An agentic tree (data/random_trees.py agentic_tree_rollouts): policy turns of `response` tokens per rollout,
     each but the last followed by an observation (loss_mask 0); 0 = the single-turn shapes above."""
@@ -221,6 +231,16 @@ class BenchConfig:
                         leaves=self.branches, leaves_flag="--branches")  # fmt: skip
         if self.turns and self.levels > 1:
             raise UserError("--levels and --turns both shape the response tree: use one or the other")
+        if self.groups <= 0:
+            raise UserError(f"--groups must be positive, got {self.groups}")
+        if self.turns and self.groups > 1:
+            raise UserError("--groups > 1 with --turns: the agentic tree has one prompt")
+        if not 0 <= self.min_prompt <= min(self.prompts):
+            raise UserError(
+                f"--min-prompt must be between 0 and --prompt {min(self.prompts)}, got {self.min_prompt}"
+            )
+        if self.memory_budget_gb is not None and self.memory_budget_gb <= 0:
+            raise UserError(f"--memory-budget must be positive, got {self.memory_budget_gb}")
 
     @property
     def response_tokens(self) -> int:
@@ -262,6 +282,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     "agentic": dict(model=_m(layers=2, hidden=256, heads=4, kv_heads=2, vocab=32000), prompts=(4096,),
                     branches=(8,), response=128, turns=6, observation=256, branch_at_turns=(2, 4),
                     variants=("naive-fused", "packed-nosharing", "packed", "replay")),
+    # issue 33's tables (benchmarks/issue33_tables.sh): the demo's batch (examples/configs/demo.yaml: 16 prompts of
+    # 57 tokens x 8 rollouts of 4 tokens, a 2-layer hidden-64 Llama) and many small prompts with shared response
+    # beginnings (24 groups of 40-160 tokens x 8 rollouts, 2 levels of 32, a 4-layer hidden-256 Llama, vocabulary
+    # 8000 as vs_hf.py's: a 32K head would be most of the step)
+    "demo": dict(model=_m(layers=2, hidden=64, heads=4, kv_heads=4, ffn=256, vocab=64), prompts=(57,), groups=16,
+                 branches=(8,), response=4, variants=("naive-fused", "packed", "replay", "auto")),
+    "small-prompts": dict(model=_m(layers=4, hidden=256, heads=4, kv_heads=2, vocab=8000), prompts=(160,),
+                          min_prompt=40, groups=24, branches=(8,), response=32, levels=2,
+                          variants=("naive-fused", "packed", "replay", "auto")),
     # seconds on a laptop: the smoke test and a first look
     "tiny": dict(model=_m(layers=2, hidden=32, heads=4, kv_heads=2, vocab=64), prompts=(48,), branches=(4,),
                  response=8, rounds=1),

@@ -128,5 +128,6 @@ def variant_flops(arch: ModelArch, tree: PrefixTree) -> dict[str, Flops]:
         "replay+recompute": recompute,
         "replay+recompute-full": full,
         "replay+chunks": shared,  # packing small subtrees changes the forwards' count, not their FLOPs
+        "auto": shared,  # packed or replay: the same FLOPs
         "minimal": shared,
     }

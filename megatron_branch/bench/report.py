@@ -57,8 +57,9 @@ def markdown(report: dict[str, Any]) -> str:
             if r.get("failed"):
                 lines.append(f"| {r['variant']} | {r['failed']} |" + " |" * (11 + mfu))
                 continue
+            name = r["variant"] + (f" ({r['auto']['picked']})" if r.get("auto") else "")
             lines.append(
-                f"| {r['variant']} | {r['median_s']:.3f} | {r['min_s']:.3f}-{r['max_s']:.3f} | "
+                f"| {name} | {r['median_s']:.3f} | {r['min_s']:.3f}-{r['max_s']:.3f} | "
                 f"{r['logical_tokens_per_s']:,.0f} | {r['computed_tokens_per_s']:,.0f} | {r['speedup']:.2f}x | "
                 f"{r['flop_ratio']:.2f}x | {100 * r['fraction_of_limit']:.0f}% | {r['gflop_step']:,.4g} | "
                 f"{_mb(r['rss_peak_mb'])} | {_mb(r['cuda_peak_mb'])} | {_mb(r['activation_meter_mb'])} |"

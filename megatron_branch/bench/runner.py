@@ -34,6 +34,8 @@ from megatron_branch.losses import PolicyGradientObjective
 from megatron_branch.memory import ActivationMeter
 from megatron_branch.models import ModelArch, build_model
 from megatron_branch.parallel.groups import ParallelGroups
+from megatron_branch.plan.auto import AutoChoice, decide, free_device_bytes, packed_peak_bytes
+from megatron_branch.plan.model import Layout
 from megatron_branch.schedule import StepResult, run_schedule
 
 
@@ -106,6 +108,8 @@ class Case:
     tree: PrefixTree
     objective: PolicyGradientObjective
     flops: dict[str, Flops]
+    auto: AutoChoice
+    """What the `auto` variant runs on this tree."""
 
 
 def make_case(cfg: BenchConfig, arch: ModelArch, prompt: int, branches: int) -> Case:
@@ -115,18 +119,42 @@ def make_case(cfg: BenchConfig, arch: ModelArch, prompt: int, branches: int) -> 
             turn_len=cfg.response, observation_len=cfg.observation, branch_at_turns=cfg.branch_at_turns,
             seed=cfg.seed,
         )  # fmt: skip
-    else:
-        rollouts = random_tree_rollouts(
-            vocab_size=cfg.model.vocab_size,
-            prompt_len=prompt,
-            branches=branches,
-            levels=cfg.levels,
-            seg_len=(cfg.response, cfg.response),
-            seed=cfg.seed,
-        )
+    else:  # `groups` prompts (lengths spread from min_prompt to P), each with its own response tree
+        rollouts = [
+            r
+            for g in range(cfg.groups)
+            for r in random_tree_rollouts(
+                vocab_size=cfg.model.vocab_size,
+                prompt_len=_prompt_len(cfg, prompt, g),
+                branches=branches,
+                levels=cfg.levels,
+                seg_len=(cfg.response, cfg.response),
+                seed=cfg.seed + 7919 * g,
+            )  # fmt: skip
+        ]
     tree = PrefixTree.build(rollouts, vocab_size=cfg.model.vocab_size)
     obj = PolicyGradientObjective.grpo([r.advantage for r in rollouts], tree.num_trained_tokens_logical())
-    return Case(prompt=prompt, branches=branches, tree=tree, objective=obj, flops=variant_flops(arch, tree))
+    flops = variant_flops(arch, tree)
+    return Case(
+        prompt=prompt, branches=branches, tree=tree, objective=obj, flops=flops, auto=_auto(cfg, arch, tree)
+    )
+
+
+def _prompt_len(cfg: BenchConfig, prompt: int, group: int) -> int:
+    """Group `group`'s prompt length: P, or spread evenly from cfg.min_prompt to P over the groups."""
+    if cfg.groups == 1 or not cfg.min_prompt:
+        return prompt
+    return round(cfg.min_prompt + (prompt - cfg.min_prompt) * group / (cfg.groups - 1))
+
+
+def _auto(cfg: BenchConfig, arch: ModelArch, tree: PrefixTree) -> AutoChoice:
+    """The `auto` variant's pick on this tree (plan/auto.py's rule, as `grad --schedule auto`): packed's planned
+    activation peak against cfg.memory_budget_gb, else the device's free memory."""
+    budget = int(cfg.memory_budget_gb * 1e9) if cfg.memory_budget_gb is not None else free_device_bytes()
+    peak = packed_peak_bytes(
+        arch, tree, Layout(sequence_parallel=False), act_bytes=DTYPES[cfg.dtype].itemsize
+    )
+    return decide(peak, budget)
 
 
 def build_bench_model(cfg: BenchConfig) -> tuple[ModelArch, torch.nn.Module]:
@@ -146,6 +174,8 @@ def _sync(device: str) -> None:
 
 def _step(cfg: BenchConfig, arch: ModelArch, model: torch.nn.Module, case: Case, variant: str) -> StepResult:
     schedule, kw = VARIANTS[variant]
+    if schedule == "auto":
+        schedule = case.auto.schedule
     model.zero_grad(set_to_none=True)  # fresh grads: every step does the same accumulation work
     spec = RunSpec(schedule=ScheduleConfig(branch_micro_batch=cfg.micro))
     opts = schedule_options(spec, ParallelGroups.single(), arch.vocab_size, **kw)  # the run assembly
@@ -252,6 +282,7 @@ def summarize(cfg: BenchConfig, case: Case, ms: list[Measurement]) -> list[dict[
                 analytic_limit=limit,
                 fraction_of_limit=speedup / limit,
                 loss=m.result.loss,
+                auto=case.auto.to_json() if m.variant == "auto" else None,
                 failed="",
             )
         )

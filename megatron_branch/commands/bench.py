@@ -6,11 +6,13 @@
 
 Variants (--variants, comma separated; naive-fused, the baseline, is always run):
     naive-fused, packed-nosharing, repeat-prefix, naive, packed, replay, replay+recompute, replay+recompute-full,
-    replay+chunks (small subtrees packed into chunks of <= 4096 tokens: ScheduleOptions.chunk_tokens)
+    replay+chunks (small subtrees packed into chunks of <= 4096 tokens: ScheduleOptions.chunk_tokens),
+    auto (packed when its planned activation peak fits --memory-budget GB or the free memory, else replay)
 Every speed-up is quoted against naive-fused (each rollout alone on the same model, fused attention kernel and
 fused logprob as replay: what a user runs today), next to the analytic limit (naive-fused FLOPs / the tree's
-minimal FLOPs, causal attention counted as causal). Presets: A, B, C, memory-G, hybrid, moe, tiny, gpu-1b; flags
-override them.
+minimal FLOPs, causal attention counted as causal). Presets: A, B, C, memory-G, hybrid, moe, agentic, demo,
+small-prompts, tiny, gpu-1b; flags override them (demo, small-prompts: issue 33's tables,
+benchmarks/issue33_tables.sh).
 Timings on a shared machine are only comparable within one run.
 """
 
@@ -70,6 +72,13 @@ def add_bench_command(sub: Any) -> None:
     p.add_argument("--branches", type=_ints, default=None, help="responses per prompt G, e.g. 8 or 4,8,16,32")
     p.add_argument("--response", type=int, default=None, help="tokens per response S")
     p.add_argument("--levels", type=int, default=None, help="levels of the response tree (1: G leaves)")
+    p.add_argument("--groups", type=int, default=None, help="prompt groups in the tree, each with G rollouts")
+    p.add_argument(
+        "--min-prompt", type=int, default=None, help="with --groups: prompt lengths from this to P"
+    )
+    p.add_argument(
+        "--memory-budget", type=float, default=None, help="auto's budget in GB (default: free device memory)"
+    )
     add_turn_flags(p)
     for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "experts", "top-k", "expert-ffn"):
         p.add_argument(f"--{name}", type=int, default=None, help=f"model {name}")
@@ -110,7 +119,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
         if getattr(args, k, None) is not None:
             model_kw[k] = getattr(args, k)
     flags = dict(
-        prompts=args.prompt, branches=args.branches, response=args.response, levels=args.levels, turns=args.turns,
+        prompts=args.prompt, branches=args.branches, response=args.response, levels=args.levels, groups=args.groups,
+        min_prompt=args.min_prompt, memory_budget_gb=args.memory_budget, turns=args.turns,
         observation=args.observation_length, branch_at_turns=args.branch_at_turns,
         rounds=args.rounds, micro=args.micro, dtype=args.dtype, device=args.device, peak_tflops=args.peak_tflops,
         seed=args.seed, profile=args.profile,

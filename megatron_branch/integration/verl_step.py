@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_branch.integration import verl_auto
 from megatron_branch.integration.verl_batch import LinearSlotObjective, TreeSlots
 from megatron_branch.integration.verl_cp import scale_micro_batch_loss
 from megatron_branch.integration.verl_onepass import one_pass_objective, two_pass_reason, verl_model_output
@@ -46,8 +47,10 @@ STEP_METRICS = (
 class BranchOptions:
     """How the tree step runs inside verl."""
 
-    schedule: str = "replay"
-    """replay (DFS, bounded memory) | packed (one pass over the tree) | naive (per rollout, for comparison)."""
+    schedule: str = "auto"
+    """auto (packed when it fits, else replay: verl_auto.py) | replay (DFS) | packed (one pass) | naive."""
+    memory_budget_gb: float | None = None
+    """auto's budget for packed's planned activation peak (GB); None: the free device memory at each call."""
     schedule_options: dict[str, Any] = field(default_factory=dict)
     """Extra ScheduleOptions fields (branch_micro_batch, recompute, recompute_layers, backend, ...)."""
     one_pass: bool = True
@@ -55,8 +58,10 @@ class BranchOptions:
     (a forward-only pass fixes dL/dlogp, then the gradient pass)."""
 
     def __post_init__(self) -> None:
-        if self.schedule not in ("replay", "packed", "naive"):
-            raise ValueError(f"schedule must be replay, packed or naive, got {self.schedule!r}")
+        if self.schedule not in ("auto", "replay", "packed", "naive"):
+            raise ValueError(f"schedule must be auto, replay, packed or naive, got {self.schedule!r}")
+        if self.memory_budget_gb is not None and self.memory_budget_gb <= 0:
+            raise ValueError(f"memory_budget_gb must be positive, got {self.memory_budget_gb}")
 
 
 class VerlBranchError(ValueError):
@@ -99,6 +104,12 @@ class VerlTreeStep:
     options: BranchOptions
     num_tokens: torch.Tensor | None = None
     """The step's token count under calculate_per_token_loss (verl's 3-tuple losses), for finalize_model_grads."""
+    auto: Any = None
+    """schedule auto: this call's pick (plan/auto.py AutoChoice), else None."""
+
+    @property
+    def schedule(self) -> str:  # the schedule this call runs: the options', or auto's pick
+        return self.auto.schedule if self.auto is not None else self.options.schedule
 
     def __call__(
         self,
@@ -139,6 +150,7 @@ class VerlTreeStep:
             route_record=record,
         )
         opts = dataclasses.replace(opts, **moe)
+        self.auto = verl_auto.pick(self.engine, base, slots.tree, opts, self.options)  # None unless auto
         value = self.value_model
         want_entropy = not value and _wants_entropy(micro_batches)
         temperature = 1.0 if value else _uniform_temperature(micro_batches)  # verl's value forward reads none
@@ -150,9 +162,7 @@ class VerlTreeStep:
                 )
                 return self._finish(outputs, slots, passes=1)
             with lockstep.region(model_chunk):  # EP across DP replicas: their model calls pair up
-                scores = score_rollouts(
-                    self.options.schedule, model_chunk, slots.tree, opts, entropy=want_entropy
-                )
+                scores = score_rollouts(self.schedule, model_chunk, slots.tree, opts, entropy=want_entropy)
             if record is not None:
                 hand_r2_routes(record, slots, self.engine.mini_layer_topk_idx_list, device)
             logp_tok = scores.result.target_logprobs  # [P] float64 (NaN outside responses)
@@ -197,7 +207,7 @@ class VerlTreeStep:
                 "context parallelism / calculate_per_token_loss (the one-pass objective is not wired to them)"
             )
         else:
-            reason = two_pass_reason(postprocess, self.options.schedule)
+            reason = two_pass_reason(postprocess, self.schedule)
         if getattr(self.engine, "_branch_passes_logged", False) != (reason or True):
             self.engine._branch_passes_logged = reason or True  # once per engine and path
             if reason is None:
@@ -325,7 +335,7 @@ class VerlTreeStep:
         config = unwrap(model_chunk).config
         no_sync = config.no_sync_func or contextlib.nullcontext
         with no_sync(), lockstep.region(model_chunk):  # EP across DP replicas: calls pair up
-            result = run_schedule(self.options.schedule, model_chunk, slots.tree, objective, opts)
+            result = run_schedule(self.schedule, model_chunk, slots.tree, objective, opts)
         if config.finalize_model_grads_func is not None:
             config.finalize_model_grads_func(
                 [model_chunk],
@@ -345,6 +355,7 @@ class VerlTreeStep:
         metrics["tree/positions_computed"] = float(tree.positions_computed)
         metrics["tree/token_ratio"] = tree.positions_logical / tree.positions_computed
         metrics["tree/prompts_split_over_dp"] = float(split)
+        metrics.update(verl_auto.metrics(self.auto))
 
 
 def _prompts_split_over_dp(slots: TreeSlots) -> int:

@@ -12,6 +12,7 @@ beside them), not weights or gradients, which are the same for both schedules.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,25 @@ def choose(packed_bytes: int, budget_bytes: int) -> AutoChoice:
         packed_bytes=packed_bytes,
         budget_bytes=budget_bytes,
     )
+
+
+def decide(packed_bytes: int, budget_bytes: int, packed_problem: str | None = None) -> AutoChoice:
+    """`choose`, or replay when packed cannot run these options at all (`packed_problem`: the rules' one line)."""
+    if packed_problem is not None:
+        return AutoChoice(schedule="replay", reason=f"packed cannot run this: {packed_problem}",
+                          packed_bytes=packed_bytes, budget_bytes=budget_bytes)  # fmt: skip
+    return choose(packed_bytes, budget_bytes)
+
+
+def free_device_bytes() -> int:
+    """This rank's free memory now: a GPU's (torch's mem_get_info), else the host's available memory shared by this
+    node's ranks (LOCAL_WORLD_SIZE). Callers agree on the smallest over the ranks themselves."""
+    import torch
+
+    if torch.cuda.is_available():
+        return int(torch.cuda.mem_get_info()[0])
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(free // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 def packed_peak_bytes(
@@ -129,7 +149,4 @@ def grad_choice(
     (`packed_problem`: the rules' one line)."""
     peak = share_peak_bytes(arch, rollouts, layout, act_bytes=act_bytes, layer_recompute=layer_recompute,
                             micro_batches=micro_batches)  # fmt: skip
-    if packed_problem is not None:
-        return AutoChoice(schedule="replay", reason=f"packed cannot run this: {packed_problem}", packed_bytes=peak,
-                          budget_bytes=budget_bytes)  # fmt: skip
-    return choose(peak, budget_bytes)
+    return decide(peak, budget_bytes, packed_problem)

@@ -14,13 +14,12 @@ whenever the pick changes, and the last pick with its reason in the run's final 
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_branch import rules
 from megatron_branch.errors import SettingError
-from megatron_branch.plan.auto import AutoChoice, grad_choice
+from megatron_branch.plan.auto import AutoChoice, free_device_bytes, grad_choice
 from megatron_branch.plan.model import Layout
 
 
@@ -40,11 +39,7 @@ def free_bytes(groups: Any) -> int:
     import torch
     import torch.distributed as dist
 
-    if torch.cuda.is_available():
-        free = torch.cuda.mem_get_info()[0]
-    else:  # the host's available memory, shared by this node's ranks
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        free //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    free = free_device_bytes()
     if not dist.is_initialized():
         return int(free)
     t = torch.tensor([free], dtype=torch.long, device="cuda" if torch.cuda.is_available() else "cpu")

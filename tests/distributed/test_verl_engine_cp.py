@@ -121,6 +121,7 @@ def test_verl_engine_tp2_cp2() -> None:
     from megatron_branch.integration.verl import BranchOptions
 
     recipe = BranchOptions(
-        schedule_options={"branch_micro_batch": 8, "recompute": True, "recompute_layers": True}
+        schedule="replay",
+        schedule_options={"branch_micro_batch": 8, "recompute": True, "recompute_layers": True},
     )
     _check(tp=2, cp=2, per_token_loss=False, options=recipe)

@@ -82,7 +82,7 @@ def test_verl_one_pass_global_normalisers_dp2(agg: str) -> None:
     runs = []
     for one_pass in (True, False):
         worker = make_worker(hf)
-        worker.engine.branch_options = BranchOptions(one_pass=one_pass)
+        worker.engine.branch_options = BranchOptions(schedule="replay", one_pass=one_pass)
         runs.append(run_step(worker, td, actor=actor))
     set_switch(False)
     assert [r.metrics["tree/update_passes"][0] for r in runs] == [1, 2]

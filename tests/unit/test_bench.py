@@ -282,3 +282,25 @@ def test_load_meter_sees_another_process_and_warnings_say_so() -> None:
     assert loaded[0].startswith(
         "warning: the machine was busy during this run (other processes used 40% of its 2"
     )
+
+
+@pytest.mark.parametrize(("budget", "picked"), [([], "packed"), (["--memory-budget", "1e-9"], "replay")])
+def test_prompt_groups_and_the_auto_variant(tmp_path, budget: list[str], picked: str) -> None:  # noqa: ANN001
+    """`--groups` prompts of lengths spread by `--min-prompt` (issue 33's small-prompts shape, reduced): every
+    variant the same loss; `auto` runs packed where its planned peak fits (the free memory) and replay under a
+    budget it does not fit, says so in the JSON and the table, and its time is that schedule's (no timing asserted)."""
+    out = tmp_path / "g.json"
+    argv = ["bench", "--preset", "tiny", "--prompt", "24", "--min-prompt", "8", "--groups", "3", "--levels", "2",
+            "--response", "4", "--variants", "packed,replay,auto", "--rounds", "1", "--no-meter", "--json", str(out),
+            "--markdown", str(tmp_path / "g.md"), *budget]  # fmt: skip
+    assert main(argv) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    # 3 prompts (8, 16, 24 tokens) x (2 x 4 rollouts of 2 levels of 4 tokens)
+    assert rows["naive-fused"]["positions_logical"] == sum(8 * (p + 8) for p in (8, 16, 24))
+    for r in rows.values():
+        assert r["loss"] == pytest.approx(rows["naive-fused"]["loss"], rel=1e-5)
+    auto = rows["auto"]["auto"]
+    assert auto["picked"] == picked and (auto["packed_bytes"] <= auto["budget_bytes"]) == (picked == "packed")
+    assert rows["auto"]["flop_ratio"] == pytest.approx(rows[picked]["flop_ratio"])
+    assert f"| auto ({picked}) |" in (tmp_path / "g.md").read_text()
+    assert rows["packed"].get("auto") is None

@@ -40,7 +40,7 @@ def _critic_step(
     try:
         worker = make_worker(hf, value=True, dynamic_bsz=dynamic_bsz)
         if switch:
-            worker.engine.branch_options = BranchOptions(one_pass=one_pass)
+            worker.engine.branch_options = BranchOptions(schedule="replay", one_pass=one_pass)
         return run_step(
             worker, lambda: grpo_batch(seed=8, critic=True), critic=critic_config(loss_agg_mode=agg)
         )

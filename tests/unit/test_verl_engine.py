@@ -114,7 +114,7 @@ def test_planted_bug_dropped_entropy_gradient_is_caught(single_process: str, bot
     try:
         set_switch(True)
         worker = make_worker(single_process)
-        worker.engine.branch_options = BranchOptions(one_pass=False)
+        worker.engine.branch_options = BranchOptions(schedule="replay", one_pass=False)
         bad = run_step(worker, lambda: grpo_batch(seed=0))
     finally:
         verl_batch.LinearSlotObjective.bind = orig  # type: ignore[method-assign]

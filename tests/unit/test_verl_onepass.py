@@ -58,7 +58,7 @@ def _tree_step(hf: str, actor: object, *, one_pass: bool, seed: int) -> object:
     set_switch(True)
     try:
         worker = make_worker(hf)
-        worker.engine.branch_options = BranchOptions(one_pass=one_pass)
+        worker.engine.branch_options = BranchOptions(schedule="replay", one_pass=one_pass)
         return run_step(worker, lambda: grpo_batch(seed=seed), actor=actor)
     finally:
         set_switch(False)
