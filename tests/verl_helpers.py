@@ -40,7 +40,7 @@ def write_tiny_policy(out: Path, *, family: str = "qwen2", **shape: Any) -> str:
 
 def shared_policy_dir(**shape: Any) -> str:
     """Under torchrun: rank 0 writes the tiny policy (transformers' save_pretrained writes on the main process
-    only) into a fresh folder, every rank gets its path. `shape`: write_tiny_policy's (family, num_layers, tie, ...).
+    only) into a fresh folder, every rank gets its path. `shape`: write_tiny_policy's (family, num_layers, tie, ...)."""
     import tempfile
 
     import torch.distributed as dist
