@@ -43,6 +43,8 @@ def packed_problem(opts: Any) -> str | None:
 
     if opts.chunk_tokens is not None:
         return "chunk_tokens is replay's"
+    if opts.root_pieces > 1:
+        return "root_pieces is replay's"
     try:
         check_run("packed", cp=opts.cp_size, recompute=opts.recompute, recompute_layers=opts.recompute_layers,
                   backend=opts.backend)  # fmt: skip

@@ -43,9 +43,11 @@ def refuse_pipeline(
             moe=moe,
             critic=critic,
         )
+    # auto is checked as replay, what it falls back to (both picks pipeline; root pieces make it replay: verl_auto)
+    schedule = "replay" if options.schedule == "auto" else options.schedule
     try:
         check_pipeline(
-            options.schedule,
+            schedule,
             pp=pp,
             virtual=virtual,
             root_pieces=int(options.schedule_options.get("root_pieces", 1)),

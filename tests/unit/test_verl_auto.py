@@ -89,7 +89,7 @@ def test_default_is_auto_and_replay_only_options_pick_replay() -> None:
 
     assert BranchOptions().schedule == "auto"
     assert verl_auto.packed_problem(ScheduleOptions(vocab_size=8)) is None
-    for extra in ({"recompute": True}, {"chunk_tokens": 64}):
+    for extra in ({"recompute": True}, {"chunk_tokens": 64}, {"root_pieces": 2}):
         problem = verl_auto.packed_problem(ScheduleOptions(vocab_size=8, **extra))
         assert problem is not None and next(iter(extra)) in problem, problem
     with pytest.raises(ValueError, match="memory_budget_gb"):

@@ -237,5 +237,7 @@ def test_pipeline_refusals_in_verls_names(
         refuse_pipeline(config, BranchOptions(**options), tf_config, **kw)
     assert str(e.value).startswith("branch replay in verl's engine: ") and "\n" not in str(e.value)
     ok = SimpleNamespace(**{**vars(ENGINE), "pipeline_model_parallel_size": 2})
-    refuse_pipeline(ok, BranchOptions(), SimpleNamespace(num_layers=2, experimental_attention_variant=None))
+    # the default (auto) is checked as replay, with root pieces too
+    for fine in (BranchOptions(), BranchOptions(schedule_options={"root_pieces": 4})):
+        refuse_pipeline(ok, fine, SimpleNamespace(num_layers=2, experimental_attention_variant=None))
     refuse_pipeline(ENGINE, BranchOptions(schedule="naive"))  # no pipeline: nothing to refuse here
