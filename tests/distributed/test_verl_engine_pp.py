@@ -6,7 +6,7 @@ schedule across the two stages (schedule/pipeline.py).
 
 Compared: compute_log_prob's logprobs and entropies where verl collects them (the last stage, tp rank 0; None on
 the first stage for both), every parameter's main_grad on EACH stage (fp32 1e-5 relative), verl's metrics. Runs:
-replay (the default) and packed in one pass on a 2-layer untied policy; replay cut into root pieces with the
+the default (auto), replay and packed in one pass on a 2-layer untied policy; replay cut into root pieces with the
 two-pass update on a 4-layer policy with tied embeddings. Planted: the first stage's prefix K/V gradients from
 its branches dropped fails. VPP is refused in one line.
 
@@ -90,7 +90,8 @@ def test_verl_engine_pp2(monkeypatch: pytest.MonkeyPatch) -> None:
     hf = shared_policy_dir()
     base = _step(hf, switch=False)
     tree = _step(hf, switch=True)
-    _check(base, tree, "replay, one pass", passes=1)
+    _check(base, tree, "the default (auto), one pass", passes=1)
+    _check(base, _step(hf, switch=True, options=BranchOptions(schedule="replay")), "replay", passes=1)
     _check(base, _step(hf, switch=True, options=BranchOptions(schedule="packed")), "packed", passes=1)
     # a tied embedding (its copy on the last stage summed by megatron's embedding group) and two layers per stage
     tied = shared_policy_dir(num_layers=4, tie=True)
