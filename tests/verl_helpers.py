@@ -407,6 +407,7 @@ def one_rank(out: Path, **shape: Any) -> Iterator[str]:
 
     from megatron_branch.parallel.groups import destroy_parallel, init_distributed
 
+    _reset_megatron_aux_scale()
     init_distributed()  # a world of one
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
     saved = {k: os.environ.get(k) for k in env}
@@ -420,6 +421,16 @@ def one_rank(out: Path, **shape: Any) -> Iterator[str]:
             else:
                 os.environ[k] = v
         set_switch(False)
+        _reset_megatron_aux_scale()
         destroy_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _reset_megatron_aux_scale() -> None:
+    """megatron's MoEAuxLossAutoScaler keeps its scale class-wide and copies every later scale into the first
+    tensor's shape (a 0-d one from megatron's own schedule, [1] from verl's loss scale): one engine per process in a
+    real run, many in this test process, so each one-rank world starts from megatron's initial None."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
