@@ -34,7 +34,8 @@ from typing import Any
 
 from megatron_branch.commands.bench import add_turn_flags
 from megatron_branch.errors import UserError
-from megatron_branch.plan.model import GPU_PRESETS, MODEL_PRESETS, RECOMPUTE, Layout, RolloutShape, load_model
+from megatron_branch.plan.model import GPU_PRESETS, RECOMPUTE, Layout, RolloutShape, load_model
+from megatron_branch.plan.presets import MODEL_PRESETS
 from megatron_branch.plan.result import HOST_TERMS, TERMS_IN_TOTAL, Plan
 from megatron_branch.plan.search import SCHEDULES, plan, what_would_fit
 

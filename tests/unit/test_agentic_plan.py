@@ -23,7 +23,8 @@ from megatron_branch.plan.flops import (
 )
 from megatron_branch.plan.measure import measure_step
 from megatron_branch.plan.memory import step_peak
-from megatron_branch.plan.model import MODEL_PRESETS, Layout, RolloutShape
+from megatron_branch.plan.model import Layout, RolloutShape
+from megatron_branch.plan.presets import MODEL_PRESETS
 from megatron_branch.testing import tiny_qwen2
 
 SHAPES = [  # (prompt, leaves, turns, turn, observation, forks after)

@@ -208,7 +208,7 @@ def test_preset_is_transformers_glm_4_5_air_configuration() -> None:
     with the published head_dim 128 and q/k/v bias; 106.9B parameters, 13.4B passed per token."""
     import transformers
 
-    from megatron_branch.plan.model import GLM4_5_AIR_CONFIG
+    from megatron_branch.plan.presets import GLM4_5_AIR_CONFIG
 
     defaults = transformers.Glm4MoeConfig().to_dict()
     ours = {

@@ -19,7 +19,7 @@ concentration factor (models/rotary.py); an explicit attention_factor / mscale i
 1.702 (megatron's quick_gelu hard-codes it). Tensor parallelism is refused (models/arch_checks.py): megatron-core
 allows expert biases only at expert tensor parallel size 1, and the engine splits experts over TP; CP and EP run.
 The planner prices it: a sliding layer's attention FLOPs over its window only (plan/flops.py attention_flops), the
-sinks and biases in the parameters (plan/layers.py); presets gpt-oss-20b / gpt-oss-120b (plan/model.py).
+sinks and biases in the parameters (plan/layers.py); presets gpt-oss-20b / gpt-oss-120b (plan/presets.py).
 """
 
 from __future__ import annotations
