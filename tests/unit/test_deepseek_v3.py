@@ -10,11 +10,11 @@ is held at FP64_SIGMOID_BOUND; float32 at 1e-5 relative.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from conversion_helpers import assert_round_trip_and_logits, files_round_trip
 from test_glm4_moe import (
     EXACT,
     FP64_SIGMOID_BOUND,
@@ -26,17 +26,7 @@ from test_glm4_moe import (
     with_random_biases,
 )
 
-from megatron_branch.checkpoint import (
-    convert_hf_to_mcore,
-    convert_mcore_to_hf,
-    gather_full_state,
-    hf_to_mcore_state,
-    load_full_state,
-    mcore_to_hf_state,
-)
-from megatron_branch.checkpoint.hf_io import HFTensorReader
 from megatron_branch.checkpoint.param_map import check_hf_names, mcore_names, sharded_keys
-from megatron_branch.checkpoint.verify import verify_conversion
 from megatron_branch.errors import UserError
 from megatron_branch.models import ModelArch, build_model
 from megatron_branch.models.mla_latent import MLA_LATENT, BranchMLASelfAttention
@@ -142,32 +132,12 @@ def test_refusals_are_one_line(change: dict, words: str) -> None:
 @pytest.mark.parametrize("q_lora", [True, False], ids=["q_lora", "q_proj"])
 def test_round_trip_is_bit_exact_and_logits_match(q_lora: bool) -> None:
     hf = ds_hf(dtype=torch.float32, q_lora=q_lora, exact=False)  # HF's own float32 router and norms
-    arch = ModelArch.from_hf_config(hf.config)
-    sd = hf_state(hf)
-    state = hf_to_mcore_state(sd, arch, padded_vocab=arch.padded_vocab_size(4))
-    back = mcore_to_hf_state(state, arch)
-    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
-    model = build_model(arch)
-    load_full_state(model, state, None)
-    assert all(
-        torch.equal(v, sd[k]) for k, v in mcore_to_hf_state(gather_full_state(model, None), arch).items()
-    )
-    ids = torch.randint(0, 37, (1, 14), generator=torch.Generator().manual_seed(1))
-    mask = torch.triu(torch.ones(14, 14, dtype=torch.bool), 1)[None, None]
-    with torch.no_grad():
-        assert (model(ids, torch.arange(14)[None], mask)[0, :, :37] - hf(ids).logits[0]).abs().max() <= 1e-5
+    assert_round_trip_and_logits(hf, hf_state(hf))
 
 
 def test_files_round_trip_and_verify(tmp_path: Path) -> None:
-    hf_dir = tmp_path / "hf"
-    ds_hf(seed=1, dtype=torch.float32, exact=False).save_pretrained(hf_dir)
-    convert_hf_to_mcore(hf_dir, tmp_path / "mc", progress=False)
-    meta = json.loads((tmp_path / "mc" / "megatron_branch.json").read_text())
-    assert meta["arch"]["family"] == "deepseek_v3" and meta["arch"]["kv_lora_rank"] == 16
-    report = verify_conversion(hf_dir, tmp_path / "mc")
-    assert report["ok"] and report["argmax_agreement"] == 1.0, report
-    convert_mcore_to_hf(tmp_path / "mc", tmp_path / "out")
-    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    arch, _, cfg = files_round_trip(ds_hf(seed=1, dtype=torch.float32, exact=False), tmp_path)
+    assert arch["family"] == "deepseek_v3" and arch["kv_lora_rank"] == 16
     assert cfg["architectures"] == ["DeepseekV3ForCausalLM"] and cfg["q_lora_rank"] == 24
     assert (cfg["kv_lora_rank"], cfg["qk_nope_head_dim"], cfg["v_head_dim"], cfg["rope_interleave"]) == (
         16,
@@ -175,9 +145,6 @@ def test_files_round_trip_and_verify(tmp_path: Path) -> None:
         12,
         True,
     )
-    src, dst = HFTensorReader(hf_dir), HFTensorReader(tmp_path / "out")
-    assert sorted(src.keys()) == sorted(dst.keys())
-    assert all(torch.equal(src.get(k), dst.get(k)) for k in src.keys())
 
 
 def test_a_checkpoint_with_its_mtp_layer_is_refused_in_one_line() -> None:

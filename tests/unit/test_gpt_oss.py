@@ -8,25 +8,21 @@ gradient dropped, the window ignored for the tree's tokens) that each fail.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from conversion_helpers import files_round_trip
 from test_glm4_moe import _schedule_grads, megatron_of
 
 from megatron_branch.attention import core_attention, executor
 from megatron_branch.checkpoint import (
-    convert_hf_to_mcore,
-    convert_mcore_to_hf,
     gather_full_state,
     hf_to_mcore_state,
     load_full_state,
     mcore_to_hf_state,
 )
-from megatron_branch.checkpoint.hf_io import HFTensorReader
 from megatron_branch.checkpoint.param_map import mcore_names
-from megatron_branch.checkpoint.verify import verify_conversion
 from megatron_branch.data import PrefixTree
 from megatron_branch.errors import UserError
 from megatron_branch.models import ModelArch, build_model
@@ -154,23 +150,13 @@ def test_round_trip_is_bit_exact_and_logits_match() -> None:
 
 
 def test_files_round_trip_and_verify(tmp_path: Path) -> None:
-    hf_dir = tmp_path / "hf"
-    oss_hf(seed=1, dtype=torch.float32, exact=False).save_pretrained(hf_dir)
-    convert_hf_to_mcore(hf_dir, tmp_path / "mc", progress=False)
-    meta = json.loads((tmp_path / "mc" / "megatron_branch.json").read_text())
-    assert meta["arch"]["family"] == "gpt_oss" and meta["arch"]["window_layers"] == [1, 0]
-    report = verify_conversion(hf_dir, tmp_path / "mc")
-    assert report["ok"] and report["argmax_agreement"] == 1.0, report
-    convert_mcore_to_hf(tmp_path / "mc", tmp_path / "out")
-    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    arch, _, cfg = files_round_trip(oss_hf(seed=1, dtype=torch.float32, exact=False), tmp_path)
+    assert arch["family"] == "gpt_oss" and arch["window_layers"] == [1, 0]
     assert cfg["architectures"] == ["GptOssForCausalLM"] and cfg["layer_types"] == [
         "sliding_attention",
         "full_attention",
     ]
     assert (cfg["sliding_window"], cfg["swiglu_limit"], cfg["num_local_experts"]) == (4, 1.0, 4)
-    src, dst = HFTensorReader(hf_dir), HFTensorReader(tmp_path / "out")
-    assert sorted(src.keys()) == sorted(dst.keys())
-    assert all(torch.equal(src.get(k), dst.get(k)) for k in src.keys())
 
 
 # --- the policy gradient ------------------------------------------------------------------------------------------
