@@ -6,7 +6,8 @@ trades memory for speed, so it may change from step to step with the sampled tre
 The budget: `schedule.memory_budget_gb`, else the device's free memory (a GPU: torch's mem_get_info; a CPU: the host's
 available memory shared by the node's ranks), the smallest over the ranks so that every rank picks the same. The
 config is checked as replay (what auto falls back to); what the rules refuse to packed for this run (segment
-recompute, `chunk_tokens`, ...) makes every pick replay, with that line as the reason. Reported: metrics
+recompute, ...) makes every pick replay, with that line as the reason. `schedule.chunk_tokens` is replay's own
+setting (on by default): auto's replay runs with it, and it does not steer the pick. Reported: metrics
 `schedule/auto_packed` (1 = packed), `schedule/auto_packed_gb`, `schedule/auto_budget_gb` each step, a printed line
 whenever the pick changes, and the last pick with its reason in the run's final JSON (`schedule_auto`).
 """
@@ -25,8 +26,6 @@ from megatron_branch.plan.model import Layout
 
 def packed_problem(spec: Any, spelling: Any) -> str | None:
     """What the rules refuse to packed in this run (the one line, in the config's words), or None."""
-    if spec.schedule.chunk_tokens is not None:
-        return "schedule.chunk_tokens is replay's"
     try:
         rules.check(dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, name="packed")))
     except SettingError as e:

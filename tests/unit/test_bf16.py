@@ -75,7 +75,7 @@ def _plan(groups, pgc, schedule: str = "replay"):  # noqa: ANN001, ANN202
     from megatron_branch.schedule import ScheduleOptions
     from megatron_branch.update import UpdatePlan
 
-    opts = ScheduleOptions(groups=groups, vocab_size=bp.VOCAB, branch_micro_batch=4)
+    opts = ScheduleOptions(groups=groups, vocab_size=bp.VOCAB, branch_micro_batch=4, chunk_tokens=None)
     return UpdatePlan(opts=opts, schedule=schedule, pg_collection=pgc)
 
 
