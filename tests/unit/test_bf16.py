@@ -183,7 +183,13 @@ def _accumulator_error(groups, monkeypatch) -> float:  # noqa: ANN001
     monkeypatch.setattr(prefix_cache.WideSum, "grad", spy_grad)
     weights = bp.bf16_weights(3)
     bp.gradients(
-        weights, torch.bfloat16, "replay", bp.tree_batch(3, branches=8), groups=groups, branch_micro_batch=1
+        weights,
+        torch.bfloat16,
+        "replay",
+        bp.tree_batch(3, branches=8),
+        groups=groups,
+        branch_micro_batch=1,
+        chunk_tokens=None,  # the walk: one leaf per backward, so every cached prefix sums many children's gradients
     )
     assert not sent  # every sum was injected
     return worst[0]
