@@ -97,7 +97,9 @@ def test_verl_engine_pp2(monkeypatch: pytest.MonkeyPatch) -> None:
     tied = shared_policy_dir(num_layers=4, tie=True)
     # chunks off here and in the planted case: the tiny batch would otherwise be one chunk (no pieces, no cache)
     walk = {"chunk_tokens": None}
-    pieces = BranchOptions(one_pass=False, schedule_options={"root_pieces": 2, "branch_micro_batch": 2, **walk})
+    pieces = BranchOptions(
+        one_pass=False, schedule_options={"root_pieces": 2, "branch_micro_batch": 2, **walk}
+    )
     what = "tied, 4 layers, replay, root pieces 2, two passes"
     _check(_step(tied, switch=False), _step(tied, switch=True, options=pieces), what, passes=2)
 
