@@ -18,6 +18,22 @@ agentic, P = 4096 with G = 8 and 16), where leaf micro-batches of 8 alone were u
 tokens keeps replay's memory bounded (one chunk's activations, beside the path's cache) far below a long prompt's."""
 
 
+CHUNKS_OFF = {
+    "replay-stopgrad": "replay-stopgrad freezes the prompt rows of cached segments only: it walks segment by segment",
+}
+"""Replay-like schedules that run without chunks whatever `chunk_tokens` says, and why (reported, never refused:
+the chunks are a default). Every other feature runs with them (tests/unit/test_chunk_tokens.py, the families' and
+layouts' tests with `chunk_tokens`)."""
+
+
+def chunks_ran(schedule: str, chunk_tokens: int | None) -> dict[str, Any]:
+    """What a run of `schedule` did with replay's chunks, for its JSON: the budget it ran with (None: no chunks), and
+    `chunk_tokens_off`, the reason, when a budget was set but the schedule walks without it."""
+    if schedule in CHUNKS_OFF and chunk_tokens is not None:
+        return {"chunk_tokens": None, "chunk_tokens_off": CHUNKS_OFF[schedule]}
+    return {"chunk_tokens": chunk_tokens if schedule == "replay" else None}
+
+
 @dataclass(kw_only=True)
 class ScheduleOptions:
     """How a step runs. The parallel layout comes in whole (`groups`), never read from globals inside the math."""

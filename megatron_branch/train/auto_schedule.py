@@ -94,6 +94,16 @@ class AutoSchedule:
         }
 
 
+def run_summary(auto: AutoSchedule | None, schedule: Any) -> dict[str, Any]:
+    """The run's final JSON about its schedule: auto's last pick and why, and the budget replay's chunks ran with
+    (or why none: schedule/options.py chunks_ran) under the schedule that ran last."""
+    from megatron_branch.schedule.options import chunks_ran
+
+    if auto is None or auto.last is None:
+        return chunks_ran(schedule.name, schedule.chunk_tokens)
+    return {"schedule_auto": auto.last.to_json(), **chunks_ran(auto.last.schedule, schedule.chunk_tokens)}
+
+
 def auto_schedule(
     cfg: Any, arch: Any, groups: Any, *, micro_batches: int, act_bytes: int
 ) -> AutoSchedule | None:

@@ -163,6 +163,20 @@ def test_chunks_are_on_by_default_from_one_place(model: torch.nn.Module) -> None
     assert off.forwards == 24  # the walk: every cached segment and every leaf micro-batch
 
 
+def test_replay_stopgrad_walks_and_says_why(model: torch.nn.Module) -> None:
+    """replay-stopgrad (an inexact comparison) freezes the prompt rows of cached segments: with the default chunks it
+    still walks segment by segment, and the run's JSON says why (schedule/options.py chunks_ran) instead of a
+    refusal."""
+    from megatron_branch.schedule.options import DEFAULT_CHUNK_TOKENS, chunks_ran
+
+    _, default, _ = step(model, forest(), "replay-stopgrad")
+    _, off, _ = step(model, forest(), "replay-stopgrad", chunk_tokens=None)
+    assert default.forwards == off.forwards > 1
+    assert chunks_ran("replay-stopgrad", DEFAULT_CHUNK_TOKENS)["chunk_tokens_off"].startswith("replay-stopgrad")
+    assert chunks_ran("replay", DEFAULT_CHUNK_TOKENS) == {"chunk_tokens": DEFAULT_CHUNK_TOKENS}
+    assert chunks_ran("packed", DEFAULT_CHUNK_TOKENS) == {"chunk_tokens": None}
+
+
 def test_scoring_with_packed_subtrees_is_naives(model: torch.nn.Module) -> None:
     """Forward only (old-policy / reference logprobs): the same walk, no graph; every target's logprob equals
     naive's."""
