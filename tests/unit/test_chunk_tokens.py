@@ -172,7 +172,9 @@ def test_replay_stopgrad_walks_and_says_why(model: torch.nn.Module) -> None:
     _, default, _ = step(model, forest(), "replay-stopgrad")
     _, off, _ = step(model, forest(), "replay-stopgrad", chunk_tokens=None)
     assert default.forwards == off.forwards > 1
-    assert chunks_ran("replay-stopgrad", DEFAULT_CHUNK_TOKENS)["chunk_tokens_off"].startswith("replay-stopgrad")
+    assert chunks_ran("replay-stopgrad", DEFAULT_CHUNK_TOKENS)["chunk_tokens_off"].startswith(
+        "replay-stopgrad"
+    )
     assert chunks_ran("replay", DEFAULT_CHUNK_TOKENS) == {"chunk_tokens": DEFAULT_CHUNK_TOKENS}
     assert chunks_ran("packed", DEFAULT_CHUNK_TOKENS) == {"chunk_tokens": None}
 

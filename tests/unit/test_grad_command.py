@@ -244,7 +244,9 @@ def test_progress_lines_on_stderr_and_quiet(workdir: Path, capsys: pytest.Captur
     the JSON line; --quiet silences the phases."""
     rc, summary, err = grad(workdir, capsys, out="p.safetensors")
     assert rc == 0 and summary["out"].endswith("p.safetensors")
-    assert summary["chunk_tokens"] == 4096 and "chunk_tokens_off" not in summary  # replay's default chunks ran
+    assert (
+        summary["chunk_tokens"] == 4096 and "chunk_tokens_off" not in summary
+    )  # replay's default chunks ran
     lines = err.strip().splitlines()
     phases = [ln.split("] ", 1)[1] for ln in lines]
     assert all(ln.startswith("grad: [") for ln in lines), lines
