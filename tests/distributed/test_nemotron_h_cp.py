@@ -1,0 +1,138 @@
+"""Context parallelism for Nemotron-H's Mamba-2 layers (the head exchange: models/mamba_heads.py,
+parallel/head_exchange.py) on the tiny nemotron_h policy (layers M * - M -: 4 Mamba heads in 2 groups, so each CP2
+rank runs one whole group's two heads over the whole chunk; the attention layer runs the ring).
+
+    python tests/distributed/launch.py 2 -k nemotron_h_cp
+
+Every rank builds the same HF model and tree (seeded), computes the single-rank references itself (naive at CP1,
+the same schedule at CP1, and Hugging Face rollout by rollout), and compares the gradient of every parameter summed
+over CP at BOUND = 1e-5 relative (transformers' SSD scan is float32 inside and chunks from each segment's first
+token: tests/unit/test_nemotron_h.py). The tree is the recurrent tests' fork-heavy one (tests/gdn_helpers.py): forks
+at depths 1 to 3, segments shorter than the conv's K-1 = 3 inputs (a child's conv window reaches into its
+grandparent) and than 2 x CP (mostly padding on a CP rank). Planted bugs: one CP rank's segments starting from a
+zero SSM state or without their parent's conv tail, and the zigzag split not undone before the scan. The MoE ("E")
+layers under CP2 and CP2 x EP2 through `grad`, and the CP refusal in one line: tests/distributed/
+test_nemotron_h_tp.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from gdn_helpers import rollouts
+from test_gdn_cp import _rank_major, _worst
+
+from megatron_branch.checkpoint import hf_to_mcore_state, load_full_state, mcore_to_hf_state
+from megatron_branch.checkpoint.tp import gather_full_grads
+from megatron_branch.data import PrefixTree
+from megatron_branch.losses import PolicyGradientObjective
+from megatron_branch.models import ModelArch, build_model
+from megatron_branch.models.mamba import BranchMambaMixer
+from megatron_branch.parallel import head_exchange
+from megatron_branch.parallel.grads import finalize_grads
+from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
+from megatron_branch.parallel.ring import RingStats
+from megatron_branch.schedule import ScheduleOptions, run_schedule
+from megatron_branch.testing import hf_policy_gradient, hf_state, tiny_hf_config, tiny_hf_model
+
+BOUND = 1e-5
+
+
+class _Setup:
+    """The model at CP2 (HF's weights), the tree, the objective, and the CP1 references."""
+
+    def __init__(self) -> None:
+        self.groups = initialize_parallel(ParallelConfig(cp=2))
+        assert (self.groups.cp_size, self.groups.dp_size) == (2, 1)
+        hf = tiny_hf_model(tiny_hf_config("nemotron_h", num_layers=5, ffn=48), seed=5, dtype=torch.float32)
+        self.arch = ModelArch.from_hf_config(hf.config)
+        self.model = build_model(self.arch)
+        state = hf_to_mcore_state(hf_state(hf), self.arch, padded_vocab=self.arch.padded_vocab_size(1))
+        load_full_state(self.model, state, None)
+        self.rollouts = rollouts()
+        self.tree = PrefixTree.build(self.rollouts, vocab_size=self.arch.vocab_size)
+        self.obj = PolicyGradientObjective.grpo(
+            [r.advantage for r in self.rollouts], self.tree.num_response_tokens_logical()
+        )
+        self.no_cp = dataclasses.replace(self.groups, cp=None, cp_size=1)
+        self.hf_loss, grads = hf_policy_gradient(hf, self.rollouts)
+        self.hf = {n.replace("model.", "backbone.", 1): g for n, g in grads.items()}
+        self.naive, self.naive_grads = self.run("naive", self.no_cp)
+
+    def run(self, schedule: str, groups: Any, **kw: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+        """One step of `schedule` at `groups`; (result, full HF-named gradients summed over CP)."""
+        self.model.zero_grad(set_to_none=True)
+        opts = ScheduleOptions(groups=groups, vocab_size=self.arch.vocab_size, keep_logprobs=True, **kw)
+        res = run_schedule(schedule, self.model, self.tree, self.obj, opts)
+        dp_cp = groups.dp_cp if groups.cp_size > 1 else None
+        finalize_grads(self.model, tp_group=None, dp_cp_group=dp_cp, sequence_parallel=False)
+        grads = mcore_to_hf_state(gather_full_grads(self.model, None), self.arch)
+        self.model.zero_grad(set_to_none=True)
+        return res, grads
+
+
+@pytest.mark.world(2)
+def test_nemotron_h_under_cp2_equals_cp1_naive_and_hf() -> None:
+    s = _Setup()
+    mamba_layers = s.arch.hybrid_override_pattern.count("M")
+    for schedule, kw in (
+        ("replay", {}),
+        ("packed", {}),
+        ("replay", {"branch_micro_batch": 1}),  # each sibling its own chunk: dS/dtail accumulate over chunks
+        ("replay", {"recompute": True, "recompute_layers": True}),  # the exchange again inside backward
+    ):
+        stats = RingStats()
+        res, grads = s.run(schedule, s.groups, ring_stats=stats, **kw)
+        _, one = s.run(schedule, s.no_cp, **kw)
+        for name, want in (("naive", s.naive_grads), ("cp1", one), ("hf", s.hf)):
+            err, param = _worst(grads, want)
+            assert err <= BOUND, f"{schedule} {kw} vs {name}: {param} relative error {err:.2e} > {BOUND}"
+        assert res.loss == pytest.approx(s.naive.loss, rel=BOUND)
+        assert res.loss == pytest.approx(s.hf_loss, rel=BOUND)
+        torch.testing.assert_close(
+            res.target_logprobs, s.naive.target_logprobs, rtol=0, atol=5e-6, equal_nan=True
+        )
+        # the exchange is real: per Mamba layer and forward, two all-to-alls of one block each (more when layer
+        # checkpoints rerun it inside backward); the attention layer ran its ring
+        exchanges = 2 * mamba_layers * res.forwards
+        if kw.get("recompute_layers"):
+            assert stats.exchange_messages > exchanges
+        else:
+            assert stats.exchange_messages == exchanges
+        assert stats.kv_messages > 0
+        if schedule == "replay" and not kw:
+            assert res.positions_computed < s.naive.positions_computed  # the prefixes ran once
+
+
+def _one_rank_starts_wrong(bug: str) -> Any:
+    """`BranchMambaMixer._start` broken on CP rank 1 only, for every segment with a parent: its heads' SSM state
+    zeroed, or its heads' conv tail dropped."""
+    original = BranchMambaMixer._start
+
+    def planted(self: BranchMambaMixer, parent: int | None, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        S, tail = original(self, parent, *args)
+        if parent is None or dist.get_rank() != 1:
+            return S, tail
+        return (torch.zeros_like(S), tail) if bug == "zero_parent_state" else (S, torch.zeros_like(tail))
+
+    return planted
+
+
+@pytest.mark.world(2)
+def test_planted_cp_bugs_fail() -> None:
+    s = _Setup()
+    for bug in ("zero_parent_state", "drop_parent_tail", "zigzag_not_undone"):
+        with pytest.MonkeyPatch.context() as mp:
+            if (
+                bug == "zigzag_not_undone"
+            ):  # the scan runs over the received rows rank by rank, not in tree order
+                mp.setattr(head_exchange.CPHeadExchange, "_tree_order", _rank_major)
+            else:
+                mp.setattr(BranchMambaMixer, "_start", _one_rank_starts_wrong(bug))
+            _, grads = s.run("replay", s.groups, branch_micro_batch=1)
+        err, param = _worst(grads, s.naive_grads)
+        assert err > 100 * BOUND, (bug, err, param)  # not a rounding-level difference
