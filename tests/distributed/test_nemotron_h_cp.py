@@ -25,34 +25,34 @@ import torch
 import torch.distributed as dist
 from gdn_helpers import rollouts
 from test_gdn_cp import _rank_major, _worst
+from test_gdn_cp import _Setup as GDNSetup
 
-from megatron_branch.checkpoint import hf_to_mcore_state, load_full_state, mcore_to_hf_state
-from megatron_branch.checkpoint.tp import gather_full_grads
+from megatron_branch.checkpoint import hf_to_mcore_state, load_full_state
 from megatron_branch.data import PrefixTree
 from megatron_branch.losses import PolicyGradientObjective
 from megatron_branch.models import ModelArch, build_model
 from megatron_branch.models.mamba import BranchMambaMixer
 from megatron_branch.parallel import head_exchange
-from megatron_branch.parallel.grads import finalize_grads
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
 from megatron_branch.parallel.ring import RingStats
-from megatron_branch.schedule import ScheduleOptions, run_schedule
 from megatron_branch.testing import hf_policy_gradient, hf_state, tiny_hf_config, tiny_hf_model
 
 BOUND = 1e-5
 
 
-class _Setup:
-    """The model at CP2 (HF's weights), the tree, the objective, and the CP1 references."""
+class _Setup(GDNSetup):
+    """The model at CP2 (HF's weights), the tree, the objective, and the CP1 references; `run` and `check` are the
+    gated delta net's (test_gdn_cp.py)."""
 
     def __init__(self) -> None:
+        self.sp, self.tp = False, 1
         self.groups = initialize_parallel(ParallelConfig(cp=2))
         assert (self.groups.cp_size, self.groups.dp_size) == (2, 1)
         hf = tiny_hf_model(tiny_hf_config("nemotron_h", num_layers=5, ffn=48), seed=5, dtype=torch.float32)
         self.arch = ModelArch.from_hf_config(hf.config)
         self.model = build_model(self.arch)
         state = hf_to_mcore_state(hf_state(hf), self.arch, padded_vocab=self.arch.padded_vocab_size(1))
-        load_full_state(self.model, state, None)
+        load_full_state(self.model, state, self.groups.tp)
         self.rollouts = rollouts()
         self.tree = PrefixTree.build(self.rollouts, vocab_size=self.arch.vocab_size)
         self.obj = PolicyGradientObjective.grpo(
@@ -60,19 +60,8 @@ class _Setup:
         )
         self.no_cp = dataclasses.replace(self.groups, cp=None, cp_size=1)
         self.hf_loss, grads = hf_policy_gradient(hf, self.rollouts)
-        self.hf = {n.replace("model.", "backbone.", 1): g for n, g in grads.items()}
+        self.hf = {n.replace("model.", "backbone.", 1): g for n, g in grads.items()}  # the checkpoint's names
         self.naive, self.naive_grads = self.run("naive", self.no_cp)
-
-    def run(self, schedule: str, groups: Any, **kw: Any) -> tuple[Any, dict[str, torch.Tensor]]:
-        """One step of `schedule` at `groups`; (result, full HF-named gradients summed over CP)."""
-        self.model.zero_grad(set_to_none=True)
-        opts = ScheduleOptions(groups=groups, vocab_size=self.arch.vocab_size, keep_logprobs=True, **kw)
-        res = run_schedule(schedule, self.model, self.tree, self.obj, opts)
-        dp_cp = groups.dp_cp if groups.cp_size > 1 else None
-        finalize_grads(self.model, tp_group=None, dp_cp_group=dp_cp, sequence_parallel=False)
-        grads = mcore_to_hf_state(gather_full_grads(self.model, None), self.arch)
-        self.model.zero_grad(set_to_none=True)
-        return res, grads
 
 
 @pytest.mark.world(2)
@@ -86,16 +75,7 @@ def test_nemotron_h_under_cp2_equals_cp1_naive_and_hf() -> None:
         ("replay", {"recompute": True, "recompute_layers": True}),  # the exchange again inside backward
     ):
         stats = RingStats()
-        res, grads = s.run(schedule, s.groups, ring_stats=stats, **kw)
-        _, one = s.run(schedule, s.no_cp, **kw)
-        for name, want in (("naive", s.naive_grads), ("cp1", one), ("hf", s.hf)):
-            err, param = _worst(grads, want)
-            assert err <= BOUND, f"{schedule} {kw} vs {name}: {param} relative error {err:.2e} > {BOUND}"
-        assert res.loss == pytest.approx(s.naive.loss, rel=BOUND)
-        assert res.loss == pytest.approx(s.hf_loss, rel=BOUND)
-        torch.testing.assert_close(
-            res.target_logprobs, s.naive.target_logprobs, rtol=0, atol=5e-6, equal_nan=True
-        )
+        res = s.check(schedule, ring_stats=stats, **kw)  # == CP1 naive, the same schedule at CP1, and HF
         # the exchange is real: per Mamba layer and forward, two all-to-alls of one block each (more when layer
         # checkpoints rerun it inside backward); the attention layer ran its ring
         exchanges = 2 * mamba_layers * res.forwards
