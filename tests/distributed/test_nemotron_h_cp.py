@@ -35,6 +35,7 @@ from megatron_branch.models.mamba import BranchMambaMixer
 from megatron_branch.parallel import head_exchange
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
 from megatron_branch.parallel.ring import RingStats
+from megatron_branch.schedule import ScheduleOptions, score_rollouts
 from megatron_branch.testing import hf_policy_gradient, hf_state, tiny_hf_config, tiny_hf_model
 
 BOUND = 1e-5
@@ -66,6 +67,8 @@ class _Setup(GDNSetup):
 
 @pytest.mark.world(2)
 def test_nemotron_h_under_cp2_equals_cp1_naive_and_hf() -> None:
+    """grad of replay (whole, one sibling per chunk, recompute + layer checkpoints) and packed == CP1 naive, the same
+    schedule at CP1 and HF per parameter; the exchange counted; scoring == CP1 naive."""
     s = _Setup()
     mamba_layers = s.arch.hybrid_override_pattern.count("M")
     for schedule, kw in (
@@ -86,6 +89,13 @@ def test_nemotron_h_under_cp2_equals_cp1_naive_and_hf() -> None:
         assert stats.kv_messages > 0
         if schedule == "replay" and not kw:
             assert res.positions_computed < s.naive.positions_computed  # the prefixes ran once
+    # forward-only scoring (old / reference logprobs) through the same exchange
+    opts = ScheduleOptions(groups=s.groups, vocab_size=s.arch.vocab_size)
+    want = score_rollouts("naive", s.model, s.tree, dataclasses.replace(opts, groups=s.no_cp))
+    for schedule in ("replay", "packed"):
+        got = score_rollouts(schedule, s.model, s.tree, opts)
+        for a, b in zip(got.logprobs, want.logprobs, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=5e-6)
 
 
 def _one_rank_starts_wrong(bug: str) -> Any:
