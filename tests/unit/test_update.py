@@ -60,7 +60,7 @@ def batch(seed: int = 0) -> list[Rollout]:
 
 def with_old_and_ref(groups, rollouts, dtype, seed=0):  # noqa: ANN001, ANN201
     """Old logprobs from a differently seeded model (so clipping bites), reference from a third."""
-    opts = ScheduleOptions(groups=groups, vocab_size=VOCAB, chunk_tokens=None)
+    opts = ScheduleOptions(groups=groups, vocab_size=VOCAB)
     plan = UpdatePlan(opts=opts, schedule="naive")
     rollouts = attach_scores(
         tiny_branch_model(dtype, seed=seed + 11, scale=1.0), rollouts, "old_logprobs", plan
