@@ -269,7 +269,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # replay's memory flat in G (configuration A's model and prompt, G = 4..32)
     "memory-G": dict(model=_m(layers=4, hidden=512, heads=8, kv_heads=2, vocab=32000), prompts=(4096,),
                      branches=(4, 8, 16, 32), response=128, variants=("naive-fused", "packed", "replay",
-                                                                       "replay+recompute")),
+                                                                       "replay-nochunks", "replay+recompute")),
     # a mixture of experts (Qwen3-MoE-style: 8 experts of width 256, top-2, megatron's MoELayer) on the CPU
     "moe": dict(model=_m(layers=2, hidden=256, heads=4, kv_heads=2, vocab=32000, experts=8, top_k=2, expert_ffn=256),
                 prompts=(2048,), branches=(8,), response=128,
