@@ -275,6 +275,8 @@ def render(p: Plan, fixes: list[str]) -> str:
         "memory per rank (GB):",
     ]
     for k in TERMS_IN_TOTAL:
+        if k == "cached_ssm_state" and not mem[k]:  # a Mamba hybrid's term only (plan/mamba.py)
+            continue
         lines.append(f"  {k:<18}{_gb(mem[k])}")
     lines.append(f"  {'total':<18}{_gb(mem['total'])}   of {p.gpu.memory_gb:g}")
     lines.append(

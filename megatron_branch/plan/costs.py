@@ -75,6 +75,8 @@ def memory_terms(
         # MLA on one rank per CP group: the prefix cache is the compressed latent, its own term (plan/mla.py)
         "cached_kv": 0 if latent else pk.cached_kv,
         "cached_latent": pk.cached_kv if latent else 0,
+        # a Mamba hybrid's fork states (SSM state + conv tail per M layer; plan/mamba.py)
+        "cached_ssm_state": pk.cached_state,
         "kv_grads": pk.kv_grads,
         "ring_buffers": pk.ring_buffers,
         "logits": pk.logits,
