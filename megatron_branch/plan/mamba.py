@@ -36,6 +36,10 @@ storage once, as the meter counts), besides its norm and in_proj's input (the la
              + 5 T H N (B repeated, four einsum copies of B / C) + 3 H c Q^2 (L, G, G * L) + 2 T H (decays)
              + (2 c + 1) H P N (the chunk states and their einsum copy) + H (c + 1)^2 + 2 Q^2 + 2 (c + 1)^2
     norm     silu(z), the gated product, the normalised output n di f, rstd n G f, y and out_proj's input 2 n di e
+These are the torch path's (CPU, or a GPU without mamba_ssm): where mamba_ssm is installed, transformers' scan is its
+mamba_chunk_scan_combined kernel (the `use_kernel_func_from_hub_with_fallback` on mamba2_chunk_scan), which saves
+far less and returns the final state as its own tensor: there these terms are an over-count (not measured here).
+
 The branch state a fork hands down per M layer (MAMBA_STATE): the SSM state H P N float32 and the conv tail, the
 last K - 1 inputs, (K - 1) cd e; with its accumulator (float32 or wider: WideSum) in kv_grads. It is its own memory
 term, `cached_ssm_state`, priced as what the engine keeps alive: the SSM state is a view of the scan's chunk
