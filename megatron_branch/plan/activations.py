@@ -59,6 +59,7 @@ from megatron_branch.plan.layers import (
     gdn_heads_saved_bytes,
     gdn_rows_saved_bytes,
 )
+from megatron_branch.plan.mamba import pattern_chunk_saved_bytes
 from megatron_branch.plan.mla import mla_kv_bytes, mla_latent_row_bytes, mla_other_bytes
 from megatron_branch.plan.model import Layout
 
@@ -296,11 +297,10 @@ def chunk_saved_bytes(
     A Mamba hybrid's layers are priced per block kind (plan/mamba.py).
     """
     if dm.arch.hybrid_override_pattern is not None:
-        from megatron_branch.plan.mamba import pattern_chunk_saved_bytes
-
         return pattern_chunk_saved_bytes(
-            dm, r, m, layer_recompute=layer_recompute, capture=capture, sequences=sequences
-        )
+            dm, r, sequences or [(r, 1)], head=head_bytes(dm, r, m), kv=layer_kv_bytes(dm, r),
+            moe=moe_mlp_bytes(dm, r) if dm.moe_layers else 0, layer_recompute=layer_recompute, capture=capture,
+        )  # fmt: skip
     dense_linear = dm.linear_layers - dm.moe_linear_layers
     linear = linear_layer_bytes(dm, r, sequences) if dense_linear else 0
     moe_linear = linear_layer_bytes(dm, r, sequences, moe=True) if dm.moe_linear_layers else 0

@@ -224,11 +224,9 @@ def _norm_bytes(dm: Any, r: int) -> int:
     return 2 * rn * dm.h * dm.e + rn * dm.f32 + rn * dm.h * dm.e
 
 
-def block_bytes(dm: Any, kind: str, r: int, sequences: list[tuple[int, int]]) -> int:
+def block_bytes(dm: Any, kind: str, r: int, sequences: list[tuple[int, int]], *, moe: int = 0) -> int:
     """What one layer of `kind` saves for backward over r local rows made of `sequences` (its own K/V, for "*",
-    are the caller's `kv`)."""
-    from megatron_branch.plan.activations import moe_mlp_bytes
-
+    are the caller's `kv`; `moe`: plan/activations.py moe_mlp_bytes over r rows, for "E")."""
     if kind == "M":
         mixer = sum(count * mamba_mixer_saved_bytes(dm.arch, n, tp=dm.tp, e=dm.e) for n, count in sequences)
         return _norm_bytes(dm, r) + mixer
@@ -241,8 +239,7 @@ def block_bytes(dm: Any, kind: str, r: int, sequences: list[tuple[int, int]]) ->
     # become fc1's output, the activation's output and fc2's input (3 i), with the probability (f32) per routed row,
     # and 2 s for the shared expert (measured: tests/unit/test_plan_mamba.py); the norm's output is the router's input
     k = dm.top_k
-    swiglu = moe_mlp_bytes(dm, r)
-    relu2 = swiglu - 3 * r * k * dm.i * dm.e + r * k * dm.f32 - 3 * r * dm.shared * dm.e
+    relu2 = moe - 3 * r * k * dm.i * dm.e + r * k * dm.f32 - 3 * r * dm.shared * dm.e
     rn = dm.seq_rows(r)
     return 2 * rn * dm.h * dm.e + rn * dm.f32 + relu2
 
@@ -250,28 +247,26 @@ def block_bytes(dm: Any, kind: str, r: int, sequences: list[tuple[int, int]]) ->
 def pattern_chunk_saved_bytes(
     dm: Any,
     r: int,
-    m: int,
+    sequences: list[tuple[int, int]],
     *,
+    head: int,
+    kv: int,
+    moe: int,
     layer_recompute: bool = False,
     capture: bool = False,
-    sequences: list[tuple[int, int]] | None = None,
 ) -> dict[str, int]:
-    """plan/activations.py chunk_saved_bytes for a hybrid_override_pattern model: "kv" the attention blocks' K/V,
-    "other" the rest with the head, "held" what the chunk keeps until its backward (per-layer checkpointing: the
-    layers' inputs and the head; one rebuilt layer at a time in its backward)."""
-    from megatron_branch.plan.activations import head_bytes, layer_cache_bytes, layer_kv_bytes
-
-    seqs = sequences or [(r, 1)]
+    """plan/activations.py chunk_saved_bytes for a hybrid_override_pattern model over r local rows made of
+    `sequences`, given that module's terms over them (`head`: the head's bytes, `kv`: one layer's K/V, `moe`: one
+    MoE slot's): "kv" the attention blocks' K/V, "other" the rest with the head, "held" what the chunk keeps until
+    its backward (per-layer checkpointing: the layers' inputs and the head; one rebuilt layer at a time)."""
     kinds = {k: kind_count(dm.arch, k) for k in "M*-E" if kind_count(dm.arch, k)}
-    per_kind = {k: block_bytes(dm, k, r, seqs) for k in kinds}
-    kv = layer_kv_bytes(dm, r)
-    head = head_bytes(dm, r, m)
+    per_kind = {k: block_bytes(dm, k, r, sequences, moe=moe) for k in kinds}
     if layer_recompute:
         layer_input = dm.seq_rows(r) * dm.h * dm.e
         inputs = dm.arch.num_layers * layer_input
         one = max(b + (kv if k == "*" else 0) for k, b in per_kind.items()) - layer_input
         return {
-            "kv": kinds.get("*", 0) * layer_cache_bytes(dm, r) if capture else 0,
+            "kv": kinds.get("*", 0) * kv if capture else 0,
             "other": inputs + max(head, one),
             "held": inputs + head,
         }
