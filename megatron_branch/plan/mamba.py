@@ -40,6 +40,9 @@ These are the torch path's (CPU, or a GPU without mamba_ssm): where mamba_ssm is
 mamba_chunk_scan_combined kernel (the `use_kernel_func_from_hub_with_fallback` on mamba2_chunk_scan), which saves
 far less and returns the final state as its own tensor: there these terms are an over-count (not measured here).
 
+Per-layer checkpointing (`recompute full`) rebuilds the M and * layers only: a - or E layer reads no branch
+context, so models/layer_checkpoint.py leaves it megatron's layer, whole (`checkpointed_peak`).
+
 The branch state a fork hands down per M layer (MAMBA_STATE): the SSM state H P N float32 and the conv tail, the
 last K - 1 inputs, (K - 1) cd e; with its accumulator (float32 or wider: WideSum) in kv_grads. It is its own memory
 term, `cached_ssm_state`, priced as what the engine keeps alive: the SSM state is a view of the scan's chunk
@@ -244,6 +247,25 @@ def block_bytes(dm: Any, kind: str, r: int, sequences: list[tuple[int, int]], *,
     return 2 * rn * dm.h * dm.e + rn * dm.f32 + relu2
 
 
+def checkpointed_peak(dm: Any, r: int, per_kind: dict[str, int], *, kv: int, head: int) -> tuple[int, int]:
+    """(held, peak) of a chunk under per-layer checkpointing (models/layer_checkpoint.py): an M or * layer keeps only
+    its input and is rebuilt in backward, one at a time, last layer first; a - or E layer is megatron's layer, not
+    checkpointed (the checkpoint follows the context its token mixer reads, and these have none: `context_reader`),
+    so it keeps every saved tensor until its backward. held: every kept input and those layers, with the head; the
+    peak: that, or, while layer j is rebuilt, the kept inputs and the - / E layers before j and j's graph (its
+    first norm saves its kept input: one storage)."""
+    layer_input = dm.seq_rows(r) * dm.h * dm.e
+    pattern = dm.arch.hybrid_override_pattern
+    before, peak = 0, 0  # what the layers before j keep
+    for kind in pattern:
+        if kind in "M*":
+            peak = max(peak, before + per_kind[kind] + (kv if kind == "*" else 0))
+            before += layer_input
+        else:
+            before += per_kind[kind]
+    return before + head, max(before + head, peak)
+
+
 def pattern_chunk_saved_bytes(
     dm: Any,
     r: int,
@@ -262,13 +284,7 @@ def pattern_chunk_saved_bytes(
     kinds = {k: kind_count(dm.arch, k) for k in "M*-E" if kind_count(dm.arch, k)}
     per_kind = {k: block_bytes(dm, k, r, sequences, moe=moe) for k in kinds}
     if layer_recompute:
-        layer_input = dm.seq_rows(r) * dm.h * dm.e
-        inputs = dm.arch.num_layers * layer_input
-        one = max(b + (kv if k == "*" else 0) for k, b in per_kind.items()) - layer_input
-        return {
-            "kv": kinds.get("*", 0) * kv if capture else 0,
-            "other": inputs + max(head, one),
-            "held": inputs + head,
-        }
+        held, other = checkpointed_peak(dm, r, per_kind, kv=kv, head=head)
+        return {"kv": kinds.get("*", 0) * kv if capture else 0, "other": other, "held": held}
     other = sum(kinds[k] * per_kind[k] for k in kinds) + head
     return {"kv": kinds.get("*", 0) * kv, "other": other, "held": other}

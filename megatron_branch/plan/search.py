@@ -336,7 +336,10 @@ def what_would_fit(p: Plan, **kw: Any) -> list[str]:
     for n in (16, 32, 64):
         if n <= p.gpus:
             continue
-        q = plan(p.model, p.arch, p.shape, p.gpu, n, schedule=p.schedule, **kw)
+        try:
+            q = plan(p.model, p.arch, p.shape, p.gpu, n, schedule=p.schedule, **kw)
+        except UserError:  # no layout of n GPUs (a Mamba hybrid: no CP, no PP, DP up to the prompt groups)
+            continue
         if q.fits:
             lay = q.layout
             ep = f", ep {lay.ep}" if p.arch.is_moe else ""
