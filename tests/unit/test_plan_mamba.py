@@ -29,6 +29,7 @@ from megatron_branch.plan.flops import step_flops
 from megatron_branch.plan.measure import measure_step
 from megatron_branch.plan.memory import step_peak
 from megatron_branch.plan.model import parameter_count
+from megatron_branch.rules import model as rules_model
 from megatron_branch.testing import tiny_hf_config
 
 # measured: replay 0.1% over the meter, 0.5% with segment recompute, packed 0.6% under
@@ -154,7 +155,9 @@ def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
 TARGET = ("--prompt-length", "122880", "--responses", "16", "--response-length", "8192")
 
 
-def test_nemotron_3_nano_preset_plans_2m_positions_without_cp(capsys: pytest.CaptureFixture[str]) -> None:
+def test_nemotron_3_nano_preset_plans_2m_positions_without_cp(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Published: 31.6B total, 3.2B active (3.6B with the embeddings; technical report, arXiv 2512.20848). One
     group of 16 x 131072 does not fit 8 x H200 (TP8, the only layout for one group: CP refused, PP refused, DP needs
     groups): its MoE layers are not checkpointed (test_layer_recompute_leaves_mlp_and_moe_layers_whole), 131 GB of
@@ -183,7 +186,26 @@ def test_nemotron_3_nano_preset_plans_2m_positions_without_cp(capsys: pytest.Cap
     fixed = ("--model", "nemotron-3-nano-30b-a3b", *TARGET, "--gpus", "8", "--gpu", "h200", "--cp", "2")
     assert main(["plan", *fixed]) == 2
     err = capsys.readouterr().err.strip()
-    assert "--cp 2: context parallelism cannot run a Mamba-2 hybrid" in err and "\n" not in err
+    # the engine's rule (rules/ check_mamba_run) or, should the engine run Mamba under CP, the planner's own
+    assert (
+        err.startswith("megatron-branch")
+        and "--cp 2: " in err
+        and "Mamba-2 hybrid" in err
+        and "\n" not in err
+    )
+    import megatron_branch.rules.model as rules_model
+
+    monkeypatch.setattr(
+        rules_model, "check_mamba_run", lambda *a, **k: None
+    )  # an engine that runs Mamba under CP
+    assert main(["plan", *fixed]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        "--cp 2: the planner does not price a Mamba-2 hybrid under context parallelism" in err
+        and "\n" not in err
+    )
+    assert {lay.cp for lay in candidate_layouts(arch, more, 16, tp=None, cp=None, dp=None, recompute="full",
+                                               schedule="replay")} == {1}  # fmt: skip
 
 
 def test_a_pattern_the_planner_cannot_price_is_refused_in_one_line(
