@@ -17,9 +17,9 @@ Parameters per block (each with its RMS norm, h):
 
 FLOPs (2 per multiply-add). Per token: each block's projections (M: 2 h pj + 2 di h). Per sequence, the M block's
 causal conv 2 cd K (n + K - 1) (torch's conv1d pads K - 1 on both sides) and the SSD scan's einsums as
-transformers' torch `mamba2_chunk_scan` computes them (the mixer's scan in every schedule, models/mamba.py; the
-chunked "state space duality" algorithm of Dao & Gu 2024, Mamba-2, section 6, whose mamba_ssm kernels do the same
-five contractions), per sequence of c chunks:
+transformers' torch `mamba2_chunk_scan` computes them (the mixer's scan in every schedule, models/mamba.py: the
+chunked state-space-duality algorithm of Dao & Gu 2024, "Transformers are SSMs", which mamba_ssm's kernels also
+implement), per sequence of c chunks:
     C.B^T in each chunk  2 H c Q^2 N      (G = einsum bclhn,bcshn)
     (G * L) x            2 H c Q^2 P      (Y_diag)
     B^T x per chunk      2 H c Q P N      (the chunk states)
@@ -57,7 +57,6 @@ from megatron_branch.models.arch import ModelArch
 from megatron_branch.models.mamba_arch import conv_sections, d_inner, in_proj_sections
 
 F32 = 4
-INDEX = 8
 
 
 def is_mamba_hybrid(arch: ModelArch) -> bool:
