@@ -150,7 +150,7 @@ def evaluate(
             f"{p.count('E')} MoE layers): each layer priced as its one block (plan/mamba.py), the Mamba layers with "
             "the torch SSD scan the engine runs without mamba_ssm (float32, chunked; mamba_ssm's kernel saves less); replay hands each Mamba layer's SSM state and "
             "conv tail down at the fork (cached_ssm_state: the cache holds the scan's chunk-state storage the state "
-            "is a view of), with its accumulator in kv_grads; no CP (refused for Mamba), no PP"
+            "is a view of), with its accumulator in kv_grads; no CP (the Mamba head exchange is not priced), no PP"
         )
     if arch.is_hybrid:
         notes.append(

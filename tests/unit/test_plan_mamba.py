@@ -4,7 +4,7 @@ output layer exact; the SSD scan's einsums exact; the conv exact but for the lea
 the activation meter (replay with and without segment recompute, packed: within 5%) and the replay cache (the fork
 state exactly, as the engine keeps it); the `nemotron-3-nano-30b-a3b` preset (its published size, a plan at the
 2.1M-position target (does not fit one node: the MoE layers are not checkpointed; 4 groups of 16 x 32768 fit 8 x
-H100), CP kept out of the search and refused when asked); what the planner cannot price
+H100), CP not priced: kept out of the search and refused when asked); what the planner cannot price
 refused in one line.
 """
 
@@ -29,7 +29,6 @@ from megatron_branch.plan.flops import step_flops
 from megatron_branch.plan.measure import measure_step
 from megatron_branch.plan.memory import step_peak
 from megatron_branch.plan.model import parameter_count
-from megatron_branch.rules import model as rules_model
 from megatron_branch.testing import tiny_hf_config
 
 # measured: replay 0.1% over the meter, 0.5% with segment recompute, packed 0.6% under
@@ -155,11 +154,9 @@ def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
 TARGET = ("--prompt-length", "122880", "--responses", "16", "--response-length", "8192")
 
 
-def test_nemotron_3_nano_preset_plans_2m_positions_without_cp(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_nemotron_3_nano_preset_plans_2m_positions_without_cp(capsys: pytest.CaptureFixture[str]) -> None:
     """Published: 31.6B total, 3.2B active (3.6B with the embeddings; technical report, arXiv 2512.20848). One
-    group of 16 x 131072 does not fit 8 x H200 (TP8, the only layout for one group: CP refused, PP refused, DP needs
+    group of 16 x 131072 does not fit 8 x H200 (TP8, the only layout for one group: CP not priced, PP refused, DP needs
     groups): its MoE layers are not checkpointed (test_layer_recompute_leaves_mlp_and_moe_layers_whole), 131 GB of
     activations at the root. 2,097,152 positions as 4 groups of 16 x 32768 fit 8 x H100. The Mamba fork state is its
     own term; no CP layout is tried, and --cp 2 is refused in one line."""
@@ -186,13 +183,12 @@ def test_nemotron_3_nano_preset_plans_2m_positions_without_cp(
     fixed = ("--model", "nemotron-3-nano-30b-a3b", *TARGET, "--gpus", "8", "--gpu", "h200", "--cp", "2")
     assert main(["plan", *fixed]) == 2
     err = capsys.readouterr().err.strip()
-    # the engine's rule (rules/ check_mamba_run) or, should the engine run Mamba under CP, the planner's own
-    assert "--cp 2: " in err and "Mamba-2 hybrid" in err and "\n" not in err
-    # an engine that runs Mamba under CP: the planner still refuses it, and the search still tries no CP
-    monkeypatch.setattr(rules_model, "check_mamba_run", lambda *a, **k: None)
-    assert main(["plan", *fixed]) == 2
-    err = capsys.readouterr().err.strip()
+    # the engine runs Mamba under CP (the head exchange); the planner does not price it
     assert "--cp 2: the planner does not price a Mamba-2 hybrid" in err and "\n" not in err
+    # a CP size the engine cannot split the Mamba heads over: the engine's own line (rules/ check_mamba_run)
+    assert main(["plan", *fixed[:-6], "--gpus", "24", "--gpu", "h200", "--cp", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--cp 3 cannot split the Mamba-2 heads" in err and "\n" not in err
     assert {lay.cp for lay in candidate_layouts(arch, more, 16, tp=None, cp=None, dp=None, recompute="full",
                                                schedule="replay")} == {1}  # fmt: skip
 
