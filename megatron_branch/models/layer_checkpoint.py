@@ -35,7 +35,10 @@ Traps handled here (tests/unit/test_layer_checkpoint.py plants each one):
     restores the CPU/CUDA generator state for the recomputation anyway;
   * the activation meter (memory.py): the layer input is saved by checkpoint as an ordinary saved tensor (the
     meter sees it), the rebuilt graph is counted by `count_recomputed`, and captured K/V, which the schedule keeps
-    outside autograd's saved tensors once the region is checkpointed, are registered with `track_extra`.
+    outside autograd's saved tensors once the region is checkpointed, are registered with `track_extra`;
+  * a MoE layer: megatron's all-to-all dispatcher keeps the recomputed probs, and with them the rebuilt graph
+    upstream of the router, until the layer's next forward; the recomputation drops them (planted:
+    tests/unit/test_plan_moe.py test_planted_a_recomputed_moe_layer_that_keeps_its_graph).
 """
 
 from __future__ import annotations
