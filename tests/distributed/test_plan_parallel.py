@@ -96,7 +96,7 @@ def test_qwen3_bytes_match_the_meter_cp2_tp2(kind: str) -> None:
 def test_moe_under_recompute_full_matches_the_meter(family: str, kind: str) -> None:
     """A MoE model under `recompute full` (segment + per-layer recompute: each MoE layer rebuilt in backward, its
     dispatcher's kept probs dropped, models/layer_checkpoint.py) at TP2 + SP and CP2, on every rank: within 5%
-    (measured within 0.5%; one rank, every MoE family: tests/unit/test_plan_moe.py). gpt-oss runs at TP1 only."""
+    (rank 0 measured within 0.5%; one rank, every MoE family: tests/unit/test_plan_moe.py). gpt-oss runs at TP1 only."""
     from megatron_branch.testing import tiny_hf_config
 
     cfg = ParallelConfig(cp=2) if kind == "cp2" else ParallelConfig(tp=2, sequence_parallel=True)
