@@ -190,8 +190,9 @@ def moe_mlp_bytes(dm: Dims, r: int) -> int:
 def expert_glu_saved_widths(arch: ModelArch) -> int:
     """Widths i one routed row saves between fc1's output and fc2's input: megatron's MLP.forward on the local
     path (transformer/mlp.py `glu`, then the row's probability scaling, `per_token_scale`).
-    SwiGLU: fc1's output (2i: silu's and the product's inputs are views of it), silu's output, the product and the
-    scaled product (fc2's input): 6.
+    SwiGLU: fc1's output (2i, silu's input is a view of it), silu's output and up + glu_linear_offset (the
+    product's factors: the sum is a new tensor even for offset 0), the product and the scaled product (fc2's
+    input): 6.
     gpt-oss's clamped GLU (`activation_func_clamp_value`, quick_gelu, glu_linear_offset 1): fc1's output (2i, the
     clamps' input), the clamped gate (quick_gelu's one saved input: it is megatron's `jit_fuser`, torch.compile,
     whose backward recomputes the sigmoid), the activation and the clamped up + 1 (the product's factors), the
