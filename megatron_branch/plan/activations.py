@@ -25,6 +25,7 @@ width s_h = S/t; balanced routing assumed) saves instead of the dense MLP's 5 r 
     experts           the r k rows this rank's experts run after the all-to-all and the TP gather (SwiGLU's
                       fc1 input, its 5 intermediates, and megatron's MLP scaling the GLU output by each row's
                       probability: that output and the probabilities)             r k h e + 6 r k i e + r k f32
+                      (gpt-oss's clamped GLU keeps one more i per row: 7 r k i e; `expert_glu_saved_widths`)
     combine           unpermute's probs and indices      r_n k (e + INDEX)
     shared expert     a SwiGLU of width s_h               5 r s_h e
                       (+ its sigmoid gate: megatron's output * gate saves both)    + r_n h e + r_n e
@@ -181,12 +182,26 @@ def moe_mlp_bytes(dm: Dims, r: int) -> int:
     rn, k = dm.seq_rows(r), dm.top_k
     router = rn * dm.h * dm.e + rn * dm.experts * (dm.f32 + dm.e)
     permute = rn * k * INDEX_BYTES  # index_select saves its index; the copy it makes is the experts' input
-    experts = r * k * dm.h * dm.e + 6 * r * k * dm.i * dm.e + r * k * dm.f32
+    experts = r * k * dm.h * dm.e + expert_glu_saved_widths(dm.arch) * r * k * dm.i * dm.e + r * k * dm.f32
     combine = rn * k * (dm.e + INDEX_BYTES)
     shared = 5 * r * dm.shared * dm.e if dm.shared else 0
     if dm.shared and dm.arch.shared_expert_gate:  # output * sigmoid(gate) saves both factors
         shared += rn * dm.h * dm.e + rn * dm.e
     return router + permute + experts + combine + shared
+
+
+def expert_glu_saved_widths(arch: ModelArch) -> int:
+    """Widths i one routed row saves between fc1's output and fc2's input: megatron's MLP.forward on the local
+    path (transformer/mlp.py `glu`, then the row's probability scaling, `per_token_scale`).
+    SwiGLU: fc1's output (2i, silu's input is a view of it), silu's output and up + glu_linear_offset (the
+    product's factors: the sum is a new tensor even for offset 0), the product and the scaled product (fc2's
+    input): 6.
+    gpt-oss's clamped GLU (`activation_func_clamp_value`, quick_gelu, glu_linear_offset 1): fc1's output (2i, the
+    clamps' input), the clamped gate (quick_gelu's one saved input: it is megatron's `jit_fuser`, torch.compile,
+    whose backward recomputes the sigmoid), the activation and the clamped up + 1 (the product's factors), the
+    product and the scaled product: 7. Eager, quick_gelu keeps its sigmoid too (8): where dynamo skips the frame,
+    e.g. for good once it ran under a TorchDispatchMode such as FlopCounterMode (torch/_dynamo/convert_frame.py)."""
+    return 7 if arch.swiglu_limit is not None else 6
 
 
 def dispatcher_bytes(dm: Dims, r: int) -> int:
