@@ -60,6 +60,7 @@ from megatron_branch.plan.layers import (
     gdn_heads_saved_bytes,
     gdn_rows_saved_bytes,
 )
+from megatron_branch.plan.mamba import pattern_chunk_saved_bytes
 from megatron_branch.plan.mla import mla_kv_bytes, mla_latent_row_bytes, mla_other_bytes
 from megatron_branch.plan.model import Layout
 
@@ -105,7 +106,9 @@ class Dims:
     @property
     def attn_layers(self) -> int:
         """Full-attention layers on this rank's stage (all of them unless hybrid): the ones with K/V, RoPE and a
-        ring under CP."""
+        ring under CP; a Mamba hybrid's "*" blocks, plan/mamba.py)."""
+        if self.arch.hybrid_override_pattern is not None:
+            return self.arch.hybrid_override_pattern.count("*") // self.pp
         return self.arch.num_full_layers // self.pp
 
     @property
@@ -306,7 +309,13 @@ def chunk_saved_bytes(
     saved tensors (released before the last layer is rebuilt) and one rebuilt layer; "held" what it keeps while
     it waits for its backward (inputs + head); "kv" the K/V a capturing chunk (replay's inner segment) keeps
     outside autograd for its backward, whose gradient the children send (0 for a chunk that captures nothing).
+    A Mamba hybrid's layers are priced per block kind (plan/mamba.py).
     """
+    if dm.arch.hybrid_override_pattern is not None:
+        return pattern_chunk_saved_bytes(
+            dm, r, sequences or [(r, 1)], head=head_bytes(dm, r, m), kv=layer_kv_bytes(dm, r),
+            moe=moe_mlp_bytes(dm, r) if dm.moe_layers else 0, layer_recompute=layer_recompute, capture=capture,
+        )  # fmt: skip
     dense_linear = dm.linear_layers - dm.moe_linear_layers
     linear = linear_layer_bytes(dm, r, sequences) if dense_linear else 0
     moe_linear = linear_layer_bytes(dm, r, sequences, moe=True) if dm.moe_linear_layers else 0
