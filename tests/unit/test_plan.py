@@ -102,6 +102,20 @@ def test_replay_chunk_bytes_match_the_meter(shape: RolloutShape, budget: int) ->
     assert abs(walk.saved - got.saved_peak) > TOL * got.saved_peak, (walk, got)
 
 
+def test_replay_leaves_over_the_budget_keep_their_micro_batches() -> None:
+    """Leaves each larger than the budget (16 tokens > 12) run in micro-batches of branch_micro_batch (4) as without
+    a budget (schedule/walk.py packed_groups): the planner prices that against the meter, and pricing one leaf per
+    chunk (what the walk did before) is off by more than the tolerance."""
+    arch, model = tiny(32, 2, torch.float32)
+    shape = RolloutShape(prompt_length=64, responses=8, response_length=16)
+    got = measure_step(model, shape, vocab=VOCAB, branch_micro_batch=4, chunk_tokens=12)
+    kw = dict(act_bytes=4, segment_recompute=False, layer_recompute=False)
+    pk = step_peak(arch, shape, Layout(), chunk_tokens=12, branch_micro_batch=4, **kw)
+    assert pk.saved == pytest.approx(got.saved_peak, rel=TOL), (pk, got)
+    alone = step_peak(arch, shape, Layout(), chunk_tokens=12, branch_micro_batch=1, **kw)
+    assert abs(alone.saved - got.saved_peak) > TOL * got.saved_peak, (alone, got)
+
+
 def test_packed_bytes_match_the_meter() -> None:
     arch, model = tiny(32, 2, torch.float32)
     shape = RolloutShape(prompt_length=64, responses=8, response_length=8)
