@@ -209,12 +209,15 @@ def big_leaves_forest() -> tuple[list[Rollout], dict[str, int]]:
         "H": resp(17, 10), "I": resp(18, 10), "J": resp(19, 10),
     }  # fmt: skip
     rollouts = [
-        Rollout(prompt=prompt, response=r, advantage=0.3 * (i % 5) - 0.55) for i, r in enumerate(responses.values())
+        Rollout(prompt=prompt, response=r, advantage=0.3 * (i % 5) - 0.55)
+        for i, r in enumerate(responses.values())
     ]
     rollouts += [Rollout(prompt=(30 + i, 31), response=resp(20 + i, 10), advantage=0.4 - i) for i in range(2)]
     tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
     seg = {name: tree.rollout_segments(i)[-1] for i, name in enumerate(responses)}
-    seg.update(D=tree.rollout_segments(3)[-2], G=tree.rollout_segments(7)[-2], root=tree.rollout_segments(0)[0])
+    seg.update(
+        D=tree.rollout_segments(3)[-2], G=tree.rollout_segments(7)[-2], root=tree.rollout_segments(0)[0]
+    )
     seg.update(R2=tree.rollout_segments(12)[0], R3=tree.rollout_segments(13)[0])
     return rollouts, seg
 

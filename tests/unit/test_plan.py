@@ -278,3 +278,27 @@ def test_plan_bad_input_is_one_line(argv: list[str], msg: str, capsys: pytest.Ca
     assert main(["plan", *TARGET, "--gpu", "h20", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and msg in err[0], err
+
+
+def test_plan_command_prices_replays_chunks(capsys: pytest.CaptureFixture[str]) -> None:
+    """`plan --chunk-tokens N` is grad's setting (default DEFAULT_CHUNK_TOKENS, 0 = off): it reaches step_peak (here
+    the 16 leaves of 128 tokens run in one chunk, against the walk's micro-batches of 1 leaf with the chunks off:
+    more activations) and the JSON and text say what was priced; packed has no chunks."""
+    from megatron_branch.schedule.options import DEFAULT_CHUNK_TOKENS
+
+    base = ["plan", "--model", "qwen2.5-7b", "--prompt-length", "8192", "--responses", "16", "--response-length",
+            "128", "--gpus", "4", "--gpu", "h100", "--tp", "4", "--cp", "1", "--pp", "1", "--dp", "1", "--recompute", "none",
+            "--branch-micro-batch", "1", "--json"]  # fmt: skip
+
+    def run(*extra: str) -> tuple[dict, str]:
+        main([*base, *extra])
+        out = capsys.readouterr().out
+        return json.loads(out.strip().splitlines()[-1]), out
+
+    on, text = run()
+    off, off_text = run("--chunk-tokens", "0")
+    assert on["chunk_tokens"] == DEFAULT_CHUNK_TOKENS and f"chunks of {DEFAULT_CHUNK_TOKENS} tokens" in text
+    assert off["chunk_tokens"] is None and "chunks of" not in off_text
+    # the whole group (8192 + 16 x 128 tokens) is over the budget: root cached, all 16 leaves in one chunk
+    assert on["memory_bytes_per_rank"]["activations"] > off["memory_bytes_per_rank"]["activations"]
+    assert run("--schedule", "packed")[0]["chunk_tokens"] is None
