@@ -233,7 +233,13 @@ def turn_tree_report(tree: Any, p: Plan) -> dict[str, Any]:
         kw = dict(act_bytes=2 if p.dtype == "bf16" else 4, branch_micro_batch=p.branch_micro_batch,
                   segment_recompute=p.layout.recompute != "none")  # fmt: skip
         flat = step_peak(p.arch, tree.flat(), Layout(), layer_recompute=False, **kw).saved
-        replay = {"tree": turn_tree_replay_saved(p.arch, tree, **kw), "flat": flat, **kw}
+        # priced segment by segment (plan/agentic.py has no chunk model yet): say so beside plan's own chunk_tokens
+        replay = {
+            "tree": turn_tree_replay_saved(p.arch, tree, **kw),
+            "flat": flat,
+            **kw,
+            "chunk_tokens": None,
+        }
     return {
         "replay_saved_bytes_one_rank": replay,
         "turns": tree.turns, "observation_length": tree.observation, "branch_at_turns": list(tree.branch_at_turns),
@@ -255,7 +261,7 @@ def render_turn_tree(t: dict[str, Any]) -> str:
         f"naive / tree = {fl['ratio']:.2f}x",
         *(
             [f"agentic tree replay saved-for-backward peak on one rank (tp 1 x cp 1 x pp 1, segment recompute "
-             f"{r['segment_recompute']}, branch micro-batch {r['branch_micro_batch']}): tree {r['tree'] / 1e9:.2f} GB, "
+             f"{r['segment_recompute']}, branch micro-batch {r['branch_micro_batch']}, no chunks): tree {r['tree'] / 1e9:.2f} GB, "
              f"flat {r['flat'] / 1e9:.2f} GB"]
             if (r := t["replay_saved_bytes_one_rank"]) else
             ["agentic tree replay memory: dense attention models only (hybrid / MoE not modelled)"]
