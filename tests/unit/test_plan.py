@@ -302,3 +302,25 @@ def test_plan_command_prices_replays_chunks(capsys: pytest.CaptureFixture[str]) 
     # the whole group (8192 + 16 x 128 tokens) is over the budget: root cached, all 16 leaves in one chunk
     assert on["memory_bytes_per_rank"]["activations"] > off["memory_bytes_per_rank"]["activations"]
     assert run("--schedule", "packed")[0]["chunk_tokens"] is None
+
+
+def test_what_would_fit_replans_with_the_same_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan that does not fit: what_would_fit's re-plans (more GPUs, recompute full, offload) price the same chunk
+    budget as the plan itself (a re-plan without it would answer for another schedule)."""
+    from megatron_branch.plan import search
+
+    arch = MODEL_PRESETS["qwen2.5-7b"]
+    shape = RolloutShape(prompt_length=122880, responses=16, response_length=1024)
+    p = search.plan("qwen2.5-7b", arch, shape, GPU_PRESETS["h20"], 8, tp=1, cp=8, dp=1, recompute="none",
+                    chunk_tokens=2048)  # fmt: skip
+    assert not p.fits and p.chunk_tokens == 2048
+    seen: list[object] = []
+    real_evaluate = search.evaluate
+
+    def spy(*a: object, **kw: object) -> object:
+        seen.append(kw.get("chunk_tokens"))
+        return real_evaluate(*a, **kw)
+
+    monkeypatch.setattr(search, "evaluate", spy)
+    search.what_would_fit(p, chunk_tokens=p.chunk_tokens)
+    assert seen and set(seen) == {2048}
