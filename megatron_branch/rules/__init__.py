@@ -138,11 +138,12 @@ def check(spec: Any) -> None:
     check_precision(spec.dtype, grad_sync=spec.grad_sync, training=spec.training)
     check_run(s.name, cp=layout.cp, recompute=s.recompute, recompute_layers=s.enable_gradient_checkpointing,
               backend=s.backend)  # fmt: skip
-    if spec.grad_sync == "manual" and layout.ep > 1:
+    if spec.grad_sync == "manual" and (layout.ep > 1 or layout.expert_tp != layout.tp):
+        axis = "ep" if layout.ep > 1 else "etp"
         raise SettingError(
             lambda w: (
                 f"{w.value('grad_sync', 'manual')} does not reduce expert-parallel gradients (over the expert "
-                f"data-parallel group); use {w.value('grad_sync', 'ddp')} with {w.name('ep')}"
+                f"data-parallel group); use {w.value('grad_sync', 'ddp')} with {w.name(axis)}"
             )
         )
     check_pipeline(s.name, pp=layout.pp, critic=spec.critic, root_pieces=s.root_pieces)
@@ -161,7 +162,7 @@ def check_model(spec: Any) -> None:
     check_hybrid_run(arch, s.name, cp=layout.cp, tp=layout.tp)
     check_moe_run(
         s.name, moe=arch.is_moe, tp=layout.tp, sequence_parallel=layout.sequence_parallel, ep=layout.ep,
-        router_settings=m.router_settings, capacity_factor=m.expert_capacity_factor,
+        etp=layout.etp, router_settings=m.router_settings, capacity_factor=m.expert_capacity_factor,
     )  # fmt: skip
 
 

@@ -56,6 +56,18 @@ RULES = {
         ["parallel.cp=0"],
         "parallel.cp must be a positive integer, got 0",
     ),
+    "expert TP is 1 or TP": (
+        ["--etp", "2"],
+        "--etp 2 must be 1 or --tp (1)",
+        ["parallel.etp=2"],
+        "parallel.etp=2 must be 1 or parallel.tp (1)",
+    ),
+    "expert TP needs experts": (
+        ["--tp", "2", "--etp", "1"],
+        "--etp 1 needs a mixture-of-experts model",
+        ["parallel.tp=2", "parallel.etp=1"],
+        "parallel.etp=1 needs a mixture-of-experts model",
+    ),
     "dual clip above 1": (
         ["--objective", "grpo", "--clip-c", "0.5"],
         "--clip-ratio-c must be > 1 (the dual-clip bound",
