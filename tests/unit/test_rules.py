@@ -191,6 +191,9 @@ def test_world_rule_through_the_layout() -> None:
     assert ParallelLayout(tp=2, cp=2).data_parallel_size(8) == 2
     with pytest.raises(UserError, match=r"--dp 3 does not match the world: 8 ranks / \(tp\*cp = 4\) = 2"):
         ParallelLayout(tp=2, cp=2, dp=3).data_parallel_size(8)
+    # whole experts on each TP rank: megatron's expert-data-parallel group spans the TP ranks too
+    assert ParallelLayout(tp=2, cp=2, dp=2, ep=2).expert_dp == 2
+    assert ParallelLayout(tp=2, cp=2, dp=2, ep=2, etp=1).expert_dp == 4
 
 
 @pytest.mark.parametrize(
