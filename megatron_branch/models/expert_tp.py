@@ -26,9 +26,19 @@ import torch
 
 def mark_whole_experts(model: torch.nn.Module) -> None:
     """Give every routed expert's parameters the attributes of a whole (unsplit), expert-data-parallel tensor (see
-    the module doc). Only for a model built at expert tensor parallel size 1 with tensor parallel size > 1."""
+    the module doc) where the expert's linear layers have a one-rank TP group (megatron's expt_tp: expert tensor
+    parallel size 1); experts split over TP are left as megatron marks them. Called at tensor parallel size > 1."""
+    from megatron.core.utils import get_pg_size
+
+    etp = model.config.expert_tensor_parallel_size
     for module in model.modules():
         if not getattr(module, "is_expert", False):  # megatron's Column/RowParallelLinear of a routed expert
+            continue
+        size = get_pg_size(module.tp_group)
+        # a caller that built the model for another expert TP than parallel_state's would get whole experts marked
+        # as shards (or the reverse): refused here, not left to give wrong gradients
+        assert size == etp, f"experts' TP group has {size} ranks, the model was built for expert TP {etp}"
+        if size > 1:
             continue
         for p in (module.weight, getattr(module, "bias", None)):
             if p is None:

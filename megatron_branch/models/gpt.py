@@ -206,7 +206,7 @@ def build_model(
         from megatron_branch.models.gdn import mark_gdn_partition_dims
 
         mark_gdn_partition_dims(model)
-    if arch.is_moe and config.expert_tensor_parallel_size < config.tensor_model_parallel_size:
+    if arch.is_moe and tp > 1:
         from megatron_branch.models.expert_tp import mark_whole_experts
 
         mark_whole_experts(model)
