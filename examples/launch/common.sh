@@ -36,3 +36,26 @@ preflight() {
         exit 1
     fi
 }
+
+# grad_2p1m HF_NAME TP CP: the 2.1M-position target's one exact gradient step on one 8-GPU node (16 rollouts x
+# 131,072 positions: a 122,880-token prompt shared by 16 responses of 8,192 tokens) at TP x CP, float32, after
+# asking the planner about exactly this run (RECOMPUTE=full by default: grad --recompute --recompute-layers;
+# selective = --recompute only). Reads MODEL, ROLLOUTS, OUT, GPU, RECOMPUTE, FORCE from the environment.
+grad_2p1m() {
+    local name=$1 tp=$2 cp=$3
+    MODEL=${MODEL:?set MODEL to the Hugging Face folder of $name}
+    ROLLOUTS=${ROLLOUTS:?set ROLLOUTS to a JSONL file of 16 rollouts sharing a 122,880-token prompt}
+    OUT=${OUT:-grads.safetensors}
+    GPU=${GPU:-h20}
+    RECOMPUTE=${RECOMPUTE:-full}
+    preflight --model "$name" --prompt-length 122880 --responses 16 --response-length 8192 --gpus 8 --gpu "$GPU" \
+        --tp "$tp" --cp "$cp" --dp 1 --recompute "$RECOMPUTE" --dtype float32 \
+        --branch-micro-batch 8 --optimizer distributed --offload-fraction 0
+    local flags=()
+    [[ "$RECOMPUTE" != none ]] && flags+=(--recompute)
+    [[ "$RECOMPUTE" == full ]] && flags+=(--recompute-layers)
+    (( tp > 1 )) && flags+=(--tp "$tp" --sequence-parallel)
+    (( cp > 1 )) && flags+=(--cp "$cp")
+    run $TORCHRUN --standalone --nproc_per_node 8 -m megatron_branch grad --hf "$MODEL" --rollouts "$ROLLOUTS" \
+        --out "$OUT" --schedule replay --dtype float32 --branch-micro-batch 8 "${flags[@]}"
+}

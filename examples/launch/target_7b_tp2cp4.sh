@@ -16,16 +16,4 @@
 #
 #     MODEL=HF_DIR ROLLOUTS=rollouts.jsonl [OUT=grads.safetensors] [GPU=h20|h100|h200] bash examples/launch/target_7b_tp2cp4.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-MODEL=${MODEL:?set MODEL to the Hugging Face folder of qwen2.5-7b}
-ROLLOUTS=${ROLLOUTS:?set ROLLOUTS to a JSONL file of 16 rollouts sharing a 122,880-token prompt}
-OUT=${OUT:-grads.safetensors}
-GPU=${GPU:-h20}
-RECOMPUTE=${RECOMPUTE:-full}
-preflight --model qwen2.5-7b --prompt-length 122880 --responses 16 --response-length 8192 --gpus 8 --gpu "$GPU" \
-    --tp 2 --cp 4 --dp 1 --recompute "$RECOMPUTE" --dtype float32 \
-    --branch-micro-batch 8 --optimizer distributed --offload-fraction 0
-flags=()
-[[ "$RECOMPUTE" != none ]] && flags+=(--recompute)
-[[ "$RECOMPUTE" == full ]] && flags+=(--recompute-layers)
-run $TORCHRUN --standalone --nproc_per_node 8 -m megatron_branch grad --hf "$MODEL" --rollouts "$ROLLOUTS" \
-    --out "$OUT" --schedule replay --dtype float32 --tp 2 --cp 4 --sequence-parallel --branch-micro-batch 8 "${flags[@]}"
+grad_2p1m qwen2.5-7b 2 4

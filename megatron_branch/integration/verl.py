@@ -28,9 +28,9 @@ import torch.distributed as dist
 
 from megatron_branch.errors import SettingError
 from megatron_branch.integration import verl_moe
-from megatron_branch.integration.verl_model import patch_verl_model
+from megatron_branch.integration.verl_model import patch_verl_model, unwrap
 from megatron_branch.integration.verl_pp import refuse_pipeline
-from megatron_branch.integration.verl_step import BranchOptions, VerlBranchError, VerlTreeStep, unwrap
+from megatron_branch.integration.verl_step import BranchOptions, VerlBranchError, VerlTreeStep
 from megatron_branch.rules import check_verl_model
 
 __all__ = [

@@ -17,9 +17,16 @@ that for scripts that build their own). After construction, two things change, b
   the same class, parameters and state dict; megatron's forward when no context is attached, else each tree
   segment starts from its parent's recurrent state and conv inputs, handed down through the `StateKind` seam).
   Its `in_proj` is whatever the bridge built (TE's fused norm + linear on a GPU, the local norm + linear here).
+
+Beside the patch, the two model-side helpers verl_step.py uses: `unwrap` (the GPTModel inside the wrappers) and
+`temperature_scaled` (verl's logits temperature as a hook on the output layer).
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
@@ -97,3 +104,28 @@ def _branch_gated_delta_net(gdn: GatedDeltaNet) -> None:
         return
     gdn.__class__ = BranchGatedDeltaNet
     gdn._head_blocks = {}  # what BranchGatedDeltaNet.__init__ adds: the CP head exchange's index cache
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside megatron's DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+@contextlib.contextmanager
+def temperature_scaled(model_chunk: torch.nn.Module, temperature: float) -> Iterator[None]:
+    """verl's `logits.div_(temperature)` before logprob and entropy, as a hook on megatron's output layer."""
+    layer = getattr(unwrap(model_chunk), "output_layer", None)  # None: a pipeline stage before the last
+    if temperature == 1.0 or layer is None:
+        yield
+        return
+
+    def scale(_: torch.nn.Module, __: Any, out: Any) -> Any:
+        return (out[0] / temperature, *out[1:]) if isinstance(out, tuple) else out / temperature
+
+    handle = layer.register_forward_hook(scale)
+    try:
+        yield
+    finally:
+        handle.remove()

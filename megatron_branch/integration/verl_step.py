@@ -29,6 +29,7 @@ import torch.distributed as dist
 from megatron_branch.integration import verl_auto
 from megatron_branch.integration.verl_batch import LinearSlotObjective, TreeSlots
 from megatron_branch.integration.verl_cp import scale_micro_batch_loss
+from megatron_branch.integration.verl_model import temperature_scaled, unwrap
 from megatron_branch.integration.verl_onepass import one_pass_objective, two_pass_reason, verl_model_output
 
 logger = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ class VerlTreeStep:
         want_entropy = not value and _wants_entropy(micro_batches)
         temperature = 1.0 if value else _uniform_temperature(micro_batches)  # verl's value forward reads none
         two_pass = None if forward_only else self._two_pass_reason(postprocess, opts)
-        with _temperature(model_chunk, temperature):
+        with temperature_scaled(model_chunk, temperature):
             if not forward_only and two_pass is None and record is None:  # R2 records in forward-only passes
                 outputs = self._one_pass(
                     model_chunk, postprocess, micro_batches, slots, opts, want_entropy, run_schedule
@@ -378,28 +379,3 @@ def _wants_entropy(micro_batches: list[Any]) -> bool:
     from verl.utils import tensordict_utils as tu
 
     return bool(tu.get_non_tensor_data(micro_batches[0], key="calculate_entropy", default=False))
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside megatron's DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
-@contextlib.contextmanager
-def _temperature(model_chunk: torch.nn.Module, temperature: float) -> Iterator[None]:
-    """verl's `logits.div_(temperature)` before logprob and entropy, as a hook on megatron's output layer."""
-    layer = getattr(unwrap(model_chunk), "output_layer", None)  # None: a pipeline stage before the last
-    if temperature == 1.0 or layer is None:
-        yield
-        return
-
-    def scale(_: torch.nn.Module, __: Any, out: Any) -> Any:
-        return (out[0] / temperature, *out[1:]) if isinstance(out, tuple) else out / temperature
-
-    handle = layer.register_forward_hook(scale)
-    try:
-        yield
-    finally:
-        handle.remove()

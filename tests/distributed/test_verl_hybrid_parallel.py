@@ -52,7 +52,7 @@ def _step(hf: str, schedule: str, *, tp: int = 1, cp: int = 1) -> tuple[StepOut,
     from megatron_branch.checkpoint.tp import gather_full_grads
     from megatron_branch.integration.verl import BranchOptions
     from megatron_branch.integration.verl_cpu import register_cpu_engine, use_cpu_platform
-    from megatron_branch.integration.verl_step import unwrap
+    from megatron_branch.integration.verl_model import unwrap
 
     use_cpu_platform()
     register_cpu_engine()  # the switch subclasses the engine registered for this device
