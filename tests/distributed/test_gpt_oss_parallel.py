@@ -10,7 +10,8 @@ The gradient against Hugging Face's eager gpt_oss per rollout, per parameter: fl
 tensor parallel size 1): each rank routes its sequence shard, the expert gradients summed over megatron's
 expert-data-parallel group (both TP ranks) exactly once (models/expert_tp.py); planted bugs: that sum left out, or
 the expert bias summed again over TP. Conversion: HF -> dist checkpoint at EP2 and at TP2/ETP1 -> HF, bit-exact
-(fused interleaved experts, sinks); TP2 with experts split over TP is refused in one line.
+(fused interleaved experts, sinks); TP2 with experts split over TP is refused in one line. The sampler at TP2+SP/ETP1
+gives one rank's tokens and logprobs.
 """
 
 from __future__ import annotations
@@ -138,3 +139,50 @@ def test_gpt_oss_experts_split_over_tp_are_refused(oss_setup, capsys) -> None:
     err = capsys.readouterr().err  # printed once, by rank 0
     assert ("expert tensor parallel size 1" in err) == (dist.get_rank() == 0) and not (d / "oss_tp2").exists()
     assert "\n" not in err.strip()
+
+
+@pytest.mark.world(2)
+def test_gpt_oss_sampler_at_tp2_etp1_equals_one_rank(oss_setup) -> None:
+    """Greedy and tree sampling (window and sinks in every decode row) at TP2+SP with whole experts on each TP rank:
+    the same tokens as one rank, logprobs at 1e-10 (float64; one rank == HF generate: tests/unit/test_gpt_oss.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_branch.checkpoint.param_map import hf_to_mcore_state
+    from megatron_branch.checkpoint.tp import load_full_state
+    from megatron_branch.generation import BranchSampler, SamplingParams
+    from megatron_branch.models import ModelArch, build_model
+    from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
+    from megatron_branch.testing import hf_experts_kwargs, tiny_hf_config
+
+    d, _ = oss_setup
+    hf = AutoModelForCausalLM.from_pretrained(
+        d / "hf", dtype=torch.float64, **hf_experts_kwargs(tiny_hf_config("gpt_oss"))
+    )
+    arch = ModelArch.from_hf_config(hf.config)
+    params = [
+        SamplingParams(n=2, max_new_tokens=6, temperature=0),
+        SamplingParams(n=4, max_new_tokens=6, temperature=1.0, branch_at=(2,)),
+    ]
+    prompts = [[5, 9, 2, 7, 1, 3, 8, 4, 6], [11, 2, 5, 9]]  # 13 tokens: SP pads
+    outs = []
+    for pcfg in (ParallelConfig(), ParallelConfig(tp=2, etp=1, sequence_parallel=True)):
+        groups = initialize_parallel(pcfg)
+        model = build_model(
+            arch, dtype=torch.float64, tp=groups.tp_size, sequence_parallel=groups.sequence_parallel,
+            etp=groups.etp_size,
+        )  # fmt: skip
+        load_full_state(
+            model,
+            hf_to_mcore_state(hf.state_dict(), arch, padded_vocab=arch.padded_vocab_size(pcfg.tp)),
+            groups.tp,
+        )
+        sampler = BranchSampler(model.eval(), vocab_size=arch.vocab_size, groups=groups)
+        outs.append(
+            [sampler.generate(prompts, p, generator=torch.Generator().manual_seed(5)).flat() for p in params]
+        )
+    for got, want in zip(*outs):
+        assert [s.response for s in got] == [s.response for s in want]
+        for a, b in zip(got, want):
+            torch.testing.assert_close(
+                torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-10, atol=1e-10
+            )
