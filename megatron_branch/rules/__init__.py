@@ -54,7 +54,10 @@ Rules (a flag that would do nothing is refused, not ignored):
     fp16 does not train                megatron's fp16 needs its loss scale in every backward; the schedules do
                                        not apply it (grad's fp16 gradients need none: no optimizer steps)
     MoE settings need a MoE model      ep > 1, router losses, routing replay, a capacity factor: a dense model has
-                                       no router (a silent no-op)
+                                       no router (a silent no-op); so does an expert TP other than tp (no experts)
+    expert grads need DDP              whole experts on each TP rank (etp 1 < tp) or split over EP sum their
+                                       gradients over megatron's expert-data-parallel group, which only megatron
+                                       DDP reduces (`--grad-sync manual` refused)
     MoE at tp > 1 needs SP             megatron's MoELayer trains tensor-parallel experts only with sequence
                                        parallelism
     token dropping is naive's          a capacity factor drops tokens by which tokens share an expert's batch, so
