@@ -42,7 +42,7 @@ KV = tuple[torch.Tensor, torch.Tensor]
 class HeadExchange(Protocol):
     """Context parallelism for a layer whose heads are independent along the whole sequence: the CP group's ranks
     each run a block of the heads over every row of the chunk (parallel/head_exchange.py CPHeadExchange; the gated
-    delta net, models/gdn.py). Shapes: s_loc this rank's rows, W blocks (CP ranks), s the unsplit chunk's rows."""
+    delta net, models/gdn.py, and the Mamba-2 mixer, models/mamba.py). Shapes: s_loc this rank's rows, W blocks (CP ranks), s the unsplit chunk's rows."""
 
     size: int
     """W: the CP group's size (the number of head blocks)."""

@@ -35,6 +35,9 @@ Rules (a flag that would do nothing is refused, not ignored):
                                        rank runs a block of a TP rank's heads over the whole chunk,
                                        models/gdn_heads.py): the value heads per TP rank must divide by cp and the
                                        key heads divide by cp or divide it
+    Mamba heads split over CP          a Mamba-2 layer runs under CP by the same exchange (models/mamba_heads.py):
+                                       the heads per TP rank must divide by cp and the groups divide by cp or
+                                       divide it (check_mamba_run)
     independent rollouts do not fork   sampling without a shared prefix (`share_prefix` off: every rollout its
                                        own prefill, an engine without prefix caching) has no shared response
                                        starts to fork at (`branch_at`)

@@ -20,8 +20,8 @@ def gdn_context_parallel_sizes(*, key_heads: int, value_heads: int, tp: int) -> 
 
 def check_hybrid_run(arch: Any, schedule: str, *, cp: int = 1, tp: int = 1) -> None:
     """A hybrid (gated delta net or Mamba-2) model's rules read off its arch (a models.ModelArch): its schedules
-    and the CP split of its GDN heads, Mamba's CP refusal; nothing for a model without such layers."""
-    check_mamba_run(arch, schedule, cp=cp)
+    and the CP split of its GDN or Mamba heads; nothing for a model without such layers."""
+    check_mamba_run(arch, schedule, cp=cp, tp=tp)
     if not arch.is_hybrid:
         return
     check_hybrid_schedule(
@@ -32,24 +32,33 @@ def check_hybrid_run(arch: Any, schedule: str, *, cp: int = 1, tp: int = 1) -> N
     )
 
 
-def check_mamba_run(arch: Any, schedule: str, *, cp: int = 1) -> None:
-    """A Mamba-2 hybrid (Nemotron-H: hybrid_override_pattern with "M" layers): the recurrent schedules, and no
-    context parallelism yet (its SSM scan over a tree segment needs every row of the path on one rank; a head
-    exchange like the gated delta net's, models/gdn_heads.py, is not built for it)."""
+def check_mamba_run(arch: Any, schedule: str, *, cp: int = 1, tp: int = 1) -> None:
+    """A Mamba-2 hybrid (Nemotron-H: hybrid_override_pattern with "M" layers): the recurrent schedules, and a CP
+    size the head exchange can split its Mamba heads and groups over (models/mamba_heads.py, megatron-core's
+    MambaContextParallel split: the heads per TP rank divisible by cp, the groups divisible by it or dividing it)."""
     pattern = getattr(arch, "hybrid_override_pattern", None) or ""
     if "M" not in pattern:
         return
     check_hybrid_schedule(
         schedule, model=f"{arch.family}, {pattern.count('M')} of {len(pattern)} layers Mamba-2"
     )
-    if cp > 1:
-        raise SettingError(
-            lambda s: (
-                f"{s.value('cp', cp)}: context parallelism cannot run a Mamba-2 hybrid yet (a segment's SSM scan "
-                f"needs every row of its path on one rank; no head exchange is built for Mamba); use "
-                f"{s.value('cp', 1)}"
-            )
+    heads, groups = arch.mamba_num_heads, arch.mamba_num_groups
+    if cp <= 1 or tp <= 0 or heads % tp or groups % tp:
+        return  # the TP split itself is the model's rule (mamba_arch.check_mamba_tensor_parallel)
+    ok = gdn_context_parallel_sizes(
+        key_heads=groups, value_heads=heads, tp=tp
+    )  # the same rule, groups as keys
+    if cp in ok:
+        return
+    g = groups // tp
+    raise SettingError(
+        lambda s: (
+            f"{s.value('cp', cp)} cannot split the Mamba-2 heads: a TP rank holds {heads // tp} heads in "
+            f"{g} group{'s' if g > 1 else ''} ({s.value('tp', tp)}) and each CP rank runs a block of them over the whole "
+            f"chunk, which needs the heads divisible by the CP size and the groups divisible by it or dividing it; "
+            f"use {s.name('cp')} in {', '.join(map(str, ok))}"
         )
+    )
 
 
 def check_gdn_context_parallel(*, key_heads: int, value_heads: int, tp: int, cp: int) -> None:

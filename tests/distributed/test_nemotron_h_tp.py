@@ -1,9 +1,11 @@
 """Nemotron-H (Mamba-2 hybrid) under torchrun: conversion bit-exact at TP2 and TP2+SP (each rank its share of
 every in_proj and conv1d section) with logits equal to HF, and `megatron-branch grad` against the HF oracle under
 TP2+SP with naive, replay and packed (float32) and replay (float64): the SSM state and conv tail of this rank's
-heads handed down at each fork. CP2 is refused in one line. With MoE layers ("E", Nemotron 3: the sigmoid router
-with its correction bias, on glm4_moe's harness, test_glm4_moe_parallel.py): the gradient under TP2+SP and EP2 (across
-the two DP replicas) against HF's float64 oracle, and conversion HF -> dist checkpoint at TP2 / EP2 -> HF bit-exact.
+heads handed down at each fork. A CP size the Mamba heads cannot split over is refused in one line (CP2 itself:
+test_nemotron_h_cp.py). With MoE layers ("E", Nemotron 3: the sigmoid router with its correction bias, on glm4_moe's
+harness, test_glm4_moe_parallel.py): the gradient under TP2+SP, EP2 (across the two DP replicas), CP2 (the Mamba
+head exchange, the ring) and CP2 x EP2 (EP over the CP ranks) against HF's float64 oracle through `grad`, and
+conversion HF -> dist checkpoint at TP2 / EP2 -> HF bit-exact.
 
     python tests/distributed/launch.py 2 -k nemotron_h
 
@@ -97,11 +99,28 @@ def test_grad_nemotron_h_under_tp2(capsys: pytest.CaptureFixture[str]) -> None:
             out = d / f"{tag}_{schedule}.safetensors"
             assert main([*base, "--out", str(out), "--schedule", schedule, *layout]) == 0, (tag, schedule)
             _check(f"nemotron_h {tag} {schedule}", load_file(out), want, 1e-5)
+    # a CP size the head exchange cannot split the Mamba heads over (3 heads in 1 group): one line, exit 2, no output
+    if dist.get_rank() == 0:
+        cfg = tiny_hf_config("nemotron_h", num_layers=5, ffn=48)
+        cfg.mamba_num_heads, cfg.n_groups = 3, 1
+        tiny_hf_model(cfg, seed=0).save_pretrained(d / "hf3")
+    dist.barrier()
     capsys.readouterr()
-    assert main([*base, "--out", str(d / "cp.safetensors"), "--cp", "2"]) == 2
+    odd = [
+        "grad",
+        "--hf",
+        str(d / "hf3"),
+        "--rollouts",
+        str(d / "r.jsonl"),
+        "--out",
+        str(d / "cp.safetensors"),
+    ]
+    assert main([*odd, "--cp", "2"]) == 2
     err = capsys.readouterr().err.strip()
     if dist.get_rank() == 0:  # the one line is printed once, by rank 0
-        assert "context parallelism cannot run a Mamba-2 hybrid" in err and len(err.splitlines()) == 1, err
+        assert len(err.splitlines()) == 1 and "--cp 2 cannot split the Mamba-2 heads" in err, err
+        assert "3 heads in 1 group (--tp 1)" in err and err.endswith("use --cp in 1, 3"), err
+    assert not (d / "cp.safetensors").exists()
 
 
 @pytest.mark.world(2)
@@ -122,15 +141,16 @@ def test_nemotron_h_dist_checkpoint_saved_at_tp2_loads_at_tp1_bit_exact() -> Non
 
 
 @pytest.mark.world(2)
-def test_nemotron_h_moe_grad_under_tp2sp_and_ep2_and_conversion_at_tp2_ep2() -> None:
+def test_nemotron_h_moe_grad_under_tp2sp_ep2_cp2_and_conversion_at_tp2_ep2() -> None:
     """Layers M E * E - M (tests/unit/test_nemotron_h_moe.py's tiny model): replay float64 and packed float32 under
-    TP2+SP and EP2 against HF at 1e-5 (the float32 SSD scan bounds both dtypes); then the round trips."""
+    TP2+SP, EP2, CP2 and CP2 x EP2 against HF at 1e-5 (the float32 SSD scan bounds both dtypes); then the round
+    trips."""
     pattern = "ME*E-M"
     cfg = tiny_hf_config("nemotron_h", num_layers=len(pattern), ffn=48, layer_types=pattern)
     d, ref = sigmoid_router_setup("nemotron_h", cfg)
     ref = {n.replace("model.", "backbone.", 1): g for n, g in ref.items()}
     assert any(".mixer.experts.0.up_proj." in n for n in ref) and any(".mixer.A_log" in n for n in ref)
-    for name in ("tp2sp", "ep2"):
+    for name in ("tp2sp", "ep2", "cp2", "cp2ep2"):
         for schedule, dtype in (("replay", "float64"), ("packed", "float32")):
             grads = _grad(d, f"nh_{name}_{schedule}_{dtype}", schedule, "--dtype", dtype, *LAYOUTS[name])
             err = _worst(grads, ref)

@@ -177,18 +177,33 @@ HYBRID = (
 value head, the key head shared (the head exchange, models/gdn_heads.py)."""
 
 
+NEMOTRON_H = (
+    "model.arch={family: nemotron_h, hidden_size: 16, num_layers: 3, num_attention_heads: 2, num_query_groups: 1, "
+    "head_dim: 8, ffn_hidden_size: 32, max_position_embeddings: 64, hybrid_override_pattern: 'M*-', "
+    "mlp_activation: relu2, position_embedding: none, mamba_num_heads: 2, mamba_head_dim: 8, mamba_state_dim: 4, "
+    "mamba_num_groups: 1, mamba_chunk_size: 8, mamba_dt_min: 0.001, rms_norm_eps: 1.0e-5}"
+)
+"""tests/unit/test_nemotron_h_train.py's config-defined Nemotron-H: 2 Mamba heads in 1 group, so under CP2 each rank
+runs one head, the group's B / C on both (the head exchange, models/mamba_heads.py)."""
+
+
 @pytest.mark.world(2)
-def test_cp2_hybrid_grpo_equals_single_process() -> None:
-    """A config-defined Qwen3.5-style hybrid trains with parallel.cp=2 (the ring for its attention layer, the head
-    exchange for its gated delta net layer) and equals the single-process run: the same sampled tokens and rewards,
-    parameters within the float32 delta rule's rounding (the rule computes in float32 whatever the model dtype)."""
+@pytest.mark.parametrize("model", [HYBRID, NEMOTRON_H], ids=["qwen3_5", "nemotron_h"])
+def test_cp2_hybrid_grpo_equals_single_process(model: str) -> None:
+    """A config-defined hybrid (Qwen3.5-style, Nemotron-H) trains with parallel.cp=2 (the ring for its attention
+    layer, the head exchange for its gated delta net or Mamba-2 layer) and equals the single-process run: the same
+    sampled tokens and rewards, parameters within the float32 rounding of the delta rule / SSD scan (both compute in
+    float32 whatever the model dtype)."""
     tmp = shared_tmp("train-dist-")
     try:
-        common = [HYBRID, "model.dtype=float64", "schedule.name=replay", "trainer.total_training_steps=2"]
+        common = [model, "model.dtype=float64", "schedule.name=replay", "trainer.total_training_steps=2"]
         single = [*_cfg_overrides(tmp / "single"), *common]
         ref_proc = _single_process(single, tmp / "single.pt") if dist.get_rank() == 0 else None
         tr, rows = run_steps(_cfg(tmp / "cp2", *common, "parallel.cp=2"))
-        assert (tr.groups.cp_size, tr.groups.dp_size) == (2, 1) and unwrap(tr.policy).arch.is_hybrid
+        arch = unwrap(tr.policy).arch
+        assert (tr.groups.cp_size, tr.groups.dp_size) == (2, 1) and (
+            arch.is_hybrid or arch.hybrid_override_pattern
+        )
         rc = [ref_proc.wait(timeout=600) if ref_proc is not None else 0]
         dist.broadcast_object_list(rc, src=0)
         assert rc == [0], "the single-process reference run failed"

@@ -238,13 +238,14 @@ def test_planted_state_bugs_fail(fp32: Any, bug: str, monkeypatch: pytest.Monkey
     assert err > 100 * BOUND, (bug, err, name)
 
 
-def test_context_parallel_and_non_recurrent_schedules_are_refused_in_one_line() -> None:
+def test_an_unsplittable_cp_size_and_non_recurrent_schedules_are_refused_in_one_line() -> None:
     from megatron_branch.errors import SettingError
     from megatron_branch.models.arch import check_schedule_supports
 
     arch = ModelArch.from_hf_config(tiny_hf_config("nemotron_h", num_layers=5, ffn=48))
     check_schedule_supports(arch, "replay", cp=1)
-    for schedule, cp, words in (("replay", 2, "context parallelism cannot run a Mamba-2 hybrid"),
+    check_schedule_supports(arch, "replay", cp=2)  # the head exchange (tests/unit/test_mamba_heads.py)
+    for schedule, cp, words in (("replay", 3, "--cp 3 cannot split the Mamba-2 heads"),
                                 ("replay-stopgrad", 1, "cannot run a hybrid model (nemotron_h, 2 of 5 layers")):  # fmt: skip
         with pytest.raises(SettingError) as e:
             check_schedule_supports(arch, schedule, cp=cp)

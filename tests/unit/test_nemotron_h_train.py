@@ -37,8 +37,11 @@ def test_config_defined_nemotron_h_is_checked(task: Path, tmp_path: Path) -> Non
 
     arch = model_arch(nemotron_cfg(task, tmp_path / "r"), vocab_size=50)
     assert arch.hybrid_override_pattern == "M*-" and arch.position_embedding == "none"
-    with pytest.raises(UserError, match=r"context parallelism cannot run a Mamba-2 hybrid"):
-        nemotron_cfg(task, tmp_path / "r", "parallel.cp=2")
+    nemotron_cfg(task, tmp_path / "r", "parallel.cp=2")  # 2 heads, 1 group: one head per CP rank
+    with pytest.raises(
+        UserError, match=r"parallel.cp=4 cannot split the Mamba-2 heads: .* use parallel.cp in 1, 2$"
+    ):
+        nemotron_cfg(task, tmp_path / "r", "parallel.cp=4")
 
 
 def test_nemotron_h_trains_and_resumes_exactly(task: Path, tmp_path: Path) -> None:  # noqa: F811
