@@ -379,8 +379,13 @@ def set_switch(on: bool, options: Any = None) -> None:
     `options` the tests pin `replay` (the switch's default, auto, picks packed for these tiny models on a CPU;
     test_verl_auto.py tests auto, and a test that wants packed names it)."""
     from megatron_branch.integration import verl as integration
+    from megatron_branch.integration.verl_cpu import register_cpu_engine, use_cpu_platform
 
     if on:
+        # the switch subclasses the engine registered for this platform: the CPU one first (make_worker's first
+        # call would register it over the switch, and a process's first switched run would be verl's own path)
+        use_cpu_platform()
+        register_cpu_engine()
         import megatron_branch.integration.verl_enable  # noqa: F401  (the switch itself)
 
         integration.unregister()
