@@ -355,10 +355,14 @@ def test_verl_mla_tp2_sp_switch_equals_verl() -> None:
 
 
 @pytest.mark.world(2)
-def test_verl_mla_ep2_switch_equals_verl(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("router_replay", ["disabled", "R3"])
+def test_verl_mla_ep2_switch_equals_verl(
+    router_replay: str, monkeypatch: pytest.MonkeyPatch, verl_router_replay_patch_undone: None
+) -> None:
     """DeepSeek-V3 (multi-latent attention, the DeepSeek MoE) at EP2 across the two DP replicas, dynamic batch size,
-    on the batch that once measured 6e-5 (seed 11): the switch == verl's own path (logprobs, entropies, every
-    gradient at fp32 1e-5, metrics). Each rank's share is two of verl's mini-batches, so the gradient compared is
+    on the batch that once measured 6e-5 (seed 11), with verl's router replay R3 off and on (the rollout engine's
+    records of the one MoE layer, one rollout per group disagreeing at a shared prompt token): the switch == verl's
+    own path (logprobs, entropies, every gradient at fp32 1e-5, metrics). Each rank's share is two of verl's mini-batches, so the gradient compared is
     the second optimizer step's, taken after one update: with megatron's SGD, whose step is lr x gradient. Adam's
     first step divides each gradient element by |g| + 1e-8, so an element near 1e-8 turns fp32 noise into a
     parameter difference (measured on this batch: embedding[42, 11]'s gradient is -4.5e-8, the switch's fp32 value
@@ -366,6 +370,7 @@ def test_verl_mla_ep2_switch_equals_verl(monkeypatch: pytest.MonkeyPatch) -> Non
     and the second step's gradients differ by 3.9e-5; verl's own path with that one element moved by 4.3e-9 is as
     far off itself: docs/verl.md "Multi-latent attention"). Planted: MLA's per-layer RoPE left on megatron's table
     changes the logprobs."""
+    from verl.utils import tensordict_utils as tu
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
     from megatron_branch.integration import verl_model
@@ -373,23 +378,30 @@ def test_verl_mla_ep2_switch_equals_verl(monkeypatch: pytest.MonkeyPatch) -> Non
     os.environ.setdefault("MASTER_PORT", "0")
     hf = _moe_policy_dir(family="deepseek_v3")
     rank, dp = dist.get_rank(), dist.get_world_size()
+    r3 = router_replay == "R3"
     steps = []
     real_step = MegatronEngine.optimizer_step
     monkeypatch.setattr(MegatronEngine, "optimizer_step", lambda self: steps.append(1) or real_step(self))
 
     def td():
-        return dp_share(grpo_batch(seed=11, groups=4), rank, dp)
+        batch = dp_share(grpo_batch(seed=11, groups=4, routes=(1, 4, 12) if r3 else None), rank, dp)
+        if r3:  # (MoE layers, top-k, experts) of the tiny DeepSeek-V3
+            tu.assign_non_tensor(batch, enable_routing_replay=True)
+        return batch
 
     def worker():
-        return make_worker(hf, ep=2, dynamic_bsz=True, optimizer="sgd")
+        return make_worker(hf, ep=2, dynamic_bsz=True, optimizer="sgd", router_replay=router_replay)
 
     set_switch(False)
     base = run_step(worker(), td)
     set_switch(True)
     tree = run_step(worker(), td)
     assert len(steps) == 4  # two mini-batches per rank, each path
-    _compare(base, tree, "MLA EP2")
+    _compare(base, tree, f"MLA EP2 router replay {router_replay}")
     assert any("linear_kv_down_proj" in n for n in base.grads)
+    if r3:
+        set_switch(False)
+        return
 
     monkeypatch.setattr(verl_model, "enable_position_rope", lambda model: model)  # planted
     wrong, _ = infer(worker(), td())
