@@ -362,14 +362,12 @@ def test_verl_mla_ep2_switch_equals_verl(
     """DeepSeek-V3 (multi-latent attention, the DeepSeek MoE) at EP2 across the two DP replicas, dynamic batch size,
     on the batch that once measured 6e-5 (seed 11), with verl's router replay R3 off and on (the rollout engine's
     records of the one MoE layer, one rollout per group disagreeing at a shared prompt token): the switch == verl's
-    own path (logprobs, entropies, every gradient at fp32 1e-5, metrics). Each rank's share is two of verl's mini-batches, so the gradient compared is
-    the second optimizer step's, taken after one update: with megatron's SGD, whose step is lr x gradient. Adam's
-    first step divides each gradient element by |g| + 1e-8, so an element near 1e-8 turns fp32 noise into a
-    parameter difference (measured on this batch: embedding[42, 11]'s gradient is -4.5e-8, the switch's fp32 value
-    4.3e-9 off the fp64 one, within the tensor's noise, median 9e-10, max 5e-8, as verl's; Adam moves it 2e-5 apart
-    and the second step's gradients differ by 3.9e-5; verl's own path with that one element moved by 4.3e-9 is as
-    far off itself: docs/verl.md "Multi-latent attention"). Planted: MLA's per-layer RoPE left on megatron's table
-    changes the logprobs."""
+    own path (logprobs, entropies, every gradient at fp32 1e-5, metrics). Each rank's share is two of verl's
+    mini-batches, so the gradient compared is the second optimizer step's, taken after one update: with megatron's
+    SGD, whose step is lr x gradient. Adam's first step divides each gradient element by |g| + 1e-8 and turns fp32
+    noise on an element near 1e-8 into a parameter difference (3.9e-5 on the second step's gradients here:
+    test_verl_mla_ep2_adam_gap_is_adams_first_step, docs/verl.md "Multi-latent attention"). Planted: MLA's per-layer
+    RoPE left on megatron's table changes the logprobs."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
