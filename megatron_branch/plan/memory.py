@@ -90,11 +90,14 @@ class Peak:
     logits: int
     dispatcher: int = 0
     """MoE: the all-to-all dispatcher's transient buffers of the largest chunk's layer."""
+    cached_state: int = 0
+    """Replay of a Mamba hybrid: the SSM state + conv tail each M layer hands down at the fork (plan/mamba.py); its
+    accumulators are in kv_grads."""
 
     @property
     def saved(self) -> int:
-        """What the activation meter measures: activations + cached K/V + accumulators."""
-        return self.activations + self.cached_kv + self.kv_grads
+        """What the activation meter measures: activations + cached K/V (+ Mamba fork states) + accumulators."""
+        return self.activations + self.cached_kv + self.cached_state + self.kv_grads
 
 
 def step_peak(
@@ -170,8 +173,9 @@ def step_peak(
     )
     # the root's K/V (full-attention layers) and, for a hybrid, the GDN states its children start from
     state = dm.linear_layers * linear_state_bytes(dm) if dm.linear_layers else 0
-    cached = dm.attn_layers * layer_cache_bytes(dm, r_root) + state  # MLA: its latent (plan/mla.py)
-    state_grads = dm.linear_layers * linear_state_grad_bytes(dm) if dm.linear_layers else 0
+    ssm = mamba_fork_state(dm, R)  # a Mamba hybrid's M layers: (states, their accumulators), plan/mamba.py
+    cached = dm.attn_layers * layer_cache_bytes(dm, r_root) + state + ssm[0]  # MLA: its latent (plan/mla.py)
+    state_grads = (dm.linear_layers * linear_state_grad_bytes(dm) if dm.linear_layers else 0) + ssm[1]
     grads = kv_grad_bytes(dm, r_root) + state_grads  # fp32 for bf16 leaves (WideSum)
     # phase 1, the last leaf micro-batch before its backward: root graph (unless recomputed) + cache + grads + leaf
     # (the root's captured K/V, when its graph is kept, are the cache's storage: counted once)
@@ -206,20 +210,33 @@ def step_peak(
         outside = root_kv if lay_rc else 0
         return Peak(
             activations=root_kv - outside + root["other"],
-            cached_kv=cached - released + outside,
+            cached_kv=cached - released + outside - ssm[0],
             kv_grads=grads,
             ring_buffers=ring,
             logits=logits,
             dispatcher=dispatch,
+            cached_state=ssm[0],
         )
     return Peak(
         activations=root_graph + alive * (leaf["kv"] + leaf["other"]),
-        cached_kv=cached,
+        cached_kv=cached - ssm[0],
         kv_grads=grads,
         ring_buffers=ring,
         logits=logits,
         dispatcher=dispatch,
+        cached_state=ssm[0],
     )
+
+
+def mamba_fork_state(dm: Dims, root: int) -> tuple[int, int]:
+    """(bytes, accumulator bytes) of the state every M layer of a Mamba hybrid hands down at the fork after a root
+    of `root` rows (0, 0 for other models; plan/mamba.py)."""
+    if dm.arch.hybrid_override_pattern is None:
+        return 0, 0
+    from megatron_branch.plan.mamba import kind_count, mamba_state_bytes, mamba_state_grad_bytes
+
+    layers = kind_count(dm.arch, "M")
+    return layers * mamba_state_bytes(dm, root), layers * mamba_state_grad_bytes(dm)
 
 
 def packed_peak(
