@@ -27,7 +27,9 @@ Additions (other objectives, docs/design.md "Objectives"; verl's names, the olde
     --schedule auto [--memory-budget GB]   packed when its planned activation peak fits the budget (on a CPU
                                  --memory-budget; on a GPU the free device memory), replay otherwise (plan/auto.py);
                                  the JSON's schedule_auto says which and why
-    --chunk-tokens N             replay: small subtrees packed into chunks of <= N tokens, one forward each
+    --chunk-tokens N             replay (and auto's replay): small subtrees packed into chunks of <= N tokens, one
+                                 forward each (default 4096); 0: off, every segment walked on its own; the
+                                 JSON's chunk_tokens says the budget that ran
 GRADS: dL/dparam for every trainable parameter, full unsharded, HF names, in --dtype (bfloat16 / float16: the fp32
 main gradients megatron's optimizer steps on). The last stdout line is JSON.
 Mixture-of-experts policies (Qwen3-MoE, Mixtral, Qwen2-MoE; docs/design.md "Mixture of experts"):

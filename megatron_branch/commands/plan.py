@@ -218,7 +218,8 @@ def turn_tree_report(tree: Any, p: Plan) -> dict[str, Any]:
 
     logical, computed = tree.positions
     replay = None
-    if not (p.arch.is_hybrid or p.arch.is_moe):  # the tree's replay peak: one rank's walk (tp = cp = pp = 1)
+    mixed = p.arch.is_hybrid or p.arch.is_moe or p.arch.hybrid_override_pattern is not None  # not priced here
+    if not mixed:  # the tree's replay peak: one rank's walk (tp = cp = pp = 1)
         kw = dict(act_bytes=2 if p.dtype == "bf16" else 4, branch_micro_batch=p.branch_micro_batch,
                   segment_recompute=p.layout.recompute != "none")  # fmt: skip
         flat = step_peak(p.arch, tree.flat(), Layout(), layer_recompute=False, **kw).saved
@@ -275,6 +276,8 @@ def render(p: Plan, fixes: list[str]) -> str:
         "memory per rank (GB):",
     ]
     for k in TERMS_IN_TOTAL:
+        if k == "cached_ssm_state" and not mem[k]:  # a Mamba hybrid's term only (plan/mamba.py)
+            continue
         lines.append(f"  {k:<18}{_gb(mem[k])}")
     lines.append(f"  {'total':<18}{_gb(mem['total'])}   of {p.gpu.memory_gb:g}")
     lines.append(

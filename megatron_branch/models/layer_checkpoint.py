@@ -35,7 +35,10 @@ Traps handled here (tests/unit/test_layer_checkpoint.py plants each one):
     restores the CPU/CUDA generator state for the recomputation anyway;
   * the activation meter (memory.py): the layer input is saved by checkpoint as an ordinary saved tensor (the
     meter sees it), the rebuilt graph is counted by `count_recomputed`, and captured K/V, which the schedule keeps
-    outside autograd's saved tensors once the region is checkpointed, are registered with `track_extra`.
+    outside autograd's saved tensors once the region is checkpointed, are registered with `track_extra`;
+  * a MoE layer: megatron's all-to-all dispatcher keeps the recomputed probs, and with them the rebuilt graph
+    upstream of the router, until the layer's next forward; the recomputation drops them (planted:
+    tests/unit/test_plan_moe.py test_planted_a_recomputed_moe_layer_that_keeps_its_graph).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from torch.utils.checkpoint import checkpoint
 from megatron_branch.attention.context import BranchContext, TakesBranchContext
 from megatron_branch.attention.core_attention import BranchCoreAttention
 from megatron_branch.memory import count_recomputed, track_extra
-from megatron_branch.models.moe import attached_to_layer, layer_router_context
+from megatron_branch.models.moe import attached_to_layer, layer_router_context, release_dispatcher_state
 from megatron_branch.models.rotary import PositionRotaryEmbedding, rope_positions
 
 
@@ -106,13 +109,23 @@ class _Checkpointed:
                 track_extra(self.ctx.captured[core.layer_number].tensors)
             return out
         router_ctx = None if self.router_ctx is None else self.router_ctx.for_recompute()
-        with (
-            attached(core, self.ctx.for_recompute()),
-            attached_to_layer(self.layer, router_ctx),
-            rope_positions(self.rope, self.positions),
-            count_recomputed(),
-        ):
-            return TransformerLayer.forward(self.layer, hidden, *self.args, **self.kwargs)
+        try:
+            with (
+                attached(core, self.ctx.for_recompute()),
+                attached_to_layer(self.layer, router_ctx),
+                rope_positions(self.rope, self.positions),
+                count_recomputed(),
+            ):
+                return TransformerLayer.forward(self.layer, hidden, *self.args, **self.kwargs)
+        finally:
+            # megatron's all-to-all dispatcher keeps its forward's probs as an attribute until the layer's next
+            # forward (token_dispatcher.py MoEAlltoAllTokenDispatcher.dispatch_preprocess: `self.probs = probs`).
+            # The recomputed probs carry the rebuilt graph, which nothing back-propagates: they would keep every
+            # rebuilt tensor upstream of the router (the router's, the pre-MLP norm's, the attention's) alive until
+            # then, every MoE layer's at once by the chunk's first layer (measured: up to 2x the planner's
+            # full-recompute peak). In `finally`: checkpoint stops the recomputation by an exception once the last
+            # saved tensor is rebuilt (torch.utils.checkpoint's early stop), after the dispatch.
+            release_dispatcher_state(self.layer)
 
 
 @contextmanager

@@ -25,6 +25,7 @@ width s_h = S/t; balanced routing assumed) saves instead of the dense MLP's 5 r 
     experts           the r k rows this rank's experts run after the all-to-all and the TP gather (SwiGLU's
                       fc1 input, its 5 intermediates, and megatron's MLP scaling the GLU output by each row's
                       probability: that output and the probabilities)             r k h e + 6 r k i e + r k f32
+                      (gpt-oss's clamped GLU keeps one more i per row: 7 r k i e; `expert_glu_saved_widths`)
     combine           unpermute's probs and indices      r_n k (e + INDEX)
     shared expert     a SwiGLU of width s_h               5 r s_h e
                       (+ its sigmoid gate: megatron's output * gate saves both)    + r_n h e + r_n e
@@ -59,6 +60,7 @@ from megatron_branch.plan.layers import (
     gdn_heads_saved_bytes,
     gdn_rows_saved_bytes,
 )
+from megatron_branch.plan.mamba import pattern_chunk_saved_bytes
 from megatron_branch.plan.mla import mla_kv_bytes, mla_latent_row_bytes, mla_other_bytes
 from megatron_branch.plan.model import Layout
 
@@ -104,7 +106,9 @@ class Dims:
     @property
     def attn_layers(self) -> int:
         """Full-attention layers on this rank's stage (all of them unless hybrid): the ones with K/V, RoPE and a
-        ring under CP."""
+        ring under CP; a Mamba hybrid's "*" blocks, plan/mamba.py)."""
+        if self.arch.hybrid_override_pattern is not None:
+            return self.arch.hybrid_override_pattern.count("*") // self.pp
         return self.arch.num_full_layers // self.pp
 
     @property
@@ -178,12 +182,26 @@ def moe_mlp_bytes(dm: Dims, r: int) -> int:
     rn, k = dm.seq_rows(r), dm.top_k
     router = rn * dm.h * dm.e + rn * dm.experts * (dm.f32 + dm.e)
     permute = rn * k * INDEX_BYTES  # index_select saves its index; the copy it makes is the experts' input
-    experts = r * k * dm.h * dm.e + 6 * r * k * dm.i * dm.e + r * k * dm.f32
+    experts = r * k * dm.h * dm.e + expert_glu_saved_widths(dm.arch) * r * k * dm.i * dm.e + r * k * dm.f32
     combine = rn * k * (dm.e + INDEX_BYTES)
     shared = 5 * r * dm.shared * dm.e if dm.shared else 0
     if dm.shared and dm.arch.shared_expert_gate:  # output * sigmoid(gate) saves both factors
         shared += rn * dm.h * dm.e + rn * dm.e
     return router + permute + experts + combine + shared
+
+
+def expert_glu_saved_widths(arch: ModelArch) -> int:
+    """Widths i one routed row saves between fc1's output and fc2's input: megatron's MLP.forward on the local
+    path (transformer/mlp.py `glu`, then the row's probability scaling, `per_token_scale`).
+    SwiGLU: fc1's output (2i, silu's input is a view of it), silu's output and up + glu_linear_offset (the
+    product's factors: the sum is a new tensor even for offset 0), the product and the scaled product (fc2's
+    input): 6.
+    gpt-oss's clamped GLU (`activation_func_clamp_value`, quick_gelu, glu_linear_offset 1): fc1's output (2i, the
+    clamps' input), the clamped gate (quick_gelu's one saved input: it is megatron's `jit_fuser`, torch.compile,
+    whose backward recomputes the sigmoid), the activation and the clamped up + 1 (the product's factors), the
+    product and the scaled product: 7. Eager, quick_gelu keeps its sigmoid too (8): where dynamo skips the frame,
+    e.g. for good once it ran under a TorchDispatchMode such as FlopCounterMode (torch/_dynamo/convert_frame.py)."""
+    return 7 if arch.swiglu_limit is not None else 6
 
 
 def dispatcher_bytes(dm: Dims, r: int) -> int:
@@ -291,7 +309,13 @@ def chunk_saved_bytes(
     saved tensors (released before the last layer is rebuilt) and one rebuilt layer; "held" what it keeps while
     it waits for its backward (inputs + head); "kv" the K/V a capturing chunk (replay's inner segment) keeps
     outside autograd for its backward, whose gradient the children send (0 for a chunk that captures nothing).
+    A Mamba hybrid's layers are priced per block kind (plan/mamba.py).
     """
+    if dm.arch.hybrid_override_pattern is not None:
+        return pattern_chunk_saved_bytes(
+            dm, r, sequences or [(r, 1)], head=head_bytes(dm, r, m), kv=layer_kv_bytes(dm, r),
+            moe=moe_mlp_bytes(dm, r) if dm.moe_layers else 0, layer_recompute=layer_recompute, capture=capture,
+        )  # fmt: skip
     dense_linear = dm.linear_layers - dm.moe_linear_layers
     linear = linear_layer_bytes(dm, r, sequences) if dense_linear else 0
     moe_linear = linear_layer_bytes(dm, r, sequences, moe=True) if dm.moe_linear_layers else 0

@@ -10,7 +10,7 @@ import math
 from megatron_branch.errors import UserError
 from megatron_branch.models.arch import ModelArch
 from megatron_branch.plan.model import RECOMPUTE, Layout, RolloutShape
-from megatron_branch.rules import check_pipeline, check_run, gdn_context_parallel_sizes
+from megatron_branch.rules import check_pipeline, check_plannable, check_run, gdn_context_parallel_sizes
 
 
 def candidate_layouts(
@@ -68,10 +68,13 @@ def _expert_parallel_sizes(arch: ModelArch, tp: int, cp_dp: int, ep: int | None)
 
 
 def _runs(schedule: str, cp: int, pp: int, arch: ModelArch) -> bool:
-    """The schedule can run at this CP / PP size (rules/: naive has no CP and no PP; PP divides the layers)."""
+    """The schedule can run at this CP / PP size and the planner prices it (rules/: naive has no CP and no PP; PP
+    divides the layers; no PP for a hybrid, no CP for a Mamba-2 hybrid)."""
+    hybrid = arch.is_hybrid or arch.hybrid_override_pattern is not None
     try:
         check_run(schedule, cp=cp)
-        check_pipeline(schedule, pp=pp, num_layers=arch.num_layers, hybrid=arch.is_hybrid, moe=arch.is_moe)
+        check_pipeline(schedule, pp=pp, num_layers=arch.num_layers, hybrid=hybrid, moe=arch.is_moe)
+        check_plannable(arch, schedule=schedule, cp=cp)
     except UserError:
         return False
     return True

@@ -10,7 +10,7 @@ Step-time model (stated assumptions, not measurements):
     two all-to-alls forward and two backward, each rank sending (W-1) blocks of its rows; counted as exposed (the
     layer waits for them);
   * tensor + sequence parallel: per layer 2 all-gathers and 2 reduce-scatters of [s, h] forward and again
-    backward, not overlapped;
+    backward (a Mamba hybrid's one-block layers: 1 and 1), not overlapped;
   * gradient reduction over DP x CP (all-reduce of the fp32 grads; with the distributed optimizer a
     reduce-scatter of them and an all-gather of the parameters), counted as exposed (conservative: megatron can
     overlap it with backward); a MoE model's expert grads (and their optimizer shards) over the expert
@@ -75,6 +75,8 @@ def memory_terms(
         # MLA on one rank per CP group: the prefix cache is the compressed latent, its own term (plan/mla.py)
         "cached_kv": 0 if latent else pk.cached_kv,
         "cached_latent": pk.cached_kv if latent else 0,
+        # a Mamba hybrid's fork states (SSM state + conv tail per M layer; plan/mamba.py)
+        "cached_ssm_state": pk.cached_state,
         "kv_grads": pk.kv_grads,
         "ring_buffers": pk.ring_buffers,
         "logits": pk.logits,
@@ -205,8 +207,10 @@ def step_time(
     tp = 0.0
     if layout.tp > 1:
         rows = fl.positions / (layout.cp * layout.dp) + fl.recomputed_positions / (layout.cp * layout.dp)
+        # 2 all-gathers + 2 reduce-scatters per layer each way; a Mamba hybrid's layer is ONE block: 1 + 1
+        per_layer = 8 if arch.hybrid_override_pattern is None else 4
         tp = (
-            8
+            per_layer
             * (layout.tp - 1)
             / layout.tp
             * rows

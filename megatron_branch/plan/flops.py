@@ -33,6 +33,7 @@ from megatron_branch.plan.layers import (
     gdn_matmul_flops_per_token,
     gdn_mixer_flops,
 )
+from megatron_branch.plan.mamba import is_mamba_hybrid, kind_count, pattern_matmul_flops_per_token, scan_flops
 from megatron_branch.plan.mla import decompress_flops, mla_flops_per_pair
 from megatron_branch.plan.model import Layout, RolloutShape
 
@@ -44,6 +45,8 @@ def layer_matmul_flops_per_token(arch: ModelArch) -> int:
     """Forward FLOPs of one token through every layer's matmuls (no attention scores, no output projection). A MoE
     layer's MLP slot: the router (h x E), the token's top-k experts (each a SwiGLU of width I) and the shared expert
     with its gate, instead of the dense SwiGLU."""
+    if is_mamba_hybrid(arch):  # one block per layer (plan/mamba.py)
+        return pattern_matmul_flops_per_token(arch)
     full = arch.num_full_layers * attention_matmul_flops_per_token(arch)
     total = full + (arch.num_linear_layers * gdn_matmul_flops_per_token(arch) if arch.is_hybrid else 0)
     if arch.is_moe:
@@ -61,6 +64,8 @@ def layer_matmul_flops_per_token(arch: ModelArch) -> int:
 def attention_flops_per_pair(arch: ModelArch) -> int:
     """Forward FLOPs of one (query, visible key) pair over all full-attention layers."""
     assert arch.head_dim is not None
+    if is_mamba_hybrid(arch):  # its "*" blocks only
+        return kind_count(arch, "*") * 4 * arch.num_attention_heads * arch.head_dim
     if arch.multi_latent:  # q.k over qk_nope + qk_rope, p.v over v_head_dim (plan/mla.py)
         return arch.num_full_layers * mla_flops_per_pair(arch)
     return arch.num_full_layers * 4 * arch.num_attention_heads * arch.head_dim
@@ -70,7 +75,9 @@ def linear_attention_flops(
     arch: ModelArch, sequences: list[tuple[int, int]], *, backward: bool = True
 ) -> float:
     """Convolution + delta-rule FLOPs of every GDN layer over `sequences` ((length, count) pairs); forward and
-    backward, or forward only."""
+    backward, or forward only. A Mamba hybrid: its M layers' conv and SSD scan (plan/mamba.py)."""
+    if is_mamba_hybrid(arch):
+        return scan_flops(arch, sequences, backward=backward)
     if not arch.is_hybrid:
         return 0.0
     total = 0
@@ -126,7 +133,8 @@ class StepFlops:
     """Token positions run forward once."""
     recomputed_positions: int
     linear_attention: float = 0.0
-    """Gated delta net layers' convolution and chunked delta rule (hybrids; 0 otherwise)."""
+    """Gated delta net layers' convolution and chunked delta rule, or Mamba-2 layers' conv and SSD scan (hybrids;
+    0 otherwise)."""
     decompress: float = 0.0
     """Replay of an MLA model: every leaf micro-batch decompressing the cached latent of its path (plan/mla.py)."""
 

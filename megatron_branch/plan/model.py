@@ -187,12 +187,6 @@ def load_model(spec: str) -> tuple[str, ModelArch]:
         d["partial_rotary_factor"] = partial
     arch = ModelArch.from_hf_config(d, where=str(path))
     check_plannable(arch)  # rules/
-    if arch.hybrid_override_pattern is not None:  # no Mamba-2 term in plan/layers.py, flops.py, memory.py yet
-        raise UserError(
-            f"the planner does not price {arch.family}'s Mamba-2 / attention-only / MLP-only layers yet; refusing "
-            "rather than mispricing them",
-            where=str(path),
-        )
     return path.parent.name or str(path), arch
 
 
@@ -207,7 +201,10 @@ def parameter_count(arch: ModelArch) -> dict[str, int]:
         gdn_layer_params,
         replicated_layer_params,
     )
+    from megatron_branch.plan.mamba import is_mamba_hybrid, pattern_parameter_count
 
+    if is_mamba_hybrid(arch):  # one block per layer, priced per kind (plan/mamba.py)
+        return pattern_parameter_count(arch)
     h = arch.hidden_size
     full, linear = arch.num_full_layers, arch.num_linear_layers
     layer = attention_layer_params(arch)

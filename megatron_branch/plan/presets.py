@@ -201,3 +201,25 @@ KIMI_K2_CONFIG = dict(
 )  # fmt: skip
 MODEL_PRESETS["deepseek-v3"] = ModelArch.from_hf_config(DEEPSEEK_V3_CONFIG, where="preset deepseek-v3")
 MODEL_PRESETS["kimi-k2"] = ModelArch.from_hf_config(KIMI_K2_CONFIG, where="preset kimi-k2")
+
+
+# NVIDIA Nemotron 3 Nano 30B-A3B (nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 config.json; model card and technical
+# report, arXiv 2512.20848: 31.6B total / 3.2B active parameters, 52 layers = 23 Mamba-2 + 23 MoE + 6 GQA): hidden
+# 2688, hybrid_override_pattern below, attention 32 query / 2 KV heads of 128 without positional encoding, Mamba-2 64
+# heads of 64 in 8 groups, state 128, conv 4, chunk 128, 128 routed experts of width 1856 (squared ReLU, ungated),
+# top-6 by sigmoid scores with the correction bias, one group, x 2.5, one shared expert of width 3712, vocabulary
+# 131072 untied, context 262144 (max_position_embeddings; the card's 1M needs its long-context setting).
+# intermediate_size (1856) is no layer's: every MLP layer is an "E". Its MTP head, where present, is not priced.
+NEMOTRON_3_NANO_CONFIG = dict(
+    model_type="nemotron_h", architectures=["NemotronHForCausalLM"], vocab_size=131072, hidden_size=2688,
+    num_hidden_layers=52, hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+    num_attention_heads=32, num_key_value_heads=2, head_dim=128, intermediate_size=1856, mlp_hidden_act="relu2",
+    mamba_num_heads=64, mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4, chunk_size=128,
+    use_conv_bias=True, mamba_hidden_act="silu", time_step_min=0.001, n_routed_experts=128, num_experts_per_tok=6,
+    moe_intermediate_size=1856, moe_shared_expert_intermediate_size=3712, n_group=1, topk_group=1,
+    norm_topk_prob=True, routed_scaling_factor=2.5, layer_norm_epsilon=1e-5, max_position_embeddings=262144,
+    tie_word_embeddings=False, attention_bias=False, mlp_bias=False, use_bias=False, mamba_proj_bias=False,
+)  # fmt: skip
+MODEL_PRESETS["nemotron-3-nano-30b-a3b"] = ModelArch.from_hf_config(
+    NEMOTRON_3_NANO_CONFIG, where="preset nemotron-3-nano-30b-a3b"
+)

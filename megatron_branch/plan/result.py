@@ -22,6 +22,7 @@ TERMS_IN_TOTAL = (
     "activations",
     "cached_kv",
     "cached_latent",
+    "cached_ssm_state",
     "kv_grads",
     "ring_buffers",
     "logits",

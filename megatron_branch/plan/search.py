@@ -27,6 +27,7 @@ from megatron_branch.plan.result import DTYPE_BYTES, Plan
 from megatron_branch.rules import (
     check_gdn_context_parallel,
     check_pipeline,
+    check_plannable,
     check_run,
 )
 
@@ -57,8 +58,8 @@ def evaluate(
     arch.check_expert_parallel(layout.ep, tp=layout.tp)
     try:
         check_pipeline(
-            schedule, pp=layout.pp, num_layers=arch.num_layers, hybrid=arch.is_hybrid, moe=arch.is_moe,
-            root_pieces=kw.get("root_pieces", 1),
+            schedule, pp=layout.pp, num_layers=arch.num_layers, moe=arch.is_moe, root_pieces=kw.get("root_pieces", 1),
+            hybrid=arch.is_hybrid or arch.hybrid_override_pattern is not None,
         )  # fmt: skip
     except SettingError as e:
         raise UserError(str(e)) from None
@@ -68,6 +69,7 @@ def evaluate(
             "whole prefix groups go to DP ranks"
         )
     check_run(schedule, cp=layout.cp)
+    check_plannable(arch, schedule=schedule, cp=layout.cp)  # a Mamba-2 hybrid: no CP
     if arch.is_hybrid:
         check_gdn_context_parallel(
             key_heads=arch.linear_num_key_heads,
@@ -140,6 +142,15 @@ def evaluate(
             "per wave (plan/pipeline.py); train's "
             "sampler under PP runs a whole-model copy (not counted here: sample with an external engine at "
             "this size)"
+        )
+    if arch.hybrid_override_pattern is not None:
+        p = arch.hybrid_override_pattern
+        notes.append(
+            f"Mamba-2 hybrid ({p.count('M')} Mamba-2 + {p.count('*')} attention + {p.count('-')} MLP + "
+            f"{p.count('E')} MoE layers): each layer priced as its one block (plan/mamba.py), the Mamba layers with "
+            "the torch SSD scan the engine runs without mamba_ssm (float32, chunked; mamba_ssm's kernel saves less); replay hands each Mamba layer's SSM state and "
+            "conv tail down at the fork (cached_ssm_state: the cache holds the scan's chunk-state storage the state "
+            "is a view of), with its accumulator in kv_grads; no CP (the Mamba head exchange is not priced), no PP"
         )
     if arch.is_hybrid:
         notes.append(
@@ -220,6 +231,7 @@ def plan(
         check_pipeline(schedule, pp=pp or 2, root_pieces=root_pieces)
     if cp:  # a fixed CP size the rules refuse: their own line, not the search's "no layout" (which hides why)
         check_run(schedule, cp=cp)
+        check_plannable(arch, schedule=schedule, cp=cp)
         if tp and arch.is_hybrid:
             check_gdn_context_parallel(
                 key_heads=arch.linear_num_key_heads, value_heads=arch.linear_num_value_heads, tp=tp, cp=cp
@@ -324,7 +336,10 @@ def what_would_fit(p: Plan, **kw: Any) -> list[str]:
     for n in (16, 32, 64):
         if n <= p.gpus:
             continue
-        q = plan(p.model, p.arch, p.shape, p.gpu, n, schedule=p.schedule, **kw)
+        try:
+            q = plan(p.model, p.arch, p.shape, p.gpu, n, schedule=p.schedule, **kw)
+        except UserError:  # no layout of n GPUs (a Mamba hybrid: no CP, no PP, DP up to the prompt groups)
+            continue
         if q.fits:
             lay = q.layout
             ep = f", ep {lay.ep}" if p.arch.is_moe else ""

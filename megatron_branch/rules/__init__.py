@@ -69,8 +69,9 @@ Rules (a flag that would do nothing is refused, not ignored):
                                        are not the table the position ids index, a hybrid's CP size must split
                                        its GDN heads, and MoE router losses would count a shared token once, not once
                                        per rollout (check_verl_model)
-    the planner prices what it knows   check_plannable refuses nothing today: multi-latent attention
-                                       (plan/mla.py) and gpt-oss's windows, sinks and biases are priced
+    the planner prices what it knows   check_plannable: multi-latent attention (plan/mla.py), gpt-oss's
+                                       windows, sinks and biases and Mamba-2 hybrids (plan/mamba.py) are
+                                       priced; a Mamba-2 hybrid under context parallelism is refused
 """
 
 from __future__ import annotations

@@ -194,6 +194,10 @@ def test_every_exact_schedule_matches_hf(dtype: torch.dtype) -> None:
         worst = _worst(_schedule_grads(model, arch, rollouts, schedule), want)
         print(f"{schedule} {dtype}: worst vs HF {worst[0]:.1e} ({worst[1]})")
         assert worst[0] <= TOL[dtype], (schedule, worst)
+    # replay's chunks (on by default; _schedule_grads walks segment by segment): with a budget of 12 tokens small
+    # subtrees run as packed chunks against their cached ancestors, the window and sinks applied across the two
+    worst = _worst(_schedule_grads(model, arch, rollouts, "replay", chunk_tokens=12), want)
+    assert worst[0] <= TOL[dtype], ("replay chunks", worst)
 
 
 # --- planted bugs: each breaks the gradient against HF --------------------------------------------------------------

@@ -250,16 +250,3 @@ def test_an_unsplittable_cp_size_and_non_recurrent_schedules_are_refused_in_one_
         with pytest.raises(SettingError) as e:
             check_schedule_supports(arch, schedule, cp=cp)
         assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
-
-
-def test_the_planner_refuses_mamba_hybrids_in_one_line(tmp_path: Any) -> None:
-    """plan/ has no Mamba-2 term yet: a nemotron_h config.json is refused, not mispriced."""
-    import json
-
-    from megatron_branch.plan.model import load_model
-
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(tiny_hf_config("nemotron_h", num_layers=5).to_dict()))
-    with pytest.raises(UserError, match="does not price nemotron_h's Mamba-2") as e:
-        load_model(str(path))
-    assert "\n" not in str(e.value)

@@ -1,9 +1,9 @@
 """The planner for gpt-oss (models/families/gpt_oss.py): its sinks and biases in the parameter count (a built
 megatron model; the published 20.9B / 116.8B totals), the sliding layers' attention FLOPs counted over the window
 only (against a brute-force count of the window's visible pairs, and the expected cut on the 20b preset at its
-context limit), the layer matmuls exactly as torch's FlopCounterMode counts them, saved bytes of a replay step against
-the activation meter (1.3% off without recompute; the segment-recompute reading below), and the
-`gpt-oss-20b` / `gpt-oss-120b` presets planned at 131,072 positions per rollout.
+context limit), the layer matmuls exactly as torch's FlopCounterMode counts them (the saved bytes against the
+activation meter in every recompute mode: test_plan_moe.py), and the `gpt-oss-20b` / `gpt-oss-120b` presets planned
+at 131,072 positions per rollout.
 """
 
 from __future__ import annotations
@@ -20,11 +20,9 @@ from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
 from megatron_branch.plan import MODEL_PRESETS, Layout, RolloutShape
 from megatron_branch.plan.flops import attention_flops, step_flops, windowed_pairs
 from megatron_branch.plan.measure import measure_step
-from megatron_branch.plan.memory import step_peak
 from megatron_branch.plan.model import parameter_count
 from megatron_branch.testing import tiny_hf_config
 
-TOL = 0.05  # the planner's tolerance (test_plan_moe.py)
 SHAPE = RolloutShape(prompt_length=64, responses=6, response_length=12, shared_response_length=4)
 TARGET = [
     "--prompt-length",
@@ -99,12 +97,10 @@ def test_windows_cut_the_attention_flops_by_the_expected_ratio() -> None:
 
 
 @pytest.mark.parametrize("recompute", [False, True])
-def test_dense_flops_exact_and_saved_bytes_match_the_meter(
-    recompute: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_dense_flops_exact(recompute: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The layer matmuls (biased: addmm) and the output rows exactly as torch's FlopCounterMode counts them in
-    measure_step (by op: the attention's band tiles run as bmm, counted apart); the saved bytes of a step without the
-    counter (test_plan_moe.py: under it the root's released cache stays referenced) within the tolerance."""
+    measure_step (by op: the attention's band tiles run as bmm, counted apart). The saved bytes under every recompute
+    mode: test_plan_moe.py test_saved_bytes_match_the_meter_in_every_recompute_mode."""
     from torch.utils.flop_counter import FlopCounterMode
 
     ops: dict[str, int] = {}
@@ -115,14 +111,6 @@ def test_dense_flops_exact_and_saved_bytes_match_the_meter(
         return total(self)
 
     arch, model = tiny()
-    pk = step_peak(arch, SHAPE, Layout(), act_bytes=4, branch_micro_batch=4, segment_recompute=recompute,
-                   layer_recompute=False)  # fmt: skip
-    got = measure_step(model, SHAPE, vocab=37, branch_micro_batch=4, recompute=recompute)
-    # segment recompute: 2.5% under the meter in a fresh process, but 5.2% once any FlopCounterMode step ran in the
-    # process (the meter then reads 17,408 more bytes, on a fresh model too: not diagnosed), so only the step
-    # without recompute is held to the tolerance here (1.3% over; 1.5% under after a counted step)
-    if not recompute:
-        assert pk.saved == pytest.approx(got.saved_peak, rel=TOL), (pk, got)
     monkeypatch.setattr(FlopCounterMode, "get_total_flops", by_op)
     measure_step(model, SHAPE, vocab=37, branch_micro_batch=4, recompute=recompute, count_flops=True)
     fl = step_flops(arch, SHAPE, "replay", Layout(recompute="selective" if recompute else "none"))

@@ -6,9 +6,8 @@ within 5%), the prefix cache term exactly the latent's bytes (a planner pricing 
 `deepseek-v3` / `kimi-k2` presets (their published sizes, multi-node plans at the 2.1M-position target with the
 compact cache as its own term, `cached_latent`).
 
-Not covered: per-layer recompute (`recompute full`) against the meter. On these tiny MoE models the meter's peak
-under per-layer checkpointing is ~1.5x the planner's for glm4_moe as for deepseek_v3 (measured; dense models agree,
-test_plan.py): a gap of the MoE layer's terms under checkpointing, not of MLA's.
+Per-layer recompute (`recompute full`) against the meter, with every other MoE family: test_plan_moe.py
+test_saved_bytes_match_the_meter_in_every_recompute_mode.
 """
 
 from __future__ import annotations
