@@ -2,7 +2,7 @@
 # Issue 33's tables: replay vs packed vs naive-fused vs auto, each shape ONE round-robin bench run (one process,
 # one warm-up round, then ROUNDS timed rounds, order rotated; peak RSS from an untimed step, the activation meter
 # at the demo's shape only, to keep the time),
-# and the demo-shape whole RL step (replay, packed and replay+chunks against the unshared pipeline). Sized for
+# and the demo-shape whole RL step (replay, packed and replay-nochunks against the unshared pipeline). Sized for
 # <= 10 min on 2 quiet cores; only ratios within one run mean anything, so run it on a quiet machine:
 #
 #     benchmarks/issue33_tables.sh                 # writes bench-out/issue33/{NAME.md,NAME.json,summary.md}
@@ -15,10 +15,11 @@
 #                  hidden-256 Llama (vocabulary 8000)
 #   agentic        the agentic preset (4K prompt, 6 turns of 128 + tool outputs of 256, forks after turns 2 and 4)
 #   p4096          P = 4096, G = 8 and G = 16, S = 128, a 2-layer hidden-128 Llama (vocab 4096)
-# Variants: naive-fused (the baseline), packed, replay (default options: leaf micro-batches of 8), replay+chunks
-# (small subtrees packed into chunks of <= 4096 tokens, ScheduleOptions.chunk_tokens), auto (packed when its
-# planned activation peak fits the free memory, else replay; the pick is printed beside the row).
-# summary.md: per shape, replay's time / packed's, replay+chunks' / packed's and auto's / the faster of the two
+# Variants: naive-fused (the baseline), packed, replay (default options: small subtrees packed into chunks of <= 4096
+# tokens, ScheduleOptions.chunk_tokens), replay-nochunks (chunk_tokens off: one forward per segment, leaf
+# micro-batches of 8), auto (packed when its planned activation peak fits the free memory, else replay with its
+# default chunks; the pick is printed beside the row).
+# summary.md: per shape, replay's time / packed's, replay-nochunks' / packed's and auto's / the faster of the two
 # (issue 33's acceptance: replay <= 1.10 x packed, auto <= 1.05 x the faster), speed-ups and shares of the limit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +27,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-bench-out/issue33}
 ROUNDS=${ROUNDS:-3}
-VARIANTS=naive-fused,packed,replay,replay+chunks,auto
+VARIANTS=naive-fused,packed,replay,replay-nochunks,auto
 mkdir -p "$OUT"
 
 bench() {  # NAME, then bench flags
@@ -49,8 +50,8 @@ bench small-prompts --preset small-prompts --rounds "$ROUNDS" --no-meter "${SMAL
 bench agentic --preset agentic --rounds 1 --no-meter "${AGENTIC[@]}"
 bench p4096 "${P4096[@]}" --branches 8,16 --response 128 --layers 2 --hidden 128 --heads 4 --kv-heads 2 \
     --vocab 4096 --rounds "$ROUNDS" --no-meter
-echo "== whole RL step at the demo's shape: whole_step.py --demo --steps $STEPS --variants replay,packed,replay+chunks"
-"$PY" benchmarks/whole_step.py --demo --steps "$STEPS" --variants replay,packed,replay+chunks --out "$OUT/whole_step" \
+echo "== whole RL step at the demo's shape: whole_step.py --demo --steps $STEPS --variants replay,packed,replay-nochunks"
+"$PY" benchmarks/whole_step.py --demo --steps "$STEPS" --variants replay,packed,replay-nochunks --out "$OUT/whole_step" \
     >"$OUT/whole_step.log" 2>&1
 
 "$PY" - "$OUT" <<'EOF' | tee "$OUT/summary.md"
@@ -58,8 +59,8 @@ import json, sys
 from pathlib import Path
 
 out = Path(sys.argv[1])
-print("| shape | P | G | naive-fused s | packed x (of limit) | replay x | replay+chunks x | auto x (pick) | "
-      "replay / packed | replay+chunks / packed | auto / faster | peak RSS MB packed / replay / chunks |")
+print("| shape | P | G | naive-fused s | packed x (of limit) | replay x | replay-nochunks x | auto x (pick) | "
+      "replay / packed | replay-nochunks / packed | auto / faster | peak RSS MB packed / replay / nochunks |")
 print("|---|---:|---:|---:|---|---|---|---|---:|---:|---:|---|")
 for name in ("demo", "small-prompts", "agentic", "p4096"):
     rows = json.loads((out / f"{name}.json").read_text())["rows"]
@@ -69,16 +70,16 @@ for name in ("demo", "small-prompts", "agentic", "p4096"):
         x = lambda k: f"{v[k]['speedup']:.2f}x ({100 * v[k]['fraction_of_limit']:.0f}%)"  # noqa: E731
         faster = min(t["packed"], t["replay"])
         print(f"| {name} | {p} | {g} | {t['naive-fused']:.3f} | {x('packed')} | {x('replay')} | "
-              f"{x('replay+chunks')} | {x('auto')} {v['auto']['auto']['picked']} | {t['replay'] / t['packed']:.2f} | "
-              f"{t['replay+chunks'] / t['packed']:.2f} | {t['auto'] / faster:.2f} | "
+              f"{x('replay-nochunks')} | {x('auto')} {v['auto']['auto']['picked']} | {t['replay'] / t['packed']:.2f} | "
+              f"{t['replay-nochunks'] / t['packed']:.2f} | {t['auto'] / faster:.2f} | "
               f"{v['packed']['rss_peak_mb']:,.0f} / {v['replay']['rss_peak_mb']:,.0f} / "
-              f"{v['replay+chunks']['rss_peak_mb']:,.0f} |")
+              f"{v['replay-nochunks']['rss_peak_mb']:,.0f} |")
 w = json.loads((out / "whole_step" / "whole_step.json").read_text())["rows"]
 s = {r["variant"]: r["total"] for r in w}
 print()
 print(f"Whole RL step at the demo's shape: replay {s['replay']['speedup']:.2f}x, packed {s['packed']['speedup']:.2f}x, "
-      f"replay+chunks {s['replay+chunks']['speedup']:.2f}x over {w[0]['variant']} (limit {s['packed']['limit']:.2f}x); "
-      f"replay / packed speed-up {s['replay']['speedup'] / s['packed']['speedup']:.2f}, replay+chunks / packed "
-      f"{s['replay+chunks']['speedup'] / s['packed']['speedup']:.2f} (issue 33: >= 0.9)")
+      f"replay-nochunks {s['replay-nochunks']['speedup']:.2f}x over {w[0]['variant']} (limit {s['packed']['limit']:.2f}x); "
+      f"replay / packed speed-up {s['replay']['speedup'] / s['packed']['speedup']:.2f}, replay-nochunks / packed "
+      f"{s['replay-nochunks']['speedup'] / s['packed']['speedup']:.2f} (issue 33: >= 0.9)")
 EOF
 echo "issue33_tables: $(($(date +%s) - start)) s; tables in $OUT/*.md, summary in $OUT/summary.md"

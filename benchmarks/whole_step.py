@@ -36,16 +36,17 @@ from typing import Any
 warnings.filterwarnings("ignore")
 
 VARIANTS = ("replay", "packed", "naive-fused", "naive-fused/noshare", "packed-nosharing/noshare")
-"""The default set; also `replay+chunks` (replay with schedule.chunk_tokens 4096, the bench's variant)."""
+"""The default set (replay: with its default chunks, schedule.chunk_tokens 4096); also `replay-nochunks` (replay with
+schedule.chunk_tokens null, the bench's variant)."""
 BASELINE = "naive-fused/noshare"
 PHASES = ("gen", "score", "update")
 
 
 def overrides(args: argparse.Namespace, variant: str, out: Path) -> list[str]:
     schedule, _, share = variant.partition("/")
-    # replay+chunks: the bench's variant (small subtrees packed into chunks of <= 4096 tokens)
-    chunks = ["schedule.chunk_tokens=4096"] if schedule == "replay+chunks" else []
-    schedule = schedule.removesuffix("+chunks")
+    # replay-nochunks: the bench's variant (chunk_tokens off: one forward per segment)
+    chunks = ["schedule.chunk_tokens=null"] if schedule == "replay-nochunks" else []
+    schedule = schedule.removesuffix("-nochunks")
     common = [*chunks, f"schedule.name={schedule}",
               f"rollout.share_prefix={'false' if share == 'noshare' else 'true'}",
               f"model.dtype={args.dtype}", f"trainer.total_training_steps={args.steps}", "warmup.steps=0",

@@ -62,7 +62,7 @@ def training_logprobs(
     rollouts = [s.to_rollout(advantage=1.0) for s in samples]
     tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
     obj = PolicyGradientObjective.grpo([1.0] * len(rollouts), tree.num_response_tokens_logical())
-    opts = ScheduleOptions(vocab_size=VOCAB, keep_logprobs=True, moe=moe)
+    opts = ScheduleOptions(vocab_size=VOCAB, keep_logprobs=True, moe=moe, chunk_tokens=None)
     res = run_schedule(schedule, model, tree, obj, opts)
     model.zero_grad(set_to_none=True)
     return [res.rollout_logprobs(tree, i) for i in range(len(rollouts))]

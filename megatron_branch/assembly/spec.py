@@ -20,6 +20,7 @@ from megatron_branch.losses.config import ObjectiveConfig
 from megatron_branch.parallel.layout import ParallelLayout
 from megatron_branch.precision import DtypeName
 from megatron_branch.rules import AUTO_SCHEDULE, TRAIN_SCHEDULES
+from megatron_branch.schedule.options import DEFAULT_CHUNK_TOKENS
 
 
 @dataclass(kw_only=True)
@@ -37,11 +38,13 @@ class ScheduleConfig:
     """Attention executor (default merge), the same at cp 1 and under CP; one that cannot run the step is
     refused."""
     branch_micro_batch: int = 8
-    """replay: sibling leaves per forward."""
-    chunk_tokens: int | None = None
-    """replay: pack small subtrees (sibling leaves, short turns, small prompt groups) into chunks of at most this
-    many tokens, one forward and backward each against their ancestors' cached state (exact); None: leaf
-    micro-batches of branch_micro_batch only (ScheduleOptions.chunk_tokens)."""
+    """replay with chunk_tokens off: sibling leaves per forward (with chunks, leaves share a chunk by tokens and one
+    larger than chunk_tokens runs alone)."""
+    chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS
+    """replay (also auto's replay): pack small subtrees (sibling leaves, short turns, small prompt groups) into chunks
+    of at most this many tokens, one forward and backward each against their ancestors' cached state (exact); on by
+    default; null (grad: --chunk-tokens 0) turns it off: every segment walked, leaves in micro-batches of
+    branch_micro_batch (ScheduleOptions.chunk_tokens)."""
     recompute: bool = False
     """replay: recompute inner segments at backward."""
     root_pieces: int = 1

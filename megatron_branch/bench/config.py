@@ -6,7 +6,9 @@ The variants, each on the SAME rollouts and the SAME model:
     repeat-prefix     one pass, each branch attends to the prefix K/V repeated per branch (PrefixGrouper)
     naive             megatron-core's own unfused attention, every logit (the earlier baseline, for continuity)
     packed            the whole tree in one pass (shared prefix computed once)
-    replay            depth-first replay with cached prefix K/V (bounded memory)
+    replay            depth-first replay with cached prefix K/V (bounded memory); small subtrees packed into chunks
+                      of <= 4096 tokens (ScheduleOptions.chunk_tokens, on by default), as in every replay variant
+    replay-nochunks   replay with chunk_tokens off: every segment its own forward (leaf micro-batches of 8)
     replay+recompute  replay keeping no graph for inner segments
     replay+recompute-full  and per-layer activation checkpointing inside every chunk (the planner's `full`)
     auto              packed when its planned activation peak fits the budget, replay otherwise (plan/auto.py);
@@ -35,9 +37,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "replay": ("replay", {}),
     "replay+recompute": ("replay", {"recompute": True}),
     "replay+recompute-full": ("replay", {"recompute": True, "recompute_layers": True}),
-    # small subtrees packed into chunks of <= 4096 tokens (ScheduleOptions.chunk_tokens): many short prompts and
-    # sibling leaves in one forward each; not timed yet (no quiet machine since it was added)
-    "replay+chunks": ("replay", {"chunk_tokens": 4096}),
+    # chunk_tokens off: one forward per segment (sibling leaves in micro-batches of branch_micro_batch), the replay
+    # of issue 33's "replay, chunk_tokens off" column
+    "replay-nochunks": ("replay", {"chunk_tokens": None}),
     "auto": ("auto", {}),  # resolved per shape to packed or replay (bench/runner.py make_case)
 }
 """variant -> (schedule name, extra ScheduleOptions)."""
@@ -267,7 +269,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # replay's memory flat in G (configuration A's model and prompt, G = 4..32)
     "memory-G": dict(model=_m(layers=4, hidden=512, heads=8, kv_heads=2, vocab=32000), prompts=(4096,),
                      branches=(4, 8, 16, 32), response=128, variants=("naive-fused", "packed", "replay",
-                                                                       "replay+recompute")),
+                                                                       "replay-nochunks", "replay+recompute")),
     # a mixture of experts (Qwen3-MoE-style: 8 experts of width 256, top-2, megatron's MoELayer) on the CPU
     "moe": dict(model=_m(layers=2, hidden=256, heads=4, kv_heads=2, vocab=32000, experts=8, top_k=2, expert_ffn=256),
                 prompts=(2048,), branches=(8,), response=128,

@@ -127,7 +127,7 @@ def variant_flops(arch: ModelArch, tree: PrefixTree) -> dict[str, Flops]:
         "replay": shared,
         "replay+recompute": recompute,
         "replay+recompute-full": full,
-        "replay+chunks": shared,  # packing small subtrees changes the forwards' count, not their FLOPs
+        "replay-nochunks": shared,  # packing small subtrees changes the forwards' count, not their FLOPs
         "auto": shared,  # packed or replay: the same FLOPs
         "minimal": shared,
     }

@@ -104,8 +104,10 @@ def gradients(
     groups: Any,
     branch_micro_batch: int = 8,
     main_grads_fp32: bool = True,
+    **options: Any,
 ) -> Run:
-    """The gradient of the batch's objective (`objective_config`) in `dtype` through megatron DDP (one process)."""
+    """The gradient of the batch's objective (`objective_config`) in `dtype` through megatron DDP (one process);
+    `options`: further ScheduleConfig fields (chunk_tokens=None: replay walked segment by segment)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from megatron_branch.assembly import RunSpec, ScheduleConfig, schedule_options
@@ -117,7 +119,7 @@ def gradients(
     pgc = ProcessGroupCollection.use_mpu_process_groups()
     fp32 = None if main_grads_fp32 else False
     ddp = wrap_megatron_ddp(model, dtype=dtype, pg_collection=pgc, grad_reduce_in_fp32=fp32)
-    spec = RunSpec(schedule=ScheduleConfig(name=schedule, branch_micro_batch=branch_micro_batch))
+    spec = RunSpec(schedule=ScheduleConfig(name=schedule, branch_micro_batch=branch_micro_batch, **options))
     opts = schedule_options(spec, groups, VOCAB)
     plan = UpdatePlan(opts=opts, schedule=schedule, pg_collection=pgc)
     objective = build_objective(objective_config(), rollouts)

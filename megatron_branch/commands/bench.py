@@ -5,8 +5,9 @@
     megatron-branch bench --prompt 512,1024,2048 --branches 8 --layers 2 --hidden 128 --vocab 4096
 
 Variants (--variants, comma separated; naive-fused, the baseline, is always run):
-    naive-fused, packed-nosharing, repeat-prefix, naive, packed, replay, replay+recompute, replay+recompute-full,
-    replay+chunks (small subtrees packed into chunks of <= 4096 tokens: ScheduleOptions.chunk_tokens),
+    naive-fused, packed-nosharing, repeat-prefix, naive, packed, replay, replay+recompute, replay+recompute-full
+    (every replay variant packs small subtrees into chunks of <= 4096 tokens: ScheduleOptions.chunk_tokens),
+    replay-nochunks (replay with chunk_tokens off: one forward per segment),
     auto (packed when its planned activation peak fits --memory-budget GB or the free memory, else replay)
 Every speed-up is quoted against naive-fused (each rollout alone on the same model, fused attention kernel and
 fused logprob as replay: what a user runs today), next to the analytic limit (naive-fused FLOPs / the tree's

@@ -38,6 +38,14 @@ def _positive_int(text: str) -> int:  # (argparse names it in its error: "invali
     return value
 
 
+def _positive_int_or_off(text: str) -> int | None:
+    """An argparse type: a positive integer, or 0 for off (None: what `null` says in a config)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or 0 (off), got {text}")
+    return value or None
+
+
 def _positive_float(text: str) -> float:
     """An argparse type: a positive number (argparse's one-line error otherwise)."""
     value = float(text)

@@ -27,7 +27,9 @@ Additions (other objectives, docs/design.md "Objectives"; verl's names, the olde
     --schedule auto [--memory-budget GB]   packed when its planned activation peak fits the budget (on a CPU
                                  --memory-budget; on a GPU the free device memory), replay otherwise (plan/auto.py);
                                  the JSON's schedule_auto says which and why
-    --chunk-tokens N             replay: small subtrees packed into chunks of <= N tokens, one forward each
+    --chunk-tokens N             replay (and auto's replay): small subtrees packed into chunks of <= N tokens, one
+                                 forward each (default 4096); 0: off, every segment walked on its own; the
+                                 JSON's chunk_tokens says the budget that ran
 GRADS: dL/dparam for every trainable parameter, full unsharded, HF names, in --dtype (bfloat16 / float16: the fp32
 main gradients megatron's optimizer steps on). The last stdout line is JSON.
 Mixture-of-experts policies (Qwen3-MoE, Mixtral, Qwen2-MoE; docs/design.md "Mixture of experts"):
@@ -142,7 +144,7 @@ def validate(args: argparse.Namespace, *, auto: bool = False) -> tuple[Any, ...]
         rules.check_model(spec)
     except SettingError as e:
         raise e.spelled(SPELLING) from None
-    arch.check_tensor_parallel(spec.layout.tp)
+    arch.check_tensor_parallel(spec.layout.tp, etp=spec.layout.etp)
     _check_moe(spec)
     HFTensorReader(args.hf)  # every shard's header is read now: a broken file fails before any work
     max_positions = None if args.allow_longer_context else arch.max_position_embeddings
@@ -186,7 +188,7 @@ def _check_moe(spec: Any) -> None:
     """A MoE model's expert split and router settings (the run's MoE rules: rules.check_model)."""
     if not spec.arch.is_moe:
         return
-    spec.arch.check_expert_parallel(spec.layout.ep, tp=spec.layout.tp)
+    spec.arch.check_expert_parallel(spec.layout.ep, tp=spec.layout.tp, etp=spec.layout.etp)
     try:
         spec.moe.options()
     except ValueError as e:

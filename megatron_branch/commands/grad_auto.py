@@ -32,7 +32,7 @@ def auto_choice(args: argparse.Namespace, spec: Any, rollouts: list[Any], world:
         if dist.is_initialized():
             dist.all_reduce(free, op=dist.ReduceOp.MIN)
         budget = int(free.item())
-    problem = "--chunk-tokens is replay's" if spec.schedule.chunk_tokens is not None else None
+    problem = None  # --chunk-tokens is replay's own setting (auto's replay runs with it): no say in the pick
     try:  # what packed refuses (segment recompute is replay's)
         rules.check(dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, name="packed")))
     except SettingError as e:

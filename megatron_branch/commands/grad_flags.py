@@ -22,6 +22,7 @@ from megatron_branch.commands.flags import (
     _number_or_text,
     _positive_float,
     _positive_int,
+    _positive_int_or_off,
     add_fields,
     read_fields,
 )
@@ -102,7 +103,7 @@ def add_setting_flags(p: argparse.ArgumentParser) -> None:
 
     s = p.add_argument_group("schedule")
     add_fields(s, ScheduleConfig, **SCHEDULE, choices={"name": (*GRAD_SCHEDULES, "auto")},
-               types_={"branch_micro_batch": _positive_int, "chunk_tokens": _positive_int,
+               types_={"branch_micro_batch": _positive_int, "chunk_tokens": _positive_int_or_off,
                        "memory_budget_gb": _positive_float}, notes={"name": "grad runs replay, packed or naive; auto: packed when its planned activation peak fits "
                "--memory-budget (on a GPU the free device memory), replay otherwise (plan/auto.py)."},
                aliases={"enable_gradient_checkpointing": ["--enable-gradient-checkpointing"]})  # fmt: skip

@@ -40,7 +40,14 @@ def write_results(
         gathered: list[Any] = [None] * groups.dp_size
         dist.all_gather_object(gathered, lp_rows, group=groups.dp)
         lp_rows = [row for part in gathered for row in part]
-    summary = {**_summary(args, spec, groups, metrics, objective, full_tree, dtype), "schedule_auto": auto}
+    from megatron_branch.schedule.options import chunks_ran
+
+    ran = auto["picked"] if auto else spec.schedule.name  # what ran (auto: its pick)
+    summary = {
+        **_summary(args, spec, groups, metrics, objective, full_tree, dtype),
+        "schedule_auto": auto,
+        **chunks_ran(ran, spec.schedule.chunk_tokens),  # replay's chunks: the budget, or why none
+    }
     write_on_rank0(lambda: _write_outputs(args, grads, lp_rows, accumulation_dtype(dtype)))
     if dist.get_rank() == 0:
         print(json.dumps(summary), flush=True)

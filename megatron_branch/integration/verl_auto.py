@@ -9,7 +9,8 @@ What is compared: packed's planned activation peak of this rank's tree in one ch
 state, which are the same for both schedules) against `BranchOptions.memory_budget_gb`, else the device's free
 memory at the call. Every rank picks the same: the largest packed peak and the smallest budget over the world (one
 all-reduce; verl's workers call the step in lockstep, and TP/CP/EP ranks must run the same schedule). What the
-rules refuse to packed under these options (segment `recompute`, `chunk_tokens`: replay's) makes the pick replay.
+rules refuse to packed under these options (segment `recompute`, `root_pieces`: replay's) makes the pick replay;
+`chunk_tokens` (on by default) is how auto's replay runs and does not steer the pick.
 
 Reported: verl's metrics `tree/auto_packed` (1 = packed), `tree/auto_packed_gb`, `tree/auto_budget_gb` (the
 reason in numbers; `actor/tree/...` in verl's trainer), and one log line per engine whenever the pick changes, with
@@ -41,8 +42,6 @@ def packed_problem(opts: Any) -> str | None:
     from megatron_branch.errors import SettingError
     from megatron_branch.rules import API, check_run
 
-    if opts.chunk_tokens is not None:
-        return "chunk_tokens is replay's"
     if opts.root_pieces > 1:
         return "root_pieces is replay's"
     try:

@@ -66,6 +66,7 @@ def measure_step(
     branch_micro_batch: int = 8,
     recompute: bool = False,
     recompute_layers: bool = False,
+    chunk_tokens: int | None = None,
     count_flops: bool = False,
     seed: int = 0,
     rollouts: list[Rollout] | None = None,
@@ -78,7 +79,8 @@ def measure_step(
     rollouts = shape_rollouts(shape, vocab, seed) if rollouts is None else rollouts
     tree = PrefixTree.build(rollouts, vocab_size=vocab)
     obj = PolicyGradientObjective.grpo([r.advantage for r in rollouts], tree.num_response_tokens_logical())
-    sched = ScheduleConfig(branch_micro_batch=branch_micro_batch, recompute=recompute,
+    # chunk_tokens None by default: replay walked segment by segment, the chunks plan/memory.py's replay terms price
+    sched = ScheduleConfig(branch_micro_batch=branch_micro_batch, recompute=recompute, chunk_tokens=chunk_tokens,
                            enable_gradient_checkpointing=recompute_layers)  # fmt: skip
     groups = parallel.pop("groups", None) or ParallelGroups.single()
     opts = schedule_options(RunSpec(schedule=sched), groups, vocab, **parallel)  # the run assembly

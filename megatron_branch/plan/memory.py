@@ -114,6 +114,7 @@ def step_peak(
     gdn_kernel: str = "fla",
     stage: int | None = None,
     root_pieces: int = 1,
+    chunk_tokens: int | None = None,
 ) -> Peak:
     """Peak per-rank memory of one step. Prompt groups run one after another (replay runs root by root; packed
     and naive see one group's rollouts at a time per DP rank only for naive, whole tree for packed).
@@ -122,12 +123,16 @@ def step_peak(
     first and the last stage, plan/pipeline.py): its layers, the output layer on the last one, and the
     micro-batches megatron's 1F1B order keeps alive on it (pp - stage; packed: one chunk per prompt group).
     `root_pieces`: replay's roots cut into that many sequence pieces (data/pieces.py; under PP): with segment
-    recompute each piece is recomputed at its own backward, so the root's backward holds one piece's graph."""
+    recompute each piece is recomputed at its own backward, so the root's backward holds one piece's graph.
+    `chunk_tokens`: replay's token budget (ScheduleOptions.chunk_tokens; None: the walk, segment by segment):
+    whole prompt groups that fit run as packed chunks of as many groups as fit (nothing cached), else the leaves
+    run in chunks of as many as fit (replay_chunk_leaves) instead of branch_micro_batch."""
     if layout.pp > 1 and stage is None:
         return heavier_stage_peak(
             arch, shape, layout, schedule=schedule, act_bytes=act_bytes, branch_micro_batch=branch_micro_batch,
             logprob_chunk_rows=logprob_chunk_rows, segment_recompute=segment_recompute,
             layer_recompute=layer_recompute, gdn_kernel=gdn_kernel, root_pieces=root_pieces,
+            chunk_tokens=chunk_tokens,
         )  # fmt: skip
     dm = Dims.of(arch, layout, act_bytes, gdn_kernel=gdn_kernel)
     if stage is not None:
@@ -157,11 +162,14 @@ def step_peak(
         return packed_peak(dm, r, m, cp=cp, layer_recompute=lay_rc, sequences=seqs,
                            logprob_chunk_rows=logprob_chunk_rows, alive=alive)  # fmt: skip
     assert schedule == "replay", schedule
+    if chunk_tokens is not None and R + G * L <= chunk_tokens:
+        return _group_chunks_peak(dm, shape, layout, chunk_tokens, groups, alive=alive, layer_recompute=lay_rc,
+                                  logprob_chunk_rows=logprob_chunk_rows)  # fmt: skip
     r_root = local_rows(R, 1, layout)
     # only rows that predict a response token reach the output projection (schedule/chunks.py, targets="loss"):
     # the root's shared response tokens and one fork token per child
     m_root = cdiv(shape.shared_response_length + G, cp)
-    b = min(branch_micro_batch, G)
+    b = min(branch_micro_batch, G) if chunk_tokens is None else replay_chunk_leaves(L, G, chunk_tokens)
     alive = min(alive, cdiv(G, b))  # a wave's leaf micro-batches alive at once on this stage
     r_leaf = local_rows(L, b, layout)
     m_leaf = cdiv(b * (L - 1), cp)
@@ -261,6 +269,34 @@ def packed_peak(
         logits=logits_bytes(dm, m, logprob_chunk_rows),
         dispatcher=dispatcher_bytes(dm, r),
     )
+
+
+def replay_chunk_leaves(leaf_length: int, responses: int, chunk_tokens: int) -> int:
+    """Leaves per chunk of replay's token budget (schedule/walk.py packed_groups): as many as fit, one when a leaf
+    alone is larger than the budget."""
+    return max(1, min(responses, chunk_tokens // leaf_length))
+
+
+def _group_chunks_peak(
+    dm: Dims,
+    shape: RolloutShape,
+    layout: Layout,
+    chunk_tokens: int,
+    groups: int,
+    *,
+    alive: int,
+    layer_recompute: bool,
+    logprob_chunk_rows: int,
+) -> Peak:
+    """Replay whose prompt groups each fit its token budget: chunks of k whole groups, each a packed chunk against
+    no cache (schedule/walk.py run_forest), priced as packed's k-group chunk."""
+    R, L, G = shape.root_length, shape.leaf_length, shape.responses
+    k = min(groups, chunk_tokens // (R + G * L))
+    r = k * (local_rows(R, 1, layout) + local_rows(L, G, layout))
+    r = local_rows(r, 1, Layout(tp=layout.tp, sequence_parallel=layout.sequence_parallel))
+    m = cdiv(k * (shape.shared_response_length + G * L), layout.cp)  # every response token once
+    return packed_peak(dm, r, m, cp=layout.cp, layer_recompute=layer_recompute, sequences=[(R, k), (L, k * G)],
+                       logprob_chunk_rows=logprob_chunk_rows, alive=min(alive, cdiv(groups, k)))  # fmt: skip
 
 
 def margin_bytes(counted: int) -> int:

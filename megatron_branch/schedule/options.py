@@ -10,6 +10,29 @@ from megatron_branch.attention.dispatch import backend_problem
 from megatron_branch.parallel.groups import ParallelGroups
 from megatron_branch.schedule.hooks import ScheduleHook, StepHook
 
+DEFAULT_CHUNK_TOKENS = 4096
+"""replay's token budget per packed chunk unless a run says otherwise (ScheduleOptions.chunk_tokens; the one home of
+the default: ScheduleConfig, grad, train, bench and verl's BranchOptions all read it). 4096 is the budget of issue
+33's tables (docs/performance.md): with it replay was within 1.10x of packed at every shape (demo, small prompts,
+agentic, P = 4096 with G = 8 and 16), where leaf micro-batches of 8 alone were up to 3.76x slower; a chunk of 4096
+tokens keeps replay's memory bounded (one chunk's activations, beside the path's cache) far below a long prompt's."""
+
+
+CHUNKS_OFF = {
+    "replay-stopgrad": "replay-stopgrad freezes the prompt rows of cached segments only: it walks segment by segment",
+}
+"""Replay-like schedules that run without chunks whatever `chunk_tokens` says, and why (reported, never refused:
+the chunks are a default). Every other feature runs with them (tests/unit/test_chunk_tokens.py, the families' and
+layouts' tests with `chunk_tokens`)."""
+
+
+def chunks_ran(schedule: str, chunk_tokens: int | None) -> dict[str, Any]:
+    """What a run of `schedule` did with replay's chunks, for its JSON: the budget it ran with (None: no chunks), and
+    `chunk_tokens_off`, the reason, when a budget was set but the schedule walks without it."""
+    if schedule in CHUNKS_OFF and chunk_tokens is not None:
+        return {"chunk_tokens": None, "chunk_tokens_off": CHUNKS_OFF[schedule]}
+    return {"chunk_tokens": chunk_tokens if schedule == "replay" else None}
+
 
 @dataclass(kw_only=True)
 class ScheduleOptions:
@@ -23,12 +46,14 @@ class ScheduleOptions:
     """Attention backend (attention.dispatch): the executor of the visibility plan on one rank AND on every ring
     block under CP; None = `default_backend()`. A baseline without a ring executor is refused under CP."""
     branch_micro_batch: int = 8
-    """replay: how many sibling LEAF segments share one forward/backward."""
-    chunk_tokens: int | None = None
+    """replay with `chunk_tokens` None: how many sibling LEAF segments share one forward/backward (with a token
+    budget the chunks decide instead)."""
+    chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS
     """replay: pack small subtrees into chunks of at most this many tokens (schedule/walk.py): consecutive siblings
     whose whole subtree fits (leaves, short turns, small prompt groups at the top) share one forward and backward
     against their ancestors' cached state instead of one per segment (or per `branch_micro_batch` leaves); a larger
-    subtree is walked as before. Exact (the same layout rules as `packed`). None: leaf micro-batches only."""
+    subtree is walked as before. Exact (the same layout rules as `packed`). On by default (DEFAULT_CHUNK_TOKENS);
+    None: off, every segment walked (leaf micro-batches of `branch_micro_batch`)."""
     recompute: bool = False
     """replay: keep no graph for a segment with children; recompute its forward at its backward."""
     recompute_layers: bool = False

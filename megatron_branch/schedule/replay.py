@@ -51,6 +51,7 @@ from megatron_branch.schedule.common import (
     forward_chunk,
     prepare_chunk,
 )
+from megatron_branch.schedule.options import chunks_ran
 from megatron_branch.schedule.prefix_cache import PrefixCache
 from megatron_branch.schedule.walk import DepthFirstWalk
 
@@ -74,7 +75,8 @@ class _Replay(DepthFirstWalk):
         self.path: list[int] = []  # cached ancestors of what runs next, root first
         self.micro = opts.branch_micro_batch
         # replay-stopgrad freezes the prompt rows of CACHED segments only: it keeps one forward per segment
-        self.chunk_tokens = None if stop_prompt_gradient else opts.chunk_tokens
+        name = "replay-stopgrad" if stop_prompt_gradient else "replay"
+        self.chunk_tokens = chunks_ran(name, opts.chunk_tokens)["chunk_tokens"]
         self.forwards = 0
         self.positions = 0
         self.recomputed = 0

@@ -6,7 +6,8 @@ trades memory for speed, so it may change from step to step with the sampled tre
 The budget: `schedule.memory_budget_gb`, else the device's free memory (a GPU: torch's mem_get_info; a CPU: the host's
 available memory shared by the node's ranks), the smallest over the ranks so that every rank picks the same. The
 config is checked as replay (what auto falls back to); what the rules refuse to packed for this run (segment
-recompute, `chunk_tokens`, ...) makes every pick replay, with that line as the reason. Reported: metrics
+recompute, ...) makes every pick replay, with that line as the reason. `schedule.chunk_tokens` is replay's own
+setting (on by default): auto's replay runs with it, and it does not steer the pick. Reported: metrics
 `schedule/auto_packed` (1 = packed), `schedule/auto_packed_gb`, `schedule/auto_budget_gb` each step, a printed line
 whenever the pick changes, and the last pick with its reason in the run's final JSON (`schedule_auto`).
 """
@@ -25,8 +26,6 @@ from megatron_branch.plan.model import Layout
 
 def packed_problem(spec: Any, spelling: Any) -> str | None:
     """What the rules refuse to packed in this run (the one line, in the config's words), or None."""
-    if spec.schedule.chunk_tokens is not None:
-        return "schedule.chunk_tokens is replay's"
     try:
         rules.check(dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, name="packed")))
     except SettingError as e:
@@ -93,6 +92,16 @@ class AutoSchedule:
             "schedule/auto_packed_gb": self.last.packed_bytes / 1e9,
             "schedule/auto_budget_gb": self.last.budget_bytes / 1e9,
         }
+
+
+def run_summary(auto: AutoSchedule | None, schedule: Any) -> dict[str, Any]:
+    """The run's final JSON about its schedule: auto's last pick and why, and the budget replay's chunks ran with
+    (or why none: schedule/options.py chunks_ran) under the schedule that ran last."""
+    from megatron_branch.schedule.options import chunks_ran
+
+    if auto is None or auto.last is None:
+        return chunks_ran(schedule.name, schedule.chunk_tokens)
+    return {"schedule_auto": auto.last.to_json(), **chunks_ran(auto.last.schedule, schedule.chunk_tokens)}
 
 
 def auto_schedule(

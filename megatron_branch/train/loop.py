@@ -36,6 +36,7 @@ from megatron_branch.rules import UNSHARED
 from megatron_branch.train import lifecycle
 from megatron_branch.train import policy as policy_ops
 from megatron_branch.train.algorithm import resolve_algorithm
+from megatron_branch.train.auto_schedule import run_summary
 from megatron_branch.train.checkpointing import RunCheckpoints
 from megatron_branch.train.config import TrainConfig
 from megatron_branch.train.config_io import write_resolved
@@ -307,9 +308,8 @@ class Trainer(RunCheckpoints):
         }
 
     def _auto_summary(self) -> dict[str, Any]:
-        """schedule.name: auto: the last pick and why (train/auto_schedule.py)."""
-        auto = self.actor.auto
-        return {} if auto is None or auto.last is None else {"schedule_auto": auto.last.to_json()}
+        """schedule.name: auto: the last pick and why; replay's chunks (train/auto_schedule.py run_summary)."""
+        return run_summary(self.actor.auto, self.cfg.schedule)
 
     def _stop_on_signal(self, last: dict[str, Any]) -> dict[str, Any]:
         if self.saved_step != self.step:

@@ -80,7 +80,7 @@ def run(name: str, groups, save: Path | None = None):  # noqa: ANN001, ANN201
     tr, pgc = trainee(name)
     rollouts = _rollouts()
     objective = build_objective(bp.objective_config(), rollouts)
-    opts = ScheduleOptions(groups=groups, vocab_size=bp.VOCAB, branch_micro_batch=2)
+    opts = ScheduleOptions(groups=groups, vocab_size=bp.VOCAB, branch_micro_batch=2, chunk_tokens=None)
     plan = UpdatePlan(opts=opts, schedule=schedule, micro_batches=2 // groups.dp_size, pg_collection=pgc)
     for _ in range(2):
         assert update_step(

@@ -87,7 +87,7 @@ def _steps(trainee, pgc, groups: ParallelGroups, n: int) -> list[dict]:  # noqa:
     rollouts = _rollouts()
     obj = PolicyObjective(agg=Aggregation.of_batch(rollouts), clip_c=3.0)
     plan = UpdatePlan(
-        opts=ScheduleOptions(groups=groups, vocab_size=VOCAB, branch_micro_batch=2),
+        opts=ScheduleOptions(groups=groups, vocab_size=VOCAB, branch_micro_batch=2, chunk_tokens=None),
         schedule="replay",
         micro_batches=2,
         pg_collection=pgc,

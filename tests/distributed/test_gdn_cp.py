@@ -82,7 +82,9 @@ class _Setup:
     def run(self, schedule: str, groups: Any, **kw: Any) -> tuple[Any, dict[str, torch.Tensor]]:
         """One step of `schedule` at `groups`; (result, full HF-named gradients summed over CP and TP shards)."""
         self.model.zero_grad(set_to_none=True)
-        opts = ScheduleOptions(groups=groups, vocab_size=self.arch.vocab_size, keep_logprobs=True, **kw)
+        opts = ScheduleOptions(
+            groups=groups, vocab_size=self.arch.vocab_size, keep_logprobs=True, **{"chunk_tokens": None, **kw}
+        )
         res = run_schedule(schedule, self.model, self.tree, self.obj, opts)
         dp_cp = groups.dp_cp if groups.cp_size > 1 else None
         finalize_grads(self.model, tp_group=self.groups.tp, dp_cp_group=dp_cp, sequence_parallel=self.sp)
@@ -139,7 +141,7 @@ def test_gdn_under_cp2_with_recompute_and_layer_checkpointing() -> None:
 @pytest.mark.world(2)
 def test_gdn_scoring_under_cp2_equals_naive() -> None:
     s = _Setup(tp=1, cp=2)
-    opts = ScheduleOptions(groups=s.groups, vocab_size=s.arch.vocab_size)
+    opts = ScheduleOptions(groups=s.groups, vocab_size=s.arch.vocab_size, chunk_tokens=None)
     want = score_rollouts("naive", s.model, s.tree, dataclasses.replace(opts, groups=s.no_cp))
     for schedule in ("replay", "packed"):
         got = score_rollouts(schedule, s.model, s.tree, opts)

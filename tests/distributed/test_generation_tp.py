@@ -68,7 +68,7 @@ def generate(hf, pcfg: ParallelConfig):  # noqa: ANN001, ANN201
     rollouts = [s.to_rollout(advantage=1.0) for s in samples]
     tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
     obj = PolicyGradientObjective.grpo([1.0] * len(rollouts), tree.num_response_tokens_logical())
-    opts = ScheduleOptions(groups=groups, vocab_size=VOCAB, keep_logprobs=True)
+    opts = ScheduleOptions(groups=groups, vocab_size=VOCAB, keep_logprobs=True, chunk_tokens=None)
     res = run_schedule("replay", model, tree, obj, opts)
     trained = [res.rollout_logprobs(tree, i) for i in range(len(rollouts))]
     return outs, trained

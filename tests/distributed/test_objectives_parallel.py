@@ -149,7 +149,10 @@ def _layout_grads(
     from megatron_branch.update import UpdatePlan, accumulate_gradients, finalize, reduce_metrics
 
     kw = {"branch_micro_batch": 2, **options} if schedule == "replay" else options
-    plan = UpdatePlan(opts=ScheduleOptions(groups=groups, vocab_size=VOCAB, **kw), schedule=schedule)
+    plan = UpdatePlan(
+        opts=ScheduleOptions(groups=groups, vocab_size=VOCAB, **{"chunk_tokens": None, **kw}),
+        schedule=schedule,
+    )
     model.zero_grad(set_to_none=True)
     acc = accumulate_gradients(model, rollouts, objective, plan)  # type: ignore[arg-type]
     finalize(model, plan)  # SP grads over TP, every grad SUMMED over DP x CP (global normalisation)
@@ -319,7 +322,9 @@ def test_dp2_update_equals_one_rank_update() -> None:
         ddp, OptimizerSettings(lr=1e-3, weight_decay=0.0, clip_grad=0.05), dtype=torch.float64
     )
     plan = UpdatePlan(
-        opts=ScheduleOptions(groups=groups, vocab_size=VOCAB), micro_batches=2, pg_collection=pgc
+        opts=ScheduleOptions(groups=groups, vocab_size=VOCAB, chunk_tokens=None),
+        micro_batches=2,
+        pg_collection=pgc,
     )
     metrics = update_step(ddp, rollouts, objective, plan, optimizer=opt, scheduler=sched).metrics
     assert metrics["actor/grad_norm"] == pytest.approx(float(norm), rel=1e-10)  # the global norm, over DP
@@ -397,13 +402,16 @@ def test_attach_scores_gathers_the_whole_batch_over_dp() -> None:
         model, hf_to_mcore_state(hf.state_dict(), arch, padded_vocab=arch.padded_vocab_size(1)), None
     )
     dp2 = attach_scores(
-        model, rollouts, "values", UpdatePlan(opts=ScheduleOptions(groups=groups, vocab_size=VOCAB))
+        model,
+        rollouts,
+        "values",
+        UpdatePlan(opts=ScheduleOptions(groups=groups, vocab_size=VOCAB, chunk_tokens=None)),
     )
     one = attach_scores(
         model,
         rollouts,
         "values",
-        UpdatePlan(opts=ScheduleOptions(groups=ParallelGroups.single(), vocab_size=VOCAB)),
+        UpdatePlan(opts=ScheduleOptions(groups=ParallelGroups.single(), vocab_size=VOCAB, chunk_tokens=None)),
     )
     assert [r.field("values") for r in dp2] == [
         r.field("values") for r in one

@@ -80,7 +80,10 @@ def _pp_grads(
     from megatron_branch.update import UpdatePlan, accumulate_gradients, finalize, reduce_metrics
 
     kw = {"branch_micro_batch": 2, **options} if schedule == "replay" else options
-    plan = UpdatePlan(opts=ScheduleOptions(groups=groups, vocab_size=VOCAB, **kw), schedule=schedule)
+    plan = UpdatePlan(
+        opts=ScheduleOptions(groups=groups, vocab_size=VOCAB, **{"chunk_tokens": None, **kw}),
+        schedule=schedule,
+    )
     model.zero_grad(set_to_none=True)
     acc = accumulate_gradients(model, rollouts, objective, plan)  # type: ignore[arg-type]
     finalize(model, plan)  # SP norms over TP, SUM over DP x CP, the tied embedding over its two stages
@@ -300,7 +303,9 @@ def test_pipeline_runs_the_schedule_hooks_on_every_stage(
 
     def step() -> tuple[CountingHook, Any]:
         hook = CountingHook()
-        opts = ScheduleOptions(groups=groups, vocab_size=VOCAB, branch_micro_batch=2, hooks=(hook,))
+        opts = ScheduleOptions(
+            groups=groups, vocab_size=VOCAB, branch_micro_batch=2, hooks=(hook,), chunk_tokens=None
+        )
         model.zero_grad(set_to_none=True)
         return hook, run_schedule(schedule, model, tree, objective, opts)
 

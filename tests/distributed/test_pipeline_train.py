@@ -52,7 +52,7 @@ def _one_step(pp: int, schedule: str) -> dict[str, torch.Tensor]:
     )
     optimizer, scheduler = build_optimizer(ddp, settings, dtype=torch.float64)
     plan = UpdatePlan(
-        opts=ScheduleOptions(groups=groups, vocab_size=VOCAB, branch_micro_batch=2), schedule=schedule,
+        opts=ScheduleOptions(groups=groups, vocab_size=VOCAB, branch_micro_batch=2, chunk_tokens=None), schedule=schedule,
         micro_batches=2, pg_collection=pgc,
     )  # fmt: skip
     res = update_step(ddp, rollouts, _objective(rollouts), plan, optimizer=optimizer, scheduler=scheduler)

@@ -291,6 +291,7 @@ def _model_case(
         recompute=recompute,
         recompute_layers=recompute_layers,
         branch_micro_batch=2,
+        chunk_tokens=None,  # the walk itself (chunks off): a tiny tree would be one chunk
         ring_stats=stats,
         backend=backend,
     )
@@ -375,7 +376,10 @@ def test_ring_cp_flex_scores_match_naive() -> None:
     ref = score_rollouts("naive", model, tree, ScheduleOptions(groups=no_cp, vocab_size=37))
     for schedule in ("packed", "replay"):
         got = score_rollouts(
-            schedule, model, tree, ScheduleOptions(groups=groups, vocab_size=37, backend="flex")
+            schedule,
+            model,
+            tree,
+            ScheduleOptions(groups=groups, vocab_size=37, backend="flex", chunk_tokens=None),
         )
         for a, b in zip(got.logprobs, ref.logprobs, strict=True):
             torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, equal_nan=True)

@@ -38,7 +38,7 @@ def step(hf, rollouts, pcfg: ParallelConfig, schedule: str, dtype: torch.dtype):
     obj = PolicyGradientObjective.grpo(
         [rollouts[i].advantage for i in mine], full.num_response_tokens_logical()
     )
-    opts = ScheduleOptions(groups=groups, vocab_size=arch.vocab_size, branch_micro_batch=2)
+    opts = ScheduleOptions(groups=groups, vocab_size=arch.vocab_size, branch_micro_batch=2, chunk_tokens=None)
     res = run_schedule(schedule, model, tree, obj, opts)
     finalize_grads(
         model, tp_group=groups.tp, dp_cp_group=groups.dp_cp, sequence_parallel=groups.sequence_parallel

@@ -95,7 +95,11 @@ def test_verl_engine_pp2(monkeypatch: pytest.MonkeyPatch) -> None:
     _check(base, _step(hf, switch=True, options=BranchOptions(schedule="packed")), "packed", passes=1)
     # a tied embedding (its copy on the last stage summed by megatron's embedding group) and two layers per stage
     tied = shared_policy_dir(num_layers=4, tie=True)
-    pieces = BranchOptions(one_pass=False, schedule_options={"root_pieces": 2, "branch_micro_batch": 2})
+    # chunks off here and in the planted case: the tiny batch would otherwise be one chunk (no pieces, no cache)
+    walk = {"chunk_tokens": None}
+    pieces = BranchOptions(
+        one_pass=False, schedule_options={"root_pieces": 2, "branch_micro_batch": 2, **walk}
+    )
     what = "tied, 4 layers, replay, root pieces 2, two passes"
     _check(_step(tied, switch=False), _step(tied, switch=True, options=pieces), what, passes=2)
 
@@ -106,7 +110,7 @@ def test_verl_engine_pp2(monkeypatch: pytest.MonkeyPatch) -> None:
         return ([], []) if dist.get_rank() == 0 else real(self, seg_id, captured)
 
     monkeypatch.setattr(PrefixCache, "injection", dropped)
-    planted = _step(hf, switch=True)
+    planted = _step(hf, switch=True, options=BranchOptions(schedule="replay", schedule_options=walk))
     monkeypatch.undo()
     every = _worst_over_stages(max_rel_grad_error(base.grads, planted.grads)[0])
     assert every[0] > 1e-2 and every[1] <= 1e-5, every  # the first stage's gradients wrong, the last's right

@@ -53,7 +53,9 @@ def test_offload_keeps_the_state_on_the_host_and_equals_the_device_optimizer(fra
     ):
         tr, pgc = _trainee(**kw)
         plan = UpdatePlan(
-            opts=ScheduleOptions(groups=groups, vocab_size=37), schedule="replay", pg_collection=pgc
+            opts=ScheduleOptions(groups=groups, vocab_size=37, chunk_tokens=None),
+            schedule="replay",
+            pg_collection=pgc,
         )
         for _ in range(3):
             update_step(tr.ddp, rollouts, obj, plan, optimizer=tr.optimizer, scheduler=tr.scheduler)

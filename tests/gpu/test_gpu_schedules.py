@@ -38,7 +38,9 @@ def test_replay_and_packed_match_naive_on_cuda(dtype: torch.dtype, tol: float) -
     grads = {}
     for schedule in ("naive", "packed", "replay"):
         model.zero_grad(set_to_none=True)
-        run_schedule(schedule, model, tree, objective, ScheduleOptions(vocab_size=arch.vocab_size))
+        run_schedule(
+            schedule, model, tree, objective, ScheduleOptions(vocab_size=arch.vocab_size, chunk_tokens=None)
+        )
         grads[schedule] = mcore_to_hf_state(gather_full_grads(model, None), arch)
     for schedule in ("packed", "replay"):
         for name, g in grads["naive"].items():

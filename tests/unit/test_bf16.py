@@ -75,7 +75,7 @@ def _plan(groups, pgc, schedule: str = "replay"):  # noqa: ANN001, ANN202
     from megatron_branch.schedule import ScheduleOptions
     from megatron_branch.update import UpdatePlan
 
-    opts = ScheduleOptions(groups=groups, vocab_size=bp.VOCAB, branch_micro_batch=4)
+    opts = ScheduleOptions(groups=groups, vocab_size=bp.VOCAB, branch_micro_batch=4, chunk_tokens=None)
     return UpdatePlan(opts=opts, schedule=schedule, pg_collection=pgc)
 
 
@@ -183,7 +183,13 @@ def _accumulator_error(groups, monkeypatch) -> float:  # noqa: ANN001
     monkeypatch.setattr(prefix_cache.WideSum, "grad", spy_grad)
     weights = bp.bf16_weights(3)
     bp.gradients(
-        weights, torch.bfloat16, "replay", bp.tree_batch(3, branches=8), groups=groups, branch_micro_batch=1
+        weights,
+        torch.bfloat16,
+        "replay",
+        bp.tree_batch(3, branches=8),
+        groups=groups,
+        branch_micro_batch=1,
+        chunk_tokens=None,  # the walk: one leaf per backward, so every cached prefix sums many children's gradients
     )
     assert not sent  # every sum was injected
     return worst[0]

@@ -76,7 +76,9 @@ def assert_same(res, grads, want_res, want_grads, tol: float = 1e-9) -> None:  #
 def test_packed_subtrees_equal_naive_in_float64(model: torch.nn.Module, budget: int, recompute: bool) -> None:
     rollouts = forest()
     tree, naive, naive_grads = step(model, rollouts, "naive")
-    _, plain, _ = step(model, rollouts, "replay", recompute=recompute)
+    _, plain, _ = step(
+        model, rollouts, "replay", recompute=recompute, chunk_tokens=None
+    )  # the walk, chunks off
     _, res, grads = step(model, rollouts, "replay", chunk_tokens=budget, recompute=recompute)
     assert res.positions_computed == tree.positions_computed
     assert_same(res, grads, naive, naive_grads)
@@ -144,6 +146,39 @@ def test_chunk_tokens_must_be_positive() -> None:
         ScheduleOptions(vocab_size=VOCAB, chunk_tokens=0)
 
 
+def test_chunks_are_on_by_default_from_one_place(model: torch.nn.Module) -> None:
+    """One default (schedule/options.py) for the engine's options and the run's config (grad, train, bench, verl's
+    BranchOptions read one of the two); with it the whole small forest is ONE forward, and None turns it off."""
+    from megatron_branch.assembly import ScheduleConfig
+    from megatron_branch.schedule.options import DEFAULT_CHUNK_TOKENS
+
+    assert (
+        ScheduleOptions(vocab_size=VOCAB).chunk_tokens
+        == ScheduleConfig().chunk_tokens
+        == DEFAULT_CHUNK_TOKENS
+    )
+    tree, default, _ = step(model, forest(), "replay")
+    assert tree.positions_computed <= DEFAULT_CHUNK_TOKENS and default.forwards == 1
+    _, off, _ = step(model, forest(), "replay", chunk_tokens=None)
+    assert off.forwards == 24  # the walk: every cached segment and every leaf micro-batch
+
+
+def test_replay_stopgrad_walks_and_says_why(model: torch.nn.Module) -> None:
+    """replay-stopgrad (an inexact comparison) freezes the prompt rows of cached segments: with the default chunks it
+    still walks segment by segment, and the run's JSON says why (schedule/options.py chunks_ran) instead of a
+    refusal."""
+    from megatron_branch.schedule.options import DEFAULT_CHUNK_TOKENS, chunks_ran
+
+    _, default, _ = step(model, forest(), "replay-stopgrad")
+    _, off, _ = step(model, forest(), "replay-stopgrad", chunk_tokens=None)
+    assert default.forwards == off.forwards > 1
+    assert chunks_ran("replay-stopgrad", DEFAULT_CHUNK_TOKENS)["chunk_tokens_off"].startswith(
+        "replay-stopgrad"
+    )
+    assert chunks_ran("replay", DEFAULT_CHUNK_TOKENS) == {"chunk_tokens": DEFAULT_CHUNK_TOKENS}
+    assert chunks_ran("packed", DEFAULT_CHUNK_TOKENS) == {"chunk_tokens": None}
+
+
 def test_scoring_with_packed_subtrees_is_naives(model: torch.nn.Module) -> None:
     """Forward only (old-policy / reference logprobs): the same walk, no graph; every target's logprob equals
     naive's."""
@@ -154,5 +189,5 @@ def test_scoring_with_packed_subtrees_is_naives(model: torch.nn.Module) -> None:
         got = run_schedule("replay", model, tree, None, opts, forward_only=True)
         want = run_schedule("naive", model, tree, None, opts, forward_only=True)
     torch.testing.assert_close(got.target_logprobs, want.target_logprobs, rtol=0, atol=1e-11, equal_nan=True)
-    assert got.forwards < run_schedule("replay", model, tree, None, ScheduleOptions(vocab_size=VOCAB),
-                                       forward_only=True).forwards  # fmt: skip
+    plain = ScheduleOptions(vocab_size=VOCAB, chunk_tokens=None)  # chunks off: the walk segment by segment
+    assert got.forwards < run_schedule("replay", model, tree, None, plain, forward_only=True).forwards

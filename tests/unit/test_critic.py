@@ -61,7 +61,9 @@ def ppo_rollouts(model, groups, seed: int) -> list[Rollout]:  # noqa: ANN001
 
 def grads(model, tree, obj, schedule, **kw):  # noqa: ANN001, ANN201
     model.zero_grad(set_to_none=True)
-    res = run_schedule(schedule, model, tree, obj, ScheduleOptions(vocab_size=VOCAB, **kw))
+    res = run_schedule(
+        schedule, model, tree, obj, ScheduleOptions(vocab_size=VOCAB, **{"chunk_tokens": None, **kw})
+    )
     return res, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -116,7 +118,9 @@ def test_critic_update_is_micro_batch_invariant(groups) -> None:  # noqa: ANN001
         ddp = wrap_megatron_ddp(model, dtype=torch.float64, pg_collection=pgc)
         opt, sched = build_optimizer(ddp, OptimizerSettings(lr=1e-3), dtype=torch.float64)
         plan = UpdatePlan(
-            opts=ScheduleOptions(groups=groups, vocab_size=VOCAB), micro_batches=n, pg_collection=pgc
+            opts=ScheduleOptions(groups=groups, vocab_size=VOCAB, chunk_tokens=None),
+            micro_batches=n,
+            pg_collection=pgc,
         )
         m = update_step(ddp, rollouts, obj, plan, optimizer=opt, scheduler=sched).metrics
         out[n] = ({k: p.detach().clone() for k, p in model.named_parameters()}, m)

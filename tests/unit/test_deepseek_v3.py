@@ -167,6 +167,9 @@ def test_every_exact_schedule_matches_hf(dtype: torch.dtype) -> None:
     rollouts = _tree_rollouts()
     _, want = hf_policy_gradient(hf, rollouts)
     got = {s: _schedule_grads(model, arch, rollouts, s) for s in EXACT}
+    # replay's chunks (on by default; _schedule_grads walks segment by segment): with a budget of 12 tokens small
+    # subtrees run as packed chunks against their ancestors' cached latent
+    got["replay chunks"] = _schedule_grads(model, arch, rollouts, "replay", chunk_tokens=12)
     for schedule, grads in got.items():
         assert set(want) <= set(grads)  # + the frozen correction biases (no gradient)
         worst = _worst(grads, want)

@@ -55,7 +55,11 @@ def step(model: torch.nn.Module, rs: list[Rollout], schedule: str, **kw: object)
     obj = PolicyGradientObjective.grpo([r.advantage for r in rs], tree.num_response_tokens_logical())
     model.zero_grad(set_to_none=True)
     res = run_schedule(
-        schedule, model, tree, obj, ScheduleOptions(vocab_size=VOCAB, keep_logprobs=True, **kw)
+        schedule,
+        model,
+        tree,
+        obj,
+        ScheduleOptions(vocab_size=VOCAB, keep_logprobs=True, **{"chunk_tokens": None, **kw}),
     )
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return tree, res, grads

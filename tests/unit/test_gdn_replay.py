@@ -50,7 +50,7 @@ def step(model: torch.nn.Module, arch, schedule: str, rs: list[Rollout], **kw): 
     tree = PrefixTree.build(rs, vocab_size=arch.vocab_size)
     obj = PolicyGradientObjective.grpo([r.advantage for r in rs], tree.num_response_tokens_logical())
     model.zero_grad(set_to_none=True)
-    opts = ScheduleOptions(vocab_size=arch.vocab_size, keep_logprobs=True, **kw)
+    opts = ScheduleOptions(vocab_size=arch.vocab_size, keep_logprobs=True, **{"chunk_tokens": None, **kw})
     res = run_schedule(schedule, model, tree, obj, opts)
     return res, mcore_to_hf_state(gather_full_grads(model, None), arch)
 
@@ -203,7 +203,7 @@ def test_fp64_is_float32_exact() -> None:
 def test_scoring_equals_naive(fp32) -> None:  # noqa: ANN001
     _, arch, model, rs, _ = fp32
     tree = PrefixTree.build(rs, vocab_size=arch.vocab_size)
-    opts = ScheduleOptions(vocab_size=arch.vocab_size)
+    opts = ScheduleOptions(vocab_size=arch.vocab_size, chunk_tokens=None)
     want = score_rollouts("naive", model, tree, opts)
     got = score_rollouts("replay", model, tree, opts)
     for a, b in zip(got.logprobs, want.logprobs, strict=True):

@@ -91,9 +91,13 @@ def training_logprobs(model, samples, schedule: str) -> list[torch.Tensor]:  # n
     rollouts = [s.to_rollout(advantage=1.0) for s in samples]
     tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
     if schedule == "score":
-        return score_rollouts("replay", model, tree, ScheduleOptions(vocab_size=VOCAB)).logprobs
+        return score_rollouts(
+            "replay", model, tree, ScheduleOptions(vocab_size=VOCAB, chunk_tokens=None)
+        ).logprobs
     obj = PolicyGradientObjective.grpo([1.0] * len(rollouts), tree.num_response_tokens_logical())
-    res = run_schedule(schedule, model, tree, obj, ScheduleOptions(vocab_size=VOCAB, keep_logprobs=True))
+    res = run_schedule(
+        schedule, model, tree, obj, ScheduleOptions(vocab_size=VOCAB, keep_logprobs=True, chunk_tokens=None)
+    )
     model.zero_grad(set_to_none=True)
     return [res.rollout_logprobs(tree, i) for i in range(len(rollouts))]
 
@@ -373,7 +377,7 @@ def test_on_policy_grpo_through_the_sampler_raises_a_simple_reward() -> None:
         tree = PrefixTree.build(rollouts, vocab_size=v)
         opt.zero_grad(set_to_none=True)
         obj = PolicyGradientObjective.grpo(adv.tolist(), tree.num_response_tokens_logical())
-        run_schedule("replay", model, tree, obj, ScheduleOptions(vocab_size=v))
+        run_schedule("replay", model, tree, obj, ScheduleOptions(vocab_size=v, chunk_tokens=None))
         opt.step()
         means.append(float(rewards.mean()))
         computed.append(tree.positions_computed)

@@ -184,7 +184,13 @@ def _schedule_grads(model, arch, rollouts, schedule: str, **opts) -> dict:  # no
     tree = PrefixTree.build(rollouts, vocab_size=37)
     obj = PolicyGradientObjective.grpo([r.advantage for r in rollouts], tree.num_response_tokens_logical())
     model.zero_grad(set_to_none=True)
-    run_schedule(schedule, model, tree, obj, ScheduleOptions(vocab_size=37, branch_micro_batch=2, **opts))
+    run_schedule(
+        schedule,
+        model,
+        tree,
+        obj,
+        ScheduleOptions(vocab_size=37, branch_micro_batch=2, **{"chunk_tokens": None, **opts}),
+    )
     return mcore_to_hf_state(gather_full_grads(model, None), arch)
 
 

@@ -172,7 +172,7 @@ def test_module_entry_point_has_no_traceback(workdir: Path) -> None:
 
 def test_bad_options_refused_before_work(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base = argv(workdir / "hf", workdir / "r.jsonl", workdir / "o.st")
-    for extra in (["--backend", "foo"], ["--branch-micro-batch", "0"], ["--chunk-tokens", "0"]):
+    for extra in (["--backend", "foo"], ["--branch-micro-batch", "0"], ["--chunk-tokens", "-1"]):
         with pytest.raises(SystemExit) as e:  # argparse: usage + one error line, status 2
             main([*base, *extra])
         assert e.value.code == 2
@@ -211,11 +211,12 @@ def test_replay_options_keep_parity(workdir: Path, capsys: pytest.CaptureFixture
     assert rc == 0
     want = load_file(workdir / "opt_naive.safetensors")
     for extra in (
-        ["--recompute", "--branch-micro-batch", "1"],
-        ["--recompute", "--recompute-layers", "--branch-micro-batch", "2"],
-        ["--backend", "packed", "--branch-micro-batch", "3"],
+        # --chunk-tokens 0: chunks off, the walk segment by segment (its leaf micro-batches)
+        ["--recompute", "--branch-micro-batch", "1", "--chunk-tokens", "0"],
+        ["--recompute", "--recompute-layers", "--branch-micro-batch", "2", "--chunk-tokens", "0"],
+        ["--backend", "packed", "--branch-micro-batch", "3", "--chunk-tokens", "0"],
         ["--chunk-tokens", "24"],
-        ["--recompute", "--recompute-layers", "--chunk-tokens", "10000"],
+        ["--recompute", "--recompute-layers"],  # the default chunks (4096 tokens: the whole tiny tree)
     ):
         rc, summary, _ = grad(
             workdir, capsys, "--schedule", "replay", "--dtype", "float64", *extra, out="opt.safetensors"
@@ -243,6 +244,9 @@ def test_progress_lines_on_stderr_and_quiet(workdir: Path, capsys: pytest.Captur
     the JSON line; --quiet silences the phases."""
     rc, summary, err = grad(workdir, capsys, out="p.safetensors")
     assert rc == 0 and summary["out"].endswith("p.safetensors")
+    assert (
+        summary["chunk_tokens"] == 4096 and "chunk_tokens_off" not in summary
+    )  # replay's default chunks ran
     lines = err.strip().splitlines()
     phases = [ln.split("] ", 1)[1] for ln in lines]
     assert all(ln.startswith("grad: [") for ln in lines), lines

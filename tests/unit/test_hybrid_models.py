@@ -297,7 +297,11 @@ def _grads(model: torch.nn.Module, arch: ModelArch, rollouts: list[Rollout], sch
     obj = PolicyGradientObjective.grpo([r.advantage for r in rollouts], tree.num_response_tokens_logical())
     model.zero_grad(set_to_none=True)
     res = run_schedule(
-        schedule, model, tree, obj, ScheduleOptions(vocab_size=arch.vocab_size, keep_logprobs=True)
+        schedule,
+        model,
+        tree,
+        obj,
+        ScheduleOptions(vocab_size=arch.vocab_size, keep_logprobs=True, chunk_tokens=None),
     )
     return res, mcore_to_hf_state(gather_full_grads(model, None), arch)
 
@@ -340,7 +344,13 @@ def test_what_a_hybrid_cannot_run_is_refused_before_any_work() -> None:
     with pytest.raises(
         UserError, match="^schedule=replay-stopgrad cannot run a hybrid model .*; use schedule naive, "
     ) as e:
-        run_schedule("replay-stopgrad", model, tree, obj, ScheduleOptions(vocab_size=arch.vocab_size))
+        run_schedule(
+            "replay-stopgrad",
+            model,
+            tree,
+            obj,
+            ScheduleOptions(vocab_size=arch.vocab_size, chunk_tokens=None),
+        )
     assert "\n" not in str(e.value)
     assert all(p.grad is None for p in model.parameters())  # nothing ran
     check_schedule_supports(arch, "replay", cp=2)  # 2 key / 4 value GDN heads split over CP2 (head exchange)
@@ -374,7 +384,13 @@ def test_a_wrapped_hybrid_without_its_arch_is_refused_from_its_config() -> None:
     tree = PrefixTree.build(_rollouts()[:3], vocab_size=arch.vocab_size)
     obj = PolicyGradientObjective.grpo([1.0, -1.0, 0.5], tree.num_response_tokens_logical())
     with pytest.raises(UserError, match="^schedule=replay-stopgrad cannot run a hybrid model") as e:
-        run_schedule("replay-stopgrad", wrapped, tree, obj, ScheduleOptions(vocab_size=arch.vocab_size))
+        run_schedule(
+            "replay-stopgrad",
+            wrapped,
+            tree,
+            obj,
+            ScheduleOptions(vocab_size=arch.vocab_size, chunk_tokens=None),
+        )
     assert "\n" not in str(e.value)
     assert all(p.grad is None for p in model.parameters())  # nothing ran
     check_model_supports(wrapped, "replay", cp=2)

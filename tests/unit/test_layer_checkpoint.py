@@ -58,7 +58,11 @@ def step(
     obj = PolicyGradientObjective.grpo([r.advantage for r in rollouts], tree.num_response_tokens_logical())
     model.zero_grad(set_to_none=True)
     res = run_schedule(
-        schedule, model, tree, obj, ScheduleOptions(vocab_size=VOCAB, keep_logprobs=True, **kw)
+        schedule,
+        model,
+        tree,
+        obj,
+        ScheduleOptions(vocab_size=VOCAB, keep_logprobs=True, **{"chunk_tokens": None, **kw}),
     )
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}, res
 
@@ -107,10 +111,12 @@ def test_scoring_is_untouched(
     """Forward-only (no_grad) never checkpoints: the same numbers bit for bit, and checkpoint is never called."""
     model, rollouts = models[torch.float64], random_tree_rollouts(**TREE)
     tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
-    plain = score_rollouts("replay", model, tree, ScheduleOptions(vocab_size=VOCAB))
+    plain = score_rollouts("replay", model, tree, ScheduleOptions(vocab_size=VOCAB, chunk_tokens=None))
     used: list[int] = []
     monkeypatch.setattr(lc, "checkpoint", lambda *a, **k: used.append(1) or checkpoint(*a, **k))
-    ckpt = score_rollouts("replay", model, tree, ScheduleOptions(vocab_size=VOCAB, recompute_layers=True))
+    ckpt = score_rollouts(
+        "replay", model, tree, ScheduleOptions(vocab_size=VOCAB, recompute_layers=True, chunk_tokens=None)
+    )
     assert used == []
     for a, b in zip(plain.logprobs, ckpt.logprobs, strict=True):
         assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))

@@ -74,7 +74,13 @@ def _grads(model: torch.nn.Module, schedule: str, *, active: bool) -> dict[str, 
     obj = PolicyGradientObjective.grpo([r.advantage for r in rollouts], tree.num_response_tokens_logical())
     model.zero_grad(set_to_none=True)
     with lockstep.region(model) if active else nullcontext():
-        run_schedule(schedule, model, tree, obj, ScheduleOptions(vocab_size=37, branch_micro_batch=2))
+        run_schedule(
+            schedule,
+            model,
+            tree,
+            obj,
+            ScheduleOptions(vocab_size=37, branch_micro_batch=2, chunk_tokens=None),
+        )
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 

@@ -143,7 +143,9 @@ def oracle(model: torch.nn.Module, rollouts: list[Rollout], loss_of) -> tuple[fl
 def run(model, rollouts, objective, schedule, **kw):  # noqa: ANN001, ANN201
     model.zero_grad(set_to_none=True)
     tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
-    res = run_schedule(schedule, model, tree, objective, ScheduleOptions(vocab_size=VOCAB, **kw))
+    res = run_schedule(
+        schedule, model, tree, objective, ScheduleOptions(vocab_size=VOCAB, **{"chunk_tokens": None, **kw})
+    )
     return res, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -345,7 +347,9 @@ def test_dpo_sums_trained_tokens_only(kind: str) -> None:
     want = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
     for schedule, kw in SCHEDULES[:3]:
-        pi = score_rollouts(schedule, model, tree, ScheduleOptions(vocab_size=VOCAB, **kw)).sums()
+        pi = score_rollouts(
+            schedule, model, tree, ScheduleOptions(vocab_size=VOCAB, **{"chunk_tokens": None, **kw})
+        ).sums()
         lin, loss, _ = dpo.linearise(tree, pi)
         _, got = run(model, rollouts, lin, schedule, **kw)
         assert loss == pytest.approx(float(total), rel=1e-11) and max_err(got, want) <= 1e-9, schedule

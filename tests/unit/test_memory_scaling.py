@@ -80,7 +80,7 @@ def peak(
     tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
     obj = PolicyGradientObjective.grpo([r.advantage for r in rollouts], tree.num_response_tokens_logical())
     model.zero_grad(set_to_none=True)
-    opts = ScheduleOptions(vocab_size=VOCAB, branch_micro_batch=MICRO, **kw)  # type: ignore[arg-type]
+    opts = ScheduleOptions(vocab_size=VOCAB, branch_micro_batch=MICRO, **{"chunk_tokens": None, **kw})  # type: ignore[arg-type]
     with ActivationMeter(model) as m:
         res = run_schedule(schedule, model, tree, obj, opts)
     # everything saved for backward was released by the end of the step (no graph or cache leaks)

@@ -165,7 +165,7 @@ def routed_experts(model: torch.nn.Module, tree: PrefixTree) -> dict[int, torch.
     rec = RoutingRecorder()
     chunk = make_chunk(tree, range(len(tree.segments)))
     with torch.no_grad(), attach_router_context(model, rec):
-        forward_chunk(model, tree, chunk, None, ScheduleOptions(vocab_size=37))
+        forward_chunk(model, tree, chunk, None, ScheduleOptions(vocab_size=37, chunk_tokens=None))
     return rec.maps
 
 
@@ -208,7 +208,13 @@ def test_every_exact_schedule_matches_hf(variant: str, dtype: torch.dtype) -> No
     obj = PolicyGradientObjective.grpo([r.advantage for r in rollouts], tree.num_response_tokens_logical())
     for schedule in EXACT:
         model.zero_grad(set_to_none=True)
-        res = run_schedule(schedule, model, tree, obj, ScheduleOptions(vocab_size=37, branch_micro_batch=2))
+        res = run_schedule(
+            schedule,
+            model,
+            tree,
+            obj,
+            ScheduleOptions(vocab_size=37, branch_micro_batch=2, chunk_tokens=None),
+        )
         grads = mcore_to_hf_state(gather_full_grads(model, None), arch)
         assert res.loss == pytest.approx(hf_loss, rel=10 * TOL[dtype])
         assert grads.keys() == hf_grads.keys()
@@ -227,7 +233,9 @@ def test_metrics_count_tokens_per_expert_logical_and_computed() -> None:
     stats = {}
     for schedule in ("naive", "packed", "replay"):
         model.zero_grad(set_to_none=True)
-        stats[schedule] = run_schedule(schedule, model, tree, obj, ScheduleOptions(vocab_size=37)).stats
+        stats[schedule] = run_schedule(
+            schedule, model, tree, obj, ScheduleOptions(vocab_size=37, chunk_tokens=None)
+        ).stats
     k, E = arch.moe_top_k, arch.num_experts
     for layer in arch.moe_layers:
 

@@ -81,7 +81,13 @@ def step(model: torch.nn.Module, arch: ModelArch, schedule: str, rs: list[Rollou
     tree = PrefixTree.build(rs, vocab_size=arch.vocab_size)
     obj = PolicyGradientObjective.grpo([r.advantage for r in rs], tree.num_response_tokens_logical())
     model.zero_grad(set_to_none=True)
-    res = run_schedule(schedule, model, tree, obj, ScheduleOptions(vocab_size=arch.vocab_size, **kw))
+    res = run_schedule(
+        schedule,
+        model,
+        tree,
+        obj,
+        ScheduleOptions(vocab_size=arch.vocab_size, **{"chunk_tokens": None, **kw}),
+    )
     return res, mcore_to_hf_state(gather_full_grads(model, None), arch)
 
 

@@ -106,7 +106,9 @@ def test_training_forward_routes_recorded_tokens_to_their_records(sampled, sched
     tree = PrefixTree.build(rollouts, vocab_size=37)
     routes = router_plan._tree_routes(tree, len(arch.moe_layers), arch.moe_top_k)  # [N, Lm, k]
     calls = used_routing(monkeypatch)
-    opts = ScheduleOptions(vocab_size=37, branch_micro_batch=2, moe=MoEOptions(routing_replay=True))
+    opts = ScheduleOptions(
+        vocab_size=37, branch_micro_batch=2, moe=MoEOptions(routing_replay=True), chunk_tokens=None
+    )
     obj = PolicyGradientObjective.grpo([r.advantage for r in rollouts], tree.num_response_tokens_logical())
     run_schedule(schedule, model, tree, obj, opts)
     checked = differs = 0
@@ -123,7 +125,9 @@ def test_training_forward_routes_recorded_tokens_to_their_records(sampled, sched
     # the moved router would have chosen otherwise for some of them (the replay is not a no-op)
     on_calls = list(calls)
     calls.clear()
-    run_schedule(schedule, model, tree, obj, ScheduleOptions(vocab_size=37, branch_micro_batch=2))
+    run_schedule(
+        schedule, model, tree, obj, ScheduleOptions(vocab_size=37, branch_micro_batch=2, chunk_tokens=None)
+    )
     for (_, _, on), (_, _, off) in zip(on_calls, calls, strict=True):
         differs += int((on != off).any(dim=-1).sum())
     assert differs > 0
@@ -164,7 +168,9 @@ def test_gradient_with_forced_routing_equals_hf_and_naive(sampled) -> None:
     for schedule in ("naive", "packed", "replay"):
         for replay in (True, False):
             model.zero_grad(set_to_none=True)
-            opts = ScheduleOptions(vocab_size=37, branch_micro_batch=2, moe=MoEOptions(routing_replay=replay))
+            opts = ScheduleOptions(
+                vocab_size=37, branch_micro_batch=2, moe=MoEOptions(routing_replay=replay), chunk_tokens=None
+            )
             run_schedule(schedule, model, tree, obj, opts)
             got[schedule, replay] = mcore_to_hf_state(gather_full_grads(model, None), arch)
     rel = lambda a, b: ((a - b).norm() / b.norm().clamp_min(1e-30)).item()  # noqa: E731
@@ -183,7 +189,10 @@ def test_replay_with_router_losses_is_exact_under_sharing(sampled) -> None:
     for schedule in ("naive", "packed", "replay"):
         model.zero_grad(set_to_none=True)
         opts = ScheduleOptions(
-            vocab_size=37, branch_micro_batch=2, moe=MoEOptions(routing_replay=True, losses=losses)
+            vocab_size=37,
+            branch_micro_batch=2,
+            moe=MoEOptions(routing_replay=True, losses=losses),
+            chunk_tokens=None,
         )
         run_schedule(schedule, model, tree, obj, opts)
         grads[schedule] = {n: p.grad.clone() for n, p in model.named_parameters()}

@@ -121,7 +121,10 @@ def schedule_step(
         obj = PolicyGradientObjective(coef=obj_all.coef[at : at + len(batch)])
         at += len(batch)
         opts = ScheduleOptions(
-            vocab_size=37, branch_micro_batch=2, moe=MoEOptions(losses=losses, global_state=state), **kw
+            vocab_size=37,
+            branch_micro_batch=2,
+            moe=MoEOptions(losses=losses, global_state=state),
+            **{"chunk_tokens": None, **kw},
         )
         res = run_schedule(schedule, model, tree, obj, opts)
         for k, v in res.stats.items():
@@ -305,7 +308,10 @@ def _micro_batch_step(model: torch.nn.Module, schedule: str, rollouts: list[Roll
     model.zero_grad(set_to_none=True)
     tree = PrefixTree.build(rollouts, vocab_size=37)
     opts = ScheduleOptions(
-        vocab_size=37, branch_micro_batch=2, moe=MoEOptions(losses=losses, micro_batches=batches)
+        vocab_size=37,
+        branch_micro_batch=2,
+        moe=MoEOptions(losses=losses, micro_batches=batches),
+        chunk_tokens=None,
     )
     run_schedule(schedule, model, tree, obj, opts)
     return {n: p.grad.clone() for n, p in model.named_parameters()}

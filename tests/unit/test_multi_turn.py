@@ -227,7 +227,9 @@ def test_branching_at_turns_shares_earlier_turns_and_the_update_sees_the_tree(mo
     assert tree.positions_computed == sum(map(len, ps)) + len(distinct) < tree.positions_logical
     assert tree.positions_logical == sum(len(s.prompt) + len(s.response) for s in samples)
     obj = PolicyGradientObjective.grpo([1.0] * len(rollouts), tree.num_trained_tokens_logical())
-    res = run_schedule("replay", model, tree, obj, ScheduleOptions(vocab_size=VOCAB, keep_logprobs=True))
+    res = run_schedule(
+        "replay", model, tree, obj, ScheduleOptions(vocab_size=VOCAB, keep_logprobs=True, chunk_tokens=None)
+    )
     model.zero_grad(set_to_none=True)
     for i, s in enumerate(samples):
         got = res.rollout_logprobs(tree, i)
@@ -261,7 +263,9 @@ def test_hybrid_multi_turn_continues_each_branch_state() -> None:
     rollouts = [s.to_rollout(advantage=1.0) for s in samples]
     tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
     obj = PolicyGradientObjective.grpo([1.0] * len(rollouts), tree.num_trained_tokens_logical())
-    res = run_schedule("replay", model, tree, obj, ScheduleOptions(vocab_size=VOCAB, keep_logprobs=True))
+    res = run_schedule(
+        "replay", model, tree, obj, ScheduleOptions(vocab_size=VOCAB, keep_logprobs=True, chunk_tokens=None)
+    )
     model.zero_grad(set_to_none=True)
     for i, s in enumerate(samples):
         torch.testing.assert_close(

@@ -58,7 +58,7 @@ def policy_data(model: torch.nn.Module, rollouts: list[Rollout], seed: int) -> l
 
 def grads_of(model, tree, objective, schedule, dtype=torch.float64, **kw):  # noqa: ANN001, ANN201
     model.zero_grad(set_to_none=True)
-    opts = ScheduleOptions(vocab_size=VOCAB, **kw)
+    opts = ScheduleOptions(vocab_size=VOCAB, **{"chunk_tokens": None, **kw})
     res = run_schedule(schedule, model, tree, objective, opts)
     return res, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
@@ -310,7 +310,9 @@ def plain_dpo_loss(rollouts, lp, beta, kind):  # noqa: ANN001, ANN201
 
 
 def dpo_grads(model, tree, dpo, schedule, **kw):  # noqa: ANN001, ANN201
-    pi = score_rollouts(schedule, model, tree, ScheduleOptions(vocab_size=VOCAB, **kw)).sums()
+    pi = score_rollouts(
+        schedule, model, tree, ScheduleOptions(vocab_size=VOCAB, **{"chunk_tokens": None, **kw})
+    ).sums()
     lin, loss, _ = dpo.linearise(tree, pi)
     _, grads = grads_of(model, tree, lin, schedule, **kw)
     return loss, grads

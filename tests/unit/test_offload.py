@@ -54,7 +54,9 @@ def steps(tr, pgc, groups, n: int) -> None:  # noqa: ANN001
     rollouts = random_tree_rollouts(groups=2, prompt_len=5, branches=3, levels=2, seg_len=(2, 3), seed=7)
     obj = PolicyObjective(agg=Aggregation.of_batch(rollouts))
     plan = UpdatePlan(
-        opts=ScheduleOptions(groups=groups, vocab_size=VOCAB), schedule="replay", pg_collection=pgc
+        opts=ScheduleOptions(groups=groups, vocab_size=VOCAB, chunk_tokens=None),
+        schedule="replay",
+        pg_collection=pgc,
     )
     for _ in range(n):
         assert update_step(

@@ -79,6 +79,29 @@ def test_planner_bytes_match_the_meter(
     assert pk.cached_kv in (0, got.cached_kv)
 
 
+@pytest.mark.parametrize(
+    "shape,budget",
+    [
+        # the prompt group (128 tokens) is over the budget: its root cached, its leaves in chunks of 3 (24 tokens)
+        (RolloutShape(prompt_length=64, responses=8, response_length=8), 24),
+        # three groups of 128 tokens: chunks of two whole groups, packed, nothing cached
+        (RolloutShape(prompt_length=64, responses=8, response_length=8, prompts=3), 300),
+    ],
+    ids=["leaf-chunks", "group-chunks"],
+)
+def test_replay_chunk_bytes_match_the_meter(shape: RolloutShape, budget: int) -> None:
+    """Replay with its chunks (ScheduleOptions.chunk_tokens, on by default): the planner's peak of one chunk of the
+    budget against the meter; pricing the walk instead (leaf micro-batches of 4) is off by more than the
+    tolerance, so the comparison tells the two apart."""
+    arch, model = tiny(32, 2, torch.float32)
+    got = measure_step(model, shape, vocab=VOCAB, branch_micro_batch=4, chunk_tokens=budget)
+    kw = dict(act_bytes=4, branch_micro_batch=4, segment_recompute=False, layer_recompute=False)
+    pk = step_peak(arch, shape, Layout(), chunk_tokens=budget, **kw)
+    assert pk.saved == pytest.approx(got.saved_peak, rel=TOL), (pk, got)
+    walk = step_peak(arch, shape, Layout(), **kw)
+    assert abs(walk.saved - got.saved_peak) > TOL * got.saved_peak, (walk, got)
+
+
 def test_packed_bytes_match_the_meter() -> None:
     arch, model = tiny(32, 2, torch.float32)
     shape = RolloutShape(prompt_length=64, responses=8, response_length=8)

@@ -114,7 +114,7 @@ def verl_oracle(
 
 def run(model, tree, objective, schedule, **kw):  # noqa: ANN001, ANN201
     """What an update runs on one micro-batch (update/step.py): score when asked, prepare, the gradient pass."""
-    opts = ScheduleOptions(vocab_size=VOCAB, **kw)
+    opts = ScheduleOptions(vocab_size=VOCAB, **{"chunk_tokens": None, **kw})
     scores = score_rollouts(schedule, model, tree, opts) if objective.needs_scores else None
     prepared = objective.prepare(tree, scores)
     model.zero_grad(set_to_none=True)

@@ -128,7 +128,9 @@ def _step(
         [r.advantage for r in tree.rollouts], tree.num_response_tokens_logical()
     )
     model.zero_grad(set_to_none=True)
-    res = run_schedule(schedule, model, tree, obj, ScheduleOptions(vocab_size=VOCAB, **kw))
+    res = run_schedule(
+        schedule, model, tree, obj, ScheduleOptions(vocab_size=VOCAB, **{"chunk_tokens": None, **kw})
+    )
     return res.loss, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
@@ -171,7 +173,7 @@ def test_new_layer_kind_scores_like_naive(case) -> None:  # noqa: ANN001
     model, tree, _ = case
     want = score_rollouts("naive", model, tree, ScheduleOptions(vocab_size=VOCAB))
     for schedule in ("packed", "replay"):
-        got = score_rollouts(schedule, model, tree, ScheduleOptions(vocab_size=VOCAB))
+        got = score_rollouts(schedule, model, tree, ScheduleOptions(vocab_size=VOCAB, chunk_tokens=None))
         for a, b in zip(got.logprobs, want.logprobs, strict=True):
             torch.testing.assert_close(a, b, atol=1e-12, rtol=0, equal_nan=True)
 

@@ -100,7 +100,9 @@ def _grads(model: torch.nn.Module, arch: ModelArch, rollouts: list, schedule: st
     tree = PrefixTree.build(rollouts, vocab_size=arch.vocab_size)
     obj = PolicyGradientObjective.grpo([r.advantage for r in rollouts], tree.num_response_tokens_logical())
     model.zero_grad(set_to_none=True)
-    res = run_schedule(schedule, model, tree, obj, ScheduleOptions(vocab_size=arch.vocab_size))
+    res = run_schedule(
+        schedule, model, tree, obj, ScheduleOptions(vocab_size=arch.vocab_size, chunk_tokens=None)
+    )
     return res, mcore_to_hf_state(gather_full_grads(model, None), arch)
 
 
@@ -177,7 +179,9 @@ def test_sampler_greedy_equals_hf_generate_and_training_logprobs() -> None:
     rollouts = [s.to_rollout(advantage=1.0) for s in samples]
     tree = PrefixTree.build(rollouts, vocab_size=37)
     obj = PolicyGradientObjective.grpo([1.0] * len(rollouts), tree.num_response_tokens_logical())
-    res = run_schedule("replay", model, tree, obj, ScheduleOptions(vocab_size=37, keep_logprobs=True))
+    res = run_schedule(
+        "replay", model, tree, obj, ScheduleOptions(vocab_size=37, keep_logprobs=True, chunk_tokens=None)
+    )
     for i, s in enumerate(samples):
         got, want_lp = res.rollout_logprobs(tree, i).double(), torch.tensor(s.logprobs, dtype=torch.float64)
         torch.testing.assert_close(got, want_lp, rtol=1e-5, atol=1e-5)

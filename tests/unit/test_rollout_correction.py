@@ -134,7 +134,9 @@ def test_weights_equal_verls_and_the_loss_is_exact_under_sharing(level: str) -> 
     objective = build_objective(cfg, rollouts)
     for schedule in ("naive", "replay"):
         model.zero_grad(set_to_none=True)
-        res = run_schedule(schedule, model, tree, objective, ScheduleOptions(vocab_size=VOCAB))
+        res = run_schedule(
+            schedule, model, tree, objective, ScheduleOptions(vocab_size=VOCAB, chunk_tokens=None)
+        )
         assert res.loss == pytest.approx(float(loss), rel=1e-10), schedule
         for k, g in want.items():
             assert ((model.get_parameter(k).grad - g).norm() / g.norm()).item() <= 1e-9, (schedule, k)

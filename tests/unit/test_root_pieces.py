@@ -107,7 +107,12 @@ def _grads(model, arch, tree, rollouts, run, **opts):  # noqa: ANN001, ANN202
 
     obj = PolicyGradientObjective.grpo([r.advantage for r in rollouts], tree.num_response_tokens_logical())
     model.zero_grad(set_to_none=True)
-    res = run(model, tree, obj, ScheduleOptions(vocab_size=arch.vocab_size, keep_logprobs=True, **opts))
+    res = run(
+        model,
+        tree,
+        obj,
+        ScheduleOptions(vocab_size=arch.vocab_size, keep_logprobs=True, **{"chunk_tokens": None, **opts}),
+    )
     return res, mcore_to_hf_state(gather_full_grads(model, None), arch)
 
 
@@ -163,7 +168,7 @@ def test_root_pieces_are_refused_without_a_pipeline(_single_process: None) -> No
     rollouts = _odd_rollouts()
     tree = PrefixTree.build(rollouts, vocab_size=arch.vocab_size)
     obj = PolicyGradientObjective.grpo([r.advantage for r in rollouts], tree.num_response_tokens_logical())
-    opts = ScheduleOptions(vocab_size=arch.vocab_size, root_pieces=4)
+    opts = ScheduleOptions(vocab_size=arch.vocab_size, root_pieces=4, chunk_tokens=None)
     with pytest.raises(UserError) as e:
         run_schedule("replay", model, tree, obj, opts)
     assert str(e.value).startswith("ScheduleOptions.root_pieces=4 needs pipeline parallelism (pp_size > 1)")

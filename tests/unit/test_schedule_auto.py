@@ -51,6 +51,8 @@ def test_grad_auto_picks_and_says_why(workdir, capsys: pytest.CaptureFixture[str
         auto = summary["schedule_auto"]
         assert auto["budget_bytes"] == int(float(budget) * 1e9) and auto["packed_bytes"] > 0
         assert ("does not fit" in auto["reason"]) == (picked == "replay")
+        # auto's replay runs with replay's default chunks
+        assert summary["chunk_tokens"] == (4096 if picked == "replay" else None)
         got = load_file(workdir / "auto.safetensors")
         for name, g in want.items():
             assert ((got[name] - g).norm() / g.norm()).item() <= 1e-9, (budget, name)
@@ -59,6 +61,10 @@ def test_grad_auto_picks_and_says_why(workdir, capsys: pytest.CaptureFixture[str
                           out="auto.safetensors")  # fmt: skip
     assert rc == 0 and summary["schedule"] == "replay"
     assert summary["schedule_auto"]["reason"].startswith("packed cannot run this")
+    # replay's chunk budget is replay's own setting, not a reason to pick replay
+    rc, summary, _ = grad(workdir, capsys, "--schedule", "auto", "--memory-budget", "100", "--chunk-tokens", "64",
+                          out="auto.safetensors")  # fmt: skip
+    assert rc == 0 and summary["schedule"] == "packed" and summary["chunk_tokens"] is None
 
 
 def test_grad_auto_on_cpu_needs_a_budget(workdir, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001, F811

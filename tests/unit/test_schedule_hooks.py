@@ -41,14 +41,14 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_a_caller_hook_sees_every_forward_and_changes_nothing(schedule: str) -> None:
     arch, model, tree, obj = _case()
-    opts = ScheduleOptions(vocab_size=arch.vocab_size, branch_micro_batch=2)
+    opts = ScheduleOptions(vocab_size=arch.vocab_size, branch_micro_batch=2, chunk_tokens=None)
     model.zero_grad(set_to_none=True)
     plain = run_schedule(schedule, model, tree, obj, opts)
     want = _grads(model)
     hook = CountingHook()
     model.zero_grad(set_to_none=True)
     res = run_schedule(schedule, model, tree, obj, ScheduleOptions(vocab_size=arch.vocab_size, branch_micro_batch=2,
-                                                                   hooks=(hook,)))  # fmt: skip
+                                                                   hooks=(hook,), chunk_tokens=None))  # fmt: skip
     assert hook.events == [f"bind {schedule}", "run", "finish"]
     assert len(hook.rows) == res.forwards == plain.forwards > 0  # every model forward, no other
     assert res.stats["counting/forwards"] == res.forwards
@@ -66,7 +66,7 @@ def test_forward_only_scoring_runs_the_hooks_too() -> None:
     hook = CountingHook()
     with torch.no_grad():
         res = run_schedule("replay", model, tree, None, ScheduleOptions(vocab_size=arch.vocab_size,
-                           keep_logprobs=True, hooks=(hook,)), forward_only=True)  # fmt: skip
+                           keep_logprobs=True, hooks=(hook,), chunk_tokens=None), forward_only=True)  # fmt: skip
     assert hook.events == ["bind replay", "run", "finish"] and len(hook.rows) == res.forwards
 
 
@@ -75,7 +75,12 @@ def test_the_router_plan_is_a_registered_hook_and_binds_nothing_for_a_dense_mode
 
     assert ROUTER_PLAN in HOOKS
     arch, model, tree, _ = _case()
-    assert ROUTER_PLAN.bind("replay", model, tree, ScheduleOptions(vocab_size=arch.vocab_size)) is None
+    assert (
+        ROUTER_PLAN.bind(
+            "replay", model, tree, ScheduleOptions(vocab_size=arch.vocab_size, chunk_tokens=None)
+        )
+        is None
+    )
 
 
 def test_planted_bug_a_forward_outside_the_hooks_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -85,7 +90,13 @@ def test_planted_bug_a_forward_outside_the_hooks_is_caught(monkeypatch: pytest.M
     monkeypatch.setattr(common, "hook_forwards", lambda model, opts, where: contextlib.nullcontext())
     arch, model, tree, obj = _case()
     hook = CountingHook()
-    res = run_schedule("replay", model, tree, obj, ScheduleOptions(vocab_size=arch.vocab_size, hooks=(hook,)))
+    res = run_schedule(
+        "replay",
+        model,
+        tree,
+        obj,
+        ScheduleOptions(vocab_size=arch.vocab_size, hooks=(hook,), chunk_tokens=None),
+    )
     assert len(hook.rows) != res.forwards
 
 
@@ -103,12 +114,18 @@ def test_a_caller_hook_composes_with_the_router_plan_and_sees_its_counting_pass(
     obj = PolicyGradientObjective.grpo([r.advantage for r in rollouts], tree.num_response_tokens_logical())
     moe = MoEOptions(losses=RouterLossConfig(aux_loss_coeff=0.1))
     model.zero_grad(set_to_none=True)
-    plain = run_schedule("replay", model, tree, obj, ScheduleOptions(vocab_size=arch.vocab_size, moe=moe))
+    plain = run_schedule(
+        "replay", model, tree, obj, ScheduleOptions(vocab_size=arch.vocab_size, moe=moe, chunk_tokens=None)
+    )
     want = _grads(model)
     hook = CountingHook()
     model.zero_grad(set_to_none=True)
     res = run_schedule(
-        "replay", model, tree, obj, ScheduleOptions(vocab_size=arch.vocab_size, moe=moe, hooks=(hook,))
+        "replay",
+        model,
+        tree,
+        obj,
+        ScheduleOptions(vocab_size=arch.vocab_size, moe=moe, hooks=(hook,), chunk_tokens=None),
     )
     assert hook.events == ["bind replay", "run", "finish"]
     assert len(hook.rows) == 2 * res.forwards  # the counting pass (forward-only) and the step

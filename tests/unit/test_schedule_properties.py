@@ -46,7 +46,11 @@ def step(model: torch.nn.Module, rollouts: list[Rollout], schedule: str, **kw: o
     objective = PolicyGradientObjective.grpo([r.advantage for r in rollouts], T)
     model.zero_grad(set_to_none=True)
     res = run_schedule(
-        schedule, model, tree, objective, ScheduleOptions(vocab_size=VOCAB, keep_logprobs=True, **kw)
+        schedule,
+        model,
+        tree,
+        objective,
+        ScheduleOptions(vocab_size=VOCAB, keep_logprobs=True, **{"chunk_tokens": None, **kw}),
     )
     grads = {
         n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()

@@ -44,10 +44,12 @@ def make_pair(family: str, tie: bool, dtype: torch.dtype, seed: int = 0):  # noq
 
 
 def run(model, arch, rollouts, schedule, **kw):  # noqa: ANN001, ANN201
+    """One step; replay walks segment by segment unless `chunk_tokens` is given (its default chunks would run these
+    tiny trees as one packed chunk, and the walk would go untested)."""
     tree = PrefixTree.build(rollouts, vocab_size=arch.vocab_size)
     obj = PolicyGradientObjective.grpo([r.advantage for r in rollouts], tree.num_response_tokens_logical())
     model.zero_grad(set_to_none=True)
-    opts = ScheduleOptions(vocab_size=arch.vocab_size, keep_logprobs=True, **kw)
+    opts = ScheduleOptions(vocab_size=arch.vocab_size, keep_logprobs=True, **{"chunk_tokens": None, **kw})
     res = run_schedule(schedule, model, tree, obj, opts)
     grads = mcore_to_hf_state(gather_full_grads(model, None), arch)
     return tree, res, grads
@@ -87,6 +89,7 @@ def test_float64_parity_with_naive_and_hf(model_name: str, tree_name: str) -> No
         ("packed", {}),
         ("replay", {}),
         ("replay", {"recompute": True, "branch_micro_batch": 2}),
+        ("replay", {"chunk_tokens": 10}),  # chunks (on by default) of small subtrees against cached ancestors
     ]:
         _, res, grads = run(model, arch, rollouts, schedule, **kw)
         assert res.positions_computed == tree.positions_computed

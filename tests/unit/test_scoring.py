@@ -88,7 +88,9 @@ def test_forward_only_equals_training_forward(schedule: str) -> None:
     model = tiny_model(torch.float64)
     rollouts = _rollouts()
     tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
-    opts = ScheduleOptions(vocab_size=VOCAB, branch_micro_batch=2, keep_logprobs=True, keep_entropy=True)
+    opts = ScheduleOptions(
+        vocab_size=VOCAB, branch_micro_batch=2, keep_logprobs=True, keep_entropy=True, chunk_tokens=None
+    )
     obj = PolicyGradientObjective.grpo([r.advantage for r in rollouts], tree.num_response_tokens_logical())
     model.zero_grad(set_to_none=True)
     trained = run_schedule(schedule, model, tree, obj, opts)
@@ -119,7 +121,12 @@ def test_forward_only_replay_memory_flat_in_branches() -> None:
         rs = [Rollout(prompt=prompt, response=[i, 1, 2, 3], advantage=0.0) for i in range(g)]
         tree = PrefixTree.build(rs, vocab_size=VOCAB)
         with ActivationMeter(model) as meter:
-            score_rollouts("replay", model, tree, ScheduleOptions(vocab_size=VOCAB, branch_micro_batch=4))
+            score_rollouts(
+                "replay",
+                model,
+                tree,
+                ScheduleOptions(vocab_size=VOCAB, branch_micro_batch=4, chunk_tokens=None),
+            )
         assert meter.current_bytes == 0  # the path's K/V are dropped when its subtree is done
         peaks.append(meter.peak_bytes)
     assert peaks[0] == peaks[1] > 0  # one prompt's K/V, whatever the number of branches

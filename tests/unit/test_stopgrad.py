@@ -52,7 +52,9 @@ def grads(model: torch.nn.Module, rollouts: list, schedule: str, **kw: object) -
     tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
     obj = PolicyGradientObjective.grpo([r.advantage for r in rollouts], tree.num_response_tokens_logical())
     model.zero_grad(set_to_none=True)
-    run_schedule(schedule, model, tree, obj, ScheduleOptions(vocab_size=VOCAB, **kw))
+    run_schedule(
+        schedule, model, tree, obj, ScheduleOptions(vocab_size=VOCAB, **{"chunk_tokens": None, **kw})
+    )
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -108,7 +110,7 @@ def test_every_prompt_row_is_constant_however_the_trie_splits_the_prompts(model:
         t = PrefixTree.build(rollouts, vocab_size=VOCAB)
         model.zero_grad(set_to_none=True)
         obj = PolicyGradientObjective.grpo([r.advantage for r in rollouts], n)
-        run_schedule(schedule, model, t, obj, ScheduleOptions(vocab_size=VOCAB))
+        run_schedule(schedule, model, t, obj, ScheduleOptions(vocab_size=VOCAB, chunk_tokens=None))
         return {k: p.grad.detach().clone() for k, p in model.named_parameters()}
 
     whole = run(merged, "replay-stopgrad")
@@ -142,7 +144,7 @@ def test_without_sharing_stopgrad_is_exact(model: torch.nn.Module) -> None:
 def test_stopgrad_scoring_is_replay_bit_for_bit(model: torch.nn.Module) -> None:
     rollouts = random_tree_rollouts(vocab_size=VOCAB, **SHARED["two_groups_two_levels"])
     tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
-    opts = ScheduleOptions(vocab_size=VOCAB)
+    opts = ScheduleOptions(vocab_size=VOCAB, chunk_tokens=None)
     a = score_rollouts("replay", model, tree, opts)
     b = score_rollouts("replay-stopgrad", model, tree, opts)
     for x, y in zip(a.logprobs, b.logprobs, strict=True):

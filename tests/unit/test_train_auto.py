@@ -68,6 +68,8 @@ def test_train_with_auto_is_train_with_the_schedule_it_picked(task: Path, tmp_pa
             assert x["_tokens"] == y["_tokens"] and x["_rewards"] == y["_rewards"], (auto, x["step"])
         assert _max_rel(_params(ref), _params(tr)) == 0.0, auto  # the same schedule ran: bitwise
         assert tr._auto_summary()["schedule_auto"]["picked"] == picked
+        # auto's replay runs with replay's default chunks (the final JSON says with which budget)
+        assert tr._auto_summary()["chunk_tokens"] == (4096 if picked == "replay" else None)
     # and the two picks agree with each other as every exact schedule does
     assert _max_rel(_params(runs["auto-fits"][0]), _params(runs["auto-short"][0])) < 1e-9
 

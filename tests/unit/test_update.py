@@ -106,7 +106,9 @@ def test_megatron_optimizer_step_equals_torch_adamw_with_clipping(groups) -> Non
     rollouts = batch(1)
     obj = PolicyObjective(agg=Aggregation.of_batch(rollouts))
     plan = UpdatePlan(
-        opts=ScheduleOptions(groups=groups, vocab_size=VOCAB), schedule="replay", pg_collection=pgc
+        opts=ScheduleOptions(groups=groups, vocab_size=VOCAB, chunk_tokens=None),
+        schedule="replay",
+        pg_collection=pgc,
     )
     res = update_step(ddp, rollouts, obj, plan, optimizer=opt, scheduler=sched)
     grads = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}  # clipped in place
@@ -145,7 +147,7 @@ def test_micro_batches_give_the_same_update(groups, name: str) -> None:  # noqa:
         model, ddp, opt, sched, pgc = trainer(groups, torch.float64, weight_decay=0.1)
         start = params(model)
         plan = UpdatePlan(
-            opts=ScheduleOptions(groups=groups, vocab_size=VOCAB, branch_micro_batch=2),
+            opts=ScheduleOptions(groups=groups, vocab_size=VOCAB, branch_micro_batch=2, chunk_tokens=None),
             schedule="replay",
             micro_batches=n,
             pg_collection=pgc,
@@ -172,7 +174,7 @@ def test_five_updates_naive_equal_replay(groups, dtype: torch.dtype) -> None:  #
         )
         start = params(model)
         plan = UpdatePlan(
-            opts=ScheduleOptions(groups=groups, vocab_size=VOCAB),
+            opts=ScheduleOptions(groups=groups, vocab_size=VOCAB, chunk_tokens=None),
             schedule=schedule,
             micro_batches=2,
             pg_collection=pgc,
@@ -209,7 +211,9 @@ def test_dpo_update_is_micro_batch_invariant(groups) -> None:  # noqa: ANN001
         model, ddp, opt, sched, pgc = trainer(groups, torch.float64)
         start = params(model)
         plan = UpdatePlan(
-            opts=ScheduleOptions(groups=groups, vocab_size=VOCAB), micro_batches=n, pg_collection=pgc
+            opts=ScheduleOptions(groups=groups, vocab_size=VOCAB, chunk_tokens=None),
+            micro_batches=n,
+            pg_collection=pgc,
         )
         losses[n] = update_step(ddp, rollouts, dpo, plan, optimizer=opt, ref_model=ref).metrics["actor/loss"]
         results[n] = params(model)

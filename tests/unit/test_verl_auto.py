@@ -38,10 +38,15 @@ def default(single_process: str) -> object:
     return _step(single_process)
 
 
+# replay's chunks off: with them (the default) the tiny tree is ONE packed chunk, bitwise packed's, and the comparison
+# below could not tell which schedule auto ran
+WALK = {"chunk_tokens": None}
+
+
 @pytest.fixture(scope="module")
 def fixed(single_process: str) -> dict[str, object]:
     """One compute_log_prob + update step with each schedule named."""
-    return {s: _step(single_process, schedule=s) for s in ("packed", "replay")}
+    return {s: _step(single_process, schedule=s, schedule_options=WALK) for s in ("packed", "replay")}
 
 
 def test_default_budget_is_the_free_memory(default: object) -> None:
@@ -59,7 +64,7 @@ def test_auto_equals_the_picked_schedule_bitwise(
 ) -> None:
     """A budget packed fits picks packed, one it does not picks replay; every gradient, logprob and entropy is the
     picked schedule's bit for bit; the metrics say which and why (packed's planned GB against the budget)."""
-    got = _step(single_process, schedule="auto", memory_budget_gb=budget_gb)
+    got = _step(single_process, schedule="auto", memory_budget_gb=budget_gb, schedule_options=WALK)
     want = fixed[picked]
     assert got.grads.keys() == want.grads.keys() and got.grads
     for name, g in want.grads.items():
@@ -81,15 +86,17 @@ def test_the_schedules_differ_where_auto_must_choose(fixed: dict) -> None:
 
 
 def test_default_is_auto_and_replay_only_options_pick_replay() -> None:
-    """auto is BranchOptions' default; options packed refuses (segment recompute, chunk_tokens) make it replay
-    whatever the budget, with the rules' line as the reason."""
+    """auto is BranchOptions' default; options packed refuses (segment recompute, root_pieces) make it replay
+    whatever the budget, with the rules' line as the reason; chunk_tokens (replay's own, on by default, set or off)
+    does not."""
     from megatron_branch.integration import verl_auto
     from megatron_branch.integration.verl import BranchOptions
     from megatron_branch.schedule.options import ScheduleOptions
 
     assert BranchOptions().schedule == "auto"
-    assert verl_auto.packed_problem(ScheduleOptions(vocab_size=8)) is None
-    for extra in ({"recompute": True}, {"chunk_tokens": 64}, {"root_pieces": 2}):
+    for chunks in (64, None):
+        assert verl_auto.packed_problem(ScheduleOptions(vocab_size=8, chunk_tokens=chunks)) is None
+    for extra in ({"recompute": True}, {"root_pieces": 2}):
         problem = verl_auto.packed_problem(ScheduleOptions(vocab_size=8, **extra))
         assert problem is not None and next(iter(extra)) in problem, problem
     with pytest.raises(ValueError, match="memory_budget_gb"):

@@ -66,7 +66,9 @@ def _batch() -> Any:
 def _step(hf: str, schedule: str) -> StepOut:
     from megatron_branch.integration.verl import BranchOptions
 
-    set_switch(True, BranchOptions(schedule=schedule))
+    # replay walked segment by segment (chunks off): the planted fork-state bugs below live in the hand-off between
+    # a cached parent and its children, which the default chunks would run as one packed chunk on this tiny batch
+    set_switch(True, BranchOptions(schedule=schedule, schedule_options={"chunk_tokens": None}))
     try:
         worker = make_worker(hf, dynamic_bsz=True)
         return run_step(worker, _batch, actor=actor_config(use_dynamic_bsz=True))

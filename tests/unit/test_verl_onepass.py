@@ -58,7 +58,10 @@ def _tree_step(hf: str, actor: object, *, one_pass: bool, seed: int) -> object:
     set_switch(True)
     try:
         worker = make_worker(hf)
-        worker.engine.branch_options = BranchOptions(schedule="replay", one_pass=one_pass)
+        # chunks off: the walk's chunks each hold part of a rollout's slots (what the planted gspo case needs)
+        worker.engine.branch_options = BranchOptions(
+            schedule="replay", one_pass=one_pass, schedule_options={"chunk_tokens": None}
+        )
         return run_step(worker, lambda: grpo_batch(seed=seed), actor=actor)
     finally:
         set_switch(False)
@@ -149,7 +152,7 @@ def test_gspo_needs_the_two_pass_path(single_process: str, monkeypatch: pytest.M
 
 @pytest.mark.parametrize(
     ("schedule", "options"),
-    [("packed", {}), ("replay", {"recompute": True, "branch_micro_batch": 2})],
+    [("packed", {}), ("replay", {"recompute": True, "branch_micro_batch": 2, "chunk_tokens": None})],
     ids=["packed", "replay_recompute"],
 )
 def test_one_pass_under_other_schedules(single_process: str, schedule: str, options: dict) -> None:
