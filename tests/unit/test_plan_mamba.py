@@ -132,8 +132,9 @@ def test_layer_recompute_checkpoints_mlp_and_moe_layers_too(
 ) -> None:
     """Per-layer checkpointing (recompute full): every layer, the - and E ones without a token mixer too, keeps
     its input and is rebuilt one at a time (models/layer_checkpoint.py: the context is attached to the layer;
-    measured: replay 2.6%, packed 0.8% under the meter). Planted: the old rule, a layer checkpointed only when its
-    token mixer reads the context, leaves the - and E layers whole: the meter is far above the plan."""
+    measured: replay 2.6%, packed 0.8% under the meter), the E layer's dispatcher state released after its
+    recomputation as for any MoE layer. Planted: that release skipped; the old rule, a layer checkpointed only when
+    its token mixer reads the context, leaves the - and E layers whole: the meter is far above the plan."""
     arch, model = tiny
     rc = schedule == "replay"
     kw = dict(
@@ -145,7 +146,13 @@ def test_layer_recompute_checkpoints_mlp_and_moe_layers_too(
         return measure_step(model, SHAPE, vocab=VOCAB, schedule=schedule, branch_micro_batch=4, recompute=rc,
                             recompute_layers=True).saved_peak  # fmt: skip
 
-    assert plan == pytest.approx(measured(), rel=TOL)
+    good = measured()
+    assert plan == pytest.approx(good, rel=TOL)
+    if rc:
+        # planted: the E layer's recomputed probs, kept by megatron's dispatcher, keep its rebuilt graph (+4%)
+        with monkeypatch.context() as m:
+            m.setattr(layer_checkpoint, "release_dispatcher_state", lambda layer: None)
+            assert measured() > 1.02 * good
     checkpointing = layer_checkpoint.BranchTransformerLayer.forward
 
     def mixer_only(layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
