@@ -175,7 +175,9 @@ class StepOut:
     )  # [B, R] compute_log_prob's, verl's padded response layout (None: not collected)
     entropy: torch.Tensor | None  # [B, R]
     metrics: dict[str, Any]  # train_mini_batch's metrics
-    grads: dict[str, torch.Tensor]  # this rank's main_grad per parameter, before the optimizer step
+    # this rank's main_grad per parameter before the LAST optimizer step: under DP > 1 verl divides as_update's
+    # mini_batch_size (this rank's share) by DP, so each rank takes DP steps and the last gradient follows updates
+    grads: dict[str, torch.Tensor]
     routes: Any = None  # router replay R2: compute_log_prob's routed_experts (jagged [B, j, MoE layers, k])
 
 
@@ -192,12 +194,14 @@ def make_worker(
     override_transformer_config: dict[str, Any] | None = None,
     router_replay: str = "disabled",
     value: bool = False,
+    optimizer: str = "adam",
 ) -> Any:
     """verl's TrainingWorker for a Megatron language model (float32 on CPU), built through verl's EngineRegistry.
     `cp`: verl's context_parallel_size; `ep`: verl's expert_model_parallel_size; `pp` / `vpp`: verl's
     pipeline_model_parallel_size / virtual_pipeline_model_parallel_size; `override_transformer_config`:
     verl's (e.g. the MoE load balancing, calculate_per_token_loss); `router_replay`: verl's router_replay.mode
-    (disabled, R2, R3); `value`: verl's value model (PPO's critic)."""
+    (disabled, R2, R3); `value`: verl's value model (PPO's critic); `optimizer`: megatron's, as verl's
+    `actor.optim.optimizer` names it (adam, sgd)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import (
         HFModelConfig,
@@ -239,7 +243,7 @@ def make_worker(
             path=hf_dir, override_config={"attn_implementation": "sdpa"}, model_type=model_type
         ),
         engine_config=engine,
-        optimizer_config=McoreOptimizerConfig(lr=1e-3, total_training_steps=10),
+        optimizer_config=McoreOptimizerConfig(lr=1e-3, total_training_steps=10, optimizer=optimizer),
         checkpoint_config=CheckpointConfig(),
     )
     worker = TrainingWorker(config)
@@ -375,8 +379,13 @@ def set_switch(on: bool, options: Any = None) -> None:
     `options` the tests pin `replay` (the switch's default, auto, picks packed for these tiny models on a CPU;
     test_verl_auto.py tests auto, and a test that wants packed names it)."""
     from megatron_branch.integration import verl as integration
+    from megatron_branch.integration.verl_cpu import register_cpu_engine, use_cpu_platform
 
     if on:
+        # the switch subclasses the engine registered for this platform: the CPU one first (make_worker's first
+        # call would register it over the switch, and a process's first switched run would be verl's own path)
+        use_cpu_platform()
+        register_cpu_engine()
         import megatron_branch.integration.verl_enable  # noqa: F401  (the switch itself)
 
         integration.unregister()

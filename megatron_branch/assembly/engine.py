@@ -88,7 +88,7 @@ def build_stage(spec: RunSpec, groups: ParallelGroups, **config_overrides: Any) 
     if spec.moe.expert_capacity_factor is not None:  # token dropping (naive only: rules.check_moe_run)
         config_overrides.setdefault("moe_expert_capacity_factor", spec.moe.expert_capacity_factor)
     shape = {"dtype": dtype, "tp": groups.tp_size, "sequence_parallel": groups.sequence_parallel,
-             "ep": groups.ep_size, **config_overrides}  # fmt: skip
+             "ep": groups.ep_size, "etp": groups.etp_size, **config_overrides}  # fmt: skip
     stage = {"pp": groups.pp_size, "pp_rank": groups.pp_rank}
     if spec.hf_path is not None:
         model = build_model(arch, **shape, init_weights=False, **stage)

@@ -193,8 +193,9 @@ class LocalContext(PrefixContext):
 
 
 class TakesBranchContext:
-    """Mixin for modules that read the attached context: BranchCoreAttention, and any other layer kind's mixer.
-    `attach_context` sets `context` on every such module of a model for one forward."""
+    """Mixin for modules that read the attached context: BranchCoreAttention, any other layer kind's mixer, and the
+    layer itself (models/layer_checkpoint.py reads `recompute_layers` off it, token mixer or not). `attach_context`
+    sets `context` on every such module of a model for one forward."""
 
     context: BranchContext | None = None
 

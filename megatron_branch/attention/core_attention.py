@@ -67,6 +67,10 @@ class BranchCoreAttention(CoreAttentionSlot, TakesBranchContext):
         """megatron's arguments (`kwargs`: attention_dropout, softmax_scale, cp_comm_type, pg_collection, as the
         spec passes them, by keyword) go to the slot and to the DotProductAttention built as `stock`."""
         super().__init__(config, layer_number, attn_mask_type, attention_type, **kwargs)
+        pgc = kwargs.get("pg_collection")
+        self.sink_tp_group = getattr(
+            pgc, "tp", None
+        )  # the sink's shards' group (sharded_state_dict); None: megatron's
         self.context: BranchContext | None = None
         self.stock: torch.nn.Module | None = stock
         self.window = layer_window(config, self.layer_number)
@@ -101,6 +105,29 @@ class BranchCoreAttention(CoreAttentionSlot, TakesBranchContext):
                 config.init_method(self.softmax_offset)
         # one logit per head: split over TP with the heads (megatron shards it so in its sharded_state_dict)
         set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict[str, Any]:
+        """The sink this module holds (_own_sink) split over TP along its one axis, the heads, as megatron's
+        DotProductAttention.sharded_state_dict declares it (MegatronModule's default would save each TP rank's
+        [n / tp] as the whole tensor: a TP2 checkpoint would hold half the heads, twice)."""
+        if self._parameters.get("softmax_offset") is None:
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        from megatron.core.transformer.utils import (
+            ensure_metadata_has_dp_cp_group,
+            make_sharded_tensors_for_checkpoint,
+        )
+
+        groups = {}
+        if self.sink_tp_group is not None:  # else megatron's own fallback: its parallel_state's groups
+            groups = dict(
+                tp_group=self.sink_tp_group,
+                dp_cp_group=ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"],
+            )
+        return make_sharded_tensors_for_checkpoint(
+            {"softmax_offset": self.softmax_offset}, prefix, {"softmax_offset": 0}, sharded_offsets, **groups
+        )
 
     @property
     def sink(self) -> torch.Tensor | None:

@@ -39,6 +39,13 @@ def add_convert_commands(subparsers: Any) -> None:
         "--ep", type=int, default=1, help="expert-parallel size to build a MoE model with (default 1)"
     )
     h2m.add_argument(
+        "--etp",
+        type=int,
+        default=None,
+        help="expert tensor-parallel size: 1 (every expert whole on each TP rank; gpt-oss at --tp > 1) or the TP "
+        "size (default)",
+    )
+    h2m.add_argument(
         "--dtype", default=None, help="float32, bfloat16 or float16 (default: the HF storage dtype)"
     )
     add_overwrite_argument(h2m)
@@ -91,7 +98,14 @@ def run(args: argparse.Namespace) -> int:
         from megatron_branch.checkpoint.hf_to_mcore import convert_hf_to_mcore
 
         out = convert_hf_to_mcore(
-            args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype, overwrite=args.overwrite
+            args.hf,
+            args.out,
+            tp=args.tp,
+            pp=args.pp,
+            ep=args.ep,
+            etp=args.etp,
+            dtype=args.dtype,
+            overwrite=args.overwrite,
         )
         _say(f"wrote {out}")
         return 0

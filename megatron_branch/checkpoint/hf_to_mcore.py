@@ -208,6 +208,7 @@ def convert_hf_to_mcore(
     tp: int = 1,
     pp: int = 1,
     ep: int = 1,
+    etp: int | None = None,
     dtype: str | torch.dtype | None = None,
     progress: bool = True,
     overwrite: bool = False,
@@ -215,7 +216,8 @@ def convert_hf_to_mcore(
     """Convert a local HF folder (any family of models/arch.py) into a megatron-core dist checkpoint at `out_dir`.
 
     `tp` must divide the number of launched ranks (1 when single process); `ep` (a MoE model's experts split over
-    it, inside the data-parallel ranks) must divide launched ranks / tp. `dtype` None keeps the storage dtype.
+    it, inside the data-parallel ranks) must divide launched ranks / tp; `etp` the experts' tensor-parallel size (None:
+    tp; 1: every expert whole on each TP rank, as gpt-oss's expert biases need). `dtype` None keeps the storage dtype.
     Everything is checked (on every rank, one verdict) before any model is built.
     """
     from megatron_branch.models import build_model
@@ -230,8 +232,9 @@ def convert_hf_to_mcore(
         outputs.check_output_dir(out_dir, overwrite=overwrite, marker=META_FILE)
         cfg = load_hf_config(hf_dir)
         arch = ModelArch.from_hf_config(cfg, where=str(Path(hf_dir) / "config.json"))
-        arch.check_tensor_parallel(tp)
-        arch.check_expert_parallel(ep, tp=tp)
+        ParallelConfig(tp=tp, ep=ep, etp=etp)  # etp: 1 or tp (a SettingError, --etp)
+        arch.check_tensor_parallel(tp, etp=etp)
+        arch.check_expert_parallel(ep, tp=tp, etp=etp)
         reader = HFTensorReader(hf_dir)
         dt = parse_dtype(dtype) or reader.dtype()
         if dt not in DTYPES.values():
@@ -247,10 +250,10 @@ def convert_hf_to_mcore(
 
     arch, reader, dtype = check_on_every_rank(validate)
     init_distributed()
-    groups = initialize_parallel(ParallelConfig(tp=tp, ep=ep))
+    groups = initialize_parallel(ParallelConfig(tp=tp, ep=ep, etp=etp))
     # Every parameter is overwritten below: skip megatron's random init (a full fp32 master copy of each
     # weight on every rank, filled with normal_()).
-    model = build_model(arch, dtype=dtype, tp=tp, init_weights=False, ep=ep)
+    model = build_model(arch, dtype=dtype, tp=tp, init_weights=False, ep=ep, etp=etp)
     padded = arch.padded_vocab_size(tp)
     params = dict(model.named_parameters())
     names = iter_hf_to_mcore(reader.keys(), reader.get, arch, padded_vocab=padded, where=str(hf_dir))

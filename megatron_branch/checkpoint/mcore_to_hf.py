@@ -114,9 +114,15 @@ def _why(key: str, saved: Any) -> str:
 
 
 def load_mcore_checkpoint(
-    mcore_dir: str | os.PathLike, *, tp_group: Any = None, tp: int = 1, dtype: str | torch.dtype | None = None
+    mcore_dir: str | os.PathLike,
+    *,
+    tp_group: Any = None,
+    tp: int = 1,
+    etp: int | None = None,
+    dtype: str | torch.dtype | None = None,
 ) -> tuple[torch.nn.Module, ModelArch, dict[str, Any]]:
-    """Build the model at TP `tp` (megatron's parallel_state must match) and load the checkpoint into it.
+    """Build the model at TP `tp` and expert TP `etp` (None = tp; megatron's parallel_state must match) and load the
+    checkpoint into it.
 
     The checkpoint may come from megatron's local or TransformerEngine layer spec: both save the same keys
     (param_map.sharded_keys; a TE run's `*._extra_state` entries load into the local layers, whose
@@ -131,11 +137,11 @@ def load_mcore_checkpoint(
     d = Path(mcore_dir)
     meta = read_meta(d)
     arch: ModelArch = meta["arch_obj"]
-    arch.check_tensor_parallel(tp)
+    arch.check_tensor_parallel(tp, etp=etp)
     # Before megatron reads anything: every file present, full size, undamaged; nothing pickled runs code.
     verify_checkpoint(d, meta.get("files"), recorded_in=META_FILE)
     dt = parse_dtype(dtype) or parse_dtype(meta.get("dtype", "float32"))
-    model = build_model(arch, dtype=dt, tp=tp)
+    model = build_model(arch, dtype=dt, tp=tp, etp=etp)
     sharded = model.sharded_state_dict()
     try:
         saved = dist_checkpointing.load_tensors_metadata(str(d))
@@ -212,13 +218,17 @@ def convert_mcore_to_hf(
 
     meta = check_on_every_rank(validate)
     _, world = init_distributed()
+    arch = meta["arch_obj"]
+    etp = 1 if arch.is_moe and arch.linear_bias else None  # megatron allows expert biases at expert TP 1 only
     try:
-        meta["arch_obj"].check_tensor_parallel(world)
+        arch.check_tensor_parallel(world, etp=etp)
         tp = world
     except UserError:  # a world the heads do not split over: every rank loads the whole model
         tp = 1
-    groups = initialize_parallel(ParallelConfig(tp=tp))
-    model, arch, meta = load_mcore_checkpoint(mcore_dir, tp_group=groups.tp, tp=groups.tp_size, dtype=dtype)
+    groups = initialize_parallel(ParallelConfig(tp=tp, etp=etp))
+    model, arch, meta = load_mcore_checkpoint(
+        mcore_dir, tp_group=groups.tp, tp=groups.tp_size, etp=etp, dtype=dtype
+    )
     full = gather_full_state(model, groups.tp)
     del model
     if tokenizer_dir is None and (Path(mcore_dir) / TOKENIZER_SUBDIR).is_dir():

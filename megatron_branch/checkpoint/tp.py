@@ -11,7 +11,9 @@ section by section. Norm weights are replicated (also under sequence parallel).
 
 Routed experts under expert parallelism (`ep_group`): each EP rank holds E/ep experts per layer; full states name
 them by their global index (checkpoint/experts.py), gathered over the EP group after the TP gather, and a rank
-loads only its own. (Expert tensor parallelism equals TP: an expert's shards live on the TP group's ranks.)
+loads only its own. Expert tensor parallelism is TP (an expert's shards live on the TP group's ranks) or 1: then
+every TP rank holds whole experts, unmarked as tensor-parallel (models/expert_tp.py), so they are neither split nor
+gathered here.
 
 The vocabulary-parallel tensors keep their padding as-is; `repad_vocab` re-pads a full tensor saved at another TP.
 Process groups are arguments: nothing here reads megatron's parallel_state.

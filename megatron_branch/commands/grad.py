@@ -144,7 +144,7 @@ def validate(args: argparse.Namespace, *, auto: bool = False) -> tuple[Any, ...]
         rules.check_model(spec)
     except SettingError as e:
         raise e.spelled(SPELLING) from None
-    arch.check_tensor_parallel(spec.layout.tp)
+    arch.check_tensor_parallel(spec.layout.tp, etp=spec.layout.etp)
     _check_moe(spec)
     HFTensorReader(args.hf)  # every shard's header is read now: a broken file fails before any work
     max_positions = None if args.allow_longer_context else arch.max_position_embeddings
@@ -188,7 +188,7 @@ def _check_moe(spec: Any) -> None:
     """A MoE model's expert split and router settings (the run's MoE rules: rules.check_model)."""
     if not spec.arch.is_moe:
         return
-    spec.arch.check_expert_parallel(spec.layout.ep, tp=spec.layout.tp)
+    spec.arch.check_expert_parallel(spec.layout.ep, tp=spec.layout.tp, etp=spec.layout.etp)
     try:
         spec.moe.options()
     except ValueError as e:

@@ -245,9 +245,9 @@ class ModelArch:
     def has_dense_mlp_layers(self) -> bool:
         return self.is_moe and len(self.moe_layers) < self.num_layers
 
-    def check_expert_parallel(self, ep: int, *, tp: int = 1) -> None:
-        """Refuse, in one line, an expert-parallel size the model cannot be split over."""
-        check_expert_parallel(self, ep, tp=tp)  # models/arch_checks.py
+    def check_expert_parallel(self, ep: int, *, tp: int = 1, etp: int | None = None) -> None:
+        """Refuse, in one line, an expert-parallel size the model cannot be split over (etp None = tp)."""
+        check_expert_parallel(self, ep, tp=tp, etp=etp)  # models/arch_checks.py
 
     # --- layer kinds ----------------------------------------------------------------------------------------------
     @property
@@ -334,9 +334,10 @@ class ModelArch:
         m = tp * divisible_by
         return -(-self.vocab_size // m) * m
 
-    def check_tensor_parallel(self, tp: int) -> None:
-        """Refuse, in one line, a tensor-parallel size the model cannot be split over (models/arch_checks.py)."""
-        check_tensor_parallel(self, tp)
+    def check_tensor_parallel(self, tp: int, *, etp: int | None = None) -> None:
+        """Refuse, in one line, a tensor-parallel size the model cannot be split over (models/arch_checks.py;
+        `etp`: the experts' tensor-parallel size, None = tp)."""
+        check_tensor_parallel(self, tp, etp=etp)
 
     def to_transformer_config(
         self,

@@ -94,8 +94,10 @@ def check_window_fields(arch: Any) -> None:
         raise ValueError("sliding_window is supported on grouped-query attention layers only (gpt_oss)")
 
 
-def check_expert_parallel(arch: Any, ep: int, *, tp: int = 1) -> None:
-    """Refuse, in one line, an expert-parallel size the model cannot be split over."""
+def check_expert_parallel(arch: Any, ep: int, *, tp: int = 1, etp: int | None = None) -> None:
+    """Refuse, in one line, an expert-parallel size the model cannot be split over (`etp`: the experts' own
+    tensor-parallel size, megatron's expert_tensor_parallel_size; None = tp)."""
+    etp = tp if etp is None else etp
     if ep <= 0:
         raise UserError(f"expert parallel size must be positive, got {ep}")
     if ep > 1 and not arch.is_moe:
@@ -104,10 +106,10 @@ def check_expert_parallel(arch: Any, ep: int, *, tp: int = 1) -> None:
         )
     if arch.num_experts % ep:
         raise UserError(f"expert parallel size {ep} does not divide num_experts={arch.num_experts}")
-    if arch.is_moe and arch.moe_ffn_hidden_size % tp:
-        # the experts are split over TP (megatron's expert_tensor_parallel_size = tensor_model_parallel_size)
+    if arch.is_moe and arch.moe_ffn_hidden_size % etp:
+        # the experts are split over ETP (megatron's expert_tensor_parallel_size: TP unless set to 1)
         raise UserError(
-            f"tensor parallel size {tp} does not divide moe_intermediate_size={arch.moe_ffn_hidden_size}"
+            f"expert tensor parallel size {etp} does not divide moe_intermediate_size={arch.moe_ffn_hidden_size}"
         )
     if arch.shared_expert_ffn_hidden_size % tp:
         raise UserError(
@@ -116,8 +118,9 @@ def check_expert_parallel(arch: Any, ep: int, *, tp: int = 1) -> None:
         )
 
 
-def check_tensor_parallel(arch: Any, tp: int) -> None:
-    """Refuse, in one line, a tensor-parallel size the model cannot be split over."""
+def check_tensor_parallel(arch: Any, tp: int, *, etp: int | None = None) -> None:
+    """Refuse, in one line, a tensor-parallel size the model cannot be split over (`etp`: the experts' own
+    tensor-parallel size, megatron's expert_tensor_parallel_size; None = tp)."""
     if tp <= 0:
         raise UserError(f"tensor parallel size must be positive, got {tp}")
     if arch.num_attention_heads % tp:
@@ -130,15 +133,15 @@ def check_tensor_parallel(arch: Any, tp: int) -> None:
         )
     if arch.ffn_hidden_size % tp and not (arch.is_moe and not arch.has_dense_mlp_layers):
         raise UserError(f"tensor parallel size {tp} does not divide intermediate_size={arch.ffn_hidden_size}")
-    if arch.is_moe and arch.linear_bias and tp > 1:
-        # megatron-core 0.16.1 asserts "Bias in Moe is only supported when ETP==1"; the experts here are split
-        # over TP (expert_tensor_parallel_size = tensor_model_parallel_size)
+    etp = tp if etp is None else etp
+    if arch.is_moe and arch.linear_bias and etp > 1:
+        # megatron-core 0.16.1 asserts "Bias in Moe is only supported when ETP==1" (transformer_config.py)
         raise UserError(
-            f"tensor parallel size {tp} with {arch.family}'s expert biases: megatron-core needs expert tensor "
-            "parallel size 1 for them, which this engine does not set up yet (use --cp / --ep)"
+            f"expert tensor parallel size {etp} with {arch.family}'s expert biases: megatron-core needs expert "
+            "tensor parallel size 1 for them (grad's and convert's --etp 1)"
         )
     if arch.is_moe:
-        check_expert_parallel(arch, 1, tp=tp)
+        check_expert_parallel(arch, 1, tp=tp, etp=etp)
     if arch.hybrid_override_pattern is not None:
         from megatron_branch.models.mamba_arch import check_mamba_tensor_parallel
 

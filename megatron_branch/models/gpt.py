@@ -138,6 +138,7 @@ def build_model(
     pp: int = 1,
     pp_rank: int = 0,
     ep: int = 1,
+    etp: int | None = None,
     **config_overrides: Any,
 ) -> BranchGPTModel:
     """A megatron-core GPT model for `arch` on this rank (tensor-parallel shards if tp > 1).
@@ -151,7 +152,8 @@ def build_model(
     stage 0, the final norm and the output layer on the last stage (a tied output weight: a copy of the
     embedding, kept equal by megatron's embedding-group reduction, parallel/grads.py). `pp=1` builds the whole
     model whatever parallel_state holds (the sampler's gathered copy, train/models.py).
-    `ep`: the expert-parallel size megatron's parallel_state was initialised with (MoE models; 1 otherwise).
+    `ep`: the expert-parallel size megatron's parallel_state was initialised with (MoE models; 1 otherwise);
+    `etp` its expert tensor-parallel size (None = tp; 1: every expert whole on each TP rank, models/expert_tp.py).
     """
     apply_cpu_shims()
     if pp > 1:
@@ -175,6 +177,8 @@ def build_model(
 
         apply_moe_shims()
         config_overrides = {"expert_model_parallel_size": ep, **config_overrides}
+        if etp is not None:
+            config_overrides = {"expert_tensor_parallel_size": etp, **config_overrides}
     if not init_weights:
         config_overrides = {**config_overrides, "perform_initialization": False}
     config = arch.to_transformer_config(
@@ -202,6 +206,10 @@ def build_model(
         from megatron_branch.models.gdn import mark_gdn_partition_dims
 
         mark_gdn_partition_dims(model)
+    if arch.is_moe and tp > 1:
+        from megatron_branch.models.expert_tp import mark_whole_experts
+
+        mark_whole_experts(model)
     model.arch = arch  # type: ignore[attr-defined]
     return model
 

@@ -7,8 +7,10 @@ runs once more and that one layer's graph lives until the layer's backward is do
 
 The hook is megatron's own plug-in point: the layer spec's module (models/gpt.py `branch_layer_spec`) is
 `BranchTransformerLayer`, megatron's TransformerLayer whose forward checkpoints itself while the BranchContext
-attached to its core attention says `recompute_layers` and grad is enabled. Without a context, or under no_grad
-(scoring, replay's graph-free first forward of a recomputed segment), it IS megatron's layer.
+attached to it says `recompute_layers` and grad is enabled. Without a context, or under no_grad (scoring, replay's
+graph-free first forward of a recomputed segment), it IS megatron's layer. The layer takes the context itself
+(TakesBranchContext: the schedule's `attach_context` sets it on every layer as on every token mixer), so a layer
+with no token mixer (a hybrid's MLP-only "-" or MoE-only "E" layer: IdentityOp attention) is checkpointed too.
 
 Why torch.utils.checkpoint(use_reentrant=False) and not megatron's `tensor_parallel.checkpoint`, which is
 reentrant: a reentrant checkpoint runs the region's forward under no_grad and rebuilds the graph inside its own
@@ -23,7 +25,8 @@ rebuilt graph, which accumulates into every leaf it reaches); only the captured 
 
 Traps handled here (tests/unit/test_layer_checkpoint.py plants each one):
   * the recomputation runs in backward, after `attach_context` has exited: it re-attaches the chunk's context
-    (layout, cached K/V, CP metadata) to THIS layer's core attention for its duration, then restores what was there;
+    (layout, cached K/V, CP metadata) to THIS layer's token mixer, if it has one, for its duration, then restores
+    what was there;
   * multi-latent attention applies RoPE inside the layer, from its own `PositionRotaryEmbedding` whose position ids
     the model's forward hook sets and clears: the recomputation restores the first forward's ids (models/mla.py;
     without it a replayed branch would recompute with positions 0.., measured 30% off HF);
@@ -58,11 +61,12 @@ from megatron_branch.models.moe import attached_to_layer, layer_router_context, 
 from megatron_branch.models.rotary import PositionRotaryEmbedding, rope_positions
 
 
-class BranchTransformerLayer(TransformerLayer):
-    """megatron's TransformerLayer (same constructor, forward and state dict), checkpointed per the context."""
+class BranchTransformerLayer(TransformerLayer, TakesBranchContext):
+    """megatron's TransformerLayer (same constructor, forward and state dict), checkpointed per the context
+    attached to it (the chunk's, as on its token mixer; a layer without one reads it only here)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        ctx = self.branch_context()
+        ctx = self.context
         if ctx is None or not ctx.recompute_layers or not torch.is_grad_enabled():
             return super().forward(*args, **kwargs)
         # the hidden states go in as checkpoint's one saved input; the rest (masks, RoPE table, None's) by closure
@@ -70,15 +74,11 @@ class BranchTransformerLayer(TransformerLayer):
         run = _Checkpointed(self, ctx, args[1:], kwargs)
         return checkpoint(run, hidden, use_reentrant=False)
 
-    def branch_context(self) -> BranchContext | None:
-        """The BranchContext attached to this layer's token mixer (None: none, or not ours)."""
-        mixer = context_reader(self)
-        return None if mixer is None else mixer.context
-
 
 def context_reader(layer: TransformerLayer) -> Any:
     """The module of `layer` that reads the context: its core attention, or a mixer that takes the context
-    whole (the hybrids' BranchGatedDeltaNet); None when neither is ours."""
+    whole (the hybrids' BranchGatedDeltaNet, BranchMambaMixer); None when neither is ours (an MLP / MoE-only
+    layer: IdentityOp attention)."""
     core = getattr(layer.self_attention, "core_attention", None)
     if isinstance(core, BranchCoreAttention):
         return core
@@ -103,7 +103,7 @@ class _Checkpointed:
         core = context_reader(self.layer)
         if self.calls == 1:  # the forward, with the schedule's context attached
             out = TransformerLayer.forward(self.layer, hidden, *self.args, **self.kwargs)
-            if self.ctx.capture and core.layer_number in self.ctx.captured:
+            if self.ctx.capture and core is not None and core.layer_number in self.ctx.captured:
                 # the captured K/V are no longer saved by autograd (checkpoint dropped the region's saved
                 # tensors) but the schedule holds them: count them as the meter did without checkpointing
                 track_extra(self.ctx.captured[core.layer_number].tensors)
@@ -130,8 +130,12 @@ class _Checkpointed:
 
 @contextmanager
 def attached(core: Any, ctx: BranchContext) -> Iterator[None]:
-    """`ctx` attached to one core attention for a recomputation, then whatever was attached before (None: the
-    recomputation runs in backward, after the schedule's `attach_context` has exited)."""
+    """`ctx` attached to one token mixer for a recomputation, then whatever was attached before (None: the
+    recomputation runs in backward, after the schedule's `attach_context` has exited); no-op for a layer without
+    one (core None)."""
+    if core is None:
+        yield
+        return
     held, core.context = core.context, ctx
     try:
         yield

@@ -58,6 +58,14 @@ children only, handed down whole (as the gated delta net's)."""
 State = tuple[torch.Tensor, torch.Tensor]
 
 
+def own_state(state: State) -> State:
+    """A segment's (SSM state, conv tail) as its own storage, to hand down: transformers' mamba2_chunk_scan returns
+    the final state as `new_states[:, -1]`, a view of the scan's c + 1 chunk states, which the prefix cache would
+    otherwise keep alive whole. `.clone()` keeps the autograd edge (the cache's leaf injects its gradient through it).
+    The tail is already the last K - 1 inputs' own tensor (models/gdn_tree.py conv_with_tail)."""
+    return state[0].clone(), state[1]
+
+
 @dataclass(frozen=True)
 class MixerParams:
     """The per-head parameters the conv and scan read: the TP rank's, or a CP block's slices of them (sliced in the
@@ -273,7 +281,9 @@ class BranchMambaMixer(MambaMixer, TakesBranchContext):
             for j, i in enumerate(depth):
                 states[i] = (S[j : j + 1], tail[j : j + 1])
         if ctx.capture:
-            hand_down_states(ctx, self.layer_number, MAMBA_STATE, states)
+            hand_down_states(
+                ctx, self.layer_number, MAMBA_STATE, {i: own_state(t) for i, t in states.items()}
+            )
         return y
 
     def _start(

@@ -25,7 +25,7 @@ def transformer_config_of(
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    arch.check_tensor_parallel(tp)
+    arch.check_tensor_parallel(tp, etp=overrides.get("expert_tensor_parallel_size"))
     kwargs: dict[str, Any] = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,

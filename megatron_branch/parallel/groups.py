@@ -49,6 +49,9 @@ class ParallelGroups:
     ep: Any = None
     """The expert-parallel group (MoE models; None: no expert parallelism)."""
     ep_size: int = 1
+    etp_size: int = 1
+    """The experts' tensor-parallel size (megatron's expert_tensor_parallel_size): tp_size, or 1 where every TP rank
+    holds whole experts (their grads then summed over megatron's expert-data-parallel group, which spans TP)."""
     ep_spans_dp: bool = False
     """Some EP group holds ranks of different data-parallel replicas: their model calls must pair up
     (parallel/lockstep.py)."""
@@ -58,7 +61,7 @@ class ParallelGroups:
         """The layout these groups realise."""
         return ParallelLayout(
             tp=self.tp_size, cp=self.cp_size, dp=self.dp_size, pp=self.pp_size, ep=self.ep_size,
-            sequence_parallel=self.sequence_parallel,
+            etp=self.etp_size, sequence_parallel=self.sequence_parallel,
         )  # fmt: skip
 
     @property
@@ -96,6 +99,7 @@ class ParallelGroups:
             pp=pp if piped else None, pp_size=pp_size, pp_rank=dist.get_rank(pp) if piped else 0,
             embd=embd if piped else None,  # None off stages 0, pp-1
             ep=ps.get_expert_model_parallel_group() if ep_size > 1 else None, ep_size=ep_size,
+            etp_size=_size(ps.get_expert_tensor_parallel_group(check_initialized=False)),
             ep_spans_dp=ep_size > 1 and _ep_spans_replicas(ps),
         )  # fmt: skip
 
@@ -153,13 +157,14 @@ def initialize_parallel(cfg: ParallelLayout, *, seed: int = 1234) -> ParallelGro
         pipeline_model_parallel_size=cfg.pp,
         context_parallel_size=cfg.cp,
         expert_model_parallel_size=cfg.ep,
+        expert_tensor_parallel_size=cfg.expert_tp,
     )
     # torch 2.13 starts each process from a different CPU seed: seed explicitly so replicas agree.
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     groups = ParallelGroups.from_parallel_state(sequence_parallel=cfg.sequence_parallel)
-    sizes = (groups.tp_size, groups.cp_size, groups.dp_size, groups.pp_size, groups.ep_size)
-    assert sizes == (cfg.tp, cfg.cp, dp, cfg.pp, cfg.ep), (sizes, cfg)
+    sizes = (groups.tp_size, groups.cp_size, groups.dp_size, groups.pp_size, groups.ep_size, groups.etp_size)
+    assert sizes == (cfg.tp, cfg.cp, dp, cfg.pp, cfg.ep, cfg.expert_tp), (sizes, cfg)
     return groups
 
 

@@ -5,7 +5,9 @@ activations between them), CP splits every chunk's tokens (ring attention), DP s
 groups, PP splits the layers into consecutive pipeline stages (megatron's pipeline_model_parallel_size; the tree
 schedules under it: schedule/pipeline.py). EP (expert parallel, a MoE model's experts) is carved out of dp * cp as
 in megatron and torchtitan: it does not multiply the world, it must divide dp * cp (megatron's
-expert_model_parallel_size; the experts are also split over TP, expert TP = TP).
+expert_model_parallel_size). The experts' own tensor split, ETP (megatron's expert_tensor_parallel_size), is TP by
+default or 1: every expert whole on each TP rank (megatron allows expert biases, gpt-oss's, only there), its
+gradient then summed over megatron's expert-data-parallel group, which spans the TP ranks (models/expert_tp.py).
 
     layout = ParallelLayout(tp=2, cp=2, sequence_parallel=True)    # dp None: the rest of the world
     layout.data_parallel_size(8)                                   # 2; a world that does not divide is refused
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 from megatron_branch.errors import SettingError
 
-SIZES = ("tp", "cp", "dp", "pp", "ep")
+SIZES = ("tp", "cp", "dp", "pp", "ep", "etp")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,20 +45,36 @@ class ParallelLayout:
     ep: int = 1
     """Expert-parallel size of a MoE model: its experts are split over ep ranks laid inside dp * cp as megatron
     lays them (expert_model_parallel_size; world = tp * cp * dp, ep must divide cp * dp)."""
+    etp: int | None = None
+    """Expert tensor-parallel size of a MoE model (megatron's expert_tensor_parallel_size): None = tp (each expert
+    split over the TP group), or 1 (each expert whole on every TP rank, sequence parallel at tp > 1; grad and convert
+    run it, train refuses it for now)."""
     sequence_parallel: bool = False
     """Shard the activations outside attention/MLP along the sequence over the TP group (needs tp > 1)."""
 
     def __post_init__(self) -> None:
         for name in SIZES:
             v = getattr(self, name)
-            if v is None and name == "dp":
+            if v is None and name in ("dp", "etp"):
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise SettingError(
                     lambda s, n=name, v=v: f"{s.name(n)} must be a positive integer, got {v!r}"
                 )
+        if self.etp not in (None, 1, self.tp):
+            raise SettingError(
+                lambda s: (
+                    f"{s.value('etp', self.etp)} must be 1 or {s.name('tp')} ({self.tp}): the engine splits experts "
+                    "over the whole TP group or not at all"
+                )
+            )
         if self.dp is not None:
             self._check_ep(self.dp)
+
+    @property
+    def expert_tp(self) -> int:
+        """The experts' tensor-parallel size (megatron's expert_tensor_parallel_size): etp, or tp when unset."""
+        return self.tp if self.etp is None else self.etp
 
     @property
     def sp(self) -> bool:
@@ -65,9 +83,9 @@ class ParallelLayout:
 
     @property
     def expert_dp(self) -> int:
-        """Ranks holding the same experts (megatron's expert data-parallel group: cp * dp / ep)."""
+        """Ranks holding the same experts (megatron's expert data-parallel group: tp / etp * cp * dp / ep)."""
         assert self.dp is not None, "the data-parallel size is not resolved yet (for_world)"
-        return self.cp * self.dp // self.ep
+        return self.tp // self.expert_tp * self.cp * self.dp // self.ep
 
     @property
     def model_parallel(self) -> int:

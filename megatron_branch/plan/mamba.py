@@ -40,13 +40,14 @@ These are the torch path's (CPU, or a GPU without mamba_ssm): where mamba_ssm is
 mamba_chunk_scan_combined kernel (the `use_kernel_func_from_hub_with_fallback` on mamba2_chunk_scan), which saves
 far less and returns the final state as its own tensor: there these terms are an over-count (not measured here).
 
-Per-layer checkpointing (`recompute full`) rebuilds the M and * layers only: a - or E layer reads no branch
-context, so models/layer_checkpoint.py leaves it megatron's layer, whole (`checkpointed_peak`).
+Per-layer checkpointing (`recompute full`) rebuilds every layer, the - and E layers without a token mixer too
+(models/layer_checkpoint.py: the context is attached to the layer itself), one at a time (`checkpointed_peak`).
 
 The branch state a fork hands down per M layer (MAMBA_STATE): the SSM state H P N float32 and the conv tail, the
 last K - 1 inputs, (K - 1) cd e; with its accumulator (float32 or wider: WideSum) in kv_grads. It is its own memory
-term, `cached_ssm_state`, priced as what the engine keeps alive: the SSM state is a view of the scan's chunk
-states, whose whole storage, (c + 1) H P N float32 for the parent's c chunks, the cache holds (`mamba_state_bytes`).
+term, `cached_ssm_state`, priced as what the engine keeps alive: models/mamba.py hands down a copy of the last
+state (`own_state`), not the view of the scan's c + 1 chunk states, so the cache holds H P N float32 per fork
+(`mamba_state_bytes`).
 """
 
 from __future__ import annotations
@@ -200,16 +201,14 @@ def mamba_mixer_saved_bytes(arch: ModelArch, n: int, *, tp: int = 1, e: int = 4)
     return rows + scan + norm
 
 
-def mamba_state_bytes(dm: Any, n: int) -> int:
-    """Per M layer: what the state a fork hands down after a parent segment of n rows keeps alive (dm:
-    plan/activations.Dims): the conv's last K - 1 inputs, and the SSM state H P N float32, which models/mamba.py
-    hands down as a view of the scan's chunk states (`new_states[:, -1]` of transformers' mamba2_chunk_scan), so
-    the whole storage stays alive: H (c + 1) P N float32 for the c = ceil(n / Q) chunks of the parent (measured:
-    tests/unit/test_plan_mamba.py; a copy of the last state would keep 1 / (c + 1) of it)."""
+def mamba_state_bytes(dm: Any) -> int:
+    """Per M layer: what the state a fork hands down keeps alive (dm: plan/activations.Dims): the conv's last K - 1
+    inputs, and the SSM state H P N float32, which models/mamba.py hands down as its own copy (`own_state`: not the
+    view of the scan's chunk states, whose storage grows with the parent's length) (measured:
+    tests/unit/test_plan_mamba.py)."""
     a = dm.arch
     H, cd = a.mamba_num_heads // dm.tp, sum(conv_sections(a)) // dm.tp
-    c = cdiv(n, a.mamba_chunk_size)
-    return (c + 1) * H * a.mamba_head_dim * a.mamba_state_dim * F32 + (a.mamba_conv_kernel - 1) * cd * dm.e
+    return H * a.mamba_head_dim * a.mamba_state_dim * F32 + (a.mamba_conv_kernel - 1) * cd * dm.e
 
 
 def mamba_state_grad_bytes(dm: Any) -> int:
@@ -247,21 +246,16 @@ def block_bytes(dm: Any, kind: str, r: int, sequences: list[tuple[int, int]], *,
 
 
 def checkpointed_peak(dm: Any, r: int, per_kind: dict[str, int], *, kv: int, head: int) -> tuple[int, int]:
-    """(held, peak) of a chunk under per-layer checkpointing (models/layer_checkpoint.py): an M or * layer keeps only
-    its input and is rebuilt in backward, one at a time, last layer first; a - or E layer is megatron's layer, not
-    checkpointed (the checkpoint follows the context its token mixer reads, and these have none: `context_reader`),
-    so it keeps every saved tensor until its backward. held: every kept input and those layers, with the head; the
-    peak: that, or, while layer j is rebuilt, the kept inputs and the - / E layers before j and j's graph (its
-    first norm saves its kept input: one storage)."""
+    """(held, peak) of a chunk under per-layer checkpointing (models/layer_checkpoint.py): every layer, M, *, - and
+    E alike (the context is attached to the layer itself, mixer or not), keeps only its input and is rebuilt in
+    backward, one at a time, last layer first. held: every kept input, with the head; the peak: that, or, while
+    layer j is rebuilt, the kept inputs of the layers before j and j's graph (its first norm saves its kept input:
+    one storage)."""
     layer_input = dm.seq_rows(r) * dm.h * dm.e
-    pattern = dm.arch.hybrid_override_pattern
     before, peak = 0, 0  # what the layers before j keep
-    for kind in pattern:
-        if kind in "M*":
-            peak = max(peak, before + per_kind[kind] + (kv if kind == "*" else 0))
-            before += layer_input
-        else:
-            before += per_kind[kind]
+    for kind in dm.arch.hybrid_override_pattern:
+        peak = max(peak, before + per_kind[kind] + (kv if kind == "*" else 0))
+        before += layer_input
     return before + head, max(before + head, peak)
 
 

@@ -186,7 +186,7 @@ def step_peak(
     )
     # the root's K/V (full-attention layers) and, for a hybrid, the GDN states its children start from
     state = dm.linear_layers * linear_state_bytes(dm) if dm.linear_layers else 0
-    ssm = mamba_fork_state(dm, R)  # a Mamba hybrid's M layers: (states, their accumulators), plan/mamba.py
+    ssm = mamba_fork_state(dm)  # a Mamba hybrid's M layers: (states, their accumulators), plan/mamba.py
     cached = dm.attn_layers * layer_cache_bytes(dm, r_root) + state + ssm[0]  # MLA: its latent (plan/mla.py)
     state_grads = (dm.linear_layers * linear_state_grad_bytes(dm) if dm.linear_layers else 0) + ssm[1]
     grads = kv_grad_bytes(dm, r_root) + state_grads  # fp32 for bf16 leaves (WideSum)
@@ -241,15 +241,15 @@ def step_peak(
     )
 
 
-def mamba_fork_state(dm: Dims, root: int) -> tuple[int, int]:
-    """(bytes, accumulator bytes) of the state every M layer of a Mamba hybrid hands down at the fork after a root
-    of `root` rows (0, 0 for other models; plan/mamba.py)."""
+def mamba_fork_state(dm: Dims) -> tuple[int, int]:
+    """(bytes, accumulator bytes) of the state every M layer of a Mamba hybrid hands down at the fork (0, 0 for
+    other models; plan/mamba.py)."""
     if dm.arch.hybrid_override_pattern is None:
         return 0, 0
     from megatron_branch.plan.mamba import kind_count, mamba_state_bytes, mamba_state_grad_bytes
 
     layers = kind_count(dm.arch, "M")
-    return layers * mamba_state_bytes(dm, root), layers * mamba_state_grad_bytes(dm)
+    return layers * mamba_state_bytes(dm), layers * mamba_state_grad_bytes(dm)
 
 
 def packed_peak(

@@ -149,8 +149,8 @@ def evaluate(
             f"Mamba-2 hybrid ({p.count('M')} Mamba-2 + {p.count('*')} attention + {p.count('-')} MLP + "
             f"{p.count('E')} MoE layers): each layer priced as its one block (plan/mamba.py), the Mamba layers with "
             "the torch SSD scan the engine runs without mamba_ssm (float32, chunked; mamba_ssm's kernel saves less); replay hands each Mamba layer's SSM state and "
-            "conv tail down at the fork (cached_ssm_state: the cache holds the scan's chunk-state storage the state "
-            "is a view of), with its accumulator in kv_grads; no CP (the Mamba head exchange is not priced), no PP"
+            "conv tail down at the fork (cached_ssm_state: a copy of the last state), with its accumulator in "
+            "kv_grads; no CP (the Mamba head exchange is not priced), no PP"
         )
     if arch.is_hybrid:
         notes.append(

@@ -54,7 +54,10 @@ Rules (a flag that would do nothing is refused, not ignored):
     fp16 does not train                megatron's fp16 needs its loss scale in every backward; the schedules do
                                        not apply it (grad's fp16 gradients need none: no optimizer steps)
     MoE settings need a MoE model      ep > 1, router losses, routing replay, a capacity factor: a dense model has
-                                       no router (a silent no-op)
+                                       no router (a silent no-op); so does an expert TP other than tp (no experts)
+    expert grads need DDP              whole experts on each TP rank (etp 1 < tp) or split over EP sum their
+                                       gradients over megatron's expert-data-parallel group, which only megatron
+                                       DDP reduces (`--grad-sync manual` refused)
     MoE at tp > 1 needs SP             megatron's MoELayer trains tensor-parallel experts only with sequence
                                        parallelism
     token dropping is naive's          a capacity factor drops tokens by which tokens share an expert's batch, so
@@ -142,11 +145,12 @@ def check(spec: Any) -> None:
     check_precision(spec.dtype, grad_sync=spec.grad_sync, training=spec.training)
     check_run(s.name, cp=layout.cp, recompute=s.recompute, recompute_layers=s.enable_gradient_checkpointing,
               backend=s.backend)  # fmt: skip
-    if spec.grad_sync == "manual" and layout.ep > 1:
+    if spec.grad_sync == "manual" and (layout.ep > 1 or layout.expert_tp != layout.tp):
+        axis = "ep" if layout.ep > 1 else "etp"
         raise SettingError(
             lambda w: (
                 f"{w.value('grad_sync', 'manual')} does not reduce expert-parallel gradients (over the expert "
-                f"data-parallel group); use {w.value('grad_sync', 'ddp')} with {w.name('ep')}"
+                f"data-parallel group); use {w.value('grad_sync', 'ddp')} with {w.name(axis)}"
             )
         )
     check_pipeline(s.name, pp=layout.pp, critic=spec.critic, root_pieces=s.root_pieces)
@@ -165,7 +169,7 @@ def check_model(spec: Any) -> None:
     check_hybrid_run(arch, s.name, cp=layout.cp, tp=layout.tp)
     check_moe_run(
         s.name, moe=arch.is_moe, tp=layout.tp, sequence_parallel=layout.sequence_parallel, ep=layout.ep,
-        router_settings=m.router_settings, capacity_factor=m.expert_capacity_factor,
+        etp=layout.etp, router_settings=m.router_settings, capacity_factor=m.expert_capacity_factor,
     )  # fmt: skip
 
 

@@ -88,12 +88,20 @@ def check_moe_run(
     tp: int = 1,
     sequence_parallel: bool = False,
     ep: int = 1,
+    etp: int | None = None,
     router_settings: bool = False,
     capacity_factor: float | None = None,
 ) -> None:
-    """The mixture-of-experts rules (see the module doc). `moe`: the model has MoE layers; `router_settings`:
-    router losses or routing replay were asked for. A SettingError, command-line wording."""
+    """The mixture-of-experts rules (see the module doc). `moe`: the model has MoE layers; `etp`: the experts'
+    tensor-parallel size asked for (None: tp); `router_settings`: router losses or routing replay were asked for.
+    A SettingError, command-line wording."""
     if not moe:
+        if etp is not None and etp != tp:
+            raise SettingError(
+                lambda s: (
+                    f"{s.value('etp', etp)} needs a mixture-of-experts model (this one is dense: no experts)"
+                )
+            )
         if ep > 1 or router_settings or capacity_factor is not None:
             raise SettingError(
                 lambda s: (

@@ -226,7 +226,7 @@ def check_model(cfg: Any) -> None:
     except SettingError as e:
         raise e.spelled(SPELLING) from None
     try:
-        arch.check_tensor_parallel(cfg.parallel.tp)
+        arch.check_tensor_parallel(cfg.parallel.tp, etp=cfg.parallel.etp)
     except UserError as e:
         raise UserError(f"parallel.tp: {e}") from None
     check_moe(cfg, arch)
@@ -256,6 +256,12 @@ def check_moe(cfg: Any, arch: Any) -> None:
     m, p = cfg.moe, cfg.parallel
     if not arch.is_moe:
         return
+    if p.expert_tp != p.tp:
+        # the update's optimizer (megatron's grad norm, clipping, distributed optimizer) is not shown with whole
+        # experts on every TP rank; grad's and convert's --etp 1 are (tests/distributed/test_gpt_oss_parallel.py)
+        raise UserError(
+            f"parallel.etp={p.etp}: train splits experts over the TP group only (parallel.etp = parallel.tp) for now"
+        )
     try:
         m.options()
         arch.check_expert_parallel(p.ep, tp=p.tp)

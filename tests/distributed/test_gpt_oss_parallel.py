@@ -2,12 +2,16 @@
 under tensor, context and expert parallelism (the grad and convert commands, in-process on every rank).
 
     python tests/distributed/launch.py 2 -k gpt_oss     # CP2 (the ring cuts each step's plan by the window,
-                                                         # the sink merged once after the last step), EP2, CP2xEP2
+                                                         # the sink merged once after the last step), EP2, CP2xEP2,
+                                                         # TP2+SP with expert TP 1 (--etp 1)
 
 The gradient against Hugging Face's eager gpt_oss per rollout, per parameter: float64 at 1e-9 (replay), float32 at
-1e-5 (packed). Conversion: HF -> dist checkpoint at EP2 -> HF, bit-exact (fused interleaved experts, sinks). TP > 1
-is refused in one line: megatron-core supports MoE biases only at expert tensor parallel size 1, which the engine's
-layouts do not set up (they split experts over TP).
+1e-5 (packed). TP2 runs with every expert whole on each TP rank (megatron-core allows MoE biases only at expert
+tensor parallel size 1): each rank routes its sequence shard, the expert gradients summed over megatron's
+expert-data-parallel group (both TP ranks) exactly once (models/expert_tp.py); planted bugs: that sum left out, or
+the expert bias summed again over TP. Conversion: HF -> dist checkpoint at EP2 and at TP2/ETP1 -> HF, bit-exact
+(fused interleaved experts, sinks); TP2 with experts split over TP is refused in one line. The sampler at TP2+SP/ETP1
+gives one rank's tokens and logprobs.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ LAYOUTS = {
     "cp2": ["--cp", "2"],
     "ep2": ["--ep", "2"],  # EP across the two DP replicas: lockstep
     "cp2ep2": ["--cp", "2", "--ep", "2"],  # EP over the CP ranks
+    "tp2etp1": ["--tp", "2", "--sequence-parallel", "--etp", "1"],  # whole experts on each TP rank
 }
 
 
@@ -76,22 +81,108 @@ def test_gpt_oss_grad_matches_hf_under_every_layout(oss_setup) -> None:
             assert err[0] <= TOL[dtype], (name, schedule, dtype, err)
 
 
+def _whole_experts_bug(kind: str):  # noqa: ANN202
+    """models/expert_tp.mark_whole_experts with one of its marks undone (a planted bug)."""
+    from megatron_branch.models import expert_tp
+
+    right = expert_tp.mark_whole_experts
+
+    def planted(model: torch.nn.Module) -> None:
+        right(model)
+        for n, p in model.named_parameters():
+            if "local_experts" not in n:
+                continue
+            if kind == "not summed over expert DP":
+                p.allreduce = True  # megatron's EP1 default: DDP sums it over dp x cp only, not over TP
+            elif n.endswith("linear_fc2.bias"):
+                p.sequence_parallel = True  # megatron's RowParallelLinear default: summed over TP once more
+
+    return planted
+
+
 @pytest.mark.world(2)
-def test_gpt_oss_conversion_round_trips_bit_exact_at_ep_and_tp_is_refused(oss_setup, capsys) -> None:
+@pytest.mark.parametrize("kind", ["not summed over expert DP", "summed again over TP"])
+def test_gpt_oss_tp2_expert_grad_planted_bugs_fail(oss_setup, monkeypatch, kind: str) -> None:
+    from megatron_branch.models import expert_tp
+
+    d, ref = oss_setup
+    monkeypatch.setattr(expert_tp, "mark_whole_experts", _whole_experts_bug(kind))
+    grads = _grad(d, "oss_tp2_bug", "packed", "--dtype", "float32", *LAYOUTS["tp2etp1"])
+    err, name = _worst(grads, ref)
+    assert err > 1e-2 and "experts" in name, (kind, err, name)
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("layout", [["--ep", "2"], ["--tp", "2", "--etp", "1"]], ids=["ep2", "tp2etp1"])
+def test_gpt_oss_conversion_round_trips_bit_exact(oss_setup, layout: list[str]) -> None:
     from megatron_branch.checkpoint.hf_io import HFTensorReader
 
     d, _ = oss_setup
     src = HFTensorReader(d / "hf")
-    mc, back = d / "oss_mc_ep2", d / "oss_hf_ep2"
-    assert main(["convert", "hf-to-mcore", "--hf", str(d / "hf"), "--out", str(mc), "--ep", "2"]) == 0
-    assert main(["convert", "mcore-to-hf", "--mcore", str(mc), "--out", str(back)]) == 0
+    tag = "_".join(layout).replace("-", "")
+    mc, back = d / f"oss_mc{tag}", d / f"oss_hf{tag}"
+    assert main(["convert", "hf-to-mcore", "--hf", str(d / "hf"), "--out", str(mc), *layout]) == 0
+    assert main(["convert", "mcore-to-hf", "--mcore", str(mc), "--out", str(back)]) == 0  # loads at TP2, ETP1
     dist.barrier()
     dst = HFTensorReader(back)
     assert sorted(src.keys()) == sorted(dst.keys())
     assert all(torch.equal(src.get(k), dst.get(k)) for k in src.keys())
+
+
+@pytest.mark.world(2)
+def test_gpt_oss_experts_split_over_tp_are_refused(oss_setup, capsys) -> None:
+    d, _ = oss_setup
     capsys.readouterr()
     assert (
         main(["convert", "hf-to-mcore", "--hf", str(d / "hf"), "--out", str(d / "oss_tp2"), "--tp", "2"]) == 2
     )
     err = capsys.readouterr().err  # printed once, by rank 0
     assert ("expert tensor parallel size 1" in err) == (dist.get_rank() == 0) and not (d / "oss_tp2").exists()
+    assert "\n" not in err.strip()
+
+
+@pytest.mark.world(2)
+def test_gpt_oss_sampler_at_tp2_etp1_equals_one_rank(oss_setup) -> None:
+    """Greedy and tree sampling (window and sinks in every decode row) at TP2+SP with whole experts on each TP rank:
+    the same tokens as one rank, logprobs at 1e-10 (float64; one rank == HF generate: tests/unit/test_gpt_oss.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_branch.checkpoint.param_map import hf_to_mcore_state
+    from megatron_branch.checkpoint.tp import load_full_state
+    from megatron_branch.generation import BranchSampler, SamplingParams
+    from megatron_branch.models import ModelArch, build_model
+    from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
+    from megatron_branch.testing import hf_experts_kwargs, tiny_hf_config
+
+    d, _ = oss_setup
+    hf = AutoModelForCausalLM.from_pretrained(
+        d / "hf", dtype=torch.float64, **hf_experts_kwargs(tiny_hf_config("gpt_oss"))
+    )
+    arch = ModelArch.from_hf_config(hf.config)
+    params = [
+        SamplingParams(n=2, max_new_tokens=6, temperature=0),
+        SamplingParams(n=4, max_new_tokens=6, temperature=1.0, branch_at=(2,)),
+    ]
+    prompts = [[5, 9, 2, 7, 1, 3, 8, 4, 6], [11, 2, 5, 9]]  # 13 tokens: SP pads
+    outs = []
+    for pcfg in (ParallelConfig(), ParallelConfig(tp=2, etp=1, sequence_parallel=True)):
+        groups = initialize_parallel(pcfg)
+        model = build_model(
+            arch, dtype=torch.float64, tp=groups.tp_size, sequence_parallel=groups.sequence_parallel,
+            etp=groups.etp_size,
+        )  # fmt: skip
+        load_full_state(
+            model,
+            hf_to_mcore_state(hf.state_dict(), arch, padded_vocab=arch.padded_vocab_size(pcfg.tp)),
+            groups.tp,
+        )
+        sampler = BranchSampler(model.eval(), vocab_size=arch.vocab_size, groups=groups)
+        outs.append(
+            [sampler.generate(prompts, p, generator=torch.Generator().manual_seed(5)).flat() for p in params]
+        )
+    for got, want in zip(*outs):
+        assert [s.response for s in got] == [s.response for s in want]
+        for a, b in zip(got, want):
+            torch.testing.assert_close(
+                torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-10, atol=1e-10
+            )

@@ -100,6 +100,7 @@ def _worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple
 LAYOUTS = {
     2: {
         "tp2sp": ["--tp", "2", "--sequence-parallel"],
+        "tp2sp-etp1": ["--tp", "2", "--sequence-parallel", "--etp", "1"],  # whole experts on each TP rank
         "cp2": ["--cp", "2"],
         "ep2": ["--ep", "2"],  # EP across the two DP replicas: lockstep
         "cp2ep2": ["--cp", "2", "--ep", "2"],  # EP over the CP ranks
@@ -150,13 +151,16 @@ def test_moe_router_losses_are_layout_and_schedule_invariant(setup) -> None:
 
 @pytest.mark.world(2, 4)
 def test_moe_conversion_round_trips_bit_exact_at_tp_and_ep(setup) -> None:
-    """HF -> dist checkpoint built at TP2 and at EP2 (EP2 x TP2 at world 4) -> HF: every tensor bit-exact."""
+    """HF -> dist checkpoint built at TP2 (experts split over TP, or whole: --etp 1) and at EP2 (EP2 x TP2 at world 4)
+    -> HF: every tensor bit-exact."""
     from megatron_branch.checkpoint.hf_io import HFTensorReader
 
     d, _ = setup
     world = dist.get_world_size()
     layouts = (
-        {"tp2": ["--tp", "2"], "ep2": ["--ep", "2"]} if world == 2 else {"tp2ep2": ["--tp", "2", "--ep", "2"]}
+        {"tp2": ["--tp", "2"], "tp2etp1": ["--tp", "2", "--etp", "1"], "ep2": ["--ep", "2"]}
+        if world == 2
+        else {"tp2ep2": ["--tp", "2", "--ep", "2"]}
     )
     src = HFTensorReader(d / "hf")
     for name, layout in layouts.items():
@@ -356,6 +360,7 @@ def test_moe_hybrid_router_losses_under_cp(hybrid, monkeypatch: pytest.MonkeyPat
     family, d, _ = hybrid
     layouts = {
         "tp2sp": ["--tp", "2", "--sequence-parallel"],
+        "tp2sp-etp1": ["--tp", "2", "--sequence-parallel", "--etp", "1"],  # whole experts on each TP rank
         "cp2": ["--cp", "2"],
         "cp2ep2": ["--cp", "2", "--ep", "2"],
     }

@@ -1,7 +1,9 @@
 """verl's MegatronEngine on a Qwen3-MoE policy at EP2 (world 2: EP across the two DP replicas), with and without the
 branch-replay switch, through verl's TrainingWorker (gloo, CPU): compute_log_prob's logprobs and entropies, every
 gradient shard (fp32 1e-5 per parameter) and verl's metrics equal; with verl's load balancing on, the router
-losses weighted by multiplicity (integration/verl_moe.py).
+losses weighted by multiplicity (integration/verl_moe.py). DeepSeek-V3 (multi-latent attention, the DeepSeek MoE)
+at TP2 + SP and at EP2, and why the EP2 comparison steps with SGD (Adam's first step on gradient elements near its
+eps).
 
     python tests/distributed/launch.py 2 -k verl_moe
 
@@ -24,6 +26,7 @@ pytest.importorskip("verl", reason="the verl extra is not installed (make setup-
 from verl_helpers import (  # noqa: E402
     dp_share,
     grpo_batch,
+    infer,
     make_worker,
     max_rel_grad_error,
     run_step,
@@ -349,3 +352,100 @@ def test_verl_mla_tp2_sp_switch_equals_verl() -> None:
     tree = run_step(worker(), td)
     set_switch(False)
     _compare(base, tree, "MLA TP2 + SP")
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("router_replay", ["disabled", "R3"])
+def test_verl_mla_ep2_switch_equals_verl(
+    router_replay: str, monkeypatch: pytest.MonkeyPatch, verl_router_replay_patch_undone: None
+) -> None:
+    """DeepSeek-V3 (multi-latent attention, the DeepSeek MoE) at EP2 across the two DP replicas, dynamic batch size,
+    on the batch that once measured 6e-5 (seed 11), with verl's router replay R3 off and on (the rollout engine's
+    records of the one MoE layer, one rollout per group disagreeing at a shared prompt token): the switch == verl's
+    own path (logprobs, entropies, every gradient at fp32 1e-5, metrics). Each rank's share is two of verl's
+    mini-batches, so the gradient compared is the second optimizer step's, taken after one update: with megatron's
+    SGD, whose step is lr x gradient. Adam's first step divides each gradient element by |g| + 1e-8 and turns fp32
+    noise on an element near 1e-8 into a parameter difference (3.9e-5 on the second step's gradients here:
+    test_verl_mla_ep2_adam_gap_is_adams_first_step, docs/verl.md "Multi-latent attention"). Planted: MLA's per-layer
+    RoPE left on megatron's table changes the logprobs."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
+
+    from megatron_branch.integration import verl_model
+
+    os.environ.setdefault("MASTER_PORT", "0")
+    hf = _moe_policy_dir(family="deepseek_v3")
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    r3 = router_replay == "R3"
+    steps = []
+    real_step = MegatronEngine.optimizer_step
+    monkeypatch.setattr(MegatronEngine, "optimizer_step", lambda self: steps.append(1) or real_step(self))
+
+    def td():
+        batch = dp_share(grpo_batch(seed=11, groups=4, routes=(1, 4, 12) if r3 else None), rank, dp)
+        if r3:  # (MoE layers, top-k, experts) of the tiny DeepSeek-V3
+            tu.assign_non_tensor(batch, enable_routing_replay=True)
+        return batch
+
+    def worker():
+        return make_worker(hf, ep=2, dynamic_bsz=True, optimizer="sgd", router_replay=router_replay)
+
+    set_switch(False)
+    base = run_step(worker(), td)
+    set_switch(True)
+    tree = run_step(worker(), td)
+    assert len(steps) == 4  # two mini-batches per rank, each path
+    _compare(base, tree, f"MLA EP2 router replay {router_replay}")
+    assert any("linear_kv_down_proj" in n for n in base.grads)
+    if r3:
+        set_switch(False)
+        return
+
+    monkeypatch.setattr(verl_model, "enable_position_rope", lambda model: model)  # planted
+    wrong, _ = infer(worker(), td())
+    set_switch(False)
+    assert (wrong - base.log_probs).abs().max() > 1e-3
+
+
+@pytest.mark.world(2)
+def test_verl_mla_ep2_adam_gap_is_adams_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Why test_verl_mla_ep2_switch_equals_verl steps with SGD: with megatron's Adam the second step's gradients of
+    the switch and of verl's own path differ by more than fp32 noise (3.9e-5 measured) although the first step's
+    agree (8e-7), and the whole gap is Adam's first step on the gradient elements near its eps (|g| < 1e-7; one
+    on this batch, in the embedding, where the two paths' fp32 values differ by 4.3e-9): the switch, with only
+    those first-step elements set to verl's values, takes verl's second-step gradients (fp32 1e-5)."""
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
+
+    os.environ.setdefault("MASTER_PORT", "0")
+    hf = _moe_policy_dir(family="deepseek_v3")
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    first: dict[str, torch.Tensor] = {}  # verl's first-step gradients
+    steps, near_eps, moved = [], [], []
+    real_step = MegatronEngine.optimizer_step
+
+    def at_first_step(self):  # each run's first of its two steps: record (verl's own) or move (the switch)
+        steps.append(1)
+        trained = [(n, p) for n, p in self.module[0].named_parameters() if p.requires_grad]
+        if len(steps) == 1:
+            first.update({n: p.main_grad.detach().clone() for n, p in trained})
+        elif len(steps) == 3:
+            for n, p in trained:
+                near = (first[n].abs() < 1e-7) & (first[n] != 0)
+                near_eps.append(int(near.sum()))
+                moved.append(int((p.main_grad[near] != first[n][near]).sum()))
+                p.main_grad[near] = first[n][near]
+        return real_step(self)
+
+    def td():
+        return dp_share(grpo_batch(seed=11, groups=4), rank, dp)
+
+    monkeypatch.setattr(MegatronEngine, "optimizer_step", at_first_step)
+    set_switch(False)
+    base = run_step(make_worker(hf, ep=2, dynamic_bsz=True), td)
+    set_switch(True)
+    moved_tree = run_step(make_worker(hf, ep=2, dynamic_bsz=True), td)
+    set_switch(False)
+    assert moved_tree.engine.startswith("BranchReplay") and not base.engine.startswith("BranchReplay")
+    assert len(steps) == 4 and sum(near_eps) >= 1 and sum(moved) >= 1  # two steps a run; the elements moved
+    err, name = max_rel_grad_error(base.grads, moved_tree.grads)
+    assert err <= 1e-5, f"rank {rank} {name}: {err:.2e}"

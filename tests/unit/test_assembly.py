@@ -129,6 +129,9 @@ def test_check_is_the_one_sequence() -> None:
             rules.check(spec)
     with pytest.raises(SettingError, match="--grad-sync manual does not reduce expert-parallel"):
         rules.check(bad[3])
+    # whole experts on each TP rank: their grads need megatron's expert-DP sum, which only DDP does
+    with pytest.raises(SettingError, match="--grad-sync manual does not reduce .* with --etp"):
+        rules.check(RunSpec(layout=ParallelLayout(tp=2, etp=1, sequence_parallel=True), grad_sync="manual"))
 
 
 def test_check_model_reads_the_arch() -> None:

@@ -126,6 +126,16 @@ def test_refusals_are_one_line(change: dict, words: str) -> None:
     assert "\n" not in str(e.value)
 
 
+def test_tensor_parallel_needs_whole_experts() -> None:
+    """megatron-core allows expert biases only at expert tensor parallel size 1: TP2 with the experts split over TP
+    is refused in one line, TP2 with ETP 1 is accepted (run at world 2: tests/distributed/test_gpt_oss_parallel.py)."""
+    arch = ModelArch.from_hf_config(tiny_hf_config("gpt_oss"))
+    arch.check_tensor_parallel(2, etp=1)
+    with pytest.raises(UserError, match="expert tensor parallel size 2 with gpt_oss's expert biases") as e:
+        arch.check_tensor_parallel(2)
+    assert "\n" not in str(e.value)
+
+
 # --- conversion ---------------------------------------------------------------------------------------------------
 def test_round_trip_is_bit_exact_and_logits_match() -> None:
     """HF's fused, interleaved experts and the sinks convert both ways bit for bit; megatron's forward (its own

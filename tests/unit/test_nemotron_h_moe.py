@@ -13,6 +13,7 @@ tests/unit/test_glm4_moe.py). The float64 oracle's norms and router compute in f
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -23,17 +24,20 @@ from gdn_helpers import rollouts
 from test_gdn_replay import rel, step
 from test_glm4_moe import _bias_ignored, _group_limit_ignored, with_random_biases
 from test_nemotron_h import BOUND, hf_grads, megatron_of, plant_start_bug
+from torch.utils.checkpoint import CheckpointError
 
 from megatron_branch.checkpoint import gather_full_state, mcore_to_hf_state
 from megatron_branch.checkpoint.param_map import hf_shapes, mcore_names, sharded_keys
 from megatron_branch.errors import UserError
-from megatron_branch.models import ModelArch, build_model
+from megatron_branch.models import ModelArch, build_model, layer_checkpoint
 from megatron_branch.models.moe import branch_routers
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
 from megatron_branch.testing import hf_state, tiny_hf_config
 
 PATTERN = "ME*E-M"
 """Mamba, MoE, attention, MoE, MLP, Mamba: every layer kind, an "E" layer between Mamba layers."""
+FULL = {"branch_micro_batch": 2, "recompute": True, "recompute_layers": True}
+"""The planner's `recompute full`: segment recompute and every layer checkpointed."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -159,10 +163,21 @@ def test_every_exact_schedule_matches_hf(dtype: torch.dtype, fp64: Any) -> None:
         arch, model = megatron_of(hf, torch.float32)
         rs = rollouts()
         want = hf_grads(hf, rs)
-    for schedule, kw in (("naive", {}), ("replay", {"branch_micro_batch": 2}), ("packed", {})):
-        _, grads = step(model, arch, schedule, rs, **kw)
-        err, name = worst_vs_hf(grads, want)
-        assert err <= BOUND, (schedule, dtype, err, name)
+    cases = {
+        "naive": ("naive", {}),
+        "replay": ("replay", {"branch_micro_batch": 2}),
+        "packed": ("packed", {}),
+        "replay-full": ("replay", FULL),
+    }
+    got = {}
+    for case, (schedule, kw) in cases.items():
+        _, got[case] = step(model, arch, schedule, rs, **kw)
+        err, name = worst_vs_hf(got[case], want)
+        assert err <= BOUND, (case, dtype, err, name)
+    # per-layer checkpointing rebuilds every layer, the MoE and MLP ones included (models/layer_checkpoint.py), and
+    # changes nothing: the same float32 scan, the same routing
+    tol = 1e-9 if dtype == torch.float64 else BOUND
+    assert max(rel(got["replay-full"][n], g) for n, g in got["replay"].items()) <= tol
 
 
 def _state_dropped(monkeypatch: pytest.MonkeyPatch, model: Any) -> None:
@@ -188,10 +203,26 @@ def test_router_losses_by_multiplicity_replay_equals_packed_equals_naive(fp64: A
     arch, model, rs, _ = fp64
     moe = MoEOptions(losses=RouterLossConfig(aux_loss_coeff=0.3, seq_aux_loss_coeff=0.2, z_loss_coeff=0.05))
     got = {s: step(model, arch, s, rs, moe=moe)[1] for s in ("naive", "packed", "replay")}
-    for s in ("packed", "replay"):
+    # the checkpointed MoE layers' recomputation routes with the router context re-attached (the losses' weights)
+    got["replay-full"] = step(model, arch, "replay", rs, moe=moe, **FULL)[1]
+    for s in ("packed", "replay", "replay-full"):
         assert max(rel(got[s][n], g) for n, g in got["naive"].items()) <= BOUND, s
     plain = step(model, arch, "naive", rs)[1]
     assert max(rel(got["naive"][n], g) for n, g in plain.items() if g.any()) > 1e-3
+
+
+def test_planted_recompute_without_the_router_context_fails(
+    fp64: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An "E" layer's recomputation without its router context re-attached (models/layer_checkpoint.py) routes
+    otherwise than its forward: torch's checkpoint sees other tensors saved and the step fails, not trains wrong."""
+    from megatron_branch.losses.router import MoEOptions, RouterLossConfig
+
+    arch, model, rs, _ = fp64
+    moe = MoEOptions(losses=RouterLossConfig(aux_loss_coeff=0.3))
+    monkeypatch.setattr(layer_checkpoint, "attached_to_layer", lambda layer, ctx: contextlib.nullcontext())
+    with pytest.raises(CheckpointError):
+        step(model, arch, "replay", rs, moe=moe, **FULL)
 
 
 # --- the sampler ------------------------------------------------------------------------------------------------------

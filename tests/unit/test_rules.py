@@ -56,6 +56,18 @@ RULES = {
         ["parallel.cp=0"],
         "parallel.cp must be a positive integer, got 0",
     ),
+    "expert TP is 1 or TP": (
+        ["--etp", "2"],
+        "--etp 2 must be 1 or --tp (1)",
+        ["parallel.etp=2"],
+        "parallel.etp=2 must be 1 or parallel.tp (1)",
+    ),
+    "expert TP needs experts": (
+        ["--tp", "2", "--etp", "1"],
+        "--etp 1 needs a mixture-of-experts model",
+        ["parallel.tp=2", "parallel.etp=1"],
+        "parallel.etp=1 needs a mixture-of-experts model",
+    ),
     "dual clip above 1": (
         ["--objective", "grpo", "--clip-c", "0.5"],
         "--clip-ratio-c must be > 1 (the dual-clip bound",
@@ -179,6 +191,9 @@ def test_world_rule_through_the_layout() -> None:
     assert ParallelLayout(tp=2, cp=2).data_parallel_size(8) == 2
     with pytest.raises(UserError, match=r"--dp 3 does not match the world: 8 ranks / \(tp\*cp = 4\) = 2"):
         ParallelLayout(tp=2, cp=2, dp=3).data_parallel_size(8)
+    # whole experts on each TP rank: megatron's expert-data-parallel group spans the TP ranks too
+    assert ParallelLayout(tp=2, cp=2, dp=2, ep=2).expert_dp == 2
+    assert ParallelLayout(tp=2, cp=2, dp=2, ep=2, etp=1).expert_dp == 4
 
 
 @pytest.mark.parametrize(

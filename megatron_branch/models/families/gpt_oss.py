@@ -16,8 +16,9 @@ Every linear layer but the embeddings and lm_head has a bias (megatron's add_bia
 experts as four fused 3-D tensors, gate_up's columns interleaved (checkpoint/fused_experts.py, layouts.py). The
 published checkpoints use YaRN RoPE (rope_type "yarn", truncate false): megatron's YarnRotaryEmbedding and its
 concentration factor (models/rotary.py); an explicit attention_factor / mscale is refused. swiglu_alpha must be
-1.702 (megatron's quick_gelu hard-codes it). Tensor parallelism is refused (models/arch_checks.py): megatron-core
-allows expert biases only at expert tensor parallel size 1, and the engine splits experts over TP; CP and EP run.
+1.702 (megatron's quick_gelu hard-codes it). megatron-core allows expert biases only at expert tensor parallel size
+1: TP runs with every expert whole on each TP rank (--etp 1, models/expert_tp.py); experts split over TP are refused
+(models/arch_checks.py); CP and EP run.
 The planner prices it: a sliding layer's attention FLOPs over its window only (plan/flops.py attention_flops), the
 sinks and biases in the parameters (plan/layers.py); presets gpt-oss-20b / gpt-oss-120b (plan/presets.py).
 """
