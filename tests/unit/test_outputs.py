@@ -175,6 +175,6 @@ def test_convert_says_wrote_once_under_torchrun(
     monkeypatch.setenv("RANK", rank)
     monkeypatch.setattr(h2m, "convert_hf_to_mcore", lambda hf, out, **kw: Path(out))
     args = argparse.Namespace(convert_direction="hf-to-mcore", hf="hf", out=str(tmp_path / "m"), tp=2, pp=1,
-                              ep=1, dtype="bf16", overwrite=False)  # fmt: skip
+                              ep=1, etp=None, dtype="bf16", overwrite=False)  # fmt: skip
     assert run(args) == 0
     assert capsys.readouterr().out == (f"wrote {tmp_path / 'm'}\n" if rank == "0" else "")
