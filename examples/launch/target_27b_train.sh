@@ -6,7 +6,7 @@
 #     megatron-branch plan --model qwen3.6-27b --prompt-length 130048 --responses 16 --response-length 1024
 #         --gpus 8 --gpu h20
 # -> fits: TP8 x CP1 x DP1 + sequence parallel, recompute full (segment recompute + per-layer checkpointing),
-#    megatron's plain optimizer (all of its state on the device), branch micro-batch 8, bf16: 94.4 GB
+#    megatron's plain optimizer (all of its state on the device), branch micro-batch 8, bf16: 94.3 GB
 #    per rank of 96, 69 GB of host memory per node, ~106 s per step (the planner's estimate at MFU 0.45).
 # It differs from qwen2.5-32b's plan (examples/launch/target_32b_train.sh: the distributed optimizer with offload
 # 0.5) in the optimizer only: with the prefix cache held once at the root's backward (issue 33) the plain one fits.

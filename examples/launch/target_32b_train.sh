@@ -5,7 +5,7 @@
 #     megatron-branch plan --model qwen2.5-32b --prompt-length 130048 --responses 16 --response-length 1024
 #         --gpus 8 --gpu h20
 # -> fits: TP8 x CP1 x DP1 + sequence parallel, recompute full (segment recompute + per-layer checkpointing), the
-#    distributed optimizer with half of its state on the host (offload 0.5), branch micro-batch 8, bf16: 87.5 GB per
+#    distributed optimizer with half of its state on the host (offload 0.5), branch micro-batch 8, bf16: 87.4 GB per
 #    rank of 96, 331 GB of host memory per node, ~214 s per step (the planner's estimate at MFU 0.45).
 #
 # What has run where: NOTHING of this on a GPU (no GPU has been lent to this project). On the 2-core CPU the same

@@ -7,9 +7,9 @@
 #         --gpus 16 --gpu h20
 # -> fits: TP8 x CP2 x PP1 x DP1 + sequence parallel (TP inside a node, the CP ring across the two nodes), recompute
 #    full (segment recompute + per-layer checkpointing), the distributed optimizer with all of its state on the host
-#    (offload 1), branch micro-batch 8, bf16: 86.3 GB per rank of 96, 650 GB of host memory per node, ~229 s per step
+#    (offload 1), branch micro-batch 8, bf16: 86.2 GB per rank of 96, 650 GB of host memory per node, ~229 s per step
 #    (the planner's estimate at MFU 0.45).
-# H20, not H100: on 2 x 8 H100 (80 GB) no layout without pipeline parallelism fits (TP8 x CP2 needs the 86.3 GB
+# H20, not H100: on 2 x 8 H100 (80 GB) no layout without pipeline parallelism fits (TP8 x CP2 needs the 86.2 GB
 # above: CP shards neither weights nor gradients). The planner's faster pipelined choices (H20 with
 # `--root-pieces auto`: TP8 x PP2, 16 root pieces, segment recompute, ~195 s; H100: TP8 x PP2, ~69 s whole roots)
 # are NOT what this launcher runs: `train`'s sampler under PP holds a whole-model copy per rank (docs/parallelism.md),

@@ -38,8 +38,8 @@ class ScheduleConfig:
     """Attention executor (default merge), the same at cp 1 and under CP; one that cannot run the step is
     refused."""
     branch_micro_batch: int = 8
-    """replay with chunk_tokens off: sibling leaves per forward (with chunks, leaves share a chunk by tokens and one
-    larger than chunk_tokens runs alone)."""
+    """replay: sibling leaves per forward with chunk_tokens off, and with chunks for consecutive leaves each larger
+    than chunk_tokens (smaller leaves share a chunk by tokens)."""
     chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS
     """replay (also auto's replay): pack small subtrees (sibling leaves, short turns, small prompt groups) into chunks
     of at most this many tokens, one forward and backward each against their ancestors' cached state (exact); on by

@@ -5,7 +5,7 @@
         [--gpu-memory-gb M --gpu-tflops T --link-gbps B] [--host-memory-gb H --host-link-gbps L]
         [--node-link-gbps B] [--tp N --cp N --pp N --dp N --recompute none|selective|full] [--ep N]
         [--optimizer plain|distributed] [--offload-fraction F] [--branch-micro-batch B] [--root-pieces K|auto]
-        [--schedule replay|packed|naive] [--json]
+        [--chunk-tokens N] [--schedule replay|packed|naive] [--json]
         [--turns T [--observation-length O] [--branch-at-turns 2,4]]
 
 A mixture-of-experts model (qwen3-30b-a3b, or a Qwen3-MoE / Mixtral / Qwen2-MoE config.json) adds expert
@@ -18,7 +18,7 @@ With --json the last stdout line is one JSON object: fits, layout {tp, cp, dp, p
 memory_bytes_per_rank (one key per term and total), flops {naive, replay, ratio, ...}, step_time_s, optimizer
 {name, use_distributed_optimizer, optimizer_cpu_offload, optimizer_offload_fraction}, host_memory_bytes_per_node,
 host_memory_bytes_per_rank (by term), branch_micro_batch, root_pieces (replay under PP: the sequence pieces each root
-is cut into), rejected (per other layout: its best choice and why it
+is cut into), chunk_tokens (replay's token budget per packed chunk, as grad's --chunk-tokens; null: off), rejected (per other layout: its best choice and why it
 does not fit), and more. The command line and these keys are a stable contract. The text opens with the verdict
 ("fits: ..." or "does not fit: ... Would fit with: ...") and then describes the chosen (or the nearest, rejected)
 layout. Exit status 0 when it fits, 1 when nothing fits (as `grep` answers "no": scripts can test it), 2 on bad
@@ -33,11 +33,13 @@ import json
 from typing import Any
 
 from megatron_branch.commands.bench import add_turn_flags
+from megatron_branch.commands.flags import _positive_int_or_off
 from megatron_branch.errors import UserError
 from megatron_branch.plan.model import GPU_PRESETS, RECOMPUTE, Layout, RolloutShape, load_model
 from megatron_branch.plan.presets import MODEL_PRESETS
 from megatron_branch.plan.result import HOST_TERMS, TERMS_IN_TOTAL, Plan
 from megatron_branch.plan.search import SCHEDULES, plan, what_would_fit
+from megatron_branch.schedule.options import DEFAULT_CHUNK_TOKENS
 
 NO_FIT = 1
 """plan's exit status when nothing fits (0: it fits; 2: bad input)."""
@@ -102,6 +104,13 @@ def add_plan_command(sub: Any) -> None:
         "1..16 per pipeline layout, pieces of at least 4096 tokens; plan/pipeline.py)",
     )
     p.add_argument(
+        "--chunk-tokens",
+        type=_positive_int_or_off,
+        default=DEFAULT_CHUNK_TOKENS,
+        help=f"replay: tokens per packed chunk of small subtrees, as grad's --chunk-tokens (default "
+        f"{DEFAULT_CHUNK_TOKENS}; 0: off, the walk segment by segment)",
+    )
+    p.add_argument(
         "--dtype",
         choices=["bf16", "float32"],
         default="bf16",
@@ -150,6 +159,7 @@ def run_plan(args: argparse.Namespace) -> int:
     kw = {
         "branch_micro_batch": args.branch_micro_batch,
         "root_pieces": args.root_pieces,
+        "chunk_tokens": args.chunk_tokens,
         "dtype": args.dtype,
         "distributed_optimizer": None if args.optimizer is None else args.optimizer == "distributed",
         "offload_fraction": args.offload_fraction,
@@ -223,7 +233,13 @@ def turn_tree_report(tree: Any, p: Plan) -> dict[str, Any]:
         kw = dict(act_bytes=2 if p.dtype == "bf16" else 4, branch_micro_batch=p.branch_micro_batch,
                   segment_recompute=p.layout.recompute != "none")  # fmt: skip
         flat = step_peak(p.arch, tree.flat(), Layout(), layer_recompute=False, **kw).saved
-        replay = {"tree": turn_tree_replay_saved(p.arch, tree, **kw), "flat": flat, **kw}
+        # priced segment by segment (plan/agentic.py has no chunk model yet): say so beside plan's own chunk_tokens
+        replay = {
+            "tree": turn_tree_replay_saved(p.arch, tree, **kw),
+            "flat": flat,
+            **kw,
+            "chunk_tokens": None,
+        }
     return {
         "replay_saved_bytes_one_rank": replay,
         "turns": tree.turns, "observation_length": tree.observation, "branch_at_turns": list(tree.branch_at_turns),
@@ -245,7 +261,7 @@ def render_turn_tree(t: dict[str, Any]) -> str:
         f"naive / tree = {fl['ratio']:.2f}x",
         *(
             [f"agentic tree replay saved-for-backward peak on one rank (tp 1 x cp 1 x pp 1, segment recompute "
-             f"{r['segment_recompute']}, branch micro-batch {r['branch_micro_batch']}): tree {r['tree'] / 1e9:.2f} GB, "
+             f"{r['segment_recompute']}, branch micro-batch {r['branch_micro_batch']}, no chunks): tree {r['tree'] / 1e9:.2f} GB, "
              f"flat {r['flat'] / 1e9:.2f} GB"]
             if (r := t["replay_saved_bytes_one_rank"]) else
             ["agentic tree replay memory: dense attention models only (hybrid / MoE not modelled)"]
@@ -272,7 +288,8 @@ def render(p: Plan, fixes: list[str]) -> str:
         + (f" (ep {lay.ep})" if p.arch.is_moe else "")
         + f", recompute {lay.recompute}, schedule {p.schedule}, {p.dtype}, optimizer {p.optimizer.name}, "
         f"branch micro-batch {p.branch_micro_batch}"
-        + (f", root pieces {p.root_pieces}" if p.root_pieces > 1 else ""),
+        + (f", root pieces {p.root_pieces}" if p.root_pieces > 1 else "")
+        + (f", chunks of {p.chunk_tokens} tokens" if p.chunk_tokens else ""),
         "memory per rank (GB):",
     ]
     for k in TERMS_IN_TOTAL:

@@ -126,7 +126,8 @@ def step_peak(
     recompute each piece is recomputed at its own backward, so the root's backward holds one piece's graph.
     `chunk_tokens`: replay's token budget (ScheduleOptions.chunk_tokens; None: the walk, segment by segment):
     whole prompt groups that fit run as packed chunks of as many groups as fit (nothing cached), else the leaves
-    run in chunks of as many as fit (replay_chunk_leaves) instead of branch_micro_batch."""
+    run in chunks of as many as fit instead of branch_micro_batch, leaves over the budget in micro-batches of
+    branch_micro_batch as without one (replay_chunk_leaves)."""
     if layout.pp > 1 and stage is None:
         return heavier_stage_peak(
             arch, shape, layout, schedule=schedule, act_bytes=act_bytes, branch_micro_batch=branch_micro_batch,
@@ -169,7 +170,11 @@ def step_peak(
     # only rows that predict a response token reach the output projection (schedule/chunks.py, targets="loss"):
     # the root's shared response tokens and one fork token per child
     m_root = cdiv(shape.shared_response_length + G, cp)
-    b = min(branch_micro_batch, G) if chunk_tokens is None else replay_chunk_leaves(L, G, chunk_tokens)
+    b = (
+        min(branch_micro_batch, G)
+        if chunk_tokens is None
+        else replay_chunk_leaves(L, G, chunk_tokens, branch_micro_batch)
+    )
     alive = min(alive, cdiv(G, b))  # a wave's leaf micro-batches alive at once on this stage
     r_leaf = local_rows(L, b, layout)
     m_leaf = cdiv(b * (L - 1), cp)
@@ -271,9 +276,11 @@ def packed_peak(
     )
 
 
-def replay_chunk_leaves(leaf_length: int, responses: int, chunk_tokens: int) -> int:
-    """Leaves per chunk of replay's token budget (schedule/walk.py packed_groups): as many as fit, one when a leaf
-    alone is larger than the budget."""
+def replay_chunk_leaves(leaf_length: int, responses: int, chunk_tokens: int, branch_micro_batch: int) -> int:
+    """Leaves per chunk of replay's token budget (schedule/walk.py packed_groups): as many as fit; leaves each
+    larger than the budget in micro-batches of branch_micro_batch, as without a budget."""
+    if leaf_length > chunk_tokens:
+        return min(branch_micro_batch, responses)
     return max(1, min(responses, chunk_tokens // leaf_length))
 
 

@@ -64,6 +64,9 @@ class Plan:
     """Replay: sibling leaves per forward."""
     root_pieces: int = 1
     """Replay under PP: the sequence pieces each root is cut into (data/pieces.py; 1 = whole roots)."""
+    chunk_tokens: int | None = None
+    """Replay: the token budget of its packed chunks it was priced with (ScheduleOptions.chunk_tokens; None: no
+    chunks, and for the other schedules)."""
     rejected: list[dict[str, Any]] = field(default_factory=list)
     """The search: for every other layout, its best choice and why it does not fit (empty for a fixed plan)."""
 
@@ -130,6 +133,7 @@ class Plan:
             "optimizer": self.optimizer.as_dict(),
             "branch_micro_batch": self.branch_micro_batch,
             "root_pieces": self.root_pieces,
+            "chunk_tokens": self.chunk_tokens,
             "fits_device": self.fits_device,
             "fits_host": self.fits_host,
             "host_memory_bytes_per_node": self.host_memory.get("per_node", 0),

@@ -188,6 +188,7 @@ def evaluate(
         host_memory=host,
         branch_micro_batch=kw.get("branch_micro_batch", 8),
         root_pieces=kw.get("root_pieces", 1),
+        chunk_tokens=kw.get("chunk_tokens") if schedule == "replay" else None,
     )
 
 
@@ -218,7 +219,8 @@ def plan(
     `root_pieces`: None = whole roots; K = replay's roots in K pieces (PP layouts only); "auto" = searched per PP
     layout (plan/pipeline.py root_pieces_searched). Not searched by default: train's sampler cannot run the pipeline
     layouts pieces favour at these sizes (a whole-model copy per rank, docs/parallelism.md), so the default answer
-    stays one that every entry point runs."""
+    stays one that every entry point runs. `chunk_tokens` (in kw): replay's token budget per packed chunk
+    (ScheduleOptions.chunk_tokens; plan/memory.py step_peak), absent or None: priced without chunks."""
     if gpus <= 0:
         raise UserError(f"--gpus must be positive, got {gpus}")
     if schedule not in SCHEDULES:
@@ -349,7 +351,8 @@ def what_would_fit(p: Plan, **kw: Any) -> list[str]:
             break
     need = p.memory["total"] / 1e9
     out.append(f"a GPU with at least {need:.0f} GB at this layout")
-    same = {"dtype": p.dtype, "branch_micro_batch": p.branch_micro_batch, "root_pieces": p.root_pieces}
+    same = {"dtype": p.dtype, "branch_micro_batch": p.branch_micro_batch, "root_pieces": p.root_pieces,
+            "chunk_tokens": p.chunk_tokens}  # fmt: skip
     if p.layout.recompute != "full":
         full = dataclasses.replace(p.layout, recompute="full")
         q = evaluate(p.model, p.arch, p.shape, p.gpu, p.gpus, full, p.schedule, optimizer=p.optimizer, **same)

@@ -46,8 +46,8 @@ class ScheduleOptions:
     """Attention backend (attention.dispatch): the executor of the visibility plan on one rank AND on every ring
     block under CP; None = `default_backend()`. A baseline without a ring executor is refused under CP."""
     branch_micro_batch: int = 8
-    """replay with `chunk_tokens` None: how many sibling LEAF segments share one forward/backward (with a token
-    budget the chunks decide instead)."""
+    """replay: how many sibling LEAF segments share one forward/backward with `chunk_tokens` None, and with a token
+    budget for consecutive leaves each larger than it (smaller ones share a chunk by tokens, schedule/walk.py)."""
     chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS
     """replay: pack small subtrees into chunks of at most this many tokens (schedule/walk.py): consecutive siblings
     whose whole subtree fits (leaves, short turns, small prompt groups at the top) share one forward and backward

@@ -15,8 +15,10 @@ With a token budget (`chunk_tokens`, ScheduleOptions) the groups are packed sub-
 consecutive children whose WHOLE subtree has at most `chunk_tokens` tokens are packed, subtree by subtree in
 pre-order, into one chunk of at most that many tokens that runs against the path's cache like a leaf micro-batch
 (one forward and one backward: inside it the subtrees attend as in `packed`); a child whose subtree is larger is
-walked as before (an inner child: F, its children, B; a leaf: a group of its own). At the top (`run_forest`) the
-roots are the children of an empty path, so many small prompt groups share one chunk. Exact as before: a chunk's
+walked as before: an inner child alone (F, its children, B), consecutive leaves over the budget in micro-batches of
+`branch_micro_batch` exactly as without a budget (long responses keep the micro-batch a plan searched). At the top
+(`run_forest`) the roots are the children of an empty path, so many small prompt groups share one chunk (a childless
+root over the budget still runs alone, as without a budget). Exact as before: a chunk's
 layout lets each segment see its own ancestors only, wherever they live (schedule/chunks.py make_chunk).
 
 On one rank a wave is its micro-batches one after another (forward + backward each); on a pipeline stage it is
@@ -38,7 +40,7 @@ def child_groups(
     """Inner children one at a time; leaf children in micro-batches of `micro` (replay's order, also under
     pipeline parallelism). With `chunk_tokens`: small subtrees packed by tokens (`packed_groups`)."""
     if chunk_tokens is not None:
-        yield from packed_groups(tree, children, chunk_tokens)
+        yield from packed_groups(tree, children, chunk_tokens, micro)
         return
     batch: list[int] = []
     for c in children:
@@ -53,22 +55,34 @@ def child_groups(
         yield batch
 
 
-def packed_groups(tree: PrefixTree, children: tuple[int, ...], budget: int) -> Iterator[list[int]]:
+def packed_groups(
+    tree: PrefixTree, children: tuple[int, ...], budget: int, micro: int = 1
+) -> Iterator[list[int]]:
     """Consecutive children whose whole subtrees fit `budget` tokens, packed (each subtree in pre-order) into
-    groups of at most `budget` tokens; a child whose subtree is larger alone, as `[child]`."""
-    batch: list[int] = []
+    groups of at most `budget` tokens; an inner child whose subtree is larger alone, as `[child]`; consecutive
+    leaves larger than the budget in micro-batches of `micro` leaves (any other child ends the run of them)."""
+    batch: list[int] = []  # small subtrees, packed by tokens
     tokens = 0
+    big: list[int] = []  # leaves over the budget, by count
     for c in children:
         size = tree.num_tokens_of_root(c)  # the subtree's tokens (a contiguous id range)
+        big_leaf = size > budget and not tree.segments[c].children
+        if big and (not big_leaf or len(big) == micro):
+            yield big
+            big = []
         if size > budget or tokens + size > budget:
             if batch:
                 yield batch
             batch, tokens = [], 0
-        if size > budget:
+        if big_leaf:
+            big.append(c)
+        elif size > budget:
             yield [c]
-            continue
-        batch.extend(tree.subtree_segments(c))
-        tokens += size
+        else:
+            batch.extend(tree.subtree_segments(c))
+            tokens += size
+    if big:
+        yield big
     if batch:
         yield batch
 
@@ -91,7 +105,7 @@ class DepthFirstWalk:
             for root in roots:
                 self.run_segment(root)
         else:
-            self.run_children(roots)
+            self.run_children(roots, micro=1)
 
     def run_segment(self, seg_id: int) -> None:
         """F(X), X's subtree, B(X) once; a childless X alone: a wave of one micro-batch."""
@@ -104,10 +118,11 @@ class DepthFirstWalk:
         self.path.pop()
         self.close_segment(seg_id, opened)
 
-    def run_children(self, children: Sequence[int]) -> None:
-        """Inner children one at a time; runs of consecutive leaf micro-batches as one wave each."""
+    def run_children(self, children: Sequence[int], micro: int | None = None) -> None:
+        """Inner children one at a time; runs of consecutive leaf micro-batches as one wave each (`micro` leaves
+        each, default self.micro; the roots: 1)."""
         wave: list[list[int]] = []
-        for group in self._child_groups(tuple(children)):
+        for group in child_groups(self.tree, tuple(children), micro or self.micro, self.chunk_tokens):
             if len(group) == 1 and self.tree.segments[group[0]].children:
                 if wave:
                     self.run_wave(wave)
@@ -117,9 +132,6 @@ class DepthFirstWalk:
                 wave.append(group)
         if wave:
             self.run_wave(wave)
-
-    def _child_groups(self, children: tuple[int, ...]) -> Iterator[list[int]]:
-        return child_groups(self.tree, children, self.micro, self.chunk_tokens)
 
     # ---- the steps -----------------------------------------------------------------------------------------------
     def open_segment(self, seg_id: int) -> Any:

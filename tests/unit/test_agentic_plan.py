@@ -83,6 +83,8 @@ def test_plan_json_reports_the_tree(capsys: pytest.CaptureFixture[str]) -> None:
     assert any("not modelled in the layout search" in line for line in out)
     rep = t["replay_saved_bytes_one_rank"]
     assert 0 < rep["tree"] < rep["flat"]
+    # the tree's replay is priced segment by segment (no chunk model yet), beside the plan's own chunks
+    assert rep["chunk_tokens"] is None and json.loads(out[-1])["chunk_tokens"] == 4096
 
 
 @pytest.mark.parametrize(

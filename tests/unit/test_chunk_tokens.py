@@ -191,3 +191,58 @@ def test_scoring_with_packed_subtrees_is_naives(model: torch.nn.Module) -> None:
     torch.testing.assert_close(got.target_logprobs, want.target_logprobs, rtol=0, atol=1e-11, equal_nan=True)
     plain = ScheduleOptions(vocab_size=VOCAB, chunk_tokens=None)  # chunks off: the walk segment by segment
     assert got.forwards < run_schedule("replay", model, tree, None, plain, forward_only=True).forwards
+
+
+def big_leaves_forest() -> tuple[list[Rollout], dict[str, int]]:
+    """One prompt group whose root's children mix leaves over a budget of 8 tokens (A, B, C, F, H, I, J), small
+    subtrees (D: a 2-token shared beginning and two 2-token leaves; E: a 3-token leaf) and an inner child over the
+    budget (G: 4 shared tokens, two 6-token leaves), then two childless prompt groups of 12 tokens; every rollout
+    its own advantage. Returns the rollouts and the segment of each name."""
+    prompt = (1, 2, 3, 4, 5, 6)
+
+    def resp(first: int, n: int) -> tuple[int, ...]:
+        return (first, *[(first * 7 + k) % 36 + 1 for k in range(n - 1)])
+
+    responses = {
+        "A": resp(10, 12), "B": resp(11, 12), "C": resp(12, 10), "d1": (13, 20, 21, 22), "d2": (13, 20, 23, 24),
+        "E": (14, 1, 2), "F": resp(15, 9), "g1": (16, 1, 2, 3, *resp(5, 6)), "g2": (16, 1, 2, 3, *resp(6, 6)),
+        "H": resp(17, 10), "I": resp(18, 10), "J": resp(19, 10),
+    }  # fmt: skip
+    rollouts = [
+        Rollout(prompt=prompt, response=r, advantage=0.3 * (i % 5) - 0.55)
+        for i, r in enumerate(responses.values())
+    ]
+    rollouts += [Rollout(prompt=(30 + i, 31), response=resp(20 + i, 10), advantage=0.4 - i) for i in range(2)]
+    tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
+    seg = {name: tree.rollout_segments(i)[-1] for i, name in enumerate(responses)}
+    seg.update(
+        D=tree.rollout_segments(3)[-2], G=tree.rollout_segments(7)[-2], root=tree.rollout_segments(0)[0]
+    )
+    seg.update(R2=tree.rollout_segments(12)[0], R3=tree.rollout_segments(13)[0])
+    return rollouts, seg
+
+
+def test_leaves_over_the_budget_keep_their_micro_batches(model: torch.nn.Module) -> None:
+    """With a token budget, consecutive leaves each larger than it run in micro-batches of branch_micro_batch, as
+    without a budget (a launcher's --branch-micro-batch is not silently dropped); a small subtree or an inner child
+    ends such a run, small subtrees are still packed by tokens, an inner child over the budget is walked alone, and
+    childless prompt groups over the budget run alone, as without a budget. Exact against naive in float64."""
+    from megatron_branch.schedule.walk import child_groups
+
+    rollouts, s = big_leaves_forest()
+    tree = PrefixTree.build(rollouts, vocab_size=VOCAB)
+    kids = tree.segments[s["root"]].children
+    want = [["A", "B"], ["C"], ["D", "d1", "d2"], ["E"], ["F"], ["G"], ["H", "I"], ["J"]]
+    assert list(child_groups(tree, kids, 2, 8)) == [[s[n] for n in g] for g in want]
+    want3 = [["A", "B", "C"], ["D", "d1", "d2"], ["E"], ["F"], ["G"], ["H", "I", "J"]]
+    assert list(child_groups(tree, kids, 3, 8)) == [[s[n] for n in g] for g in want3]
+    assert list(child_groups(tree, tree.segments[s["G"]].children, 2, 8)) == [[s["g1"]], [s["g2"]]]
+    assert list(child_groups(tree, tuple(tree.roots), 1, 8)) == [[s["root"]], [s["R2"]], [s["R3"]]]
+    _, naive, naive_grads = step(model, rollouts, "naive")
+    for recompute, per_root in ((False, 1), (True, 2)):
+        _, res, grads = step(
+            model, rollouts, "replay", chunk_tokens=8, branch_micro_batch=2, recompute=recompute
+        )
+        assert_same(res, grads, naive, naive_grads)
+        # F(root), F(G) (each twice with recompute), the 8 groups under the root minus G, G's 2 leaves, R2, R3
+        assert res.forwards == 2 * per_root + 7 + 2 + 2

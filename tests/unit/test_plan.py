@@ -102,6 +102,20 @@ def test_replay_chunk_bytes_match_the_meter(shape: RolloutShape, budget: int) ->
     assert abs(walk.saved - got.saved_peak) > TOL * got.saved_peak, (walk, got)
 
 
+def test_replay_leaves_over_the_budget_keep_their_micro_batches() -> None:
+    """Leaves each larger than the budget (16 tokens > 12) run in micro-batches of branch_micro_batch (4) as without
+    a budget (schedule/walk.py packed_groups): the planner prices that against the meter, and pricing one leaf per
+    chunk (what the walk did before) is off by more than the tolerance."""
+    arch, model = tiny(32, 2, torch.float32)
+    shape = RolloutShape(prompt_length=64, responses=8, response_length=16)
+    got = measure_step(model, shape, vocab=VOCAB, branch_micro_batch=4, chunk_tokens=12)
+    kw = dict(act_bytes=4, segment_recompute=False, layer_recompute=False)
+    pk = step_peak(arch, shape, Layout(), chunk_tokens=12, branch_micro_batch=4, **kw)
+    assert pk.saved == pytest.approx(got.saved_peak, rel=TOL), (pk, got)
+    alone = step_peak(arch, shape, Layout(), chunk_tokens=12, branch_micro_batch=1, **kw)
+    assert abs(alone.saved - got.saved_peak) > TOL * got.saved_peak, (alone, got)
+
+
 def test_packed_bytes_match_the_meter() -> None:
     arch, model = tiny(32, 2, torch.float32)
     shape = RolloutShape(prompt_length=64, responses=8, response_length=8)
@@ -264,3 +278,49 @@ def test_plan_bad_input_is_one_line(argv: list[str], msg: str, capsys: pytest.Ca
     assert main(["plan", *TARGET, "--gpu", "h20", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and msg in err[0], err
+
+
+def test_plan_command_prices_replays_chunks(capsys: pytest.CaptureFixture[str]) -> None:
+    """`plan --chunk-tokens N` is grad's setting (default DEFAULT_CHUNK_TOKENS, 0 = off): it reaches step_peak (here
+    the 16 leaves of 128 tokens run in one chunk, against the walk's micro-batches of 1 leaf with the chunks off:
+    more activations) and the JSON and text say what was priced; packed has no chunks."""
+    from megatron_branch.schedule.options import DEFAULT_CHUNK_TOKENS
+
+    base = ["plan", "--model", "qwen2.5-7b", "--prompt-length", "8192", "--responses", "16", "--response-length",
+            "128", "--gpus", "4", "--gpu", "h100", "--tp", "4", "--cp", "1", "--pp", "1", "--dp", "1", "--recompute", "none",
+            "--branch-micro-batch", "1", "--json"]  # fmt: skip
+
+    def run(*extra: str) -> tuple[dict, str]:
+        main([*base, *extra])
+        out = capsys.readouterr().out
+        return json.loads(out.strip().splitlines()[-1]), out
+
+    on, text = run()
+    off, off_text = run("--chunk-tokens", "0")
+    assert on["chunk_tokens"] == DEFAULT_CHUNK_TOKENS and f"chunks of {DEFAULT_CHUNK_TOKENS} tokens" in text
+    assert off["chunk_tokens"] is None and "chunks of" not in off_text
+    # the whole group (8192 + 16 x 128 tokens) is over the budget: root cached, all 16 leaves in one chunk
+    assert on["memory_bytes_per_rank"]["activations"] > off["memory_bytes_per_rank"]["activations"]
+    assert run("--schedule", "packed")[0]["chunk_tokens"] is None
+
+
+def test_what_would_fit_replans_with_the_same_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan that does not fit: what_would_fit's re-plans (more GPUs, recompute full, offload) price the same chunk
+    budget as the plan itself (a re-plan without it would answer for another schedule)."""
+    from megatron_branch.plan import search
+
+    arch = MODEL_PRESETS["qwen2.5-7b"]
+    shape = RolloutShape(prompt_length=122880, responses=16, response_length=1024)
+    p = search.plan("qwen2.5-7b", arch, shape, GPU_PRESETS["h20"], 8, tp=1, cp=8, dp=1, recompute="none",
+                    chunk_tokens=2048)  # fmt: skip
+    assert not p.fits and p.chunk_tokens == 2048
+    seen: list[object] = []
+    real_evaluate = search.evaluate
+
+    def spy(*a: object, **kw: object) -> object:
+        seen.append(kw.get("chunk_tokens"))
+        return real_evaluate(*a, **kw)
+
+    monkeypatch.setattr(search, "evaluate", spy)
+    search.what_would_fit(p, chunk_tokens=p.chunk_tokens)
+    assert seen and set(seen) == {2048}
