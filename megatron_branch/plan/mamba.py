@@ -37,7 +37,7 @@ storage once, as the meter counts), besides its norm and in_proj's input (the la
              + (2 c + 1) H P N (the chunk states and their einsum copy) + H (c + 1)^2 + 2 Q^2 + 2 (c + 1)^2
     norm     silu(z), the gated product, the normalised output n di f, rstd n G f, y and out_proj's input 2 n di e
 These are the torch path's (CPU, or a GPU without mamba_ssm): where mamba_ssm is installed, transformers' scan is its
-mamba_chunk_scan_combined kernel (the `use_kernel_func_from_hub_with_fallback` on mamba2_chunk_scan), which saves
+mamba_chunk_scan_combined kernel (transformers wraps mamba2_chunk_scan for its kernel hub), which saves
 far less and returns the final state as its own tensor: there these terms are an over-count (not measured here).
 
 Per-layer checkpointing (`recompute full`) rebuilds every layer, the - and E layers without a token mixer too
