@@ -45,6 +45,8 @@ def candidate_layouts(
                 if (dp and d != dp) or d > shape.prompts:
                     continue
                 for e in _expert_parallel_sizes(arch, t, c * d, ep):
+                    if p > 1 and e > 1 and not _runs_experts_piped(schedule, p, e, arch):
+                        continue
                     for rc in (recompute,) if recompute else RECOMPUTE:
                         out.append(Layout(tp=t, cp=c, dp=d, pp=p, recompute=rc, ep=e))
     return out
@@ -65,6 +67,15 @@ def _expert_parallel_sizes(arch: ModelArch, tp: int, cp_dp: int, ep: int | None)
                 continue
             out.append(e)
     return out
+
+
+def _runs_experts_piped(schedule: str, pp: int, ep: int, arch: ModelArch) -> bool:
+    """A MoE's experts split over `ep` ranks under pipeline parallelism (rules/: EP 1 only, for now)."""
+    try:
+        check_pipeline(schedule, pp=pp, moe=arch.is_moe, ep=ep)
+    except UserError:
+        return False
+    return True
 
 
 def _runs(schedule: str, cp: int, pp: int, arch: ModelArch) -> bool:

@@ -58,7 +58,8 @@ def evaluate(
     arch.check_expert_parallel(layout.ep, tp=layout.tp)
     try:
         check_pipeline(
-            schedule, pp=layout.pp, num_layers=arch.num_layers, moe=arch.is_moe, root_pieces=kw.get("root_pieces", 1),
+            schedule, pp=layout.pp, num_layers=arch.num_layers, moe=arch.is_moe, ep=layout.ep,
+            root_pieces=kw.get("root_pieces", 1),
             hybrid=arch.is_hybrid or arch.hybrid_override_pattern is not None,
         )  # fmt: skip
     except SettingError as e:
@@ -238,6 +239,8 @@ def plan(
             check_gdn_context_parallel(
                 key_heads=arch.linear_num_key_heads, value_heads=arch.linear_num_value_heads, tp=tp, cp=cp
             )
+    if pp and ep:  # fixed PP and EP the rules refuse together: their own line (a MoE at EP > 1 under PP)
+        check_pipeline(schedule, pp=pp, moe=arch.is_moe, ep=ep)
     check_fixed_sizes(gpus, tp=tp, cp=cp, pp=pp, dp=dp)
     fixed_pp = pp or (gpus // (tp * cp * dp) if tp and cp and dp and gpus % (tp * cp * dp) == 0 else 0)
     if tp and cp and dp and recompute and fixed_pp and (ep or not arch.is_moe):

@@ -163,7 +163,7 @@ def check_model(spec: Any) -> None:
     a hybrid's schedules and CP split (check_hybrid_run), the mixture-of-experts rules."""
     s, layout, arch, m = spec.schedule, spec.layout, spec.arch, spec.moe
     check_pipeline(
-        s.name, pp=layout.pp, num_layers=arch.num_layers, moe=arch.is_moe, critic=spec.critic,
+        s.name, pp=layout.pp, num_layers=arch.num_layers, moe=arch.is_moe, ep=layout.ep, critic=spec.critic,
         hybrid=arch.is_hybrid or bool(arch.hybrid_override_pattern), root_pieces=s.root_pieces,
     )  # fmt: skip
     check_hybrid_run(arch, s.name, cp=layout.cp, tp=layout.tp)

@@ -1,0 +1,186 @@
+"""A mixture-of-experts policy under pipeline parallelism (schedule/pipeline.py; the grad command, in-process on
+both ranks): a tiny Qwen3-MoE (2 layers, one MoE layer on each stage, 4 experts, top-2) at PP2, EP1.
+
+    python tests/distributed/launch.py 2 -k pipeline_moe
+
+- Router losses off: replay (float64) and packed (float32) against the float64 HF oracle, per parameter (1e-9,
+  1e-5), on test_moe_parallel.py's tree (two prompt groups, a shared response beginning with three branches under
+  it: siblings route the tokens after the fork to different experts).
+- Router losses on (aux + seq-aux + z), float64: PP2 replay and packed == TP2+SP replay (one replica each: one loss
+  scope) at 1e-9, and the summary's router metrics (each stage's layers, gathered over the pipeline group as
+  megatron's tracker reduces them) equal TP2+SP's. Planted: the balancing losses' gradient dropped on stage 0,
+  and the metrics left per stage, each fails.
+- Routing replay (recorded experts per token and MoE layer, each stage reading its own layers' records): PP2
+  replay == TP2+SP replay at 1e-9, and the records matter (replay without them differs); planted: the records'
+  layers swapped between the stages fails.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_helpers import shared_tmp
+from safetensors.torch import load_file
+from test_moe_parallel import ROUTER_LOSSES, TOL, _rollouts, _worst
+
+from megatron_branch.cli import main
+from megatron_branch.data import Rollout, write_rollouts_jsonl
+from megatron_branch.losses import router_plan
+
+TP2SP = ["--tp", "2", "--sequence-parallel"]
+PP2 = ["--pp", "2"]
+
+
+def _records(rollouts: list[Rollout]) -> list[Rollout]:
+    """Each rollout with recorded experts [T, 2 layers, top-2]: a function of the token, its position and the layer
+    (so shared prefixes carry equal records), unlike what the model would route."""
+    out = []
+    for r in rollouts:
+        seq = list(r.prompt) + list(r.response)
+        rec = [[sorted([(t + p + 3 * layer) % 4, (t + p + 3 * layer + 1 + t % 3) % 4]) for layer in range(2)]
+               for p, t in enumerate(seq)]  # fmt: skip
+        out.append(Rollout(prompt=r.prompt, response=r.response, advantage=r.advantage,
+                           routed_experts=torch.tensor(rec)))  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="module")
+def pp_setup() -> tuple[Path, dict[str, torch.Tensor]]:
+    """(folder with hf/, r.jsonl and routed.jsonl, the float64 HF oracle's gradient) on every rank."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_branch.testing import (
+        exact_hf_norms,
+        exact_hf_routers,
+        hf_experts_kwargs,
+        hf_policy_gradient,
+        tiny_hf_config,
+        tiny_hf_model,
+    )
+
+    d = shared_tmp("pipeline_moe_")
+    rollouts = _rollouts()
+    cfg = tiny_hf_config("qwen3_moe", heads=4, kv_heads=2)
+    assert cfg.num_hidden_layers == 2 and cfg.decoder_sparse_step == 1  # one MoE layer per stage
+    if dist.get_rank() == 0:
+        tiny_hf_model(cfg, seed=4).save_pretrained(d / "hf")
+        write_rollouts_jsonl(d / "r.jsonl", rollouts)
+        write_rollouts_jsonl(d / "routed.jsonl", _records(rollouts))
+    dist.barrier()
+    hf = AutoModelForCausalLM.from_pretrained(
+        d / "hf", dtype=torch.float64, attn_implementation="sdpa", **hf_experts_kwargs(cfg)
+    )
+    _, grads = hf_policy_gradient(exact_hf_routers(exact_hf_norms(hf)), rollouts)
+    return d, grads
+
+
+def _grad(
+    d: Path,
+    capsys: pytest.CaptureFixture[str],
+    name: str,
+    schedule: str,
+    *flags: str,
+    rollouts: str = "r.jsonl",
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """(the gradient by HF name, the summary's metrics: rank 0's, on every rank) of one `grad` run."""
+    out = d / f"{name}.safetensors"
+    argv = ["grad", "--hf", str(d / "hf"), "--rollouts", str(d / rollouts), "--out", str(out), "--overwrite"]
+    capsys.readouterr()
+    rc = main([*argv, "--schedule", schedule, "--branch-micro-batch", "2", *flags])
+    captured = capsys.readouterr()
+    assert rc == 0, (name, captured.err[-2000:])
+    dist.barrier()
+    lines = [ln for ln in captured.out.splitlines() if ln.startswith("{")]
+    box = [json.loads(lines[-1])["metrics"] if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)  # every rank asserts the same (no rank left waiting)
+    return load_file(out), box[0]
+
+
+@pytest.mark.world(2)
+def test_pipeline_moe_grad_matches_hf(pp_setup, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    d, ref = pp_setup
+    for schedule, dtype, extra in (
+        ("replay", "float64", []),
+        ("packed", "float32", []),
+        ("replay", "float64", ["--root-pieces", "3"]),
+    ):
+        grads, _ = _grad(d, capsys, f"pp2_{schedule}_{dtype}", schedule, "--dtype", dtype, *PP2, *extra)
+        err = _worst(grads, ref)
+        assert err[0] <= TOL[dtype], (schedule, dtype, extra, err)
+    assert any(".mlp.experts." in n for n in ref) and any(".mlp.gate." in n for n in ref)
+
+
+def _router_metrics(metrics: dict) -> dict[str, object]:
+    return {
+        k: v
+        for k, v in metrics.items()
+        if k.startswith("moe/") or k.endswith(("load_balancing_loss", "z_loss"))
+    }
+
+
+@pytest.mark.world(2)
+def test_pipeline_moe_router_losses(
+    pp_setup,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+) -> None:
+    """Router losses on: PP2 == TP2+SP (gradient and metrics); planted bugs on the stages fail."""
+    d, _ = pp_setup
+    want, want_m = _grad(d, capsys, "aux_tp2sp", "replay", "--dtype", "float64", *ROUTER_LOSSES, *TP2SP)
+    for schedule in ("replay", "packed"):
+        grads, metrics = _grad(
+            d, capsys, f"aux_pp2_{schedule}", schedule, "--dtype", "float64", *ROUTER_LOSSES, *PP2
+        )
+        assert _worst(grads, want)[0] <= 1e-9, schedule
+        got, exp = _router_metrics(metrics), _router_metrics(want_m)
+        assert set(got) == set(exp) and "moe/load_balancing_loss_layer_1" in got, sorted(got)
+        assert "moe/tokens_per_expert/logical/layer_0" in got
+        for k, v in exp.items():
+            assert got[k] == pytest.approx(v, rel=1e-9, abs=1e-12), (schedule, k)
+        assert got["load_balancing_loss"] > 0 and got["z_loss"] > 0
+
+    # planted: stage 0's balancing losses attached with no gradient (the metric still recorded)
+    real = router_plan.RouterPlan.balancing_loss
+
+    def dropped(self, layer, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        loss = real(self, layer, *a, **kw)
+        return loss.detach() if layer == 0 else loss
+
+    monkeypatch.setattr(router_plan.RouterPlan, "balancing_loss", dropped)
+    grads, _ = _grad(d, capsys, "aux_pp2_bug_grad", "replay", "--dtype", "float64", *ROUTER_LOSSES, *PP2)
+    assert _worst(grads, want)[0] > 1e-6
+    monkeypatch.setattr(router_plan.RouterPlan, "balancing_loss", real)
+
+    # planted: the metrics left per stage (not gathered over the pipeline group)
+    monkeypatch.setattr(router_plan.RouterPlan, "_over_stages", lambda self, table, keys, shape: table)
+    grads, metrics = _grad(
+        d, capsys, "aux_pp2_bug_metric", "replay", "--dtype", "float64", *ROUTER_LOSSES, *PP2
+    )
+    assert _worst(grads, want)[0] <= 1e-9  # the gradient does not depend on the metrics
+    assert metrics["load_balancing_loss"] != pytest.approx(want_m["load_balancing_loss"], rel=1e-6)
+
+
+@pytest.mark.world(2)
+def test_pipeline_moe_routing_replay(
+    pp_setup,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+) -> None:
+    """Routing replay: each stage forces its own layers' recorded experts; PP2 == TP2+SP; a stage reading the
+    other stage's records fails."""
+    d, _ = pp_setup
+    flags = ["--dtype", "float64", "--routing-replay", *ROUTER_LOSSES]
+    want, _ = _grad(d, capsys, "rr_tp2sp", "replay", *flags, *TP2SP, rollouts="routed.jsonl")
+    fresh, _ = _grad(d, capsys, "rr_fresh_pp2", "replay", "--dtype", "float64", *ROUTER_LOSSES, *PP2)
+    assert _worst(fresh, want)[0] > 1e-6  # the records change the routing
+    for schedule in ("replay", "packed"):
+        grads, _ = _grad(d, capsys, f"rr_pp2_{schedule}", schedule, *flags, *PP2, rollouts="routed.jsonl")
+        assert _worst(grads, want)[0] <= 1e-9, schedule
+    real = router_plan._tree_routes
+    monkeypatch.setattr(router_plan, "_tree_routes", lambda *a: real(*a).flip(1))  # layer 0 <-> layer 1
+    grads, _ = _grad(d, capsys, "rr_pp2_bug", "replay", *flags, *PP2, rollouts="routed.jsonl")
+    assert _worst(grads, want)[0] > 1e-6
