@@ -184,3 +184,23 @@ def test_pipeline_moe_routing_replay(
     monkeypatch.setattr(router_plan, "_tree_routes", lambda *a: real(*a).flip(1))  # layer 0 <-> layer 1
     grads, _ = _grad(d, capsys, "rr_pp2_bug", "replay", *flags, *PP2, rollouts="routed.jsonl")
     assert _worst(grads, want)[0] > 1e-6
+
+
+@pytest.mark.world(2)
+def test_pipeline_deepseek_v3_dense_first_layer_grad_matches_hf(capsys: pytest.CaptureFixture[str]) -> None:
+    """A tiny DeepSeek-V3 (multi-latent attention, sigmoid router with correction biases that change the choice,
+    a shared expert, `first_k_dense_replace` 1) of 4 layers at PP2: stage 0 a dense layer and a MoE layer, stage 1
+    two MoE layers; replay (float64, the sigmoid router's float32 bound 1e-6) and packed (float32, 1e-5) against
+    HF, per parameter (test_glm4_moe_parallel.py's harness and tree)."""
+    from test_glm4_moe_parallel import TOL as SIGMOID_TOL
+    from test_glm4_moe_parallel import _worst as worst_with_biases
+    from test_glm4_moe_parallel import sigmoid_router_setup
+
+    from megatron_branch.testing import tiny_hf_config
+
+    d, ref = sigmoid_router_setup("deepseek_v3", tiny_hf_config("deepseek_v3", num_layers=4))
+    assert any("layers.0.mlp.gate_proj" in n for n in ref) and any("layers.1.mlp.experts." in n for n in ref)
+    for schedule, dtype in (("replay", "float64"), ("packed", "float32")):
+        grads, _ = _grad(d, capsys, f"ds_pp2_{schedule}_{dtype}", schedule, "--dtype", dtype, *PP2)
+        err = worst_with_biases(grads, ref)  # the frozen correction biases: zero gradients
+        assert err[0] <= SIGMOID_TOL[dtype], (schedule, dtype, err)
