@@ -18,6 +18,8 @@ both ranks): a tiny Qwen3-MoE (2 layers, one MoE layer on each stage, 4 experts,
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -49,7 +51,7 @@ def _records(rollouts: list[Rollout]) -> list[Rollout]:
 
 
 @pytest.fixture(scope="module")
-def pp_setup() -> tuple[Path, dict[str, torch.Tensor]]:
+def pp_setup() -> Iterator[tuple[Path, dict[str, torch.Tensor]]]:
     """(folder with hf/, r.jsonl and routed.jsonl, the float64 HF oracle's gradient) on every rank."""
     from transformers import AutoModelForCausalLM
 
@@ -75,7 +77,14 @@ def pp_setup() -> tuple[Path, dict[str, torch.Tensor]]:
         d / "hf", dtype=torch.float64, attn_implementation="sdpa", **hf_experts_kwargs(cfg)
     )
     _, grads = hf_policy_gradient(exact_hf_routers(exact_hf_norms(hf)), rollouts)
-    return d, grads
+    yield d, grads
+    _remove(d)
+
+
+def _remove(d: Path) -> None:
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _grad(
@@ -204,3 +213,43 @@ def test_pipeline_deepseek_v3_dense_first_layer_grad_matches_hf(capsys: pytest.C
         grads, _ = _grad(d, capsys, f"ds_pp2_{schedule}_{dtype}", schedule, "--dtype", dtype, *PP2)
         err = worst_with_biases(grads, ref)  # the frozen correction biases: zero gradients
         assert err[0] <= SIGMOID_TOL[dtype], (schedule, dtype, err)
+    _remove(d)
+
+
+@pytest.mark.world(2)
+def test_pipeline_moe_train_equals_tp2() -> None:
+    """`train` of a tiny Qwen3-MoE with routing replay (R3: the sampler's whole-model copy records, each stage
+    replays its own layers) and router losses, two steps, float64: parallel.pp=2 == parallel.tp=2 + SP (one replica
+    each: the same sampled tokens, the same loss scope), every parameter at 1e-9."""
+    from test_moe_parallel import _train, _train_cfg
+
+    from megatron_branch.checkpoint.param_map import mcore_to_hf_state
+    from megatron_branch.checkpoint.stages import gather_model_state
+    from megatron_branch.testing import tiny_hf_config, tiny_hf_model
+    from megatron_branch.train.loop import Trainer
+    from megatron_branch.train.models import unwrap
+
+    d = shared_tmp("pipeline_moe_train_")
+    vocab = Trainer(_train_cfg(None, d / "probe", "trainer.total_training_steps=1")).arch.vocab_size
+    if dist.get_rank() == 0:
+        cfg = tiny_hf_config(
+            "qwen3_moe", vocab_size=vocab, hidden_size=16, num_layers=2, heads=2, kv_heads=2, ffn=32
+        )
+        tiny_hf_model(cfg, seed=5).save_pretrained(d / "hf")
+    dist.barrier()
+    steps = "trainer.total_training_steps=2"
+    tp, tp_tokens = _train(
+        _train_cfg(d / "hf", d / "tp2", steps, "parallel.tp=2", "parallel.sequence_parallel=true")
+    )
+    # HF names (the vocabulary's TP padding dropped), before the next run lays out other groups
+    a = mcore_to_hf_state(gather_model_state(unwrap(tp.policy), tp.groups), tp.arch)
+    pp, pp_tokens = _train(_train_cfg(d / "hf", d / "pp2", steps, "parallel.pp=2"))
+    assert (pp.groups.pp_size, pp.groups.dp_size) == (2, 1)
+    b = mcore_to_hf_state(gather_model_state(unwrap(pp.policy), pp.groups), pp.arch)
+    assert tp_tokens == pp_tokens and a.keys() == b.keys()
+    start = load_file(d / "hf" / "model.safetensors")
+    moved = [n for n in a if ".mlp.experts." in n and not torch.equal(a[n], start[n].to(a[n].dtype))]
+    assert len(moved) > 4, moved  # the steps trained the experts
+    for n in a:
+        assert float((a[n] - b[n]).norm() / a[n].norm().clamp(min=1e-30)) <= 1e-9, n
+    _remove(d)
