@@ -81,10 +81,12 @@ def _runs_experts_piped(schedule: str, pp: int, ep: int, arch: ModelArch) -> boo
 def _runs(schedule: str, cp: int, pp: int, arch: ModelArch) -> bool:
     """The schedule can run at this CP / PP size and the planner prices it (rules/: naive has no CP and no PP; PP
     divides the layers; no PP for a hybrid, no CP for a Mamba-2 hybrid)."""
-    hybrid = arch.is_hybrid or arch.hybrid_override_pattern is not None
     try:
         check_run(schedule, cp=cp)
-        check_pipeline(schedule, pp=pp, num_layers=arch.num_layers, hybrid=hybrid, moe=arch.is_moe)
+        check_pipeline(
+            schedule, pp=pp, num_layers=arch.num_layers, hybrid=arch.is_hybrid, moe=arch.is_moe,
+            mamba=arch.hybrid_override_pattern is not None, planner=True,
+        )  # fmt: skip
         check_plannable(arch, schedule=schedule, cp=cp)
     except UserError:
         return False

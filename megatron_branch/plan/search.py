@@ -60,7 +60,7 @@ def evaluate(
         check_pipeline(
             schedule, pp=layout.pp, num_layers=arch.num_layers, moe=arch.is_moe, ep=layout.ep,
             root_pieces=kw.get("root_pieces", 1),
-            hybrid=arch.is_hybrid or arch.hybrid_override_pattern is not None,
+            hybrid=arch.is_hybrid, mamba=arch.hybrid_override_pattern is not None, planner=True,
         )  # fmt: skip
     except SettingError as e:
         raise UserError(str(e)) from None
@@ -239,8 +239,11 @@ def plan(
             check_gdn_context_parallel(
                 key_heads=arch.linear_num_key_heads, value_heads=arch.linear_num_value_heads, tp=tp, cp=cp
             )
-    if pp and ep:  # fixed PP and EP the rules refuse together: their own line (a MoE at EP > 1 under PP)
-        check_pipeline(schedule, pp=pp, moe=arch.is_moe, ep=ep)
+    if pp:  # a fixed PP the rules refuse for this model (a Mamba-2 or GDN hybrid, a MoE at EP > 1): their own line
+        check_pipeline(
+            schedule, pp=pp, moe=arch.is_moe, ep=ep or 1, hybrid=arch.is_hybrid,
+            mamba=arch.hybrid_override_pattern is not None, planner=True,
+        )  # fmt: skip
     check_fixed_sizes(gpus, tp=tp, cp=cp, pp=pp, dp=dp)
     fixed_pp = pp or (gpus // (tp * cp * dp) if tp and cp and dp and gpus % (tp * cp * dp) == 0 else 0)
     if tp and cp and dp and recompute and fixed_pp and (ep or not arch.is_moe):

@@ -1,5 +1,6 @@
-"""A mixture-of-experts policy under pipeline parallelism (schedule/pipeline.py; the grad command, in-process on
-both ranks): a tiny Qwen3-MoE (2 layers, one MoE layer on each stage, 4 experts, top-2) at PP2, EP1.
+"""Mixture-of-experts and gated-delta-net hybrid policies under pipeline parallelism (schedule/pipeline.py; the grad
+command, in-process on both ranks, replay walking every segment as its own chunk): a tiny Qwen3-MoE (2 layers, one
+MoE layer on each stage, 4 experts, top-2) at PP2, EP1; a 4-layer DeepSeek-V3; `train`; tiny Qwen3.5 / Qwen3-Next.
 
     python tests/distributed/launch.py 2 -k pipeline_moe
 
@@ -13,6 +14,8 @@ both ranks): a tiny Qwen3-MoE (2 layers, one MoE layer on each stage, 4 experts,
 - Routing replay (recorded experts per token and MoE layer, each stage reading its own layers' records): PP2
   replay == TP2+SP replay at 1e-9, and the records matter (replay without them differs); planted: the records'
   layers swapped between the stages fails.
+- DeepSeek-V3 (dense first layer on stage 0) == HF; `train` PP2 == TP2+SP (R3, router losses).
+- GDN hybrids (GDN, attention, GDN, attention): PP2 == HF at 1e-5; planted: the fork states' gradient withheld.
 """
 
 from __future__ import annotations
@@ -99,7 +102,9 @@ def _grad(
     out = d / f"{name}.safetensors"
     argv = ["grad", "--hf", str(d / "hf"), "--rollouts", str(d / rollouts), "--out", str(out), "--overwrite"]
     capsys.readouterr()
-    rc = main([*argv, "--schedule", schedule, "--branch-micro-batch", "2", *flags])
+    # --chunk-tokens 0: replay walks every segment as its own chunk (the tiny tree would fit one chunk of the
+    # default budget), so the stages hand prefix state (K/V, GDN fork states) down the walk
+    rc = main([*argv, "--schedule", schedule, "--branch-micro-batch", "2", "--chunk-tokens", "0", *flags])
     captured = capsys.readouterr()
     assert rc == 0, (name, captured.err[-2000:])
     dist.barrier()
@@ -252,4 +257,58 @@ def test_pipeline_moe_train_equals_tp2() -> None:
     assert len(moved) > 4, moved  # the steps trained the experts
     for n in a:
         assert float((a[n] - b[n]).norm() / a[n].norm().clamp(min=1e-30)) <= 1e-9, n
+    _remove(d)
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_pipeline_gdn_hybrid_grad_matches_hf(
+    family: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tiny gated-delta-net hybrid (GDN, attention, GDN, attention: one of each per stage; Qwen3-Next with a MoE
+    block after each) at PP2 on test_gdn_cp.py's tree (forks at depths 1-3, a 70-token prompt forking mid-chunk):
+    each stage's prefix cache holds its GDN layers' fork states; replay and packed against HF at the delta rule's
+    float32 bound 1e-5. Planted (Qwen3.5): the GDN fork states' summed gradient not injected into a stage's
+    backward of the shared segment fails."""
+    from gdn_helpers import rollouts as gdn_rollouts
+    from transformers import AutoModelForCausalLM
+
+    from megatron_branch.models.gdn_tree import GDN_STATE
+    from megatron_branch.schedule.prefix_cache import PrefixCache
+    from megatron_branch.testing import (
+        exact_hf_norms,
+        exact_hf_routers,
+        hf_experts_kwargs,
+        hf_policy_gradient,
+        tiny_hf_config,
+        tiny_hf_model,
+    )
+
+    d = shared_tmp("pipeline_hybrid_")
+    rollouts = gdn_rollouts()
+    layers = ("linear_attention", "full_attention", "linear_attention", "full_attention")
+    cfg = tiny_hf_config(family, num_layers=4, ffn=48, layer_types=layers)
+    if dist.get_rank() == 0:
+        tiny_hf_model(cfg, seed=4).save_pretrained(d / "hf")
+        write_rollouts_jsonl(d / "r.jsonl", rollouts)
+    dist.barrier()
+    hf = AutoModelForCausalLM.from_pretrained(
+        d / "hf", dtype=torch.float64, attn_implementation="sdpa", **hf_experts_kwargs(cfg)
+    )
+    _, ref = hf_policy_gradient(exact_hf_routers(exact_hf_norms(hf)), rollouts)
+    assert any(".linear_attn." in n for n in ref)
+    for schedule in ("replay", "packed"):
+        grads, _ = _grad(d, capsys, f"hybrid_{schedule}", schedule, *PP2)
+        err = _worst(grads, ref)
+        assert err[0] <= 1e-5, (family, schedule, err)
+    if family == "qwen3_5":
+        injection = PrefixCache.injection
+
+        def without_gdn(self, seg_id, captured):  # noqa: ANN001, ANN202
+            return injection(self, seg_id, {k: h for k, h in captured.items() if h.kind is not GDN_STATE})
+
+        monkeypatch.setattr(PrefixCache, "injection", without_gdn)
+        grads, _ = _grad(d, capsys, "hybrid_bug", "replay", *PP2)
+        err = _worst(grads, ref)
+        assert err[0] > 100 * 1e-5, err
     _remove(d)
