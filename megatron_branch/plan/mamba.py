@@ -40,6 +40,14 @@ These are the torch path's (CPU, or a GPU without mamba_ssm): where mamba_ssm is
 mamba_chunk_scan_combined kernel (transformers wraps mamba2_chunk_scan for its kernel hub), which saves
 far less and returns the final state as its own tensor: there these terms are an over-count (not measured here).
 
+Under context parallelism (the head exchange: parallel/head_exchange.py, models/mamba_heads.py) a rank runs the
+"scan" terms and the conv / dt part of "rows" for its block of heads (H / W heads of its TP rank with the groups they
+read: `mamba_block`) over WHOLE segments, and in_proj's output and the "norm" terms over its own r rows for all its
+TP rank's heads (the gate z stays home); the exchange saves its gathers' indices and sends, per M layer and chunk,
+(W - 1) blocks of r rows each way: [x | B | C | dt] of the block in the activations' dtype, the scan's output back
+in float32 (`mamba_exchange_*`; tests/distributed/test_plan_mamba_parallel.py checks the bytes against the
+exchange's own count and the meter on both CP2 ranks). Each rank hands down the fork state of ITS heads.
+
 Per-layer checkpointing (`recompute full`) rebuilds every layer, the - and E layers without a token mixer too
 (models/layer_checkpoint.py: the context is attached to the layer itself), one at a time (`checkpointed_peak`).
 
