@@ -32,8 +32,8 @@ class ScheduleConfig:
     attention); the baselines without sharing on the engine's kernels: naive-fused (each rollout alone) and
     packed-nosharing (all rollouts block-diagonal in one pass); replay-stopgrad is NOT exact, a comparison only:
     the prompt's K/V as constants (the announced stop-gradient system); auto: packed when its planned activation
-    peak fits memory_budget_gb, replay otherwise, decided per batch (plan/auto.py; the pick and why in the
-    metrics)."""
+    peak fits memory_budget_gb and the batch's tree is at most one chunk of chunk_tokens, replay otherwise,
+    decided per batch (plan/auto.py; the pick and why in the metrics)."""
     backend: Literal[BACKENDS] | None = None  # attention/dispatch.py BACKENDS: the executor registry
     """Attention executor (default merge), the same at cp 1 and under CP; one that cannot run the step is
     refused."""

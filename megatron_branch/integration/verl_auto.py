@@ -1,8 +1,8 @@
 """`BranchOptions(schedule="auto")`, the verl integration's default (issue 33 item 2): each `forward_backward_batch`
 call (the update's and `compute_log_prob`'s) runs `packed` when its planned activation peak over this call's tree
-fits the budget and the tree is at most one of replay's chunks (`chunk_tokens`), `replay` otherwise. The rule is plan/auto.py's (`decide`), the same `grad --schedule auto`,
-`train`'s `schedule.name: auto` and `plan --schedule auto` use; both schedules give the same gradient (each is
-exact), the pick trades memory for speed only.
+fits the budget and the tree is at most one of replay's chunks (`chunk_tokens`), `replay` otherwise. The rule is
+plan/auto.py's (`decide`), the same `grad --schedule auto`, `train`'s `schedule.name: auto` and `plan --schedule
+auto` use; both schedules give the same gradient (each is exact), the pick trades memory for speed only.
 
 What is compared: packed's planned activation peak of this rank's tree in one chunk (plan/auto.py
 `packed_peak_bytes`: the saved tensors, the ring, logits and dispatcher buffers; not weights, gradients or optimizer

@@ -79,7 +79,7 @@ def choose(packed_bytes: int, budget_bytes: int, *, tokens: int, chunk_tokens: i
     elif spans:
         reason += (
             f", but the tree's {tokens} tokens span more than one chunk of {chunk_tokens}: replay's chunks bound "
-            "the working set (as fast as packed there, docs/performance.md)"
+            "the working set at packed's speed (measured: docs/performance.md)"
         )
     elif chunk_tokens is not None:
         reason += f", and the tree's {tokens} tokens are one chunk of {chunk_tokens} (replay would run it as packed)"
