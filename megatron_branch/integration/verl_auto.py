@@ -13,8 +13,8 @@ rules refuse to packed under these options (segment `recompute`, `root_pieces`: 
 `chunk_tokens` (on by default) is how auto's replay runs, and a tree over one chunk picks replay (as fast as packed
 there and bounded in memory, docs/performance.md); off (None), the pick is packed's memory alone.
 
-Reported: verl's metrics `tree/auto_packed` (1 = packed), `tree/auto_packed_gb`, `tree/auto_budget_gb` (the
-reason in numbers; `actor/tree/...` in verl's trainer), and one log line per engine whenever the pick changes, with
+Reported: verl's metrics `tree/auto_packed` (1 = packed), `tree/auto_packed_gb`, `tree/auto_budget_gb`,
+`tree/auto_tokens` (the reason in numbers; `actor/tree/...` in verl's trainer), and one log line per engine whenever the pick changes, with
 the reason in words.
 """
 
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 AUTO = "auto"
 """The schedule name that asks for the pick (rules.AUTO_SCHEDULE's spelling in verl's options)."""
 
-AUTO_METRICS = ("tree/auto_packed", "tree/auto_packed_gb", "tree/auto_budget_gb")
+AUTO_METRICS = ("tree/auto_packed", "tree/auto_packed_gb", "tree/auto_budget_gb", "tree/auto_tokens")
 """The pick's metrics, added to verl's beside tree/positions_*."""
 
 
@@ -103,7 +103,12 @@ def metrics(choice: AutoChoice | None) -> dict[str, float]:
     return dict(
         zip(
             AUTO_METRICS,
-            (float(choice.schedule == "packed"), choice.packed_bytes / 1e9, choice.budget_bytes / 1e9),
+            (
+                float(choice.schedule == "packed"),
+                choice.packed_bytes / 1e9,
+                choice.budget_bytes / 1e9,
+                float(choice.tokens),
+            ),
             strict=True,
         )
     )

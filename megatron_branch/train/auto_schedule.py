@@ -10,8 +10,9 @@ config is checked as replay (what auto falls back to); what the rules refuse to 
 recompute, ...) makes every pick replay, with that line as the reason. `schedule.chunk_tokens` (on by default):
 auto's replay runs with it, and a tree over one chunk picks replay (as fast as packed there and bounded in memory,
 docs/performance.md); off, the pick is packed's memory alone. Reported: metrics
-`schedule/auto_packed` (1 = packed), `schedule/auto_packed_gb`, `schedule/auto_budget_gb` each step, a printed line
-whenever the pick changes, and the last pick with its reason in the run's final JSON (`schedule_auto`).
+`schedule/auto_packed` (1 = packed), `schedule/auto_packed_gb`, `schedule/auto_budget_gb`, `schedule/auto_tokens`
+(the largest chunk's tree) each step, a printed line whenever the pick changes, and the last pick with its reason
+in the run's final JSON (`schedule_auto`).
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class AutoSchedule:
             "schedule/auto_packed": float(self.last.schedule == "packed"),
             "schedule/auto_packed_gb": self.last.packed_bytes / 1e9,
             "schedule/auto_budget_gb": self.last.budget_bytes / 1e9,
+            "schedule/auto_tokens": float(self.last.tokens),
         }
 
 

@@ -60,7 +60,7 @@ def test_the_pick_at_a_budget_that_fits_packed_and_at_one_that_does_not() -> Non
     p = _picker(100)
     p.pick([batch], None)
     assert p.metrics() == {"schedule/auto_packed": 1.0, "schedule/auto_packed_gb": peak / 1e9,
-                           "schedule/auto_budget_gb": 100.0}  # fmt: skip
+                           "schedule/auto_budget_gb": 100.0, "schedule/auto_tokens": float(tokens)}  # fmt: skip
 
 
 @pytest.mark.slow
