@@ -44,7 +44,7 @@ class ScheduleConfig:
     """replay (also auto's replay): pack small subtrees (sibling leaves, short turns, small prompt groups) into chunks
     of at most this many tokens, one forward and backward each against their ancestors' cached state (exact); on by
     default; null (grad: --chunk-tokens 0) turns it off: every segment walked, leaves in micro-batches of
-    branch_micro_batch (ScheduleOptions.chunk_tokens)."""
+    branch_micro_batch (ScheduleOptions.chunk_tokens). auto: a batch's tree over one chunk picks replay."""
     recompute: bool = False
     """replay: recompute inner segments at backward."""
     root_pieces: int = 1
