@@ -62,7 +62,9 @@ def test_verl_world4_moe_ep2_tp2(
         return batch
 
     def worker():
-        return make_worker(hf, tp=tp, ep=2, dynamic_bsz=True, router_replay="R3" if r3 else "disabled")
+        return make_worker(
+            hf, tp=tp, ep=2, dynamic_bsz=True, router_replay="R3" if r3 else "disabled", optimizer="sgd"
+        )
 
     set_switch(False)
     base = run_step(worker(), td)
