@@ -13,6 +13,7 @@ Skipped (on every rank alike) without the verl extra.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -97,21 +98,37 @@ def test_verl_world4_cp4_zigzag() -> None:
 def test_verl_world4_pp2_beside_dp_or_tp(tp: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """verl's pipeline parallelism with DP or TP beside it: PP2 x DP2 (each replica its own tree of two prompt
     groups through both stages; two optimizer steps per rank, so megatron's SGD) and PP2 x TP2 + SP (the stages'
-    activations sequence-sharded over TP): the switch's pipelined tree schedule (replay, one pass) == verl's own PP
-    path (megatron's 1F1B schedule): logprobs and entropies where verl collects them (each
+    activations sequence-sharded over TP; replay's shared segments cut into 2 root pieces, which the one-pass
+    update's objective takes as the step's tree): the switch's pipelined tree schedule (replay, one pass) == verl's
+    own PP path (megatron's 1F1B schedule): logprobs and entropies where verl collects them (each
     replica's last stage, tp rank 0), every gradient shard on every stage, verl's metrics. Planted (PP2 x DP2):
     the first stage's cached prefix K/V get none of their branches' gradients, and both replicas' first stages
     fail while their last stages pass."""
     from megatron.core import parallel_state as ps
 
     from megatron_branch.integration.verl import BranchOptions
+    from megatron_branch.schedule import pipeline
     from megatron_branch.schedule.prefix_cache import PrefixCache
 
     os.environ.setdefault("MASTER_PORT", "0")
     hf = shared_policy_dir()
     optimizer = "sgd" if tp == 1 else "adam"  # one step per rank at TP2: Adam's first step is never compared
+    # chunks off: the tiny batch would otherwise be one chunk (no pieces, no cache; test_verl_engine_pp.py)
+    pieces = {"root_pieces": 2} if tp > 1 else {}
+    options = BranchOptions(schedule="replay", schedule_options={"chunk_tokens": None, **pieces})
+    cut: list[bool] = []  # per pipelined run: its tree cut into pieces (True) or run as built
+    real_split = pipeline.split_roots
+
+    def spied(built: Any, k: int) -> Any:
+        out = real_split(built, k)
+        cut.append(out is not built)
+        return out
+
+    monkeypatch.setattr(pipeline, "split_roots", spied)
     base = _step_pp(hf, switch=False, tp=tp, optimizer=optimizer)
-    tree = _step_pp(hf, switch=True, tp=tp, optimizer=optimizer)  # replay (set_switch's)
+    tree = _step_pp(hf, switch=True, options=options, tp=tp, optimizer=optimizer)
+    monkeypatch.undo()
+    assert cut and all(cut) == (tp > 1), cut  # the pieces reached the pipeline (PP2 x TP2)
     assert (
         ps.get_pipeline_model_parallel_world_size() == 2 and ps.get_tensor_model_parallel_world_size() == tp
     )
@@ -120,13 +137,11 @@ def test_verl_world4_pp2_beside_dp_or_tp(tp: int, monkeypatch: pytest.MonkeyPatc
         return
     real = PrefixCache.injection
 
-    def dropped(self, seg_id, captured):  # noqa: ANN001, ANN202
+    def dropped(self: Any, seg_id: int, captured: Any) -> Any:
         return ([], []) if ps.is_pipeline_first_stage() else real(self, seg_id, captured)
 
     monkeypatch.setattr(PrefixCache, "injection", dropped)
-    # chunks off: the tiny batch would otherwise be one chunk (no cache; test_verl_engine_pp.py)
-    walk = BranchOptions(schedule="replay", schedule_options={"chunk_tokens": None})
-    planted = _step_pp(hf, switch=True, options=walk, optimizer=optimizer)
+    planted = _step_pp(hf, switch=True, options=options, optimizer=optimizer)
     monkeypatch.undo()
     first_stage = ps.is_pipeline_first_stage()
     err = max_rel_grad_error(base.first_grads, planted.first_grads)[0]  # before any update
