@@ -373,8 +373,8 @@ def test_verl_mla_ep2_switch_equals_verl(
     on the batch that once measured 6e-5 (seed 11), with verl's router replay R3 off and on (the rollout engine's
     records of the one MoE layer, one rollout per group disagreeing at a shared prompt token): the switch == verl's
     own path (logprobs, entropies, every gradient at fp32 1e-5, metrics). Each rank's share is two of verl's
-    mini-batches, so the gradient compared is the second optimizer step's, taken after one update: with megatron's
-    SGD, whose step is lr x gradient. Adam's first step divides each gradient element by |g| + 1e-8 and turns fp32
+    mini-batches, so the gradients compared are the first optimizer step's and the second's, taken after one update:
+    with megatron's SGD, whose step is lr x gradient. Adam's first step divides each gradient element by |g| + 1e-8 and turns fp32
     noise on an element near 1e-8 into a parameter difference (3.9e-5 on the second step's gradients here:
     test_verl_mla_ep2_adam_gap_is_adams_first_step, docs/verl.md "Multi-latent attention"). Planted: MLA's per-layer
     RoPE left on megatron's table changes the logprobs."""
