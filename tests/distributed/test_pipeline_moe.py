@@ -53,9 +53,9 @@ def _records(rollouts: list[Rollout]) -> list[Rollout]:
     return out
 
 
-@pytest.fixture(scope="module")
-def pp_setup() -> Iterator[tuple[Path, dict[str, torch.Tensor]]]:
-    """(folder with hf/, r.jsonl and routed.jsonl, the float64 HF oracle's gradient) on every rank."""
+def _oracle(prefix: str, cfg: object, rollouts: list[Rollout], **files: list[Rollout]) -> tuple[Path, dict]:
+    """(a shared folder with hf/ (`cfg`'s tiny model), r.jsonl and `files`, the float64 HF oracle's gradient over
+    `rollouts` with exact norms and routers) on every rank."""
     from transformers import AutoModelForCausalLM
 
     from megatron_branch.testing import (
@@ -63,23 +63,31 @@ def pp_setup() -> Iterator[tuple[Path, dict[str, torch.Tensor]]]:
         exact_hf_routers,
         hf_experts_kwargs,
         hf_policy_gradient,
-        tiny_hf_config,
         tiny_hf_model,
     )
 
-    d = shared_tmp("pipeline_moe_")
-    rollouts = _rollouts()
-    cfg = tiny_hf_config("qwen3_moe", heads=4, kv_heads=2)
-    assert cfg.num_hidden_layers == 2 and cfg.decoder_sparse_step == 1  # one MoE layer per stage
+    d = shared_tmp(prefix)
     if dist.get_rank() == 0:
         tiny_hf_model(cfg, seed=4).save_pretrained(d / "hf")
-        write_rollouts_jsonl(d / "r.jsonl", rollouts)
-        write_rollouts_jsonl(d / "routed.jsonl", _records(rollouts))
+        for name, rows in {"r": rollouts, **files}.items():
+            write_rollouts_jsonl(d / f"{name}.jsonl", rows)
     dist.barrier()
     hf = AutoModelForCausalLM.from_pretrained(
         d / "hf", dtype=torch.float64, attn_implementation="sdpa", **hf_experts_kwargs(cfg)
     )
     _, grads = hf_policy_gradient(exact_hf_routers(exact_hf_norms(hf)), rollouts)
+    return d, grads
+
+
+@pytest.fixture(scope="module")
+def pp_setup() -> Iterator[tuple[Path, dict[str, torch.Tensor]]]:
+    """(folder with hf/, r.jsonl and routed.jsonl, the float64 HF oracle's gradient) on every rank."""
+    from megatron_branch.testing import tiny_hf_config
+
+    cfg = tiny_hf_config("qwen3_moe", heads=4, kv_heads=2)
+    assert cfg.num_hidden_layers == 2 and cfg.decoder_sparse_step == 1  # one MoE layer per stage
+    rollouts = _rollouts()
+    d, grads = _oracle("pipeline_moe_", cfg, rollouts, routed=_records(rollouts))
     yield d, grads
     _remove(d)
 
@@ -271,31 +279,14 @@ def test_pipeline_gdn_hybrid_grad_matches_hf(
     float32 bound 1e-5. Planted (Qwen3.5): the GDN fork states' summed gradient not injected into a stage's
     backward of the shared segment fails."""
     from gdn_helpers import rollouts as gdn_rollouts
-    from transformers import AutoModelForCausalLM
 
     from megatron_branch.models.gdn_tree import GDN_STATE
     from megatron_branch.schedule.prefix_cache import PrefixCache
-    from megatron_branch.testing import (
-        exact_hf_norms,
-        exact_hf_routers,
-        hf_experts_kwargs,
-        hf_policy_gradient,
-        tiny_hf_config,
-        tiny_hf_model,
-    )
+    from megatron_branch.testing import tiny_hf_config
 
-    d = shared_tmp("pipeline_hybrid_")
-    rollouts = gdn_rollouts()
     layers = ("linear_attention", "full_attention", "linear_attention", "full_attention")
     cfg = tiny_hf_config(family, num_layers=4, ffn=48, layer_types=layers)
-    if dist.get_rank() == 0:
-        tiny_hf_model(cfg, seed=4).save_pretrained(d / "hf")
-        write_rollouts_jsonl(d / "r.jsonl", rollouts)
-    dist.barrier()
-    hf = AutoModelForCausalLM.from_pretrained(
-        d / "hf", dtype=torch.float64, attn_implementation="sdpa", **hf_experts_kwargs(cfg)
-    )
-    _, ref = hf_policy_gradient(exact_hf_routers(exact_hf_norms(hf)), rollouts)
+    d, ref = _oracle("pipeline_hybrid_", cfg, gdn_rollouts())
     assert any(".linear_attn." in n for n in ref)
     for schedule in ("replay", "packed"):
         grads, _ = _grad(d, capsys, f"hybrid_{schedule}", schedule, *PP2)
