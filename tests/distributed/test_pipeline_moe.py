@@ -15,7 +15,8 @@ MoE layer on each stage, 4 experts, top-2) at PP2, EP1; a 4-layer DeepSeek-V3; `
   replay == TP2+SP replay at 1e-9, and the records matter (replay without them differs); planted: the records'
   layers swapped between the stages fails.
 - DeepSeek-V3 (dense first layer on stage 0) == HF; `train` PP2 == TP2+SP (R3, router losses).
-- GDN hybrids (GDN, attention, GDN, attention): PP2 == HF at 1e-5; planted: the fork states' gradient withheld.
+- GDN hybrids (GDN, attention, GDN, attention): PP2 == HF at 1e-5; planted: the fork states' gradient withheld;
+  `train` of a config-defined Qwen3.5-style hybrid at PP2 == CP2 (1e-5).
 """
 
 from __future__ import annotations
@@ -302,4 +303,37 @@ def test_pipeline_gdn_hybrid_grad_matches_hf(
         grads, _ = _grad(d, capsys, "hybrid_bug", "replay", *PP2)
         err = _worst(grads, ref)
         assert err[0] > 100 * 1e-5, err
+    _remove(d)
+
+
+@pytest.mark.world(2)
+def test_pipeline_gdn_hybrid_train_equals_cp2() -> None:
+    """`train` of test_train_loop.py's config-defined Qwen3.5-style hybrid (a GDN layer on stage 0, attention on
+    stage 1), a supervised warm-up and one replay step, float64: parallel.pp=2 == parallel.cp=2 (one replica each,
+    the same random init and sampling stream): the same sampled tokens and rewards, the same gradient norm, every
+    parameter within the delta rule's float32 bound (1e-5 relative; the GDN layers compute in float32 whatever the
+    model dtype)."""
+    from test_train_loop import HYBRID, _cfg
+    from train_helpers import run_steps
+
+    from megatron_branch.checkpoint.stages import gather_model_state
+    from megatron_branch.train.models import unwrap
+
+    d = shared_tmp("pipeline_hybrid_train_")
+    # a short supervised warm-up (through the pipelined update too) so that the sampled answers earn rewards
+    common = [HYBRID, "model.dtype=float64", "schedule.name=replay", "trainer.total_training_steps=1",
+              "warmup.steps=8", "warmup.batch_size=4", "warmup.lr=0.1", "rollout.n=4"]  # fmt: skip
+    cp, cp_rows = run_steps(_cfg(d / "cp2", *common, "parallel.cp=2"))
+    a = gather_model_state(unwrap(cp.policy), cp.groups)  # before the next run lays out other groups
+    pp, pp_rows = run_steps(_cfg(d / "pp2", *common, "parallel.pp=2"))
+    assert (pp.groups.pp_size, pp.groups.dp_size) == (2, 1) and unwrap(pp.policy).arch.is_hybrid
+    b = gather_model_state(unwrap(pp.policy), pp.groups)
+    assert [(m["_tokens"], m["_rewards"]) for m in cp_rows] == [
+        (m["_tokens"], m["_rewards"]) for m in pp_rows
+    ]
+    g_cp, g_pp = cp_rows[0]["actor/grad_norm"], pp_rows[0]["actor/grad_norm"]
+    assert g_pp > 0 and abs(g_pp - g_cp) <= 1e-6 * g_cp, (g_cp, g_pp)  # the step moved the policy, alike
+    assert a.keys() == b.keys() and any(".self_attention.in_proj." in n for n in a)
+    err = max(float((a[k] - b[k]).norm() / a[k].norm().clamp(min=1e-30)) for k in a)
+    assert err <= 1e-5, err  # the delta rule's float32 bound, per parameter (relative)
     _remove(d)
