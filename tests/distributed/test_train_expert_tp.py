@@ -4,7 +4,8 @@ split over TP (parallel.etp = parallel.tp), float64, on every rank.
     python tests/distributed/launch.py 2 -k expert_tp
 
 A tiny Qwen3-MoE from one HF checkpoint (the same weights under both layouts) trained 4 steps with gradient clipping
-active (optim.clip_grad below every step's norm), with megatron's plain and distributed optimizer: the same tokens,
+active (optim.clip_grad below every step's norm), with megatron's plain (and a KL to the reference model) and
+distributed optimizer: the same tokens,
 loss and grad norm every step on every rank, the same parameters at the end (1e-9); a run stopped after 2 steps and
 resumed equals the uninterrupted one. Planted: megatron's grad norm left as megatron-core 0.16.1 computes it for whole
 experts (models/expert_tp.py count_whole_experts_in_grad_norm undone): TP rank 1 of the plain optimizer counts no
@@ -95,6 +96,8 @@ def _same_run(got: tuple, want: tuple) -> None:
 def test_train_with_whole_experts_equals_experts_split_over_tp(hf_dir, optimizer: str) -> None:
     d, hf = hf_dir
     opt = [f"optim.use_distributed_optimizer={optimizer == 'distributed'}"]
+    if optimizer == "plain":  # with a KL to the reference model: a frozen copy built at the run's expert TP
+        opt.append("actor.kl_loss_coef=0.01")
     steps = ["trainer.total_training_steps=4"]
     split = _run(_cfg(hf, d / f"split_{optimizer}", *TP2, *opt, *steps))
     whole = _run(_cfg(hf, d / f"whole_{optimizer}", *TP2, "parallel.etp=1", *opt, *steps))
