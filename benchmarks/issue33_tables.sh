@@ -17,8 +17,8 @@
 #   p4096          P = 4096, G = 8 and G = 16, S = 128, a 2-layer hidden-128 Llama (vocab 4096)
 # Variants: naive-fused (the baseline), packed, replay (default options: small subtrees packed into chunks of <= 4096
 # tokens, ScheduleOptions.chunk_tokens), replay-nochunks (chunk_tokens off: one forward per segment, leaf
-# micro-batches of 8), auto (packed when its planned activation peak fits the free memory, else replay with its
-# default chunks; the pick is printed beside the row).
+# micro-batches of 8), auto (packed when its planned activation peak fits the free memory and the tree is at most
+# one chunk of 4096 tokens, else replay with its default chunks; the pick is printed beside the row).
 # summary.md: per shape, replay's time / packed's, replay-nochunks' / packed's and auto's / the faster of the two
 # (issue 33's acceptance: replay <= 1.10 x packed, auto <= 1.05 x the faster), speed-ups and shares of the limit.
 set -euo pipefail

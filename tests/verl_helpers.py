@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -179,6 +179,9 @@ class StepOut:
     # mini_batch_size (this rank's share) by DP, so each rank takes DP steps and the last gradient follows updates
     grads: dict[str, torch.Tensor]
     routes: Any = None  # router replay R2: compute_log_prob's routed_experts (jagged [B, j, MoE layers, k])
+    steps: int = 0  # the optimizer steps the update took on this rank (DP of them under DP > 1)
+    # main_grad before the FIRST optimizer step (no update before it: the same under any optimizer)
+    first_grads: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def make_worker(
@@ -296,11 +299,24 @@ def infer(worker: Any, td: Any) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def run_step(worker: Any, td_fn: Any, *, actor: Any = None, r2: bool = False, critic: Any = None) -> StepOut:
+def run_step(
+    worker: Any,
+    td_fn: Any,
+    *,
+    actor: Any = None,
+    r2: bool = False,
+    critic: Any = None,
+    adam_later_step: bool = False,
+) -> StepOut:
     """compute_log_prob then one update_actor mini-batch through the worker, as verl's trainer calls them. `r2`:
     router replay R2, compute_log_prob's routed_experts carried into the update's batch (ray_trainer.py). With
     `critic` (a CriticConfig, a value-model worker): compute_values then update_critic (StepOut.log_probs holds the
-    values, entropy None)."""
+    values, entropy None).
+
+    An update of several optimizer steps (DP > 1) under Adam fails unless `adam_later_step`: its later steps'
+    gradients follow Adam's first step, which divides each gradient element by |g| + 1e-8 and so turns fp32 noise on
+    an element near 1e-8 into parameter differences of ~1e-5 (docs/verl.md "Multi-latent attention"): a comparison
+    of them at fp32 1e-5 passes or fails by luck. Such tests step with make_worker(optimizer="sgd")."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss, value_loss
     from verl.workers.utils.padding import no_padding_2_padding
@@ -314,7 +330,12 @@ def run_step(worker: Any, td_fn: Any, *, actor: Any = None, r2: bool = False, cr
     grads: dict[str, torch.Tensor] = {}
     step = engine.optimizer_step
 
+    first: dict[str, torch.Tensor] = {}
+    steps = 0
+
     def snapshot_then_step() -> Any:  # the gradient megatron's optimizer is about to apply
+        nonlocal steps
+        steps += 1
         grads.update(
             {
                 n: p.main_grad.detach().clone()
@@ -322,6 +343,8 @@ def run_step(worker: Any, td_fn: Any, *, actor: Any = None, r2: bool = False, cr
                 if p.requires_grad
             }
         )
+        if steps == 1:
+            first.update(grads)
         return step()
 
     engine.optimizer_step = snapshot_then_step
@@ -340,7 +363,12 @@ def run_step(worker: Any, td_fn: Any, *, actor: Any = None, r2: bool = False, cr
         td["routed_experts"] = routes
     out = worker.train_mini_batch(as_update(td))
     metrics = tu.get(out, "metrics") if out is not None else {}
-    return StepOut(type(engine).__name__, lp, ent, metrics, grads, routes)
+    optimizer = engine.optimizer_config.optimizer
+    assert steps <= 1 or optimizer == "sgd" or adam_later_step, (
+        f"{steps} optimizer steps under {optimizer}: the last step's gradient follows Adam's first step (its "
+        "eps turns fp32 noise into parameter differences); step with make_worker(optimizer='sgd')"
+    )
+    return StepOut(type(engine).__name__, lp, ent, metrics, grads, routes, steps=steps, first_grads=first)
 
 
 def _to_tp_group(routes: Any) -> Any:
@@ -400,6 +428,13 @@ def max_rel_grad_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
     worst = max(((b[k] - a[k]).norm() / a[k].norm().clamp_min(1e-30)).item() for k in a)
     name = max(a, key=lambda k: ((b[k] - a[k]).norm() / a[k].norm().clamp_min(1e-30)).item())
     return worst, name
+
+
+def max_rel_step_error(a: StepOut, b: StepOut) -> tuple[float, str]:
+    """max_rel_grad_error over the first AND the last optimizer step's gradients (one step: the same gradients);
+    both runs took the same number of steps."""
+    assert a.steps == b.steps >= 1, (a.steps, b.steps)
+    return max(max_rel_grad_error(a.first_grads, b.first_grads), max_rel_grad_error(a.grads, b.grads))
 
 
 def one_rank_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:

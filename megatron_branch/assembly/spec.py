@@ -32,8 +32,8 @@ class ScheduleConfig:
     attention); the baselines without sharing on the engine's kernels: naive-fused (each rollout alone) and
     packed-nosharing (all rollouts block-diagonal in one pass); replay-stopgrad is NOT exact, a comparison only:
     the prompt's K/V as constants (the announced stop-gradient system); auto: packed when its planned activation
-    peak fits memory_budget_gb, replay otherwise, decided per batch (plan/auto.py; the pick and why in the
-    metrics)."""
+    peak fits memory_budget_gb and the batch's tree is at most one chunk of chunk_tokens, replay otherwise,
+    decided per batch (plan/auto.py; the pick and why in the metrics)."""
     backend: Literal[BACKENDS] | None = None  # attention/dispatch.py BACKENDS: the executor registry
     """Attention executor (default merge), the same at cp 1 and under CP; one that cannot run the step is
     refused."""
@@ -44,7 +44,7 @@ class ScheduleConfig:
     """replay (also auto's replay): pack small subtrees (sibling leaves, short turns, small prompt groups) into chunks
     of at most this many tokens, one forward and backward each against their ancestors' cached state (exact); on by
     default; null (grad: --chunk-tokens 0) turns it off: every segment walked, leaves in micro-batches of
-    branch_micro_batch (ScheduleOptions.chunk_tokens)."""
+    branch_micro_batch (ScheduleOptions.chunk_tokens). auto: a batch's tree over one chunk picks replay."""
     recompute: bool = False
     """replay: recompute inner segments at backward."""
     root_pieces: int = 1

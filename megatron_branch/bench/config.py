@@ -11,8 +11,9 @@ The variants, each on the SAME rollouts and the SAME model:
     replay-nochunks   replay with chunk_tokens off: every segment its own forward (leaf micro-batches of 8)
     replay+recompute  replay keeping no graph for inner segments
     replay+recompute-full  and per-layer activation checkpointing inside every chunk (the planner's `full`)
-    auto              packed when its planned activation peak fits the budget, replay otherwise (plan/auto.py);
-                      the pick is made once per shape and reported beside the row
+    auto              packed when its planned activation peak fits the budget and the tree is at most one chunk of
+                      replay's (4096 tokens), replay otherwise (plan/auto.py); the pick is made once per shape and
+                      reported beside the row
 """
 
 from __future__ import annotations

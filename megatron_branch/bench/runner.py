@@ -149,12 +149,14 @@ def _prompt_len(cfg: BenchConfig, prompt: int, group: int) -> int:
 
 def _auto(cfg: BenchConfig, arch: ModelArch, tree: PrefixTree) -> AutoChoice:
     """The `auto` variant's pick on this tree (plan/auto.py's rule, as `grad --schedule auto`): packed's planned
-    activation peak against cfg.memory_budget_gb, else the device's free memory."""
+    activation peak against cfg.memory_budget_gb, else the device's free memory, and the tree's tokens against the
+    chunk budget the variant's replay runs with (its options', else ScheduleConfig's default, as `_step`)."""
     budget = int(cfg.memory_budget_gb * 1e9) if cfg.memory_budget_gb is not None else free_device_bytes()
     peak = packed_peak_bytes(
         arch, tree, Layout(sequence_parallel=False), act_bytes=DTYPES[cfg.dtype].itemsize
     )
-    return decide(peak, budget)
+    chunk_tokens = VARIANTS["auto"][1].get("chunk_tokens", ScheduleConfig().chunk_tokens)  # what _step runs
+    return decide(peak, budget, tokens=tree.num_tokens, chunk_tokens=chunk_tokens)
 
 
 def build_bench_model(cfg: BenchConfig) -> tuple[ModelArch, torch.nn.Module]:

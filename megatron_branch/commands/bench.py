@@ -8,7 +8,8 @@ Variants (--variants, comma separated; naive-fused, the baseline, is always run)
     naive-fused, packed-nosharing, repeat-prefix, naive, packed, replay, replay+recompute, replay+recompute-full
     (every replay variant packs small subtrees into chunks of <= 4096 tokens: ScheduleOptions.chunk_tokens),
     replay-nochunks (replay with chunk_tokens off: one forward per segment),
-    auto (packed when its planned activation peak fits --memory-budget GB or the free memory, else replay)
+    auto (packed when its planned activation peak fits --memory-budget GB or the free memory and the tree is at
+    most one chunk of 4096 tokens, else replay)
 Every speed-up is quoted against naive-fused (each rollout alone on the same model, fused attention kernel and
 fused logprob as replay: what a user runs today), next to the analytic limit (naive-fused FLOPs / the tree's
 minimal FLOPs, causal attention counted as causal). Presets: A, B, C, memory-G, hybrid, moe, agentic, demo,

@@ -25,8 +25,8 @@ Additions (other objectives, docs/design.md "Objectives"; verl's names, the olde
     Every setting's flag, choices, default and help come from the dataclass the train config uses for it
     (commands/grad_flags.py): `grad --help` lists them all.
     --schedule auto [--memory-budget GB]   packed when its planned activation peak fits the budget (on a CPU
-                                 --memory-budget; on a GPU the free device memory), replay otherwise (plan/auto.py);
-                                 the JSON's schedule_auto says which and why
+                                 --memory-budget; on a GPU the free memory) and the tree is one chunk of
+                                 --chunk-tokens, else replay (plan/auto.py); the JSON's schedule_auto says why
     --chunk-tokens N             replay (and auto's replay): small subtrees packed into chunks of <= N tokens, one
                                  forward each (default 4096); 0: off, every segment walked on its own; the
                                  JSON's chunk_tokens says the budget that ran

@@ -1,5 +1,6 @@
-"""`grad --schedule auto`: packed when its planned activation peak fits the budget, replay otherwise (the rule is
-plan/auto.py's, the same `plan --schedule auto` uses); this module only finds the budget and what packed refuses."""
+"""`grad --schedule auto`: packed when its planned activation peak fits the budget and the tree is at most one of
+replay's chunks (`--chunk-tokens`), replay otherwise (the rule is plan/auto.py's, the same `plan --schedule auto`
+uses); this module only finds the budget, what packed refuses and the run's chunk budget."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def auto_choice(args: argparse.Namespace, spec: Any, rollouts: list[Any], world:
         if dist.is_initialized():
             dist.all_reduce(free, op=dist.ReduceOp.MIN)
         budget = int(free.item())
-    problem = None  # --chunk-tokens is replay's own setting (auto's replay runs with it): no say in the pick
+    problem = None
     try:  # what packed refuses (segment recompute is replay's)
         rules.check(dataclasses.replace(spec, schedule=dataclasses.replace(spec.schedule, name="packed")))
     except SettingError as e:
@@ -40,6 +41,7 @@ def auto_choice(args: argparse.Namespace, spec: Any, rollouts: list[Any], world:
     lay = spec.layout
     layout = Layout(tp=lay.tp, cp=lay.cp, pp=lay.pp, dp=lay.data_parallel_size(world),
                     sequence_parallel=lay.sequence_parallel)  # fmt: skip
-    return grad_choice(spec.arch, rollouts, layout, act_bytes=torch_dtype(spec.dtype).itemsize,
+    # --chunk-tokens: auto's replay runs with it, and a tree over one chunk picks replay (plan/auto.py)
+    return grad_choice(spec.arch, [rollouts], layout, act_bytes=torch_dtype(spec.dtype).itemsize,
                        layer_recompute=spec.schedule.enable_gradient_checkpointing, budget_bytes=budget,
-                       packed_problem=problem)  # fmt: skip
+                       chunk_tokens=spec.schedule.chunk_tokens, packed_problem=problem)  # fmt: skip

@@ -105,7 +105,8 @@ def add_setting_flags(p: argparse.ArgumentParser) -> None:
     add_fields(s, ScheduleConfig, **SCHEDULE, choices={"name": (*GRAD_SCHEDULES, "auto")},
                types_={"branch_micro_batch": _positive_int, "chunk_tokens": _positive_int_or_off,
                        "memory_budget_gb": _positive_float}, notes={"name": "grad runs replay, packed or naive; auto: packed when its planned activation peak fits "
-               "--memory-budget (on a GPU the free device memory), replay otherwise (plan/auto.py)."},
+               "--memory-budget (on a GPU the free device memory) and the tree is at most one chunk of "
+               "--chunk-tokens, replay otherwise (plan/auto.py)."},
                aliases={"enable_gradient_checkpointing": ["--enable-gradient-checkpointing"]})  # fmt: skip
     lay = p.add_argument_group("layout (world = tp * cp * pp * dp under torchrun)")
     add_fields(lay, ParallelLayout, skip=("dp",), types_={"ep": _positive_int})

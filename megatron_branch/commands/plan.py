@@ -90,7 +90,8 @@ def add_plan_command(sub: Any) -> None:
         "--schedule",
         choices=[*SCHEDULES, "auto"],
         default="replay",
-        help="auto: packed when its plan fits the device, replay otherwise (plan/auto.py, as grad --schedule auto)",
+        help="auto: packed when its plan fits the device and one rank's tree is at most one chunk of "
+        "--chunk-tokens, replay otherwise (plan/auto.py, as grad --schedule auto)",
     )
     p.add_argument(
         "--optimizer",
@@ -180,13 +181,14 @@ def run_plan(args: argparse.Namespace) -> int:
 
     choice = None
     if args.schedule == "auto":  # the rule of grad --schedule auto, with the device's memory as the budget
-        from megatron_branch.plan.auto import AutoChoice, choose
+        from megatron_branch.plan.auto import choose, plan_tokens
 
         packed = search("packed")
-        choice = choose(packed.memory["total"], int(packed.gpu.memory_gb * 1e9))
+        # the tokens of packed's chunk on one rank, as step_peak counts replay's against --chunk-tokens
+        choice = choose(packed.memory["total"], int(packed.gpu.memory_gb * 1e9),
+                        tokens=plan_tokens(shape, packed.layout), chunk_tokens=args.chunk_tokens)  # fmt: skip
         if choice.schedule == "packed" and not packed.fits:  # the device fits, the host does not
-            choice = AutoChoice(schedule="replay", reason=f"packed: {packed.why_not()}",
-                                packed_bytes=choice.packed_bytes, budget_bytes=choice.budget_bytes)  # fmt: skip
+            choice = dataclasses.replace(choice, schedule="replay", reason=f"packed: {packed.why_not()}")
         p = packed if choice.schedule == "packed" else search("replay")
     else:
         p = search(args.schedule)
@@ -283,6 +285,11 @@ def _gb(b: float) -> str:
     return f"{b / 1e9:8.2f}"
 
 
+def _exchanged(arch: Any) -> str:
+    """Whose heads the head exchange carries: a Mamba-2 hybrid's M layers or a hybrid's gated delta nets."""
+    return "Mamba" if arch.hybrid_override_pattern is not None else "GDN"
+
+
 def render(p: Plan, fixes: list[str]) -> str:
     lay, mem, fl, t = p.layout, p.memory, p.flops, p.step_time
     s = p.shape
@@ -330,7 +337,7 @@ def render(p: Plan, fixes: list[str]) -> str:
     lines.append(
         f"step time ~ {t['total']:.1f} s: compute {t['compute']:.1f} s (MFU {t['mfu_assumed']:g}), ring "
         f"{t['ring']:.2f} s ({ring}), "
-        + (f"GDN head exchange {t['head_exchange']:.2f} s, " if t["head_exchange"] else "")
+        + (f"{_exchanged(p.arch)} head exchange {t['head_exchange']:.2f} s, " if t["head_exchange"] else "")
         + f"TP comm {t['tensor_parallel_comm']:.2f} s, grad reduce {t['grad_reduce']:.2f} s"
         + (f", expert all-to-all {t['expert_alltoall']:.2f} s" if p.arch.is_moe else "")
         + f", offload copies {t['offload_transfer']:.2f} s, host Adam {t['host_optimizer_step']:.2f} s"

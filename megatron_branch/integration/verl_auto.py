@@ -1,19 +1,20 @@
 """`BranchOptions(schedule="auto")`, the verl integration's default (issue 33 item 2): each `forward_backward_batch`
 call (the update's and `compute_log_prob`'s) runs `packed` when its planned activation peak over this call's tree
-fits the budget, `replay` otherwise. The rule is plan/auto.py's (`decide`), the same `grad --schedule auto`,
-`train`'s `schedule.name: auto` and `plan --schedule auto` use; both schedules give the same gradient (each is
-exact), the pick trades memory for speed only.
+fits the budget and the tree is at most one of replay's chunks (`chunk_tokens`), `replay` otherwise. The rule is
+plan/auto.py's (`decide`), the same `grad --schedule auto`, `train`'s `schedule.name: auto` and `plan --schedule
+auto` use; both schedules give the same gradient (each is exact), the pick trades memory for speed only.
 
 What is compared: packed's planned activation peak of this rank's tree in one chunk (plan/auto.py
 `packed_peak_bytes`: the saved tensors, the ring, logits and dispatcher buffers; not weights, gradients or optimizer
 state, which are the same for both schedules) against `BranchOptions.memory_budget_gb`, else the device's free
-memory at the call. Every rank picks the same: the largest packed peak and the smallest budget over the world (one
-all-reduce; verl's workers call the step in lockstep, and TP/CP/EP ranks must run the same schedule). What the
-rules refuse to packed under these options (segment `recompute`, `root_pieces`: replay's) makes the pick replay;
-`chunk_tokens` (on by default) is how auto's replay runs and does not steer the pick.
+memory at the call; the tree's tokens (its computed positions) against `chunk_tokens`. Every rank picks the same:
+the largest packed peak and tree and the smallest budget over the world (one all-reduce; verl's workers call the step in lockstep, and TP/CP/EP ranks must run the same schedule). What the
+rules refuse to packed under these options (segment `recompute`, `root_pieces`: replay's) makes the pick replay.
+`chunk_tokens` (on by default) is how auto's replay runs, and a tree over one chunk picks replay (as fast as packed
+there and bounded in memory, docs/performance.md); off (None), the pick is packed's memory alone.
 
-Reported: verl's metrics `tree/auto_packed` (1 = packed), `tree/auto_packed_gb`, `tree/auto_budget_gb` (the
-reason in numbers; `actor/tree/...` in verl's trainer), and one log line per engine whenever the pick changes, with
+Reported: verl's metrics `tree/auto_packed` (1 = packed), `tree/auto_packed_gb`, `tree/auto_budget_gb`,
+`tree/auto_tokens` (the reason in numbers; `actor/tree/...` in verl's trainer), and one log line per engine whenever the pick changes, with
 the reason in words.
 """
 
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 AUTO = "auto"
 """The schedule name that asks for the pick (rules.AUTO_SCHEDULE's spelling in verl's options)."""
 
-AUTO_METRICS = ("tree/auto_packed", "tree/auto_packed_gb", "tree/auto_budget_gb")
+AUTO_METRICS = ("tree/auto_packed", "tree/auto_packed_gb", "tree/auto_budget_gb", "tree/auto_tokens")
 """The pick's metrics, added to verl's beside tree/positions_*."""
 
 
@@ -63,14 +64,15 @@ def model_arch(engine: Any) -> Any:
     return arch
 
 
-def _agree(packed: int, budget: int) -> tuple[int, int]:
-    """The largest packed peak and the smallest budget over the world (every rank picks alike)."""
+def _agree(packed: int, budget: int, tokens: int) -> tuple[int, int, int]:
+    """The largest packed peak, the smallest budget and the largest tree over the world (every rank picks
+    alike)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return packed, budget
+        return packed, budget, tokens
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    t = torch.tensor([packed, -budget], dtype=torch.long, device=device)
+    t = torch.tensor([packed, -budget, tokens], dtype=torch.long, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t[0].item()), -int(t[1].item())
+    return int(t[0].item()), -int(t[1].item()), int(t[2].item())
 
 
 def pick(engine: Any, model: torch.nn.Module, tree: Any, opts: Any, options: Any) -> AutoChoice | None:
@@ -85,8 +87,8 @@ def pick(engine: Any, model: torch.nn.Module, tree: Any, opts: Any, options: Any
     peak = packed_peak_bytes(model_arch(engine), tree, layout, act_bytes=act_bytes,
                              layer_recompute=opts.recompute_layers)  # fmt: skip
     budget = int(budget_gb * 1e9) if budget_gb is not None else free_device_bytes()
-    peak, budget = _agree(peak, budget)
-    choice = decide(peak, budget, packed_problem(opts))
+    peak, budget, tokens = _agree(peak, budget, tree.num_tokens)  # tokens: as schedule/walk.py packed_groups
+    choice = decide(peak, budget, packed_problem(opts), tokens=tokens, chunk_tokens=opts.chunk_tokens)
     if getattr(engine, "_branch_auto_last", None) != choice.schedule:
         engine._branch_auto_last = choice.schedule  # once per engine and change
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -101,7 +103,12 @@ def metrics(choice: AutoChoice | None) -> dict[str, float]:
     return dict(
         zip(
             AUTO_METRICS,
-            (float(choice.schedule == "packed"), choice.packed_bytes / 1e9, choice.budget_bytes / 1e9),
+            (
+                float(choice.schedule == "packed"),
+                choice.packed_bytes / 1e9,
+                choice.budget_bytes / 1e9,
+                float(choice.tokens),
+            ),
             strict=True,
         )
     )

@@ -104,7 +104,9 @@ class VerlOnePassObjective:
     """verl's value model: the pass's per-row values stand where the policy's logprobs do."""
 
     def bind(self, tree: PrefixTree) -> _BoundOnePass:
-        assert tree is self.slots.tree
+        # the step's tree, or its root pieces under PP (data/pieces.py split_roots: the same rollouts and packed
+        # layout, so the slots' token indices hold)
+        assert tree.rollouts is self.slots.tree.rollouts and tree.num_tokens == self.slots.tree.num_tokens
         return _BoundOnePass(self)
 
 

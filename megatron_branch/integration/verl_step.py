@@ -49,7 +49,8 @@ class BranchOptions:
     """How the tree step runs inside verl."""
 
     schedule: str = "auto"
-    """auto (packed when it fits, else replay: verl_auto.py) | replay (DFS) | packed (one pass) | naive."""
+    """auto (packed when it fits and the tree is one chunk, else replay: verl_auto.py) | replay (DFS) | packed (one
+    pass) | naive."""
     memory_budget_gb: float | None = None
     """auto's budget for packed's planned activation peak (GB); None: the free device memory at each call."""
     schedule_options: dict[str, Any] = field(default_factory=dict)

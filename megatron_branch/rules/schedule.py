@@ -11,8 +11,9 @@ from megatron_branch.errors import SettingError
 TRAIN_SCHEDULES = ("replay", "packed", "naive", "naive-fused", "packed-nosharing", "replay-stopgrad")
 """Schedules a training run (`train`'s schedule.name) can step with; all but replay-stopgrad are exact."""
 AUTO_SCHEDULE = "auto"
-"""`schedule.name: auto` / `grad --schedule auto` (plan/auto.py): packed when its planned memory fits the budget, replay
-otherwise; checked as replay (what it falls back to), packed asked per batch."""
+"""`schedule.name: auto` / `grad --schedule auto` (plan/auto.py): packed when its planned memory fits the budget and the
+tree is at most one of replay's chunks, replay otherwise; checked as replay (what it falls back to), packed asked per
+batch."""
 GRAD_SCHEDULES = ("replay", "packed", "naive")
 """The schedules of `grad`'s stable contract and of megatron's drop-in (integration/schedule.py)."""
 UNSHARED = ("naive", "naive-fused", "packed-nosharing")

@@ -1,15 +1,18 @@
 """`schedule.name: auto` in a training run (issue 33 item 2): before each update of a step (and the warm-up), packed
-when its planned activation peak on the largest chunk fits the budget, replay otherwise: the rule is plan/auto.py's
-(`grad --schedule auto` and `plan --schedule auto` use it too). Both schedules give the same gradient; the pick only
+when its planned activation peak on the largest chunk fits the budget and that chunk's tree is at most one of replay's
+chunks (`schedule.chunk_tokens`), replay otherwise: the rule is plan/auto.py's (`grad --schedule auto` and `plan
+--schedule auto` use it too). Both schedules give the same gradient; the pick only
 trades memory for speed, so it may change from step to step with the sampled trees.
 
 The budget: `schedule.memory_budget_gb`, else the device's free memory (a GPU: torch's mem_get_info; a CPU: the host's
 available memory shared by the node's ranks), the smallest over the ranks so that every rank picks the same. The
 config is checked as replay (what auto falls back to); what the rules refuse to packed for this run (segment
-recompute, ...) makes every pick replay, with that line as the reason. `schedule.chunk_tokens` is replay's own
-setting (on by default): auto's replay runs with it, and it does not steer the pick. Reported: metrics
-`schedule/auto_packed` (1 = packed), `schedule/auto_packed_gb`, `schedule/auto_budget_gb` each step, a printed line
-whenever the pick changes, and the last pick with its reason in the run's final JSON (`schedule_auto`).
+recompute, ...) makes every pick replay, with that line as the reason. `schedule.chunk_tokens` (on by default):
+auto's replay runs with it, and a tree over one chunk picks replay (as fast as packed there and bounded in memory,
+docs/performance.md); off, the pick is packed's memory alone. Reported: metrics
+`schedule/auto_packed` (1 = packed), `schedule/auto_packed_gb`, `schedule/auto_budget_gb`, `schedule/auto_tokens`
+(the largest chunk's tree) each step, a printed line whenever the pick changes, and the last pick with its reason
+in the run's final JSON (`schedule_auto`).
 """
 
 from __future__ import annotations
@@ -64,21 +67,21 @@ class AutoSchedule:
     """schedule.memory_budget_gb; None: the device's free memory at each pick."""
     problem: str | None
     """What the rules refuse to packed in this run (every pick replay), or None."""
+    chunk_tokens: int | None
+    """schedule.chunk_tokens: replay's token budget per chunk (a larger tree picks replay); None: off."""
     is_main: bool = True
     """Rank 0 prints the line when the pick changes."""
     last: AutoChoice | None = field(default=None, init=False)
     """The latest pick (the run's JSON reports it)."""
 
     def pick(self, batches: list[list[Any]], groups: Any) -> AutoChoice:
-        """One schedule for every update of `batches` (each one update's rollouts): packed when the largest of
-        their chunks' planned peaks fits the budget."""
+        """One schedule for every update of `batches` (each one update's rollouts): THE rule on the largest of
+        their chunks' planned peaks and tokens."""
         budget = int(self.budget_gb * 1e9) if self.budget_gb is not None else free_bytes(groups)
-        choices = [
-            grad_choice(self.arch, b, self.layout, act_bytes=self.act_bytes, layer_recompute=self.layer_recompute,
-                        budget_bytes=budget, packed_problem=self.problem, micro_batches=self.micro_batches)
-            for b in batches if b
-        ]  # fmt: skip
-        choice = max(choices, key=lambda c: c.packed_bytes)
+        choice = grad_choice(self.arch, batches, self.layout, act_bytes=self.act_bytes,
+                             layer_recompute=self.layer_recompute, budget_bytes=budget,
+                             chunk_tokens=self.chunk_tokens, packed_problem=self.problem,
+                             micro_batches=self.micro_batches)  # fmt: skip
         if self.is_main and (self.last is None or self.last.schedule != choice.schedule):
             print(f"schedule auto: {choice.schedule} ({choice.reason})", flush=True)
         self.last = choice
@@ -91,6 +94,7 @@ class AutoSchedule:
             "schedule/auto_packed": float(self.last.schedule == "packed"),
             "schedule/auto_packed_gb": self.last.packed_bytes / 1e9,
             "schedule/auto_budget_gb": self.last.budget_bytes / 1e9,
+            "schedule/auto_tokens": float(self.last.tokens),
         }
 
 
@@ -120,6 +124,6 @@ def auto_schedule(
     return AutoSchedule(
         arch=arch, layout=layout, act_bytes=act_bytes, layer_recompute=s.enable_gradient_checkpointing,
         micro_batches=micro_batches, budget_gb=s.memory_budget_gb,
-        problem=packed_problem(run_spec(cfg, arch), SPELLING),
+        problem=packed_problem(run_spec(cfg, arch), SPELLING), chunk_tokens=s.chunk_tokens,
         is_main=not dist.is_initialized() or dist.get_rank() == 0,
     )  # fmt: skip

@@ -28,9 +28,11 @@ pytest.importorskip("verl", reason="the verl extra is not installed (make setup-
 
 from verl_helpers import (  # noqa: E402
     actor_config,
+    dp_share,
     grpo_batch,
     make_worker,
     max_rel_grad_error,
+    max_rel_step_error,
     run_step,
     set_switch,
     shared_policy_dir,
@@ -40,13 +42,18 @@ METRICS = ("actor/pg_loss", "actor/entropy_loss", "actor/ppo_kl", "kl_loss", "lo
 
 
 def _batch() -> Any:
-    return grpo_batch(seed=13, groups=2, temperature=0.7)
+    """2 prompt groups per DP replica, each replica's share as verl's dispatch hands it (read once the engine has
+    built megatron's groups)."""
+    from megatron.core import parallel_state as ps
+
+    dp = ps.get_data_parallel_world_size()
+    return dp_share(grpo_batch(seed=13, groups=2 * dp, temperature=0.7), ps.get_data_parallel_rank(), dp)
 
 
-def _step(hf: str, switch: bool, options: Any = None) -> Any:
+def _step(hf: str, switch: bool, options: Any = None, *, tp: int = 1, optimizer: str = "adam") -> Any:
     set_switch(switch, options)
     try:
-        worker = make_worker(hf, pp=2, dynamic_bsz=True)
+        worker = make_worker(hf, pp=2, tp=tp, dynamic_bsz=True, optimizer=optimizer)
         return run_step(worker, _batch, actor=actor_config(use_dynamic_bsz=True))
     finally:
         set_switch(False)
@@ -65,10 +72,14 @@ def _worst_over_stages(err: float) -> torch.Tensor:
 
 
 def _check(base: Any, tree: Any, what: str, passes: int) -> None:
-    collects = dist.get_rank() == 1  # the last stage (verl's is_mp_src_rank_with_outputs)
+    from megatron.core import parallel_state as ps
+
+    # verl's is_mp_src_rank_with_outputs: the last stage's tp rank 0 (of each DP replica)
+    collects = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
     assert tree.engine.startswith("BranchReplay") and not base.engine.startswith("BranchReplay")
     assert (base.log_probs is None) == (tree.log_probs is None) == (not collects)
-    err, name = max_rel_grad_error(base.grads, tree.grads)
+    assert base.steps == ps.get_data_parallel_world_size()  # one mini-batch per DP rank (as_update)
+    err, name = max_rel_step_error(base, tree)  # the first and the last optimizer step's
     assert err <= 1e-5, f"{what}: stage {dist.get_rank()} {name}: {err:.2e}"
     if not collects:
         return

@@ -2,8 +2,8 @@
 branch-replay switch, through verl's TrainingWorker (gloo, CPU): compute_log_prob's logprobs and entropies, every
 gradient shard (fp32 1e-5 per parameter) and verl's metrics equal; with verl's load balancing on, the router
 losses weighted by multiplicity (integration/verl_moe.py). DeepSeek-V3 (multi-latent attention, the DeepSeek MoE)
-at TP2 + SP and at EP2, and why the EP2 comparison steps with SGD (Adam's first step on gradient elements near its
-eps).
+at TP2 + SP and at EP2, and why the comparisons at EP2 (two optimizer steps per rank: verl divides the mini-batch
+size by DP) step with SGD (Adam's first step on gradient elements near its eps; run_step in tests/verl_helpers.py).
 
     python tests/distributed/launch.py 2 -k verl_moe
 
@@ -29,6 +29,7 @@ from verl_helpers import (  # noqa: E402
     infer,
     make_worker,
     max_rel_grad_error,
+    max_rel_step_error,
     run_step,
     set_switch,
     write_tiny_policy,
@@ -45,12 +46,15 @@ def _moe_policy_dir(family: str = "qwen3_moe") -> str:
 
 
 def _compare(base, tree, where: str) -> None:
+    from megatron.core import parallel_state as ps
+
     assert tree.engine.startswith("BranchReplay") and not base.engine.startswith("BranchReplay")
+    assert base.steps == ps.get_data_parallel_world_size()  # one mini-batch per DP rank (as_update)
     assert (base.log_probs is None) == (tree.log_probs is None)
     if base.log_probs is not None:  # the collecting rank of each DP replica (tp rank 0)
         torch.testing.assert_close(tree.log_probs, base.log_probs, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(tree.entropy, base.entropy, rtol=1e-5, atol=1e-5)
-    err, name = max_rel_grad_error(base.grads, tree.grads)
+    err, name = max_rel_step_error(base, tree)  # the first and the last optimizer step's
     assert err <= 1e-5, f"{where} rank {dist.get_rank()} {name}: {err:.2e}"
     for key in ("actor/pg_loss", "actor/ppo_kl", "actor/entropy_loss", "actor/grad_norm"):
         if key in base.metrics:
@@ -106,7 +110,7 @@ def test_verl_moe_ep2_switch_equals_verl() -> None:
         return dp_share(grpo_batch(seed=11, groups=4), rank, dp)
 
     def worker():
-        return make_worker(hf, ep=2, dynamic_bsz=True, override_transformer_config=override)
+        return make_worker(hf, ep=2, dynamic_bsz=True, override_transformer_config=override, optimizer="sgd")
 
     set_switch(False)
     base = run_step(worker(), td)
@@ -159,7 +163,7 @@ def test_verl_router_replay_r3_ep2_switch_equals_verl(
         return batch
 
     def worker():
-        return make_worker(hf, ep=2, dynamic_bsz=True, router_replay="R3")
+        return make_worker(hf, ep=2, dynamic_bsz=True, router_replay="R3", optimizer="sgd")
 
     set_switch(False)
     base = run_step(worker(), td)
@@ -207,7 +211,13 @@ def test_verl_router_replay_r2_switch_equals_verl(
 
     def worker():
         return make_worker(
-            hf, tp=tp, ep=ep, dynamic_bsz=True, router_replay="R2", override_transformer_config=override
+            hf,
+            tp=tp,
+            ep=ep,
+            dynamic_bsz=True,
+            router_replay="R2",
+            override_transformer_config=override,
+            optimizer="sgd",
         )
 
     def records(out):  # each row's experts as a set (verl keeps torch.topk's order, the tree ascending)
@@ -363,13 +373,12 @@ def test_verl_mla_ep2_switch_equals_verl(
     on the batch that once measured 6e-5 (seed 11), with verl's router replay R3 off and on (the rollout engine's
     records of the one MoE layer, one rollout per group disagreeing at a shared prompt token): the switch == verl's
     own path (logprobs, entropies, every gradient at fp32 1e-5, metrics). Each rank's share is two of verl's
-    mini-batches, so the gradient compared is the second optimizer step's, taken after one update: with megatron's
-    SGD, whose step is lr x gradient. Adam's first step divides each gradient element by |g| + 1e-8 and turns fp32
+    mini-batches, so the gradients compared are the first optimizer step's and the second's, taken after one update:
+    with megatron's SGD, whose step is lr x gradient. Adam's first step divides each gradient element by |g| + 1e-8 and turns fp32
     noise on an element near 1e-8 into a parameter difference (3.9e-5 on the second step's gradients here:
     test_verl_mla_ep2_adam_gap_is_adams_first_step, docs/verl.md "Multi-latent attention"). Planted: MLA's per-layer
     RoPE left on megatron's table changes the logprobs."""
     from verl.utils import tensordict_utils as tu
-    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
     from megatron_branch.integration import verl_model
 
@@ -377,9 +386,6 @@ def test_verl_mla_ep2_switch_equals_verl(
     hf = _moe_policy_dir(family="deepseek_v3")
     rank, dp = dist.get_rank(), dist.get_world_size()
     r3 = router_replay == "R3"
-    steps = []
-    real_step = MegatronEngine.optimizer_step
-    monkeypatch.setattr(MegatronEngine, "optimizer_step", lambda self: steps.append(1) or real_step(self))
 
     def td():
         batch = dp_share(grpo_batch(seed=11, groups=4, routes=(1, 4, 12) if r3 else None), rank, dp)
@@ -394,7 +400,6 @@ def test_verl_mla_ep2_switch_equals_verl(
     base = run_step(worker(), td)
     set_switch(True)
     tree = run_step(worker(), td)
-    assert len(steps) == 4  # two mini-batches per rank, each path
     _compare(base, tree, f"MLA EP2 router replay {router_replay}")
     assert any("linear_kv_down_proj" in n for n in base.grads)
     if r3:
@@ -441,9 +446,9 @@ def test_verl_mla_ep2_adam_gap_is_adams_first_step(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(MegatronEngine, "optimizer_step", at_first_step)
     set_switch(False)
-    base = run_step(make_worker(hf, ep=2, dynamic_bsz=True), td)
+    base = run_step(make_worker(hf, ep=2, dynamic_bsz=True), td, adam_later_step=True)
     set_switch(True)
-    moved_tree = run_step(make_worker(hf, ep=2, dynamic_bsz=True), td)
+    moved_tree = run_step(make_worker(hf, ep=2, dynamic_bsz=True), td, adam_later_step=True)
     set_switch(False)
     assert moved_tree.engine.startswith("BranchReplay") and not base.engine.startswith("BranchReplay")
     assert len(steps) == 4 and sum(near_eps) >= 1 and sum(moved) >= 1  # two steps a run; the elements moved

@@ -304,3 +304,19 @@ def test_prompt_groups_and_the_auto_variant(tmp_path, budget: list[str], picked:
     assert rows["auto"]["flop_ratio"] == pytest.approx(rows[picked]["flop_ratio"])
     assert f"| auto ({picked}) |" in (tmp_path / "g.md").read_text()
     assert rows["packed"].get("auto") is None
+
+
+def test_auto_weighs_replays_chunks() -> None:
+    """The bench's `auto` (runner._auto, plan/auto.py's rule) with replay's default chunks (4096 tokens): packed on a
+    tree of one chunk, replay on one over it although packed fits the budget (issue 33's small-prompts, agentic and
+    P = 4096 shapes), with the tokens and the budget in its JSON."""
+    from megatron_branch.bench import runner
+    from megatron_branch.bench.config import PRESETS, BenchConfig, with_context
+
+    cfg = BenchConfig(**{**PRESETS["tiny"], "memory_budget_gb": 100.0, "meter": False})
+    arch = with_context(cfg.model, 4096 + 64)
+    small, large = (runner.make_case(cfg, arch, prompt, 4).auto for prompt in (48, 4096))
+    assert small.schedule == "packed" and small.tokens <= small.chunk_tokens == 4096
+    assert large.schedule == "replay" and large.tokens > large.chunk_tokens == 4096
+    assert f"the tree's {large.tokens} tokens span more than one chunk of 4096" in large.reason
+    assert large.to_json()["tokens"] == large.tokens and large.packed_bytes <= large.budget_bytes

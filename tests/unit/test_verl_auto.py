@@ -1,6 +1,7 @@
 """`BranchOptions(schedule="auto")`, the verl integration's default (integration/verl_auto.py): each call runs packed
-when its planned activation peak fits the budget, replay otherwise; the run equals the picked schedule's bitwise, the
-pick flips with the budget, and verl's metrics carry it. Driven through verl's TrainingWorker on CPU, as
+when its planned activation peak fits the budget and its tree is at most one of replay's chunks, replay otherwise; the
+run equals the picked schedule's bitwise, the pick flips with the budget and with the chunk budget, and verl's
+metrics carry it. Driven through verl's TrainingWorker on CPU, as
 test_verl_engine.py."""
 
 from __future__ import annotations
@@ -78,6 +79,20 @@ def test_auto_equals_the_picked_schedule_bitwise(
     assert "tree/auto_packed" not in want.metrics  # only auto reports a pick
 
 
+def test_a_tree_over_one_chunk_picks_replay_bitwise(single_process: str, fixed: dict) -> None:
+    """Packed fits, but this call's tree spans more than one chunk of 16 tokens: auto runs replay with those chunks,
+    bit for bit, and packed's gradient differs from it (the comparison tells which ran)."""
+    chunks = {"chunk_tokens": 16}
+    got = _step(single_process, schedule="auto", memory_budget_gb=1000.0, schedule_options=chunks)
+    want = _step(single_process, schedule="replay", schedule_options=chunks)
+    assert got.metrics["tree/auto_packed"][0] == 0.0 and got.metrics["tree/auto_tokens"][0] > 16
+    assert got.grads.keys() == want.grads.keys() and got.grads
+    for name, g in want.grads.items():
+        assert torch.equal(got.grads[name], g), name
+    assert torch.equal(got.log_probs, want.log_probs) and torch.equal(got.entropy, want.entropy)
+    assert any(not torch.equal(fixed["packed"].grads[k], g) for k, g in want.grads.items())
+
+
 def test_the_schedules_differ_where_auto_must_choose(fixed: dict) -> None:
     """The planted check: replay and packed are not bitwise equal here (different chunks, different summation
     order), so the bitwise comparison above tells which one auto ran."""
@@ -87,8 +102,8 @@ def test_the_schedules_differ_where_auto_must_choose(fixed: dict) -> None:
 
 def test_default_is_auto_and_replay_only_options_pick_replay() -> None:
     """auto is BranchOptions' default; options packed refuses (segment recompute, root_pieces) make it replay
-    whatever the budget, with the rules' line as the reason; chunk_tokens (replay's own, on by default, set or off)
-    does not."""
+    whatever the budget, with the rules' line as the reason; chunk_tokens (on by default, set or off) is no refusal
+    (it weighs in the rule through the tree's tokens, above)."""
     from megatron_branch.integration import verl_auto
     from megatron_branch.integration.verl import BranchOptions
     from megatron_branch.schedule.options import ScheduleOptions
