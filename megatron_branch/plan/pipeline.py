@@ -76,12 +76,12 @@ def stage_parameters_per_rank(arch: ModelArch, layout: Layout) -> int:
 
 def moe_stage_parameters_per_rank(arch: ModelArch, layout: Layout) -> tuple[int, int]:
     """(dense, routed-expert) parameters one rank of a MoE model's heaviest stage holds: each stage its L/pp layers
-    (a MoE layer's attention, router and shared expert over TP, its routed experts over EP x TP; a dense layer as
+    (a MoE layer's attention, router and shared expert over TP, its routed experts over EP x expert TP; a dense layer as
     `stage_parameters_per_rank`; `first_k_dense_replace` puts the dense layers on the first stage), the embedding on
     the first stage, the output layer and the final norm on the last."""
     pc, rep = parameter_count(arch), replicated_layer_params(arch, False)
     per_stage, moe = arch.num_layers // layout.pp, set(arch.moe_layers)
-    layer_experts = arch.num_experts * expert_params(arch) // (layout.tp * layout.ep)
+    layer_experts = arch.num_experts * expert_params(arch) // (layout.expert_tp * layout.ep)
     vocab = arch.vocab_size * arch.hidden_size // layout.tp
     best = (0, 0)
     for r in range(layout.pp):
