@@ -15,8 +15,10 @@ a layer count PP does not divide, the critic under PP, and a mixture-of-experts 
 (the project's pipeline runs MoE at EP 1 only). A MoE model at EP 1 runs: each stage's router losses and routing
 replay under schedule/moe.py, verl's router replay R3 and R2 per stage (R2: each stage hands its own layers'
 records, verl_moe.r2_record, joined by verl's pp_gather); shown against verl's own PP path in
-tests/distributed/test_verl_pp_moe.py. A hybrid (gated delta net) model: the project's own engine pipelines it, but
-verl's engine under PP is not shown with it, so the switch refuses it here.
+tests/distributed/test_verl_pp_moe.py. A hybrid (gated delta net) model runs too (each stage's prefix cache holds
+its GDN layers' fork states), shown against per-rollout training in
+tests/distributed/test_verl_hybrid_parallel.py (verl's own path cannot pack GDN on CPU). verl's engine builds no
+Mamba-2 hybrid (its GPTModel path), so the rules' Mamba-2 refusal has no verl case.
 """
 
 from __future__ import annotations
@@ -48,12 +50,6 @@ def refuse_pipeline(
             moe=moe,
             ep=int(engine_config.expert_model_parallel_size),
             critic=critic,
-        )
-    if kw.get("hybrid") and pp > 1:
-        raise VerlBranchError(
-            f"branch replay in verl's engine: pipeline_model_parallel_size={pp}: a hybrid (gated delta net) model "
-            "under pipeline parallelism is not shown in verl's engine yet (the own engine runs it); use "
-            "pipeline_model_parallel_size=1"
         )
     # auto is checked as replay, what it falls back to (both picks pipeline; root pieces make it replay: verl_auto)
     schedule = "replay" if options.schedule == "auto" else options.schedule
