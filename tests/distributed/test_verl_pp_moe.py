@@ -52,6 +52,7 @@ def _step(hf: str, switch: bool, td: Any, **worker: Any) -> Any:
 def _check(base: Any, tree: Any, what: str) -> None:
     from megatron.core import parallel_state as ps
 
+    assert ps.get_pipeline_model_parallel_world_size() == 2
     collects = ps.is_pipeline_last_stage()
     assert tree.engine.startswith("BranchReplay") and not base.engine.startswith("BranchReplay")
     assert (base.log_probs is None) == (tree.log_probs is None) == (not collects)
