@@ -64,14 +64,23 @@ def link_bytes_per_s(gpu: GPU, layout: Layout, *axes: str) -> float:
     return (gpu.node_link_gbps if across else gpu.link_gbps) * 1e9
 
 
-def stage_parameters_per_rank(arch: ModelArch, layout: Layout) -> int:
-    """Parameters one rank of the heavier end stage holds: its L/pp layers (TP shards + replicated norms) and
-    vocab x h (the embedding on the first stage; the output layer, or a tied embedding's copy, on the last) plus
-    the final norm."""
+def stage_parameters(arch: ModelArch, layout: Layout, stage: int) -> int:
+    """Parameters one rank of pipeline stage `stage` holds (a dense attention model), exactly as the engine builds
+    it (models/gpt.py): its L/pp layers (TP shards + replicated norms), the embedding's padded vocabulary rows on
+    the first stage, the final norm and the output layer on the last (with tied embeddings the last stage's copy
+    of the embedding: megatron's shared output weight; so both end stages hold padded vocab x h / tp)."""
     per_layer = (attention_layer_params(arch) - replicated_layer_params(arch, False)) // layout.tp
     per_layer += replicated_layer_params(arch, False)
-    vocab = arch.vocab_size * arch.hidden_size // layout.tp
-    return arch.num_layers // layout.pp * per_layer + vocab + arch.hidden_size
+    vocab = arch.padded_vocab_size(layout.tp) * arch.hidden_size // layout.tp
+    out = arch.num_layers // layout.pp * per_layer
+    out += vocab if stage == 0 else 0
+    out += vocab + arch.hidden_size if stage == layout.pp - 1 else 0
+    return out
+
+
+def stage_parameters_per_rank(arch: ModelArch, layout: Layout) -> int:
+    """Parameters one rank of the heavier end stage holds (`stage_parameters`; at PP1 the whole model's share)."""
+    return max(stage_parameters(arch, layout, s) for s in (0, layout.pp - 1))
 
 
 def moe_stage_parameters_per_rank(arch: ModelArch, layout: Layout) -> tuple[int, int]:

@@ -19,13 +19,14 @@ from megatron_branch.plan.flops import (
     layer_matmul_flops_per_token,
     logits_flops_per_row,
 )
-from megatron_branch.plan.memory import step_peak
+from megatron_branch.plan.memory import static_bytes, step_peak
 from megatron_branch.plan.model import parameter_count
 from megatron_branch.plan.pipeline import (
     crosses_nodes,
     piece_flops,
     root_flops,
     root_pieces_searched,
+    stage_parameters,
     stage_parameters_per_rank,
 )
 
@@ -49,6 +50,26 @@ def test_a_stage_holds_its_layers_and_one_vocabulary_matrix() -> None:
         stage_parameters_per_rank(ARCH, Layout(tp=8, pp=2))
         < stage_parameters_per_rank(ARCH, Layout(tp=8)) / 1.8
     )
+
+
+def test_the_stages_split_the_model_and_its_optimizer_state() -> None:
+    """An untied model's stages hold, together, exactly the one-stage rank's parameters (the vocabulary padded to a
+    multiple of TP included; 151665 rows pad at TP8); the distributed optimizer shards a STAGE's state over DP x CP
+    (each bytes term exact against the built stage: tests/distributed/test_plan_parallel.py). Planted: at DP1 the
+    distributed and the plain optimizer hold the same state (the whole model's was charged before)."""
+    arch = dataclasses.replace(ARCH, vocab_size=151665)
+    assert not arch.tie_word_embeddings and arch.padded_vocab_size(8) != arch.vocab_size
+    for tp in (1, 8):
+        for pp in (2, 4):
+            stages = [stage_parameters(arch, Layout(tp=tp, pp=pp), s) for s in range(pp)]
+            assert sum(stages) == static_bytes(arch, Layout(tp=tp))["parameters_per_rank"]
+            assert stage_parameters_per_rank(arch, Layout(tp=tp, pp=pp)) == stages[-1] > stages[0]
+            if pp > 2:  # the middle stages: layers only
+                assert stages[0] > stages[1]
+    for dp in (1, 4):
+        st = static_bytes(arch, Layout(tp=8, pp=2, dp=dp))
+        assert st["optimizer_state_distributed"] * dp == st["optimizer_state_no_distributed"]
+        assert st["optimizer_state_no_distributed"] == 12 * st["parameters_per_rank"]
 
 
 def test_the_first_stage_holds_the_micro_batches_1f1b_keeps_alive() -> None:
