@@ -159,7 +159,7 @@ def step_peak(
         )  # fmt: skip
     dm = Dims.of(arch, layout, act_bytes, gdn_kernel=gdn_kernel)
     if stage is not None:
-        dm = dataclasses.replace(dm, head=stage == layout.pp - 1)
+        dm = dataclasses.replace(dm, head=stage == layout.pp - 1, stage=stage)
     alive = 1 if stage is None else layout.pp - stage  # micro-batches in flight on this stage (1F1B)
     cp = layout.cp
     seg_rc = layout.recompute in ("selective", "full") if segment_recompute is None else segment_recompute
@@ -334,6 +334,7 @@ def margin_bytes(counted: int) -> int:
 
 def heavier_stage_peak(arch: ModelArch, shape: RolloutShape, layout: Layout, **kw: Any) -> Peak:
     """The step's peak on the first and on the last pipeline stage (step_peak at `stage`), the
-    larger of the two."""
-    peaks = [step_peak(arch, shape, layout, stage=s, **kw) for s in (0, layout.pp - 1)]
+    larger of the two; a GDN hybrid's middle stages too (their layers' kinds may differ)."""
+    stages = range(layout.pp) if arch.is_hybrid else (0, layout.pp - 1)
+    peaks = [step_peak(arch, shape, layout, stage=s, **kw) for s in stages]
     return max(peaks, key=lambda p: p.saved + p.ring_buffers + p.logits)

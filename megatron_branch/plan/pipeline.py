@@ -42,7 +42,12 @@ from megatron_branch.plan.flops import (
     layer_matmul_flops_per_token,
     logits_flops_per_row,
 )
-from megatron_branch.plan.layers import attention_layer_params, expert_params, replicated_layer_params
+from megatron_branch.plan.layers import (
+    attention_layer_params,
+    expert_params,
+    gdn_layer_params,
+    replicated_layer_params,
+)
 from megatron_branch.plan.model import GPU, Layout, RolloutShape, parameter_count
 
 AXES = ("tp", "cp", "dp", "pp")
@@ -66,21 +71,30 @@ def link_bytes_per_s(gpu: GPU, layout: Layout, *axes: str) -> float:
 
 def stage_parameters(arch: ModelArch, layout: Layout, stage: int) -> int:
     """Parameters one rank of pipeline stage `stage` holds (a dense attention model), exactly as the engine builds
-    it (models/gpt.py): its L/pp layers (TP shards + replicated norms), the embedding's padded vocabulary rows on
+    it (models/gpt.py): its L/pp layers (TP shards + replicated norms; a GDN hybrid's each by its kind), the embedding's padded vocabulary rows on
     the first stage, the final norm and the output layer on the last (with tied embeddings the last stage's copy
     of the embedding: megatron's shared output weight; so both end stages hold padded vocab x h / tp)."""
-    per_layer = (attention_layer_params(arch) - replicated_layer_params(arch, False)) // layout.tp
-    per_layer += replicated_layer_params(arch, False)
+    per_stage = arch.num_layers // layout.pp
+    layers = range(stage * per_stage, (stage + 1) * per_stage)
     vocab = arch.padded_vocab_size(layout.tp) * arch.hidden_size // layout.tp
-    out = arch.num_layers // layout.pp * per_layer
+    out = sum(_layer_parameters(arch, layout.tp, arch.is_linear(i)) for i in layers)
     out += vocab if stage == 0 else 0
     out += vocab + arch.hidden_size if stage == layout.pp - 1 else 0
     return out
 
 
+def _layer_parameters(arch: ModelArch, tp: int, linear: bool) -> int:
+    """One layer's parameters on a TP rank: a full-attention or a gated-delta-net layer (plan/layers.py), its
+    norms (GDN: and out_norm) whole on every rank, the rest split over TP."""
+    whole = gdn_layer_params(arch) if linear else attention_layer_params(arch)
+    rep = replicated_layer_params(arch, linear)
+    return (whole - rep) // tp + rep
+
+
 def stage_parameters_per_rank(arch: ModelArch, layout: Layout) -> int:
-    """Parameters one rank of the heavier end stage holds (`stage_parameters`; at PP1 the whole model's share)."""
-    return max(stage_parameters(arch, layout, s) for s in (0, layout.pp - 1))
+    """Parameters one rank of the heaviest stage holds (`stage_parameters`; at PP1 the whole model's share): an end
+    stage, unless a hybrid's middle stage holds dearer layers."""
+    return max(stage_parameters(arch, layout, s) for s in range(layout.pp))
 
 
 def moe_stage_parameters_per_rank(arch: ModelArch, layout: Layout) -> tuple[int, int]:

@@ -72,6 +72,22 @@ def test_the_stages_split_the_model_and_its_optimizer_state() -> None:
         assert st["optimizer_state_no_distributed"] == 12 * st["parameters_per_rank"]
 
 
+def test_a_gdn_hybrids_stages_are_priced_by_layer_kind(capsys: pytest.CaptureFixture[str]) -> None:
+    """qwen3.6-27b (48 GDN + 16 attention layers, untied) at PP2 / PP4: the stages' parameters, each layer by its
+    kind, add up to the one-stage rank's at TP1 and TP4; `plan --pp 2` prints a plan (the refusal lifted; each
+    stage's bytes against the meter: tests/distributed/test_plan_parallel.py)."""
+    arch = MODEL_PRESETS["qwen3.6-27b"]
+    assert arch.is_hybrid and not arch.is_moe and not arch.tie_word_embeddings
+    for tp in (1, 4):
+        for pp in (2, 4):
+            stages = [stage_parameters(arch, Layout(tp=tp, pp=pp), s) for s in range(pp)]
+            assert sum(stages) == static_bytes(arch, Layout(tp=tp))["parameters_per_rank"]
+    shape = "--prompt-length 32768 --responses 16 --response-length 2048 --gpus 8 --gpu h100"
+    assert main(["plan", "--model", "qwen3.6-27b", "--pp", "2", *shape.split(), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["layout"]["pp"] == 2 and out["fits"], out
+
+
 def test_the_first_stage_holds_the_micro_batches_1f1b_keeps_alive() -> None:
     """Stage 0 keeps min(pp, M) leaf micro-batches in flight, the last stage one (and the output layer): with 16
     leaves in 4 micro-batches of 4 at PP4, stage 0 holds as much as one micro-batch of all 16, stage 3 a quarter."""
@@ -217,7 +233,7 @@ def test_pipeline_refusals_in_the_planner(capsys: pytest.CaptureFixture[str]) ->
 
 def test_what_the_pipeline_does_not_run_is_refused_in_one_line() -> None:
     """rules.check_pipeline: MoE with expert parallelism (EP1 runs), Mamba-2 hybrids (GDN hybrids run; the planner
-    does not price them), the critic, interleaved stages
+    prices a dense hybrid's stages, not a MoE hybrid's), the critic, interleaved stages
     (the same rule every entry point calls; grad and train show the schedule and layer rules:
     tests/unit/test_rules.py)."""
     from megatron_branch.errors import SettingError
@@ -226,7 +242,10 @@ def test_what_the_pipeline_does_not_run_is_refused_in_one_line() -> None:
     for kw, says in (
         ({"moe": True, "ep": 2}, "--pp 2 with --ep 2: expert parallelism under pipeline parallelism"),
         ({"mamba": True}, "--pp 2: pipeline parallelism cannot run a Mamba-2 hybrid model yet"),
-        ({"hybrid": True, "planner": True}, "--pp 2: the planner does not price a hybrid (gated delta net)"),
+        (
+            {"hybrid": True, "moe": True, "planner": True},
+            "--pp 2: the planner does not price a mixture-of-experts hybrid (gated delta net)",
+        ),
         ({"critic": True}, "--pp 2: the PPO critic is not pipelined yet"),
         ({"virtual": 2}, "--vp 2: interleaved (virtual) pipeline stages are not supported"),
     ):
@@ -236,6 +255,7 @@ def test_what_the_pipeline_does_not_run_is_refused_in_one_line() -> None:
     check_pipeline("naive", pp=1, num_layers=3)  # nothing to refuse without PP
     check_pipeline("replay", pp=2, num_layers=4, moe=True)  # EP1: tests/distributed/test_pipeline_moe.py
     check_pipeline("replay", pp=2, num_layers=4, hybrid=True)  # GDN: the engine runs it (same file)
+    check_pipeline("replay", pp=2, num_layers=4, hybrid=True, planner=True)  # a dense hybrid's stages priced
 
 
 @pytest.mark.parametrize(
