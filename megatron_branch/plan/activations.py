@@ -101,7 +101,7 @@ class Dims:
     f32: int  # statistics bytes (max(e, 4))
     arch: ModelArch  # the family's extras and a hybrid's layer kinds (plan/layers.py)
     gdn_kernel: str = "fla"  # a GDN layer's delta-rule kernel: "fla" (GPU) or "torch"
-    pp: int = 1  # pipeline stages: this rank holds num_layers / pp of them (dense models; plan/pipeline.py)
+    pp: int = 1  # pipeline stages: this rank holds num_layers / pp of them (plan/pipeline.py)
     head: bool = True  # this rank's stage holds the final norm and the output layer (the last stage)
     cp: int = 1  # context parallel size: a GDN layer runs its head block over whole sequences
     latent: bool = False  # MLA's compact prefix cache (one rank per CP group; the ring carries per-head K/V)

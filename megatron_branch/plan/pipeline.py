@@ -4,7 +4,8 @@ the stage-to-stage messages in the step time, and which parallel axes cross node
 The stages as the engine runs them (schedule/pipeline.py; megatron's even split): stage r holds L/pp consecutive
 layers, the first stage the embedding, the last the final norm and the output layer (with tied embeddings the last
 stage holds a copy, so both end stages hold vocab x h). A rank's memory is its stage's: the planner reports the
-heavier of the first and the last stage (the middle ones hold less than both).
+heavier of the first and the last stage (the middle ones hold less than both), for a gated-delta-net hybrid the
+heaviest of all (each stage's layers priced by kind: a middle stage may hold dearer ones).
 
 Alive micro-batches (memory): megatron's 1F1B order keeps pp - r micro-batches of a wave in flight on stage r
 (the first stage the most), so the first stage holds min(pp, M) leaf micro-batches' activations beside the root's
