@@ -153,7 +153,7 @@ def check(spec: Any) -> None:
                 f"data-parallel group); use {w.value('grad_sync', 'ddp')} with {w.name(axis)}"
             )
         )
-    check_pipeline(s.name, pp=layout.pp, critic=spec.critic, root_pieces=s.root_pieces)
+    check_pipeline(s.name, pp=layout.pp, root_pieces=s.root_pieces)
     if spec.arch is not None:
         check_model(spec)
 
@@ -163,7 +163,7 @@ def check_model(spec: Any) -> None:
     a hybrid's schedules and CP split (check_hybrid_run), the mixture-of-experts rules."""
     s, layout, arch, m = spec.schedule, spec.layout, spec.arch, spec.moe
     check_pipeline(
-        s.name, pp=layout.pp, num_layers=arch.num_layers, moe=arch.is_moe, critic=spec.critic,
+        s.name, pp=layout.pp, num_layers=arch.num_layers, moe=arch.is_moe,
         hybrid=arch.is_hybrid or bool(arch.hybrid_override_pattern), root_pieces=s.root_pieces,
     )  # fmt: skip
     check_hybrid_run(arch, s.name, cp=layout.cp, tp=layout.tp)

@@ -258,7 +258,6 @@ def check_pipeline_step(name: str, model: torch.nn.Module, opts: ScheduleOptions
             num_layers=int(_unwrap(model).config.num_layers),
             hybrid=bool(getattr(arch, "is_hybrid", False)),
             moe=bool(getattr(arch, "is_moe", False)),
-            critic=bool(getattr(_unwrap(model), "is_critic", False)),
             root_pieces=opts.root_pieces,
         )
     except SettingError as e:
