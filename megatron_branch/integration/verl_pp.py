@@ -11,7 +11,9 @@ schedule returns them there.
 Refused, one line each, at engine start (the project's pipeline rules, rules/schedule.py `check_pipeline`, in
 verl's names): interleaved (virtual) stages (VPP: the tree schedules run one contiguous block of layers per
 stage; megatron's interleaved schedule would need the tree walk split across model chunks), the naive schedule,
-a layer count PP does not divide, MoE, hybrid (gated delta net) models and the critic under PP.
+a layer count PP does not divide, MoE and hybrid (gated delta net) models under PP. verl's value model (PPO's
+critic: its one-output head on the last stage) is pipelined like the policy (tests/distributed/
+test_pipeline_critic.py).
 """
 
 from __future__ import annotations
@@ -26,9 +28,7 @@ from megatron_branch.spelling import VERL
 __all__ = ["refuse_pipeline"]
 
 
-def refuse_pipeline(
-    engine_config: Any, options: Any, tf_config: Any = None, *, critic: bool = False, moe: bool = False
-) -> None:
+def refuse_pipeline(engine_config: Any, options: Any, tf_config: Any = None, *, moe: bool = False) -> None:
     """One line (VerlBranchError) for what branch replay cannot pipeline; with `tf_config` (the built model),
     the model's kind too. A no-op without pipeline parallelism."""
     pp = engine_config.pipeline_model_parallel_size
@@ -41,7 +41,6 @@ def refuse_pipeline(
             num_layers=int(tf_config.num_layers),
             hybrid=getattr(tf_config, "experimental_attention_variant", None) is not None,
             moe=moe,
-            critic=critic,
         )
     # auto is checked as replay, what it falls back to (both picks pipeline; root pieces make it replay: verl_auto)
     schedule = "replay" if options.schedule == "auto" else options.schedule

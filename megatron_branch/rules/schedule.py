@@ -107,14 +107,13 @@ def check_pipeline(
     num_layers: int | None = None,
     virtual: int | None = None,
     hybrid: bool = False,
-    critic: bool = False,
     moe: bool = False,
     root_pieces: int = 1,
 ) -> None:
     """Refuse what pipeline parallelism cannot run (see the module doc): a SettingError, command-line wording.
     `num_layers`: the model's (when known); `virtual`: megatron's virtual_pipeline_model_parallel_size;
-    `root_pieces`: the sequence pieces each replay root is cut into (schedule/options.py); `critic`: a PPO critic
-    trained by a loop (train's or verl's), not a critic model run by the schedules (refused under PP for now)."""
+    `root_pieces`: the sequence pieces each replay root is cut into (schedule/options.py). A PPO critic is
+    pipelined like the policy (its value head on the last stage, models/critic.py): nothing to refuse."""
     if root_pieces < 1:
         raise SettingError(
             lambda s: f"{s.name('root_pieces')} must be a positive number of pieces, got {root_pieces}"
@@ -161,13 +160,6 @@ def check_pipeline(
             lambda s: (
                 f"{s.value('pp', pp)}: pipeline parallelism cannot run a hybrid (gated delta net) model yet; "
                 f"use {s.value('pp', 1)}"
-            )
-        )
-    if critic:  # the schedules pipeline a critic model (schedule/pipeline.py); the loops around it do not yet
-        raise SettingError(
-            lambda s: (
-                f"{s.value('pp', pp)}: the PPO critic's training loop is not pipelined yet (the schedules run a "
-                f"critic's stages; train's and verl's critic updates do not); use {s.value('pp', 1)}"
             )
         )
     if moe:

@@ -235,3 +235,43 @@ def _same_models(want: list[dict[str, torch.Tensor]], tr: Any) -> None:
         assert a.keys() == b.keys()
         for k in a:
             assert float((a[k] - b[k]).norm() / a[k].norm().clamp(min=1e-30)) <= 1e-9, k
+
+
+@pytest.mark.world(2)
+def test_verl_critic_pp2_switch_equals_verl() -> None:
+    """verl's value model (PPO's critic, its one-output head on the last stage) at pipeline_model_parallel_size=2:
+    with the switch (megatron-branch's pipelined schedule) == without (megatron's own pipeline schedule):
+    compute_values on the collecting rank, every gradient on EACH stage (fp32 1e-5), verl's vf_loss."""
+    pytest.importorskip("verl", reason="the verl extra is not installed (make setup-verl)")
+    import os
+
+    from megatron.core import parallel_state as ps
+    from verl_helpers import critic_config, grpo_batch, make_worker, max_rel_step_error, run_step, set_switch
+    from verl_helpers import shared_policy_dir as verl_policy_dir
+
+    os.environ.setdefault("MASTER_PORT", "0")  # verl's Worker reads it; the process group already exists
+    hf = verl_policy_dir()
+    critic = critic_config(ppo_mini_batch_size=16)
+
+    def td() -> Any:
+        return grpo_batch(seed=9, groups=4, critic=True)
+
+    set_switch(False)
+    base = run_step(make_worker(hf, pp=2, value=True, optimizer="sgd"), td, critic=critic)
+    set_switch(True)
+    try:
+        tree = run_step(make_worker(hf, pp=2, value=True, optimizer="sgd"), td, critic=critic)
+    finally:
+        set_switch(False)
+    assert tree.engine.startswith("BranchReplay") and not base.engine.startswith("BranchReplay")
+    collects = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+    assert (base.log_probs is None) == (tree.log_probs is None) == (not collects)
+    err, name = max_rel_step_error(base, tree)
+    assert err <= 1e-5, f"critic pp2 stage {dist.get_rank()} {name}: {err:.2e}"
+    if collects:
+        torch.testing.assert_close(tree.log_probs, base.log_probs, rtol=1e-5, atol=1e-5)
+        got, want = float(tree.metrics["critic/vf_loss"][0]), float(base.metrics["critic/vf_loss"][0])
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+        assert (
+            tree.metrics["tree/positions_computed"][0] < tree.metrics["tree/positions_logical"][0]
+        )  # shared

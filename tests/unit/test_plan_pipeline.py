@@ -195,7 +195,7 @@ def test_pipeline_refusals_in_the_planner(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_what_the_pipeline_does_not_run_is_refused_in_one_line() -> None:
-    """rules.check_pipeline: MoE, hybrid models, the critic, interleaved stages (the same rule every entry point
+    """rules.check_pipeline: MoE, hybrid models, interleaved stages (the same rule every entry point
     calls; grad and train show the schedule and layer rules: tests/unit/test_rules.py)."""
     from megatron_branch.errors import SettingError
     from megatron_branch.rules import check_pipeline
@@ -203,7 +203,6 @@ def test_what_the_pipeline_does_not_run_is_refused_in_one_line() -> None:
     for kw, says in (
         ({"moe": True}, "--pp 2: pipeline parallelism cannot run a mixture-of-experts model yet"),
         ({"hybrid": True}, "--pp 2: pipeline parallelism cannot run a hybrid (gated delta net) model yet"),
-        ({"critic": True}, "--pp 2: the PPO critic is not pipelined yet"),
         ({"virtual": 2}, "--vp 2: interleaved (virtual) pipeline stages are not supported"),
     ):
         with pytest.raises(SettingError) as e:

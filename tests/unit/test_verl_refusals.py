@@ -210,7 +210,6 @@ def test_cp_loss_scaling_follows_megatrons_schedule() -> None:
         ({}, dict(schedule="naive"), None, r"BranchOptions.schedule=naive has no pipeline parallelism"),
         ({}, {}, dict(num_layers=3), r"pipeline_model_parallel_size=2 does not divide the model's 3 layers"),
         ({}, {}, dict(moe=True), r"cannot run a mixture-of-experts model yet"),
-        ({}, {}, dict(critic=True), r"the PPO critic is not pipelined yet"),
     ],
 )
 def test_pipeline_refusals_in_verls_names(
@@ -228,7 +227,7 @@ def test_pipeline_refusals_in_verls_names(
         tf_config = SimpleNamespace(
             num_layers=model.get("num_layers", 2), experimental_attention_variant=None
         )
-        kw = dict(moe=model.get("moe", False), critic=model.get("critic", False))
+        kw = dict(moe=model.get("moe", False))
     with pytest.raises(VerlBranchError, match=message) as e:
         refuse_pipeline(config, BranchOptions(**options), tf_config, **kw)
     assert str(e.value).startswith("branch replay in verl's engine: ") and "\n" not in str(e.value)
