@@ -26,7 +26,8 @@ Rules (a flag that would do nothing is refused, not ignored):
     stages split the layers            each stage holds num_layers / pp consecutive layers (megatron's even
                                        split)
     what the pipeline does not run     interleaved (virtual) stages, hybrid (gated delta net) models,
-                                       mixture-of-experts models, the PPO critic: not pipelined yet
+                                       mixture-of-experts models: not pipelined yet (the PPO critic is: its
+                                       value head on the last stage)
     root pieces are the pipeline's     cutting replay's roots into sequence pieces (root_pieces > 1,
                                        data/pieces.py) fills the pipeline's stages; without pipeline parallelism
                                        the pieces would run one after another as the whole root does, and the
