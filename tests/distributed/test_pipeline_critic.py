@@ -1,4 +1,4 @@
-"""PPO's critic under the project's pipeline parallelism (schedule/pipeline.py) against the single-rank float64 oracle.
+"""PPO's critic under the project's pipeline parallelism (schedule/pipeline.py), world 2 (PP2).
 
     python tests/distributed/launch.py 2 -k pipeline_critic
 
@@ -7,9 +7,13 @@ final norm and the value head on stage 1, where the clipped value loss (losses/v
 float64 with exact norms: its final hidden states through the same head, every rollout alone through the value
 loss's own per-rollout formula. The tree shares prompts and response beginnings and every rollout carries its own
 returns and old values, so a shared token's one value meets different returns in different rollouts. Per parameter,
-on each stage: float64 1e-9, float32 1e-5; the value loss equals the oracle's and every metric is the same on BOTH
-stages (the last stage's are broadcast); the scoring pass's values equal the oracle's. Planted: the last stage drops the gradient of the hidden states it received
-(the value loss's gradient never reaches stage 0), and the metrics not broadcast from the last stage.
+on each stage: float64 1e-9, float32 1e-5 (with tied embeddings); the value loss equals the oracle's and every
+metric is the same on BOTH stages (the last stage's are broadcast); the scoring pass's values equal the oracle's.
+Planted: the last stage drops the gradient of the hidden states it received (the value loss's gradient never
+reaches stage 0), and the metrics not broadcast from the last stage.
+
+Then `train` with PPO at parallel.pp=2 == parallel.tp=2 (and through a PP2 checkpoint), and verl's value model at
+PP2 with the switch == verl's own pipeline path.
 """
 
 from __future__ import annotations
@@ -127,8 +131,8 @@ def _same_on_every_stage(metrics: dict[str, float], groups: ParallelGroups) -> b
     return all(p == parts[0] for p in parts)
 
 
-def _case(dtype: torch.dtype) -> tuple[Any, ...]:
-    hf, rollouts = _hf(), _rollouts()
+def _case(dtype: torch.dtype, *, tie: bool = False) -> tuple[Any, ...]:
+    hf, rollouts = _hf(tie=tie), _rollouts()
     g = torch.Generator().manual_seed(5)
     head = {
         HEAD[0]: torch.randn(1, hf.config.hidden_size, generator=g, dtype=torch.float64),
@@ -141,9 +145,13 @@ def _case(dtype: torch.dtype) -> tuple[Any, ...]:
 
 
 @pytest.mark.world(2)
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32_tied"])
 def test_pipeline_critic_value_loss_pp2(dtype: torch.dtype) -> None:
-    hf, rollouts, objective, (want_loss, want_values, want), groups, critic = _case(dtype)
+    """fp32 with tied embeddings: the last stage's copy of the embedding (the unused vocabulary projection) gets no
+    gradient, and megatron's embedding-group sum leaves stage 0's."""
+    hf, rollouts, objective, (want_loss, want_values, want), groups, critic = _case(
+        dtype, tie=dtype == torch.float32
+    )
     tol = 1e-9 if dtype == torch.float64 else 1e-5
     runs: list[tuple[str, dict[str, Any]]] = [("replay", {}), ("packed", {}), ("replay", {"root_pieces": 3})]
     if dtype == torch.float64:  # the other order, segment recompute and the unshared baseline, once
@@ -196,7 +204,7 @@ def _worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float
 
 
 @pytest.mark.world(2)
-def test_pipeline_train_ppo_two_steps_equal_tp2() -> None:
+def test_pipeline_critic_train_ppo_two_steps_equal_tp2() -> None:
     """`train` with PPO (a critic, GAE on its values) at parallel.pp=2 equals the run at parallel.tp=2 (both one DP
     replica, so both sample with the same stream): tokens, rewards, both losses and gradient norms, and every
     parameter of the policy and of the critic after the second step, float64 1e-9 (the rewards are 0 without a
@@ -238,7 +246,7 @@ def _same_models(want: list[dict[str, torch.Tensor]], tr: Any) -> None:
 
 
 @pytest.mark.world(2)
-def test_verl_critic_pp2_switch_equals_verl() -> None:
+def test_pipeline_critic_verl_pp2_switch_equals_verl() -> None:
     """verl's value model (PPO's critic, its one-output head on the last stage) at pipeline_model_parallel_size=2:
     with the switch (megatron-branch's pipelined schedule) == without (megatron's own pipeline schedule):
     compute_values on the collecting rank, every gradient on EACH stage (fp32 1e-5), verl's vf_loss."""
