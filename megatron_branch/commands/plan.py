@@ -276,6 +276,11 @@ def _gb(b: float) -> str:
     return f"{b / 1e9:8.2f}"
 
 
+def _exchanged(arch: Any) -> str:
+    """Whose heads the head exchange carries: a Mamba-2 hybrid's M layers or a hybrid's gated delta nets."""
+    return "Mamba" if arch.hybrid_override_pattern is not None else "GDN"
+
+
 def render(p: Plan, fixes: list[str]) -> str:
     lay, mem, fl, t = p.layout, p.memory, p.flops, p.step_time
     s = p.shape
@@ -322,7 +327,7 @@ def render(p: Plan, fixes: list[str]) -> str:
     lines.append(
         f"step time ~ {t['total']:.1f} s: compute {t['compute']:.1f} s (MFU {t['mfu_assumed']:g}), ring "
         f"{t['ring']:.2f} s ({ring}), "
-        + (f"GDN head exchange {t['head_exchange']:.2f} s, " if t["head_exchange"] else "")
+        + (f"{_exchanged(p.arch)} head exchange {t['head_exchange']:.2f} s, " if t["head_exchange"] else "")
         + f"TP comm {t['tensor_parallel_comm']:.2f} s, grad reduce {t['grad_reduce']:.2f} s"
         + (f", expert all-to-all {t['expert_alltoall']:.2f} s" if p.arch.is_moe else "")
         + f", offload copies {t['offload_transfer']:.2f} s, host Adam {t['host_optimizer_step']:.2f} s"

@@ -60,7 +60,7 @@ from megatron_branch.plan.layers import (
     gdn_heads_saved_bytes,
     gdn_rows_saved_bytes,
 )
-from megatron_branch.plan.mamba import pattern_chunk_saved_bytes
+from megatron_branch.plan.mamba import mamba_exchange_buffer_bytes, pattern_chunk_saved_bytes
 from megatron_branch.plan.mla import mla_kv_bytes, mla_latent_row_bytes, mla_other_bytes
 from megatron_branch.plan.model import Layout
 
@@ -271,7 +271,10 @@ def linear_state_bytes(dm: Dims) -> int:
 
 
 def exchange_buffer_bytes(dm: Dims, rows: int) -> int:
-    """Transient head-exchange buffers of one GDN layer over `rows` local rows (0 without GDN layers or CP)."""
+    """Transient head-exchange buffers of one GDN or M layer over `rows` local rows (0 without such layers or
+    CP)."""
+    if dm.arch.hybrid_override_pattern is not None:  # a Mamba hybrid's M layers (plan/mamba.py)
+        return mamba_exchange_buffer_bytes(dm.arch, rows, tp=dm.tp, cp=dm.cp, e=dm.e)
     if not dm.linear_layers:
         return 0
     return gdn_exchange_buffer_bytes(dm.arch, rows, tp=dm.tp, cp=dm.cp, e=dm.e)

@@ -1,7 +1,7 @@
 """The layouts the planner's search tries (plan/search.py `plan`): TP dividing the heads, PP dividing the layers
-(the schedules that pipeline), CP the schedule runs at and a hybrid's GDN heads split into, DP up to the prompt
-groups, EP splitting a MoE's experts, every recompute level; and the refusal of fixed sizes that do not fit
---gpus. Which sizes run with which schedule is rules/'s (asked here, not restated)."""
+(the schedules that pipeline), CP the schedule runs at and a hybrid's GDN or Mamba-2 heads split into, DP up to
+the prompt groups, EP splitting a MoE's experts, every recompute level; and the refusal of fixed sizes that do not
+fit --gpus. Which sizes run with which schedule is rules/'s (asked here, not restated)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,8 @@ def candidate_layouts(
             for c in (cp,) if cp else [c for c in range(1, rest + 1) if rest % c == 0]:
                 if rest % c or not _runs(schedule, c, 1, arch) or not _splits_gdn_heads(arch, t, c):
                     continue
+                if not _splits_mamba_heads(arch, schedule, t, c):
+                    continue
                 d = rest // c
                 if (dp and d != dp) or d > shape.prompts:
                     continue
@@ -68,13 +70,13 @@ def _expert_parallel_sizes(arch: ModelArch, tp: int, cp_dp: int, ep: int | None)
 
 
 def _runs(schedule: str, cp: int, pp: int, arch: ModelArch) -> bool:
-    """The schedule can run at this CP / PP size and the planner prices it (rules/: naive has no CP and no PP; PP
-    divides the layers; no PP for a hybrid, no CP for a Mamba-2 hybrid)."""
+    """The schedule can run at this CP / PP size (rules/: naive has no CP and no PP; PP divides the layers; no PP
+    for a hybrid); what the planner prices at a CP size depends on TP too: `_splits_gdn_heads`,
+    `_splits_mamba_heads`."""
     hybrid = arch.is_hybrid or arch.hybrid_override_pattern is not None
     try:
         check_run(schedule, cp=cp)
         check_pipeline(schedule, pp=pp, num_layers=arch.num_layers, hybrid=hybrid, moe=arch.is_moe)
-        check_plannable(arch, schedule=schedule, cp=cp)
     except UserError:
         return False
     return True
@@ -88,6 +90,16 @@ def _splits_gdn_heads(arch: ModelArch, tp: int, cp: int) -> bool:
         key_heads=arch.linear_num_key_heads, value_heads=arch.linear_num_value_heads, tp=tp
     )
     return cp in sizes
+
+
+def _splits_mamba_heads(arch: ModelArch, schedule: str, tp: int, cp: int) -> bool:
+    """A Mamba-2 hybrid's heads and groups split into cp head blocks on a TP rank (rules.check_plannable, which
+    asks the engine's rule, check_mamba_run)."""
+    try:
+        check_plannable(arch, schedule=schedule, cp=cp, tp=tp)
+    except UserError:
+        return False
+    return True
 
 
 def check_fixed_sizes(gpus: int, **sizes: int | None) -> None:

@@ -6,9 +6,10 @@ Step-time model (stated assumptions, not measurements):
     once more) and W dK/dV hops in fp32 (parallel/ring.py); each hop is posted before the block is computed, so
     the transfer hides behind the attention compute when the ring's time is at most the attention time; only the
     excess is exposed;
-  * the head exchange (CP, a hybrid's gated delta net layers, parallel/head_exchange.py): per GDN layer and chunk
-    two all-to-alls forward and two backward, each rank sending (W-1) blocks of its rows; counted as exposed (the
-    layer waits for them);
+  * the head exchange (CP, a hybrid's gated delta net layers or a Mamba-2 hybrid's M layers,
+    parallel/head_exchange.py): per GDN / M layer and chunk two all-to-alls forward and two backward, each rank
+    sending (W-1) blocks of its rows (an M layer's way back in float32); counted as exposed (the layer waits for
+    them);
   * tensor + sequence parallel: per layer 2 all-gathers and 2 reduce-scatters of [s, h] forward and again
     backward (a Mamba hybrid's one-block layers: 1 and 1), not overlapped;
   * gradient reduction over DP x CP (all-reduce of the fp32 grads; with the distributed optimizer a
@@ -33,6 +34,7 @@ from megatron_branch.models.arch import ModelArch
 from megatron_branch.plan.activations import Dims
 from megatron_branch.plan.flops import StepFlops
 from megatron_branch.plan.layers import gdn_exchange_bytes
+from megatron_branch.plan.mamba import mamba_exchange_bytes
 from megatron_branch.plan.memory import Peak, cdiv, local_rows, margin_bytes, static_bytes, step_peak
 from megatron_branch.plan.model import GPU, Layout, RolloutShape
 from megatron_branch.plan.optimizer import (
@@ -175,6 +177,26 @@ def _exchange_bytes_per_rank(arch: ModelArch, shape: RolloutShape, layout: Layou
     return float(groups * arch.num_linear_layers * per_layer)
 
 
+def _mamba_exchange_bytes_per_rank(
+    arch: ModelArch, shape: RolloutShape, layout: Layout, schedule: str, *, e: int
+) -> float:
+    """Bytes one rank sends in head exchanges over the step (a Mamba-2 hybrid's M layers under CP; forward +
+    backward, plus per-layer recompute's second forward) at e-byte activations: the way back carries the scan's
+    float32 output whatever e is (plan/mamba.py mamba_exchange_bytes), so this one is not scaled from 2 bytes."""
+    if layout.cp == 1 or schedule == "naive" or arch.hybrid_override_pattern is None:
+        return 0.0
+    groups = cdiv(shape.prompts, layout.dp)
+    passes = 3 if layout.recompute == "full" else 2  # forward, backward (and the recomputed forward)
+    sent = [
+        mamba_exchange_bytes(arch, r, tp=layout.tp, cp=layout.cp, e=e)
+        for r in _chunk_rows(shape, layout, schedule)
+    ]
+    per_layer = passes * sum(sent)
+    if schedule == "replay" and shape.responses > 1 and layout.recompute in ("selective", "full"):
+        per_layer -= (passes - 1) * sent[0]  # the root's first forward keeps no graph: no backward of its own
+    return float(groups * arch.hybrid_override_pattern.count("M") * per_layer)
+
+
 def step_time(
     arch: ModelArch,
     shape: RolloutShape,
@@ -203,7 +225,9 @@ def step_time(
         * DTYPE_BYTES[dtype]
         / 2
         / link_bytes_per_s(gpu, layout, "cp")
-    )
+    ) + _mamba_exchange_bytes_per_rank(
+        arch, shape, layout, schedule, e=DTYPE_BYTES[dtype]
+    ) / link_bytes_per_s(gpu, layout, "cp")
     tp = 0.0
     if layout.tp > 1:
         rows = fl.positions / (layout.cp * layout.dp) + fl.recomputed_positions / (layout.cp * layout.dp)

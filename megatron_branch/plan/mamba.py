@@ -40,6 +40,14 @@ These are the torch path's (CPU, or a GPU without mamba_ssm): where mamba_ssm is
 mamba_chunk_scan_combined kernel (transformers wraps mamba2_chunk_scan for its kernel hub), which saves
 far less and returns the final state as its own tensor: there these terms are an over-count (not measured here).
 
+Under context parallelism (the head exchange: parallel/head_exchange.py, models/mamba_heads.py) a rank runs the
+"scan" terms and the conv / dt part of "rows" for its block of heads (H / W heads of its TP rank with the groups they
+read: `mamba_block`) over WHOLE segments, and in_proj's output and the "norm" terms over its own r rows for all its
+TP rank's heads (the gate z stays home); the exchange saves its gathers' indices and sends, per M layer and chunk,
+(W - 1) blocks of r rows each way: [x | B | C | dt] of the block in the activations' dtype, the scan's output back
+in float32 (`mamba_exchange_*`; tests/distributed/test_plan_mamba_parallel.py checks the bytes against the
+exchange's own count and the meter on both CP2 ranks). Each rank hands down the fork state of ITS heads.
+
 Per-layer checkpointing (`recompute full`) rebuilds every layer, the - and E layers without a token mixer too
 (models/layer_checkpoint.py: the context is attached to the layer itself), one at a time (`checkpointed_peak`).
 
@@ -54,7 +62,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_branch.models.arch import ModelArch
+from megatron_branch.models.arch import ModelArch, gdn_block_heads
 from megatron_branch.models.mamba_arch import conv_sections, d_inner, in_proj_sections
 
 F32 = 4
@@ -181,24 +189,87 @@ def scan_flops(arch: ModelArch, sequences: list[tuple[int, int]], *, backward: b
 def mamba_mixer_saved_bytes(arch: ModelArch, n: int, *, tp: int = 1, e: int = 4) -> int:
     """Bytes an M block's mixer saves over one sequence (segment) of n rows on one TP rank, in_proj's output
     included, in_proj's input not (the module docstring)."""
+    return mamba_heads_saved_bytes(arch, n, tp=tp, e=e) + mamba_rows_saved_bytes(arch, n, tp=tp, e=e)
+
+
+def mamba_block(arch: ModelArch, *, tp: int = 1, cp: int = 1) -> tuple[int, int]:
+    """(groups, heads) one rank runs the conv and scan for: its TP share, and under CP its head block (models/arch.py
+    gdn_block_heads with the groups as key heads: models/mamba_heads.py, the engine's split)."""
+    return gdn_block_heads(arch.mamba_num_groups // tp, arch.mamba_num_heads // tp, cp)
+
+
+def mamba_heads_saved_bytes(arch: ModelArch, n: int, *, tp: int = 1, cp: int = 1, e: int = 4) -> int:
+    """The part of `mamba_mixer_saved_bytes` that runs per head along the whole sequence (the gathered conv input,
+    conv, silu, dt, the tree's row index and mask, the scan): under CP one rank's head block over every position
+    (the head exchange brings them)."""
     if n <= 0:
         return 0
-    H, P, N, G = (arch.mamba_num_heads // tp, arch.mamba_head_dim, arch.mamba_state_dim,
-                  arch.mamba_num_groups // tp)  # fmt: skip
+    G, H = mamba_block(arch, tp=tp, cp=cp)
+    P, N = arch.mamba_head_dim, arch.mamba_state_dim
     Q, K = arch.mamba_chunk_size, arch.mamba_conv_kernel
-    di, cd = H * P, H * P + 2 * G * N
-    pj = 2 * di + 2 * G * N + H
+    cd = H * P + 2 * G * N
     c = cdiv(n, Q)
     T = c * Q
-    rows = n * pj * e + n * cd * e + cd * (n + K - 1) * e + n * cd * e + 3 * n * H * e + n * H * F32 + 9 * n
+    rows = n * cd * e + cd * (n + K - 1) * e + n * cd * e + 3 * n * H * e + n * H * F32 + 9 * n
     scan = (
         F32 * (5 * T * H * P + 5 * T * H * N + 3 * H * c * Q * Q + 2 * T * H + (2 * c + 1) * H * P * N)
         + F32 * H * (c + 1) ** 2
         + 2 * Q * Q
         + 2 * (c + 1) ** 2
     )
-    norm = 3 * n * di * F32 + n * G * F32 + 2 * n * di * e
-    return rows + scan + norm
+    return rows + scan
+
+
+def mamba_rows_saved_bytes(arch: ModelArch, r: int, *, tp: int = 1, e: int = 4) -> int:
+    """The part of `mamba_mixer_saved_bytes` that runs per row over all of a TP rank's heads: in_proj's output (the
+    gate z stays home under CP and keeps it whole) and the grouped gated norm: under CP this rank's r rows."""
+    if r <= 0:
+        return 0
+    H, P, N, G = (arch.mamba_num_heads // tp, arch.mamba_head_dim, arch.mamba_state_dim,
+                  arch.mamba_num_groups // tp)  # fmt: skip
+    di = H * P
+    pj = 2 * di + 2 * G * N + H
+    return r * pj * e + 3 * r * di * F32 + r * G * F32 + 2 * r * di * e
+
+
+# --- the head exchange under CP (parallel/head_exchange.py, models/mamba_heads.py) -----------------------------------
+def mamba_exchange_widths(arch: ModelArch, *, tp: int, cp: int) -> tuple[int, int, int]:
+    """(in, out, conv) channels of one head block: what the exchange carries to the tree ([x | B | C | dt] of the
+    block: its conv channels and its heads' dt), what it carries back (the scan's output, H P, float32: the mixer
+    hands the norm the scan's float32 output, models/mamba.py), and the block's conv channels."""
+    G, H = mamba_block(arch, tp=tp, cp=cp)
+    conv = H * arch.mamba_head_dim + 2 * G * arch.mamba_state_dim
+    return conv + H, H * arch.mamba_head_dim, conv
+
+
+def mamba_exchange_bytes(arch: ModelArch, r: int, *, tp: int, cp: int, e: int) -> int:
+    """Bytes one rank sends in ONE M layer's forward over a chunk of r local rows per rank: (W - 1) blocks of r rows
+    each way, [x | B | C | dt] at the activations' e bytes there, the scan's output in float32 back (backward sends
+    as much again: the same all-to-all of the gradients)."""
+    if cp <= 1:
+        return 0
+    c_in, c_out, _ = mamba_exchange_widths(arch, tp=tp, cp=cp)
+    return (cp - 1) * r * (c_in * e + c_out * F32)
+
+
+def mamba_exchange_saved_bytes(arch: ModelArch, r: int, *, tp: int, cp: int) -> int:
+    """Indices the exchange's gathers save per M layer and chunk of r local rows (models/mamba.py): the block channel
+    map [W, in], the conv channels [W, conv] and the heads [W, H] (the storages the rank's rows of them view; long),
+    and the way back's row index [W, r] (long) and padding mask [W, r] (bool)."""
+    if cp <= 1:
+        return 0
+    c_in, _, conv = mamba_exchange_widths(arch, tp=tp, cp=cp)
+    _, H = mamba_block(arch, tp=tp, cp=cp)
+    return 8 * cp * (c_in + conv + H) + 9 * cp * r
+
+
+def mamba_exchange_buffer_bytes(arch: ModelArch, r: int, *, tp: int, cp: int, e: int) -> int:
+    """Transient buffers of one M layer's exchange (not saved: the meter does not see them): the blocks sent, the
+    blocks received and their tree-ordered copy, W r channels each, the larger of the way there and back."""
+    if cp <= 1:
+        return 0
+    c_in, c_out, _ = mamba_exchange_widths(arch, tp=tp, cp=cp)
+    return 3 * cp * r * max(c_in * e, c_out * F32)
 
 
 def mamba_state_bytes(dm: Any) -> int:
@@ -207,7 +278,7 @@ def mamba_state_bytes(dm: Any) -> int:
     view of the scan's chunk states, whose storage grows with the parent's length) (measured:
     tests/unit/test_plan_mamba.py)."""
     a = dm.arch
-    H, cd = a.mamba_num_heads // dm.tp, sum(conv_sections(a)) // dm.tp
+    H, cd = _state_widths(dm)
     return H * a.mamba_head_dim * a.mamba_state_dim * F32 + (a.mamba_conv_kernel - 1) * cd * dm.e
 
 
@@ -215,8 +286,18 @@ def mamba_state_grad_bytes(dm: Any) -> int:
     """Per M layer: the accumulator of the state a fork hands down, H P N + (K - 1) cd (float32 or wider:
     WideSum): the cached leaf's own shape."""
     a = dm.arch
-    H, cd = a.mamba_num_heads // dm.tp, sum(conv_sections(a)) // dm.tp
+    H, cd = _state_widths(dm)
     return H * a.mamba_head_dim * a.mamba_state_dim * F32 + (a.mamba_conv_kernel - 1) * cd * dm.f32
+
+
+def _state_widths(dm: Any) -> tuple[int, int]:
+    """(heads, conv channels) of the state one rank hands down: its TP share, under CP its head block's (each rank
+    caches the state of ITS heads, models/mamba.py)."""
+    a = dm.arch
+    if dm.cp <= 1:
+        return a.mamba_num_heads // dm.tp, sum(conv_sections(a)) // dm.tp
+    _, _, conv = mamba_exchange_widths(a, tp=dm.tp, cp=dm.cp)
+    return mamba_block(a, tp=dm.tp, cp=dm.cp)[1], conv
 
 
 def _norm_bytes(dm: Any, r: int) -> int:
@@ -229,8 +310,14 @@ def block_bytes(dm: Any, kind: str, r: int, sequences: list[tuple[int, int]], *,
     """What one layer of `kind` saves for backward over r local rows made of `sequences` (its own K/V, for "*",
     are the caller's `kv`; `moe`: plan/activations.py moe_mlp_bytes over r rows, for "E")."""
     if kind == "M":
-        mixer = sum(count * mamba_mixer_saved_bytes(dm.arch, n, tp=dm.tp, e=dm.e) for n, count in sequences)
-        return _norm_bytes(dm, r) + mixer
+        a = dm.arch
+        heads = sum(
+            count * mamba_heads_saved_bytes(a, n, tp=dm.tp, cp=dm.cp, e=dm.e) for n, count in sequences
+        )
+        rows = mamba_rows_saved_bytes(a, r, tp=dm.tp, e=dm.e) + mamba_exchange_saved_bytes(
+            a, r, tp=dm.tp, cp=dm.cp
+        )
+        return _norm_bytes(dm, r) + heads + rows
     if kind == "*":  # q, the output, lse (no RoPE: position_embedding none)
         return _norm_bytes(dm, r) + 2 * r * dm.n * dm.d * dm.e + dm.n * r * dm.f32
     if kind == "-":  # fc1's output (squared ReLU's input) and fc2's input

@@ -69,7 +69,7 @@ def evaluate(
             "whole prefix groups go to DP ranks"
         )
     check_run(schedule, cp=layout.cp)
-    check_plannable(arch, schedule=schedule, cp=layout.cp)  # a Mamba-2 hybrid: no CP
+    check_plannable(arch, schedule=schedule, cp=layout.cp, tp=layout.tp)  # a Mamba-2 hybrid: its heads split
     if arch.is_hybrid:
         check_gdn_context_parallel(
             key_heads=arch.linear_num_key_heads,
@@ -150,7 +150,8 @@ def evaluate(
             f"{p.count('E')} MoE layers): each layer priced as its one block (plan/mamba.py), the Mamba layers with "
             "the torch SSD scan the engine runs without mamba_ssm (float32, chunked; mamba_ssm's kernel saves less); replay hands each Mamba layer's SSM state and "
             "conv tail down at the fork (cached_ssm_state: a copy of the last state), with its accumulator in "
-            "kv_grads; no CP (the Mamba head exchange is not priced), no PP"
+            "kv_grads; under CP each rank runs a block of the Mamba heads (and their groups) over whole "
+            "sequences (the head exchange: two all-to-alls per layer each way, the way back in float32); no PP"
         )
     if arch.is_hybrid:
         notes.append(
@@ -233,7 +234,7 @@ def plan(
         check_pipeline(schedule, pp=pp or 2, root_pieces=root_pieces)
     if cp:  # a fixed CP size the rules refuse: their own line, not the search's "no layout" (which hides why)
         check_run(schedule, cp=cp)
-        check_plannable(arch, schedule=schedule, cp=cp)
+        check_plannable(arch, schedule=schedule, cp=cp, tp=tp or 1)
         if tp and arch.is_hybrid:
             check_gdn_context_parallel(
                 key_heads=arch.linear_num_key_heads, value_heads=arch.linear_num_value_heads, tp=tp, cp=cp

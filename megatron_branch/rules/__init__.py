@@ -71,8 +71,9 @@ Rules (a flag that would do nothing is refused, not ignored):
                                        its GDN heads, and MoE router losses would count a shared token once, not once
                                        per rollout (check_verl_model)
     the planner prices what it knows   check_plannable: multi-latent attention (plan/mla.py), gpt-oss's
-                                       windows, sinks and biases and Mamba-2 hybrids (plan/mamba.py) are
-                                       priced; a Mamba-2 hybrid under context parallelism is refused
+                                       windows, sinks and biases and Mamba-2 hybrids (plan/mamba.py), under CP
+                                       too (the head exchange), are priced; a Mamba-2 hybrid's CP size the
+                                       heads cannot split at that TP size is the engine's rule (check_mamba_run)
 """
 
 from __future__ import annotations

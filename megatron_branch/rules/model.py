@@ -175,21 +175,14 @@ def check_verl_model(
         raise SettingError(lambda _: f"{where} cannot run this MoE model: {moe_reason}")
 
 
-def check_plannable(arch: Any, *, schedule: str = "replay", cp: int = 1) -> None:
+def check_plannable(arch: Any, *, schedule: str = "replay", cp: int = 1, tp: int = 1) -> None:
     """Refuse, in one line, a model (plan/model.py load_model) or a layout of it (the search: plan/candidates.py,
     plan/search.py) the planner would misprice. Sliding windows, sinks and linear biases (gpt-oss: plan/flops.py
-    attention_flops, plan/layers.py), multi-latent attention (plan/mla.py) and Mamba-2 hybrids (plan/mamba.py) are
-    priced; a Mamba-2 hybrid under context parallelism is not: the engine's own rule first (check_mamba_run: a CP
-    size the Mamba heads cannot split), then the planner's (plan/mamba.py prices every M layer over whole segments on
-    one rank, not the head exchange)."""
+    attention_flops, plan/layers.py), multi-latent attention (plan/mla.py) and Mamba-2 hybrids (plan/mamba.py),
+    under context parallelism too (the head exchange: plan/mamba.py mamba_exchange_*), are priced; a Mamba-2
+    hybrid's CP size the engine cannot split the heads over at this TP size is the engine's own rule
+    (check_mamba_run), asked here so the planner never prices what would not run."""
     pattern = getattr(arch, "hybrid_override_pattern", None) or ""
     if "M" not in pattern or cp <= 1:
         return
-    check_mamba_run(arch, schedule, cp=cp)
-    raise SettingError(
-        lambda s: (
-            f"{s.value('cp', cp)}: the planner does not price a Mamba-2 hybrid under context parallelism yet "
-            f"(plan/mamba.py prices each Mamba layer over whole segments on one rank, not the head exchange); use "
-            f"{s.value('cp', 1)}"
-        )
-    )
+    check_mamba_run(arch, schedule, cp=cp, tp=tp)

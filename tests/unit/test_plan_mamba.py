@@ -4,8 +4,9 @@ output layer exact; the SSD scan's einsums exact; the conv exact but for the lea
 the activation meter (replay with and without segment recompute, packed, per-layer checkpointing of every layer
 kind: within 5%) and the replay cache (the fork state exactly, a copy of the last SSM state); the
 `nemotron-3-nano-30b-a3b` preset (its published size, the 2.1M-position target as one group of 16 x 131072 on one
-node of 8 x H200 / H100, as 4 groups of 16 x 32768 on 8 x H100; CP not priced: kept out of the search and refused
-when asked); what the planner cannot price refused in one line.
+node of 8 x H200 / H100 at TP x CP, as 4 groups of 16 x 32768 on 8 x H100; a CP size the Mamba heads cannot split
+refused; CP's own terms against the meter: tests/distributed/test_plan_mamba_parallel.py); what the planner cannot
+price refused in one line.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from megatron_branch.plan.activations import Dims, layer_kv_bytes
 from megatron_branch.plan.candidates import candidate_layouts
 from megatron_branch.plan.flops import step_flops
 from megatron_branch.plan.measure import measure_step
-from megatron_branch.plan.memory import step_peak
+from megatron_branch.plan.memory import local_rows, step_peak
 from megatron_branch.plan.model import parameter_count
 from megatron_branch.testing import tiny_hf_config
 
@@ -174,13 +175,14 @@ def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
 TARGET = ("--prompt-length", "122880", "--responses", "16", "--response-length", "8192")
 
 
-def test_nemotron_3_nano_preset_plans_2m_positions_without_cp(capsys: pytest.CaptureFixture[str]) -> None:
+def test_nemotron_3_nano_preset_plans_2m_positions_with_cp(capsys: pytest.CaptureFixture[str]) -> None:
     """Published: 31.6B total, 3.2B active (3.6B with the embeddings; technical report, arXiv 2512.20848). One
-    group of 16 x 131072 fits 8 x H200 and 8 x H100 at TP8 (the only layout for one group: CP not priced, PP refused,
-    DP needs groups) with `recompute full`, every layer checkpointed (test_layer_recompute_checkpoints_mlp_and_moe_
-    layers_too): 12 GB of activations; the fork state is a copy of the last SSM state per M layer (MBs, not the
-    scan's chunk states). 2,097,152 positions as 4 groups of 16 x 32768 fit 8 x H100. No CP layout is tried, and
-    --cp 2 is refused in one line."""
+    group of 16 x 131072 fits 8 x H200 at TP4 x CP2 and 8 x H100 at TP2 x CP4 (the head exchange priced: each CP
+    rank runs a block of the Mamba heads over whole sequences) with `recompute full`, every layer checkpointed
+    (test_layer_recompute_checkpoints_mlp_and_moe_layers_too): 12 GB of activations; the fork state is a copy of the
+    last SSM state of this rank's heads per M layer (MBs, not the scan's chunk states). 2,097,152 positions as 4
+    groups of 16 x 32768 fit 8 x H100 (TP2 x CP2 x DP2). The search tries the CP sizes the Mamba heads split into at
+    each TP size (rules/ check_mamba_run, the engine's rule), and a fixed one they do not is refused in one line."""
     arch = MODEL_PRESETS["nemotron-3-nano-30b-a3b"]
     pc = parameter_count(arch)
     active = pc["total"] - pc["experts"] + pc["active_experts"]
@@ -188,33 +190,35 @@ def test_nemotron_3_nano_preset_plans_2m_positions_without_cp(capsys: pytest.Cap
     assert (round(active / 1e9, 1), round((active - pc["embedding"]) / 1e9, 1)) == (3.6, 3.2)
     d = run_json(capsys, "--model", "nemotron-3-nano-30b-a3b", *TARGET, "--gpus", "8", "--gpu", "h200")
     mem = d["memory_bytes_per_rank"]
-    assert d["fits"] and d["layout"]["tp"] == 8 and d["layout"]["recompute"] == "full"
+    assert d["fits"] and (d["layout"]["tp"], d["layout"]["cp"], d["layout"]["recompute"]) == (4, 2, "full")
     assert mem["activations"] < 20e9 and d["shape"]["positions_logical"] == 2_097_152
-    dm = Dims.of(arch, Layout(tp=8), 2)
+    layout = Layout(tp=4, cp=2, sequence_parallel=True)
+    dm = Dims.of(arch, layout, 2)
     assert mem["cached_ssm_state"] == 23 * plan_mamba.mamba_state_bytes(dm) < 20e6
-    assert mem["cached_kv"] == 6 * layer_kv_bytes(dm, 122880)
-    assert run_json(capsys, "--model", "nemotron-3-nano-30b-a3b", *TARGET, "--gpus", "8", "--gpu", "h100")[
-        "fits"
-    ]
+    assert 2 * plan_mamba.mamba_state_bytes(dm) == plan_mamba.mamba_state_bytes(
+        Dims.of(arch, Layout(tp=4), 2)
+    )
+    assert mem["cached_kv"] == 6 * layer_kv_bytes(dm, local_rows(122880, 1, layout))
+    assert d["step_time"]["head_exchange"] > 0
     assert any(n.startswith("Mamba-2 hybrid (23 Mamba-2 + 6 attention") for n in d["notes"])
+    d = run_json(capsys, "--model", "nemotron-3-nano-30b-a3b", *TARGET, "--gpus", "8", "--gpu", "h100")
+    assert d["fits"] and d["layout"]["cp"] > 1
     shape = ("--prompts", "4", "--prompt-length", "24576", "--responses", "16", "--response-length", "8192")
     d = run_json(capsys, "--model", "nemotron-3-nano-30b-a3b", *shape, "--gpus", "8", "--gpu", "h100")
     assert d["fits"] and d["shape"]["positions_logical"] == 2_097_152 and d["schedule"] == "replay"
-    assert d["layout"]["cp"] == 1 and all(r["layout"]["cp"] == 1 for r in d["rejected"])
+    # the CP sizes searched: at TP8 a rank holds 8 heads in 1 group, so CP16 cannot split them (planted: without
+    # the rule, tp 8 x cp 16 would be tried)
     more = RolloutShape(prompt_length=4096, responses=4, response_length=64, prompts=8)
-    assert {lay.cp for lay in candidate_layouts(arch, more, 16, tp=None, cp=None, dp=None, recompute="full",
-                                               schedule="replay")} == {1}  # fmt: skip
-    fixed = ("--model", "nemotron-3-nano-30b-a3b", *TARGET, "--gpus", "8", "--gpu", "h200", "--cp", "2")
-    assert main(["plan", *fixed]) == 2
-    err = capsys.readouterr().err.strip()
-    # the engine runs Mamba under CP (the head exchange); the planner does not price it
-    assert "--cp 2: the planner does not price a Mamba-2 hybrid" in err and "\n" not in err
+    sizes = {(lay.tp, lay.cp) for lay in candidate_layouts(arch, more, 128, tp=None, cp=None, dp=None,
+                                                           recompute="full", schedule="replay")}  # fmt: skip
+    assert {c for t, c in sizes if t == 8} == {2, 4, 8} and (1, 16) in sizes
+    fixed = ("--model", "nemotron-3-nano-30b-a3b", *TARGET, "--gpu", "h20")
+    assert run_json(capsys, *fixed, "--gpus", "8", "--cp", "2")["layout"]["cp"] == 2
     # a CP size the engine cannot split the Mamba heads over: the engine's own line (rules/ check_mamba_run)
-    assert main(["plan", *fixed[:-6], "--gpus", "24", "--gpu", "h200", "--cp", "3"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "--cp 3 cannot split the Mamba-2 heads" in err and "\n" not in err
-    assert {lay.cp for lay in candidate_layouts(arch, more, 16, tp=None, cp=None, dp=None, recompute="full",
-                                               schedule="replay")} == {1}  # fmt: skip
+    for sizes_argv in (("--gpus", "24", "--cp", "3"), ("--gpus", "128", "--tp", "8", "--cp", "16")):
+        assert main(["plan", *fixed, *sizes_argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"--cp {sizes_argv[-1]} cannot split the Mamba-2 heads" in err and "\n" not in err, err
 
 
 def test_a_pattern_the_planner_cannot_price_is_refused_in_one_line(
