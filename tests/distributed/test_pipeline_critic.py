@@ -209,7 +209,8 @@ def test_pipeline_critic_train_ppo_two_steps_equal_tp2() -> None:
     replica, so both sample with the same stream): tokens, rewards, both losses and gradient norms, and every
     parameter of the policy and of the critic after the second step, float64 1e-9 (the rewards are 0 without a
     warm-up; GAE on the critic's values still gives every token an advantage). So does a PP2 run saved after the
-    first step and resumed for the second (the critic's stages in the checkpoint)."""
+    first step and resumed for the second (the critic's stages in the checkpoint); that checkpoint loads at
+    parallel.tp=2 with the same policy and critic."""
     tmp = shared_tmp()
     try:
         f64 = ("model.dtype=float64", "trainer.total_training_steps=2", "model.arch.vocab_size=22", "rollout.n=4",
@@ -227,6 +228,11 @@ def test_pipeline_critic_train_ppo_two_steps_equal_tp2() -> None:
         # the critic's stages in the checkpoint: one step at PP2, saved, resumed at PP2 for the second
         part, _ = run_steps(_cfg(tmp / "part", *f64, "parallel.pp=2", "trainer.total_training_steps=1"))
         part.save()
+        saved = [gather_model_state(unwrap(m), part.groups) for m in (part.policy, part.actor.critic.model)]
+        # ... which loads at parallel.tp=2 (megatron's dist checkpointing reshards the stages, the head included)
+        _same_models(
+            saved, _resumed(_cfg(tmp / "part", *f64, "parallel.tp=2", "trainer.total_training_steps=1"))
+        )
         again, magain = run_steps(_cfg(tmp / "part", *f64, "parallel.pp=2", "trainer.resume_mode=auto"))
         assert again.step == 2 and magain[-1]["_tokens"] == mgot[-1]["_tokens"]
         _same_models(want, again)
@@ -234,6 +240,15 @@ def test_pipeline_critic_train_ppo_two_steps_equal_tp2() -> None:
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _resumed(cfg: Any) -> Any:
+    """A Trainer of `cfg` resumed from its newest checkpoint (no step run)."""
+    from megatron_branch.train.loop import Trainer
+
+    tr = Trainer(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume_mode="auto")))
+    assert tr.step == cfg.trainer.total_training_steps
+    return tr
 
 
 def _same_models(want: list[dict[str, torch.Tensor]], tr: Any) -> None:
