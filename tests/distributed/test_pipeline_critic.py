@@ -28,12 +28,12 @@ import torch
 import torch.distributed as dist
 from dist_helpers import shared_tmp
 from test_objectives_parallel import VOCAB, _close
-from test_pipeline import _hf
+from test_pipeline import _hf, pp_pass
 from test_train_loop import ALGOS, _cfg
 from train_helpers import run_steps
 
 from megatron_branch.checkpoint.param_map import hf_to_mcore_state, mcore_to_hf_state
-from megatron_branch.checkpoint.stages import gather_model_grads, gather_model_state, load_stage
+from megatron_branch.checkpoint.stages import gather_model_state, load_stage
 from megatron_branch.data import PrefixTree, Rollout
 from megatron_branch.losses import Aggregation, ValueObjective
 from megatron_branch.models import ModelArch, build_critic
@@ -108,21 +108,10 @@ def _grads(
     **options: Any,
 ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     """(metrics on this rank, whole-model gradients by HF / head name) of one gradient pass."""
-    from megatron_branch.update import UpdatePlan, accumulate_gradients, finalize, reduce_metrics
-
-    kw = {"branch_micro_batch": 2, **options} if schedule == "replay" else options
-    plan = UpdatePlan(
-        opts=ScheduleOptions(groups=groups, vocab_size=VOCAB, **{"chunk_tokens": None, **kw}),
-        schedule=schedule,
-    )
-    critic.zero_grad(set_to_none=True)
-    acc = accumulate_gradients(critic, rollouts, objective, plan)  # type: ignore[arg-type]
-    finalize(critic, plan)
-    full = gather_model_grads(critic, groups)
+    metrics, full = pp_pass(critic, rollouts, objective, groups, schedule, **options)
     head = {n: full.pop(n) for n in HEAD}
-    arch = ModelArch.from_hf_config(hf.config)
-    got = {n: g for n, g in mcore_to_hf_state(full, arch).items() if n != "lm_head.weight"}
-    return reduce_metrics(acc, objective, groups), {**got, **head}
+    got = mcore_to_hf_state(full, ModelArch.from_hf_config(hf.config))
+    return metrics, {**{n: g for n, g in got.items() if n != "lm_head.weight"}, **head}
 
 
 def _same_on_every_stage(metrics: dict[str, float], groups: ParallelGroups) -> bool:
