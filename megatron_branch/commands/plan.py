@@ -3,18 +3,20 @@
     megatron-branch plan --model PRESET|CONFIG.json --prompt-length P --responses G --response-length S
         [--prompts N] [--shared-response-length K] --gpus N --gpu h20|h100|h200
         [--gpu-memory-gb M --gpu-tflops T --link-gbps B] [--host-memory-gb H --host-link-gbps L]
-        [--node-link-gbps B] [--tp N --cp N --pp N --dp N --recompute none|selective|full] [--ep N]
+        [--node-link-gbps B] [--tp N --cp N --pp N --dp N --recompute none|selective|full] [--ep N] [--etp 1]
         [--optimizer plain|distributed] [--offload-fraction F] [--branch-micro-batch B] [--root-pieces K|auto]
         [--chunk-tokens N] [--schedule replay|packed|naive] [--json]
         [--turns T [--observation-length O] [--branch-at-turns 2,4]]
 
 A mixture-of-experts model (qwen3-30b-a3b, or a Qwen3-MoE / Mixtral / Qwen2-MoE config.json) adds expert
 parallelism (--ep, searched when not given), its expert parameters per EP rank, the dispatcher's buffers and the
-top-k experts' FLOPs.
+top-k experts' FLOPs. --etp 1 (grad's flag) prices every expert whole on each TP rank: expert weights, grads and
+optimizer state x tp, each rank's own sequence shard through them, the expert grads summed over the expert
+data-parallel group (default: the experts split over TP).
 An agentic tree (--turns: --response-length tokens per policy turn, the bench's description, plan/agentic.py)
 adds its exact positions, FLOPs naive vs tree and replay's one-rank peak for it (`turn_tree` in the JSON); the
 layout search and memory per rank stay the flat shape's (prompt + G leaves of the whole response).
-With --json the last stdout line is one JSON object: fits, layout {tp, cp, dp, pp, recompute} (+ ep for MoE),
+With --json the last stdout line is one JSON object: fits, layout {tp, cp, dp, pp, recompute} (+ ep, etp for MoE),
 memory_bytes_per_rank (one key per term and total), flops {naive, replay, ratio, ...}, step_time_s, optimizer
 {name, use_distributed_optimizer, optimizer_cpu_offload, optimizer_offload_fraction}, host_memory_bytes_per_node,
 host_memory_bytes_per_rank (by term), branch_micro_batch, root_pieces (replay under PP: the sequence pieces each root
@@ -78,6 +80,12 @@ def add_plan_command(sub: Any) -> None:
     p.add_argument("--pp", type=int, help="pipeline stages (replay or packed; default: searched 1, 2, 4, 8)")
     p.add_argument("--recompute", choices=RECOMPUTE)
     p.add_argument("--ep", type=int, help="expert-parallel size of a MoE model (inside cp x dp)")
+    p.add_argument(
+        "--etp",
+        type=int,
+        help="expert tensor-parallel size of a MoE model, as grad's --etp: 1 (every expert whole on each TP rank) "
+        "or tp (default: the experts split over TP)",
+    )
     p.add_argument(
         "--schedule",
         choices=[*SCHEDULES, "auto"],
@@ -164,6 +172,7 @@ def run_plan(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "distributed_optimizer": None if args.optimizer is None else args.optimizer == "distributed",
         "offload_fraction": args.offload_fraction,
+        "etp": args.etp,
     }
 
     def search(schedule: str) -> Any:
@@ -292,7 +301,7 @@ def render(p: Plan, fixes: list[str]) -> str:
         f"({p.gpu.memory_gb:g} GB, {p.gpu.tflops:g} TFLOP/s, {p.gpu.link_gbps:g} GB/s)",
         ("layout" if p.fits else "nearest layout (rejected)")
         + f": tp {lay.tp} x cp {lay.cp} x pp {lay.pp} x dp {lay.dp}"
-        + (f" (ep {lay.ep})" if p.arch.is_moe else "")
+        + (f" (ep {lay.ep}, etp {lay.expert_tp})" if p.arch.is_moe else "")
         + f", recompute {lay.recompute}, schedule {p.schedule}, {p.dtype}, optimizer {p.optimizer.name}, "
         f"branch micro-batch {p.branch_micro_batch}"
         + (f", root pieces {p.root_pieces}" if p.root_pieces > 1 else "")
@@ -309,7 +318,8 @@ def render(p: Plan, fixes: list[str]) -> str:
     )
     if "expert_parameters" in mem:
         lines.append(
-            f"  (of the parameters, routed experts on this EP rank: {mem['expert_parameters'] / 1e9:.2f})"
+            f"  (of the parameters, routed experts on this rank: {mem['expert_parameters'] / 1e9:.2f}"
+            + (", whole on each TP rank)" if lay.expert_tp < lay.tp else ")")
         )
     host = p.host_memory
     lines.append(
@@ -341,7 +351,7 @@ def render(p: Plan, fixes: list[str]) -> str:
             lay_r = r["layout"]
             lines.append(
                 f"  tp {lay_r['tp']} x cp {lay_r['cp']} x pp {lay_r['pp']} x dp {lay_r['dp']}"
-                + (f" (ep {lay_r['ep']})" if "ep" in lay_r else "")
+                + (f" (ep {lay_r['ep']}, etp {lay_r['etp']})" if "ep" in lay_r else "")
                 + f", {lay_r['recompute']:<9} "
                 f"{r['optimizer']}, bmb {r['branch_micro_batch']}: {r['reason']}"
             )

@@ -1,5 +1,6 @@
 """Experts whole on every tensor-parallel rank (expert tensor parallel size 1 under TP > 1): the parameter attributes
-megatron-core 0.16.1 leaves wrong for that layout, set right once, where the model is built (models/gpt.py).
+megatron-core 0.16.1 leaves wrong for that layout, set right once, where the model is built (models/gpt.py), and the
+TP group its optimizer filters the grad norm's replicas with (`count_whole_experts_in_grad_norm`, update/optimizer.py).
 
 SHAPE LEGEND (ranks, TP2 + SP, ETP 1, EP 1): attention, embeddings and the output layer split over the TP group as
 usual; each TP rank routes ITS sequence shard [s/tp, h] through every expert, held whole ([2e, h], [h, e]), so an
@@ -48,3 +49,28 @@ def mark_whole_experts(model: torch.nn.Module) -> None:
             p.partition_dim = -1
             p.partition_stride = 1
             p.sequence_parallel = False
+
+
+def count_whole_experts_in_grad_norm(optimizer: object, model: torch.nn.Module) -> None:
+    """Give the optimizer of whole experts (expert TP 1 < TP) the experts' own TP group for its grad norm.
+
+    megatron-core 0.16.1's get_megatron_optimizer hands every optimizer of its chain the DENSE tensor-parallel group
+    (`setattr(optimizer, 'tp_group', ...)`, optimizer/__init__.py, "TODO(M4): plumb tp_group"), with which
+    `get_main_grads_for_grad_norm` drops a parameter not marked tensor-parallel on every TP rank but the first (a
+    replica, for a dense parameter). A whole expert is no such replica: its gradient was summed over the expert
+    data-parallel group, and its norm is reduced over the expert optimizer's own group (the plain optimizer: the
+    experts' TP x PP ranks, one rank here; the distributed one: its shards over every rank). Left so, TP rank 1 of
+    the plain optimizer counts no expert in its norm (a different clipping factor than rank 0's, the replicas
+    drift) and the distributed optimizer drops every shard TP rank 1 holds (a smaller norm everywhere). Measured on
+    a tiny Qwen3-MoE at TP2 + SP / ETP1: tests/distributed/test_train_expert_tp.py."""
+    from megatron.core.utils import get_pg_size
+
+    expert_tp = next((m.tp_group for m in model.modules() if getattr(m, "is_expert", False)), None)
+    if expert_tp is None or get_pg_size(expert_tp) > 1:
+        return  # no experts, or experts split over TP: megatron's marks and groups are right
+    chain = getattr(optimizer, "chained_optimizers", [optimizer])
+    experts = [o for o in chain if any(g["is_expert_parallel"] for g in o.param_groups)]
+    if not experts:
+        return  # TP 1 and EP 1: the experts are megatron's dense parameters, counted on the one TP rank
+    assert len(experts) == 1, f"expected one optimizer of expert parameters, found {len(experts)}"
+    experts[0].tp_group = expert_tp

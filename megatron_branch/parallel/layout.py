@@ -47,8 +47,8 @@ class ParallelLayout:
     lays them (expert_model_parallel_size; world = tp * cp * dp, ep must divide cp * dp)."""
     etp: int | None = None
     """Expert tensor-parallel size of a MoE model (megatron's expert_tensor_parallel_size): None = tp (each expert
-    split over the TP group), or 1 (each expert whole on every TP rank, sequence parallel at tp > 1; grad and convert
-    run it, train refuses it for now)."""
+    split over the TP group), or 1 (each expert whole on every TP rank, sequence parallel at tp > 1; grad, convert
+    and train run it)."""
     sequence_parallel: bool = False
     """Shard the activations outside attention/MLP along the sequence over the TP group (needs tp > 1)."""
 

@@ -25,12 +25,15 @@ width s_h = S/t; balanced routing assumed) saves instead of the dense MLP's 5 r 
     experts           the r k rows this rank's experts run after the all-to-all and the TP gather (SwiGLU's
                       fc1 input, its 5 intermediates, and megatron's MLP scaling the GLU output by each row's
                       probability: that output and the probabilities)             r k h e + 6 r k i e + r k f32
+                      (expert TP 1 at t > 1, every expert whole on each TP rank: no TP gather, the rank runs its
+                      own r_n rows through whole experts, i = I: r_n k h e + 6 r_n k I e + r_n k f32; megatron's
+                      alltoall dispatcher gathers over the experts' TP group, token_dispatcher.py, 0.16.1)
                       (gpt-oss's clamped GLU keeps one more i per row: 7 r k i e; `expert_glu_saved_widths`)
     combine           unpermute's probs and indices      r_n k (e + INDEX)
     shared expert     a SwiGLU of width s_h               5 r s_h e
                       (+ its sigmoid gate: megatron's output * gate saves both)    + r_n h e + r_n e
 and the dispatcher's transient buffers (not saved; the largest layer's): the all-to-all's send and receive copies
-and the TP-gathered rows, 2 r_n k h e + r k h e.
+and the TP-gathered rows, 2 r_n k h e + r k h e (expert TP 1: r_n rows, nothing gathered).
 
 Replay keeps, for the cached ancestors on the current root-to-leaf path, their K/V (the two compact storages above:
 the cache is detached views of them, 2 g d e per row and layer, nothing else kept alive) and a dK/dV accumulator per
@@ -118,8 +121,11 @@ class Dims:
     moe_layers: int = 0  # MoE layers (the rest are dense), of either mixer kind
     experts: int = 0  # E
     top_k: int = 0
-    i: int = 0  # routed expert width on this TP rank (expert TP = TP)
+    i: int = 0  # routed expert width on this rank (I / expert TP)
     shared: int = 0  # shared expert width on this TP rank
+    etp: int = (
+        1  # the experts' tensor-parallel size (layout.expert_tp: tp, or 1 with whole experts on each rank)
+    )
 
     @classmethod
     def of(cls, arch: ModelArch, layout: Layout, act_bytes: int, *, gdn_kernel: str = "fla") -> Dims:
@@ -129,7 +135,8 @@ class Dims:
             moe_layers=len(arch.moe_layers),
             experts=arch.num_experts,
             top_k=arch.moe_top_k,
-            i=arch.moe_ffn_hidden_size // t,
+            i=arch.moe_ffn_hidden_size // layout.expert_tp,
+            etp=layout.expert_tp,
             shared=arch.shared_expert_ffn_hidden_size // t,
             h=arch.hidden_size,
             d=arch.head_dim,
@@ -163,6 +170,11 @@ class Dims:
         """Rows of a sequence-sharded tensor (SP shards the norms and linear inputs over TP)."""
         return r // self.tp if self.sp else r
 
+    def expert_rows(self, r: int) -> int:
+        """Rows a rank's routed experts see per top-k slot: all r, gathered over the experts' TP group, or with
+        whole experts on each TP rank (expert TP 1 < tp) the rank's own sequence shard (module docstring)."""
+        return r if self.etp > 1 else self.seq_rows(r)
+
 
 def layer_kv_bytes(dm: Dims, r: int) -> int:
     """Per layer: the compact K and V storages of r rows (alive while K/V are cached or saved)."""
@@ -182,7 +194,8 @@ def moe_mlp_bytes(dm: Dims, r: int) -> int:
     rn, k = dm.seq_rows(r), dm.top_k
     router = rn * dm.h * dm.e + rn * dm.experts * (dm.f32 + dm.e)
     permute = rn * k * INDEX_BYTES  # index_select saves its index; the copy it makes is the experts' input
-    experts = r * k * dm.h * dm.e + expert_glu_saved_widths(dm.arch) * r * k * dm.i * dm.e + r * k * dm.f32
+    x = dm.expert_rows(r)
+    experts = x * k * dm.h * dm.e + expert_glu_saved_widths(dm.arch) * x * k * dm.i * dm.e + x * k * dm.f32
     combine = rn * k * (dm.e + INDEX_BYTES)
     shared = 5 * r * dm.shared * dm.e if dm.shared else 0
     if dm.shared and dm.arch.shared_expert_gate:  # output * sigmoid(gate) saves both factors
@@ -209,7 +222,7 @@ def dispatcher_bytes(dm: Dims, r: int) -> int:
     if not dm.moe_layers:
         return 0
     rn = dm.seq_rows(r)
-    return 2 * rn * dm.top_k * dm.h * dm.e + r * dm.top_k * dm.h * dm.e
+    return 2 * rn * dm.top_k * dm.h * dm.e + dm.expert_rows(r) * dm.top_k * dm.h * dm.e
 
 
 def stack_other_bytes(dm: Dims, r: int, *, ext: int = 0, cp: int = 1) -> int:

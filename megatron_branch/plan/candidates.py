@@ -1,7 +1,8 @@
 """The layouts the planner's search tries (plan/search.py `plan`): TP dividing the heads, PP dividing the layers
 (the schedules that pipeline), CP the schedule runs at and a hybrid's GDN or Mamba-2 heads split into, DP up to
-the prompt groups, EP splitting a MoE's experts, every recompute level; and the refusal of fixed sizes that do not
-fit --gpus. Which sizes run with which schedule is rules/'s (asked here, not restated)."""
+the prompt groups, EP splitting a MoE's experts (at the expert TP asked for: tp, or 1), every recompute level; and
+the refusal of fixed sizes that do not fit --gpus. Which sizes run with which schedule is rules/'s (asked here, not
+restated)."""
 
 from __future__ import annotations
 
@@ -25,13 +26,14 @@ def candidate_layouts(
     schedule: str,
     pp: int | None = None,
     ep: int | None = None,
+    etp: int | None = None,
 ) -> list[Layout]:
     out = []
     for t in (tp,) if tp else (1, 2, 4, 8):
-        if gpus % t:
+        if gpus % t or etp not in (None, 1, t):  # expert TP: the whole TP group or none (parallel/layout.py)
             continue
         try:
-            arch.check_tensor_parallel(t)
+            arch.check_tensor_parallel(t, etp=etp)
         except UserError:
             continue
         for p in (pp,) if pp else [p for p in (1, 2, 4, 8) if (gpus // t) % p == 0]:
@@ -46,13 +48,15 @@ def candidate_layouts(
                 d = rest // c
                 if (dp and d != dp) or d > shape.prompts:
                     continue
-                for e in _expert_parallel_sizes(arch, t, c * d, ep):
+                for e in _expert_parallel_sizes(arch, t, c * d, ep, etp):
                     for rc in (recompute,) if recompute else RECOMPUTE:
-                        out.append(Layout(tp=t, cp=c, dp=d, pp=p, recompute=rc, ep=e))
+                        out.append(Layout(tp=t, cp=c, dp=d, pp=p, recompute=rc, ep=e, etp=etp))
     return out
 
 
-def _expert_parallel_sizes(arch: ModelArch, tp: int, cp_dp: int, ep: int | None) -> list[int]:
+def _expert_parallel_sizes(
+    arch: ModelArch, tp: int, cp_dp: int, ep: int | None, etp: int | None = None
+) -> list[int]:
     """EP sizes to try: the fixed one, else (MoE) every divisor of cp * dp that splits the experts."""
     if ep:
         return [ep] if cp_dp % ep == 0 else []
@@ -62,7 +66,7 @@ def _expert_parallel_sizes(arch: ModelArch, tp: int, cp_dp: int, ep: int | None)
     for e in range(1, cp_dp + 1):
         if cp_dp % e == 0:
             try:
-                arch.check_expert_parallel(e, tp=tp)
+                arch.check_expert_parallel(e, tp=tp, etp=etp)
             except UserError:
                 continue
             out.append(e)

@@ -11,11 +11,13 @@ Step-time model (stated assumptions, not measurements):
     sending (W-1) blocks of its rows (an M layer's way back in float32); counted as exposed (the layer waits for
     them);
   * tensor + sequence parallel: per layer 2 all-gathers and 2 reduce-scatters of [s, h] forward and again
-    backward (a Mamba hybrid's one-block layers: 1 and 1), not overlapped;
+    backward (a Mamba hybrid's one-block layers: 1 and 1), not overlapped; with every expert whole on each TP rank
+    (expert TP 1) a MoE layer without a shared expert gathers nothing for its experts (each rank routes its own
+    sequence shard): 1 and 1;
   * gradient reduction over DP x CP (all-reduce of the fp32 grads; with the distributed optimizer a
     reduce-scatter of them and an all-gather of the parameters), counted as exposed (conservative: megatron can
     overlap it with backward); a MoE model's expert grads (and their optimizer shards) over the expert
-    data-parallel group (cp * dp / ep);
+    data-parallel group (tp / etp * cp * dp / ep: at expert TP 1 it spans the TP ranks too);
   * the optimizer offload: host<->device copies of the offloaded shards' gradients and parameters and the host
     Adam step, counted as exposed (plan/optimizer.py);
   * expert parallelism (MoE, alltoall dispatcher): per MoE layer and token, its k copies of [h] go out and come
@@ -94,7 +96,7 @@ def memory_terms(
 
 def param_shards(arch: ModelArch, layout: Layout) -> list[tuple[int, int]]:
     """(parameters on one rank, ranks their optimizer state and gradients are reduced over): the dense ones over
-    DP x CP; a MoE model's routed experts over the expert data-parallel group (cp * dp / ep)."""
+    DP x CP; a MoE model's routed experts over the expert data-parallel group (tp / etp * cp * dp / ep)."""
     st = static_bytes(arch, layout)
     experts = st["expert_parameters_per_rank"]
     out = [(st["parameters_per_rank"] - experts, layout.dp * layout.cp)]
@@ -177,6 +179,14 @@ def _exchange_bytes_per_rank(arch: ModelArch, shape: RolloutShape, layout: Layou
     return float(groups * arch.num_linear_layers * per_layer)
 
 
+def _whole_expert_layers(arch: ModelArch, layout: Layout) -> int:
+    """MoE layers with no TP collective around their experts: every expert whole on each TP rank (expert TP 1 <
+    tp) and no shared expert (which stays split over TP and gathers the sequence like a dense MLP)."""
+    if layout.expert_tp == layout.tp or arch.shared_expert_ffn_hidden_size or arch.hybrid_override_pattern:
+        return 0
+    return len(arch.moe_layers)
+
+
 def _mamba_exchange_bytes_per_rank(
     arch: ModelArch, shape: RolloutShape, layout: Layout, schedule: str, *, e: int
 ) -> float:
@@ -240,15 +250,21 @@ def step_time(
             * rows
             * arch.hidden_size
             * DTYPE_BYTES[dtype]
-            * arch.num_layers
+            * (
+                arch.num_layers - _whole_expert_layers(arch, layout) / 2
+            )  # such a layer: its attention's 4 only
             / layout.pp  # each rank runs its stage's layers
             / link_bytes_per_s(gpu, layout, "tp")
         )
     opt = optimizer or OptimizerChoice()
     link = link_bytes_per_s(gpu, layout, "dp", "cp")  # the gradient reduction's (and EP's, inside dp x cp)
+    # whole experts on each TP rank: their expert-DP group spans the TP ranks as well
+    expert_link = link_bytes_per_s(gpu, layout, "tp", "dp", "cp") if layout.expert_tp < layout.tp else link
     grads, host = 0.0, {"offload_transfer": 0.0, "host_optimizer_step": 0.0}
-    for n, over in param_shards(arch, layout):
-        grads += grad_reduce_bytes(n, over, opt, param_bytes=DTYPE_BYTES[dtype]) / link
+    for i, (n, over) in enumerate(param_shards(arch, layout)):
+        grads += grad_reduce_bytes(n, over, opt, param_bytes=DTYPE_BYTES[dtype]) / (
+            expert_link if i else link
+        )
         part = offload_seconds(n, over, opt, link_gbps=gpu.host_link_gbps, adam_gbps=gpu.host_adam_gbps)
         host = {k: host[k] + part[k] for k in host}
     a2a = 0.0

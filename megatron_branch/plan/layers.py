@@ -107,13 +107,15 @@ def gdn_layer_params(arch: ModelArch) -> int:
 
 
 def replicated_layer_params(arch: ModelArch, linear: bool) -> int:
-    """Parameters of one layer that every TP rank holds whole (norms; GDN's out_norm; q/k norms)."""
+    """Parameters of one layer that every TP rank holds whole (norms; GDN's out_norm; q/k norms; gpt-oss's o_proj
+    bias: megatron's RowParallelLinear keeps its bias whole)."""
     if linear:
         return 2 * arch.hidden_size + arch.linear_value_head_dim
     assert arch.head_dim is not None
     if arch.multi_latent:
         return 2 * arch.hidden_size + mla_replicated_params(arch)
-    return 2 * arch.hidden_size + (2 * arch.head_dim if arch.qk_norm else 0)
+    bias = arch.hidden_size if arch.linear_bias else 0
+    return 2 * arch.hidden_size + (2 * arch.head_dim if arch.qk_norm else 0) + bias
 
 
 # --- FLOPs ----------------------------------------------------------------------------------------------------------

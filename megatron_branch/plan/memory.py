@@ -49,12 +49,16 @@ def static_bytes(
     arch: ModelArch, layout: Layout, *, distributed_optimizer: bool = True, param_bytes: int = 2
 ) -> dict[str, int]:
     """Weights (bf16: 2 B), gradients (fp32 main grads), optimizer state (fp32 master + Adam m, v) on one rank.
-    A MoE model's routed experts are split over EP x TP (expert TP = TP) and their optimizer state over the
-    expert data-parallel group (cp * dp / ep); everything else over TP, its optimizer state over DP x CP."""
+    A MoE model's routed experts are split over EP x expert TP (tp, or 1: every expert whole on each TP rank) and
+    their optimizer state over the expert data-parallel group (tp / etp * cp * dp / ep); everything else over TP,
+    its optimizer state over DP x CP."""
     pc = parameter_count(arch)
-    replicated = pc["replicated"]  # norms are not TP-sharded
-    experts = pc["experts"] // (layout.tp * layout.ep)
-    dense = (pc["total"] - pc["experts"] - replicated) // layout.tp + replicated
+    replicated = pc["replicated"]  # norms, routers, row-parallel biases are not TP-sharded
+    experts = pc["experts"] // (layout.expert_tp * layout.ep)
+    # the vocabulary rows the engine pads to a multiple of tp (embedding and an untied output layer: arch.py)
+    pad = (arch.padded_vocab_size(layout.tp) - arch.vocab_size) * arch.hidden_size
+    pad *= 1 if arch.tie_word_embeddings else 2
+    dense = (pc["total"] - pc["experts"] - replicated + pad) // layout.tp + replicated
     per_rank = dense + experts
     if layout.pp > 1:  # the heavier end stage's layers and vocab x h (plan/pipeline.py; dense models)
         per_rank = stage_parameters_per_rank(arch, layout)

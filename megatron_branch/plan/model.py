@@ -192,7 +192,8 @@ def load_model(spec: str) -> tuple[str, ModelArch]:
 
 def parameter_count(arch: ModelArch) -> dict[str, int]:
     """Parameters by part: embedding, output layer (0 when tied), per full-attention layer, per linear-attention
-    (gated delta net) layer, final norm, the total, and those every TP rank holds whole (norms). A MoE model: per
+    (gated delta net) layer, final norm, the total, and those every TP rank holds whole (norms, a row-parallel
+    bias, a MoE layer's router and shared-expert gate: megatron's TopKRouter and gate weights are not split). A MoE model: per
     MoE layer its attention, norms, router and shared expert ("moe_layer"), the routed experts of all layers
     ("experts", split over EP x TP) and those a token passes ("active_experts")."""
     from megatron_branch.plan.layers import (
@@ -219,6 +220,9 @@ def parameter_count(arch: ModelArch) -> dict[str, int]:
         + (h if arch.shared_expert_gate else 0)
     )
     moe_layer = layer - dense_mlp + moe_block
+    router = (
+        moe_block - 3 * h * sh
+    )  # the router (+ biases) and the shared expert's gate: whole on every TP rank
     experts = n_moe * arch.num_experts * expert_params(arch)
     return {
         "embedding": arch.vocab_size * h,
@@ -238,5 +242,6 @@ def parameter_count(arch: ModelArch) -> dict[str, int]:
         + h,
         "replicated": full * replicated_layer_params(arch, False)
         + linear * replicated_layer_params(arch, True)
+        + n_moe * router
         + h,
     }

@@ -97,6 +97,12 @@ class Plan:
         terms = {k: v for k, v in self.memory.items() if k in TERMS_IN_TOTAL}
         return max(terms, key=terms.__getitem__)
 
+    def layout_json(self) -> dict[str, Any]:
+        """The layout's JSON: tp, cp, dp, pp, recompute; a MoE model's ep and etp (its experts' tensor-parallel
+        size: tp, or 1 with every expert whole on each TP rank) too."""
+        moe = {"ep": self.layout.ep, "etp": self.layout.expert_tp} if self.arch.is_moe else {}
+        return {**self.layout.as_dict(), **moe}
+
     def to_json(self) -> dict[str, Any]:
         return {
             "fits": self.fits,
@@ -122,7 +128,7 @@ class Plan:
             },
             "schedule": self.schedule,
             "dtype": self.dtype,
-            "layout": {**self.layout.as_dict(), **({"ep": self.layout.ep} if self.arch.is_moe else {})},
+            "layout": self.layout_json(),
             "memory_bytes_per_rank": dict(self.memory),
             "gpu_memory_bytes": self.gpu.memory_bytes,
             "largest_term": self.largest_term,

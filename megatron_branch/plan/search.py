@@ -25,6 +25,7 @@ from megatron_branch.plan.optimizer import OptimizerChoice, choices
 from megatron_branch.plan.pipeline import root_pieces_searched
 from megatron_branch.plan.result import DTYPE_BYTES, Plan
 from megatron_branch.rules import (
+    check_expert_tensor_parallel,
     check_gdn_context_parallel,
     check_pipeline,
     check_plannable,
@@ -54,8 +55,8 @@ def evaluate(
     optimizer = optimizer or OptimizerChoice()
     if layout.world != gpus:
         raise UserError(f"tp * cp * pp * dp = {layout.world} must equal --gpus {gpus}")
-    arch.check_tensor_parallel(layout.tp)
-    arch.check_expert_parallel(layout.ep, tp=layout.tp)
+    arch.check_tensor_parallel(layout.tp, etp=layout.etp)
+    arch.check_expert_parallel(layout.ep, tp=layout.tp, etp=layout.etp)
     try:
         check_pipeline(
             schedule, pp=layout.pp, num_layers=arch.num_layers, moe=arch.is_moe, root_pieces=kw.get("root_pieces", 1),
@@ -109,6 +110,12 @@ def evaluate(
         notes.append(
             f"MoE: {arch.num_experts} experts, top-{arch.moe_top_k}, EP {layout.ep} (expert TP = TP); routing assumed "
             "balanced; with a load-balancing loss the tree schedules add one forward-only counting pass of the step"
+            if layout.expert_tp == layout.tp
+            else f"MoE: {arch.num_experts} experts, top-{arch.moe_top_k}, EP {layout.ep}, expert TP 1: every expert "
+            f"whole on each of the {layout.tp} TP ranks (their weights, gradients and optimizer state x {layout.tp}), "
+            "each rank running its own sequence shard's routed rows through them (FLOPs per rank unchanged, no TP "
+            f"gather of routed rows), their gradients summed over the expert data-parallel group ({layout.expert_dp} "
+            "ranks); routing assumed balanced"
         )
     if arch.multi_latent:
         notes.append(
@@ -207,6 +214,7 @@ def plan(
     schedule: str = "replay",
     pp: int | None = None,
     ep: int | None = None,
+    etp: int | None = None,
     distributed_optimizer: bool | None = None,
     offload_fraction: float | None = None,
     branch_micro_batch: int | None = None,
@@ -221,9 +229,11 @@ def plan(
     layout (plan/pipeline.py root_pieces_searched). Not searched by default: train's sampler cannot run the pipeline
     layouts pieces favour at these sizes (a whole-model copy per rank, docs/parallelism.md), so the default answer
     stays one that every entry point runs. `chunk_tokens` (in kw): replay's token budget per packed chunk
-    (ScheduleOptions.chunk_tokens; plan/memory.py step_peak), absent or None: priced without chunks."""
+    (ScheduleOptions.chunk_tokens; plan/memory.py step_peak), absent or None: priced without chunks. `etp`: the
+    experts' tensor-parallel size, grad's --etp (None: tp; 1: every expert whole on each TP rank)."""
     if gpus <= 0:
         raise UserError(f"--gpus must be positive, got {gpus}")
+    check_expert_tensor_parallel(etp, moe=arch.is_moe, tp=tp)  # rules/ (grad's): a dense model has no experts
     if schedule not in SCHEDULES:
         raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}")
     if branch_micro_batch is not None and branch_micro_batch <= 0:
@@ -240,13 +250,26 @@ def plan(
                 key_heads=arch.linear_num_key_heads, value_heads=arch.linear_num_value_heads, tp=tp, cp=cp
             )
     check_fixed_sizes(gpus, tp=tp, cp=cp, pp=pp, dp=dp)
+    if tp:  # a fixed TP the model refuses (gpt-oss's biased experts split over TP): its line, not "no layout"
+        Layout(tp=tp, etp=etp)  # an --etp other than 1 or tp (parallel/layout.py)
+        arch.check_tensor_parallel(tp, etp=etp)
     fixed_pp = pp or (gpus // (tp * cp * dp) if tp and cp and dp and gpus % (tp * cp * dp) == 0 else 0)
     if tp and cp and dp and recompute and fixed_pp and (ep or not arch.is_moe):
-        layouts = [Layout(tp=tp, cp=cp, dp=dp, pp=fixed_pp, recompute=recompute, ep=ep or 1)]
+        layouts = [Layout(tp=tp, cp=cp, dp=dp, pp=fixed_pp, recompute=recompute, ep=ep or 1, etp=etp)]
         layout_given = True
     else:
         layouts = candidate_layouts(
-            arch, shape, gpus, tp=tp, cp=cp, dp=dp, pp=pp, recompute=recompute, schedule=schedule, ep=ep
+            arch,
+            shape,
+            gpus,
+            tp=tp,
+            cp=cp,
+            dp=dp,
+            pp=pp,
+            recompute=recompute,
+            schedule=schedule,
+            ep=ep,
+            etp=etp,
         )
         layout_given = False
     if root_pieces == "auto" or (isinstance(root_pieces, int) and root_pieces > 1):  # pieces need a pipeline
@@ -322,7 +345,7 @@ def _need(p: Plan) -> tuple:
 
 def _rejection(p: Plan) -> dict[str, Any]:
     return {
-        "layout": {**p.layout.as_dict(), **({"ep": p.layout.ep} if p.arch.is_moe else {})},
+        "layout": p.layout_json(),
         "optimizer": p.optimizer.name,
         "branch_micro_batch": p.branch_micro_batch,
         "root_pieces": p.root_pieces,
@@ -345,7 +368,7 @@ def what_would_fit(p: Plan, **kw: Any) -> list[str]:
             continue
         if q.fits:
             lay = q.layout
-            ep = f", ep {lay.ep}" if p.arch.is_moe else ""
+            ep = f", ep {lay.ep}, etp {lay.expert_tp}" if p.arch.is_moe else ""
             out.append(
                 f"{n} x {p.gpu.name} (tp {lay.tp}, cp {lay.cp}, pp {lay.pp}, dp {lay.dp}{ep}, recompute {lay.recompute})"
             )

@@ -83,6 +83,7 @@ from typing import Any
 from megatron_branch import spelling as _spelling
 from megatron_branch.errors import SettingError
 from megatron_branch.rules.model import (
+    check_expert_tensor_parallel,
     check_gdn_context_parallel,
     check_hybrid_run,
     check_mamba_run,
@@ -120,6 +121,7 @@ __all__ = [
     "TRAIN_SCHEDULES",
     "UNSHARED",
     "check",
+    "check_expert_tensor_parallel",
     "check_gdn_context_parallel",
     "check_hybrid_run",
     "check_hybrid_schedule",

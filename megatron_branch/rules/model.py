@@ -95,13 +95,8 @@ def check_moe_run(
     """The mixture-of-experts rules (see the module doc). `moe`: the model has MoE layers; `etp`: the experts'
     tensor-parallel size asked for (None: tp); `router_settings`: router losses or routing replay were asked for.
     A SettingError, command-line wording."""
+    check_expert_tensor_parallel(etp, moe=moe, tp=tp)
     if not moe:
-        if etp is not None and etp != tp:
-            raise SettingError(
-                lambda s: (
-                    f"{s.value('etp', etp)} needs a mixture-of-experts model (this one is dense: no experts)"
-                )
-            )
         if ep > 1 or router_settings or capacity_factor is not None:
             raise SettingError(
                 lambda s: (
@@ -130,6 +125,17 @@ def check_moe_run(
                     "refuses it, use dropless routing or the naive schedule"
                 )
             )
+
+
+def check_expert_tensor_parallel(etp: int | None, *, moe: bool, tp: int | None) -> None:
+    """An expert tensor-parallel size needs experts: refuse one on a dense model that differs from `tp` (None: any
+    TP, the planner's search, where every --etp is a setting for experts). Its value (1 or tp) is the layout's rule
+    (parallel/layout.py). A SettingError, command-line wording."""
+    if moe or etp is None or etp == tp:
+        return
+    raise SettingError(
+        lambda s: f"{s.value('etp', etp)} needs a mixture-of-experts model (this one is dense: no experts)"
+    )
 
 
 def check_verl_model(

@@ -19,7 +19,7 @@ def frozen_copy(
     """A reference model: same shards, no gradients, never stepped."""
     ref = build_model(
         arch, dtype=dtype, tp=groups.tp_size, sequence_parallel=groups.sequence_parallel, init_weights=False,
-        pp=groups.pp_size, pp_rank=groups.pp_rank, ep=groups.ep_size,
+        pp=groups.pp_size, pp_rank=groups.pp_rank, ep=groups.ep_size, etp=groups.etp_size,
     )  # fmt: skip
     ref.load_state_dict(unwrap(model).state_dict(), strict=True)
     ref.requires_grad_(False)

@@ -256,15 +256,9 @@ def check_moe(cfg: Any, arch: Any) -> None:
     m, p = cfg.moe, cfg.parallel
     if not arch.is_moe:
         return
-    if p.expert_tp != p.tp:
-        # the update's optimizer (megatron's grad norm, clipping, distributed optimizer) is not shown with whole
-        # experts on every TP rank; grad's and convert's --etp 1 are (tests/distributed/test_gpt_oss_parallel.py)
-        raise UserError(
-            f"parallel.etp={p.etp}: train splits experts over the TP group only (parallel.etp = parallel.tp) for now"
-        )
     try:
         m.options()
-        arch.check_expert_parallel(p.ep, tp=p.tp)
+        arch.check_expert_parallel(p.ep, tp=p.tp, etp=p.etp)
     except UserError as e:
         raise UserError(f"parallel.ep: {e}") from None
     except ValueError as e:

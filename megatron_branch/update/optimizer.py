@@ -168,6 +168,7 @@ def build_optimizer(
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from megatron_branch.compat.offload import apply_offload_fixes
+    from megatron_branch.models.expert_tp import count_whole_experts_in_grad_norm
 
     check_supported(settings, dtype)
     ddp_cfg = getattr(ddp_model, "ddp_config", None)
@@ -204,6 +205,9 @@ def build_optimizer(
         exp_avg_sq_dtype=PRECISION_DTYPES[settings.exp_avg_sq_dtype],
     )
     optimizer = get_megatron_optimizer(config, [ddp_model])
+    count_whole_experts_in_grad_norm(
+        optimizer, ddp_model
+    )  # expert TP 1: megatron's grad norm (models/expert_tp.py)
     decay = settings.decay_steps if settings.decay_steps is not None else settings.warmup_steps + 1
     scheduler = OptimizerParamScheduler(
         optimizer,

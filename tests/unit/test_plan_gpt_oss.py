@@ -118,8 +118,9 @@ def test_dense_flops_exact(recompute: bool, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_presets_plan_at_the_context_limit(capsys: pytest.CaptureFixture[str]) -> None:
-    """gpt-oss-20b fits 8 x H20; gpt-oss-120b needs two nodes (16 x H100 80GB). TP stays 1 (biased experts need
-    expert TP 1 at TP > 1, which the planner does not price yet); a fixed --tp 2 is refused in one line."""
+    """gpt-oss-20b fits 8 x H20; gpt-oss-120b needs two nodes (16 x H100 80GB). TP stays 1 by default (biased
+    experts need expert TP 1 at TP > 1: `--etp 1`, tests/unit/test_plan_moe.py test_plan_etp_flag); a fixed --tp 2
+    alone is refused in one line."""
     for model, gpus, gpu in (("gpt-oss-20b", "8", "h20"), ("gpt-oss-120b", "16", "h100")):
         argv = ["plan", "--model", model, *TARGET, "--gpus", gpus, "--gpu", gpu, "--json"]
         assert main(argv) == 0, model

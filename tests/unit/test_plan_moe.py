@@ -1,7 +1,9 @@
 """The planner for mixture-of-experts models: parameter counts (a built megatron MoE model; the published
 Qwen3-30B-A3B's 30.5B total / 3.3B active), FLOPs of the top-k experts against torch's FlopCounterMode (exact),
 saved activations against the activation meter (every MoE family with a plan, under recompute none / selective /
-full, within the planner's tolerance; one MoE layer alone within 1.5%), expert parameters per EP rank,
+full, within the planner's tolerance; one MoE layer alone within 1.5%), expert parameters per EP rank, expert
+tensor parallel size 1 (`plan --etp 1`: whole experts on each TP rank; the meter and a built TP2/ETP1 model's
+parameters on every rank: tests/distributed/test_plan_parallel.py),
 and the `plan` command on the `qwen3-30b-a3b` preset at the 2.1M-position target on 8 x H20. MoE hybrids (Qwen3.5-MoE,
 Qwen3-Next: a MoE block after the GDN layers too): parameters, FLOPs exact, saved bytes of a replay step against
 the meter (measured 1.1% and 1.0% off), and the `qwen3.5-35b-a3b` preset at the target.
@@ -174,6 +176,84 @@ def test_experts_split_over_ep_and_their_state_over_expert_dp() -> None:
     assert eight["optimizer_state"] > static_bytes(arch, Layout(cp=8, ep=4))["optimizer_state"] / 2
 
 
+def test_replicated_parameters_are_the_models() -> None:
+    """What every TP rank holds whole (norms, the router with its biases, a shared expert's gate, gpt-oss's o_proj
+    bias): the built model's parameters megatron does not mark tensor-parallel, routed experts aside (they are
+    priced over expert TP x EP)."""
+    for family in ("qwen2_moe", "gpt_oss", "glm4_moe"):
+        arch, model = family_model(family)
+        whole = sum(
+            p.numel()
+            for n, p in model.named_parameters()
+            if not getattr(p, "tensor_model_parallel", False) and ".experts." not in n
+        )
+        assert parameter_count(arch)["replicated"] == whole, family
+
+
+def test_expert_tp1_holds_whole_experts_on_each_tp_rank() -> None:
+    """`--etp 1` at TP2: the experts' weights and gradients x 2 per rank, their Adam state sharded over an expert
+    data-parallel group twice as large (the same bytes per rank), each rank's own sequence shard through whole
+    experts (half the routed rows of the TP-gathered split, each twice as wide: the experts' input and the
+    dispatcher's gathered rows halve, the intermediates stay), no TP collective around the experts, and the expert
+    gradients now reduced over the 2 TP ranks."""
+    from megatron_branch.plan import GPU_PRESETS
+    from megatron_branch.plan.activations import Dims, dispatcher_bytes, moe_mlp_bytes
+    from megatron_branch.plan.costs import step_time
+
+    arch = MODEL_PRESETS["qwen3-30b-a3b"]
+    split, whole = Layout(tp=2, cp=4, ep=4, dp=1), Layout(tp=2, cp=4, ep=4, dp=1, etp=1)
+    a, b = static_bytes(arch, split), static_bytes(arch, whole)
+    assert b["expert_parameters_per_rank"] == 2 * a["expert_parameters_per_rank"]
+    assert b["parameters_per_rank"] - a["parameters_per_rank"] == a["expert_parameters_per_rank"]
+    assert b["optimizer_state_distributed"] == a["optimizer_state_distributed"]  # expert DP 1 -> 2
+    assert (split.expert_dp, whole.expert_dp) == (1, 2)
+    ds, dw = Dims.of(arch, split, 2), Dims.of(arch, whole, 2)
+    assert (ds.i, dw.i) == (arch.moe_ffn_hidden_size // 2, arch.moe_ffn_hidden_size)
+    r, k, h = 4096, arch.moe_top_k, arch.hidden_size
+    assert moe_mlp_bytes(ds, r) - moe_mlp_bytes(dw, r) == (r - r // 2) * k * (h * 2 + 4)
+    assert dispatcher_bytes(ds, r) - dispatcher_bytes(dw, r) == (r - r // 2) * k * h * 2
+    shape = RolloutShape(prompt_length=8192, responses=8, response_length=1024)
+    fl = step_flops(arch, shape, "replay", split)
+    assert fl.total == step_flops(arch, shape, "replay", whole).total  # the same work, split another way
+    ts = step_time(arch, shape, split, GPU_PRESETS["h100"], "replay", fl)
+    tw = step_time(arch, shape, whole, GPU_PRESETS["h100"], "replay", fl)
+    assert tw["tensor_parallel_comm"] == pytest.approx(
+        ts["tensor_parallel_comm"] / 2
+    )  # every layer a MoE layer
+    assert tw["grad_reduce"] > ts["grad_reduce"]  # expert DP 1: nothing to reduce; 2: the TP pair sums them
+
+
+def test_plan_etp_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """gpt-oss-120b (biased experts: megatron needs expert TP 1 at TP > 1) plans at TP2 with --etp 1 (the JSON and
+    the text say so) and is refused there without it; --etp on a dense model and an --etp other than 1 or tp are
+    refused in one line (grad's rules), exit status 2."""
+    argv = ["plan", "--model", "gpt-oss-120b", "--prompt-length", "8192", "--responses", "8", "--response-length",
+            "1024", "--gpus", "32", "--gpu", "h100", "--tp", "2", "--etp", "1", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    p = json.loads(out[-1])
+    assert (p["layout"]["tp"], p["layout"]["etp"]) == (2, 1) and all(
+        r["layout"]["etp"] == 1 for r in p["rejected"]
+    )
+    assert "etp 1)" in out[2] and any("expert TP 1: every expert whole" in n for n in p["notes"])
+    lay = Layout(**{k: v for k, v in p["layout"].items() if k != "etp"}, etp=1)
+    assert (
+        p["memory_bytes_per_rank"]["expert_parameters"]
+        == 2 * static_bytes(MODEL_PRESETS["gpt-oss-120b"], lay)["expert_parameters_per_rank"]
+    )  # bf16
+    assert main([a for a in argv if a not in ("--etp", "1", "--json")] + ["--json"]) == 2
+    assert "expert tensor parallel size 1" in capsys.readouterr().err
+    dense = ["plan", "--model", "qwen2.5-7b", "--prompt-length", "1024", "--responses", "4", "--response-length",
+             "256", "--gpus", "2", "--gpu", "h100"]  # fmt: skip
+    for extra, says in ((["--etp", "1"], "--etp 1 needs a mixture-of-experts model"),
+                        (["--tp", "2", "--etp", "1"], "--etp 1 needs a mixture-of-experts model")):  # fmt: skip
+        assert main(dense + extra) == 2
+        err = capsys.readouterr().err.strip()
+        assert says in err and "\n" not in err, err
+    assert main([*argv[:-3], "--etp", "4"]) == 2
+    assert "--etp 4 must be 1 or --tp (2)" in capsys.readouterr().err
+
+
 def test_plan_qwen3_30b_a3b_at_the_target(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["plan", "--model", "qwen3-30b-a3b", "--prompt-length", "122880", "--responses", "16",
             "--response-length", "8192", "--gpus", "8", "--gpu", "h20", "--json"]  # fmt: skip
@@ -181,7 +261,8 @@ def test_plan_qwen3_30b_a3b_at_the_target(capsys: pytest.CaptureFixture[str]) ->
     out = capsys.readouterr().out.strip().splitlines()
     p = json.loads(out[-1])
     assert p["shape"]["positions_logical"] == 2_097_152
-    assert {"tp", "cp", "dp", "pp", "ep", "recompute"} == set(p["layout"])
+    assert {"tp", "cp", "dp", "pp", "ep", "etp", "recompute"} == set(p["layout"])
+    assert p["layout"]["etp"] == p["layout"]["tp"]  # experts split over TP unless --etp 1
     mem = p["memory_bytes_per_rank"]
     assert mem["dispatcher"] > 0 and mem["expert_parameters"] > 0
     assert p["flops"]["naive"] > 3 * p["flops"]["replay"]

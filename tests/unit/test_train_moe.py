@@ -133,10 +133,7 @@ def test_resume_equals_uninterrupted_with_replay(tmp_path: Path) -> None:
         (("moe.aux_loss_coeff=-1",), "aux_loss_coeff must be a finite number >= 0"),
         (("parallel.ep=3",), "parallel.ep: expert parallel size 3 does not divide num_experts=4"),
         (("parallel.tp=2",), "at parallel.tp=2 needs parallel.sequence_parallel"),
-        (
-            ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.etp=1"),
-            "parallel.etp=1: train splits experts over the TP group only",
-        ),
+        (("parallel.etp=2",), "parallel.etp=2 must be 1 or parallel.tp"),  # expert TP 1 trains: world 2
         (("moe.router_replay=R2",), "moe.router_replay must be one of"),
     ],
 )
