@@ -123,7 +123,8 @@ class Actor:
         g = self.groups
         critic = build_critic(
             self.arch, dtype=self.dtype, tp=g.tp_size, sequence_parallel=g.sequence_parallel,
-            head_seed=self.cfg.trainer.seed, init_weights=False, ep=g.ep_size, pp=g.pp_size, pp_rank=g.pp_rank,
+            head_seed=self.cfg.trainer.seed, init_weights=False, ep=g.ep_size, etp=g.etp_size, pp=g.pp_size,
+            pp_rank=g.pp_rank,
         )  # fmt: skip
         missing, unexpected = critic.load_state_dict(policy.state_dict(), strict=False)
         assert not unexpected and all(k.startswith("value_head.") for k in missing), (missing, unexpected)
