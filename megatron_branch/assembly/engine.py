@@ -98,7 +98,7 @@ def build_stage(spec: RunSpec, groups: ParallelGroups, **config_overrides: Any) 
         model = build_model(arch, **shape)
         if arch.is_moe:
             init_experts(model, arch, groups, seed=spec.init_seed)
-        if groups.pp_size > 1:  # (a dense model: MoE is not pipelined, rules.check_pipeline)
+        if groups.pp_size > 1:  # the whole model's init (a MoE's experts too), each stage keeps its share
             whole, model = model, build_model(arch, **shape, init_weights=False, **stage)
             copy_from_whole(model, whole)
     if torch.cuda.is_available():  # weights are loaded on the host, then the model moves to this rank's GPU

@@ -61,7 +61,11 @@ class RouterPlan:
     rollouts, the counts (from the counting pass), forced routes, and the metrics of the call.
 
     `by_rollout`: groups are rollouts (the naive schedule and the unshared baselines run each rollout's tokens as
-    its own rows); else prefix-tree segments (packed, replay)."""
+    its own rows); else prefix-tree segments (packed, replay). `pp_group`: the pipeline group when the model is cut
+    into stages (schedule/pipeline.py): each stage routes, counts and weighs only its own MoE layers (the counts a
+    layer's losses multiply are that layer's), and the call's metrics are gathered over the stages at the end, as
+    megatron's tracker reduces its per-layer values over the pipeline group (moe_utils.reduce_aux_losses_tracker_
+    across_ranks)."""
 
     def __init__(
         self,
@@ -72,8 +76,10 @@ class RouterPlan:
         moe_layers: Sequence[int],
         top_k: int,
         num_experts: int,
+        pp_group: Any = None,
     ) -> None:
         self.tree, self.opts, self.cfg = tree, opts, opts.losses
+        self.pp_group = pp_group
         self.by_rollout = by_rollout
         self.moe_layers = tuple(moe_layers)  # 0-based model layers, in order
         self.top_k, self.num_experts = top_k, num_experts
@@ -283,6 +289,9 @@ class RouterPlan:
                     )
         out: dict[str, float] = {}
         stats: dict[str, float] = {}
+        loss_keys = [f"moe/{LOSS_NAMES[n]}_layer_{i}" for n in self.cfg.coeffs() for i in self.moe_layers]
+        self.stats = self._over_stages(self.stats, loss_keys, ())
+        self.tokens = self._over_stages(self.tokens, list(self.moe_layers), (2, self.num_experts))
         if self.stats:
             names = sorted(self.stats)
             t = self._reduced_vector(torch.stack([self.stats[n].cpu() for n in names]))
@@ -298,6 +307,27 @@ class RouterPlan:
                 out[f"moe/tokens_per_expert/computed/layer_{layer}/expert_{e}"] = float(t[0, e])
                 out[f"moe/tokens_per_expert/logical/layer_{layer}/expert_{e}"] = float(t[1, e])
         return out
+
+    def _over_stages(self, table: dict[Any, torch.Tensor], keys: list[Any], shape: tuple[int, ...]) -> dict:
+        """`table` (this stage's layers' entries, each of `shape`) joined with every other stage's: one sum over the
+        pipeline group of [len(keys), numel + 1] (the last column: the entry exists), the stages' layers being
+        disjoint; the keys some stage holds come back. Without a pipeline group: `table`."""
+        g = self.pp_group
+        if g is None or not dist.is_initialized() or dist.get_world_size(g) == 1:
+            return table
+        from megatron_branch.parallel.groups import comm_device
+
+        assert set(table) <= set(keys), (sorted(table), keys)
+        numel = int(torch.Size(shape).numel())
+        flat = torch.zeros(len(keys), numel + 1, dtype=torch.float64)
+        for i, k in enumerate(keys):
+            if k in table:
+                flat[i, :numel] = table[k].detach().cpu().to(torch.float64).reshape(-1)
+                flat[i, numel] = 1.0
+        flat = flat.to(comm_device(g))
+        dist.all_reduce(flat, group=g)
+        flat = flat.cpu()
+        return {k: flat[i, :numel].reshape(shape) for i, k in enumerate(keys) if flat[i, numel] > 0}
 
     def _reduced_vector(self, t: torch.Tensor) -> torch.Tensor:
         g = self.tp_cp_group

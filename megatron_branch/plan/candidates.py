@@ -49,6 +49,8 @@ def candidate_layouts(
                 if (dp and d != dp) or d > shape.prompts:
                     continue
                 for e in _expert_parallel_sizes(arch, t, c * d, ep, etp):
+                    if p > 1 and e > 1 and not _runs_experts_piped(schedule, p, e, arch):
+                        continue
                     for rc in (recompute,) if recompute else RECOMPUTE:
                         out.append(Layout(tp=t, cp=c, dp=d, pp=p, recompute=rc, ep=e, etp=etp))
     return out
@@ -73,14 +75,25 @@ def _expert_parallel_sizes(
     return out
 
 
+def _runs_experts_piped(schedule: str, pp: int, ep: int, arch: ModelArch) -> bool:
+    """A MoE's experts split over `ep` ranks under pipeline parallelism (rules/: EP 1 only, for now)."""
+    try:
+        check_pipeline(schedule, pp=pp, moe=arch.is_moe, ep=ep)
+    except UserError:
+        return False
+    return True
+
+
 def _runs(schedule: str, cp: int, pp: int, arch: ModelArch) -> bool:
     """The schedule can run at this CP / PP size (rules/: naive has no CP and no PP; PP divides the layers; no PP
-    for a hybrid); what the planner prices at a CP size depends on TP too: `_splits_gdn_heads`,
-    `_splits_mamba_heads`."""
-    hybrid = arch.is_hybrid or arch.hybrid_override_pattern is not None
+    for a Mamba-2 hybrid, nor, in the planner, for a gated-delta-net hybrid); what the planner prices at a CP size
+    depends on TP too: `_splits_gdn_heads`, `_splits_mamba_heads`."""
     try:
         check_run(schedule, cp=cp)
-        check_pipeline(schedule, pp=pp, num_layers=arch.num_layers, hybrid=hybrid, moe=arch.is_moe)
+        check_pipeline(
+            schedule, pp=pp, num_layers=arch.num_layers, hybrid=arch.is_hybrid, moe=arch.is_moe,
+            mamba=arch.hybrid_override_pattern is not None, planner=True,
+        )  # fmt: skip
     except UserError:
         return False
     return True

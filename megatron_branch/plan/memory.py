@@ -35,7 +35,7 @@ from megatron_branch.plan.activations import (
     ring_buffer_bytes,
 )
 from megatron_branch.plan.model import Layout, RolloutShape, parameter_count
-from megatron_branch.plan.pipeline import stage_parameters_per_rank
+from megatron_branch.plan.pipeline import moe_stage_parameters_per_rank, stage_parameters_per_rank
 
 ALLOCATOR_MARGIN_FRACTION = 0.08
 """Caching-allocator fragmentation allowance on top of the counted terms (a stated assumption, not measured)."""
@@ -60,7 +60,10 @@ def static_bytes(
     pad *= 1 if arch.tie_word_embeddings else 2
     dense = (pc["total"] - pc["experts"] - replicated + pad) // layout.tp + replicated
     per_rank = dense + experts
-    if layout.pp > 1:  # the heavier end stage's layers and vocab x h (plan/pipeline.py; dense models)
+    if layout.pp > 1 and arch.is_moe:  # the heaviest stage's layers, its routed experts (plan/pipeline.py)
+        dense, experts = moe_stage_parameters_per_rank(arch, layout)
+        per_rank = dense + experts
+    elif layout.pp > 1:  # the heavier end stage's layers and vocab x h (plan/pipeline.py; dense models)
         per_rank = stage_parameters_per_rank(arch, layout)
     shard = layout.dp * layout.cp  # megatron's distributed optimizer shards over DP x CP
     state = (

@@ -42,8 +42,8 @@ from megatron_branch.plan.flops import (
     layer_matmul_flops_per_token,
     logits_flops_per_row,
 )
-from megatron_branch.plan.layers import attention_layer_params, replicated_layer_params
-from megatron_branch.plan.model import GPU, Layout, RolloutShape
+from megatron_branch.plan.layers import attention_layer_params, expert_params, replicated_layer_params
+from megatron_branch.plan.model import GPU, Layout, RolloutShape, parameter_count
 
 AXES = ("tp", "cp", "dp", "pp")
 """megatron's rank order, fastest first (parallel_state.initialize_model_parallel, order "tp-cp-ep-dp-pp")."""
@@ -72,6 +72,29 @@ def stage_parameters_per_rank(arch: ModelArch, layout: Layout) -> int:
     per_layer += replicated_layer_params(arch, False)
     vocab = arch.vocab_size * arch.hidden_size // layout.tp
     return arch.num_layers // layout.pp * per_layer + vocab + arch.hidden_size
+
+
+def moe_stage_parameters_per_rank(arch: ModelArch, layout: Layout) -> tuple[int, int]:
+    """(dense, routed-expert) parameters one rank of a MoE model's heaviest stage holds: each stage its L/pp layers
+    (a MoE layer's attention, router and shared expert over TP, its routed experts over EP x expert TP; a dense layer as
+    `stage_parameters_per_rank`; `first_k_dense_replace` puts the dense layers on the first stage), the embedding on
+    the first stage, the output layer and the final norm on the last."""
+    pc, rep = parameter_count(arch), replicated_layer_params(arch, False)
+    per_stage, moe = arch.num_layers // layout.pp, set(arch.moe_layers)
+    layer_experts = arch.num_experts * expert_params(arch) // (layout.expert_tp * layout.ep)
+    vocab = arch.vocab_size * arch.hidden_size // layout.tp
+    best = (0, 0)
+    for r in range(layout.pp):
+        layers = range(r * per_stage, (r + 1) * per_stage)
+        dense = sum((pc["moe_layer"] if i in moe else pc["layer"]) - rep for i in layers) // layout.tp
+        dense += (
+            per_stage * rep
+            + (vocab if r == 0 else 0)
+            + (vocab + arch.hidden_size if r == layout.pp - 1 else 0)
+        )
+        experts = sum(i in moe for i in layers) * layer_experts
+        best = max(best, (dense, experts), key=sum)
+    return best
 
 
 MIN_PIECE_TOKENS = 4096

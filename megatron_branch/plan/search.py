@@ -59,8 +59,9 @@ def evaluate(
     arch.check_expert_parallel(layout.ep, tp=layout.tp, etp=layout.etp)
     try:
         check_pipeline(
-            schedule, pp=layout.pp, num_layers=arch.num_layers, moe=arch.is_moe, root_pieces=kw.get("root_pieces", 1),
-            hybrid=arch.is_hybrid or arch.hybrid_override_pattern is not None,
+            schedule, pp=layout.pp, num_layers=arch.num_layers, moe=arch.is_moe, ep=layout.ep,
+            root_pieces=kw.get("root_pieces", 1),
+            hybrid=arch.is_hybrid, mamba=arch.hybrid_override_pattern is not None, planner=True,
         )  # fmt: skip
     except SettingError as e:
         raise UserError(str(e)) from None
@@ -249,6 +250,11 @@ def plan(
             check_gdn_context_parallel(
                 key_heads=arch.linear_num_key_heads, value_heads=arch.linear_num_value_heads, tp=tp, cp=cp
             )
+    if pp:  # a fixed PP the rules refuse for this model (a Mamba-2 or GDN hybrid, a MoE at EP > 1): their own line
+        check_pipeline(
+            schedule, pp=pp, moe=arch.is_moe, ep=ep or 1, hybrid=arch.is_hybrid,
+            mamba=arch.hybrid_override_pattern is not None, planner=True,
+        )  # fmt: skip
     check_fixed_sizes(gpus, tp=tp, cp=cp, pp=pp, dp=dp)
     if tp:  # a fixed TP the model refuses (gpt-oss's biased experts split over TP): its line, not "no layout"
         Layout(tp=tp, etp=etp)  # an --etp other than 1 or tp (parallel/layout.py)

@@ -25,9 +25,9 @@ Rules (a flag that would do nothing is refused, not ignored):
                                        packed-nosharing and the stop-gradient comparison are not pipelined
     stages split the layers            each stage holds num_layers / pp consecutive layers (megatron's even
                                        split)
-    what the pipeline does not run     interleaved (virtual) stages, hybrid (gated delta net) models,
-                                       mixture-of-experts models: not pipelined yet (the PPO critic is: its
-                                       value head on the last stage)
+    what the pipeline does not run     interleaved (virtual) stages, Mamba-2 hybrid models, a
+                                       mixture-of-experts model at EP > 1: not pipelined yet (the PPO critic
+                                       is: its value head on the last stage)
     root pieces are the pipeline's     cutting replay's roots into sequence pieces (root_pieces > 1,
                                        data/pieces.py) fills the pipeline's stages; without pipeline parallelism
                                        the pieces would run one after another as the whole root does, and the
@@ -167,8 +167,8 @@ def check_model(spec: Any) -> None:
     a hybrid's schedules and CP split (check_hybrid_run), the mixture-of-experts rules."""
     s, layout, arch, m = spec.schedule, spec.layout, spec.arch, spec.moe
     check_pipeline(
-        s.name, pp=layout.pp, num_layers=arch.num_layers, moe=arch.is_moe,
-        hybrid=arch.is_hybrid or bool(arch.hybrid_override_pattern), root_pieces=s.root_pieces,
+        s.name, pp=layout.pp, num_layers=arch.num_layers, moe=arch.is_moe, ep=layout.ep,
+        hybrid=arch.is_hybrid, mamba=bool(arch.hybrid_override_pattern), root_pieces=s.root_pieces,
     )  # fmt: skip
     check_hybrid_run(arch, s.name, cp=layout.cp, tp=layout.tp)
     check_moe_run(

@@ -108,12 +108,18 @@ def check_pipeline(
     virtual: int | None = None,
     hybrid: bool = False,
     moe: bool = False,
+    ep: int = 1,
+    mamba: bool = False,
+    planner: bool = False,
     root_pieces: int = 1,
 ) -> None:
     """Refuse what pipeline parallelism cannot run (see the module doc): a SettingError, command-line wording.
     `num_layers`: the model's (when known); `virtual`: megatron's virtual_pipeline_model_parallel_size;
-    `root_pieces`: the sequence pieces each replay root is cut into (schedule/options.py). A PPO critic is
-    pipelined like the policy (its value head on the last stage, models/critic.py): nothing to refuse."""
+    `root_pieces`: the sequence pieces each replay root is cut into (schedule/options.py). A mixture-of-experts
+    model (`moe`) pipelines with its router losses, metrics and routing replay per stage (schedule/moe.py), at
+    expert parallel size `ep` 1 only (what the tests show: tests/distributed/test_pipeline_moe.py). A `hybrid`
+    (gated delta net) model pipelines too (each stage's prefix cache holds its GDN layers' fork states), but the
+    planner (`planner`: the caller is plan/) does not price its stages; a Mamba-2 hybrid (`mamba`) is not shown."""
     if root_pieces < 1:
         raise SettingError(
             lambda s: f"{s.name('root_pieces')} must be a positive number of pieces, got {root_pieces}"
@@ -155,18 +161,25 @@ def check_pipeline(
                 "num_layers / pp consecutive layers)"
             )
         )
-    if hybrid:
+    if mamba:
         raise SettingError(
             lambda s: (
-                f"{s.value('pp', pp)}: pipeline parallelism cannot run a hybrid (gated delta net) model yet; "
+                f"{s.value('pp', pp)}: pipeline parallelism cannot run a Mamba-2 hybrid model yet (not shown); "
                 f"use {s.value('pp', 1)}"
             )
         )
-    if moe:
+    if hybrid and planner:
         raise SettingError(
             lambda s: (
-                f"{s.value('pp', pp)}: pipeline parallelism cannot run a mixture-of-experts model yet (its router "
-                f"losses and routing replay are bound per step, not per stage); use {s.value('pp', 1)}"
+                f"{s.value('pp', pp)}: the planner does not price a hybrid (gated delta net) model's pipeline "
+                f"stages yet (plan/pipeline.py counts attention layers per stage); use {s.value('pp', 1)}"
+            )
+        )
+    if moe and ep > 1:
+        raise SettingError(
+            lambda s: (
+                f"{s.value('pp', pp)} with {s.value('ep', ep)}: expert parallelism under pipeline parallelism is "
+                f"not shown yet (a mixture-of-experts model pipelines with {s.value('ep', 1)}); use one of them"
             )
         )
 

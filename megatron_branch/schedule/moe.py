@@ -48,6 +48,7 @@ def bind_router_plan(name: str, model: torch.nn.Module, tree: PrefixTree, opts: 
         moe_layers=arch.moe_layers,
         top_k=arch.moe_top_k,
         num_experts=arch.num_experts,
+        pp_group=opts.groups.pp if opts.groups.pp_size > 1 else None,  # each stage its own MoE layers
     )
 
 

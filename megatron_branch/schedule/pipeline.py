@@ -258,7 +258,9 @@ def check_pipeline_step(name: str, model: torch.nn.Module, opts: ScheduleOptions
             pp=opts.pp_size,
             num_layers=int(_unwrap(model).config.num_layers),
             hybrid=bool(getattr(arch, "is_hybrid", False)),
+            mamba=bool(getattr(arch, "hybrid_override_pattern", None)),
             moe=bool(getattr(arch, "is_moe", False)),
+            ep=opts.groups.ep_size,
             root_pieces=opts.root_pieces,
         )
     except SettingError as e:

@@ -277,6 +277,31 @@ def test_plan_qwen3_30b_a3b_at_the_target(capsys: pytest.CaptureFixture[str]) ->
     assert main([*argv[:-1], "--ep", "3"]) == 2  # 3 does not divide cp * dp = 8
 
 
+def test_moe_stages_hold_their_layers_experts(capsys: pytest.CaptureFixture[str]) -> None:
+    """Under PP a MoE stage holds its L/pp layers' routed experts (plan/pipeline.py moe_stage_parameters_per_rank):
+    two TP1 stages of Qwen3-30B-A3B hold every parameter once (the final norm charged to each), GLM-4.5-Air's dense
+    first layer lightens stage 0; `plan --pp 2` prints a plan at EP1 and refuses EP under PP in one line."""
+    from megatron_branch.plan.pipeline import moe_stage_parameters_per_rank
+
+    arch = MODEL_PRESETS["qwen3-30b-a3b"]
+    pc = parameter_count(arch)
+    dense, experts = moe_stage_parameters_per_rank(arch, Layout(pp=2))
+    assert 2 * experts == pc["experts"] and 2 * (dense + experts) == pc["total"] + arch.hidden_size
+    assert static_bytes(arch, Layout(pp=2))["expert_parameters_per_rank"] == pc["experts"] // 2
+    air = MODEL_PRESETS["glm-4.5-air"]
+    assert air.moe_layers[0] == 1 and air.num_layers % 2 == 0
+    _, air_experts = moe_stage_parameters_per_rank(air, Layout(pp=2))  # the heavier stage: all MoE layers
+    assert air_experts * len(air.moe_layers) == parameter_count(air)["experts"] * (air.num_layers // 2)
+    argv = ["plan", "--model", "qwen3-30b-a3b", "--prompt-length", "1024", "--responses", "8",
+            "--response-length", "1024", "--gpus", "8", "--gpu", "h100", "--pp", "2"]  # fmt: skip
+    assert main([*argv, "--json"]) == 0
+    p = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert p["layout"]["pp"] == 2 and p["layout"]["ep"] == 1
+    assert main([*argv, "--ep", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "expert parallelism under pipeline parallelism is not shown" in err and "\n" not in err, err
+
+
 # --- MoE hybrids: a MoE block after GDN layers too ------------------------------------------------------------------
 HYBRID_LAYERS = ("linear_attention", "full_attention", "linear_attention")
 

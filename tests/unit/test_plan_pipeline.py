@@ -195,20 +195,25 @@ def test_pipeline_refusals_in_the_planner(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_what_the_pipeline_does_not_run_is_refused_in_one_line() -> None:
-    """rules.check_pipeline: MoE, hybrid models, interleaved stages (the same rule every entry point
-    calls; grad and train show the schedule and layer rules: tests/unit/test_rules.py)."""
+    """rules.check_pipeline: MoE with expert parallelism (EP1 runs), Mamba-2 hybrids (GDN hybrids run; the planner
+    does not price them), interleaved stages
+    (the same rule every entry point calls; grad and train show the schedule and layer rules:
+    tests/unit/test_rules.py)."""
     from megatron_branch.errors import SettingError
     from megatron_branch.rules import check_pipeline
 
     for kw, says in (
-        ({"moe": True}, "--pp 2: pipeline parallelism cannot run a mixture-of-experts model yet"),
-        ({"hybrid": True}, "--pp 2: pipeline parallelism cannot run a hybrid (gated delta net) model yet"),
+        ({"moe": True, "ep": 2}, "--pp 2 with --ep 2: expert parallelism under pipeline parallelism"),
+        ({"mamba": True}, "--pp 2: pipeline parallelism cannot run a Mamba-2 hybrid model yet"),
+        ({"hybrid": True, "planner": True}, "--pp 2: the planner does not price a hybrid (gated delta net)"),
         ({"virtual": 2}, "--vp 2: interleaved (virtual) pipeline stages are not supported"),
     ):
         with pytest.raises(SettingError) as e:
             check_pipeline("replay", pp=2, num_layers=4, **kw)
         assert str(e.value).startswith(says) and "\n" not in str(e.value), str(e.value)
     check_pipeline("naive", pp=1, num_layers=3)  # nothing to refuse without PP
+    check_pipeline("replay", pp=2, num_layers=4, moe=True)  # EP1: tests/distributed/test_pipeline_moe.py
+    check_pipeline("replay", pp=2, num_layers=4, hybrid=True)  # GDN: the engine runs it (same file)
 
 
 @pytest.mark.parametrize(

@@ -209,7 +209,13 @@ def test_cp_loss_scaling_follows_megatrons_schedule() -> None:
         ),
         ({}, dict(schedule="naive"), None, r"BranchOptions.schedule=naive has no pipeline parallelism"),
         ({}, {}, dict(num_layers=3), r"pipeline_model_parallel_size=2 does not divide the model's 3 layers"),
-        ({}, {}, dict(moe=True), r"cannot run a mixture-of-experts model yet"),
+        ({}, {}, dict(moe=True), r"a mixture-of-experts model under pipeline parallelism is not shown"),
+        (
+            {},
+            {},
+            dict(variant="gated_delta_net"),
+            r"a hybrid \(gated delta net\) model under pipeline parallelism",
+        ),
     ],
 )
 def test_pipeline_refusals_in_verls_names(
@@ -225,7 +231,7 @@ def test_pipeline_refusals_in_verls_names(
     tf_config = None
     if model is not None:
         tf_config = SimpleNamespace(
-            num_layers=model.get("num_layers", 2), experimental_attention_variant=None
+            num_layers=model.get("num_layers", 2), experimental_attention_variant=model.get("variant")
         )
         kw = dict(moe=model.get("moe", False))
     with pytest.raises(VerlBranchError, match=message) as e:
