@@ -11,10 +11,11 @@ schedule returns them there.
 Refused, one line each, at engine start (the project's pipeline rules, rules/schedule.py `check_pipeline`, in
 verl's names): interleaved (virtual) stages (VPP: the tree schedules run one contiguous block of layers per
 stage; megatron's interleaved schedule would need the tree walk split across model chunks), the naive schedule,
-a layer count PP does not divide and the critic under PP. A mixture-of-experts or a hybrid (gated delta net) model:
-the project's own engine pipelines it (MoE at EP 1: tests/distributed/test_pipeline_moe.py), but verl's engine
-under PP (its router-loss scaling, R2/R3 records per stage, its hybrid path) is not shown with them, so the switch
-refuses them here.
+a layer count PP does not divide. verl's value model (PPO's critic: its one-output head on the last stage) is
+pipelined like the policy (tests/distributed/test_pipeline_critic.py). A mixture-of-experts or a hybrid (gated
+delta net) model: the project's own engine pipelines it (MoE at EP 1: tests/distributed/test_pipeline_moe.py), but
+verl's engine under PP (its router-loss scaling, R2/R3 records per stage, its hybrid path) is not shown with them,
+so the switch refuses them here.
 """
 
 from __future__ import annotations
@@ -29,9 +30,7 @@ from megatron_branch.spelling import VERL
 __all__ = ["refuse_pipeline"]
 
 
-def refuse_pipeline(
-    engine_config: Any, options: Any, tf_config: Any = None, *, critic: bool = False, moe: bool = False
-) -> None:
+def refuse_pipeline(engine_config: Any, options: Any, tf_config: Any = None, *, moe: bool = False) -> None:
     """One line (VerlBranchError) for what branch replay cannot pipeline; with `tf_config` (the built model),
     the model's kind too. A no-op without pipeline parallelism."""
     pp = engine_config.pipeline_model_parallel_size
@@ -44,7 +43,6 @@ def refuse_pipeline(
             num_layers=int(tf_config.num_layers),
             hybrid=getattr(tf_config, "experimental_attention_variant", None) is not None,
             moe=moe,
-            critic=critic,
         )
     hybrid = bool(kw.get("hybrid"))
     if (moe or hybrid) and pp > 1:

@@ -107,7 +107,6 @@ def check_pipeline(
     num_layers: int | None = None,
     virtual: int | None = None,
     hybrid: bool = False,
-    critic: bool = False,
     moe: bool = False,
     ep: int = 1,
     mamba: bool = False,
@@ -177,10 +176,6 @@ def check_pipeline(
                 f"model's pipeline stages yet (plan/pipeline.py prices a dense hybrid's stages by layer kind); "
                 f"use {s.value('pp', 1)}"
             )
-        )
-    if critic:
-        raise SettingError(
-            lambda s: f"{s.value('pp', pp)}: the PPO critic is not pipelined yet; use {s.value('pp', 1)}"
         )
     if moe and ep > 1:
         raise SettingError(

@@ -233,7 +233,7 @@ def test_pipeline_refusals_in_the_planner(capsys: pytest.CaptureFixture[str]) ->
 
 def test_what_the_pipeline_does_not_run_is_refused_in_one_line() -> None:
     """rules.check_pipeline: MoE with expert parallelism (EP1 runs), Mamba-2 hybrids (GDN hybrids run; the planner
-    prices a dense hybrid's stages, not a MoE hybrid's), the critic, interleaved stages
+    prices a dense hybrid's stages, not a MoE hybrid's), interleaved stages
     (the same rule every entry point calls; grad and train show the schedule and layer rules:
     tests/unit/test_rules.py)."""
     from megatron_branch.errors import SettingError
@@ -246,7 +246,6 @@ def test_what_the_pipeline_does_not_run_is_refused_in_one_line() -> None:
             {"hybrid": True, "moe": True, "planner": True},
             "--pp 2: the planner does not price a mixture-of-experts hybrid (gated delta net)",
         ),
-        ({"critic": True}, "--pp 2: the PPO critic is not pipelined yet"),
         ({"virtual": 2}, "--vp 2: interleaved (virtual) pipeline stages are not supported"),
     ):
         with pytest.raises(SettingError) as e:
