@@ -107,7 +107,6 @@ def check_pipeline(
     num_layers: int | None = None,
     virtual: int | None = None,
     hybrid: bool = False,
-    critic: bool = False,
     moe: bool = False,
     ep: int = 1,
     mamba: bool = False,
@@ -119,8 +118,9 @@ def check_pipeline(
     `root_pieces`: the sequence pieces each replay root is cut into (schedule/options.py). A mixture-of-experts
     model (`moe`) pipelines with its router losses, metrics and routing replay per stage (schedule/moe.py), at
     expert parallel size `ep` 1 only (what the tests show: tests/distributed/test_pipeline_moe.py). A `hybrid`
-    (gated delta net) model pipelines too (each stage's prefix cache holds its GDN layers' fork states), but the
-    planner (`planner`: the caller is plan/) does not price its stages; a Mamba-2 hybrid (`mamba`) is not shown."""
+    (gated delta net) model pipelines too (each stage's prefix cache holds its GDN layers' fork states); the
+    planner (`planner`: the caller is plan/) prices a dense hybrid's stages by layer kind, not a MoE hybrid's; a
+    Mamba-2 hybrid (`mamba`) is not shown."""
     if root_pieces < 1:
         raise SettingError(
             lambda s: f"{s.name('root_pieces')} must be a positive number of pieces, got {root_pieces}"
@@ -169,16 +169,13 @@ def check_pipeline(
                 f"use {s.value('pp', 1)}"
             )
         )
-    if hybrid and planner:
+    if hybrid and moe and planner:
         raise SettingError(
             lambda s: (
-                f"{s.value('pp', pp)}: the planner does not price a hybrid (gated delta net) model's pipeline "
-                f"stages yet (plan/pipeline.py counts attention layers per stage); use {s.value('pp', 1)}"
+                f"{s.value('pp', pp)}: the planner does not price a mixture-of-experts hybrid (gated delta net) "
+                f"model's pipeline stages yet (plan/pipeline.py prices a dense hybrid's stages by layer kind); "
+                f"use {s.value('pp', 1)}"
             )
-        )
-    if critic:
-        raise SettingError(
-            lambda s: f"{s.value('pp', pp)}: the PPO critic is not pipelined yet; use {s.value('pp', 1)}"
         )
     if moe and ep > 1:
         raise SettingError(

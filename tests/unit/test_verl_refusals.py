@@ -217,7 +217,6 @@ def test_cp_loss_scaling_follows_megatrons_schedule() -> None:
             r"pipeline_model_parallel_size=2 with actor_rollout_ref.actor.megatron.expert_model_parallel_size=2: "
             r"expert parallelism under pipeline parallelism is not shown",
         ),
-        ({}, {}, dict(critic=True), r"the PPO critic is not pipelined yet"),
     ],
 )
 def test_pipeline_refusals_in_verls_names(
@@ -235,7 +234,7 @@ def test_pipeline_refusals_in_verls_names(
         tf_config = SimpleNamespace(
             num_layers=model.get("num_layers", 2), experimental_attention_variant=model.get("variant")
         )
-        kw = dict(moe=model.get("moe", False), critic=model.get("critic", False))
+        kw = dict(moe=model.get("moe", False))
     with pytest.raises(VerlBranchError, match=message) as e:
         refuse_pipeline(config, BranchOptions(**options), tf_config, **kw)
     assert str(e.value).startswith("branch replay in verl's engine: ") and "\n" not in str(e.value)
