@@ -251,6 +251,15 @@ def make_worker(
     )
     worker = TrainingWorker(config)
     worker.reset()
+    # verl's engine keeps megatron's groups when they already exist (_init_device_mesh): a second worker of another
+    # layout in one test would silently run the first one's (a "CP2" step once ran at TP2 x CP1 that way)
+    from megatron.core import parallel_state as ps
+
+    built = (ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size(),
+             ps.get_pipeline_model_parallel_world_size(), ps.get_expert_model_parallel_world_size())  # fmt: skip
+    assert built == (tp, cp, pp, ep), (
+        f"asked tp, cp, pp, ep = {(tp, cp, pp, ep)}, megatron's groups are {built}"
+    )
     return worker
 
 

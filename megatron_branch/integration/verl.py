@@ -31,7 +31,7 @@ from megatron_branch.integration import verl_moe
 from megatron_branch.integration.verl_model import patch_verl_model, unwrap
 from megatron_branch.integration.verl_pp import refuse_pipeline
 from megatron_branch.integration.verl_step import BranchOptions, VerlBranchError, VerlTreeStep
-from megatron_branch.rules import check_verl_model
+from megatron_branch.rules import check_verl_hybrid, check_verl_model
 
 __all__ = [
     "TESTED_VERL",
@@ -81,8 +81,6 @@ def refuse_unsupported(engine_config: Any, tf_config: Any = None) -> None:
             attention_variant=getattr(tf_config, "experimental_attention_variant", None),
             rotary_interleaved=bool(getattr(tf_config, "rotary_interleaved", False)),
             moe_reason=verl_moe.refusal_reason(tf_config) if verl_moe.is_moe(tf_config) else None,
-            gdn_heads=_gdn_heads(tf_config),
-            tp=int(getattr(tf_config, "tensor_model_parallel_size", 1) or 1),
             cp=int(engine_config.context_parallel_size),
             position_embedding=str(getattr(tf_config, "position_embedding_type", "rope")),
         )
@@ -90,11 +88,16 @@ def refuse_unsupported(engine_config: Any, tf_config: Any = None) -> None:
         raise VerlBranchError(str(e)) from None
 
 
-def _gdn_heads(tf_config: Any) -> tuple[int, int] | None:
-    """A hybrid's (key, value) gated delta net heads (megatron's TransformerConfig fields), else None."""
-    if getattr(tf_config, "experimental_attention_variant", None) != "gated_delta_net":
-        return None
-    return int(tf_config.linear_num_key_heads), int(tf_config.linear_num_value_heads)
+def refuse_hybrid_cp(engine_config: Any, hf_config: Any) -> None:
+    """One line, before verl builds the model, for a gated delta net hybrid under context parallelism
+    (rules.check_verl_hybrid says why); read off the HF config's layer types (a text model's or its text_config's)."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    if "linear_attention" not in (getattr(text, "layer_types", None) or ()):
+        return
+    try:
+        check_verl_hybrid(cp=int(engine_config.context_parallel_size))
+    except SettingError as e:
+        raise VerlBranchError(str(e)) from None
 
 
 def branch_engine_class(base: type, options: BranchOptions | None = None) -> type:
@@ -107,6 +110,7 @@ def branch_engine_class(base: type, options: BranchOptions | None = None) -> typ
         def initialize(self) -> None:
             check_verl_version()
             refuse_unsupported(self.engine_config)
+            refuse_hybrid_cp(self.engine_config, self.model_config.hf_config)  # before megatron's own assert
             refuse_pipeline(self.engine_config, self.branch_options)
             super().initialize()
             refuse_unsupported(self.engine_config, self.tf_config)

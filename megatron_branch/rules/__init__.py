@@ -89,6 +89,7 @@ from megatron_branch.rules.model import (
     check_mamba_run,
     check_moe_run,
     check_plannable,
+    check_verl_hybrid,
     check_verl_model,
     gdn_context_parallel_sizes,
 )
@@ -134,6 +135,7 @@ __all__ = [
     "check_precision",
     "check_run",
     "check_sampling",
+    "check_verl_hybrid",
     "check_verl_model",
     "gdn_context_parallel_sizes",
 ]

@@ -143,18 +143,15 @@ def check_verl_model(
     attention_variant: str | None = None,
     rotary_interleaved: bool = False,
     moe_reason: str | None = None,
-    gdn_heads: tuple[int, int] | None = None,
-    tp: int = 1,
     cp: int = 1,
     position_embedding: str = "rope",
 ) -> None:
     """Refuse a model verl's engine built that branch replay cannot run inside it (see the module doc): the
     fields of megatron's TransformerConfig. A SettingError; the settings are the model's, not a flag's.
-    `gdn_heads`: a hybrid's (key, value) gated delta net heads, split over `tp` and, by the head exchange, `cp`."""
+    `cp`: verl's context_parallel_size (a hybrid runs at 1 only: check_verl_hybrid)."""
     where = "branch replay in verl's engine"
     if attention_variant == "gated_delta_net":  # a hybrid: its GDN state follows the tree (models/gdn.py)
-        if gdn_heads is not None:
-            check_gdn_context_parallel(key_heads=gdn_heads[0], value_heads=gdn_heads[1], tp=tp, cp=cp)
+        check_verl_hybrid(cp=cp)
         attention_variant = None
     if position_embedding == "mrope":
         raise SettingError(
@@ -179,6 +176,22 @@ def check_verl_model(
         )
     if moe_reason is not None:  # integration/verl_moe.py refusal_reason: what of a MoE model is not wired
         raise SettingError(lambda _: f"{where} cannot run this MoE model: {moe_reason}")
+
+
+def check_verl_hybrid(*, cp: int) -> None:
+    """Refuse a gated-delta-net hybrid under context parallelism in verl's engine, before verl builds it:
+    megatron-core 0.16.1's TransformerConfig asserts `context_parallel_size == 1` for GDN models
+    (transformer_config.py, "Gated delta net does not support context parallel for now"), and verl builds the model
+    with its CP size in that config. megatron-branch's own engine runs hybrids under CP (its config keeps CP out of
+    megatron's TransformerConfig; the head exchange, models/gdn_heads.py): grad / train --cp."""
+    if cp > 1:
+        raise SettingError(
+            lambda _: (
+                f"branch replay in verl's engine does not run a gated delta net hybrid at context_parallel_size={cp} "
+                "(megatron-core 0.16.1's TransformerConfig refuses gated delta net with context parallelism when "
+                "verl builds the model): use context_parallel_size=1, or megatron-branch's own train / grad --cp"
+            )
+        )
 
 
 def check_plannable(arch: Any, *, schedule: str = "replay", cp: int = 1, tp: int = 1) -> None:

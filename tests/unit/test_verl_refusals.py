@@ -1,5 +1,5 @@
 """verl's engine path refuses the models it cannot run, in one line, before it changes anything: interleaved RoPE,
-multimodal RoPE (a vision-language wrapper), a CP size a hybrid's gated delta net heads cannot split over, the MoE
+multimodal RoPE (a vision-language wrapper), a gated delta net hybrid under context parallelism, the MoE
 settings not wired (rules.check_verl_model, read off the TransformerConfig verl built, by `refuse_unsupported`); and
 `patch_verl_model` itself refuses a model it cannot patch without touching it, and makes a hybrid's GatedDeltaNet
 layers branch-aware without changing a parameter. Needs no verl: these run before any of verl's code.
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_branch.errors import SettingError
-from megatron_branch.integration.verl import VerlBranchError, refuse_unsupported
+from megatron_branch.integration.verl import VerlBranchError, refuse_hybrid_cp, refuse_unsupported
 from megatron_branch.integration.verl_model import BranchFallbackAttention, patch_verl_model
 from megatron_branch.models import ModelArch, build_model
 from megatron_branch.parallel.groups import ParallelConfig, initialize_parallel
@@ -43,16 +43,25 @@ def _model(family: str, **kw: Any) -> torch.nn.Module:
     return build_model(ModelArch.from_hf_config(tiny_hf_config(family, **kw)))
 
 
-def test_hybrid_runs_and_its_cp_split_is_checked() -> None:
-    """A hybrid runs with the switch (tests/unit/test_verl_hybrid.py); under CP its gated delta net heads must split
-    over the CP ranks (rules.check_gdn_context_parallel: 2 key / 4 value heads here, so CP 3 is refused)."""
+def test_hybrid_runs_at_cp1_and_is_refused_under_cp_before_verl_builds_it() -> None:
+    """A hybrid runs with the switch at context_parallel_size 1 (tests/unit/test_verl_hybrid.py); under CP it is
+    refused in one line (rules.check_verl_hybrid): megatron-core 0.16.1's TransformerConfig asserts no CP for gated
+    delta net when verl builds the model, so the line comes first, off the HF config (refuse_hybrid_cp), and again
+    off a built TransformerConfig. A dense model under CP and a hybrid's vision-language wrapper's text_config too."""
+    hf = tiny_hf_config("qwen3_5", layer_types=["linear_attention", "full_attention"])
+    cp2 = SimpleNamespace(**{**vars(ENGINE), "context_parallel_size": 2})
     hybrid = _model("qwen3_5", layer_types=["linear_attention", "full_attention"])
     refuse_unsupported(ENGINE, hybrid.config)
-    refuse_unsupported(SimpleNamespace(**{**vars(ENGINE), "context_parallel_size": 2}), hybrid.config)
-    with pytest.raises(VerlBranchError, match=r"cannot split the hybrid's gated delta net heads") as e:
-        refuse_unsupported(SimpleNamespace(**{**vars(ENGINE), "context_parallel_size": 3}), hybrid.config)
-    assert "\n" not in str(e.value)
-    refuse_unsupported(ENGINE, _model("qwen3").config)  # a dense model passes
+    refuse_hybrid_cp(ENGINE, hf)
+    for call in (lambda: refuse_hybrid_cp(cp2, hf), lambda: refuse_hybrid_cp(cp2, SimpleNamespace(text_config=hf)),
+                 lambda: refuse_unsupported(cp2, hybrid.config)):  # fmt: skip
+        with pytest.raises(
+            VerlBranchError, match=r"does not run a gated delta net hybrid at context_parallel_size=2"
+        ) as e:
+            call()
+        assert "\n" not in str(e.value)
+    refuse_hybrid_cp(cp2, tiny_hf_config("qwen3"))  # a dense model under CP passes
+    refuse_unsupported(cp2, _model("qwen3").config)
 
 
 @pytest.mark.parametrize(
