@@ -1,8 +1,9 @@
 """Mixture-of-experts and gated-delta-net hybrid policies under pipeline parallelism (schedule/pipeline.py; the grad
 command, in-process on both ranks, replay walking every segment as its own chunk): a tiny Qwen3-MoE (2 layers, one
-MoE layer on each stage, 4 experts, top-2) at PP2, EP1; a 4-layer DeepSeek-V3; `train`; tiny Qwen3.5 / Qwen3-Next.
+MoE layer on each stage, 4 experts, top-2) at PP2, EP1 (and at PP2 x CP2 x EP2, world 4); a 4-layer DeepSeek-V3; `train`; tiny Qwen3.5 / Qwen3-Next.
 
     python tests/distributed/launch.py 2 -k pipeline_moe
+    python tests/distributed/launch.py 4 -k pipeline_moe_expert_parallel   # PP2 x CP2 x EP2
 
 - Router losses off: replay (float64) and packed (float32) against the float64 HF oracle, per parameter (1e-9,
   1e-5), on test_moe_parallel.py's tree (two prompt groups, a shared response beginning with three branches under
@@ -337,3 +338,38 @@ def test_pipeline_gdn_hybrid_train_equals_cp2() -> None:
     err = max(float((a[k] - b[k]).norm() / a[k].norm().clamp(min=1e-30)) for k in a)
     assert err <= 1e-5, err  # the delta rule's float32 bound, per parameter (relative)
     _remove(d)
+
+
+PP2EP2 = ["--pp", "2", "--cp", "2", "--ep", "2"]  # EP over each stage's CP ranks (one replica)
+
+
+@pytest.mark.world(4)
+def test_pipeline_moe_expert_parallel_world4(
+    pp_setup,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+) -> None:
+    """PP2 x CP2 x EP2 (one replica; each stage's two experts per rank, its EP group the stage's two CP ranks):
+    replay (float64) and packed (float32) == the float64 HF oracle per parameter (1e-9, 1e-5); router losses on
+    (float64): == PP2 x CP2 at EP1 (the same replica, the same loss scope) at 1e-9, its router metrics too.
+    Planted: every EP rank of a stage loading the first experts (its EP rank's offset ignored) fails: the experts
+    really are split."""
+    from megatron_branch.checkpoint import stages
+
+    d, ref = pp_setup
+    for schedule, dtype in (("replay", "float64"), ("packed", "float32")):
+        grads, _ = _grad(d, capsys, f"pp2ep2_{schedule}_{dtype}", schedule, "--dtype", dtype, *PP2EP2)
+        err = _worst(grads, ref)
+        assert err[0] <= TOL[dtype], (schedule, dtype, err)
+    aux = ["replay", "--dtype", "float64", *ROUTER_LOSSES, "--pp", "2", "--cp", "2"]
+    want, want_m = _grad(d, capsys, "aux_pp2cp2", *aux)
+    grads, metrics = _grad(d, capsys, "aux_pp2cp2ep2", *aux, "--ep", "2")
+    assert _worst(grads, want)[0] <= 1e-9
+    got, exp = _router_metrics(metrics), _router_metrics(want_m)
+    assert set(got) == set(exp) and "moe/load_balancing_loss_layer_1" in got, sorted(got)
+    for k, v in exp.items():
+        assert got[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
+    real = stages._expert_targets
+    monkeypatch.setattr(stages, "_expert_targets", lambda model, ep_rank: real(model, 0))
+    grads, _ = _grad(d, capsys, "pp2ep2_bug", "replay", "--dtype", "float64", *PP2EP2)
+    assert _worst(grads, ref)[0] > 1e-6

@@ -195,7 +195,7 @@ def test_pipeline_refusals_in_the_planner(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_what_the_pipeline_does_not_run_is_refused_in_one_line() -> None:
-    """rules.check_pipeline: MoE with expert parallelism (EP1 runs), Mamba-2 hybrids (GDN hybrids run; the planner
+    """rules.check_pipeline: MoE with EP groups across replicas (EP inside a replica runs), Mamba-2 hybrids (GDN hybrids run; the planner
     does not price them), the critic, interleaved stages
     (the same rule every entry point calls; grad and train show the schedule and layer rules:
     tests/unit/test_rules.py)."""
@@ -203,7 +203,7 @@ def test_what_the_pipeline_does_not_run_is_refused_in_one_line() -> None:
     from megatron_branch.rules import check_pipeline
 
     for kw, says in (
-        ({"moe": True, "ep": 2}, "--pp 2 with --ep 2: expert parallelism under pipeline parallelism"),
+        ({"moe": True, "ep": 2, "ep_spans_dp": True}, "--pp 2 with --ep 2 across data-parallel replicas"),
         ({"mamba": True}, "--pp 2: pipeline parallelism cannot run a Mamba-2 hybrid model yet"),
         ({"hybrid": True, "planner": True}, "--pp 2: the planner does not price a hybrid (gated delta net)"),
         ({"critic": True}, "--pp 2: the PPO critic is not pipelined yet"),
@@ -214,6 +214,7 @@ def test_what_the_pipeline_does_not_run_is_refused_in_one_line() -> None:
         assert str(e.value).startswith(says) and "\n" not in str(e.value), str(e.value)
     check_pipeline("naive", pp=1, num_layers=3)  # nothing to refuse without PP
     check_pipeline("replay", pp=2, num_layers=4, moe=True)  # EP1: tests/distributed/test_pipeline_moe.py
+    check_pipeline("replay", pp=2, num_layers=4, moe=True, ep=2)  # EP over CP ranks: the same file
     check_pipeline("replay", pp=2, num_layers=4, hybrid=True)  # GDN: the engine runs it (same file)
 
 
