@@ -3,7 +3,7 @@ command, in-process on both ranks, replay walking every segment as its own chunk
 MoE layer on each stage, 4 experts, top-2) at PP2, EP1 (and at PP2 x CP2 x EP2, world 4); a 4-layer DeepSeek-V3; `train`; tiny Qwen3.5 / Qwen3-Next.
 
     python tests/distributed/launch.py 2 -k pipeline_moe
-    python tests/distributed/launch.py 4 -k pipeline_moe_expert_parallel   # PP2 x CP2 x EP2
+    python tests/distributed/launch.py 4 -k pipeline_moe_expert_parallel   # PP2 x CP2 x EP2: grad, train
 
 - Router losses off: replay (float64) and packed (float32) against the float64 HF oracle, per parameter (1e-9,
   1e-5), on test_moe_parallel.py's tree (two prompt groups, a shared response beginning with three branches under
@@ -373,3 +373,38 @@ def test_pipeline_moe_expert_parallel_world4(
     monkeypatch.setattr(stages, "_expert_targets", lambda model, ep_rank: real(model, 0))
     grads, _ = _grad(d, capsys, "pp2ep2_bug", "replay", "--dtype", "float64", *PP2EP2)
     assert _worst(grads, ref)[0] > 1e-6
+
+
+@pytest.mark.world(4)
+def test_pipeline_moe_expert_parallel_train_world4() -> None:
+    """`train` of a tiny Qwen3-MoE (R3, router losses), two steps, float64: PP2 x CP2 x EP2 == PP2 x CP2 at EP1
+    (one replica each: the same sampled tokens, the same loss scope), every parameter at 1e-9."""
+    from test_moe_parallel import _train, _train_cfg
+
+    from megatron_branch.checkpoint.param_map import mcore_to_hf_state
+    from megatron_branch.checkpoint.stages import gather_model_state
+    from megatron_branch.testing import tiny_hf_config, tiny_hf_model
+    from megatron_branch.train.loop import Trainer
+    from megatron_branch.train.models import unwrap
+
+    d = shared_tmp("pipeline_moe_ep_train_")
+    vocab = Trainer(_train_cfg(None, d / "probe", "trainer.total_training_steps=1")).arch.vocab_size
+    if dist.get_rank() == 0:
+        cfg = tiny_hf_config(
+            "qwen3_moe", vocab_size=vocab, hidden_size=16, num_layers=2, heads=2, kv_heads=2, ffn=32
+        )
+        tiny_hf_model(cfg, seed=5).save_pretrained(d / "hf")
+    dist.barrier()
+    common = ["trainer.total_training_steps=2", "parallel.pp=2", "parallel.cp=2"]
+    ep1, ep1_tokens = _train(_train_cfg(d / "hf", d / "ep1", *common))
+    a = mcore_to_hf_state(gather_model_state(unwrap(ep1.policy), ep1.groups), ep1.arch)
+    ep2, ep2_tokens = _train(_train_cfg(d / "hf", d / "ep2", *common, "parallel.ep=2"))
+    assert (ep2.groups.pp_size, ep2.groups.ep_size, ep2.groups.dp_size) == (2, 2, 1)
+    b = mcore_to_hf_state(gather_model_state(unwrap(ep2.policy), ep2.groups), ep2.arch)
+    assert ep1_tokens == ep2_tokens and a.keys() == b.keys()
+    start = load_file(d / "hf" / "model.safetensors")
+    moved = [n for n in a if ".mlp.experts." in n and not torch.equal(a[n], start[n].to(a[n].dtype))]
+    assert len(moved) > 4, moved  # the steps trained the experts
+    for n in a:
+        assert float((a[n] - b[n]).norm() / a[n].norm().clamp(min=1e-30)) <= 1e-9, n
+    _remove(d)
