@@ -91,6 +91,7 @@ VERL = Spelling(
     names={
         "pp": "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size",
         "vp": "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size",
+        "ep": "actor_rollout_ref.actor.megatron.expert_model_parallel_size",
         "schedule": "BranchOptions.schedule",
         "root_pieces": "BranchOptions.schedule_options['root_pieces']",
     },

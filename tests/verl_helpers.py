@@ -357,7 +357,7 @@ def run_step(
         ent = None if value else no_padding_2_padding(tu.get(inferred, "entropy"), td)
     routes = tu.get(inferred, "routed_experts") if r2 and inferred is not None else None
     if r2:
-        routes = _to_tp_group(routes)  # verl's trainer dispatches the batch, routes included, to every rank
+        routes = _to_model_parallel_group(routes)
     td = td_fn()
     if routes is not None:
         td["routed_experts"] = routes
@@ -371,17 +371,21 @@ def run_step(
     return StepOut(type(engine).__name__, lp, ent, metrics, grads, routes, steps=steps, first_grads=first)
 
 
-def _to_tp_group(routes: Any) -> Any:
-    """The collecting rank's (tp rank 0) jagged routes, on every rank of its TP group."""
+def _to_model_parallel_group(routes: Any) -> Any:
+    """The collecting rank's (the last stage's tp rank 0) jagged routes, on every rank of its model-parallel group
+    (TP x PP): verl's trainer dispatches the batch, routes included, to every rank."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    group = ps.get_tensor_model_parallel_group()
+    group = ps.get_model_parallel_group()
     if group.size() == 1:
         return routes
-    box = [None if routes is None else [t.clone() for t in routes.unbind()]]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    return torch.nested.as_nested_tensor(box[0], layout=torch.jagged)
+    every: list[Any] = [None] * group.size()
+    dist.all_gather_object(
+        every, None if routes is None else [t.clone() for t in routes.unbind()], group=group
+    )
+    (rows,) = [r for r in every if r is not None]  # one collecting rank per model-parallel group
+    return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
 
 
 def as_update(td: Any) -> Any:

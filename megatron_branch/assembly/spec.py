@@ -132,8 +132,6 @@ class RunSpec:
     one."""
     training: bool = False
     """An optimizer steps on the gradients (fp16 is refused then: rules.check_precision)."""
-    critic: bool = False
-    """A PPO critic trains beside the policy."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """A mixture-of-experts policy's router options."""
     init_seed: int = 0

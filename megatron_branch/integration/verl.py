@@ -114,7 +114,6 @@ def branch_engine_class(base: type, options: BranchOptions | None = None) -> typ
                 self.engine_config,
                 self.branch_options,
                 self.tf_config,
-                critic=getattr(self, "is_value_model", False),
                 moe=verl_moe.is_moe(self.tf_config),
             )
             if getattr(self, "is_value_model", False) and self.branch_options.schedule == "naive":

@@ -135,17 +135,24 @@ def r2_record(base: Any, micro_batches: list[Any], num_tokens: int) -> Any:
     if not tu.get_non_tensor_data(micro_batches[0], key="record_r2_routes", default=False):
         return None
     shape = (num_tokens, len(base.arch.moe_layers), base.config.moe_router_topk)
-    return RouteRecord(table=torch.full(shape, -1, dtype=torch.long))
+    columns = None
+    if (
+        base.config.pipeline_model_parallel_size > 1
+    ):  # this stage's MoE layers (megatron's global layer_number)
+        here = {layer.layer_number - 1 for layer in base.decoder.layers}
+        columns = tuple(c for c, layer in enumerate(base.arch.moe_layers) if layer in here)
+    return RouteRecord(table=torch.full(shape, -1, dtype=torch.long), columns=columns)
 
 
 def hand_r2_routes(record: Any, slots: Any, into: list[Any], device: Any) -> None:
     """The recorded routes in the form verl's `merge_router_topk_indices` appends per micro-batch to the engine's
     `mini_layer_topk_idx_list` (`into`; a jagged int16 tensor [B, j, MoE layers, k]); verl's
     forward_backward_batch merges them, restores the dynamic-batch order and returns them as `routed_experts`.
-    `device`: the model's (the TP reduction's)."""
+    `device`: the model's (the TP reduction's). Under pipeline parallelism a stage hands its own layers' columns
+    (RouteRecord.columns), as verl's recording does; verl joins the stages' (pp_gather)."""
     from megatron.core import parallel_state as ps
 
-    table = record.table
+    table = record.table if record.columns is None else record.table[:, list(record.columns)]
     tp = ps.get_tensor_model_parallel_group()
     if tp.size() > 1:  # under sequence parallel each TP rank routed its own rows
         table = table.to(device)

@@ -11,10 +11,15 @@ schedule returns them there.
 Refused, one line each, at engine start (the project's pipeline rules, rules/schedule.py `check_pipeline`, in
 verl's names): interleaved (virtual) stages (VPP: the tree schedules run one contiguous block of layers per
 stage; megatron's interleaved schedule would need the tree walk split across model chunks), the naive schedule,
-a layer count PP does not divide and the critic under PP. A mixture-of-experts or a hybrid (gated delta net) model:
-the project's own engine pipelines it (MoE at EP 1: tests/distributed/test_pipeline_moe.py), but verl's engine
-under PP (its router-loss scaling, R2/R3 records per stage, its hybrid path) is not shown with them, so the switch
-refuses them here.
+a layer count PP does not divide, and a mixture-of-experts model at expert parallel size > 1 (the project's
+pipeline runs MoE at EP 1 only). verl's value model (PPO's critic: its one-output head on the last stage) is
+pipelined like the policy (tests/distributed/test_pipeline_critic.py). A MoE model at EP 1 runs: each stage's
+router losses and routing replay under schedule/moe.py, verl's router replay R3 and R2 per stage (R2: each stage
+hands its own layers' records, verl_moe.r2_record, joined by verl's pp_gather); shown against verl's own PP path
+in tests/distributed/test_verl_pp_moe.py. A hybrid (gated delta net) model runs too (each stage's prefix cache
+holds its GDN layers' fork states), shown against per-rollout training in
+tests/distributed/test_verl_hybrid_parallel.py (verl's own path cannot pack GDN on CPU). verl's engine builds no
+Mamba-2 hybrid (its GPTModel path), so the rules' Mamba-2 refusal has no verl case.
 """
 
 from __future__ import annotations
@@ -29,9 +34,7 @@ from megatron_branch.spelling import VERL
 __all__ = ["refuse_pipeline"]
 
 
-def refuse_pipeline(
-    engine_config: Any, options: Any, tf_config: Any = None, *, critic: bool = False, moe: bool = False
-) -> None:
+def refuse_pipeline(engine_config: Any, options: Any, tf_config: Any = None, *, moe: bool = False) -> None:
     """One line (VerlBranchError) for what branch replay cannot pipeline; with `tf_config` (the built model),
     the model's kind too. A no-op without pipeline parallelism."""
     pp = engine_config.pipeline_model_parallel_size
@@ -44,15 +47,7 @@ def refuse_pipeline(
             num_layers=int(tf_config.num_layers),
             hybrid=getattr(tf_config, "experimental_attention_variant", None) is not None,
             moe=moe,
-            critic=critic,
-        )
-    hybrid = bool(kw.get("hybrid"))
-    if (moe or hybrid) and pp > 1:
-        kind = "a hybrid (gated delta net)" if hybrid else "a mixture-of-experts"
-        raise VerlBranchError(
-            f"branch replay in verl's engine: pipeline_model_parallel_size={pp}: {kind} model under pipeline "
-            "parallelism is not shown in verl's engine yet (the own engine runs it); use "
-            "pipeline_model_parallel_size=1"
+            ep=int(engine_config.expert_model_parallel_size),
         )
     # auto is checked as replay, what it falls back to (both picks pipeline; root pieces make it replay: verl_auto)
     schedule = "replay" if options.schedule == "auto" else options.schedule

@@ -82,6 +82,9 @@ class RouteRecord:
     experts ascending; under sequence parallel each TP rank writes its own rows (the caller combines them)."""
 
     table: torch.Tensor
+    columns: tuple[int, ...] | None = None
+    """The table's MoE-layer columns this pipeline stage routes (its own layers; verl records each stage's and
+    joins them over the stages, router_replay_utils.pp_gather); None: every column (no pipeline)."""
 
 
 @dataclass(kw_only=True)

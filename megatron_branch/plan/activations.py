@@ -101,10 +101,12 @@ class Dims:
     f32: int  # statistics bytes (max(e, 4))
     arch: ModelArch  # the family's extras and a hybrid's layer kinds (plan/layers.py)
     gdn_kernel: str = "fla"  # a GDN layer's delta-rule kernel: "fla" (GPU) or "torch"
-    pp: int = 1  # pipeline stages: this rank holds num_layers / pp of them (dense models; plan/pipeline.py)
+    pp: int = 1  # pipeline stages: this rank holds num_layers / pp of them (plan/pipeline.py)
     head: bool = True  # this rank's stage holds the final norm and the output layer (the last stage)
     cp: int = 1  # context parallel size: a GDN layer runs its head block over whole sequences
     latent: bool = False  # MLA's compact prefix cache (one rank per CP group; the ring carries per-head K/V)
+
+    stage: int | None = None  # under PP, the stage whose layers these are (None: an even share of each kind)
 
     @property
     def attn_layers(self) -> int:
@@ -112,10 +114,15 @@ class Dims:
         ring under CP; a Mamba hybrid's "*" blocks, plan/mamba.py)."""
         if self.arch.hybrid_override_pattern is not None:
             return self.arch.hybrid_override_pattern.count("*") // self.pp
+        if self.stage is not None:  # a GDN hybrid's stage: its own layers' kinds (megatron's even split)
+            return self.layers - self.linear_layers
         return self.arch.num_full_layers // self.pp
 
     @property
     def linear_layers(self) -> int:
+        if self.stage is not None and self.arch.hybrid_override_pattern is None:
+            first = self.stage * self.layers
+            return sum(self.arch.is_linear(i) for i in range(first, first + self.layers))
         return self.arch.num_linear_layers // self.pp
 
     moe_layers: int = 0  # MoE layers (the rest are dense), of either mixer kind

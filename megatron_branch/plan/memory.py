@@ -35,7 +35,11 @@ from megatron_branch.plan.activations import (
     ring_buffer_bytes,
 )
 from megatron_branch.plan.model import Layout, RolloutShape, parameter_count
-from megatron_branch.plan.pipeline import moe_stage_parameters_per_rank, stage_parameters_per_rank
+from megatron_branch.plan.pipeline import (
+    moe_stage_parameters_per_rank,
+    stage_parameters,
+    stage_parameters_per_rank,
+)
 
 ALLOCATOR_MARGIN_FRACTION = 0.08
 """Caching-allocator fragmentation allowance on top of the counted terms (a stated assumption, not measured)."""
@@ -46,12 +50,18 @@ ALLOCATOR_MARGIN_FIXED = 2 * 2**30
 
 
 def static_bytes(
-    arch: ModelArch, layout: Layout, *, distributed_optimizer: bool = True, param_bytes: int = 2
+    arch: ModelArch,
+    layout: Layout,
+    *,
+    distributed_optimizer: bool = True,
+    param_bytes: int = 2,
+    stage: int | None = None,
 ) -> dict[str, int]:
     """Weights (bf16: 2 B), gradients (fp32 main grads), optimizer state (fp32 master + Adam m, v) on one rank.
     A MoE model's routed experts are split over EP x expert TP (tp, or 1: every expert whole on each TP rank) and
     their optimizer state over the expert data-parallel group (tp / etp * cp * dp / ep); everything else over TP,
-    its optimizer state over DP x CP."""
+    its optimizer state over DP x CP. Under PP a rank holds its stage's parameters only (plan/pipeline.py):
+    `stage` (a dense model) that stage's, default the heavier stage's; the optimizer state shards those."""
     pc = parameter_count(arch)
     replicated = pc["replicated"]  # norms, routers, row-parallel biases are not TP-sharded
     experts = pc["experts"] // (layout.expert_tp * layout.ep)
@@ -63,8 +73,13 @@ def static_bytes(
     if layout.pp > 1 and arch.is_moe:  # the heaviest stage's layers, its routed experts (plan/pipeline.py)
         dense, experts = moe_stage_parameters_per_rank(arch, layout)
         per_rank = dense + experts
-    elif layout.pp > 1:  # the heavier end stage's layers and vocab x h (plan/pipeline.py; dense models)
-        per_rank = stage_parameters_per_rank(arch, layout)
+    elif layout.pp > 1:  # the stage's layers and vocab x h (plan/pipeline.py; dense models)
+        per_rank = dense = (
+            stage_parameters_per_rank(arch, layout)
+            if stage is None
+            else stage_parameters(arch, layout, stage)
+        )
+    assert stage is None or (layout.pp > 1 and not arch.is_moe), "a stage's bytes: dense models under PP"
     shard = layout.dp * layout.cp  # megatron's distributed optimizer shards over DP x CP
     state = (
         4 if param_bytes < 4 else 0
@@ -144,7 +159,7 @@ def step_peak(
         )  # fmt: skip
     dm = Dims.of(arch, layout, act_bytes, gdn_kernel=gdn_kernel)
     if stage is not None:
-        dm = dataclasses.replace(dm, head=stage == layout.pp - 1)
+        dm = dataclasses.replace(dm, head=stage == layout.pp - 1, stage=stage)
     alive = 1 if stage is None else layout.pp - stage  # micro-batches in flight on this stage (1F1B)
     cp = layout.cp
     seg_rc = layout.recompute in ("selective", "full") if segment_recompute is None else segment_recompute
@@ -319,6 +334,7 @@ def margin_bytes(counted: int) -> int:
 
 def heavier_stage_peak(arch: ModelArch, shape: RolloutShape, layout: Layout, **kw: Any) -> Peak:
     """The step's peak on the first and on the last pipeline stage (step_peak at `stage`), the
-    larger of the two."""
-    peaks = [step_peak(arch, shape, layout, stage=s, **kw) for s in (0, layout.pp - 1)]
+    larger of the two; a GDN hybrid's middle stages too (their layers' kinds may differ)."""
+    stages = range(layout.pp) if arch.is_hybrid else (0, layout.pp - 1)
+    peaks = [step_peak(arch, shape, layout, stage=s, **kw) for s in stages]
     return max(peaks, key=lambda p: p.saved + p.ring_buffers + p.logits)

@@ -4,7 +4,8 @@ the stage-to-stage messages in the step time, and which parallel axes cross node
 The stages as the engine runs them (schedule/pipeline.py; megatron's even split): stage r holds L/pp consecutive
 layers, the first stage the embedding, the last the final norm and the output layer (with tied embeddings the last
 stage holds a copy, so both end stages hold vocab x h). A rank's memory is its stage's: the planner reports the
-heavier of the first and the last stage (the middle ones hold less than both).
+heavier of the first and the last stage (the middle ones hold less than both), for a gated-delta-net hybrid the
+heaviest of all (each stage's layers priced by kind: a middle stage may hold dearer ones).
 
 Alive micro-batches (memory): megatron's 1F1B order keeps pp - r micro-batches of a wave in flight on stage r
 (the first stage the most), so the first stage holds min(pp, M) leaf micro-batches' activations beside the root's
@@ -42,7 +43,12 @@ from megatron_branch.plan.flops import (
     layer_matmul_flops_per_token,
     logits_flops_per_row,
 )
-from megatron_branch.plan.layers import attention_layer_params, expert_params, replicated_layer_params
+from megatron_branch.plan.layers import (
+    attention_layer_params,
+    expert_params,
+    gdn_layer_params,
+    replicated_layer_params,
+)
 from megatron_branch.plan.model import GPU, Layout, RolloutShape, parameter_count
 
 AXES = ("tp", "cp", "dp", "pp")
@@ -64,14 +70,32 @@ def link_bytes_per_s(gpu: GPU, layout: Layout, *axes: str) -> float:
     return (gpu.node_link_gbps if across else gpu.link_gbps) * 1e9
 
 
+def stage_parameters(arch: ModelArch, layout: Layout, stage: int) -> int:
+    """Parameters one rank of pipeline stage `stage` holds (a dense attention model), exactly as the engine builds
+    it (models/gpt.py): its L/pp layers (TP shards + replicated norms; a GDN hybrid's each by its kind), the embedding's padded vocabulary rows on
+    the first stage, the final norm and the output layer on the last (with tied embeddings the last stage's copy
+    of the embedding: megatron's shared output weight; so both end stages hold padded vocab x h / tp)."""
+    per_stage = arch.num_layers // layout.pp
+    layers = range(stage * per_stage, (stage + 1) * per_stage)
+    vocab = arch.padded_vocab_size(layout.tp) * arch.hidden_size // layout.tp
+    out = sum(_layer_parameters(arch, layout.tp, arch.is_linear(i)) for i in layers)
+    out += vocab if stage == 0 else 0
+    out += vocab + arch.hidden_size if stage == layout.pp - 1 else 0
+    return out
+
+
+def _layer_parameters(arch: ModelArch, tp: int, linear: bool) -> int:
+    """One layer's parameters on a TP rank: a full-attention or a gated-delta-net layer (plan/layers.py), its
+    norms (GDN: and out_norm) whole on every rank, the rest split over TP."""
+    whole = gdn_layer_params(arch) if linear else attention_layer_params(arch)
+    rep = replicated_layer_params(arch, linear)
+    return (whole - rep) // tp + rep
+
+
 def stage_parameters_per_rank(arch: ModelArch, layout: Layout) -> int:
-    """Parameters one rank of the heavier end stage holds: its L/pp layers (TP shards + replicated norms) and
-    vocab x h (the embedding on the first stage; the output layer, or a tied embedding's copy, on the last) plus
-    the final norm."""
-    per_layer = (attention_layer_params(arch) - replicated_layer_params(arch, False)) // layout.tp
-    per_layer += replicated_layer_params(arch, False)
-    vocab = arch.vocab_size * arch.hidden_size // layout.tp
-    return arch.num_layers // layout.pp * per_layer + vocab + arch.hidden_size
+    """Parameters one rank of the heaviest stage holds (`stage_parameters`; at PP1 the whole model's share): an end
+    stage, unless a hybrid's middle stage holds dearer layers."""
+    return max(stage_parameters(arch, layout, s) for s in range(layout.pp))
 
 
 def moe_stage_parameters_per_rank(arch: ModelArch, layout: Layout) -> tuple[int, int]:

@@ -26,7 +26,8 @@ Rules (a flag that would do nothing is refused, not ignored):
     stages split the layers            each stage holds num_layers / pp consecutive layers (megatron's even
                                        split)
     what the pipeline does not run     interleaved (virtual) stages, Mamba-2 hybrid models, a
-                                       mixture-of-experts model at EP > 1, the PPO critic: not pipelined yet
+                                       mixture-of-experts model at EP > 1: not pipelined yet (the PPO critic
+                                       is: its value head on the last stage)
     root pieces are the pipeline's     cutting replay's roots into sequence pieces (root_pieces > 1,
                                        data/pieces.py) fills the pipeline's stages; without pipeline parallelism
                                        the pieces would run one after another as the whole root does, and the
@@ -156,7 +157,7 @@ def check(spec: Any) -> None:
                 f"data-parallel group); use {w.value('grad_sync', 'ddp')} with {w.name(axis)}"
             )
         )
-    check_pipeline(s.name, pp=layout.pp, critic=spec.critic, root_pieces=s.root_pieces)
+    check_pipeline(s.name, pp=layout.pp, root_pieces=s.root_pieces)
     if spec.arch is not None:
         check_model(spec)
 
@@ -166,7 +167,7 @@ def check_model(spec: Any) -> None:
     a hybrid's schedules and CP split (check_hybrid_run), the mixture-of-experts rules."""
     s, layout, arch, m = spec.schedule, spec.layout, spec.arch, spec.moe
     check_pipeline(
-        s.name, pp=layout.pp, num_layers=arch.num_layers, moe=arch.is_moe, ep=layout.ep, critic=spec.critic,
+        s.name, pp=layout.pp, num_layers=arch.num_layers, moe=arch.is_moe, ep=layout.ep,
         ep_spans_dp=layout.ep_spans_dp,
         hybrid=arch.is_hybrid, mamba=bool(arch.hybrid_override_pattern), root_pieces=s.root_pieces,
     )  # fmt: skip

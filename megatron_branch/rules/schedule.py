@@ -107,10 +107,9 @@ def check_pipeline(
     num_layers: int | None = None,
     virtual: int | None = None,
     hybrid: bool = False,
-    critic: bool = False,
     moe: bool = False,
     ep: int = 1,
-    ep_spans_dp: bool = False,
+    ep_spans_dp: bool | None = None,
     mamba: bool = False,
     planner: bool = False,
     root_pieces: int = 1,
@@ -122,9 +121,11 @@ def check_pipeline(
     experts split over `ep` ranks when each EP group stays inside one data-parallel replica (EP over the CP ranks:
     tests/distributed/test_pipeline_moe.py); `ep_spans_dp` (an EP group holds ranks of different replicas) is
     refused: the replicas' lockstep (parallel/lockstep.py) agrees over all ranks at every model call, while a
-    pipeline stage waits on its neighbour stage's sends, so the two would wait on each other. A `hybrid`
-    (gated delta net) model pipelines too (each stage's prefix cache holds its GDN layers' fork states), but the
-    planner (`planner`: the caller is plan/) does not price its stages; a Mamba-2 hybrid (`mamba`) is not shown."""
+    pipeline stage waits on its neighbour stage's sends, so the two would wait on each other; None (a caller that
+    does not tell, verl's engine) keeps EP > 1 under PP refused there (not shown). A `hybrid`
+    (gated delta net) model pipelines too (each stage's prefix cache holds its GDN layers' fork states); the
+    planner (`planner`: the caller is plan/) prices a dense hybrid's stages by layer kind, not a MoE hybrid's; a
+    Mamba-2 hybrid (`mamba`) is not shown."""
     if root_pieces < 1:
         raise SettingError(
             lambda s: f"{s.name('root_pieces')} must be a positive number of pieces, got {root_pieces}"
@@ -173,16 +174,20 @@ def check_pipeline(
                 f"use {s.value('pp', 1)}"
             )
         )
-    if hybrid and planner:
+    if hybrid and moe and planner:
         raise SettingError(
             lambda s: (
-                f"{s.value('pp', pp)}: the planner does not price a hybrid (gated delta net) model's pipeline "
-                f"stages yet (plan/pipeline.py counts attention layers per stage); use {s.value('pp', 1)}"
+                f"{s.value('pp', pp)}: the planner does not price a mixture-of-experts hybrid (gated delta net) "
+                f"model's pipeline stages yet (plan/pipeline.py prices a dense hybrid's stages by layer kind); "
+                f"use {s.value('pp', 1)}"
             )
         )
-    if critic:
+    if moe and ep > 1 and ep_spans_dp is None:
         raise SettingError(
-            lambda s: f"{s.value('pp', pp)}: the PPO critic is not pipelined yet; use {s.value('pp', 1)}"
+            lambda s: (
+                f"{s.value('pp', pp)} with {s.value('ep', ep)}: expert parallelism under pipeline parallelism is "
+                f"not shown here yet (a mixture-of-experts model pipelines with {s.value('ep', 1)}); use one of them"
+            )
         )
     if moe and ep > 1 and ep_spans_dp:
         raise SettingError(

@@ -47,7 +47,8 @@ replay's pipeline with the fair baseline's under the same PP (benchmarks/pipelin
 
 The loss is computed on the last stage only; at the end the last stage's loss, metric statistics and kept
 logprobs/entropies are broadcast over the pipeline group, so every stage returns the same StepResult (as every TP
-rank does). Parameter gradients stay on the stage that owns the parameter; the tied embedding's two copies are
+rank does). A critic (models/critic.py) runs the same program: its value head on the last stage, whose values
+stand where the policy's logprobs do. Parameter gradients stay on the stage that owns the parameter; the tied embedding's two copies are
 summed by megatron's embedding-group reduction (finalize_model_grads, or parallel/grads.py).
 """
 
@@ -261,7 +262,6 @@ def check_pipeline_step(name: str, model: torch.nn.Module, opts: ScheduleOptions
             moe=bool(getattr(arch, "is_moe", False)),
             ep=opts.groups.ep_size,
             ep_spans_dp=opts.groups.ep_spans_dp,
-            critic=bool(getattr(_unwrap(model), "is_critic", False)),
             root_pieces=opts.root_pieces,
         )
     except SettingError as e:

@@ -116,13 +116,15 @@ class Actor:
             self.critic = self._build_critic(model, updates)
 
     def _build_critic(self, policy: torch.nn.Module, updates: int) -> Trainee:
-        """The critic starts from the policy's weights (its trunk; a fresh value head)."""
+        """The critic starts from the policy's weights (its trunk; a fresh value head), stage by stage under PP
+        (the head on the last stage)."""
         from megatron_branch.models import build_critic
 
         g = self.groups
         critic = build_critic(
             self.arch, dtype=self.dtype, tp=g.tp_size, sequence_parallel=g.sequence_parallel,
-            head_seed=self.cfg.trainer.seed, init_weights=False, ep=g.ep_size,
+            head_seed=self.cfg.trainer.seed, init_weights=False, ep=g.ep_size, etp=g.etp_size, pp=g.pp_size,
+            pp_rank=g.pp_rank,
         )  # fmt: skip
         missing, unexpected = critic.load_state_dict(policy.state_dict(), strict=False)
         assert not unexpected and all(k.startswith("value_head.") for k in missing), (missing, unexpected)

@@ -206,7 +206,7 @@ def run_spec(cfg: Any, arch: ModelArch | None = None) -> RunSpec:
         schedule = dataclasses.replace(schedule, name="replay")
     return RunSpec(
         hf_path=cfg.model.hf_path, arch=arch, layout=cfg.parallel, schedule=schedule, objective=cfg.actor,
-        dtype=cfg.model.dtype, training=True, critic=resolve_algorithm(cfg).trains_critic, moe=cfg.moe,
+        dtype=cfg.model.dtype, training=True, moe=cfg.moe,
         init_seed=cfg.model.init_seed,
     )  # fmt: skip
 

@@ -77,6 +77,19 @@ def _pp_grads(
     **options: Any,
 ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     """(global metrics, whole-model gradients by HF name) of one gradient pass (accumulate + finalize)."""
+    metrics, full = pp_pass(model, rollouts, objective, groups, schedule, **options)
+    return metrics, mcore_to_hf_state(full, ModelArch.from_hf_config(hf.config))
+
+
+def pp_pass(
+    model: torch.nn.Module,
+    rollouts: list[Rollout],
+    objective: object,
+    groups: ParallelGroups,
+    schedule: str,
+    **options: Any,
+) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """(global metrics, whole-model gradients by megatron name) of one gradient pass (accumulate + finalize)."""
     from megatron_branch.update import UpdatePlan, accumulate_gradients, finalize, reduce_metrics
 
     kw = {"branch_micro_batch": 2, **options} if schedule == "replay" else options
@@ -87,8 +100,7 @@ def _pp_grads(
     model.zero_grad(set_to_none=True)
     acc = accumulate_gradients(model, rollouts, objective, plan)  # type: ignore[arg-type]
     finalize(model, plan)  # SP norms over TP, SUM over DP x CP, the tied embedding over its two stages
-    arch = ModelArch.from_hf_config(hf.config)
-    return reduce_metrics(acc, objective, groups), mcore_to_hf_state(gather_model_grads(model, groups), arch)
+    return reduce_metrics(acc, objective, groups), gather_model_grads(model, groups)
 
 
 def _worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:

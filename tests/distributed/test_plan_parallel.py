@@ -5,6 +5,9 @@ python tests/distributed/launch.py 2 -k plan
 
 from __future__ import annotations
 
+import dataclasses
+from unittest import mock
+
 import pytest
 import torch
 
@@ -272,3 +275,84 @@ def test_moe_at_tp2_etp1_matches_the_meter_and_the_model(family: str) -> None:
     assert pk.saved == pytest.approx(got.saved_peak, rel=0.05), (family, pk, got)
     wrong = step_peak(a, shape, ignored, **kw)
     assert abs(wrong.saved - got.saved_peak) > 0.05 * got.saved_peak, (family, wrong, got)
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_planner_static_bytes_match_the_built_stage_pp2(tied: bool) -> None:
+    """Each pipeline stage's parameters, fp32 main grads and optimizer state (fp32 master copy + Adam m, v), plain
+    and distributed, exactly (bytes) against the bf16 stage the engine builds under megatron's DDP and optimizer:
+    the first stage its layer and the embedding, the last its layer, the final norm and the output layer (tied: the
+    embedding's copy). Planted: the whole model's optimizer state (what static_bytes charged a dense stage's
+    distributed optimizer before) is off on both stages."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_branch.plan.memory import static_bytes
+    from megatron_branch.train.policy import Trainee
+    from megatron_branch.update import OptimizerSettings
+    from megatron_branch.update.optimizer import inner_optimizers
+
+    groups = initialize_parallel(ParallelConfig(pp=2))
+    a = dataclasses.replace(arch(), tie_word_embeddings=tied)
+    pgc = ProcessGroupCollection.use_mpu_process_groups()
+    whole = static_bytes(a, Layout(), param_bytes=2)
+    for distributed in (False, True):
+        torch.manual_seed(0)
+        model = build_model(a, dtype=torch.bfloat16, pp=2, pp_rank=groups.pp_rank)
+        settings = OptimizerSettings(lr=1e-3, use_distributed_optimizer=distributed)
+        trainee = Trainee(model, dtype=torch.bfloat16, settings=settings, pgc=pgc)
+        trainee.ddp.zero_grad_buffer()
+        trainee.optimizer.step()  # Adam's moments exist after a step
+        (inner,) = inner_optimizers(trainee.optimizer)
+        masters = [p for g in inner.optimizer.param_groups for p in g["params"]]
+        moments = [t for p in masters for k, t in inner.optimizer.state[p].items() if k != "step"]
+        got = {
+            "parameters": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "gradients": sum(p.main_grad.numel() * p.main_grad.element_size() for p in model.parameters()),
+            "optimizer_state": sum(t.numel() * t.element_size() for t in masters + moments),
+        }
+        st = static_bytes(a, Layout(pp=2), param_bytes=2, stage=groups.pp_rank,
+                          distributed_optimizer=distributed)  # fmt: skip
+        assert {k: st[k] for k in got} == got, (groups.pp_rank, distributed, st, got)
+        assert len(moments) == 2 * len(masters) and all(t.dtype == torch.float32 for t in masters + moments)
+        assert whole["optimizer_state"] != got["optimizer_state"]  # planted: the whole model's state
+    # the heavier stage (the default): the last, which holds the final norm besides the same vocab x h
+    last = static_bytes(a, Layout(pp=2), param_bytes=2, stage=1)
+    assert static_bytes(a, Layout(pp=2), param_bytes=2) == last
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "segment_recompute"])
+def test_hybrid_stage_bytes_match_the_meter_pp2(recompute: bool) -> None:
+    """A Qwen3.5-style hybrid (3 GDN + 1 attention layers) at PP2: the first stage holds two GDN layers, the last a
+    GDN and the attention layer. Each stage's saved bytes against the meter on that stage, its cache exactly (its
+    own K/V rows and GDN fork states), its parameters exactly. Planted: an even share of each kind per stage (what
+    the planner had: 0 attention layers and 1 GDN layer per stage) misses both stages by more than 5%."""
+    from megatron_branch.plan.activations import linear_state_bytes
+    from megatron_branch.plan.pipeline import stage_parameters
+    from megatron_branch.testing import tiny_hf_config
+
+    groups = initialize_parallel(ParallelConfig(pp=2))
+    a = ModelArch.from_hf_config(tiny_hf_config("qwen3_5", num_layers=4, hidden_size=32, ffn=64))
+    assert [a.is_linear(i) for i in range(4)] == [True, True, True, False]
+    torch.manual_seed(0)
+    model = build_model(a, dtype=torch.float32, pp=2, pp_rank=groups.pp_rank)
+    layout = Layout(pp=2)
+    assert sum(p.numel() for p in model.parameters()) == stage_parameters(a, layout, groups.pp_rank)
+    shape = RolloutShape(prompt_length=96, responses=4, response_length=12, shared_response_length=2)
+    got = measure_step(model, shape, vocab=VOCAB, branch_micro_batch=2, recompute=recompute, groups=groups)
+    kw = {"act_bytes": 4, "branch_micro_batch": 2, "segment_recompute": recompute, "layer_recompute": False,
+          "gdn_kernel": "torch"}  # fmt: skip
+    pk = step_peak(a, shape, layout, stage=groups.pp_rank, **kw)
+    assert pk.saved == pytest.approx(got.saved_peak, rel=0.05), (groups.pp_rank, pk, got)
+    dm = Dims.of(a, layout, 4, gdn_kernel="torch")
+    full, linear = (0, 2) if groups.pp_rank == 0 else (1, 1)
+    rows = local_rows(shape.root_length, 1, layout)
+    assert got.cached_kv == full * layer_kv_bytes(dm, rows) + linear * linear_state_bytes(dm)
+    # planted: each kind shared evenly over the stages (num_full_layers // pp, num_linear_layers // pp)
+    with (
+        mock.patch.object(Dims, "attn_layers", property(lambda d: d.arch.num_full_layers // d.pp)),
+        mock.patch.object(Dims, "linear_layers", property(lambda d: d.arch.num_linear_layers // d.pp)),
+    ):
+        even = step_peak(a, shape, layout, stage=groups.pp_rank, **kw)
+    assert abs(even.saved - got.saved_peak) > 0.05 * got.saved_peak, (groups.pp_rank, even, got)

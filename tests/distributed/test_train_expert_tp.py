@@ -11,6 +11,7 @@ loss and grad norm every step on every rank, the same parameters at the end (1e-
 resumed equals the uninterrupted one. Planted: megatron's grad norm left as megatron-core 0.16.1 computes it for whole
 experts (models/expert_tp.py count_whole_experts_in_grad_norm undone): TP rank 1 of the plain optimizer counts no
 expert (its norm, and so its clipping, differ from rank 0's), the distributed optimizer drops TP rank 1's shards.
+PPO's critic at etp=1 equals the critic at etp = tp (2 steps).
 """
 
 from __future__ import annotations
@@ -109,6 +110,33 @@ def test_train_with_whole_experts_equals_experts_split_over_tp(hf_dir, optimizer
         _run(_cfg(hf, d / "part", *TP2, "parallel.etp=1", *opt, "trainer.total_training_steps=2"), save=True)
         again = _run(_cfg(hf, d / "part", *TP2, "parallel.etp=1", *opt, *steps, "trainer.resume_mode=auto"))
         _same_run(again, (whole[0][2:], whole[1], 1))
+
+
+@pytest.mark.world(2)
+def test_ppo_critic_with_whole_experts_equals_experts_split_over_tp(hf_dir) -> None:  # noqa: ANN001
+    """PPO's critic (a MoE trunk like the policy's) built at the run's expert TP: 2 PPO steps at parallel.etp=1 equal
+    the run at etp = tp (tokens, both losses and grad norms, every critic parameter; before: an AssertionError on
+    every rank, the critic built for expert TP 2 in a world whose experts' TP group has 1 rank)."""
+    from megatron_branch.checkpoint.tp import gather_full_state
+    from megatron_branch.train.models import unwrap
+
+    d, hf = hf_dir
+    ppo = ["algorithm.name=ppo", "algorithm.lam=0.95", "trainer.total_training_steps=2"]
+    runs = []
+    for name, etp in (("split", []), ("whole", ["parallel.etp=1"])):
+        tr, rows = run_steps(_cfg(hf, d / f"ppo_{name}", *TP2, *etp, *ppo))
+        critic = gather_full_state(unwrap(tr.actor.critic.model), tr.groups.tp, tr.groups.ep)
+        runs.append((rows, critic, tr.groups.etp_size))
+    (split, a, e_split), (whole, b, e_whole) = runs
+    assert (e_whole, e_split) == (1, 2)
+    assert [r["_tokens"] for r in whole] == [r["_tokens"] for r in split]
+    for r, w in zip(whole, split, strict=True):
+        for k in ("actor/grad_norm", "critic/vf_loss", "critic/grad_norm"):
+            assert _rel(r[k], w[k]) <= 1e-9, (r["step"], k)
+        assert w["critic/grad_norm"] > 0
+    assert set(a) == set(b)
+    for n in a:
+        assert ((b[n] - a[n]).norm() / a[n].norm().clamp(min=1e-30)) <= 1e-9, n
 
 
 @pytest.mark.world(2)

@@ -1,5 +1,5 @@
-"""A Qwen3.5 hybrid (gated delta net layers) inside verl's MegatronEngine with the branch-replay switch at TP2 + SP
-and at CP2 (gloo, CPU), through verl's TrainingWorker with dynamic batch size.
+"""A Qwen3.5 hybrid (gated delta net layers) inside verl's MegatronEngine with the branch-replay switch at TP2 + SP,
+at CP2 and at PP2 (gloo, CPU), through verl's TrainingWorker with dynamic batch size.
 
 verl's own path cannot run a hybrid on CPU (megatron-core's GatedDeltaNet has no packed-sequence support; verl's
 remove-padding path packs), so the reference is per-rollout training of the same batch through verl's loss: the
@@ -44,7 +44,9 @@ from verl_helpers import (  # noqa: E402
 BOUND = 1e-5
 
 
-def _step(hf: str, schedule: str, *, tp: int = 1, cp: int = 1) -> tuple[StepOut, dict[str, torch.Tensor]]:
+def _step(
+    hf: str, schedule: str, *, tp: int = 1, cp: int = 1, pp: int = 1, walk: dict | None = None
+) -> tuple[StepOut, dict[str, torch.Tensor]]:
     """One compute_log_prob + update through the switch with `schedule`; also every parameter's full gradient
     (gathered over TP) at the optimizer step."""
     from megatron.core import parallel_state as ps
@@ -56,9 +58,9 @@ def _step(hf: str, schedule: str, *, tp: int = 1, cp: int = 1) -> tuple[StepOut,
 
     use_cpu_platform()
     register_cpu_engine()  # the switch subclasses the engine registered for this device
-    set_switch(True, BranchOptions(schedule=schedule))
+    set_switch(True, BranchOptions(schedule=schedule, schedule_options=walk or {}))
     try:
-        worker = make_worker(hf, tp=tp, cp=cp, dynamic_bsz=True)
+        worker = make_worker(hf, tp=tp, cp=cp, pp=pp, dynamic_bsz=True)
         engine, full = worker.engine, {}
         step = engine.optimizer_step
 
@@ -114,3 +116,68 @@ def test_verl_hybrid_switch_equals_per_rollout_tp2_sp_and_cp2() -> None:
     err, name = _max_rel(ref_full, cp2_full)
     assert err <= BOUND, f"cp2 rank {dist.get_rank()} {name}: {err:.2e}"
     assert any(n.endswith("self_attention.A_log") for n in cp2_full)
+
+
+def _global_names(grads: dict[str, torch.Tensor], offset: int) -> dict[str, torch.Tensor]:
+    """A stage's gradients under the model's layer numbers (megatron numbers a stage's layers from 0)."""
+    out = {}
+    for name, g in grads.items():
+        parts = name.split(".")
+        if "layers" in parts:
+            i = parts.index("layers") + 1
+            parts[i] = str(int(parts[i]) + offset)
+        out[".".join(parts)] = g
+    return out
+
+
+@pytest.mark.world(2)
+def test_verl_hybrid_pp2_equals_per_rollout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Qwen3.5 hybrid (GDN, attention, GDN, attention) at PP2, each stage one GDN and one attention layer, with
+    the switch's replay (chunks off: the tiny batch would otherwise be one chunk, no prefix cache; each stage's
+    cache holds its GDN layer's fork states) and packed: logprobs and entropies on the last stage, and every
+    parameter's gradient on each stage equal the per-rollout reference (naive at TP2 + SP, gradients gathered over
+    TP); verl's own PP path cannot run a hybrid on CPU (module doc). Planted: the first stage's GDN fork states
+    receiving none of their branches' gradients fails on that stage, the last stage passing."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_branch.models.gdn_tree import GDN_STATE
+    from megatron_branch.parallel.groups import destroy_parallel
+    from megatron_branch.schedule.prefix_cache import PrefixCache
+
+    os.environ.setdefault("MASTER_PORT", "0")
+    hf = shared_policy_dir(
+        family="qwen3_5", num_layers=4, layer_types=["linear_attention", "full_attention"] * 2
+    )
+    ref, ref_full = _step(hf, "naive", tp=2)
+    want = _collected(ref)
+    walk = {"chunk_tokens": None}
+
+    def pp2(schedule: str) -> tuple[StepOut, float]:
+        destroy_parallel()  # verl's engine keeps megatron's groups when they exist (the reference's TP2)
+        tree, full = _step(hf, schedule, pp=2, walk=walk if schedule == "replay" else None)
+        assert ps.get_pipeline_model_parallel_world_size() == 2
+        stage = _global_names(full, offset=2 * ps.get_pipeline_model_parallel_rank())
+        assert any(n.endswith("self_attention.A_log") for n in stage)  # each stage holds a GDN layer
+        return tree, _max_rel({k: ref_full[k] for k in stage}, stage)[0]
+
+    for schedule in ("replay", "packed"):
+        tree, err = pp2(schedule)
+        got = _collected(tree)
+        torch.testing.assert_close(got[0], want[0], rtol=BOUND, atol=BOUND, msg=schedule)
+        torch.testing.assert_close(got[1], want[1], rtol=BOUND, atol=BOUND, msg=schedule)
+        assert err <= BOUND, f"pp2 {schedule} stage {dist.get_rank()}: {err:.2e}"
+
+    injection = PrefixCache.injection
+
+    def without_gdn(self: Any, seg_id: int, captured: Any) -> Any:
+        if dist.get_rank() == 0:
+            captured = {k: h for k, h in captured.items() if h.kind is not GDN_STATE}
+        return injection(self, seg_id, captured)
+
+    monkeypatch.setattr(PrefixCache, "injection", without_gdn)
+    _, err = pp2("replay")
+    monkeypatch.undo()
+    every = torch.zeros(2, dtype=torch.float64)
+    every[dist.get_rank()] = err
+    dist.all_reduce(every)
+    assert every[0] > 100 * BOUND and every[1] <= BOUND, every

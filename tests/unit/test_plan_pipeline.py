@@ -19,13 +19,14 @@ from megatron_branch.plan.flops import (
     layer_matmul_flops_per_token,
     logits_flops_per_row,
 )
-from megatron_branch.plan.memory import step_peak
+from megatron_branch.plan.memory import static_bytes, step_peak
 from megatron_branch.plan.model import parameter_count
 from megatron_branch.plan.pipeline import (
     crosses_nodes,
     piece_flops,
     root_flops,
     root_pieces_searched,
+    stage_parameters,
     stage_parameters_per_rank,
 )
 
@@ -49,6 +50,42 @@ def test_a_stage_holds_its_layers_and_one_vocabulary_matrix() -> None:
         stage_parameters_per_rank(ARCH, Layout(tp=8, pp=2))
         < stage_parameters_per_rank(ARCH, Layout(tp=8)) / 1.8
     )
+
+
+def test_the_stages_split_the_model_and_its_optimizer_state() -> None:
+    """An untied model's stages hold, together, exactly the one-stage rank's parameters (the vocabulary padded to a
+    multiple of TP included; 151665 rows pad at TP8); the distributed optimizer shards a STAGE's state over DP x CP
+    (each bytes term exact against the built stage: tests/distributed/test_plan_parallel.py). Planted: at DP1 the
+    distributed and the plain optimizer hold the same state (the whole model's was charged before)."""
+    arch = dataclasses.replace(ARCH, vocab_size=151665)
+    assert not arch.tie_word_embeddings and arch.padded_vocab_size(8) != arch.vocab_size
+    for tp in (1, 8):
+        for pp in (2, 4):
+            stages = [stage_parameters(arch, Layout(tp=tp, pp=pp), s) for s in range(pp)]
+            assert sum(stages) == static_bytes(arch, Layout(tp=tp))["parameters_per_rank"]
+            assert stage_parameters_per_rank(arch, Layout(tp=tp, pp=pp)) == stages[-1] > stages[0]
+            if pp > 2:  # the middle stages: layers only
+                assert stages[0] > stages[1]
+    for dp in (1, 4):
+        st = static_bytes(arch, Layout(tp=8, pp=2, dp=dp))
+        assert st["optimizer_state_distributed"] * dp == st["optimizer_state_no_distributed"]
+        assert st["optimizer_state_no_distributed"] == 12 * st["parameters_per_rank"]
+
+
+def test_a_gdn_hybrids_stages_are_priced_by_layer_kind(capsys: pytest.CaptureFixture[str]) -> None:
+    """qwen3.6-27b (48 GDN + 16 attention layers, untied) at PP2 / PP4: the stages' parameters, each layer by its
+    kind, add up to the one-stage rank's at TP1 and TP4; `plan --pp 2` prints a plan (the refusal lifted; each
+    stage's bytes against the meter: tests/distributed/test_plan_parallel.py)."""
+    arch = MODEL_PRESETS["qwen3.6-27b"]
+    assert arch.is_hybrid and not arch.is_moe and not arch.tie_word_embeddings
+    for tp in (1, 4):
+        for pp in (2, 4):
+            stages = [stage_parameters(arch, Layout(tp=tp, pp=pp), s) for s in range(pp)]
+            assert sum(stages) == static_bytes(arch, Layout(tp=tp))["parameters_per_rank"]
+    shape = "--prompt-length 32768 --responses 16 --response-length 2048 --gpus 8 --gpu h100"
+    assert main(["plan", "--model", "qwen3.6-27b", "--pp", "2", *shape.split(), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["layout"]["pp"] == 2 and out["fits"], out
 
 
 def test_the_first_stage_holds_the_micro_batches_1f1b_keeps_alive() -> None:
@@ -195,8 +232,8 @@ def test_pipeline_refusals_in_the_planner(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_what_the_pipeline_does_not_run_is_refused_in_one_line() -> None:
-    """rules.check_pipeline: MoE with EP groups across replicas (EP inside a replica runs), Mamba-2 hybrids (GDN hybrids run; the planner
-    does not price them), the critic, interleaved stages
+    """rules.check_pipeline: MoE with EP groups across replicas (EP inside a replica runs), Mamba-2 hybrids (GDN
+    hybrids run; the planner prices a dense hybrid's stages, not a MoE hybrid's), interleaved stages
     (the same rule every entry point calls; grad and train show the schedule and layer rules:
     tests/unit/test_rules.py)."""
     from megatron_branch.errors import SettingError
@@ -204,9 +241,15 @@ def test_what_the_pipeline_does_not_run_is_refused_in_one_line() -> None:
 
     for kw, says in (
         ({"moe": True, "ep": 2, "ep_spans_dp": True}, "--pp 2 with --ep 2 across data-parallel replicas"),
+        (
+            {"moe": True, "ep": 2},
+            "--pp 2 with --ep 2: expert parallelism under pipeline parallelism is not shown",
+        ),
         ({"mamba": True}, "--pp 2: pipeline parallelism cannot run a Mamba-2 hybrid model yet"),
-        ({"hybrid": True, "planner": True}, "--pp 2: the planner does not price a hybrid (gated delta net)"),
-        ({"critic": True}, "--pp 2: the PPO critic is not pipelined yet"),
+        (
+            {"hybrid": True, "moe": True, "planner": True},
+            "--pp 2: the planner does not price a mixture-of-experts hybrid (gated delta net)",
+        ),
         ({"virtual": 2}, "--vp 2: interleaved (virtual) pipeline stages are not supported"),
     ):
         with pytest.raises(SettingError) as e:
@@ -214,8 +257,9 @@ def test_what_the_pipeline_does_not_run_is_refused_in_one_line() -> None:
         assert str(e.value).startswith(says) and "\n" not in str(e.value), str(e.value)
     check_pipeline("naive", pp=1, num_layers=3)  # nothing to refuse without PP
     check_pipeline("replay", pp=2, num_layers=4, moe=True)  # EP1: tests/distributed/test_pipeline_moe.py
-    check_pipeline("replay", pp=2, num_layers=4, moe=True, ep=2)  # EP over CP ranks: the same file
+    check_pipeline("replay", pp=2, num_layers=4, moe=True, ep=2, ep_spans_dp=False)  # EP inside a replica
     check_pipeline("replay", pp=2, num_layers=4, hybrid=True)  # GDN: the engine runs it (same file)
+    check_pipeline("replay", pp=2, num_layers=4, hybrid=True, planner=True)  # a dense hybrid's stages priced
 
 
 @pytest.mark.parametrize(

@@ -158,7 +158,6 @@ def test_rule_through_train(rule: str) -> None:
             ["schedule.name=replay-stopgrad", "parallel.cp=2"],
             "schedule.name=replay-stopgrad has no context par",
         ),
-        (["parallel.pp=2", "algorithm.name=ppo"], "parallel.pp=2: the PPO critic is not pipelined yet"),
         (["parallel.ep=2"], "parallel.ep / moe.* need a mixture-of-experts model"),  # a dense policy
         (["rollout.n=1"], "rollout.n=1 with algorithm.name=grpo"),
         (
@@ -178,10 +177,18 @@ def test_rule_through_train(rule: str) -> None:
     ],
 )
 def test_train_only_rules(overrides: list[str], says: str) -> None:
-    """Rules with no grad flag (the pipelined critic, expert sizes, advantage estimators, plugins of the config)."""
+    """Rules with no grad flag (expert sizes, advantage estimators, plugins of the config)."""
     with pytest.raises(UserError) as e:
         load_config(None, [*TRAIN_BASE, *overrides])
     assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_ppo_critic_under_pipeline_parallelism_is_accepted() -> None:
+    """The critic is pipelined like the policy (tests/distributed/test_pipeline_critic.py): no refusal."""
+    from megatron_branch.train.algorithm import resolve_algorithm
+
+    cfg = load_config(None, [*TRAIN_BASE, "parallel.pp=2", "algorithm.name=ppo"])
+    assert cfg.parallel.pp == 2 and resolve_algorithm(cfg).trains_critic
 
 
 def test_world_rule_through_the_layout() -> None:

@@ -26,6 +26,7 @@ ENGINE = SimpleNamespace(
     dynamic_context_parallel=False,
     pipeline_model_parallel_size=1,
     virtual_pipeline_model_parallel_size=None,
+    expert_model_parallel_size=1,
     use_fused_kernels=False,
     use_remove_padding=True,
 )
@@ -209,14 +210,13 @@ def test_cp_loss_scaling_follows_megatrons_schedule() -> None:
         ),
         ({}, dict(schedule="naive"), None, r"BranchOptions.schedule=naive has no pipeline parallelism"),
         ({}, {}, dict(num_layers=3), r"pipeline_model_parallel_size=2 does not divide the model's 3 layers"),
-        ({}, {}, dict(moe=True), r"a mixture-of-experts model under pipeline parallelism is not shown"),
         (
+            dict(expert_model_parallel_size=2),
             {},
-            {},
-            dict(variant="gated_delta_net"),
-            r"a hybrid \(gated delta net\) model under pipeline parallelism",
+            dict(moe=True),
+            r"pipeline_model_parallel_size=2 with actor_rollout_ref.actor.megatron.expert_model_parallel_size=2: "
+            r"expert parallelism under pipeline parallelism is not shown",
         ),
-        ({}, {}, dict(critic=True), r"the PPO critic is not pipelined yet"),
     ],
 )
 def test_pipeline_refusals_in_verls_names(
@@ -234,10 +234,24 @@ def test_pipeline_refusals_in_verls_names(
         tf_config = SimpleNamespace(
             num_layers=model.get("num_layers", 2), experimental_attention_variant=model.get("variant")
         )
-        kw = dict(moe=model.get("moe", False), critic=model.get("critic", False))
+        kw = dict(moe=model.get("moe", False))
     with pytest.raises(VerlBranchError, match=message) as e:
         refuse_pipeline(config, BranchOptions(**options), tf_config, **kw)
     assert str(e.value).startswith("branch replay in verl's engine: ") and "\n" not in str(e.value)
+
+
+def test_pipeline_runs_a_moe_model_at_ep1_and_a_hybrid() -> None:
+    """A mixture-of-experts policy at PP2 and EP1 is not refused (tests/distributed/test_verl_pp_moe.py runs it
+    against verl's own PP path; the same at EP2 is, the case above), nor a gated-delta-net hybrid
+    (tests/distributed/test_verl_hybrid_parallel.py)."""
+    from megatron_branch.integration.verl import BranchOptions
+    from megatron_branch.integration.verl_pp import refuse_pipeline
+
+    config = SimpleNamespace(**{**vars(ENGINE), "pipeline_model_parallel_size": 2})
+    tf_config = SimpleNamespace(num_layers=2, experimental_attention_variant=None)
+    refuse_pipeline(config, BranchOptions(), tf_config, moe=True)
+    hybrid = SimpleNamespace(num_layers=2, experimental_attention_variant="gated_delta_net")
+    refuse_pipeline(config, BranchOptions(), hybrid)
     ok = SimpleNamespace(**{**vars(ENGINE), "pipeline_model_parallel_size": 2})
     # the default (auto) is checked as replay, with root pieces too
     for fine in (BranchOptions(), BranchOptions(schedule_options={"root_pieces": 4})):
