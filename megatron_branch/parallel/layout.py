@@ -77,6 +77,14 @@ class ParallelLayout:
         return self.tp if self.etp is None else self.etp
 
     @property
+    def ep_spans_dp(self) -> bool:
+        """Some EP group holds ranks of different data-parallel replicas: megatron lays the expert groups
+        (etp x ep x edp, etp fastest) over a stage's tp x cp x dp ranks (tp fastest), so an EP group stays inside
+        one replica's tp x cp ranks exactly when ep * etp divides tp * cp (parallel/groups.py measures the same
+        on the built groups)."""
+        return self.ep > 1 and (self.tp * self.cp) % (self.ep * self.expert_tp) != 0
+
+    @property
     def sp(self) -> bool:
         """Sequence parallel in effect (it needs a TP group to shard over)."""
         return self.sequence_parallel and self.tp > 1

@@ -49,7 +49,8 @@ def candidate_layouts(
                 if (dp and d != dp) or d > shape.prompts:
                     continue
                 for e in _expert_parallel_sizes(arch, t, c * d, ep, etp):
-                    if p > 1 and e > 1 and not _runs_experts_piped(schedule, p, e, arch):
+                    piped = Layout(tp=t, cp=c, dp=d, pp=p, ep=e, etp=etp)
+                    if p > 1 and e > 1 and not _runs_experts_piped(schedule, piped, arch):
                         continue
                     for rc in (recompute,) if recompute else RECOMPUTE:
                         out.append(Layout(tp=t, cp=c, dp=d, pp=p, recompute=rc, ep=e, etp=etp))
@@ -75,10 +76,10 @@ def _expert_parallel_sizes(
     return out
 
 
-def _runs_experts_piped(schedule: str, pp: int, ep: int, arch: ModelArch) -> bool:
-    """A MoE's experts split over `ep` ranks under pipeline parallelism (rules/: EP 1 only, for now)."""
+def _runs_experts_piped(schedule: str, layout: Layout, arch: ModelArch) -> bool:
+    """A MoE's experts split over EP ranks under pipeline parallelism (rules/: each EP group inside a replica)."""
     try:
-        check_pipeline(schedule, pp=pp, moe=arch.is_moe, ep=ep)
+        check_pipeline(schedule, pp=layout.pp, moe=arch.is_moe, ep=layout.ep, ep_spans_dp=layout.ep_spans_dp)
     except UserError:
         return False
     return True

@@ -59,7 +59,7 @@ def evaluate(
     arch.check_expert_parallel(layout.ep, tp=layout.tp, etp=layout.etp)
     try:
         check_pipeline(
-            schedule, pp=layout.pp, num_layers=arch.num_layers, moe=arch.is_moe, ep=layout.ep,
+            schedule, pp=layout.pp, num_layers=arch.num_layers, moe=arch.is_moe, ep=layout.ep, ep_spans_dp=layout.ep_spans_dp,
             root_pieces=kw.get("root_pieces", 1),
             hybrid=arch.is_hybrid, mamba=arch.hybrid_override_pattern is not None, planner=True,
         )  # fmt: skip
@@ -251,8 +251,9 @@ def plan(
                 key_heads=arch.linear_num_key_heads, value_heads=arch.linear_num_value_heads, tp=tp, cp=cp
             )
     if pp:  # a fixed PP the rules refuse for this model (a Mamba-2 or GDN hybrid, a MoE at EP > 1): their own line
+        spans = bool(tp and cp and ep) and Layout(tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, dp=None).ep_spans_dp
         check_pipeline(
-            schedule, pp=pp, moe=arch.is_moe, ep=ep or 1, hybrid=arch.is_hybrid,
+            schedule, pp=pp, moe=arch.is_moe, ep=ep or 1, hybrid=arch.is_hybrid, ep_spans_dp=spans,
             mamba=arch.hybrid_override_pattern is not None, planner=True,
         )  # fmt: skip
     check_fixed_sizes(gpus, tp=tp, cp=cp, pp=pp, dp=dp)

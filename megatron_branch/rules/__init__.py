@@ -170,6 +170,7 @@ def check_model(spec: Any) -> None:
     s, layout, arch, m = spec.schedule, spec.layout, spec.arch, spec.moe
     check_pipeline(
         s.name, pp=layout.pp, num_layers=arch.num_layers, moe=arch.is_moe, ep=layout.ep,
+        ep_spans_dp=layout.ep_spans_dp,
         hybrid=arch.is_hybrid, mamba=bool(arch.hybrid_override_pattern), root_pieces=s.root_pieces,
     )  # fmt: skip
     check_hybrid_run(arch, s.name, cp=layout.cp, tp=layout.tp)

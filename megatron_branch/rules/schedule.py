@@ -109,6 +109,7 @@ def check_pipeline(
     hybrid: bool = False,
     moe: bool = False,
     ep: int = 1,
+    ep_spans_dp: bool | None = None,
     mamba: bool = False,
     planner: bool = False,
     root_pieces: int = 1,
@@ -116,8 +117,12 @@ def check_pipeline(
     """Refuse what pipeline parallelism cannot run (see the module doc): a SettingError, command-line wording.
     `num_layers`: the model's (when known); `virtual`: megatron's virtual_pipeline_model_parallel_size;
     `root_pieces`: the sequence pieces each replay root is cut into (schedule/options.py). A mixture-of-experts
-    model (`moe`) pipelines with its router losses, metrics and routing replay per stage (schedule/moe.py), at
-    expert parallel size `ep` 1 only (what the tests show: tests/distributed/test_pipeline_moe.py). A `hybrid`
+    model (`moe`) pipelines with its router losses, metrics and routing replay per stage (schedule/moe.py), its
+    experts split over `ep` ranks when each EP group stays inside one data-parallel replica (EP over the CP ranks:
+    tests/distributed/test_pipeline_moe.py); `ep_spans_dp` (an EP group holds ranks of different replicas) is
+    refused: the replicas' lockstep (parallel/lockstep.py) agrees over all ranks at every model call, while a
+    pipeline stage waits on its neighbour stage's sends, so the two would wait on each other; None (a caller that
+    does not tell, verl's engine) keeps EP > 1 under PP refused there (not shown). A `hybrid`
     (gated delta net) model pipelines too (each stage's prefix cache holds its GDN layers' fork states); the
     planner (`planner`: the caller is plan/) prices a dense hybrid's stages by layer kind, not a MoE hybrid's; a
     Mamba-2 hybrid (`mamba`) is not shown."""
@@ -177,11 +182,19 @@ def check_pipeline(
                 f"use {s.value('pp', 1)}"
             )
         )
-    if moe and ep > 1:
+    if moe and ep > 1 and ep_spans_dp is None:
         raise SettingError(
             lambda s: (
                 f"{s.value('pp', pp)} with {s.value('ep', ep)}: expert parallelism under pipeline parallelism is "
-                f"not shown yet (a mixture-of-experts model pipelines with {s.value('ep', 1)}); use one of them"
+                f"not shown here yet (a mixture-of-experts model pipelines with {s.value('ep', 1)}); use one of them"
+            )
+        )
+    if moe and ep > 1 and ep_spans_dp:
+        raise SettingError(
+            lambda s: (
+                f"{s.value('pp', pp)} with {s.value('ep', ep)} across data-parallel replicas: expert parallelism "
+                "under pipeline parallelism needs each EP group inside one replica (ep x etp dividing tp x cp, e.g. "
+                f"EP over the CP ranks); use {s.value('ep', 1)} or a larger {s.name('cp')} / {s.name('tp')}"
             )
         )
 

@@ -261,6 +261,7 @@ def check_pipeline_step(name: str, model: torch.nn.Module, opts: ScheduleOptions
             mamba=bool(getattr(arch, "hybrid_override_pattern", None)),
             moe=bool(getattr(arch, "is_moe", False)),
             ep=opts.groups.ep_size,
+            ep_spans_dp=opts.groups.ep_spans_dp,
             root_pieces=opts.root_pieces,
         )
     except SettingError as e:

@@ -1,7 +1,8 @@
 """Mixture-of-experts policies under every parallel layout (the grad command, in-process on every rank).
 
     python tests/distributed/launch.py 2 -k moe     # TP2+SP, CP2, EP2 (across the DP replicas), CP2xEP2, DP2
-    python tests/distributed/launch.py 4 -k moe     # EP2xTP2+SP (EP across replicas), EP4, TP2xCP2xEP2;
+    python tests/distributed/launch.py 4 -k moe     # EP2xTP2+SP (EP across replicas), EP4, TP2xCP2xEP2,
+                                                    # EP2xTP2+SP at expert TP 1 (EP over the TP ranks);
                                                     # the MoE hybrids at CP4, TP2xCP2+SP, CP2xEP2 x DP2
 
 Router losses off: the gradient against Hugging Face's (float64, exact norms and routers), per parameter,
@@ -110,6 +111,8 @@ LAYOUTS = {
         "tp2sp-ep2": ["--tp", "2", "--sequence-parallel", "--ep", "2"],  # expert TP2, EP across replicas
         "ep4": ["--ep", "4"],  # two replicas without rollouts: all dummies
         "tp2cp2sp-ep2": ["--tp", "2", "--cp", "2", "--sequence-parallel", "--ep", "2"],
+        # expert TP 1, EP over each replica's TP ranks
+        "tp2sp-ep2-etp1": ["--tp", "2", "--sequence-parallel", "--ep", "2", "--etp", "1"],
     },
 }
 

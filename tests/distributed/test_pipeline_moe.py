@@ -1,8 +1,9 @@
 """Mixture-of-experts and gated-delta-net hybrid policies under pipeline parallelism (schedule/pipeline.py; the grad
 command, in-process on both ranks, replay walking every segment as its own chunk): a tiny Qwen3-MoE (2 layers, one
-MoE layer on each stage, 4 experts, top-2) at PP2, EP1; a 4-layer DeepSeek-V3; `train`; tiny Qwen3.5 / Qwen3-Next.
+MoE layer on each stage, 4 experts, top-2) at PP2, EP1 (and at PP2 x CP2 x EP2, world 4); a 4-layer DeepSeek-V3; `train`; tiny Qwen3.5 / Qwen3-Next.
 
     python tests/distributed/launch.py 2 -k pipeline_moe
+    python tests/distributed/launch.py 4 -k pipeline_moe_expert_parallel   # PP2 x CP2 x EP2: grad, train
 
 - Router losses off: replay (float64) and packed (float32) against the float64 HF oracle, per parameter (1e-9,
   1e-5), on test_moe_parallel.py's tree (two prompt groups, a shared response beginning with three branches under
@@ -336,4 +337,74 @@ def test_pipeline_gdn_hybrid_train_equals_cp2() -> None:
     assert a.keys() == b.keys() and any(".self_attention.in_proj." in n for n in a)
     err = max(float((a[k] - b[k]).norm() / a[k].norm().clamp(min=1e-30)) for k in a)
     assert err <= 1e-5, err  # the delta rule's float32 bound, per parameter (relative)
+    _remove(d)
+
+
+PP2EP2 = ["--pp", "2", "--cp", "2", "--ep", "2"]  # EP over each stage's CP ranks (one replica)
+
+
+@pytest.mark.world(4)
+def test_pipeline_moe_expert_parallel_world4(
+    pp_setup,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+) -> None:
+    """PP2 x CP2 x EP2 (one replica; each stage's two experts per rank, its EP group the stage's two CP ranks):
+    replay (float64) and packed (float32) == the float64 HF oracle per parameter (1e-9, 1e-5); router losses on
+    (float64): == PP2 x CP2 at EP1 (the same replica, the same loss scope) at 1e-9, its router metrics too.
+    Planted: every EP rank of a stage loading the first experts (its EP rank's offset ignored) fails: the experts
+    really are split."""
+    from megatron_branch.checkpoint import stages
+
+    d, ref = pp_setup
+    for schedule, dtype in (("replay", "float64"), ("packed", "float32")):
+        grads, _ = _grad(d, capsys, f"pp2ep2_{schedule}_{dtype}", schedule, "--dtype", dtype, *PP2EP2)
+        err = _worst(grads, ref)
+        assert err[0] <= TOL[dtype], (schedule, dtype, err)
+    aux = ["replay", "--dtype", "float64", *ROUTER_LOSSES, "--pp", "2", "--cp", "2"]
+    want, want_m = _grad(d, capsys, "aux_pp2cp2", *aux)
+    grads, metrics = _grad(d, capsys, "aux_pp2cp2ep2", *aux, "--ep", "2")
+    assert _worst(grads, want)[0] <= 1e-9
+    got, exp = _router_metrics(metrics), _router_metrics(want_m)
+    assert set(got) == set(exp) and "moe/load_balancing_loss_layer_1" in got, sorted(got)
+    for k, v in exp.items():
+        assert got[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
+    real = stages._expert_targets
+    monkeypatch.setattr(stages, "_expert_targets", lambda model, ep_rank: real(model, 0))
+    grads, _ = _grad(d, capsys, "pp2ep2_bug", "replay", "--dtype", "float64", *PP2EP2)
+    assert _worst(grads, ref)[0] > 1e-6
+
+
+@pytest.mark.world(4)
+def test_pipeline_moe_expert_parallel_train_world4() -> None:
+    """`train` of a tiny Qwen3-MoE (R3, router losses), two steps, float64: PP2 x CP2 x EP2 == PP2 x CP2 at EP1
+    (one replica each: the same sampled tokens, the same loss scope), every parameter at 1e-9."""
+    from test_moe_parallel import _train, _train_cfg
+
+    from megatron_branch.checkpoint.param_map import mcore_to_hf_state
+    from megatron_branch.checkpoint.stages import gather_model_state
+    from megatron_branch.testing import tiny_hf_config, tiny_hf_model
+    from megatron_branch.train.loop import Trainer
+    from megatron_branch.train.models import unwrap
+
+    d = shared_tmp("pipeline_moe_ep_train_")
+    vocab = Trainer(_train_cfg(None, d / "probe", "trainer.total_training_steps=1")).arch.vocab_size
+    if dist.get_rank() == 0:
+        cfg = tiny_hf_config(
+            "qwen3_moe", vocab_size=vocab, hidden_size=16, num_layers=2, heads=2, kv_heads=2, ffn=32
+        )
+        tiny_hf_model(cfg, seed=5).save_pretrained(d / "hf")
+    dist.barrier()
+    common = ["trainer.total_training_steps=2", "parallel.pp=2", "parallel.cp=2"]
+    ep1, ep1_tokens = _train(_train_cfg(d / "hf", d / "ep1", *common))
+    a = mcore_to_hf_state(gather_model_state(unwrap(ep1.policy), ep1.groups), ep1.arch)
+    ep2, ep2_tokens = _train(_train_cfg(d / "hf", d / "ep2", *common, "parallel.ep=2"))
+    assert (ep2.groups.pp_size, ep2.groups.ep_size, ep2.groups.dp_size) == (2, 2, 1)
+    b = mcore_to_hf_state(gather_model_state(unwrap(ep2.policy), ep2.groups), ep2.arch)
+    assert ep1_tokens == ep2_tokens and a.keys() == b.keys()
+    start = load_file(d / "hf" / "model.safetensors")
+    moved = [n for n in a if ".mlp.experts." in n and not torch.equal(a[n], start[n].to(a[n].dtype))]
+    assert len(moved) > 4, moved  # the steps trained the experts
+    for n in a:
+        assert float((a[n] - b[n]).norm() / a[n].norm().clamp(min=1e-30)) <= 1e-9, n
     _remove(d)

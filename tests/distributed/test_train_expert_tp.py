@@ -2,6 +2,7 @@
 split over TP (parallel.etp = parallel.tp), float64, on every rank.
 
     python tests/distributed/launch.py 2 -k expert_tp
+    python tests/distributed/launch.py 4 -k expert_tp1_with_expert_parallel   # beside EP2 (two replicas)
 
 A tiny Qwen3-MoE from one HF checkpoint (the same weights under both layouts) trained 4 steps with gradient clipping
 active (optim.clip_grad below every step's norm), with megatron's plain (and a KL to the reference model) and
@@ -154,3 +155,24 @@ def test_planted_grad_norm_without_the_whole_experts_fails(hf_dir, optimizer: st
         assert (worst <= 1e-9) if rank0 else (worst > 1e-3), (dist.get_rank(), worst)
     else:
         assert worst > 1e-3, (dist.get_rank(), worst)
+
+
+@pytest.mark.world(4)
+def test_train_expert_tp1_with_expert_parallel_world4(hf_dir, monkeypatch) -> None:  # noqa: ANN001
+    """TP2 + SP, EP2 (two replicas), the distributed optimizer, 3 steps: expert TP 1 (EP over each replica's TP
+    ranks) == expert TP 2 (EP across the replicas) step by step on every rank (tokens, loss, grad norm 1e-9) and
+    in the parameters (1e-9). Planted: both EP ranks loading the first experts (the EP rank's offset ignored)
+    fails, so the experts really are split over the TP ranks."""
+    from megatron_branch.checkpoint import experts
+
+    d, hf = hf_dir
+    opt = ["optim.use_distributed_optimizer=true", "trainer.total_training_steps=3", "parallel.ep=2"]
+    split = _run(_cfg(hf, d / "ep2_split", *TP2, *opt))
+    whole = _run(_cfg(hf, d / "ep2_whole", *TP2, "parallel.etp=1", *opt))
+    assert (whole[2], split[2]) == (1, 2)
+    _same_run(whole, split)
+    real = experts.local_name
+    monkeypatch.setattr(experts, "local_name", lambda name, ep_rank, n: real(name, 0, n))
+    planted = _run(_cfg(hf, d / "ep2_planted", *TP2, "parallel.etp=1", *opt))
+    worst = max(float((planted[1][n] - t).norm() / t.norm().clamp(min=1e-30)) for n, t in split[1].items())
+    assert worst > 1e-3, (dist.get_rank(), worst)

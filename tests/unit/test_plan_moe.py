@@ -280,7 +280,8 @@ def test_plan_qwen3_30b_a3b_at_the_target(capsys: pytest.CaptureFixture[str]) ->
 def test_moe_stages_hold_their_layers_experts(capsys: pytest.CaptureFixture[str]) -> None:
     """Under PP a MoE stage holds its L/pp layers' routed experts (plan/pipeline.py moe_stage_parameters_per_rank):
     two TP1 stages of Qwen3-30B-A3B hold every parameter once (the final norm charged to each), GLM-4.5-Air's dense
-    first layer lightens stage 0; `plan --pp 2` prints a plan at EP1 and refuses EP under PP in one line."""
+    first layer lightens stage 0; `plan --pp 2` prints a plan at EP1 and at EP2 (each EP group inside a replica), and
+    refuses an EP group across replicas under PP in one line."""
     from megatron_branch.plan.pipeline import moe_stage_parameters_per_rank
 
     arch = MODEL_PRESETS["qwen3-30b-a3b"]
@@ -297,9 +298,17 @@ def test_moe_stages_hold_their_layers_experts(capsys: pytest.CaptureFixture[str]
     assert main([*argv, "--json"]) == 0
     p = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert p["layout"]["pp"] == 2 and p["layout"]["ep"] == 1
-    assert main([*argv, "--ep", "2"]) == 2
+    # EP under PP inside a replica (ep x etp dividing tp x cp): a plan; each stage's experts split over EP too
+    assert main([*argv, "--ep", "2", "--json"]) == 0
+    q = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["layout"]
+    assert (q["pp"], q["ep"]) == (2, 2) and (q["tp"] * q["cp"]) % (q["ep"] * q["etp"]) == 0, q
+    lay = Layout(tp=q["tp"], cp=q["cp"], dp=q["dp"], pp=2, ep=2, etp=q["etp"])
+    _, ep_experts = moe_stage_parameters_per_rank(arch, lay)
+    assert ep_experts == pc["experts"] // (4 * q["etp"])  # half the layers, half the experts, their TP share
+    # an EP group across the replicas is refused in one line
+    assert main([*argv, "--ep", "2", "--tp", "1", "--cp", "1"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "expert parallelism under pipeline parallelism is not shown" in err and "\n" not in err, err
+    assert "--ep 2 across data-parallel replicas" in err and "\n" not in err, err
 
 
 # --- MoE hybrids: a MoE block after GDN layers too ------------------------------------------------------------------

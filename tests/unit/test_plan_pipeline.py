@@ -232,15 +232,19 @@ def test_pipeline_refusals_in_the_planner(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_what_the_pipeline_does_not_run_is_refused_in_one_line() -> None:
-    """rules.check_pipeline: MoE with expert parallelism (EP1 runs), Mamba-2 hybrids (GDN hybrids run; the planner
-    prices a dense hybrid's stages, not a MoE hybrid's), interleaved stages
+    """rules.check_pipeline: MoE with EP groups across replicas (EP inside a replica runs), Mamba-2 hybrids (GDN
+    hybrids run; the planner prices a dense hybrid's stages, not a MoE hybrid's), interleaved stages
     (the same rule every entry point calls; grad and train show the schedule and layer rules:
     tests/unit/test_rules.py)."""
     from megatron_branch.errors import SettingError
     from megatron_branch.rules import check_pipeline
 
     for kw, says in (
-        ({"moe": True, "ep": 2}, "--pp 2 with --ep 2: expert parallelism under pipeline parallelism"),
+        ({"moe": True, "ep": 2, "ep_spans_dp": True}, "--pp 2 with --ep 2 across data-parallel replicas"),
+        (
+            {"moe": True, "ep": 2},
+            "--pp 2 with --ep 2: expert parallelism under pipeline parallelism is not shown",
+        ),
         ({"mamba": True}, "--pp 2: pipeline parallelism cannot run a Mamba-2 hybrid model yet"),
         (
             {"hybrid": True, "moe": True, "planner": True},
@@ -253,6 +257,7 @@ def test_what_the_pipeline_does_not_run_is_refused_in_one_line() -> None:
         assert str(e.value).startswith(says) and "\n" not in str(e.value), str(e.value)
     check_pipeline("naive", pp=1, num_layers=3)  # nothing to refuse without PP
     check_pipeline("replay", pp=2, num_layers=4, moe=True)  # EP1: tests/distributed/test_pipeline_moe.py
+    check_pipeline("replay", pp=2, num_layers=4, moe=True, ep=2, ep_spans_dp=False)  # EP inside a replica
     check_pipeline("replay", pp=2, num_layers=4, hybrid=True)  # GDN: the engine runs it (same file)
     check_pipeline("replay", pp=2, num_layers=4, hybrid=True, planner=True)  # a dense hybrid's stages priced
 
