@@ -100,10 +100,11 @@ class RunCheckpoints:
             if tok.is_dir():
                 shutil.copytree(tok, tmp / TOKENIZER_SUBDIR)
 
-        path = self.store.save(
-            self.step, self._sharded_state(loading=False), common=common, describe=describe, finish=finish
-        )
-        self.saved_step = self.step
+        with lifecycle.DeferredInterrupt():  # Ctrl-C waits for a complete checkpoint (its doc: why)
+            path = self.store.save(
+                self.step, self._sharded_state(loading=False), common=common, describe=describe, finish=finish
+            )
+            self.saved_step = self.step
         if self.cfg.logging.plot:
             self.logger.plot()
         return path
